@@ -1,0 +1,282 @@
+//! Event types and configuration shared by the BPF programs (`xtlock-ebpf`) and the
+//! userspace collector (`xtlock`). This crate is the only definition of each event: both
+//! sides import it, nothing else is shared.
+//!
+//! Every event is `#[repr(C)]`, `Copy`, and starts with an [`EventHeader`] (kind tag and
+//! kernel `CLOCK_MONOTONIC` timestamp), so the decoder can dispatch on the first four bytes.
+#![no_std]
+
+/// Length of a task's `comm` in the kernel (`TASK_COMM_LEN`).
+pub const COMM_LEN: usize = 16;
+/// Bytes of the exec'd filename kept by the exec probe.
+pub const FILENAME_LEN: usize = 128;
+/// How many argv entries the exec probe reads in the kernel.
+pub const ARGV_SLOTS: usize = 8;
+/// Bytes kept of each argv entry.
+pub const ARG_LEN: usize = 64;
+/// Most lock files one tracer can watch at once.
+pub const MAX_WATCHED_LOCKS: u32 = 16;
+
+/// `fl_type` values of the `filelock` tracepoints.
+pub const F_RDLCK: u8 = 0;
+pub const F_WRLCK: u8 = 1;
+pub const F_UNLCK: u8 = 2;
+/// `fl_flags` bit set by `flock()` unless `LOCK_NB` was given.
+pub const FL_SLEEP: u32 = 128;
+/// Return value of `flock_lock_inode` when the caller must sleep and retry.
+pub const FILE_LOCK_DEFERRED: i32 = 1;
+/// `flock()` operation bits.
+pub const LOCK_SH: u32 = 1;
+pub const LOCK_EX: u32 = 2;
+pub const LOCK_NB: u32 = 4;
+pub const LOCK_UN: u32 = 8;
+
+/// Socket levels and option names that replace or update a legacy xtables table.
+pub const SOL_IP: u32 = 0;
+pub const SOL_IPV6: u32 = 41;
+/// `IPT_SO_SET_REPLACE` / `IP6T_SO_SET_REPLACE` / `ARPT_SO_SET_REPLACE` (all 64).
+pub const XT_SO_SET_REPLACE: u32 = 64;
+/// `IPT_SO_SET_ADD_COUNTERS` and its ip6t/arpt twins (all 65).
+pub const XT_SO_SET_ADD_COUNTERS: u32 = 65;
+/// `EBT_SO_SET_ENTRIES` / `EBT_SO_SET_COUNTERS` (ebtables, also at `SOL_IP`).
+pub const EBT_SO_SET_ENTRIES: u32 = 128;
+pub const EBT_SO_SET_COUNTERS: u32 = 129;
+
+/// Kind tag at the start of every event.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    /// `filelock:flock_lock_inode` on a watched lock file.
+    Lock = 1,
+    /// A `flock()` syscall that touched a watched lock file has returned.
+    FlockCall = 2,
+    /// `sched:sched_process_exec`, with argv read at `execve` entry.
+    Exec = 3,
+    /// `sched:sched_process_fork` (processes and threads alike).
+    Fork = 4,
+    /// `sched:sched_process_exit`, with the `exit_group` status when there was one.
+    Exit = 5,
+    /// A legacy xtables table replace / counter update through `setsockopt`.
+    TableReplace = 6,
+}
+
+impl EventKind {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            1 => Self::Lock,
+            2 => Self::FlockCall,
+            3 => Self::Exec,
+            4 => Self::Fork,
+            5 => Self::Exit,
+            6 => Self::TableReplace,
+            _ => return None,
+        })
+    }
+}
+
+/// Leading part of every event.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventHeader {
+    /// An [`EventKind`] as `u32`.
+    pub kind: u32,
+    /// Process id (thread-group id) of the task that produced the event.
+    pub tgid: u32,
+    /// Thread id of that task.
+    pub tid: u32,
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns()`: `CLOCK_MONOTONIC`, nanoseconds.
+    pub ts_ns: u64,
+}
+
+/// One call of `flock_lock_inode` on a watched lock: a take, a failed try, a deferral
+/// (the caller will sleep) or a release (`F_UNLCK`, also on `close()` and exit).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockEvent {
+    pub hdr: EventHeader,
+    /// `fl_owner`: the open file description that owns the lock. Forked children share it.
+    pub owner: u64,
+    pub ino: u64,
+    /// Device in the kernel's encoding (`major << 20 | minor`).
+    pub dev: u32,
+    /// 0, `FILE_LOCK_DEFERRED` or a negative errno.
+    pub ret: i32,
+    pub fl_flags: u32,
+    /// `F_RDLCK`, `F_WRLCK` or `F_UNLCK`.
+    pub fl_type: u8,
+    pub _pad: [u8; 3],
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A `flock()` syscall on a watched lock, seen at its return.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlockCallEvent {
+    /// `ts_ns` is the syscall exit.
+    pub hdr: EventHeader,
+    /// Syscall entry, or the first lock attempt when the entry was not seen.
+    pub enter_ns: u64,
+    pub owner: u64,
+    pub ino: u64,
+    /// Raw syscall return (negative errno on failure).
+    pub ret: i64,
+    /// The `flock()` operation (`LOCK_EX | LOCK_NB`, ...); `u32::MAX` when unknown.
+    pub cmd: u32,
+    pub dev: u32,
+}
+
+/// A successful `execve`/`execveat`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExecEvent {
+    pub hdr: EventHeader,
+    /// NUL-terminated, truncated to `FILENAME_LEN`.
+    pub filename: [u8; FILENAME_LEN],
+    /// The first `ARGV_SLOTS` argv entries, each NUL-terminated and truncated to `ARG_LEN`.
+    pub args: [[u8; ARG_LEN]; ARGV_SLOTS],
+    /// argv entries read (at most `ARGV_SLOTS`).
+    pub argc: u32,
+    /// Non-zero when argv had more entries than `ARGV_SLOTS`.
+    pub args_truncated: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A new task. `hdr.tgid`/`hdr.tid` are the parent's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkEvent {
+    pub hdr: EventHeader,
+    /// The new task's id (a process, or a thread of the parent).
+    pub child_tid: u32,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A task ends. Emitted for threads too; `hdr.tid == hdr.tgid` for the leader.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitEvent {
+    pub hdr: EventHeader,
+    /// The `exit_group()`/`exit()` argument when `has_code != 0`.
+    pub exit_code: i32,
+    /// 0 when the task ended without calling exit (killed by a signal, usually).
+    pub has_code: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// A `setsockopt()` that replaced an xtables table or its counters, seen at its return.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableReplaceEvent {
+    /// `ts_ns` is the syscall exit.
+    pub hdr: EventHeader,
+    pub enter_ns: u64,
+    pub ret: i64,
+    pub level: u32,
+    pub optname: u32,
+    pub optlen: u32,
+    pub _pad: u32,
+}
+
+/// Key of the watched-locks map: which lock files the probes report.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LockKey {
+    pub ino: u64,
+    /// Kernel encoding (`major << 20 | minor`), as the tracepoint reports `s_dev`.
+    pub dev: u32,
+    pub _pad: u32,
+}
+
+/// Where each tracepoint field the programs read lives, discovered by userspace from
+/// the tracefs `format` files of the running kernel and written into the programs'
+/// read-only data before load. Offsets are in bytes from the start of the record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeConfig {
+    // filelock:flock_lock_inode
+    pub fl_ino: u32,
+    pub fl_dev: u32,
+    pub fl_owner: u32,
+    pub fl_flags: u32,
+    pub fl_type: u32,
+    pub fl_ret: u32,
+    // syscalls:sys_enter_flock
+    pub flock_cmd: u32,
+    // syscalls:sys_exit_* (the `ret` field: same place for every syscall)
+    pub sys_exit_ret: u32,
+    // syscalls:sys_enter_setsockopt
+    pub sso_level: u32,
+    pub sso_optname: u32,
+    pub sso_optlen: u32,
+    // syscalls:sys_enter_execve
+    pub execve_argv: u32,
+    // syscalls:sys_enter_execveat
+    pub execveat_argv: u32,
+    // sched:sched_process_exec: `__data_loc char[] filename`
+    pub exec_filename: u32,
+    // sched:sched_process_exec: `pid_t old_pid` (the tid that called execve)
+    pub exec_old_pid: u32,
+    // sched:sched_process_fork: `pid_t child_pid`
+    pub fork_child_pid: u32,
+    // syscalls:sys_enter_exit_group / sys_enter_exit: `int error_code`
+    pub exit_code: u32,
+    pub _pad: u32,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all of these are `#[repr(C)]`, `Copy`, made only of integers and byte arrays,
+    // and have explicit padding fields, so any byte pattern is a valid value.
+    unsafe impl aya::Pod for LockKey {}
+    unsafe impl aya::Pod for ProbeConfig {}
+}
+
+/// Size in bytes of each event type, for the decoder's bounds checks.
+pub mod sizes {
+    use super::*;
+    use core::mem::size_of;
+    pub const LOCK: usize = size_of::<LockEvent>();
+    pub const FLOCK_CALL: usize = size_of::<FlockCallEvent>();
+    pub const EXEC: usize = size_of::<ExecEvent>();
+    pub const FORK: usize = size_of::<ForkEvent>();
+    pub const EXIT: usize = size_of::<ExitEvent>();
+    pub const TABLE_REPLACE: usize = size_of::<TableReplaceEvent>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    // The layouts are part of the capture format: a change here must be deliberate.
+    #[test]
+    fn layouts_are_stable() {
+        assert_eq!(size_of::<EventHeader>(), 24);
+        assert_eq!(size_of::<LockEvent>(), 72);
+        assert_eq!(size_of::<FlockCallEvent>(), 64);
+        assert_eq!(size_of::<ExecEvent>(), 24 + 128 + 512 + 8 + 16);
+        assert_eq!(size_of::<ForkEvent>(), 48);
+        assert_eq!(size_of::<ExitEvent>(), 48);
+        assert_eq!(size_of::<TableReplaceEvent>(), 56);
+        assert_eq!(size_of::<LockKey>(), 16);
+    }
+
+    #[test]
+    fn kinds_round_trip() {
+        for k in [
+            EventKind::Lock,
+            EventKind::FlockCall,
+            EventKind::Exec,
+            EventKind::Fork,
+            EventKind::Exit,
+            EventKind::TableReplace,
+        ] {
+            assert_eq!(EventKind::from_u32(k as u32), Some(k));
+        }
+        assert_eq!(EventKind::from_u32(0), None);
+        assert_eq!(EventKind::from_u32(99), None);
+    }
+}

@@ -1,0 +1,84 @@
+//! xtlock's BPF programs. This file holds the maps and nothing else; each hook lives in
+//! `probes/<hook>.rs`. Event layouts come from `xtlock-common`.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    macros::map,
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+};
+use xtlock_common::{LockKey, ProbeConfig, MAX_WATCHED_LOCKS};
+
+mod emit;
+mod probes;
+
+/// Tracepoint field offsets of the running kernel, written by userspace before load.
+#[unsafe(no_mangle)]
+static CONFIG: ProbeConfig = ProbeConfig {
+    fl_ino: 0,
+    fl_dev: 0,
+    fl_owner: 0,
+    fl_flags: 0,
+    fl_type: 0,
+    fl_ret: 0,
+    flock_cmd: 0,
+    sys_exit_ret: 0,
+    sso_level: 0,
+    sso_optname: 0,
+    sso_optlen: 0,
+    execve_argv: 0,
+    execveat_argv: 0,
+    exec_filename: 0,
+    exec_old_pid: 0,
+    fork_child_pid: 0,
+    exit_code: 0,
+    _pad: 0,
+};
+
+/// Every event, in order per CPU. Userspace may resize it before load.
+#[map]
+static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 22, 0);
+
+/// Events dropped because `EVENTS` was full, per CPU.
+#[map]
+static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// The lock files to report, filled by userspace: (dev, inode) -> index.
+#[map]
+static WATCHED: HashMap<LockKey, u32> = HashMap::with_max_entries(MAX_WATCHED_LOCKS, 0);
+
+/// The `flock()` call in progress on this CPU (entry time and operation).
+#[map]
+static FLOCK_ENTER: PerCpuArray<probes::flock::FlockEnter> = PerCpuArray::with_max_entries(1, 0);
+
+/// `flock()` calls that touched a watched lock and have not returned yet, by thread id.
+#[map]
+static FLOCK_INFLIGHT: LruHashMap<u32, probes::flock::FlockInflight> =
+    LruHashMap::with_max_entries(4096, 0);
+
+/// argv read at `execve` entry, by thread id, until the exec succeeds.
+#[map]
+static EXEC_ARGS: LruHashMap<u32, probes::process::ExecArgs> = LruHashMap::with_max_entries(1024, 0);
+
+/// Scratch space to build `ExecArgs` (too large for the BPF stack).
+#[map]
+static EXEC_SCRATCH: PerCpuArray<probes::process::ExecArgs> = PerCpuArray::with_max_entries(1, 0);
+
+/// `exit_group()` status by process id, until the leader thread exits.
+#[map]
+static EXIT_CODES: LruHashMap<u32, i32> = LruHashMap::with_max_entries(8192, 0);
+
+/// xtables `setsockopt()` calls in progress, by thread id.
+#[map]
+static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
+    LruHashMap::with_max_entries(1024, 0);
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,157 @@
+//! Process lifecycle, for attribution: exec (filename and the first argv entries, read in
+//! the kernel because short-lived `iptables` processes are gone before /proc can be read),
+//! fork (parent), exit (with the `exit_group()` status: iptables exits 4 when the lock
+//! wait timed out).
+use aya_ebpf::{
+    helpers::{
+        bpf_get_current_comm, bpf_probe_read_kernel_buf, bpf_probe_read_kernel_str_bytes,
+        bpf_probe_read_user, bpf_probe_read_user_str_bytes,
+    },
+    macros::tracepoint,
+    programs::TracePointContext,
+    EbpfContext,
+};
+use xtlock_common::{
+    EventKind, ExecEvent, ExitEvent, ForkEvent, ARGV_SLOTS, ARG_LEN, FILENAME_LEN,
+};
+
+use crate::{
+    emit::{cfg, field, header, ids, now, output, reserve},
+    EXEC_ARGS, EXEC_SCRATCH, EXIT_CODES,
+};
+
+/// argv as read at `execve` entry.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ExecArgs {
+    pub args: [[u8; ARG_LEN]; ARGV_SLOTS],
+    pub argc: u32,
+    pub truncated: u32,
+}
+
+#[tracepoint]
+pub fn sys_enter_execve(ctx: TracePointContext) -> u32 {
+    let _ = save_argv(&ctx, cfg(|c| c.execve_argv));
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_execveat(ctx: TracePointContext) -> u32 {
+    let _ = save_argv(&ctx, cfg(|c| c.execveat_argv));
+    0
+}
+
+fn save_argv(ctx: &TracePointContext, argv_offset: usize) -> Result<(), i32> {
+    let argv: u64 = field(ctx, argv_offset)?;
+    let argv = argv as *const *const u8;
+    let scratch = EXEC_SCRATCH.get_ptr_mut(0).ok_or(0)?;
+    // SAFETY: per-CPU scratch slot; user pointers are only read through the helpers.
+    let s = unsafe { &mut *scratch };
+    s.argc = 0;
+    s.truncated = 0;
+    for i in 0..ARGV_SLOTS {
+        let p: *const u8 = unsafe { bpf_probe_read_user(argv.add(i)) }.unwrap_or(core::ptr::null());
+        if p.is_null() {
+            break;
+        }
+        if unsafe { bpf_probe_read_user_str_bytes(p, &mut s.args[i]) }.is_err() {
+            s.args[i][0] = 0;
+        }
+        s.argc = i as u32 + 1;
+    }
+    if s.argc as usize == ARGV_SLOTS {
+        let more: *const u8 =
+            unsafe { bpf_probe_read_user(argv.add(ARGV_SLOTS)) }.unwrap_or(core::ptr::null());
+        s.truncated = u32::from(!more.is_null());
+    }
+    let (_, tid) = ids();
+    EXEC_ARGS.insert(&tid, s, 0).map_err(|e| e as i32)
+}
+
+#[tracepoint]
+pub fn sched_process_exec(ctx: TracePointContext) -> u32 {
+    let _ = try_exec(&ctx);
+    0
+}
+
+fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
+    // The thread that called execve: a non-leader thread becomes the leader on exec.
+    let old_pid: i32 = field(ctx, cfg(|c| c.exec_old_pid))?;
+    let old_pid = old_pid as u32;
+    let loc: u32 = field(ctx, cfg(|c| c.exec_filename))?;
+    let mut entry = reserve::<ExecEvent>().ok_or(0)?;
+    let ev = entry.as_mut_ptr();
+    // SAFETY: `ev` points at a reserved, writable ring buffer entry of the right size;
+    // every field is written before submit.
+    unsafe {
+        (*ev).hdr = header(EventKind::Exec, now());
+        (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        // __data_loc: low 16 bits offset from the record start, high 16 bits length.
+        let src = (ctx.as_ptr() as *const u8).add((loc & 0xffff) as usize);
+        if bpf_probe_read_kernel_str_bytes(src, &mut (*ev).filename).is_err() {
+            (*ev).filename[0] = 0;
+        }
+        (*ev).filename[FILENAME_LEN - 1] = 0;
+        match EXEC_ARGS.get(&old_pid) {
+            Some(a) => {
+                let dst = core::slice::from_raw_parts_mut(
+                    (*ev).args.as_mut_ptr().cast::<u8>(),
+                    ARG_LEN * ARGV_SLOTS,
+                );
+                if bpf_probe_read_kernel_buf(a.args.as_ptr().cast::<u8>(), dst).is_err() {
+                    (*ev).argc = 0;
+                } else {
+                    (*ev).argc = a.argc;
+                }
+                (*ev).args_truncated = a.truncated;
+            }
+            None => {
+                (*ev).argc = 0;
+                (*ev).args_truncated = 0;
+            }
+        }
+    }
+    let _ = EXEC_ARGS.remove(&old_pid);
+    entry.submit(0);
+    Ok(())
+}
+
+#[tracepoint]
+pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
+    let child: i32 = field(&ctx, cfg(|c| c.fork_child_pid)).unwrap_or(0);
+    let ev = ForkEvent {
+        hdr: header(EventKind::Fork, now()),
+        child_tid: child as u32,
+        _pad: 0,
+        comm: bpf_get_current_comm().unwrap_or([0; 16]),
+    };
+    output(&ev);
+    0
+}
+
+#[tracepoint]
+pub fn sys_enter_exit_group(ctx: TracePointContext) -> u32 {
+    let code: u64 = field(&ctx, cfg(|c| c.exit_code)).unwrap_or(0);
+    let (tgid, _) = ids();
+    let _ = EXIT_CODES.insert(&tgid, &(code as i32), 0);
+    0
+}
+
+#[tracepoint]
+pub fn sched_process_exit(_ctx: TracePointContext) -> u32 {
+    let (tgid, tid) = ids();
+    let mut code = None;
+    if tid == tgid {
+        // SAFETY: read of our own entry; removed right after.
+        code = unsafe { EXIT_CODES.get(&tgid) }.copied();
+        let _ = EXIT_CODES.remove(&tgid);
+    }
+    let ev = ExitEvent {
+        hdr: header(EventKind::Exit, now()),
+        exit_code: code.unwrap_or(0),
+        has_code: u32::from(code.is_some()),
+        comm: bpf_get_current_comm().unwrap_or([0; 16]),
+    };
+    output(&ev);
+    0
+}

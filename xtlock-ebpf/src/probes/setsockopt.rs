@@ -1,0 +1,71 @@
+//! Legacy xtables table swaps: `setsockopt(IPT_SO_SET_REPLACE / IPT_SO_SET_ADD_COUNTERS)`
+//! and their ip6t, arpt and ebt twins. Their duration is the kernel's part of a hold.
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use xtlock_common::{
+    EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IP, SOL_IPV6,
+    XT_SO_SET_ADD_COUNTERS, XT_SO_SET_REPLACE,
+};
+
+use crate::{
+    emit::{cfg, field, header, ids, now, output},
+    SOCKOPT_INFLIGHT,
+};
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct SockoptEnter {
+    pub enter_ns: u64,
+    pub level: u32,
+    pub optname: u32,
+    pub optlen: u32,
+    pub _pad: u32,
+}
+
+#[inline(always)]
+fn is_xtables(level: u32, optname: u32) -> bool {
+    let xt = optname == XT_SO_SET_REPLACE || optname == XT_SO_SET_ADD_COUNTERS;
+    let ebt = optname == EBT_SO_SET_ENTRIES || optname == EBT_SO_SET_COUNTERS;
+    (level == SOL_IP && (xt || ebt)) || (level == SOL_IPV6 && xt)
+}
+
+#[tracepoint]
+pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
+    let level: u64 = field(&ctx, cfg(|c| c.sso_level)).unwrap_or(u64::MAX);
+    let optname: u64 = field(&ctx, cfg(|c| c.sso_optname)).unwrap_or(u64::MAX);
+    if !is_xtables(level as u32, optname as u32) {
+        return 0;
+    }
+    let optlen: u64 = field(&ctx, cfg(|c| c.sso_optlen)).unwrap_or(0);
+    let (_, tid) = ids();
+    let enter = SockoptEnter {
+        enter_ns: now(),
+        level: level as u32,
+        optname: optname as u32,
+        optlen: optlen as u32,
+        _pad: 0,
+    };
+    let _ = SOCKOPT_INFLIGHT.insert(&tid, &enter, 0);
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
+    let (_, tid) = ids();
+    // SAFETY: read of our own entry; removed right after.
+    let Some(enter) = (unsafe { SOCKOPT_INFLIGHT.get(&tid) }).copied() else {
+        return 0;
+    };
+    let _ = SOCKOPT_INFLIGHT.remove(&tid);
+    let ret: i64 = field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0);
+    let ev = TableReplaceEvent {
+        hdr: header(EventKind::TableReplace, now()),
+        enter_ns: enter.enter_ns,
+        ret,
+        level: enter.level,
+        optname: enter.optname,
+        optlen: enter.optlen,
+        _pad: 0,
+    };
+    output(&ev);
+    0
+}

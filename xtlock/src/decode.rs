@@ -1,0 +1,419 @@
+//! Raw event bytes (from the ring buffer or a capture file) to typed [`Event`]s.
+//!
+//! The byte layouts are the `#[repr(C)]` structs of `xtlock-common`; this is the only place
+//! that reads them. Decoding never panics: short or unknown records are [`DecodeError`]s.
+
+use std::fmt;
+
+use xtlock_common as common;
+
+/// A task's `comm`: 16 bytes, NUL-padded. Kept inline so lock events do not allocate.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Comm(pub [u8; common::COMM_LEN]);
+
+impl Comm {
+    pub fn new(s: &str) -> Self {
+        let mut b = [0u8; common::COMM_LEN];
+        // The kernel keeps at most 15 bytes and a NUL.
+        let n = s.len().min(common::COMM_LEN - 1);
+        b[..n].copy_from_slice(&s.as_bytes()[..n]);
+        Comm(b)
+    }
+
+    pub fn as_str(&self) -> std::borrow::Cow<'_, str> {
+        String::from_utf8_lossy(cstr(&self.0))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0[0] == 0
+    }
+}
+
+impl fmt::Display for Comm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.as_str())
+    }
+}
+
+impl fmt::Debug for Comm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+/// Bytes up to the first NUL.
+fn cstr(b: &[u8]) -> &[u8] {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    &b[..end]
+}
+
+fn string(b: &[u8]) -> String {
+    String::from_utf8_lossy(cstr(b)).into_owned()
+}
+
+/// What a `flock_lock_inode` call on a watched lock did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockOp {
+    /// Lock granted (`F_WRLCK`/`F_RDLCK`, ret 0).
+    Acquired { exclusive: bool },
+    /// Conflict; the caller sleeps and retries (`FILE_LOCK_DEFERRED`).
+    Deferred,
+    /// Conflict and the caller does not sleep (`LOCK_NB`: ret `-EAGAIN`), or another error.
+    Failed { errno: i32 },
+    /// `F_UNLCK`: `LOCK_UN`, `close()` of the owning file, or exit.
+    Released,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockEvent {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// The open file description owning the lock.
+    pub owner: u64,
+    pub dev: u32,
+    pub ino: u64,
+    pub op: LockOp,
+    /// `LOCK_NB` was given (the kernel's `FL_SLEEP` was not set).
+    pub nonblocking: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlockCallEvent {
+    /// Syscall return.
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub owner: u64,
+    pub dev: u32,
+    pub ino: u64,
+    /// Raw return: 0, or a negative errno (`-EINTR` when an `alarm()` ended the wait).
+    pub ret: i64,
+    /// `flock()` operation, `None` when the entry was not seen.
+    pub cmd: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecEvent {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    pub filename: String,
+    pub argv: Vec<String>,
+    pub argv_truncated: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkEvent {
+    pub ts_ns: u64,
+    pub parent_tgid: u32,
+    pub parent_tid: u32,
+    pub child_tid: u32,
+    pub comm: Comm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitEvent {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// Process exit status (the low byte of the `exit_group()` argument), `None` when the
+    /// task did not call exit (killed by a signal).
+    pub exit_code: Option<i32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableReplaceEvent {
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub level: u32,
+    pub optname: u32,
+    pub optlen: u32,
+    pub ret: i64,
+}
+
+/// A process that existed when tracing started (from /proc), or that userspace looked up
+/// later. Not a kernel event: the source produces it so the analysis never reads /proc.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ProcInfo {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub ppid: u32,
+    pub comm: Comm,
+    pub argv: Vec<String>,
+    /// First line of `/proc/PID/cgroup` that names a path (cgroup v2 `0::/...`, or v1).
+    pub cgroup: Option<String>,
+}
+
+/// Everything the analysis consumes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Lock(LockEvent),
+    FlockCall(FlockCallEvent),
+    Exec(ExecEvent),
+    Fork(ForkEvent),
+    Exit(ExitEvent),
+    TableReplace(TableReplaceEvent),
+    Proc(ProcInfo),
+    /// The kernel dropped `count` events because the ring buffer was full (since the last
+    /// such report).
+    Lost { ts_ns: u64, count: u64 },
+}
+
+impl Event {
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Event::Lock(e) => e.ts_ns,
+            Event::FlockCall(e) => e.ts_ns,
+            Event::Exec(e) => e.ts_ns,
+            Event::Fork(e) => e.ts_ns,
+            Event::Exit(e) => e.ts_ns,
+            Event::TableReplace(e) => e.ts_ns,
+            Event::Proc(e) => e.ts_ns,
+            Event::Lost { ts_ns, .. } => *ts_ns,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("record of {len} bytes is shorter than an event header")]
+    TooShort { len: usize },
+    #[error("unknown event kind {kind}")]
+    UnknownKind { kind: u32 },
+    #[error("{kind:?} record of {len} bytes, expected at least {want}")]
+    Truncated {
+        kind: common::EventKind,
+        len: usize,
+        want: usize,
+    },
+}
+
+/// Reads a `T` from the front of `b`. The caller checked the length.
+fn read<T: Copy>(b: &[u8]) -> T {
+    debug_assert!(b.len() >= std::mem::size_of::<T>());
+    // SAFETY: the length was checked by the caller, `read_unaligned` has no alignment
+    // requirement, and every T used here is a plain-old-data `#[repr(C)]` struct of integers.
+    unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
+}
+
+fn need(kind: common::EventKind, b: &[u8], want: usize) -> Result<(), DecodeError> {
+    if b.len() < want {
+        Err(DecodeError::Truncated {
+            kind,
+            len: b.len(),
+            want,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// Decodes one raw event record.
+pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
+    use common::{sizes, EventKind as K};
+    if b.len() < std::mem::size_of::<common::EventHeader>() {
+        return Err(DecodeError::TooShort { len: b.len() });
+    }
+    let hdr: common::EventHeader = read(b);
+    let kind = K::from_u32(hdr.kind).ok_or(DecodeError::UnknownKind { kind: hdr.kind })?;
+    Ok(match kind {
+        K::Lock => {
+            need(kind, b, sizes::LOCK)?;
+            let e: common::LockEvent = read(b);
+            let op = if e.fl_type == common::F_UNLCK {
+                LockOp::Released
+            } else if e.ret == 0 {
+                LockOp::Acquired {
+                    exclusive: e.fl_type == common::F_WRLCK,
+                }
+            } else if e.ret == common::FILE_LOCK_DEFERRED {
+                LockOp::Deferred
+            } else {
+                LockOp::Failed { errno: -e.ret }
+            };
+            Event::Lock(LockEvent {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                owner: e.owner,
+                dev: e.dev,
+                ino: e.ino,
+                op,
+                nonblocking: e.fl_flags & common::FL_SLEEP == 0,
+            })
+        }
+        K::FlockCall => {
+            need(kind, b, sizes::FLOCK_CALL)?;
+            let e: common::FlockCallEvent = read(b);
+            Event::FlockCall(FlockCallEvent {
+                ts_ns: hdr.ts_ns,
+                enter_ns: e.enter_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                owner: e.owner,
+                dev: e.dev,
+                ino: e.ino,
+                ret: e.ret,
+                cmd: (e.cmd != u32::MAX).then_some(e.cmd),
+            })
+        }
+        K::Exec => {
+            need(kind, b, sizes::EXEC)?;
+            let e: common::ExecEvent = read(b);
+            let argc = (e.argc as usize).min(common::ARGV_SLOTS);
+            Event::Exec(ExecEvent {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                filename: string(&e.filename),
+                argv: e.args[..argc].iter().map(|a| string(a)).collect(),
+                argv_truncated: e.args_truncated != 0,
+            })
+        }
+        K::Fork => {
+            need(kind, b, sizes::FORK)?;
+            let e: common::ForkEvent = read(b);
+            Event::Fork(ForkEvent {
+                ts_ns: hdr.ts_ns,
+                parent_tgid: hdr.tgid,
+                parent_tid: hdr.tid,
+                child_tid: e.child_tid,
+                comm: Comm(e.comm),
+            })
+        }
+        K::Exit => {
+            need(kind, b, sizes::EXIT)?;
+            let e: common::ExitEvent = read(b);
+            Event::Exit(ExitEvent {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                exit_code: (e.has_code != 0).then_some(e.exit_code & 0xff),
+            })
+        }
+        K::TableReplace => {
+            need(kind, b, sizes::TABLE_REPLACE)?;
+            let e: common::TableReplaceEvent = read(b);
+            Event::TableReplace(TableReplaceEvent {
+                ts_ns: hdr.ts_ns,
+                enter_ns: e.enter_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                level: e.level,
+                optname: e.optname,
+                optlen: e.optlen,
+                ret: e.ret,
+            })
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: Copy>(v: &T) -> Vec<u8> {
+        // SAFETY: T is a POD repr(C) event struct; we only read its bytes.
+        unsafe {
+            std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>())
+        }
+        .to_vec()
+    }
+
+    fn lock(fl_type: u8, ret: i32, flags: u32) -> common::LockEvent {
+        common::LockEvent {
+            hdr: common::EventHeader {
+                kind: common::EventKind::Lock as u32,
+                tgid: 10,
+                tid: 11,
+                _pad: 0,
+                ts_ns: 1234,
+            },
+            owner: 0xffff_8888_0000_1000,
+            ino: 77,
+            dev: 5,
+            ret,
+            fl_flags: flags,
+            fl_type,
+            _pad: [0; 3],
+            comm: Comm::new("iptables").0,
+        }
+    }
+
+    #[test]
+    fn lock_ops() {
+        let cases = [
+            (
+                lock(common::F_WRLCK, 0, 130),
+                LockOp::Acquired { exclusive: true },
+            ),
+            (
+                lock(common::F_RDLCK, 0, 130),
+                LockOp::Acquired { exclusive: false },
+            ),
+            (lock(common::F_WRLCK, 1, 130), LockOp::Deferred),
+            (lock(common::F_WRLCK, -11, 2), LockOp::Failed { errno: 11 }),
+            (lock(common::F_UNLCK, 0, 2), LockOp::Released),
+        ];
+        for (raw, op) in cases {
+            let Event::Lock(e) = decode(&bytes(&raw)).unwrap() else {
+                panic!("not a lock event")
+            };
+            assert_eq!(e.op, op);
+            assert_eq!(e.comm.as_str(), "iptables");
+            assert_eq!((e.tgid, e.tid, e.ts_ns, e.ino, e.dev), (10, 11, 1234, 77, 5));
+        }
+        let Event::Lock(e) = decode(&bytes(&lock(common::F_WRLCK, -11, 2))).unwrap() else {
+            panic!()
+        };
+        assert!(e.nonblocking);
+    }
+
+    #[test]
+    fn bad_input_is_an_error_not_a_panic() {
+        assert_eq!(decode(&[]), Err(DecodeError::TooShort { len: 0 }));
+        let mut b = bytes(&lock(common::F_WRLCK, 0, 0));
+        b.truncate(40);
+        assert!(matches!(decode(&b), Err(DecodeError::Truncated { .. })));
+        let mut b = bytes(&lock(common::F_WRLCK, 0, 0));
+        b[0] = 200;
+        assert_eq!(decode(&b), Err(DecodeError::UnknownKind { kind: 200 }));
+        for n in 0..b.len() {
+            let _ = decode(&b[..n]);
+        }
+    }
+
+    #[test]
+    fn exec_argv() {
+        let mut e = common::ExecEvent {
+            hdr: common::EventHeader {
+                kind: common::EventKind::Exec as u32,
+                ..Default::default()
+            },
+            filename: [0; common::FILENAME_LEN],
+            args: [[0; common::ARG_LEN]; common::ARGV_SLOTS],
+            argc: 3,
+            args_truncated: 0,
+            comm: Comm::new("iptables-restor").0,
+        };
+        e.filename[..15].copy_from_slice(b"/usr/sbin/ipt-r");
+        e.args[0][..16].copy_from_slice(b"iptables-restore");
+        e.args[1][..2].copy_from_slice(b"-w");
+        e.args[2][..1].copy_from_slice(b"5");
+        let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.argv, ["iptables-restore", "-w", "5"]);
+        assert_eq!(d.filename, "/usr/sbin/ipt-r");
+    }
+}
