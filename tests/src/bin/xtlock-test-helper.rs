@@ -1,0 +1,162 @@
+//! A stand-in for the agents that take the xtables lock. Tests copy this binary under the
+//! name of the agent they play (`kube-proxy`, `calico-node`, ...), so the kernel's comm for
+//! the process is that name, exactly as for the real daemon.
+//!
+//! Every line it prints on stdout is `KEY VALUE...` with CLOCK_MONOTONIC timestamps in ns,
+//! the clock of xtlock's events, so tests compare durations they measured themselves.
+//!
+//!   hold LOCK MS          flock(LOCK_EX), print `acquired T`, sleep MS, close, `released T`
+//!   poll LOCK INTERVAL_MS HOLD_MS
+//!                         LOCK_EX|LOCK_NB every INTERVAL_MS until granted (Go daemons'
+//!                         style), print `tries N` and `acquired T`, hold HOLD_MS, `released T`
+//!   run [--netns] CMD ARGS...
+//!                         run CMD as a child (in a new network namespace with --netns),
+//!                         print `start T`, `exit CODE T`; exit with CMD's status
+//!   forkhold LOCK MS      take the lock, fork; the child keeps the inherited fd and closes
+//!                         it after MS; the parent closes its copy at once and waits
+use std::{
+    fs::OpenOptions,
+    os::{fd::AsRawFd, unix::process::CommandExt},
+    process::{Command, ExitCode},
+    thread::sleep,
+    time::Duration,
+};
+
+fn now() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+fn say(line: String) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn open(lock: &str) -> anyhow::Result<std::fs::File> {
+    Ok(OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(lock)?)
+}
+
+fn flock(f: &std::fs::File, op: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: valid fd for the lifetime of `f`.
+    if unsafe { libc::flock(f.as_raw_fd(), op) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+fn ms(s: &str) -> anyhow::Result<Duration> {
+    Ok(Duration::from_millis(s.parse()?))
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("xtlock-test-helper: {e:#}");
+            ExitCode::from(100)
+        }
+    }
+}
+
+fn run() -> anyhow::Result<u8> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let a: Vec<&str> = args.iter().map(String::as_str).collect();
+    match a.as_slice() {
+        ["hold", lock, hold] => {
+            let f = open(lock)?;
+            flock(&f, libc::LOCK_EX)?;
+            say(format!("acquired {}", now()));
+            sleep(ms(hold)?);
+            let t = now();
+            drop(f);
+            say(format!("released {t}"));
+            Ok(0)
+        }
+        ["poll", lock, interval, hold] => {
+            let f = open(lock)?;
+            let mut tries = 0u32;
+            loop {
+                match flock(&f, libc::LOCK_EX | libc::LOCK_NB) {
+                    Ok(()) => break,
+                    Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+                        tries += 1;
+                        sleep(ms(interval)?);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            say(format!("tries {tries}"));
+            say(format!("acquired {}", now()));
+            sleep(ms(hold)?);
+            let t = now();
+            drop(f);
+            say(format!("released {t}"));
+            Ok(0)
+        }
+        ["forkhold", lock, hold] => {
+            let f = open(lock)?;
+            flock(&f, libc::LOCK_EX)?;
+            say(format!("acquired {}", now()));
+            // SAFETY: single-threaded program; the child only sleeps, prints and exits.
+            let pid = unsafe { libc::fork() };
+            if pid < 0 {
+                return Err(std::io::Error::last_os_error().into());
+            }
+            if pid == 0 {
+                say(format!("child {}", std::process::id()));
+                sleep(ms(hold)?);
+                let t = now();
+                drop(f);
+                say(format!("released {t}"));
+                // SAFETY: leave without running the parent's atexit handlers twice.
+                unsafe { libc::_exit(0) };
+            }
+            drop(f);
+            let mut status = 0;
+            // SAFETY: waiting for our own child.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            Ok(0)
+        }
+        ["run", rest @ ..] => {
+            let (netns, cmd) = match rest {
+                ["--netns", cmd @ ..] => (true, cmd),
+                cmd => (false, cmd),
+            };
+            let [prog, cargs @ ..] = cmd else {
+                anyhow::bail!("run needs a command");
+            };
+            let mut c = Command::new(prog);
+            c.args(cargs);
+            if netns {
+                // SAFETY: unshare is async-signal-safe; runs in the child before exec.
+                unsafe {
+                    c.pre_exec(|| {
+                        if libc::unshare(libc::CLONE_NEWNET) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+            }
+            say(format!("start {}", now()));
+            let status = c.status()?;
+            let code = status.code().unwrap_or(128);
+            say(format!("exit {code} {}", now()));
+            Ok(code as u8)
+        }
+        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS..."),
+    }
+}

@@ -1,0 +1,444 @@
+//! Shared helpers for xtlock's integration tests: privilege gating, named helper processes,
+//! a wrapper around a running `xtlock trace --json`, and kube-proxy-shaped rule generators.
+//!
+//! Tests that need root and BPF skip with a message outside CI; under `CI=true` a missing
+//! capability fails the test instead.
+
+use std::{
+    collections::HashMap,
+    fs,
+    io::{BufRead, BufReader, Read, Write},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{mpsc, Mutex, MutexGuard, OnceLock},
+    thread,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+
+/// BPF tests share CPU time and the kernel's tracepoints: run them one at a time so
+/// timings stay honest.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// True when this process can load BPF programs. Outside CI, prints why a test is skipped;
+/// under CI a missing capability is a failure.
+pub fn require_bpf(test: &str) -> bool {
+    // SAFETY: plain syscall.
+    let root = unsafe { libc::geteuid() } == 0;
+    if root {
+        return true;
+    }
+    let why = format!("{test}: needs root to load BPF programs (run the suite as root)");
+    if in_ci() {
+        panic!("{why}; CI=true, so this is a failure, not a skip");
+    }
+    eprintln!("skipped: {why}");
+    false
+}
+
+/// The xtlock binary built beside this test (`cargo build --workspace --bins` first;
+/// `./xtask/run test` does). `XTLOCK_BIN` overrides.
+pub fn xtlock_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("XTLOCK_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/xtlock
+    let bin = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("xtlock"))
+        .expect("target dir");
+    assert!(
+        bin.exists(),
+        "{} not found: build it first with `cargo build --workspace --bins` (./xtask/run test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A scratch directory for one test, removed on drop.
+pub struct Scratch {
+    pub dir: PathBuf,
+}
+
+impl Scratch {
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("xtlock-test-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(dir.join("bin")).expect("scratch dir");
+        Self { dir }
+    }
+
+    /// A fresh lock file in the scratch dir (mode 0600, like iptables creates it).
+    pub fn lock_file(&self, name: &str) -> PathBuf {
+        use std::os::unix::fs::OpenOptionsExt;
+        let p = self.dir.join(name);
+        fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&p)
+            .expect("create lock file");
+        p
+    }
+
+    /// The helper binary copied under `name`, so its processes' comm is `name`.
+    pub fn agent(&self, name: &str) -> PathBuf {
+        let helper = PathBuf::from(env_helper());
+        let dst = self.dir.join("bin").join(name);
+        if !dst.exists() {
+            fs::copy(&helper, &dst).expect("copy helper");
+        }
+        dst
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn env_helper() -> String {
+    static HELPER: OnceLock<String> = OnceLock::new();
+    HELPER
+        .get_or_init(|| {
+            std::env::var("XTLOCK_TEST_HELPER").unwrap_or_else(|_| {
+                let exe = std::env::current_exe().expect("current_exe");
+                exe.parent()
+                    .and_then(Path::parent)
+                    .map(|d| d.join("xtlock-test-helper"))
+                    .expect("target dir")
+                    .display()
+                    .to_string()
+            })
+        })
+        .clone()
+}
+
+/// A helper process and the `KEY VALUE...` lines it printed.
+pub struct Agent {
+    pub child: Child,
+    lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+}
+
+impl Agent {
+    /// Starts `program args...` with `env` added; stdin from `stdin` when given.
+    pub fn spawn(
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        stdin: Option<&Path>,
+    ) -> Self {
+        let mut c = Command::new(program);
+        c.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        match stdin {
+            Some(p) => c.stdin(fs::File::open(p).expect("stdin file")),
+            None => c.stdin(Stdio::null()),
+        };
+        let mut child = c
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", program.display()));
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self {
+            child,
+            lines: rx,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for a line starting with `key `, returns its words after the key.
+    pub fn expect(&mut self, key: &str, timeout: Duration) -> Vec<String> {
+        if let Some(words) = find(&self.seen, key) {
+            return words;
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l);
+                    if let Some(words) = find(&self.seen[self.seen.len() - 1..], key) {
+                        return words;
+                    }
+                }
+                Err(_) => panic!(
+                    "helper did not print `{key}` within {timeout:?}; saw {:?}",
+                    self.seen
+                ),
+            }
+        }
+    }
+
+    /// A `KEY T` line's timestamp.
+    pub fn ts(&mut self, key: &str, timeout: Duration) -> u64 {
+        self.expect(key, timeout)
+            .last()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("`{key}` line without a timestamp: {:?}", self.seen))
+    }
+
+    pub fn wait(&mut self) -> i32 {
+        let st = self.child.wait().expect("wait");
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
+            self.seen.push(l);
+        }
+        st.code().unwrap_or(-1)
+    }
+}
+
+fn find(lines: &[String], key: &str) -> Option<Vec<String>> {
+    lines.iter().find_map(|l| {
+        let mut w = l.split_whitespace();
+        (w.next() == Some(key)).then(|| w.map(str::to_owned).collect())
+    })
+}
+
+/// A running `xtlock trace --json`.
+pub struct Tracer {
+    child: Child,
+    stderr: std::sync::Arc<Mutex<String>>,
+}
+
+impl Tracer {
+    /// Starts `xtlock trace --json --lock-file L... --duration D` and waits until it says it
+    /// is tracing.
+    pub fn start(locks: &[&Path], duration: Duration, extra: &[&str]) -> Self {
+        let mut c = Command::new(xtlock_bin());
+        c.arg("trace")
+            .arg("--json")
+            .arg("--duration")
+            .arg(format!("{}ms", duration.as_millis()));
+        for l in locks {
+            c.arg("--lock-file").arg(l);
+        }
+        c.args(extra);
+        Self::spawn(c)
+    }
+
+    pub fn spawn(mut c: Command) -> Self {
+        c.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(Stdio::null());
+        let mut child = c.spawn().expect("spawn xtlock");
+        let err = child.stderr.take().expect("stderr");
+        let stderr = std::sync::Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let buf = stderr.clone();
+        thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("[xtlock] {line}");
+                let ready = line.contains("tracing ");
+                buf.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_str(&(line + "\n"));
+                if ready {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        if rx.recv_timeout(Duration::from_secs(60)).is_err() {
+            let _ = child.kill();
+            let out = child.wait_with_output().ok();
+            panic!(
+                "xtlock did not start tracing within 60 s; stderr:\n{}\nstatus: {:?}",
+                stderr.lock().unwrap_or_else(|e| e.into_inner()),
+                out.map(|o| o.status)
+            );
+        }
+        Self { child, stderr }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
+    pub fn finish(mut self) -> Trace {
+        let mut out = String::new();
+        if let Some(mut s) = self.child.stdout.take() {
+            s.read_to_string(&mut out).expect("read stdout");
+        }
+        let status = self.child.wait().expect("wait xtlock");
+        let stderr = self
+            .stderr
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        assert!(
+            status.success(),
+            "xtlock failed: {status:?}\nstderr:\n{stderr}"
+        );
+        let events = out
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l)
+                    .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}"))
+            })
+            .collect();
+        Trace { events, stderr }
+    }
+}
+
+impl Drop for Tracer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What one `xtlock trace --json` run printed.
+pub struct Trace {
+    pub events: Vec<Value>,
+    pub stderr: String,
+}
+
+impl Trace {
+    pub fn of_type(&self, t: &str) -> Vec<&Value> {
+        self.events.iter().filter(|e| e["type"] == t).collect()
+    }
+
+    pub fn summary(&self) -> &Value {
+        let last = self.events.last().expect("no output at all");
+        assert_eq!(last["type"], "summary", "the summary must be the last line");
+        last
+    }
+
+    pub fn dump(&self) -> String {
+        self.events
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+/// `|got - want| <= pct% of want`.
+pub fn within_pct(got: u64, want: u64, pct: f64) -> bool {
+    (got as f64 - want as f64).abs() <= want as f64 * pct / 100.0
+}
+
+/// A kube-proxy-shaped `iptables-restore` input: KUBE-SERVICES dispatching to one KUBE-SVC-*
+/// chain per service, each balancing over KUBE-SEP-* chains per endpoint, in the nat table,
+/// plus a small filter table: two `*table`..`COMMIT` sections, so two lock holds per run.
+pub fn kube_proxy_ruleset(services: usize, endpoints: usize) -> String {
+    let mut s = String::new();
+    s.push_str("*filter\n:KUBE-SERVICES - [0:0]\n:KUBE-FORWARD - [0:0]\n");
+    s.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
+    s.push_str("-A KUBE-FORWARD -m mark --mark 0x4000/0x4000 -j ACCEPT\nCOMMIT\n");
+    s.push_str(
+        "*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n",
+    );
+    for i in 0..services {
+        s.push_str(&format!(":KUBE-SVC-{i:016X} - [0:0]\n"));
+        for j in 0..endpoints {
+            s.push_str(&format!(":KUBE-SEP-{i:010X}{j:06X} - [0:0]\n"));
+        }
+    }
+    s.push_str("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n");
+    s.push_str("-A KUBE-POSTROUTING -m mark --mark 0x4000/0x4000 -j MASQUERADE\n");
+    for i in 0..services {
+        let (a, b) = (i / 250, i % 250);
+        s.push_str(&format!(
+            "-A KUBE-SERVICES -d 10.96.{a}.{b}/32 -p tcp -m comment --comment \"ns/svc-{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i:016X}\n"
+        ));
+        for j in 0..endpoints {
+            let left = endpoints - j;
+            if left > 1 {
+                s.push_str(&format!(
+                    "-A KUBE-SVC-{i:016X} -m statistic --mode random --probability {:.5} -j KUBE-SEP-{i:010X}{j:06X}\n",
+                    1.0 / left as f64
+                ));
+            } else {
+                s.push_str(&format!(
+                    "-A KUBE-SVC-{i:016X} -j KUBE-SEP-{i:010X}{j:06X}\n"
+                ));
+            }
+            s.push_str(&format!(
+                "-A KUBE-SEP-{i:010X}{j:06X} -s 10.244.{a}.{j}/32 -j KUBE-MARK-MASQ\n\
+                 -A KUBE-SEP-{i:010X}{j:06X} -p tcp -m tcp -j DNAT --to-destination 10.244.{a}.{j}:8080\n"
+            ));
+        }
+    }
+    s.push_str("COMMIT\n");
+    s
+}
+
+/// Writes `text` to a file in `dir`.
+pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    let mut f = fs::File::create(&p).expect("create");
+    f.write_all(text.as_bytes()).expect("write");
+    p
+}
+
+/// Names of loaded BPF programs (via bpftool), to check nothing is left behind.
+pub fn loaded_bpf_program_names() -> Vec<String> {
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "--json"])
+        .output();
+    let Ok(out) = out else {
+        return Vec::new();
+    };
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p["name"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Counts of each `type` in a trace, for failure messages.
+pub fn type_counts(t: &Trace) -> HashMap<String, usize> {
+    let mut m = HashMap::new();
+    for e in &t.events {
+        *m.entry(e["type"].as_str().unwrap_or("?").to_owned())
+            .or_insert(0) += 1;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ruleset_shape() {
+        let r = kube_proxy_ruleset(3, 2);
+        assert_eq!(r.matches("COMMIT").count(), 2);
+        assert_eq!(r.matches(":KUBE-SVC-").count(), 3);
+        assert_eq!(r.matches(":KUBE-SEP-").count(), 6);
+        assert!(r.contains("--probability 0.50000"));
+    }
+
+    #[test]
+    fn pct() {
+        assert!(within_pct(105, 100, 5.0));
+        assert!(!within_pct(106, 100, 5.0));
+        assert!(within_pct(95, 100, 5.0));
+    }
+}

@@ -1,0 +1,136 @@
+//! Command-line interface (clap types only; the commands live in `commands/`).
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "xtlock",
+    version,
+    about = "Who holds the netfilter (xtables) lock, for how long, and who waits behind it",
+    long_about = "xtlock traces flock() on /run/xtables.lock with eBPF and attributes every hold \
+                  and wait to the agent behind it: kube-proxy, a CNI agent, firewalld, dockerd..."
+)]
+pub struct Cli {
+    /// More logging on stderr (-v: debug, -vv: trace). RUST_LOG overrides it.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Log format on stderr.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Trace the lock live: one line per hold and wait, a summary every 10 s and at exit.
+    Trace(TraceArgs),
+    /// Show which kernel hooks attach on this machine, which do not, and why.
+    Probes(ProbesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct LockArgs {
+    /// Lock file to watch (repeatable). Default: $XTABLES_LOCKFILE, else /run/xtables.lock.
+    #[arg(long = "lock-file", value_name = "PATH")]
+    pub lock_files: Vec<PathBuf>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TraceArgs {
+    /// Stop after this long (e.g. 30s, 5m). Default: until Ctrl-C.
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+    /// Print holds at least this long (waits are always printed). E.g. 10ms.
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub min_hold: Duration,
+    /// JSON Lines on stdout: one object per event, the summary last.
+    #[arg(long)]
+    pub json: bool,
+    /// How often to print the summary while tracing (0s: only at exit).
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub summary_interval: Duration,
+    /// Size of the kernel-to-userspace ring buffer, in MiB (a power of two).
+    #[arg(long, default_value_t = 4, value_parser = parse_ring_mib)]
+    pub ring_buffer_mib: u32,
+    #[command(flatten)]
+    pub locks: LockArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ProbesArgs {
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub locks: LockArgs,
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("`{s}` is not a duration ({e}); use e.g. 500ms, 10s, 5m"))
+}
+
+fn parse_ring_mib(s: &str) -> Result<u32, String> {
+    let v: u32 = s
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number of MiB"))?;
+    if v == 0 || !v.is_power_of_two() || v > 1024 {
+        return Err(format!(
+            "ring buffer size must be a power of two from 1 to 1024 MiB, got {v}"
+        ));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_trace_flags() {
+        let cli = Cli::try_parse_from([
+            "xtlock",
+            "trace",
+            "--duration",
+            "2s",
+            "--min-hold",
+            "10ms",
+            "--json",
+            "--lock-file",
+            "/a",
+            "--lock-file",
+            "/b",
+        ])
+        .unwrap();
+        let Command::Trace(t) = cli.command else {
+            panic!()
+        };
+        assert_eq!(t.duration, Some(Duration::from_secs(2)));
+        assert_eq!(t.min_hold, Duration::from_millis(10));
+        assert!(t.json);
+        assert_eq!(t.locks.lock_files.len(), 2);
+    }
+
+    #[test]
+    fn bad_values_explain_themselves() {
+        let e = Cli::try_parse_from(["xtlock", "trace", "--duration", "soon"]).unwrap_err();
+        assert!(e.to_string().contains("not a duration"), "{e}");
+        let e = Cli::try_parse_from(["xtlock", "trace", "--ring-buffer-mib", "3"]).unwrap_err();
+        assert!(e.to_string().contains("power of two"), "{e}");
+    }
+}

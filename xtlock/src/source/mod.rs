@@ -1,0 +1,25 @@
+//! Where events come from. `live`: the kernel's ring buffer (plus /proc for processes that
+//! existed before tracing started). Every source yields decoded [`crate::decode::Event`]s, so
+//! the analysis and sinks never know which one they are fed by.
+pub mod live;
+pub mod procfs;
+
+/// `CLOCK_MONOTONIC` now, in ns: the clock of `bpf_ktime_get_ns()` and so of every event.
+pub fn monotonic_ns() -> u64 {
+    clock_ns(libc::CLOCK_MONOTONIC)
+}
+
+/// `CLOCK_REALTIME` minus `CLOCK_MONOTONIC`, in ns: add to an event timestamp for wall time.
+pub fn wall_offset_ns() -> i128 {
+    i128::from(clock_ns(libc::CLOCK_REALTIME)) - i128::from(monotonic_ns())
+}
+
+fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; both clocks always exist on Linux.
+    unsafe { libc::clock_gettime(clock, &mut ts) };
+    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}

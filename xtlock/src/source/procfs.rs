@@ -1,0 +1,110 @@
+//! Reading /proc: the process table at start, and details of a process seen later.
+
+use std::{fs, path::Path};
+
+use crate::decode::{Comm, ProcInfo};
+
+/// One process from /proc, or `None` when it is gone or unreadable.
+pub fn read_process(root: &Path, pid: u32, ts_ns: u64) -> Option<ProcInfo> {
+    let dir = root.join(pid.to_string());
+    let stat = fs::read_to_string(dir.join("stat")).ok()?;
+    let (comm, ppid) = parse_stat(&stat)?;
+    let argv = fs::read(dir.join("cmdline"))
+        .map(|b| parse_cmdline(&b))
+        .unwrap_or_default();
+    let cgroup = fs::read_to_string(dir.join("cgroup"))
+        .ok()
+        .and_then(|c| parse_cgroup(&c));
+    Some(ProcInfo {
+        ts_ns,
+        pid,
+        ppid,
+        comm: Comm::new(&comm),
+        argv,
+        cgroup,
+    })
+}
+
+/// Every process in /proc, parents before children where /proc lists them so.
+pub fn snapshot(root: &Path, ts_ns: u64) -> Vec<ProcInfo> {
+    let Ok(dir) = fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut out: Vec<ProcInfo> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| read_process(root, pid, ts_ns))
+        .collect();
+    out.sort_by_key(|p| p.pid);
+    out
+}
+
+/// `comm` and `ppid` from /proc/PID/stat. comm may contain spaces and parentheses, so it
+/// runs from the first '(' to the last ')'.
+pub fn parse_stat(stat: &str) -> Option<(String, u32)> {
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_owned();
+    let mut rest = stat.get(close + 1..)?.split_whitespace();
+    let _state = rest.next()?;
+    let ppid = rest.next()?.parse().ok()?;
+    Some((comm, ppid))
+}
+
+pub fn parse_cmdline(b: &[u8]) -> Vec<String> {
+    b.split(|&c| c == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
+
+/// The cgroup path: the v2 entry (`0::/path`), else the first v1 entry with a path.
+pub fn parse_cgroup(text: &str) -> Option<String> {
+    let mut first = None;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(_ctrl), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        if id == "0" {
+            return Some(path.to_owned());
+        }
+        if first.is_none() && path != "/" {
+            first = Some(path.to_owned());
+        }
+    }
+    first
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_odd_comm() {
+        let s = "1234 (kube (proxy) x) S 77 1234 1234 0 -1 4194560 0";
+        assert_eq!(parse_stat(s), Some(("kube (proxy) x".into(), 77)));
+        assert_eq!(parse_stat("garbage"), None);
+    }
+
+    #[test]
+    fn cgroups() {
+        assert_eq!(
+            parse_cgroup("0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-ab.scope\n"),
+            Some("/kubepods.slice/kubepods-pod1.slice/cri-containerd-ab.scope".into())
+        );
+        assert_eq!(
+            parse_cgroup("12:pids:/kubepods/burstable/podX/abc\n11:cpu:/\n"),
+            Some("/kubepods/burstable/podX/abc".into())
+        );
+        assert_eq!(parse_cgroup(""), None);
+    }
+
+    #[test]
+    fn reads_self() {
+        let me = std::process::id();
+        let p = read_process(Path::new("/proc"), me, 1).unwrap();
+        assert_eq!(p.pid, me);
+        assert!(!p.argv.is_empty());
+        assert!(snapshot(Path::new("/proc"), 1).iter().any(|p| p.pid == me));
+    }
+}
