@@ -63,7 +63,8 @@ fn toolchain_ready() -> anyhow::Result<()> {
 }
 
 fn build() -> anyhow::Result<()> {
-    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
+    let manifest_dir =
+        PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
     let ebpf_dir = manifest_dir
         .parent()
         .context("workspace root")?

@@ -163,7 +163,10 @@ pub enum Event {
     Proc(ProcInfo),
     /// The kernel dropped `count` events because the ring buffer was full (since the last
     /// such report).
-    Lost { ts_ns: u64, count: u64 },
+    Lost {
+        ts_ns: u64,
+        count: u64,
+    },
 }
 
 impl Event {
@@ -371,7 +374,10 @@ mod tests {
             };
             assert_eq!(e.op, op);
             assert_eq!(e.comm.as_str(), "iptables");
-            assert_eq!((e.tgid, e.tid, e.ts_ns, e.ino, e.dev), (10, 11, 1234, 77, 5));
+            assert_eq!(
+                (e.tgid, e.tid, e.ts_ns, e.ino, e.dev),
+                (10, 11, 1234, 77, 5)
+            );
         }
         let Event::Lock(e) = decode(&bytes(&lock(common::F_WRLCK, -11, 2))).unwrap() else {
             panic!()

@@ -1,2 +1,11 @@
 //! xtlock: who holds the netfilter lock, for how long, and who waits behind it.
+//!
+//! One pipeline serves every mode: a source (`source`) yields decoded events (`decode`), the
+//! analysis (`procs`, `attribution`, `lock`, `stats`, behind `analysis`) turns them into facts,
+//! and sinks (`sinks`) show them. `probes` loads and attaches the BPF programs.
+pub mod cli;
+pub mod commands;
 pub mod decode;
+pub mod lockfiles;
+pub mod probes;
+pub mod source;
