@@ -1,0 +1,322 @@
+//! `cargo xtask setup`: installs every prerequisite this machine lacks, one line per step.
+//! Idempotent, and a second or so when everything is there (nothing is fetched then).
+use std::{collections::HashSet, env, fs, path::Path, process::Command};
+
+use anyhow::{bail, Context as _, Result};
+
+use crate::sh;
+
+/// Debian 12 packages everything needs.
+const APT_PACKAGES: &[&str] = &[
+    // Debian's Rust (1.96) with a prebuilt libcore for bpfel-unknown-none: the `debian` toolchain.
+    "rustc-web",
+    "cargo-web",
+    "libstd-rust-web-dev-bpf",
+    // LLVM 22, which bpf-linker links against.
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    // What the tests drive and look at.
+    "iptables",
+    "iproute2",
+    "conntrack",
+    "bpftool",
+    "bpftrace",
+    "procps",
+    "util-linux",
+    "strace",
+];
+/// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
+const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
+
+const TOOLCHAIN: &str = "debian";
+const BPF_TARGET: &str = "bpfel-unknown-none";
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const LLVM_BIN: &str = "/usr/lib/llvm-22/bin";
+const TRACEFS: &str = "/sys/kernel/tracing";
+
+const BY_HAND: &str = "\
+xtask setup only knows Debian 12 (apt). Install these by hand:
+  - Rust (cargo, rustc >= 1.85, clippy, rustfmt)
+  - a rustc whose sysroot has libcore for bpfel-unknown-none, as the rustup toolchain `debian`
+    (on Debian 12: rustc-web cargo-web libstd-rust-web-dev-bpf, then `rustup toolchain link debian /usr`)
+  - LLVM 22 development files (llvm-config, libLLVM, Polly) and the zlib and zstd -dev files
+  - bpf-linker 0.13.0 built against LLVM 22, with LLVM 22's llvm-config first on PATH:
+      cargo install bpf-linker@0.13.0 --locked --no-default-features --features llvm-22
+  - iptables (with iptables-legacy), iproute2, conntrack, bpftool, bpftrace, procps,
+    util-linux (flock), strace (optional)
+  - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
+and a kernel with BTF (5.8 or newer).";
+
+/// Runs every step; fails on the first one that cannot be done.
+pub fn run() -> Result<()> {
+    if !sh::is_root() {
+        bail!(
+            "setup installs packages and mounts tracefs, and xtlock loads BPF programs: \
+             run it as root (sudo ./xtask/run ...)"
+        );
+    }
+    check_debian()?;
+    let rustup = sh::which("rustup").is_some();
+    apt_packages(rustup)?;
+    toolchain(rustup)?;
+    clippy_fmt(rustup)?;
+    bpf_linker()?;
+    tracefs()?;
+    kernel();
+    Ok(())
+}
+
+fn check_debian() -> Result<()> {
+    if !Path::new("/etc/debian_version").exists()
+        || sh::which("apt-get").is_none()
+        || sh::which("dpkg-query").is_none()
+    {
+        bail!("{BY_HAND}");
+    }
+    let os_release = fs::read_to_string("/etc/os-release").unwrap_or_default();
+    let codename = os_release
+        .lines()
+        .find_map(|l| l.strip_prefix("VERSION_CODENAME="))
+        .map(|v| v.trim_matches('"'))
+        .unwrap_or("unknown");
+    if codename != "bookworm" {
+        println!(
+            "warning: this is Debian `{codename}`; setup is made for Debian 12 (bookworm), \
+             which packages rustc-web 1.96 and LLVM 22. Trying anyway."
+        );
+    }
+    Ok(())
+}
+
+fn apt_packages(rustup: bool) -> Result<()> {
+    let mut wanted: Vec<&str> = APT_PACKAGES.to_vec();
+    if !rustup {
+        wanted.extend(APT_WITHOUT_RUSTUP);
+    }
+    let missing = missing_packages(&wanted)?;
+    if missing.is_empty() {
+        println!("ok: apt packages: {} (all installed)", wanted.join(" "));
+        return Ok(());
+    }
+    println!("installing: apt packages {}", missing.join(" "));
+    let apt = |args: &[&str]| {
+        let mut c = Command::new("apt-get");
+        c.env("DEBIAN_FRONTEND", "noninteractive")
+            .args(["-q", "-o", "DPkg::Lock::Timeout=600"])
+            .args(args);
+        c
+    };
+    sh::run(&mut apt(&["update"]))?;
+    let mut install = apt(&["install", "-y"]);
+    install.args(&missing);
+    sh::run(&mut install)?;
+    let still = missing_packages(&wanted)?;
+    if !still.is_empty() {
+        bail!("apt-get did not install: {}", still.join(" "));
+    }
+    println!("ok: apt packages: {} (installed now)", missing.join(" "));
+    Ok(())
+}
+
+/// The packages of `wanted` that dpkg does not report as installed.
+fn missing_packages(wanted: &[&str]) -> Result<Vec<String>> {
+    // Exits 1 when a package is unknown to dpkg; what it prints is still right.
+    let out = Command::new("dpkg-query")
+        .arg("-W")
+        .arg("-f=${Package}\t${Status}\n")
+        .args(wanted)
+        .stderr(std::process::Stdio::null())
+        .output()
+        .context("running dpkg-query")?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let installed: HashSet<&str> = stdout
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .filter(|(_, status)| status.ends_with(" ok installed"))
+        .map(|(pkg, _)| pkg.split(':').next().unwrap_or(pkg))
+        .collect();
+    Ok(wanted
+        .iter()
+        .filter(|p| !installed.contains(**p))
+        .map(|p| p.to_string())
+        .collect())
+}
+
+/// The compiler that builds the BPF crate: the rustup toolchain `debian` linked to /usr, or,
+/// without rustup, /usr itself.
+fn toolchain(rustup: bool) -> Result<()> {
+    let core = Path::new("/usr/lib/rustlib").join(BPF_TARGET).join("lib");
+    if !core.is_dir() {
+        bail!(
+            "{} is missing although libstd-rust-web-dev-bpf is installed",
+            core.display()
+        );
+    }
+    if !rustup {
+        let version = sh::capture(Command::new("/usr/bin/rustc").arg("--version"))
+            .context("/usr/bin/rustc --version failed")?;
+        println!(
+            "ok: no rustup: Debian's /usr/bin/cargo and {} build everything, \
+             with libcore for {BPF_TARGET}",
+            short(&version)
+        );
+        return Ok(());
+    }
+    let listed = sh::capture(Command::new("rustup").args(["toolchain", "list"]))
+        .context("`rustup toolchain list` failed")?;
+    let linked = listed
+        .lines()
+        .any(|l| l.split_whitespace().next() == Some(TOOLCHAIN));
+    if !linked {
+        println!("installing: rustup toolchain {TOOLCHAIN} -> /usr");
+        sh::run(Command::new("rustup").args(["toolchain", "link", TOOLCHAIN, "/usr"]))?;
+    }
+    let run = |args: &[&str]| {
+        sh::capture(Command::new("rustup").args(["run", TOOLCHAIN]).args(args))
+            .map(|s| s.trim().to_owned())
+    };
+    let sysroot = run(&["rustc", "--print", "sysroot"])
+        .with_context(|| format!("`rustup run {TOOLCHAIN} rustc` does not work"))?;
+    let has_core = Path::new(&sysroot)
+        .join("lib/rustlib")
+        .join(BPF_TARGET)
+        .join("lib")
+        .is_dir();
+    if !has_core {
+        bail!(
+            "rustup toolchain `{TOOLCHAIN}` points at {sysroot}, which has no libcore for \
+             {BPF_TARGET}; remove it (`rustup toolchain uninstall {TOOLCHAIN}`) and rerun setup"
+        );
+    }
+    let version = run(&["rustc", "--version"]).unwrap_or_default();
+    println!(
+        "ok: rustup toolchain {TOOLCHAIN} -> {sysroot} ({}, libcore for {BPF_TARGET})",
+        short(&version)
+    );
+    Ok(())
+}
+
+/// clippy and rustfmt for the cargo that `test` runs.
+fn clippy_fmt(rustup: bool) -> Result<()> {
+    let versions = || {
+        let clippy = sh::capture(sh::cargo().args(["clippy", "--version"]))?;
+        let fmt = sh::capture(sh::cargo().args(["fmt", "--version"]))?;
+        Some(format!("{}, {}", clippy.trim(), fmt.trim()))
+    };
+    if let Some(v) = versions() {
+        println!("ok: {v}");
+        return Ok(());
+    }
+    if !rustup {
+        // rust-web-clippy and rustfmt-web were installed with the apt packages.
+        bail!("`/usr/bin/cargo clippy` or `cargo fmt` does not work although rust-web-clippy and rustfmt-web are installed");
+    }
+    println!("installing: clippy and rustfmt (rustup component add)");
+    sh::run(Command::new("rustup").args(["component", "add", "clippy", "rustfmt"]))
+        .context("install clippy and rustfmt for the toolchain that runs cargo")?;
+    let v = versions().context("clippy or rustfmt still missing")?;
+    println!("ok: {v}");
+    Ok(())
+}
+
+fn bpf_linker_version() -> Option<String> {
+    let path = sh::which("bpf-linker")?;
+    let out = sh::capture(Command::new(&path).arg("--version"))?;
+    out.split_whitespace().nth(1).map(str::to_owned)
+}
+
+fn bpf_linker() -> Result<()> {
+    let found = bpf_linker_version();
+    if found.as_deref() == Some(BPF_LINKER_VERSION) {
+        println!("ok: bpf-linker {BPF_LINKER_VERSION}");
+        return Ok(());
+    }
+    let llvm_config = Path::new(LLVM_BIN).join("llvm-config");
+    if !llvm_config.exists() {
+        bail!(
+            "{} is missing although llvm-22-dev is installed",
+            llvm_config.display()
+        );
+    }
+    println!(
+        "installing: bpf-linker {BPF_LINKER_VERSION} for LLVM 22 (was: {}; cargo install, a minute or two)",
+        found.as_deref().unwrap_or("none")
+    );
+    let path = env::var_os("PATH").unwrap_or_default();
+    let path = env::join_paths(
+        std::iter::once(Path::new(LLVM_BIN).to_path_buf()).chain(env::split_paths(&path)),
+    )
+    .context("building PATH")?;
+    sh::run(
+        sh::cargo()
+            .args([
+                "install",
+                &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+                "--locked",
+                "--no-default-features",
+                "--features",
+                "llvm-22",
+            ])
+            .env("PATH", path),
+    )?;
+    // On a new machine ~/.cargo/bin may have just been made.
+    sh::prepare_env();
+    match bpf_linker_version() {
+        Some(v) if v == BPF_LINKER_VERSION => {
+            println!("ok: bpf-linker {BPF_LINKER_VERSION}");
+            Ok(())
+        }
+        other => bail!(
+            "installed bpf-linker {BPF_LINKER_VERSION} into {}, but the first bpf-linker on PATH ({}) says {}",
+            sh::cargo_bin_dir().display(),
+            sh::which("bpf-linker").map_or("none".into(), |p| p.display().to_string()),
+            other.as_deref().unwrap_or("nothing")
+        ),
+    }
+}
+
+fn tracefs() -> Result<()> {
+    let mounted = fs::read_to_string("/proc/self/mounts")
+        .context("reading /proc/self/mounts")?
+        .lines()
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(1) == Some(&TRACEFS) && f.get(2) == Some(&"tracefs")
+        });
+    if !mounted {
+        println!("installing: mount tracefs on {TRACEFS}");
+        sh::run(Command::new("mount").args(["-t", "tracefs", "tracefs", TRACEFS]))?;
+    }
+    println!("ok: tracefs on {TRACEFS}");
+    Ok(())
+}
+
+/// Facts setup cannot change; a warning, since the tests say what they need themselves.
+fn kernel() {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let release = release.trim();
+    let mut nums = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (nums.next().unwrap_or(0), nums.next().unwrap_or(0));
+    let btf = Path::new("/sys/kernel/btf/vmlinux").exists();
+    if (major, minor) < (5, 8) || !btf {
+        println!(
+            "warning: kernel {release}{}: xtlock needs 5.8 or newer with BTF (CONFIG_DEBUG_INFO_BTF)",
+            if btf { "" } else { " has no /sys/kernel/btf/vmlinux" }
+        );
+    } else {
+        println!("ok: kernel {release} with BTF");
+    }
+}
+
+/// "rustc 1.96.0 (ac68faa20 2026-05-25)" -> "rustc 1.96.0".
+fn short(version: &str) -> String {
+    version
+        .split_whitespace()
+        .take(2)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
