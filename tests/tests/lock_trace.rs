@@ -27,7 +27,9 @@ fn u(v: &Value) -> u64 {
         .unwrap_or_else(|| panic!("not an unsigned number: {v}"))
 }
 
-/// kube-proxy holds the lock 400 ms; calico-node runs `iptables-legacy -w` behind it.
+/// kube-proxy holds the lock 1 s; calico-node runs `iptables-legacy -w` behind it. The hold
+/// is long so iptables' own start-up (a few ms, counted in the test's timing of the wait)
+/// stays well inside the 5% tolerance even on a loaded CI machine.
 #[test]
 fn calico_waits_behind_kube_proxy() {
     if !require_bpf("calico_waits_behind_kube_proxy") {
@@ -39,9 +41,9 @@ fn calico_waits_behind_kube_proxy() {
     let lock_s = lock.to_str().unwrap();
     let kube_proxy = s.agent("kube-proxy");
     let calico = s.agent("calico-node");
-    let tracer = Tracer::start(&[&lock], Duration::from_secs(4), &[]);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(5), &[]);
 
-    let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "400"], &[], None);
+    let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "1000"], &[], None);
     let kp_acq = kp.ts("acquired", T);
     std::thread::sleep(Duration::from_millis(100));
     let mut cn = Agent::spawn(

@@ -15,7 +15,11 @@ fn init_logging(cli: &Cli) {
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     // Logs always go to stderr: stdout carries the trace (and JSON) only.
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let builder = fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     match cli.log_format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.with_target(false).init(),

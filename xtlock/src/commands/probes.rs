@@ -4,15 +4,11 @@ use std::io::Write;
 
 use anyhow::Context as _;
 
-use crate::{cli::ProbesArgs, lockfiles, probes};
+use crate::{cli::ProbesArgs, probes};
 
 pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
     probes::preflight::check()?;
-    let paths = lockfiles::requested_paths(
-        &args.locks.lock_files,
-        std::env::var("XTABLES_LOCKFILE").ok().as_deref(),
-    );
-    let locks = lockfiles::resolve_all(&paths)?;
+    let locks = super::resolve_locks(&args.locks)?;
     let p = probes::Probes::load(&probes::LoadOptions {
         locks: locks.clone(),
         ring_bytes: 1 << 20,
