@@ -3,6 +3,7 @@
 //! One pipeline serves every mode: a source (`source`) yields decoded events (`decode`), the
 //! analysis (`procs`, `attribution`, `lock`, `stats`, behind `analysis`) turns them into facts,
 //! and sinks (`sinks`) show them. `probes` loads and attaches the BPF programs.
+pub mod capture;
 pub mod cli;
 pub mod commands;
 pub mod decode;

@@ -1,0 +1,460 @@
+//! Byte layout of a capture file: constants, the file header, block headers and record
+//! encodings. `docs/capture-format.md` is the specification; this file must agree with it.
+//!
+//! Everything here is pure (bytes in, values out) so the writer and the reader share one
+//! definition of each layout, and nothing here panics on any input.
+
+use serde::{Deserialize, Serialize};
+
+use crate::decode::{Comm, ProcInfo};
+
+/// First 8 bytes of every capture.
+pub const MAGIC: [u8; 8] = *b"XTLKCAP\0";
+/// The format version this build writes, and the newest it reads.
+pub const FORMAT_VERSION: u16 = 1;
+/// Magic + version + header length: the fixed part before the header JSON.
+pub const FILE_PREFIX_LEN: usize = 14;
+/// A header JSON longer than this is damage, not a header.
+pub const MAX_HEADER_JSON: usize = 1 << 20;
+
+/// First 4 bytes of every block.
+pub const BLOCK_MAGIC: [u8; 4] = *b"XTLB";
+/// Fixed size of a block header.
+pub const BLOCK_HEADER_LEN: usize = 32;
+/// The writer seals a block once its records reach this many (uncompressed) bytes.
+pub const BLOCK_TARGET: usize = 64 << 10;
+/// Readers refuse blocks (stored or uncompressed) larger than this: a length past it is damage,
+/// and it bounds what a reader allocates.
+pub const MAX_BLOCK_LEN: usize = 16 << 20;
+/// Largest record body the writer accepts (a block then stays far below `MAX_BLOCK_LEN`).
+pub const MAX_RECORD_LEN: usize = 1 << 20;
+
+/// Block payload stored as is.
+pub const COMPRESSION_NONE: u8 = 0;
+/// Block payload compressed as one LZ4 block (no frame, no size prefix).
+pub const COMPRESSION_LZ4: u8 = 1;
+
+/// Record kinds.
+pub const KIND_KERNEL: u8 = 1;
+pub const KIND_PROC: u8 = 2;
+pub const KIND_LOST: u8 = 3;
+pub const KIND_END: u8 = 4;
+/// Kinds from here up must be understood: a reader that does not know one stops with an
+/// error instead of skipping it. Kinds below it that a reader does not know are skipped.
+pub const KIND_CRITICAL_MIN: u8 = 0x80;
+
+/// What the recorder knew when it started. JSON in the file, so fields can be added without a
+/// format version change: readers ignore fields they do not know and default missing ones.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CaptureHeader {
+    /// Version of the xtlock that wrote the capture.
+    pub xtlock_version: String,
+    pub hostname: String,
+    /// `uname -r` of the traced kernel.
+    pub kernel_release: String,
+    /// Wall-clock ns minus `CLOCK_MONOTONIC` ns when recording started: add it to an event's
+    /// `ts_ns` to get Unix-epoch nanoseconds.
+    pub boot_to_wall_offset_ns: i64,
+    /// Unix-epoch nanoseconds when recording started.
+    pub started_wall_ns: u64,
+    /// The lock files watched.
+    pub locks: Vec<CaptureLock>,
+    /// Every probe the recorder tried to attach, and how it went.
+    pub probes: Vec<CaptureProbe>,
+    /// Anything else; for additions that do not deserve a field yet.
+    pub extra: serde_json::Value,
+}
+
+impl CaptureHeader {
+    /// Unix-epoch nanoseconds of a kernel (`CLOCK_MONOTONIC`) timestamp of this capture.
+    pub fn wall_ns(&self, ts_ns: u64) -> i128 {
+        i128::from(ts_ns) + i128::from(self.boot_to_wall_offset_ns)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CaptureLock {
+    pub path: String,
+    /// Kernel encoding (`major << 20 | minor`), as lock events carry it.
+    pub dev: u32,
+    pub ino: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CaptureProbe {
+    /// BPF program name.
+    pub program: String,
+    /// Where it was attached (e.g. `filelock/flock_lock_inode`).
+    pub attach: String,
+    /// Why it did not attach; `None` when it did.
+    pub error: Option<String>,
+}
+
+/// The end-of-capture record: counts of everything written before it. Its presence means the
+/// recorder finished cleanly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Trailer {
+    pub kernel_events: u64,
+    pub proc_records: u64,
+    pub lost_records: u64,
+    /// Sum of the `count`s of the lost records.
+    pub lost_events: u64,
+    /// Blocks in the file, the one holding this trailer included.
+    pub blocks: u64,
+}
+
+/// The fixed-size header in front of each block's payload.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockHeader {
+    pub seq: u32,
+    pub records: u32,
+    pub raw_len: u32,
+    pub stored_len: u32,
+    pub compression: u8,
+    pub payload_crc: u32,
+}
+
+impl BlockHeader {
+    pub fn encode(&self) -> [u8; BLOCK_HEADER_LEN] {
+        let mut b = [0u8; BLOCK_HEADER_LEN];
+        b[0..4].copy_from_slice(&BLOCK_MAGIC);
+        b[4..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..12].copy_from_slice(&self.records.to_le_bytes());
+        b[12..16].copy_from_slice(&self.raw_len.to_le_bytes());
+        b[16..20].copy_from_slice(&self.stored_len.to_le_bytes());
+        b[20] = self.compression;
+        // 21..24 reserved, zero.
+        b[24..28].copy_from_slice(&self.payload_crc.to_le_bytes());
+        let crc = crc32fast::hash(&b[..28]);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// The stored header checksum and the one computed over bytes 0..28.
+    pub fn checksums(b: &[u8; BLOCK_HEADER_LEN]) -> (u32, u32) {
+        (le32(b, 28), crc32fast::hash(&b[..28]))
+    }
+
+    /// Fields of a header whose magic and checksum the caller has checked.
+    pub fn decode(b: &[u8; BLOCK_HEADER_LEN]) -> Self {
+        BlockHeader {
+            seq: le32(b, 4),
+            records: le32(b, 8),
+            raw_len: le32(b, 12),
+            stored_len: le32(b, 16),
+            compression: b[20],
+            payload_crc: le32(b, 24),
+        }
+    }
+}
+
+fn le32(b: &[u8; BLOCK_HEADER_LEN], at: usize) -> u32 {
+    let mut w = [0u8; 4];
+    w.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(w)
+}
+
+/// The file header: prefix, JSON, CRC32 of both.
+pub fn encode_file_header(header: &CaptureHeader) -> Result<Vec<u8>, serde_json::Error> {
+    let json = serde_json::to_vec(header)?;
+    let mut b = Vec::with_capacity(FILE_PREFIX_LEN + json.len() + 4);
+    b.extend_from_slice(&MAGIC);
+    b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    // The writer checks the length against MAX_HEADER_JSON (which fits a u32) before this
+    // matters; saturating keeps this function total.
+    b.extend_from_slice(&u32::try_from(json.len()).unwrap_or(u32::MAX).to_le_bytes());
+    b.extend_from_slice(&json);
+    let crc = crc32fast::hash(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    Ok(b)
+}
+
+/// LEB128: 7 bits a byte, low bits first, high bit set on all bytes but the last.
+#[inline]
+pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// Reads a varint at `*pos`, advancing it. `None` when it runs past `b` or past 64 bits.
+#[inline]
+pub fn get_varint(b: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut v: u64 = 0;
+    let mut shift = 0u32;
+    loop {
+        let byte = *b.get(*pos)?;
+        *pos += 1;
+        if shift == 63 && byte > 1 {
+            return None;
+        }
+        v |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(v);
+        }
+        shift += 7;
+        if shift > 63 {
+            return None;
+        }
+    }
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+/// A cursor over one record body. Every getter fails with a short reason instead of panicking.
+pub struct Body<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Body<'a> {
+    pub fn new(b: &'a [u8]) -> Self {
+        Body { b, pos: 0 }
+    }
+
+    pub fn varint(&mut self, what: &'static str) -> Result<u64, String> {
+        get_varint(self.b, &mut self.pos).ok_or_else(|| format!("{what}: bad or missing varint"))
+    }
+
+    fn u32(&mut self, what: &'static str) -> Result<u32, String> {
+        let v = self.varint(what)?;
+        u32::try_from(v).map_err(|_| format!("{what}: {v} does not fit 32 bits"))
+    }
+
+    fn bytes(&mut self, what: &'static str) -> Result<&'a [u8], String> {
+        let len = self.varint(what)?;
+        let left = self.b.len() - self.pos;
+        // Compared as u64 first: a damaged length must never become a huge slice or allocation.
+        if len > left as u64 {
+            return Err(format!(
+                "{what}: length {len} runs past the record's {left} remaining bytes"
+            ));
+        }
+        let s = &self.b[self.pos..self.pos + len as usize];
+        self.pos += len as usize;
+        Ok(s)
+    }
+
+    fn string(&mut self, what: &'static str) -> Result<String, String> {
+        // Writers store valid UTF-8; lossy keeps a reader total if one did not.
+        Ok(String::from_utf8_lossy(self.bytes(what)?).into_owned())
+    }
+
+    fn remaining(&self) -> usize {
+        self.b.len() - self.pos
+    }
+}
+
+/// Kind 2: `ts_ns, pid, ppid` varints, `comm` (length-prefixed, trailing NULs dropped),
+/// `argc` then each argument length-prefixed, `has_cgroup` (0/1) then the cgroup path.
+pub fn encode_proc(p: &ProcInfo, out: &mut Vec<u8>) {
+    put_varint(out, p.ts_ns);
+    put_varint(out, u64::from(p.pid));
+    put_varint(out, u64::from(p.ppid));
+    let comm_len = p.comm.0.iter().rposition(|&c| c != 0).map_or(0, |i| i + 1);
+    put_bytes(out, &p.comm.0[..comm_len]);
+    put_varint(out, p.argv.len() as u64);
+    for a in &p.argv {
+        put_bytes(out, a.as_bytes());
+    }
+    match &p.cgroup {
+        None => put_varint(out, 0),
+        Some(c) => {
+            put_varint(out, 1);
+            put_bytes(out, c.as_bytes());
+        }
+    }
+}
+
+pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
+    let mut r = Body::new(b);
+    let ts_ns = r.varint("ts_ns")?;
+    let pid = r.u32("pid")?;
+    let ppid = r.u32("ppid")?;
+    let c = r.bytes("comm")?;
+    let mut comm = Comm::default();
+    if c.len() > comm.0.len() {
+        return Err(format!(
+            "comm of {} bytes, at most {}",
+            c.len(),
+            comm.0.len()
+        ));
+    }
+    comm.0[..c.len()].copy_from_slice(c);
+    let argc = r.varint("argc")?;
+    // Each argument takes at least one byte: a count past that is damage, not a reason to
+    // reserve memory.
+    if argc > r.remaining() as u64 {
+        return Err(format!(
+            "argc {argc} exceeds the {} bytes left",
+            r.remaining()
+        ));
+    }
+    let mut argv = Vec::with_capacity(argc as usize);
+    for _ in 0..argc {
+        argv.push(r.string("argv")?);
+    }
+    let cgroup = match r.varint("has_cgroup")? {
+        0 => None,
+        1 => Some(r.string("cgroup")?),
+        v => return Err(format!("has_cgroup is {v}, expected 0 or 1")),
+    };
+    // Bytes left over are fields a newer writer added: ignored.
+    Ok(ProcInfo {
+        ts_ns,
+        pid,
+        ppid,
+        comm,
+        argv,
+        cgroup,
+    })
+}
+
+/// Kind 3: `ts_ns, count` varints.
+pub fn encode_lost(ts_ns: u64, count: u64, out: &mut Vec<u8>) {
+    put_varint(out, ts_ns);
+    put_varint(out, count);
+}
+
+pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
+    let mut r = Body::new(b);
+    Ok((r.varint("ts_ns")?, r.varint("count")?))
+}
+
+/// Kind 4: the `Trailer` fields as varints, in declaration order.
+pub fn encode_trailer(t: &Trailer, out: &mut Vec<u8>) {
+    for v in [
+        t.kernel_events,
+        t.proc_records,
+        t.lost_records,
+        t.lost_events,
+        t.blocks,
+    ] {
+        put_varint(out, v);
+    }
+}
+
+pub fn decode_trailer(b: &[u8]) -> Result<Trailer, String> {
+    let mut r = Body::new(b);
+    Ok(Trailer {
+        kernel_events: r.varint("kernel_events")?,
+        proc_records: r.varint("proc_records")?,
+        lost_records: r.varint("lost_records")?,
+        lost_events: r.varint("lost_events")?,
+        blocks: r.varint("blocks")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn varints() {
+        for v in [
+            0,
+            1,
+            127,
+            128,
+            300,
+            u64::from(u32::MAX),
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
+            let mut b = Vec::new();
+            put_varint(&mut b, v);
+            let mut pos = 0;
+            assert_eq!(get_varint(&b, &mut pos), Some(v));
+            assert_eq!(pos, b.len());
+            // Every strict prefix is incomplete.
+            for n in 0..b.len() {
+                let mut pos = 0;
+                assert_eq!(get_varint(&b[..n], &mut pos), None);
+            }
+        }
+        // Past 64 bits.
+        let mut pos = 0;
+        assert_eq!(get_varint(&[0xff; 10], &mut pos), None);
+        let mut pos = 0;
+        assert_eq!(
+            get_varint(
+                &[0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02],
+                &mut pos
+            ),
+            None
+        );
+    }
+
+    #[test]
+    fn block_header_layout() {
+        let h = BlockHeader {
+            seq: 7,
+            records: 3,
+            raw_len: 100,
+            stored_len: 60,
+            compression: COMPRESSION_LZ4,
+            payload_crc: 0xdead_beef,
+        };
+        let b = h.encode();
+        assert_eq!(&b[..4], b"XTLB");
+        assert_eq!(&b[4..8], &7u32.to_le_bytes());
+        assert_eq!(b[20], 1);
+        assert_eq!(&b[21..24], &[0, 0, 0]);
+        let (stored, computed) = BlockHeader::checksums(&b);
+        assert_eq!(stored, computed);
+        assert_eq!(BlockHeader::decode(&b), h);
+    }
+
+    #[test]
+    fn proc_encoding() {
+        let p = ProcInfo {
+            ts_ns: 123_456_789,
+            pid: 4242,
+            ppid: 1,
+            comm: Comm::new("iptables"),
+            argv: vec!["iptables".into(), "-w".into(), "".into()],
+            cgroup: Some("/kubepods.slice/x".into()),
+        };
+        let mut b = Vec::new();
+        encode_proc(&p, &mut b);
+        assert_eq!(decode_proc(&b), Ok(p.clone()));
+        // Trailing fields from a newer writer are ignored.
+        b.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(decode_proc(&b), Ok(p));
+        // A huge argc does not allocate.
+        let mut b = Vec::new();
+        for v in [1, 2, 3, 0, u64::MAX] {
+            put_varint(&mut b, v);
+        }
+        assert!(decode_proc(&b).is_err());
+    }
+
+    #[test]
+    fn file_header_layout() {
+        let h = CaptureHeader {
+            hostname: "node-1".into(),
+            ..Default::default()
+        };
+        let b = encode_file_header(&h).unwrap();
+        assert_eq!(&b[..8], b"XTLKCAP\0");
+        assert_eq!(&b[8..10], &[1, 0]);
+        let n = u32::from_le_bytes(b[10..14].try_into().unwrap()) as usize;
+        assert_eq!(b.len(), FILE_PREFIX_LEN + n + 4);
+        let crc = crc32fast::hash(&b[..FILE_PREFIX_LEN + n]);
+        assert_eq!(&b[FILE_PREFIX_LEN + n..], &crc.to_le_bytes());
+        let back: CaptureHeader = serde_json::from_slice(&b[14..14 + n]).unwrap();
+        assert_eq!(back, h);
+        // Unknown fields are ignored, missing ones defaulted.
+        let back: CaptureHeader =
+            serde_json::from_str(r#"{"hostname":"a","from_the_future":[1]}"#).unwrap();
+        assert_eq!(back.hostname, "a");
+    }
+}
