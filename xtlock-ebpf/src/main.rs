@@ -58,7 +58,8 @@ static FLOCK_INFLIGHT: LruHashMap<u32, probes::flock::FlockInflight> =
 
 /// argv read at `execve` entry, by thread id, until the exec succeeds.
 #[map]
-static EXEC_ARGS: LruHashMap<u32, probes::process::ExecArgs> = LruHashMap::with_max_entries(1024, 0);
+static EXEC_ARGS: LruHashMap<u32, probes::process::ExecArgs> =
+    LruHashMap::with_max_entries(1024, 0);
 
 /// Scratch space to build `ExecArgs` (too large for the BPF stack).
 #[map]

@@ -5,14 +5,9 @@
 //!
 //! Cost on unwatched files: a per-CPU write at syscall entry, one hash miss in the
 //! tracepoint, one LRU miss at syscall exit.
-use aya_ebpf::{
-    macros::tracepoint,
-    programs::TracePointContext,
-};
 use aya_ebpf::helpers::bpf_get_current_comm;
-use xtlock_common::{
-    EventKind, FlockCallEvent, LockEvent, LockKey, F_UNLCK,
-};
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use xtlock_common::{EventKind, FlockCallEvent, LockEvent, LockKey, F_UNLCK};
 
 use crate::{
     emit::{cfg, field, header, ids, now, output},

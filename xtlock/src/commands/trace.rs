@@ -95,7 +95,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
                     pipe.feed(&lost)?;
                 }
                 ticks += 1;
-                if ticks % 5 == 0 {
+                if ticks.is_multiple_of(5) {
                     watch_replaced_locks(&mut locks, &mut src.probes);
                 }
             }
