@@ -44,14 +44,32 @@ fn toolchain_ready() -> anyhow::Result<()> {
     if !ok(linker) {
         return Err(anyhow!("bpf-linker not on PATH"));
     }
-    let mut rustc = Command::new("rustup");
-    rustc.args(["run", TOOLCHAIN, "rustc", "--print", "sysroot"]);
+    // Without rustup, aya-build uses the current toolchain (Debian's /usr/bin/rustc).
+    let have_rustup = {
+        let mut r = Command::new("rustup");
+        r.arg("--version");
+        ok(r)
+    };
+    let mut rustc = if have_rustup {
+        let mut c = Command::new("rustup");
+        c.args(["run", TOOLCHAIN, "rustc"]);
+        c
+    } else {
+        Command::new("rustc")
+    };
+    rustc.args(["--print", "sysroot"]);
     let sysroot = rustc
         .output()
         .ok()
         .filter(|o| o.status.success())
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .ok_or_else(|| anyhow!("rustup toolchain `{TOOLCHAIN}` missing"))?;
+        .ok_or_else(|| {
+            if have_rustup {
+                anyhow!("rustup toolchain `{TOOLCHAIN}` missing")
+            } else {
+                anyhow!("no rustc on PATH")
+            }
+        })?;
     let core = PathBuf::from(sysroot).join("lib/rustlib/bpfel-unknown-none/lib");
     if !core.is_dir() {
         return Err(anyhow!(
