@@ -1,0 +1,1207 @@
+//! The analysis facade: decoded events in, [`Output`] facts out, plus the running
+//! [`Summary`]. Pure (no I/O, no clock): live tracing and replay of a capture go through
+//! the very same code.
+//!
+//! Hot path: lock events arrive at more than a million per second under load, so an event
+//! that produces no fact allocates nothing; strings are built only for emitted facts.
+
+use serde::Serialize;
+
+use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
+use crate::decode::{Event, ExecEvent, ExitEvent};
+use crate::lock::{is_locking_proc, Ctx, LockMachine};
+pub use crate::lock::{
+    FailedTryFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome, WatchedLock,
+};
+use crate::procs::{basename, ProcTable};
+use crate::stats::Stats;
+pub use crate::stats::Summary;
+
+/// One fact, serialised as one JSON Lines object tagged by `"type"`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Output {
+    Hold(HoldFact),
+    Wait(WaitFact),
+    FailedTry(FailedTryFact),
+    Timeout(TimeoutFact),
+    Exec(ExecFact),
+    Exit(ExitFact),
+    Lost(LostFact),
+}
+
+impl Output {
+    /// When it happened (the start, for holds and waits).
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Output::Hold(h) => h.start_ns,
+            Output::Wait(w) => w.start_ns,
+            Output::FailedTry(f) => f.ts_ns,
+            Output::Timeout(t) => t.ts_ns,
+            Output::Exec(e) => e.ts_ns,
+            Output::Exit(e) => e.ts_ns,
+            Output::Lost(l) => l.ts_ns,
+        }
+    }
+}
+
+/// An iptables-family binary was started.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExecFact {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub ppid: u32,
+    pub comm: String,
+    pub filename: String,
+    pub argv: Vec<String>,
+    pub argv_truncated: bool,
+    /// argv joined by spaces (`" ..."` appended when truncated).
+    pub cmdline: String,
+    /// The caller.
+    pub agent: String,
+    pub role: &'static str,
+    pub agent_pid: u32,
+    /// From the new process up to the oldest known ancestor.
+    pub chain: Vec<ChainLink>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+}
+
+/// An iptables-family process ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExitFact {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub comm: String,
+    /// Exit status; `None` (JSON null) when killed by a signal.
+    pub code: Option<i32>,
+    pub agent: String,
+    pub role: &'static str,
+    /// Since its exec, when that was seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtime_ns: Option<u64>,
+    /// Status 4 after lock trouble: a [`TimeoutFact`] was emitted just before.
+    pub lock_timeout: bool,
+}
+
+/// The kernel dropped events (ring buffer full).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LostFact {
+    pub ts_ns: u64,
+    pub count: u64,
+    /// Lost since tracing began.
+    pub total: u64,
+}
+
+/// Process table, attribution, lock state machine and statistics behind one call.
+#[derive(Debug)]
+pub struct Analyzer {
+    procs: ProcTable,
+    attr: Attributor,
+    locks: LockMachine,
+    stats: Stats,
+}
+
+impl Analyzer {
+    pub fn new(locks: Vec<WatchedLock>) -> Self {
+        Analyzer {
+            procs: ProcTable::new(),
+            attr: Attributor::new(),
+            locks: LockMachine::new(locks),
+            stats: Stats::new(),
+        }
+    }
+
+    /// Feeds one event; facts it settles go to `out`, in order.
+    pub fn process(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
+        self.stats.observe(ev.ts_ns());
+        let lost_before = self.stats.lost_events();
+        let stats = &mut self.stats;
+        let mut emit = |o: Output| {
+            stats.record(&o);
+            out(o);
+        };
+        match ev {
+            Event::Exit(e) => {
+                // Waits and timeouts first, while the process still looks alive.
+                let is_tool = is_locking_proc(&self.procs, e.tgid, &e.comm);
+                let mut cx = Ctx {
+                    procs: &self.procs,
+                    attr: &mut self.attr,
+                };
+                let timeout = self.locks.on_exit(e, is_tool, &mut cx, &mut emit);
+                if e.tid == e.tgid {
+                    if let Some(f) = exit_fact(&self.procs, &mut self.attr, e, timeout) {
+                        emit(Output::Exit(f));
+                    }
+                }
+                self.procs.apply(ev);
+            }
+            Event::Exec(e) => {
+                self.procs.apply(ev);
+                if let Some(f) = exec_fact(&self.procs, &mut self.attr, e) {
+                    emit(Output::Exec(f));
+                }
+            }
+            Event::Lost { ts_ns, count } => {
+                tracing::debug!(count, "kernel lost events: ring buffer full");
+                let total = lost_before.saturating_add(*count);
+                emit(Output::Lost(LostFact {
+                    ts_ns: *ts_ns,
+                    count: *count,
+                    total,
+                }));
+                let mut cx = Ctx {
+                    procs: &self.procs,
+                    attr: &mut self.attr,
+                };
+                self.locks.handle(ev, &mut cx, &mut emit);
+            }
+            _ => {
+                self.procs.apply(ev);
+                let mut cx = Ctx {
+                    procs: &self.procs,
+                    attr: &mut self.attr,
+                };
+                self.locks.handle(ev, &mut cx, &mut emit);
+            }
+        }
+    }
+
+    /// Convenience for tests and small tools: the facts of one event.
+    pub fn process_collect(&mut self, ev: &Event) -> Vec<Output> {
+        let mut v = Vec::new();
+        self.process(ev, &mut |o| v.push(o));
+        v
+    }
+
+    /// End of tracing at `ts_ns`: reports what is still open (holds still held, waits
+    /// still waiting) instead of dropping it.
+    pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        let stats = &mut self.stats;
+        let mut emit = |o: Output| {
+            stats.record(&o);
+            out(o);
+        };
+        let mut cx = Ctx {
+            procs: &self.procs,
+            attr: &mut self.attr,
+        };
+        self.locks.finish(ts_ns, &mut cx, &mut emit);
+    }
+
+    pub fn summary(&self) -> Summary {
+        self.stats.summary(self.locks.locks())
+    }
+
+    /// Watched locks, configured ones first, then any first seen in events.
+    pub fn locks(&self) -> Vec<WatchedLock> {
+        self.locks.locks().cloned().collect()
+    }
+
+    pub fn procs(&self) -> &ProcTable {
+        &self.procs
+    }
+
+    /// Time of the earliest event seen.
+    pub fn first_ts_ns(&self) -> Option<u64> {
+        self.stats.first_ts_ns()
+    }
+}
+
+fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<ExecFact> {
+    let comm = e.comm.as_str();
+    if !is_xtables_tool(&comm) && !is_xtables_tool(basename(&e.filename)) {
+        return None;
+    }
+    let who = attr.get(procs, e.tgid, &e.comm);
+    Some(ExecFact {
+        ts_ns: e.ts_ns,
+        pid: e.tgid,
+        ppid: procs.get(e.tgid).map_or(0, |p| p.ppid),
+        comm: comm.into_owned(),
+        filename: e.filename.clone(),
+        argv: e.argv.clone(),
+        argv_truncated: e.argv_truncated,
+        cmdline: who.cmdline.clone(),
+        agent: who.agent.clone(),
+        role: who.role,
+        agent_pid: who.agent_pid,
+        chain: who.chain.clone(),
+        pod_uid: who.pod_uid.clone(),
+        container_id: who.container_id.clone(),
+    })
+}
+
+fn exit_fact(
+    procs: &ProcTable,
+    attr: &mut Attributor,
+    e: &ExitEvent,
+    lock_timeout: bool,
+) -> Option<ExitFact> {
+    let p = procs.get(e.tgid).filter(|p| p.is_alive());
+    let tool = crate::attribution::is_xtables_tool(&e.comm.as_str())
+        || p.is_some_and(|p| is_xtables_tool(&p.comm.as_str()) || is_xtables_tool(p.exe_name()));
+    if !tool {
+        return None;
+    }
+    let who = attr.get(procs, e.tgid, &e.comm);
+    Some(ExitFact {
+        ts_ns: e.ts_ns,
+        pid: e.tgid,
+        comm: who.comm.clone(),
+        code: e.exit_code,
+        agent: who.agent.clone(),
+        role: who.role,
+        runtime_ns: p.and_then(|p| p.exec_ns).map(|x| e.ts_ns.saturating_sub(x)),
+        lock_timeout,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::{Comm, FlockCallEvent, LockEvent, LockOp, TableReplaceEvent};
+    use crate::procs::tests::{exec, exit, fork, seed};
+
+    const DEV: u32 = 25; // 0:25
+    const INO: u64 = 4242;
+    const LOCK: &str = "/run/xtables.lock";
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000_000_000;
+
+    fn lock_ev(ts: u64, pid: u32, comm: &str, owner: u64, op: LockOp, nb: bool) -> Event {
+        Event::Lock(LockEvent {
+            ts_ns: ts,
+            tgid: pid,
+            tid: pid,
+            comm: Comm::new(comm),
+            owner,
+            dev: DEV,
+            ino: INO,
+            op,
+            nonblocking: nb,
+        })
+    }
+    fn acq(ts: u64, pid: u32, comm: &str, owner: u64) -> Event {
+        lock_ev(
+            ts,
+            pid,
+            comm,
+            owner,
+            LockOp::Acquired { exclusive: true },
+            false,
+        )
+    }
+    fn acq_nb(ts: u64, pid: u32, comm: &str, owner: u64) -> Event {
+        lock_ev(
+            ts,
+            pid,
+            comm,
+            owner,
+            LockOp::Acquired { exclusive: true },
+            true,
+        )
+    }
+    fn defer(ts: u64, pid: u32, comm: &str, owner: u64) -> Event {
+        lock_ev(ts, pid, comm, owner, LockOp::Deferred, false)
+    }
+    fn fail(ts: u64, pid: u32, comm: &str, owner: u64) -> Event {
+        lock_ev(ts, pid, comm, owner, LockOp::Failed { errno: 11 }, true)
+    }
+    fn rel(ts: u64, pid: u32, comm: &str, owner: u64) -> Event {
+        lock_ev(ts, pid, comm, owner, LockOp::Released, false)
+    }
+    fn call(ts: u64, enter: u64, pid: u32, owner: u64, ret: i64) -> Event {
+        Event::FlockCall(FlockCallEvent {
+            ts_ns: ts,
+            enter_ns: enter,
+            tgid: pid,
+            tid: pid,
+            owner,
+            dev: DEV,
+            ino: INO,
+            ret,
+            cmd: Some(2),
+        })
+    }
+    fn replace(ts: u64, enter: u64, pid: u32) -> Event {
+        Event::TableReplace(TableReplaceEvent {
+            ts_ns: ts,
+            enter_ns: enter,
+            tgid: pid,
+            tid: pid,
+            level: 0,
+            optname: 64,
+            optlen: 1000,
+            ret: 0,
+        })
+    }
+
+    /// An analyzer that keeps what it said.
+    struct Run {
+        a: Analyzer,
+        out: Vec<Output>,
+    }
+
+    impl Run {
+        fn new() -> Self {
+            Run {
+                a: Analyzer::new(vec![WatchedLock::new(LOCK, DEV, INO)]),
+                out: Vec::new(),
+            }
+        }
+        fn feed(&mut self, evs: &[Event]) -> &mut Self {
+            for ev in evs {
+                self.a.process(ev, &mut |o| self.out.push(o));
+            }
+            self
+        }
+        fn finish(&mut self, ts: u64) -> &mut Self {
+            self.a.finish(ts, &mut |o| self.out.push(o));
+            self
+        }
+        fn holds(&self) -> Vec<&HoldFact> {
+            self.out
+                .iter()
+                .filter_map(|o| match o {
+                    Output::Hold(h) => Some(h),
+                    _ => None,
+                })
+                .collect()
+        }
+        fn waits(&self) -> Vec<&WaitFact> {
+            self.out
+                .iter()
+                .filter_map(|o| match o {
+                    Output::Wait(w) => Some(w),
+                    _ => None,
+                })
+                .collect()
+        }
+        fn timeouts(&self) -> Vec<&TimeoutFact> {
+            self.out
+                .iter()
+                .filter_map(|o| match o {
+                    Output::Timeout(t) => Some(t),
+                    _ => None,
+                })
+                .collect()
+        }
+        fn failed(&self) -> usize {
+            self.out
+                .iter()
+                .filter(|o| matches!(o, Output::FailedTry(_)))
+                .count()
+        }
+    }
+
+    /// systemd(1) -> kube-proxy(100); systemd -> calico-node(40); systemd -> firewalld(60).
+    fn node() -> Vec<Event> {
+        vec![
+            seed(0, 1, 0, "systemd", Some("0::/init.scope")),
+            seed(0, 100, 1, "kube-proxy", None),
+            seed(0, 40, 1, "calico-node", None),
+            seed(0, 60, 1, "firewalld", None),
+        ]
+    }
+
+    /// `parent` runs `argv` as `pid` at `ts`.
+    fn spawn(ts: u64, parent: u32, pid: u32, parent_comm: &str, argv: &[&str]) -> Vec<Event> {
+        vec![
+            fork(ts, parent, pid, parent_comm),
+            exec(ts + 1, pid, &format!("/usr/sbin/{}", argv[0]), argv),
+        ]
+    }
+
+    const RESTORE: &[&str] = &["iptables-restore", "-w", "5", "--noflush", "--counters"];
+
+    #[test]
+    fn release_by_close_from_another_pid() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                // flock() again on a description that holds it: the same hold.
+                acq(120, 200, "iptables-restor", 0xA),
+                // close() by someone else holding no lock: ignored.
+                rel(150, 999, "cat", 0xB),
+                // The last reference dropped by another pid (delayed fput).
+                rel(100 + 312 * MS, 7, "kworker/0:1", 0xA),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1, "{:?}", r.out);
+        let h = h[0];
+        assert_eq!((h.pid, h.hold_ns, h.start_ns), (200, 312 * MS, 100));
+        assert_eq!(h.released_by, Some(7));
+        assert_eq!((h.agent.as_str(), h.role), ("kube-proxy", "proxy"));
+        assert_eq!(h.comm, "iptables-restor");
+        assert_eq!(h.cmdline, "iptables-restore -w 5 --noflush --counters");
+        assert!(!h.open && !h.incomplete);
+    }
+
+    #[test]
+    fn forked_child_inherits_the_lock() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                fork(200, 200, 201, "iptables-restor"),
+                exit(300, 200, "iptables-restor", Some(0)),
+                // The parent's exit closes its fd, but the child still has the description.
+                rel(301, 200, "iptables-restor", 0xC),
+                // Long after any grace period: the child still holds it.
+                replace(5 * S, 5 * S - 10, 999),
+            ]);
+        assert!(r.holds().is_empty(), "{:?}", r.out);
+        r.feed(&[rel(6 * S, 201, "iptables-restor", 0xA)]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1);
+        assert_eq!((h[0].pid, h[0].hold_ns), (200, 6 * S - 100));
+        assert_eq!(h[0].released_by, Some(201));
+        assert!(!h[0].incomplete);
+    }
+
+    #[test]
+    fn several_holds_per_restore_exec() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[
+                // *filter ... COMMIT: same description locked again after a release.
+                acq(100, 200, "iptables-restor", 0xA),
+                replace(100 + 30 * MS, 100 + 10 * MS, 200),
+                replace(100 + 50 * MS, 100 + 45 * MS, 200),
+                rel(100 + 60 * MS, 200, "iptables-restor", 0xA),
+                acq(S, 200, "iptables-restor", 0xA),
+                rel(S + 5 * MS, 200, "iptables-restor", 0xA),
+                // *nat with a fresh open().
+                acq(2 * S, 200, "iptables-restor", 0xB),
+                rel(2 * S + 7 * MS, 200, "iptables-restor", 0xB),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 3);
+        assert_eq!(
+            h.iter().map(|h| h.hold_ns).collect::<Vec<_>>(),
+            [60 * MS, 5 * MS, 7 * MS]
+        );
+        assert_eq!((h[0].kernel_ns, h[0].replaces), (25 * MS, 2));
+        assert_eq!((h[1].kernel_ns, h[1].replaces), (0, 0));
+        assert!(h.iter().all(|h| h.agent == "kube-proxy"));
+        assert_eq!(r.a.summary().holds["kube-proxy"].count, 3);
+    }
+
+    #[test]
+    fn go_style_poll_is_one_wait_and_counted_tries() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&[seed(0, 500, 1, "portmap", None)])
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[acq(100, 200, "iptables-restor", 0xA)]);
+        for i in 0..5 {
+            let ts = S + i * 200 * MS;
+            r.feed(&[
+                fail(ts, 500, "portmap", 0xD),
+                call(ts + 1, ts - 10, 500, 0xD, -11),
+            ]);
+        }
+        r.feed(&[
+            rel(2 * S, 200, "iptables-restor", 0xA),
+            acq_nb(2 * S + 100 * MS, 500, "portmap", 0xD),
+            rel(2 * S + 101 * MS, 500, "portmap", 0xD),
+        ]);
+        assert_eq!(r.failed(), 5);
+        let w = r.waits();
+        assert_eq!(w.len(), 1, "{:?}", r.out);
+        let w = w[0];
+        assert_eq!(
+            (w.mode, w.outcome, w.tries),
+            (WaitMode::Poll, WaitOutcome::Acquired, 5)
+        );
+        assert_eq!((w.start_ns, w.wait_ns), (S, S + 100 * MS));
+        assert_eq!((w.agent.as_str(), w.role), ("portmap", "cni"));
+        assert_eq!(w.holders.len(), 1);
+        assert_eq!(
+            (w.holders[0].pid, w.holders[0].agent.as_str()),
+            (200, "kube-proxy")
+        );
+        let s = r.a.summary();
+        assert_eq!(s.failed_tries["portmap"], 5);
+        assert_eq!(s.waits["portmap"].count, 1);
+        assert_eq!(r.holds().len(), 2);
+        // A success with no failure before it is no wait at all.
+        r.feed(&[
+            acq_nb(3 * S, 500, "portmap", 0xD),
+            rel(3 * S + 1, 500, "portmap", 0xD),
+        ]);
+        assert_eq!(r.waits().len(), 1);
+    }
+
+    #[test]
+    fn recycled_pid_gets_the_new_agent() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                rel(200, 200, "iptables-restor", 0xA),
+                exit(300, 200, "iptables-restor", Some(0)),
+            ])
+            .feed(&spawn(
+                400,
+                40,
+                200,
+                "calico-node",
+                &["iptables-legacy", "-w", "-A", "X"],
+            ))
+            .feed(&[
+                acq(500, 200, "iptables-legacy", 0xB),
+                rel(600, 200, "iptables-legacy", 0xB),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[0].agent, "kube-proxy");
+        assert_eq!((h[1].agent.as_str(), h[1].role), ("calico-node", "cni"));
+        assert_eq!(h[1].cmdline, "iptables-legacy -w -A X");
+    }
+
+    #[test]
+    fn lost_events_do_not_produce_nonsense() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[
+                Event::Lost {
+                    ts_ns: 50,
+                    count: 3,
+                },
+                // Its acquire was lost: the release alone is no hold.
+                rel(60, 200, "iptables-restor", 0xA),
+                call(61, 55, 200, 0xA, 0),
+            ]);
+        assert!(r.holds().is_empty());
+        assert!(r.waits().is_empty());
+        // A hold whose release is lost ends when its process exits.
+        r.feed(&[
+            acq(100, 200, "iptables-restor", 0xB),
+            Event::Lost {
+                ts_ns: 150,
+                count: 1,
+            },
+            exit(200 * MS, 200, "iptables-restor", Some(0)),
+        ]);
+        assert!(r.holds().is_empty(), "the release may still come");
+        r.feed(&[replace(2 * S, 2 * S, 999)]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].hold_ns, 200 * MS - 100);
+        assert!(h[0].incomplete && !h[0].open);
+        // Its late release is then ignored.
+        r.feed(&[rel(3 * S, 200, "iptables-restor", 0xB)]);
+        assert_eq!(r.holds().len(), 1);
+        // A daemon re-locking through the same description after a loss: the release in
+        // between was lost, this is a new hold.
+        r.feed(&[
+            acq(4 * S, 40, "calico-node", 0xD),
+            Event::Lost {
+                ts_ns: 4 * S + 1,
+                count: 2,
+            },
+            acq(5 * S, 40, "calico-node", 0xD),
+            rel(5 * S + 10, 40, "calico-node", 0xD),
+        ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 3);
+        assert_eq!((h[1].hold_ns, h[1].incomplete), (S, true));
+        assert_eq!((h[2].hold_ns, h[2].incomplete), (10, false));
+        let lost: Vec<u64> = r
+            .out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Lost(l) => Some(l.total),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(lost, [3, 4, 6]);
+        assert_eq!(r.a.summary().lost_events, 6);
+    }
+
+    #[test]
+    fn release_after_exit_is_the_real_end() {
+        // The kernel closes files after the exit tracepoint: the release follows the exit.
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                exit(1000, 200, "iptables-restor", Some(0)),
+                rel(1010, 200, "iptables-restor", 0xA),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].hold_ns, 910);
+        assert!(!h[0].incomplete);
+    }
+
+    #[test]
+    fn wait_behind_two_successive_holders() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&spawn(
+                10,
+                60,
+                300,
+                "firewalld",
+                &["iptables", "-w", "-I", "INPUT"],
+            ))
+            .feed(&spawn(
+                10,
+                40,
+                400,
+                "calico-node",
+                &["iptables", "-w", "5", "-A", "cali"],
+            ))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                defer(200, 400, "iptables", 0xC),
+                defer(201, 300, "iptables", 0xB),
+                rel(S, 200, "iptables-restor", 0xA),
+                // firewalld's iptables wins the race.
+                acq(S + 10, 300, "iptables", 0xB),
+                defer(S + 20, 400, "iptables", 0xC), // woken, beaten, deferred again
+                call(S + 30, 195, 300, 0xB, 0),
+                rel(2 * S, 300, "iptables", 0xB),
+                acq(2 * S + 10, 400, "iptables", 0xC),
+                call(2 * S + 20, 190, 400, 0xC, 0),
+                rel(2 * S + 50, 400, "iptables", 0xC),
+            ]);
+        let w = r.waits();
+        assert_eq!(w.len(), 2, "{:?}", r.out);
+        let fw = w.iter().find(|w| w.pid == 300).unwrap();
+        assert_eq!((fw.agent.as_str(), fw.role), ("firewalld", "firewall"));
+        assert_eq!(fw.start_ns, 195, "syscall entry before the deferral");
+        assert_eq!(fw.wait_ns, S + 10 - 195);
+        assert_eq!(fw.holders.iter().map(|h| h.pid).collect::<Vec<_>>(), [200]);
+        let cal = w.iter().find(|w| w.pid == 400).unwrap();
+        assert_eq!(cal.agent, "calico-node");
+        assert_eq!(
+            (cal.outcome, cal.mode),
+            (WaitOutcome::Acquired, WaitMode::Blocking)
+        );
+        assert_eq!((cal.start_ns, cal.wait_ns), (190, 2 * S + 10 - 190));
+        let holders: Vec<(u32, &str)> = cal
+            .holders
+            .iter()
+            .map(|h| (h.pid, h.agent.as_str()))
+            .collect();
+        assert_eq!(holders, [(200, "kube-proxy"), (300, "firewalld")]);
+        assert_eq!(cal.holders[1].cmdline, "iptables -w -I INPUT");
+        // Contention: calico-node waited behind both agents, once each.
+        let s = r.a.summary();
+        let cells: Vec<(&str, &str, u64)> = s
+            .contention
+            .iter()
+            .map(|c| (c.waiter.as_str(), c.holder.as_str(), c.count))
+            .collect();
+        assert_eq!(
+            cells,
+            [
+                ("calico-node", "firewalld", 1),
+                ("calico-node", "kube-proxy", 1),
+                ("firewalld", "kube-proxy", 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn acquire_seen_before_the_release_of_the_previous_holder() {
+        // The tracepoint fires after the spinlock is dropped: the order can flip.
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&spawn(10, 40, 400, "calico-node", &["iptables", "-w"]))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                defer(200, 400, "iptables", 0xC),
+                acq(S, 400, "iptables", 0xC),
+                rel(S + 5, 200, "iptables-restor", 0xA),
+                call(S + 10, 150, 400, 0xC, 0),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1);
+        assert_eq!(h[0].hold_ns, S - 100, "clamped to the next acquire");
+        assert!(!h[0].incomplete);
+        let w = r.waits();
+        assert_eq!(w.len(), 1);
+        assert_eq!(w[0].holders[0].pid, 200);
+        // And if a release never comes, the hold still ends (inferred): 400 never released
+        // 0xC, 200 never releases 0xE.
+        r.feed(&[
+            acq(2 * S, 200, "iptables-restor", 0xE),
+            acq(3 * S, 400, "iptables", 0xF),
+            replace(5 * S, 5 * S, 1),
+        ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 3, "{h:?}");
+        assert_eq!((h[1].pid, h[1].hold_ns, h[1].incomplete), (400, S, true));
+        assert_eq!((h[2].pid, h[2].hold_ns, h[2].incomplete), (200, S, true));
+    }
+
+    #[test]
+    fn iptables_wait_timeout() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&spawn(
+                20,
+                40,
+                41,
+                "calico-node",
+                &["sh", "-c", "iptables -w 5 -A X"],
+            ))
+            .feed(&spawn(
+                30,
+                41,
+                42,
+                "sh",
+                &["iptables-legacy", "-w", "5", "-A", "X"],
+            ))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                defer(S, 42, "iptables-legacy", 0xC),
+                call(6 * S, S - 50, 42, 0xC, -4),
+                exit(6 * S + 10, 42, "iptables-legacy", Some(4)),
+                rel(6 * S + 20, 42, "iptables-legacy", 0xC), // its close: not a hold
+            ]);
+        let w = r.waits();
+        assert_eq!(w.len(), 1);
+        let w = w[0];
+        assert_eq!((w.outcome, w.ret), (WaitOutcome::TimedOut, Some(-4)));
+        assert_eq!((w.start_ns, w.wait_ns), (S - 50, 5 * S + 50));
+        assert_eq!(w.agent, "calico-node");
+        let t = r.timeouts();
+        assert_eq!(t.len(), 1);
+        let t = t[0];
+        assert_eq!(
+            (t.pid, t.agent.as_str(), t.role),
+            (42, "calico-node", "cni")
+        );
+        assert_eq!(t.agent_pid, 40, "the agent behind the shell");
+        assert_eq!(t.waited_ns, 5 * S + 50);
+        assert_eq!(t.holders[0].agent, "kube-proxy");
+        let exits: Vec<&ExitFact> = r
+            .out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Exit(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(exits.len(), 1);
+        assert!(exits[0].lock_timeout);
+        assert_eq!(exits[0].code, Some(4));
+        assert_eq!(exits[0].runtime_ns, Some(6 * S + 10 - 31));
+        let s = r.a.summary();
+        assert_eq!(s.timeouts["calico-node"], 1);
+        assert_eq!(s.wait_outcomes["timed_out"], 1);
+        assert!(r.holds().is_empty());
+    }
+
+    #[test]
+    fn timeout_by_erestartsys_and_without_syscall_return() {
+        // -ERESTARTSYS, and a run where the syscall-exit probe is missing altogether.
+        for with_call in [true, false] {
+            let mut r = Run::new();
+            r.feed(&node())
+                .feed(&spawn(20, 40, 41, "calico-node", &["iptables", "-w", "2"]))
+                .feed(&[
+                    acq(100, 1234, "kube-proxy", 0xA),
+                    defer(S, 41, "iptables", 0xC),
+                ]);
+            if with_call {
+                r.feed(&[call(3 * S, S, 41, 0xC, -512)]);
+            }
+            r.feed(&[exit(3 * S + 1, 41, "iptables", Some(4))]);
+            let w = r.waits();
+            assert_eq!(w.len(), 1);
+            assert_eq!(w[0].outcome, WaitOutcome::TimedOut);
+            assert_eq!(r.timeouts().len(), 1);
+            assert_eq!(r.timeouts()[0].holders[0].agent, "kube-proxy");
+        }
+    }
+
+    #[test]
+    fn no_wait_option_fails_once_and_exits_4() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&spawn(20, 60, 61, "firewalld", &["iptables", "-A", "IN"]))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                fail(S, 61, "iptables", 0xC),
+                call(S + 1, S - 5, 61, 0xC, -11),
+                exit(S + 100, 61, "iptables", Some(4)),
+            ]);
+        assert_eq!(r.failed(), 1);
+        assert!(r.waits().is_empty(), "a single try is not a wait");
+        let t = r.timeouts();
+        assert_eq!(t.len(), 1);
+        assert_eq!((t[0].agent.as_str(), t[0].tries), ("firewalld", 1));
+        assert_eq!(t[0].holders[0].pid, 200);
+    }
+
+    #[test]
+    fn exit_4_without_lock_trouble_is_not_a_lock_timeout() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&[exit(S, 200, "iptables-restor", Some(4))]);
+        assert!(r.timeouts().is_empty());
+        let s = r.a.summary();
+        assert!(s.timeouts.is_empty());
+        assert_eq!(s.exit4_without_lock["kube-proxy"], 1);
+        assert_eq!(s.execs["kube-proxy"], 1);
+    }
+
+    #[test]
+    fn abandoned_wait_and_old_style_poll_timeout() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(20, 40, 41, "calico-node", &["iptables", "-w"]))
+            .feed(&spawn(
+                20,
+                60,
+                61,
+                "firewalld",
+                &["iptables", "-w", "5", "-W", "100000"],
+            ))
+            .feed(&[
+                acq(100, 1234, "kube-proxy", 0xA),
+                defer(S, 41, "iptables", 0xC),
+            ]);
+        // Old iptables: LOCK_NB every -W µs, then exit 4.
+        for i in 0..50 {
+            r.feed(&[fail(S + i * 100 * MS, 61, "iptables", 0xE)]);
+        }
+        r.feed(&[
+            exit(6 * S, 61, "iptables", Some(4)),
+            exit(7 * S, 41, "iptables", None), // SIGKILL while blocked
+        ]);
+        let w = r.waits();
+        assert_eq!(w.len(), 2);
+        assert_eq!(
+            (w[0].pid, w[0].mode, w[0].outcome),
+            (61, WaitMode::Poll, WaitOutcome::TimedOut)
+        );
+        assert_eq!((w[0].tries, w[0].wait_ns), (50, 49 * 100 * MS));
+        assert_eq!(
+            (w[1].pid, w[1].outcome, w[1].wait_ns),
+            (41, WaitOutcome::Abandoned, 6 * S)
+        );
+        assert_eq!(r.timeouts().len(), 1);
+        assert_eq!(r.timeouts()[0].tries, 50);
+    }
+
+    #[test]
+    fn shell_then_restore_is_attributed_to_kube_proxy() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(
+                10,
+                100,
+                150,
+                "kube-proxy",
+                &["sh", "-c", "iptables-restore"],
+            ))
+            .feed(&spawn(20, 150, 151, "sh", RESTORE))
+            .feed(&[
+                acq(100, 151, "iptables-restor", 0xA),
+                rel(200, 151, "iptables-restor", 0xA),
+            ]);
+        let h = r.holds();
+        assert_eq!(
+            (h[0].agent.as_str(), h[0].role, h[0].agent_pid),
+            ("kube-proxy", "proxy", 100)
+        );
+        let execs: Vec<&ExecFact> = r
+            .out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Exec(e) => Some(e),
+                _ => None,
+            })
+            .collect();
+        // `sh` is not an iptables binary: one exec shown.
+        assert_eq!(execs.len(), 1);
+        assert_eq!(execs[0].agent, "kube-proxy");
+        assert_eq!(
+            execs[0].chain.iter().map(|l| l.pid).collect::<Vec<_>>(),
+            [151, 150, 100, 1]
+        );
+    }
+
+    #[test]
+    fn finish_reports_what_is_still_open() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&[
+                acq(100, 100, "kube-proxy", 0xA),
+                defer(S, 40, "calico-node", 0xC),
+                fail(S, 60, "firewalld", 0xD),
+            ])
+            .finish(10 * S);
+        let h = r.holds();
+        assert_eq!(h.len(), 1);
+        assert!(h[0].open);
+        assert_eq!(h[0].hold_ns, 10 * S - 100);
+        let w = r.waits();
+        assert_eq!(w.len(), 2);
+        assert!(w.iter().all(|w| w.outcome == WaitOutcome::Open));
+        let blocking = w.iter().find(|w| w.mode == WaitMode::Blocking).unwrap();
+        assert_eq!(blocking.wait_ns, 9 * S);
+        assert_eq!(blocking.holders[0].agent, "kube-proxy");
+        assert_eq!(r.a.summary().wait_outcomes["open"], 2);
+    }
+
+    #[test]
+    fn summary_percentiles_and_contention() {
+        let mut r = Run::new();
+        r.feed(&node());
+        // kube-proxy holds 1..=100 ms; firewalld holds 500 ms once.
+        let mut ts = S;
+        for i in 1..=100u64 {
+            r.feed(&[
+                acq(ts, 100, "kube-proxy", i),
+                rel(ts + i * MS, 100, "kube-proxy", i),
+            ]);
+            ts += S;
+        }
+        r.feed(&[
+            acq(ts, 60, "firewalld", 0xF),
+            defer(ts + 1, 40, "calico-node", 0xC),
+            rel(ts + 500 * MS, 60, "firewalld", 0xF),
+            acq(ts + 500 * MS + 1, 100, "kube-proxy", 0x1000),
+            rel(ts + 700 * MS, 100, "kube-proxy", 0x1000),
+            acq(ts + 700 * MS + 1, 40, "calico-node", 0xC),
+            call(ts + 700 * MS + 2, ts, 40, 0xC, 0),
+            rel(ts + 800 * MS, 40, "calico-node", 0xC),
+        ]);
+        let s = r.a.summary();
+        let kp = &s.holds["kube-proxy"];
+        assert_eq!(kp.count, 101);
+        assert!(
+            (50 * MS - 100_000..=51 * MS + 100_000).contains(&kp.p50_ns),
+            "{}",
+            kp.p50_ns
+        );
+        assert!(
+            (99 * MS..=100 * MS + 100_000).contains(&kp.p99_ns),
+            "{}",
+            kp.p99_ns
+        );
+        assert_eq!(kp.max_ns, 200 * MS - 1);
+        assert_eq!(s.holds["firewalld"].count, 1);
+        assert_eq!(s.holds["firewalld"].max_ns, 500 * MS);
+        assert_eq!(s.waits["calico-node"].count, 1);
+        assert_eq!(s.waits["calico-node"].max_ns, 700 * MS + 1);
+        assert_eq!(s.contention.len(), 2);
+        for c in &s.contention {
+            assert_eq!((c.waiter.as_str(), c.count), ("calico-node", 1));
+            assert_eq!(c.total_wait_ns, 700 * MS + 1);
+        }
+        assert_eq!(s.contention[0].holder, "firewalld");
+        assert_eq!(s.contention[1].holder, "kube-proxy");
+        assert_eq!(s.locks.len(), 1);
+        assert_eq!(s.locks[0].holds, 103);
+        assert_eq!((s.locks[0].dev, s.locks[0].ino), (DEV, INO));
+    }
+
+    #[test]
+    fn json_field_names() {
+        let mut r = Run::new();
+        r.feed(&node()).feed(&[
+            acq(100, 100, "kube-proxy", 0xffff_8888_0000_1000),
+            defer(200, 40, "calico-node", 0xC),
+            rel(300, 100, "kube-proxy", 0xffff_8888_0000_1000),
+            acq(400, 40, "calico-node", 0xC),
+            call(500, 150, 40, 0xC, 0),
+        ]);
+        let v = |o: &Output| serde_json::to_value(o).unwrap();
+        let keys = |v: &serde_json::Value| -> Vec<String> {
+            v.as_object().unwrap().keys().cloned().collect()
+        };
+        let hold = v(&r
+            .out
+            .iter()
+            .find(|o| matches!(o, Output::Hold(_)))
+            .unwrap()
+            .clone());
+        for k in [
+            "type", "lock", "pid", "comm", "agent", "role", "cmdline", "start_ns", "hold_ns",
+        ] {
+            assert!(hold.get(k).is_some(), "hold lacks {k}: {hold}");
+        }
+        assert_eq!(hold["type"], "hold");
+        assert_eq!(hold["lock"], LOCK);
+        assert_eq!(hold["pid"], 100);
+        assert_eq!(hold["hold_ns"], 200);
+        assert_eq!(hold["owner"], "0xffff888800001000");
+        let wait = v(&r
+            .out
+            .iter()
+            .find(|o| matches!(o, Output::Wait(_)))
+            .unwrap()
+            .clone());
+        for k in [
+            "type", "lock", "pid", "comm", "agent", "start_ns", "wait_ns", "holders",
+        ] {
+            assert!(wait.get(k).is_some(), "wait lacks {k}: {wait}");
+        }
+        assert_eq!(wait["type"], "wait");
+        assert_eq!(wait["start_ns"], 150);
+        assert_eq!(wait["wait_ns"], 250);
+        assert_eq!(wait["outcome"], "acquired");
+        assert_eq!(wait["mode"], "blocking");
+        assert_eq!(wait["holders"][0]["pid"], 100);
+        assert_eq!(wait["holders"][0]["agent"], "kube-proxy");
+        let summary = serde_json::to_value(r.a.summary()).unwrap();
+        let k = keys(&summary);
+        for want in ["type", "holds", "waits", "contention", "lost_events"] {
+            assert!(
+                k.iter().any(|x| x == want),
+                "summary lacks {want}: {summary}"
+            );
+        }
+        assert_eq!(summary["type"], "summary");
+        let kp = &summary["holds"]["kube-proxy"];
+        for f in ["count", "p50_ns", "p99_ns", "max_ns"] {
+            assert!(kp.get(f).is_some(), "{kp}");
+        }
+        assert_eq!(kp["count"], 1);
+        let c = &summary["contention"][0];
+        assert_eq!(c["waiter"], "calico-node");
+        assert_eq!(c["holder"], "kube-proxy");
+        assert_eq!(c["count"], 1);
+        assert_eq!(c["total_wait_ns"], 250);
+        assert_eq!(summary["lost_events"], 0);
+        // The JSON sink: one object per line, the summary last.
+        use crate::sinks::{JsonSink, Sink};
+        let mut sink = JsonSink::new(Vec::new());
+        for o in &r.out {
+            sink.output(o).unwrap();
+        }
+        sink.summary(&r.a.summary(), false).unwrap();
+        sink.summary(&r.a.summary(), true).unwrap();
+        let text = String::from_utf8(sink.into_inner()).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), r.out.len() + 1);
+        assert_eq!(lines.last().unwrap()["type"], "summary");
+        assert!(lines[..lines.len() - 1]
+            .iter()
+            .all(|l| l["type"] != "summary"));
+    }
+
+    #[test]
+    fn analyzer_and_sinks_can_move_to_another_thread() {
+        fn send<T: Send>() {}
+        send::<Analyzer>();
+        send::<Output>();
+        send::<crate::sinks::TerminalSink<std::io::Stdout>>();
+        send::<crate::sinks::JsonSink<std::io::Stdout>>();
+    }
+
+    #[test]
+    fn lock_events_without_facts_do_not_allocate() {
+        let mut r = Run::new();
+        r.feed(&node()).feed(&[
+            acq(100, 100, "kube-proxy", 0xA),
+            rel(200, 100, "kube-proxy", 0xA),
+        ]);
+        let before = r.out.len();
+        let evs = [
+            rel(300, 40, "calico-node", 0xB),
+            call(301, 299, 40, 0xB, 0),
+            replace(302, 301, 40),
+        ];
+        let mut n = 0;
+        let allocs = alloc_count::count(|| {
+            for ev in &evs {
+                r.a.process(ev, &mut |_| n += 1);
+            }
+        });
+        assert_eq!(n, 0);
+        assert_eq!(allocs, 0);
+        assert_eq!(r.out.len(), before);
+    }
+
+    /// Rough throughput check: `cargo test --release -p xtlock --lib -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn throughput() {
+        let mut r = Run::new();
+        r.feed(&node());
+        let mut evs = Vec::new();
+        for i in 0..250_000u64 {
+            let ts = S + i * 4_000;
+            evs.push(acq(ts, 100, "kube-proxy", 0xA));
+            evs.push(fail(ts + 1_000, 40, "calico-node", 0xB));
+            evs.push(rel(ts + 2_000, 100, "kube-proxy", 0xA));
+            evs.push(rel(ts + 3_000, 60, "firewalld", 0xC));
+        }
+        let t = std::time::Instant::now();
+        let mut n = 0u64;
+        for ev in &evs {
+            r.a.process(ev, &mut |_| n += 1);
+        }
+        let el = t.elapsed();
+        println!(
+            "{} events, {} facts in {:?}: {:.2} M events/s",
+            evs.len(),
+            n,
+            el,
+            evs.len() as f64 / el.as_secs_f64() / 1e6
+        );
+    }
+
+    /// Counts allocations made by the current thread.
+    mod alloc_count {
+        use std::alloc::{GlobalAlloc, Layout, System};
+        use std::cell::Cell;
+
+        struct Counting;
+
+        thread_local! {
+            static COUNT: Cell<u64> = const { Cell::new(0) };
+        }
+
+        // SAFETY: forwards to the system allocator; only counts.
+        unsafe impl GlobalAlloc for Counting {
+            unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+                COUNT.with(|c| c.set(c.get() + 1));
+                // SAFETY: same contract as ours.
+                unsafe { System.alloc(l) }
+            }
+            unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+                // SAFETY: same contract as ours.
+                unsafe { System.dealloc(p, l) }
+            }
+        }
+
+        #[global_allocator]
+        static A: Counting = Counting;
+
+        pub fn count(f: impl FnOnce()) -> u64 {
+            let start = COUNT.with(Cell::get);
+            f();
+            COUNT.with(Cell::get) - start
+        }
+    }
+}

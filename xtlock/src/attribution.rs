@@ -1,0 +1,448 @@
+//! Who is behind a process: the *agent* (the daemon that ran the `iptables` that holds the
+//! lock), its role, and its pod/container identity.
+//!
+//! The process touching the lock is usually a short-lived `iptables`/`iptables-restore`,
+//! often run through a shell or inside a container by a runtime shim; the culprit is the
+//! nearest ancestor that is none of those.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::decode::Comm;
+use crate::procs::{basename, ProcTable};
+
+/// Binaries of the xtables/nftables family (comm prefixes; comm is cut to 15 bytes).
+const XTABLES_PREFIXES: &[&[u8]] = &[
+    b"iptables",
+    b"ip6tables",
+    b"xtables",
+    b"nft",
+    b"arptables",
+    b"ebtables",
+];
+/// The ones that take the xtables file lock (nft does not).
+const LOCKING_PREFIXES: &[&[u8]] = &[
+    b"iptables",
+    b"ip6tables",
+    b"xtables",
+    b"arptables",
+    b"ebtables",
+];
+const SHELLS: &[&str] = &["sh", "bash", "dash", "busybox", "ash", "zsh"];
+
+/// Comm or binary name of an iptables/ip6tables/xtables/nft/arptables/ebtables tool.
+pub fn is_xtables_tool(name: &str) -> bool {
+    has_prefix(name.as_bytes(), XTABLES_PREFIXES)
+}
+
+/// Like [`is_xtables_tool`], without `nft`: the tools that lock `/run/xtables.lock`.
+pub fn is_locking_tool(name: &str) -> bool {
+    has_prefix(name.as_bytes(), LOCKING_PREFIXES)
+}
+
+/// [`is_locking_tool`] on a raw comm, without allocating (hot path).
+pub fn is_locking_comm(comm: &Comm) -> bool {
+    has_prefix(&comm.0, LOCKING_PREFIXES)
+}
+
+fn has_prefix(name: &[u8], prefixes: &[&[u8]]) -> bool {
+    prefixes.iter().any(|p| name.starts_with(p))
+}
+
+fn is_shell(name: &str) -> bool {
+    SHELLS.contains(&name)
+}
+
+fn is_shim(name: &str) -> bool {
+    name == "runc"
+        || name.starts_with("runc:") // runc's init stages: "runc:[2:INIT]"
+        || name.starts_with("containerd-shim")
+        || name == "conmon"
+        || name == "crun"
+}
+
+/// Processes that are never the agent: the tools themselves, shells and runtime shims.
+pub fn is_skipped(comm: &str) -> bool {
+    is_xtables_tool(comm) || is_shell(comm) || is_shim(comm)
+}
+
+/// Role of a known agent, by its comm.
+pub fn role_of(agent: &str) -> &'static str {
+    match agent {
+        "kube-proxy" => "proxy",
+        "calico-node" | "calico-felix" | "felix" | "flanneld" | "cilium-agent" | "aws-node"
+        | "aws-k8s-agent" | "weave" | "weaver" | "portmap" | "firewall" | "bandwidth"
+        | "kube-router" | "antrea-agent" => "cni",
+        "firewalld" => "firewall",
+        "dockerd" | "containerd" => "runtime",
+        "kubelet" => "kubelet",
+        _ => "other",
+    }
+}
+
+/// One link of an ancestor chain.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ChainLink {
+    pub pid: u32,
+    pub comm: String,
+}
+
+/// Who is behind a pid.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Attribution {
+    pub pid: u32,
+    /// The process's own comm.
+    pub comm: String,
+    /// Its argv joined by spaces, empty when unknown.
+    pub cmdline: String,
+    /// Comm of the nearest ancestor (itself included) that is not a tool, shell or shim.
+    pub agent: String,
+    pub role: &'static str,
+    pub agent_pid: u32,
+    /// From the process up.
+    pub chain: Vec<ChainLink>,
+    pub pod_uid: Option<String>,
+    pub container_id: Option<String>,
+}
+
+/// Attributes `pid`. `comm` names the process when the table does not know it.
+pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
+    let mut chain = Vec::new();
+    let mut agent: Option<(u32, String)> = None;
+    let mut cgroup: Option<&str> = None;
+    let mut cmdline = String::new();
+    let mut own_comm = None;
+    for p in procs.ancestors(pid) {
+        let c = p.comm.to_string();
+        if chain.is_empty() {
+            cmdline = p.cmdline();
+            own_comm = Some(c.clone());
+        }
+        if cgroup.is_none() {
+            cgroup = p.cgroup.as_deref();
+        }
+        if agent.is_none() && !is_skipped(&c) && !is_skipped(basename(&p.filename)) {
+            agent = Some((p.pid, c.clone()));
+        }
+        chain.push(ChainLink {
+            pid: p.pid,
+            comm: c,
+        });
+    }
+    let own_comm = own_comm.unwrap_or_else(|| comm.to_string());
+    if chain.is_empty() {
+        chain.push(ChainLink {
+            pid,
+            comm: own_comm.clone(),
+        });
+    }
+    let (agent_pid, agent) = agent.unwrap_or_else(|| (pid, own_comm.clone()));
+    let id = cgroup.map(parse_cgroup).unwrap_or_default();
+    Attribution {
+        pid,
+        comm: own_comm,
+        cmdline,
+        role: role_of(&agent),
+        agent,
+        agent_pid,
+        chain,
+        pod_uid: id.pod_uid,
+        container_id: id.container_id,
+    }
+}
+
+/// Pod and container named by a cgroup path.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CgroupIdentity {
+    pub pod_uid: Option<String>,
+    pub container_id: Option<String>,
+}
+
+/// Reads pod UID and container ID out of a cgroup path (or a `/proc/PID/cgroup` line).
+///
+/// Handles the systemd driver (`kubepods-burstable-pod<uid_with_underscores>.slice`,
+/// `cri-containerd-<id>.scope`, `docker-<id>.scope`, `crio-<id>.scope`), the cgroupfs driver
+/// (`/kubepods/burstable/pod<uid>/<id>`) and plain docker (`/docker/<id>`).
+pub fn parse_cgroup(line: &str) -> CgroupIdentity {
+    // "0::/kubepods..." or "4:pids:/kubepods...": the path starts at the first '/'.
+    let path = line.find('/').map_or(line, |i| &line[i..]);
+    let mut id = CgroupIdentity::default();
+    for comp in path.split('/').filter(|c| !c.is_empty()) {
+        if let Some(uid) = pod_uid_of(comp) {
+            id.pod_uid = Some(uid);
+        } else if let Some(cid) = container_id_of(comp) {
+            id.container_id = Some(cid.to_string());
+        }
+    }
+    id
+}
+
+fn is_hex(s: &str) -> bool {
+    !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn looks_like_uid(s: &str) -> bool {
+    s.len() >= 32 && s.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
+}
+
+fn pod_uid_of(comp: &str) -> Option<String> {
+    if let Some(slice) = comp.strip_suffix(".slice") {
+        // kubepods-pod<uid>.slice, kubepods-burstable-pod<uid>.slice
+        if !slice.starts_with("kubepods") {
+            return None;
+        }
+        let uid = slice.rsplit_once("-pod")?.1.replace('_', "-");
+        return looks_like_uid(&uid).then_some(uid);
+    }
+    let uid = comp.strip_prefix("pod")?;
+    looks_like_uid(uid).then(|| uid.to_string())
+}
+
+fn container_id_of(comp: &str) -> Option<&str> {
+    if let Some(scope) = comp.strip_suffix(".scope") {
+        for prefix in [
+            "cri-containerd-",
+            "docker-",
+            "crio-conmon-",
+            "crio-",
+            "libpod-",
+        ] {
+            if let Some(cid) = scope.strip_prefix(prefix) {
+                if cid.len() >= 12 && is_hex(cid) {
+                    return Some(cid);
+                }
+            }
+        }
+        return None;
+    }
+    (comp.len() == 64 && is_hex(comp)).then_some(comp)
+}
+
+/// Remembers attributions per pid, so a daemon locking a million times does not walk and
+/// allocate its chain a million times. Bounded: cleared when it grows too big.
+#[derive(Debug, Default)]
+pub struct Attributor {
+    cache: HashMap<u32, Cached>,
+}
+
+#[derive(Debug)]
+struct Cached {
+    generation: Option<u64>,
+    epoch: u64,
+    comm: Comm,
+    attr: Arc<Attribution>,
+}
+
+const CACHE_MAX: usize = 4096;
+
+impl Attributor {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The attribution of `pid` now; `comm` is the event's comm for unknown pids.
+    pub fn get(&mut self, procs: &ProcTable, pid: u32, comm: &Comm) -> Arc<Attribution> {
+        let generation = procs.get(pid).map(|p| p.generation);
+        let epoch = procs.epoch();
+        if let Some(c) = self.cache.get(&pid) {
+            if c.generation == generation
+                && c.epoch == epoch
+                && (generation.is_some() || c.comm == *comm)
+            {
+                return c.attr.clone();
+            }
+        }
+        let attr = Arc::new(attribute(procs, pid, comm));
+        if self.cache.len() >= CACHE_MAX {
+            self.cache.clear();
+        }
+        self.cache.insert(
+            pid,
+            Cached {
+                generation,
+                epoch,
+                comm: *comm,
+                attr: attr.clone(),
+            },
+        );
+        attr
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procs::tests::{exec, fork, seed};
+
+    #[test]
+    fn agent_through_shell() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 1, 0, "systemd", None));
+        t.apply(&seed(0, 100, 1, "kube-proxy", None));
+        t.apply(&fork(1, 100, 200, "kube-proxy"));
+        t.apply(&exec(2, 200, "/bin/sh", &["sh", "-c", "iptables-restore"]));
+        t.apply(&fork(3, 200, 201, "sh"));
+        t.apply(&exec(
+            4,
+            201,
+            "/usr/sbin/iptables-restore",
+            &["iptables-restore", "-w", "5", "--noflush"],
+        ));
+        let a = attribute(&t, 201, &Comm::new("iptables-restor"));
+        assert_eq!(a.agent, "kube-proxy");
+        assert_eq!(a.role, "proxy");
+        assert_eq!(a.agent_pid, 100);
+        assert_eq!(a.comm, "iptables-restor");
+        assert_eq!(a.cmdline, "iptables-restore -w 5 --noflush");
+        let pids: Vec<u32> = a.chain.iter().map(|l| l.pid).collect();
+        assert_eq!(pids, [201, 200, 100, 1]);
+    }
+
+    #[test]
+    fn agent_through_runc_and_shim() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 1, 0, "systemd", None));
+        t.apply(&seed(0, 50, 1, "containerd-shim", None));
+        t.apply(&seed(0, 60, 50, "runc:[2:INIT]", None));
+        t.apply(&seed(0, 70, 60, "iptables-legacy", None));
+        let a = attribute(&t, 70, &Comm::new("iptables-legacy"));
+        assert_eq!(a.agent, "systemd");
+        t.apply(&seed(0, 40, 1, "calico-node", None));
+        t.apply(&seed(0, 41, 40, "runc", None));
+        t.apply(&seed(0, 42, 41, "ip6tables-legacy", None));
+        let a = attribute(&t, 42, &Comm::new("x"));
+        assert_eq!(
+            (a.agent.as_str(), a.role, a.agent_pid),
+            ("calico-node", "cni", 40)
+        );
+    }
+
+    #[test]
+    fn all_skipped_or_unknown_falls_back_to_own_comm() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 10, 0, "bash", None));
+        t.apply(&seed(0, 11, 10, "iptables", None));
+        let a = attribute(&t, 11, &Comm::new("iptables"));
+        assert_eq!(
+            (a.agent.as_str(), a.agent_pid, a.role),
+            ("iptables", 11, "other")
+        );
+        let a = attribute(&t, 999, &Comm::new("mystery"));
+        assert_eq!(a.agent, "mystery");
+        assert_eq!(a.comm, "mystery");
+        assert_eq!(
+            a.chain,
+            [ChainLink {
+                pid: 999,
+                comm: "mystery".into()
+            }]
+        );
+        assert_eq!(a.cmdline, "");
+    }
+
+    #[test]
+    fn roles() {
+        assert_eq!(role_of("kube-proxy"), "proxy");
+        assert_eq!(role_of("flanneld"), "cni");
+        assert_eq!(role_of("portmap"), "cni");
+        assert_eq!(role_of("firewalld"), "firewall");
+        assert_eq!(role_of("dockerd"), "runtime");
+        assert_eq!(role_of("kubelet"), "kubelet");
+        assert_eq!(role_of("python3"), "other");
+        assert!(is_skipped("iptables-restor"));
+        assert!(is_skipped("nft"));
+        assert!(is_skipped("containerd-shim"));
+        assert!(!is_skipped("containerd"));
+        assert!(is_locking_comm(&Comm::new("ip6tables-restore")));
+        assert!(!is_locking_comm(&Comm::new("nft")));
+    }
+
+    const CID: &str = "3f6e4b0c2a1d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f";
+
+    #[test]
+    fn cgroup_systemd_driver_containerd() {
+        let p = format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/\
+             kubepods-burstable-pod5f3c1e2a_8b7d_4c6e_9a1f_0d2b3c4e5f6a.slice/\
+             cri-containerd-{CID}.scope"
+        );
+        let id = parse_cgroup(&p);
+        assert_eq!(
+            id.pod_uid.as_deref(),
+            Some("5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a")
+        );
+        assert_eq!(id.container_id.as_deref(), Some(CID));
+        // Guaranteed QoS pods sit right under kubepods.slice.
+        let p = format!(
+            "/kubepods.slice/kubepods-pod5f3c1e2a_8b7d_4c6e_9a1f_0d2b3c4e5f6a.slice/crio-{CID}.scope"
+        );
+        let id = parse_cgroup(&p);
+        assert_eq!(
+            id.pod_uid.as_deref(),
+            Some("5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a")
+        );
+        assert_eq!(id.container_id.as_deref(), Some(CID));
+    }
+
+    #[test]
+    fn cgroup_cgroupfs_driver_and_docker() {
+        let p =
+            format!("11:pids:/kubepods/burstable/pod5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a/{CID}");
+        let id = parse_cgroup(&p);
+        assert_eq!(
+            id.pod_uid.as_deref(),
+            Some("5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a")
+        );
+        assert_eq!(id.container_id.as_deref(), Some(CID));
+        let id = parse_cgroup(&format!("0::/system.slice/docker-{CID}.scope"));
+        assert_eq!(id.pod_uid, None);
+        assert_eq!(id.container_id.as_deref(), Some(CID));
+        let id = parse_cgroup(&format!("/docker/{CID}"));
+        assert_eq!(id.container_id.as_deref(), Some(CID));
+        // Host processes have neither.
+        assert_eq!(
+            parse_cgroup("0::/system.slice/kubelet.service"),
+            CgroupIdentity::default()
+        );
+        assert_eq!(parse_cgroup("0::/"), CgroupIdentity::default());
+        assert_eq!(parse_cgroup(""), CgroupIdentity::default());
+    }
+
+    #[test]
+    fn pod_identity_flows_into_attribution() {
+        let mut t = ProcTable::new();
+        let cg = format!("0::/kubepods/besteffort/pod0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d/{CID}");
+        t.apply(&seed(0, 40, 1, "calico-node", Some(&cg)));
+        t.apply(&fork(1, 40, 41, "calico-node"));
+        t.apply(&exec(
+            2,
+            41,
+            "/usr/sbin/iptables-legacy",
+            &["iptables-legacy"],
+        ));
+        let a = attribute(&t, 41, &Comm::new("iptables-legacy"));
+        assert_eq!(a.container_id.as_deref(), Some(CID));
+        assert_eq!(
+            a.pod_uid.as_deref(),
+            Some("0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d")
+        );
+    }
+
+    #[test]
+    fn cache_follows_pid_reuse() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 100, 1, "kube-proxy", None));
+        t.apply(&seed(0, 300, 1, "flanneld", None));
+        t.apply(&fork(1, 100, 200, "kube-proxy"));
+        let mut a = Attributor::new();
+        let c = Comm::new("kube-proxy");
+        assert_eq!(a.get(&t, 200, &c).agent, "kube-proxy");
+        let first = a.get(&t, 200, &c);
+        assert!(Arc::ptr_eq(&first, &a.get(&t, 200, &c)), "cached");
+        t.apply(&crate::procs::tests::exit(5, 200, "kube-proxy", Some(0)));
+        t.apply(&fork(6, 300, 200, "flanneld"));
+        assert_eq!(a.get(&t, 200, &c).agent, "flanneld");
+    }
+}

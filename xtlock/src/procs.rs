@@ -1,0 +1,477 @@
+//! Process table: who is who, who started whom, in which cgroup.
+//!
+//! Built only from events (`Proc` seeds and lookups, `Exec`, `Fork`, `Exit`): the table never
+//! reads /proc itself. Entries of exited processes are kept for a while, because lock
+//! releases (the kernel closes files after the exit tracepoint) and attribution of a
+//! just-exited `iptables` still need them; they are pruned by age and by count.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::decode::{Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
+
+/// Dead entries older than this (event time) are pruned.
+pub const DEFAULT_DEAD_TTL_NS: u64 = 60_000_000_000;
+/// At most this many dead entries are kept.
+pub const DEFAULT_MAX_DEAD: usize = 8192;
+/// Longest ancestor chain walked; real chains are a handful of levels deep.
+pub const MAX_CHAIN: usize = 64;
+
+/// How a process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitInfo {
+    pub ts_ns: u64,
+    /// Exit status, `None` when killed by a signal.
+    pub code: Option<i32>,
+}
+
+/// One process (thread group), or a thread mistaken for one (see [`ProcTable::apply`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Proc {
+    pub pid: u32,
+    /// 0 when unknown.
+    pub ppid: u32,
+    pub comm: Comm,
+    /// Shared with forked children until they exec: forks are frequent, argv rarely needed.
+    pub argv: Arc<[String]>,
+    pub argv_truncated: bool,
+    /// Path given to `execve`, empty when no exec was seen.
+    pub filename: Arc<str>,
+    pub cgroup: Option<Arc<str>>,
+    /// When this entry started (fork or exec time; 0 for seeds: before tracing).
+    pub start_ns: u64,
+    /// Time of the last exec, when seen.
+    pub exec_ns: Option<u64>,
+    pub exited: Option<ExitInfo>,
+    /// Distinguishes successive processes that had the same pid.
+    pub generation: u64,
+}
+
+impl Proc {
+    fn new(pid: u32, ppid: u32, comm: Comm, start_ns: u64, generation: u64) -> Self {
+        Proc {
+            pid,
+            ppid,
+            comm,
+            argv: Arc::from(Vec::new()),
+            argv_truncated: false,
+            filename: Arc::from(""),
+            cgroup: None,
+            start_ns,
+            exec_ns: None,
+            exited: None,
+            generation,
+        }
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.exited.is_none()
+    }
+
+    /// argv joined by spaces; `" ..."` is appended when the probe truncated it.
+    pub fn cmdline(&self) -> String {
+        let mut s = self.argv.join(" ");
+        if self.argv_truncated && !s.is_empty() {
+            s.push_str(" ...");
+        }
+        s
+    }
+
+    /// Last path component of the exec'd file.
+    pub fn exe_name(&self) -> &str {
+        basename(&self.filename)
+    }
+}
+
+pub(crate) fn basename(path: &str) -> &str {
+    path.rsplit('/').next().unwrap_or(path)
+}
+
+/// The process table. Keyed by pid (tgid).
+#[derive(Debug)]
+pub struct ProcTable {
+    procs: HashMap<u32, Proc>,
+    /// (pid, generation, exit time) in exit order, for pruning.
+    dead: VecDeque<(u32, u64, u64)>,
+    next_generation: u64,
+    /// Bumped whenever a name, argv or parent link changes, so cached attributions can
+    /// tell they may be stale.
+    epoch: u64,
+    max_dead: usize,
+    dead_ttl_ns: u64,
+}
+
+impl Default for ProcTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProcTable {
+    pub fn new() -> Self {
+        Self::with_limits(DEFAULT_MAX_DEAD, DEFAULT_DEAD_TTL_NS)
+    }
+
+    pub fn with_limits(max_dead: usize, dead_ttl_ns: u64) -> Self {
+        ProcTable {
+            procs: HashMap::new(),
+            dead: VecDeque::new(),
+            next_generation: 1,
+            epoch: 0,
+            max_dead,
+            dead_ttl_ns,
+        }
+    }
+
+    pub fn get(&self, pid: u32) -> Option<&Proc> {
+        self.procs.get(&pid)
+    }
+
+    /// Entries, alive and dead.
+    pub fn len(&self) -> usize {
+        self.procs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.procs.is_empty()
+    }
+
+    pub fn dead_count(&self) -> usize {
+        self.procs.values().filter(|p| !p.is_alive()).count()
+    }
+
+    /// Changes whenever a cached view of a chain may have become stale.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Updates the table from one event; events that are not about processes are ignored.
+    pub fn apply(&mut self, ev: &Event) {
+        match ev {
+            Event::Proc(p) => self.on_proc(p),
+            Event::Exec(e) => self.on_exec(e),
+            Event::Fork(f) => self.on_fork(f),
+            Event::Exit(e) => self.on_exit(e),
+            _ => {}
+        }
+    }
+
+    fn fresh(&mut self, pid: u32, ppid: u32, comm: Comm, ts: u64) -> &mut Proc {
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.epoch += 1;
+        let p = Proc::new(pid, ppid, comm, ts, generation);
+        self.procs.insert(pid, p);
+        // Just inserted.
+        self.procs.get_mut(&pid).unwrap_or_else(|| unreachable!())
+    }
+
+    fn on_proc(&mut self, info: &ProcInfo) {
+        self.epoch += 1;
+        let p = match self.procs.get_mut(&info.pid) {
+            Some(p) if p.is_alive() => p,
+            // Dead or unknown: /proc shows a live process, so this is a new one. When it
+            // started is unknown (0): seeds are read one by one, a parent may be read
+            // after its child, and the reuse guard of `ancestors` must not cut it.
+            _ => self.fresh(info.pid, info.ppid, info.comm, 0),
+        };
+        if info.ppid != 0 {
+            p.ppid = info.ppid;
+        }
+        if !info.comm.is_empty() {
+            p.comm = info.comm;
+        }
+        if !info.argv.is_empty() {
+            p.argv = Arc::from(info.argv.as_slice());
+            p.argv_truncated = false;
+        }
+        if let Some(cg) = &info.cgroup {
+            p.cgroup = Some(Arc::from(cg.as_str()));
+        }
+    }
+
+    fn on_exec(&mut self, e: &ExecEvent) {
+        self.epoch += 1;
+        let p = match self.procs.get_mut(&e.tgid) {
+            Some(p) if p.is_alive() => p,
+            // Fork not seen (before tracing, or lost): parent unknown.
+            _ => self.fresh(e.tgid, 0, e.comm, e.ts_ns),
+        };
+        p.comm = e.comm;
+        p.argv = Arc::from(e.argv.as_slice());
+        p.argv_truncated = e.argv_truncated;
+        p.filename = Arc::from(e.filename.as_str());
+        p.exec_ns = Some(e.ts_ns);
+    }
+
+    /// Fork events fire for threads too: a thread gets an entry of its own (parent = the
+    /// process, same name), removed again when the thread exits. Harmless for attribution.
+    fn on_fork(&mut self, f: &ForkEvent) {
+        if f.child_tid == f.parent_tgid {
+            return;
+        }
+        if let Some(p) = self.procs.get(&f.child_tid) {
+            // A seed that raced the fork already describes this very process.
+            if p.is_alive() && p.ppid == f.parent_tgid {
+                return;
+            }
+        }
+        let (argv, truncated, filename, cgroup) = match self.procs.get(&f.parent_tgid) {
+            Some(pp) => (
+                pp.argv.clone(),
+                pp.argv_truncated,
+                pp.filename.clone(),
+                pp.cgroup.clone(),
+            ),
+            None => (Arc::from(Vec::new()), false, Arc::from(""), None),
+        };
+        let c = self.fresh(f.child_tid, f.parent_tgid, f.comm, f.ts_ns);
+        c.argv = argv;
+        c.argv_truncated = truncated;
+        c.filename = filename;
+        c.cgroup = cgroup;
+        self.prune(f.ts_ns);
+    }
+
+    fn on_exit(&mut self, e: &ExitEvent) {
+        if e.tid != e.tgid {
+            // A thread ended; drop the entry its fork created, if that is what it is.
+            if let Some(p) = self.procs.get(&e.tid) {
+                if p.ppid == e.tgid && p.exec_ns.is_none() && p.is_alive() {
+                    self.procs.remove(&e.tid);
+                }
+            }
+            return;
+        }
+        if let Some(p) = self.procs.get_mut(&e.tgid) {
+            if p.is_alive() {
+                p.exited = Some(ExitInfo {
+                    ts_ns: e.ts_ns,
+                    code: e.exit_code,
+                });
+                self.dead.push_back((e.tgid, p.generation, e.ts_ns));
+            }
+        }
+        self.prune(e.ts_ns);
+    }
+
+    /// Forgets dead entries older than the TTL, and the oldest ones beyond the count limit.
+    pub fn prune(&mut self, now_ns: u64) {
+        while let Some(&(pid, generation, ts)) = self.dead.front() {
+            let too_old = now_ns.saturating_sub(ts) > self.dead_ttl_ns;
+            if !too_old && self.dead.len() <= self.max_dead {
+                break;
+            }
+            self.dead.pop_front();
+            // The pid may have been reused since: only remove the entry that died.
+            if let Some(p) = self.procs.get(&pid) {
+                if p.generation == generation && !p.is_alive() {
+                    self.procs.remove(&pid);
+                }
+            }
+        }
+    }
+
+    /// The process itself, then its parent, and so on. Stops at an unknown parent, at a
+    /// parent that started after its child (a reused pid), at a cycle, or after
+    /// [`MAX_CHAIN`] entries.
+    pub fn ancestors(&self, pid: u32) -> Ancestors<'_> {
+        Ancestors {
+            table: self,
+            next: Some(pid),
+            seen: [0; MAX_CHAIN],
+            n: 0,
+            child_start: u64::MAX,
+        }
+    }
+}
+
+/// Iterator over a process and its ancestors, see [`ProcTable::ancestors`].
+pub struct Ancestors<'a> {
+    table: &'a ProcTable,
+    next: Option<u32>,
+    seen: [u32; MAX_CHAIN],
+    n: usize,
+    child_start: u64,
+}
+
+impl<'a> Iterator for Ancestors<'a> {
+    type Item = &'a Proc;
+
+    fn next(&mut self) -> Option<&'a Proc> {
+        let pid = self.next.take()?;
+        if self.n >= MAX_CHAIN || self.seen[..self.n].contains(&pid) {
+            return None;
+        }
+        let p = self.table.procs.get(&pid)?;
+        if p.start_ns > self.child_start {
+            return None;
+        }
+        self.seen[self.n] = pid;
+        self.n += 1;
+        self.child_start = p.start_ns;
+        if p.ppid != 0 {
+            self.next = Some(p.ppid);
+        }
+        Some(p)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub fn fork(ts: u64, parent: u32, child: u32, comm: &str) -> Event {
+        Event::Fork(ForkEvent {
+            ts_ns: ts,
+            parent_tgid: parent,
+            parent_tid: parent,
+            child_tid: child,
+            comm: Comm::new(comm),
+        })
+    }
+
+    pub fn exec(ts: u64, pid: u32, filename: &str, argv: &[&str]) -> Event {
+        let comm = basename(filename);
+        Event::Exec(ExecEvent {
+            ts_ns: ts,
+            tgid: pid,
+            tid: pid,
+            comm: Comm::new(comm),
+            filename: filename.to_string(),
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            argv_truncated: false,
+        })
+    }
+
+    pub fn exit(ts: u64, pid: u32, comm: &str, code: Option<i32>) -> Event {
+        Event::Exit(ExitEvent {
+            ts_ns: ts,
+            tgid: pid,
+            tid: pid,
+            comm: Comm::new(comm),
+            exit_code: code,
+        })
+    }
+
+    pub fn seed(ts: u64, pid: u32, ppid: u32, comm: &str, cgroup: Option<&str>) -> Event {
+        Event::Proc(ProcInfo {
+            ts_ns: ts,
+            pid,
+            ppid,
+            comm: Comm::new(comm),
+            argv: vec![comm.to_string()],
+            cgroup: cgroup.map(str::to_string),
+        })
+    }
+
+    fn comms(t: &ProcTable, pid: u32) -> Vec<String> {
+        t.ancestors(pid).map(|p| p.comm.to_string()).collect()
+    }
+
+    #[test]
+    fn fork_exec_exit() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 1, 0, "systemd", Some("0::/init.scope")));
+        t.apply(&seed(0, 100, 1, "kube-proxy", Some("0::/kubepods/x")));
+        t.apply(&fork(10, 100, 200, "kube-proxy"));
+        let c = t.get(200).unwrap();
+        assert_eq!(c.ppid, 100);
+        assert_eq!(c.comm.as_str(), "kube-proxy");
+        assert_eq!(c.cgroup.as_deref(), Some("0::/kubepods/x"));
+        t.apply(&exec(
+            11,
+            200,
+            "/usr/sbin/iptables-restore",
+            &["iptables-restore", "-w", "5"],
+        ));
+        let c = t.get(200).unwrap();
+        assert_eq!(c.comm.as_str(), "iptables-restor");
+        assert_eq!(c.cmdline(), "iptables-restore -w 5");
+        assert_eq!(c.exe_name(), "iptables-restore");
+        assert_eq!(comms(&t, 200), ["iptables-restor", "kube-proxy", "systemd"]);
+        t.apply(&exit(20, 200, "iptables-restor", Some(0)));
+        let c = t.get(200).unwrap();
+        assert_eq!(
+            c.exited,
+            Some(ExitInfo {
+                ts_ns: 20,
+                code: Some(0)
+            })
+        );
+        // Still walkable after the exit.
+        assert_eq!(comms(&t, 200).len(), 3);
+    }
+
+    #[test]
+    fn threads_come_and_go() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 100, 1, "calico-node", None));
+        t.apply(&fork(5, 100, 101, "calico-node"));
+        assert!(t.get(101).is_some());
+        t.apply(&Event::Exit(ExitEvent {
+            ts_ns: 6,
+            tgid: 100,
+            tid: 101,
+            comm: Comm::new("calico-node"),
+            exit_code: None,
+        }));
+        assert!(t.get(101).is_none());
+        assert!(t.get(100).unwrap().is_alive());
+    }
+
+    #[test]
+    fn pid_reuse_replaces_dead_entry() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 100, 1, "kube-proxy", None));
+        t.apply(&seed(0, 300, 1, "calico-node", None));
+        t.apply(&fork(10, 100, 200, "kube-proxy"));
+        let g1 = t.get(200).unwrap().generation;
+        t.apply(&exit(20, 200, "kube-proxy", Some(0)));
+        t.apply(&fork(30, 300, 200, "calico-node"));
+        let p = t.get(200).unwrap();
+        assert!(p.is_alive());
+        assert_ne!(p.generation, g1);
+        assert_eq!(p.ppid, 300);
+        assert_eq!(comms(&t, 200), ["calico-node", "calico-node"]);
+        // An exec for a dead pid is a new process too.
+        t.apply(&exit(40, 200, "calico-node", Some(0)));
+        t.apply(&exec(50, 200, "/usr/sbin/iptables", &["iptables"]));
+        let p = t.get(200).unwrap();
+        assert!(p.is_alive());
+        assert_eq!(p.ppid, 0);
+    }
+
+    #[test]
+    fn dead_entries_are_pruned_by_age_and_count() {
+        let mut t = ProcTable::with_limits(3, 1_000);
+        t.apply(&seed(0, 1, 0, "init", None));
+        for pid in 10..20 {
+            t.apply(&fork(pid as u64, 1, pid, "x"));
+            t.apply(&exit(pid as u64, pid, "x", Some(0)));
+        }
+        assert!(t.dead_count() <= 3, "{}", t.dead_count());
+        assert!(t.get(19).is_some());
+        t.prune(10_000);
+        assert_eq!(t.dead_count(), 0);
+        assert!(t.get(1).is_some());
+    }
+
+    #[test]
+    fn chain_walk_survives_cycles_and_reuse() {
+        let mut t = ProcTable::new();
+        // A cycle can only come from garbage, but must not hang.
+        t.apply(&seed(0, 5, 6, "a", None));
+        t.apply(&seed(0, 6, 5, "b", None));
+        assert_eq!(comms(&t, 5), ["a", "b"]);
+        // A parent entry younger than its child is a reused pid: stop there.
+        t.apply(&seed(50, 7, 8, "child", None));
+        t.apply(&fork(100, 1, 8, "newcomer"));
+        assert_eq!(comms(&t, 7), ["child"]);
+        // Long chains are cut.
+        for pid in 1000..1200u32 {
+            t.apply(&seed(0, pid, pid + 1, "deep", None));
+        }
+        assert_eq!(t.ancestors(1000).count(), MAX_CHAIN);
+    }
+}

@@ -1,0 +1,81 @@
+//! Where facts go: a terminal for people, JSON Lines for programs.
+
+use std::io;
+
+use crate::analysis::{Output, Summary};
+
+pub mod json;
+pub mod terminal;
+
+pub use json::JsonSink;
+pub use terminal::{TerminalOptions, TerminalSink, TimeFormat};
+
+/// A consumer of facts and summaries.
+pub trait Sink {
+    /// One fact, as the analysis emits it.
+    fn output(&mut self, o: &Output) -> io::Result<()>;
+    /// The summary; `final_` is false for periodic ones while tracing goes on.
+    fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()>;
+    /// Pushes buffered output to the writer.
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<S: Sink + ?Sized> Sink for Box<S> {
+    fn output(&mut self, o: &Output) -> io::Result<()> {
+        (**self).output(o)
+    }
+    fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()> {
+        (**self).summary(s, final_)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (**self).flush()
+    }
+}
+
+/// A duration for people: three significant digits in ns, µs, ms or s
+/// (`812 ns`, `12.3 µs`, `312 ms`, `1.42 s`, `5.00 s`, `1234 s`).
+pub fn human_ns(ns: u64) -> String {
+    if ns < 1_000 {
+        return format!("{ns} ns");
+    }
+    let v = ns as f64;
+    for (scale, unit) in [(1e3, "µs"), (1e6, "ms")] {
+        let s = three_digits(v / scale);
+        // Rounding can carry into the next unit: 999.96 µs is "1.00 ms".
+        if !s.parse::<f64>().is_ok_and(|r| r >= 1000.0) {
+            return format!("{s} {unit}");
+        }
+    }
+    format!("{} s", three_digits(v / 1e9))
+}
+
+fn three_digits(x: f64) -> String {
+    if x >= 100.0 {
+        format!("{x:.0}")
+    } else if x >= 10.0 {
+        format!("{x:.1}")
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human_ns(0), "0 ns");
+        assert_eq!(human_ns(812), "812 ns");
+        assert_eq!(human_ns(1_000), "1.00 µs");
+        assert_eq!(human_ns(12_345), "12.3 µs");
+        assert_eq!(human_ns(999_960), "1.00 ms");
+        assert_eq!(human_ns(312_400_000), "312 ms");
+        assert_eq!(human_ns(1_420_000_000), "1.42 s");
+        assert_eq!(human_ns(5_000_000_000), "5.00 s");
+        assert_eq!(human_ns(1_234_000_000_000), "1234 s");
+        assert_eq!(human_ns(u64::MAX), "18446744074 s");
+    }
+}

@@ -1,0 +1,689 @@
+//! One line per interesting fact, and a summary table, for people.
+
+use std::fmt::{self, Write as _};
+use std::io::{self, Write};
+use std::time::Duration;
+
+use super::{human_ns, Sink};
+use crate::analysis::{
+    ExecFact, ExitFact, FailedTryFact, HoldFact, HolderRef, Output, Summary, TimeoutFact, WaitFact,
+    WaitMode, WaitOutcome,
+};
+
+/// The lock almost everyone watches; other paths are named in each line.
+const DEFAULT_LOCK: &str = "/run/xtables.lock";
+
+/// How lines are prefixed with their time.
+pub enum TimeFormat {
+    None,
+    /// Seconds since `origin_ns`, or since the first fact shown when `None`.
+    Relative {
+        origin_ns: Option<u64>,
+    },
+    /// Any mapping of event time (`CLOCK_MONOTONIC` ns) to a label, e.g. wall-clock time.
+    Custom(Box<dyn Fn(u64) -> String + Send>),
+}
+
+impl TimeFormat {
+    /// Wall clock `HH:MM:SS.mmm`: `realtime_offset_ns` is `CLOCK_REALTIME - CLOCK_MONOTONIC`
+    /// and `utc_offset_s` the local time zone's offset (0 for UTC).
+    pub fn wall_clock(realtime_offset_ns: i64, utc_offset_s: i32) -> Self {
+        TimeFormat::Custom(Box::new(move |ts| {
+            wall_clock_label(ts, realtime_offset_ns, utc_offset_s)
+        }))
+    }
+}
+
+impl Default for TimeFormat {
+    fn default() -> Self {
+        TimeFormat::Relative { origin_ns: None }
+    }
+}
+
+impl fmt::Debug for TimeFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TimeFormat::None => f.write_str("None"),
+            TimeFormat::Relative { origin_ns } => f
+                .debug_struct("Relative")
+                .field("origin_ns", origin_ns)
+                .finish(),
+            TimeFormat::Custom(_) => f.write_str("Custom(..)"),
+        }
+    }
+}
+
+/// `HH:MM:SS.mmm` of a monotonic timestamp.
+pub fn wall_clock_label(ts_ns: u64, realtime_offset_ns: i64, utc_offset_s: i32) -> String {
+    let unix_ns = i128::from(ts_ns)
+        + i128::from(realtime_offset_ns)
+        + i128::from(utc_offset_s) * 1_000_000_000;
+    let day_ns = unix_ns.rem_euclid(86_400 * 1_000_000_000);
+    let ms = day_ns / 1_000_000;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        ms / 3_600_000,
+        ms / 60_000 % 60,
+        ms / 1000 % 60,
+        ms % 1000
+    )
+}
+
+/// What the terminal shows.
+#[derive(Debug)]
+pub struct TerminalOptions {
+    /// Holds shorter than this are not printed (they still count in the summary).
+    pub min_hold: Duration,
+    pub show_execs: bool,
+    /// Exits of iptables-family processes with a non-zero status.
+    pub show_exits: bool,
+    pub show_failed_tries: bool,
+    pub time: TimeFormat,
+}
+
+impl Default for TerminalOptions {
+    fn default() -> Self {
+        TerminalOptions {
+            min_hold: Duration::ZERO,
+            show_execs: true,
+            show_exits: true,
+            show_failed_tries: true,
+            time: TimeFormat::default(),
+        }
+    }
+}
+
+/// A run of failed tries by one pid, shown as its first line and a count.
+#[derive(Debug)]
+struct FailedRun {
+    pid: u32,
+    lock: String,
+    agent: String,
+    more: u64,
+    first_ns: u64,
+    last_ns: u64,
+}
+
+/// Human-readable lines on a writer.
+pub struct TerminalSink<W: Write> {
+    w: W,
+    opts: TerminalOptions,
+    origin: Option<u64>,
+    run: Option<FailedRun>,
+}
+
+impl<W: Write> TerminalSink<W> {
+    pub fn new(w: W) -> Self {
+        Self::with_options(w, TerminalOptions::default())
+    }
+
+    pub fn with_options(w: W, opts: TerminalOptions) -> Self {
+        let origin = match opts.time {
+            TimeFormat::Relative { origin_ns } => origin_ns,
+            _ => None,
+        };
+        TerminalSink {
+            w,
+            opts,
+            origin,
+            run: None,
+        }
+    }
+
+    /// Relative times count from here (e.g. the analysis' first event).
+    pub fn set_origin(&mut self, ts_ns: u64) {
+        self.origin = Some(ts_ns);
+    }
+
+    pub fn into_inner(self) -> W {
+        self.w
+    }
+
+    fn prefix(&mut self, ts: u64) -> String {
+        match &self.opts.time {
+            TimeFormat::None => String::new(),
+            TimeFormat::Relative { .. } => {
+                let origin = *self.origin.get_or_insert(ts);
+                let d = ts.saturating_sub(origin);
+                format!("{:>4}.{:03} ", d / 1_000_000_000, d / 1_000_000 % 1000)
+            }
+            TimeFormat::Custom(f) => format!("{} ", f(ts)),
+        }
+    }
+
+    fn line(&mut self, ts: u64, text: &str) -> io::Result<()> {
+        let p = self.prefix(ts);
+        writeln!(self.w, "{p}{text}")
+    }
+
+    fn flush_run(&mut self) -> io::Result<()> {
+        if let Some(r) = self.run.take() {
+            if r.more > 0 {
+                let text = format!(
+                    "{}: {} more failed tries by pid {} in {}{}",
+                    r.agent,
+                    r.more,
+                    r.pid,
+                    human_ns(r.last_ns.saturating_sub(r.first_ns)),
+                    on_lock(&r.lock)
+                );
+                self.line(r.last_ns, &text)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn failed_try(&mut self, f: &FailedTryFact) -> io::Result<()> {
+        if let Some(r) = &mut self.run {
+            if r.pid == f.pid && r.lock == f.lock {
+                r.more += 1;
+                r.last_ns = f.ts_ns;
+                return Ok(());
+            }
+        }
+        self.flush_run()?;
+        let held = match &f.holder {
+            Some(h) => format!(", held by {}", holder_text(h)),
+            None => String::new(),
+        };
+        let text = format!(
+            "{} failed to take {} (pid {} {}, errno {}){}",
+            f.agent, f.lock, f.pid, f.comm, f.errno, held
+        );
+        self.line(f.ts_ns, &text)?;
+        self.run = Some(FailedRun {
+            pid: f.pid,
+            lock: f.lock.clone(),
+            agent: f.agent.clone(),
+            more: 0,
+            first_ns: f.ts_ns,
+            last_ns: f.ts_ns,
+        });
+        Ok(())
+    }
+}
+
+fn on_lock(lock: &str) -> String {
+    if lock == DEFAULT_LOCK {
+        String::new()
+    } else {
+        format!(" on {lock}")
+    }
+}
+
+fn holder_text(h: &HolderRef) -> String {
+    let what = if h.cmdline.is_empty() {
+        &h.comm
+    } else {
+        &h.cmdline
+    };
+    if what.is_empty() || *what == h.agent {
+        format!("{} (pid {})", h.agent, h.pid)
+    } else {
+        format!("{} ({})", h.agent, what)
+    }
+}
+
+fn holders_text(hs: &[HolderRef]) -> String {
+    if hs.is_empty() {
+        return "an unknown holder".to_string();
+    }
+    hs.iter()
+        .map(holder_text)
+        .collect::<Vec<_>>()
+        .join(", then ")
+}
+
+fn hold_text(h: &HoldFact) -> String {
+    let what = if h.cmdline.is_empty() {
+        &h.comm
+    } else {
+        &h.cmdline
+    };
+    let mut s = format!(
+        "{} held {} {} (pid {} {})",
+        h.agent,
+        h.lock,
+        human_ns(h.hold_ns),
+        h.pid,
+        what
+    );
+    if h.replaces > 0 {
+        let _ = write!(
+            s,
+            ", {} in {} table replace{}",
+            human_ns(h.kernel_ns),
+            h.replaces,
+            if h.replaces == 1 { "" } else { "s" }
+        );
+    }
+    if h.open {
+        s.push_str(" [still held when tracing ended]");
+    } else if h.incomplete {
+        s.push_str(" [release not seen; end inferred]");
+    }
+    s
+}
+
+fn wait_text(w: &WaitFact) -> String {
+    let behind = holders_text(&w.holders);
+    let d = human_ns(w.wait_ns);
+    let mut s = match w.outcome {
+        WaitOutcome::Acquired => format!("{} waited {d} behind {behind}", w.agent),
+        WaitOutcome::TimedOut => format!("{} gave up after {d} waiting behind {behind}", w.agent),
+        WaitOutcome::Abandoned => {
+            format!("{} exited after waiting {d} behind {behind}", w.agent)
+        }
+        WaitOutcome::Open => format!("{} still waiting after {d} behind {behind}", w.agent),
+    };
+    s.push_str(&on_lock(&w.lock));
+    let _ = write!(s, " [pid {} {}", w.pid, w.comm);
+    if w.mode == WaitMode::Poll {
+        let _ = write!(s, ", polled: {} failed tries", w.tries);
+    }
+    s.push(']');
+    s
+}
+
+fn timeout_text(t: &TimeoutFact) -> String {
+    let held = if t.holders.is_empty() {
+        "holder unknown".to_string()
+    } else {
+        format!(
+            "held by {}",
+            t.holders
+                .iter()
+                .map(|h| h.agent.as_str())
+                .collect::<Vec<_>>()
+                .join(", then ")
+        )
+    };
+    let how = if t.tries <= 1 && t.waited_ns < 1_000_000 {
+        // One LOCK_NB try: iptables without -w.
+        "found the lock taken and gave up".to_string()
+    } else {
+        format!(
+            "gave up waiting for the lock after {}",
+            human_ns(t.waited_ns)
+        )
+    };
+    format!(
+        "{}: {} (pid {}) {how} (exit {}){}, {held}",
+        t.agent,
+        t.comm,
+        t.pid,
+        t.exit_code,
+        on_lock(&t.lock)
+    )
+}
+
+fn exec_text(e: &ExecFact) -> String {
+    let what = if e.cmdline.is_empty() {
+        &e.filename
+    } else {
+        &e.cmdline
+    };
+    format!(
+        "exec {what} (pid {}) by {} (pid {})",
+        e.pid, e.agent, e.agent_pid
+    )
+}
+
+fn exit_text(e: &ExitFact) -> String {
+    let status = match e.code {
+        Some(c) => format!("status {c}"),
+        None => "killed by a signal".to_string(),
+    };
+    let after = match e.runtime_ns {
+        Some(r) => format!(" after {}", human_ns(r)),
+        None => String::new(),
+    };
+    format!(
+        "exit {} (pid {}) {status}{after}, run by {}",
+        e.comm, e.pid, e.agent
+    )
+}
+
+impl<W: Write> Sink for TerminalSink<W> {
+    fn output(&mut self, o: &Output) -> io::Result<()> {
+        if let Output::FailedTry(f) = o {
+            if self.opts.show_failed_tries {
+                return self.failed_try(f);
+            }
+            return Ok(());
+        }
+        let text =
+            match o {
+                Output::Hold(h) => (h.hold_ns >= self.opts.min_hold.as_nanos() as u64 || h.open)
+                    .then(|| hold_text(h)),
+                Output::Wait(w) => Some(wait_text(w)),
+                Output::Timeout(t) => Some(timeout_text(t)),
+                Output::Exec(e) => self.opts.show_execs.then(|| exec_text(e)),
+                // A lock timeout was already told by its own line.
+                Output::Exit(e) => (self.opts.show_exits && e.code != Some(0) && !e.lock_timeout)
+                    .then(|| exit_text(e)),
+                Output::Lost(l) => Some(format!(
+                    "!! {} events lost (ring buffer full); counts are lower bounds",
+                    l.count
+                )),
+                Output::FailedTry(_) => None,
+            };
+        if let Some(text) = text {
+            self.flush_run()?;
+            self.line(o.ts_ns(), &text)?;
+        }
+        Ok(())
+    }
+
+    fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()> {
+        self.flush_run()?;
+        write_summary(&mut self.w, s, final_)?;
+        self.w.flush()
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.flush_run()?;
+        self.w.flush()
+    }
+}
+
+fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io::Result<()> {
+    writeln!(w)?;
+    writeln!(
+        w,
+        "== {} ({} traced, {} events) ==",
+        if final_ { "summary" } else { "summary so far" },
+        human_ns(s.duration_ns),
+        s.events
+    )?;
+    for l in &s.locks {
+        writeln!(
+            w,
+            "lock {} (dev {}:{} ino {}): {} holds, {} held in all, longest {}; {} waits",
+            l.path,
+            l.dev >> 20,
+            l.dev & 0xf_ffff,
+            l.ino,
+            l.holds,
+            human_ns(l.held_ns),
+            human_ns(l.max_hold_ns),
+            l.waits
+        )?;
+    }
+    for (title, table) in [("holds by agent", &s.holds), ("waits by agent", &s.waits)] {
+        if table.is_empty() {
+            continue;
+        }
+        writeln!(w, "\n{title}:")?;
+        let width = table
+            .keys()
+            .map(|k| k.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(5);
+        writeln!(
+            w,
+            "  {:<width$} {:>7} {:>9} {:>9} {:>9} {:>9}",
+            "agent", "count", "p50", "p99", "max", "total"
+        )?;
+        for (agent, d) in table {
+            writeln!(
+                w,
+                "  {:<width$} {:>7} {:>9} {:>9} {:>9} {:>9}",
+                agent,
+                d.count,
+                human_ns(d.p50_ns),
+                human_ns(d.p99_ns),
+                human_ns(d.max_ns),
+                human_ns(d.total_ns)
+            )?;
+        }
+    }
+    if !s.contention.is_empty() {
+        writeln!(w, "\nwho waited behind whom:")?;
+        let pairs: Vec<String> = s
+            .contention
+            .iter()
+            .map(|c| format!("{} <- {}", c.waiter, c.holder))
+            .collect();
+        let width = pairs
+            .iter()
+            .map(|p| p.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(15);
+        writeln!(
+            w,
+            "  {:<width$} {:>7} {:>9} {:>9}",
+            "waiter <- holder", "waits", "total", "max"
+        )?;
+        for (c, pair) in s.contention.iter().zip(&pairs) {
+            writeln!(
+                w,
+                "  {:<width$} {:>7} {:>9} {:>9}",
+                pair,
+                c.count,
+                human_ns(c.total_wait_ns),
+                human_ns(c.max_wait_ns)
+            )?;
+        }
+    }
+    for (title, m) in [
+        ("failed tries", &s.failed_tries),
+        ("lock timeouts (exit 4)", &s.timeouts),
+        ("exit 4 without lock trouble", &s.exit4_without_lock),
+        ("iptables execs", &s.execs),
+    ] {
+        if m.is_empty() {
+            continue;
+        }
+        let list: Vec<String> = m.iter().map(|(a, n)| format!("{a} {n}")).collect();
+        writeln!(w, "{title}: {}", list.join(", "))?;
+    }
+    if s.holds.is_empty() && s.waits.is_empty() {
+        writeln!(w, "no lock activity seen")?;
+    }
+    if s.lost_events > 0 {
+        writeln!(
+            w,
+            "!! {} events lost: the ring buffer was full; counts are lower bounds",
+            s.lost_events
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lock::{HolderRef, WaitMode, WaitOutcome};
+
+    fn holder(agent: &str, cmdline: &str) -> HolderRef {
+        HolderRef {
+            pid: 1234,
+            agent: agent.into(),
+            role: "proxy",
+            comm: "iptables-restor".into(),
+            cmdline: cmdline.into(),
+        }
+    }
+
+    fn hold(ns: u64) -> HoldFact {
+        HoldFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 1234,
+            tid: 1234,
+            comm: "iptables-restor".into(),
+            agent: "kube-proxy".into(),
+            role: "proxy",
+            cmdline: "iptables-restore -w 5 --noflush".into(),
+            start_ns: 2_000_000_000,
+            hold_ns: ns,
+            owner: 1,
+            exclusive: true,
+            kernel_ns: 0,
+            replaces: 0,
+            agent_pid: 100,
+            released_by: Some(1234),
+            pod_uid: None,
+            container_id: None,
+            open: false,
+            incomplete: false,
+        }
+    }
+
+    fn render(outputs: &[Output], opts: TerminalOptions) -> String {
+        let mut sink = TerminalSink::with_options(Vec::new(), opts);
+        for o in outputs {
+            sink.output(o).unwrap();
+        }
+        sink.flush().unwrap();
+        String::from_utf8(sink.into_inner()).unwrap()
+    }
+
+    #[test]
+    fn lines() {
+        let wait = WaitFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 77,
+            tid: 77,
+            comm: "iptables".into(),
+            agent: "calico-node".into(),
+            role: "cni",
+            cmdline: "iptables -w 5 -A X".into(),
+            start_ns: 1_000_000_000,
+            wait_ns: 1_420_000_000,
+            holders: vec![holder(
+                "kube-proxy",
+                "iptables-legacy-restore -w 5 -W 100000 --noflush --counters",
+            )],
+            outcome: WaitOutcome::Acquired,
+            mode: WaitMode::Blocking,
+            tries: 0,
+            ret: None,
+            agent_pid: 40,
+            pod_uid: None,
+            container_id: None,
+            incomplete: false,
+        };
+        let opts = TerminalOptions {
+            time: TimeFormat::Relative { origin_ns: Some(0) },
+            ..Default::default()
+        };
+        let text = render(&[Output::Hold(hold(312_400_000)), Output::Wait(wait)], opts);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "   2.000 kube-proxy held /run/xtables.lock 312 ms \
+             (pid 1234 iptables-restore -w 5 --noflush)"
+        );
+        assert_eq!(
+            lines[1],
+            "   1.000 calico-node waited 1.42 s behind kube-proxy \
+             (iptables-legacy-restore -w 5 -W 100000 --noflush --counters) [pid 77 iptables]"
+        );
+    }
+
+    #[test]
+    fn min_hold_filters_short_holds() {
+        let opts = TerminalOptions {
+            min_hold: Duration::from_millis(10),
+            time: TimeFormat::None,
+            ..Default::default()
+        };
+        let text = render(
+            &[
+                Output::Hold(hold(5_000_000)),
+                Output::Hold(hold(50_000_000)),
+            ],
+            opts,
+        );
+        assert_eq!(text.lines().count(), 1, "{text}");
+        assert!(text.starts_with("kube-proxy held /run/xtables.lock 50.0 ms"));
+    }
+
+    #[test]
+    fn failed_tries_collapse() {
+        let f = |ts| {
+            Output::FailedTry(FailedTryFact {
+                lock: DEFAULT_LOCK.into(),
+                pid: 9,
+                tid: 9,
+                comm: "portmap".into(),
+                agent: "portmap".into(),
+                role: "cni",
+                ts_ns: ts,
+                errno: 11,
+                holder: Some(holder("kube-proxy", "")),
+            })
+        };
+        let outs: Vec<Output> = (0..5).map(|i| f(i * 200_000_000)).collect();
+        let opts = TerminalOptions {
+            time: TimeFormat::None,
+            ..Default::default()
+        };
+        let text = render(&outs, opts);
+        assert_eq!(
+            text,
+            "portmap failed to take /run/xtables.lock (pid 9 portmap, errno 11), \
+             held by kube-proxy (iptables-restor)\n\
+             portmap: 4 more failed tries by pid 9 in 800 ms\n"
+        );
+    }
+
+    #[test]
+    fn timeout_line() {
+        let t = TimeoutFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 4242,
+            comm: "iptables".into(),
+            cmdline: "iptables -w 5 -A FOO".into(),
+            agent: "calico-node".into(),
+            role: "cni",
+            agent_pid: 40,
+            ts_ns: 0,
+            exit_code: 4,
+            waited_ns: 5_000_000_000,
+            tries: 0,
+            holders: vec![holder("kube-proxy", "")],
+            pod_uid: None,
+            container_id: None,
+        };
+        let opts = TerminalOptions {
+            time: TimeFormat::wall_clock(0, 0),
+            ..Default::default()
+        };
+        let text = render(&[Output::Timeout(t)], opts);
+        assert_eq!(
+            text,
+            "00:00:00.000 calico-node: iptables (pid 4242) gave up waiting for the lock \
+             after 5.00 s (exit 4), held by kube-proxy\n"
+        );
+    }
+
+    #[test]
+    fn wall_clock() {
+        // 1 h 2 min 3.456 s after midnight, plus a day, from a monotonic clock offset.
+        let ts = 1_000_000_000;
+        let off = (86_400 + 3_723) * 1_000_000_000 + 456_000_000 - 1_000_000_000;
+        assert_eq!(wall_clock_label(ts, off, 0), "01:02:03.456");
+        assert_eq!(wall_clock_label(ts, off, 3600), "02:02:03.456");
+        assert_eq!(wall_clock_label(ts, off, -7200), "23:02:03.456");
+    }
+
+    #[test]
+    fn summary_mentions_lost_events() {
+        let mut a = crate::analysis::Analyzer::new(vec![]);
+        a.process_collect(&crate::decode::Event::Lost {
+            ts_ns: 5,
+            count: 12,
+        });
+        let mut sink = TerminalSink::new(Vec::new());
+        sink.summary(&a.summary(), true).unwrap();
+        let text = String::from_utf8(sink.into_inner()).unwrap();
+        assert!(
+            text.contains("12 events lost: the ring buffer was full; counts are lower bounds"),
+            "{text}"
+        );
+    }
+}
