@@ -58,7 +58,19 @@ impl LiveSource {
             n += 1;
             match decode::decode(&item) {
                 Ok(ev) => {
+                    let exec = match &ev {
+                        Event::Exec(x) => Some((x.tgid, x.ts_ns)),
+                        _ => None,
+                    };
                     out.push(ev);
+                    // Right behind its exec, before any exit of the same process: the
+                    // cgroup of a new program. A container's process is moved to its cgroup
+                    // by the runtime after fork, so the parent's would name the runtime.
+                    if let Some((pid, ts)) = exec {
+                        if let Some(info) = exec_cgroup(pid, ts) {
+                            out.push(Event::Proc(info));
+                        }
+                    }
                 }
                 Err(e) => {
                     self.decode_errors += 1;
@@ -70,28 +82,6 @@ impl LiveSource {
         }
         if n < BATCH {
             guard.clear_ready();
-        }
-        // Cgroup of new programs: a container's process is moved to its cgroup by the
-        // runtime after fork, so inheriting the parent's would name the runtime instead.
-        let execs: Vec<(u32, u64)> = out
-            .iter()
-            .filter_map(|e| match e {
-                Event::Exec(x) => Some((x.tgid, x.ts_ns)),
-                _ => None,
-            })
-            .collect();
-        for (pid, ts) in execs {
-            if let Some(cg) = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
-                .ok()
-                .and_then(|c| super::procfs::parse_cgroup(&c))
-            {
-                out.push(Event::Proc(decode::ProcInfo {
-                    ts_ns: ts,
-                    pid,
-                    cgroup: Some(cg),
-                    ..Default::default()
-                }));
-            }
         }
         Ok(())
     }
@@ -126,4 +116,15 @@ impl LiveSource {
     pub fn decode_errors(&self) -> u64 {
         self.decode_errors
     }
+}
+
+/// The cgroup of a process that just exec'd, as a partial `ProcInfo` (only `cgroup` set).
+fn exec_cgroup(pid: u32, ts_ns: u64) -> Option<decode::ProcInfo> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    Some(decode::ProcInfo {
+        ts_ns,
+        pid,
+        cgroup: Some(super::procfs::parse_cgroup(&text)?),
+        ..Default::default()
+    })
 }
