@@ -16,6 +16,12 @@ pub const ARGV_SLOTS: usize = 8;
 pub const ARG_LEN: usize = 64;
 /// Most lock files one tracer can watch at once.
 pub const MAX_WATCHED_LOCKS: u32 = 16;
+/// Slots of the drop-reason filter: reason `r` uses slot `min(r, DROP_REASON_SLOTS - 1)`, so
+/// the last slot stands for every larger reason (other subsystems' reasons carry high bits).
+pub const DROP_REASON_SLOTS: u32 = 1024;
+/// Distinct (reason, location, netns) keys the in-kernel drop counters hold; drops of keys
+/// beyond it are still counted, in one overflow counter.
+pub const MAX_DROP_KEYS: u32 = 16384;
 
 /// `fl_type` values of the `filelock` tracepoints.
 pub const F_RDLCK: u8 = 0;
@@ -58,6 +64,8 @@ pub enum EventKind {
     Exit = 5,
     /// A legacy xtables table replace / counter update through `setsockopt`.
     TableReplace = 6,
+    /// `skb:kfree_skb`: one sampled packet drop (rate limited; counts are kept apart).
+    Drop = 7,
 }
 
 impl EventKind {
@@ -69,6 +77,7 @@ impl EventKind {
             4 => Self::Fork,
             5 => Self::Exit,
             6 => Self::TableReplace,
+            7 => Self::Drop,
             _ => return None,
         })
     }
@@ -179,6 +188,51 @@ pub struct TableReplaceEvent {
     pub _pad: u32,
 }
 
+/// Address family of a [`DropEvent`]'s addresses.
+pub const DROP_FAMILY_NONE: u8 = 0;
+pub const DROP_FAMILY_INET: u8 = 4;
+pub const DROP_FAMILY_INET6: u8 = 6;
+
+/// One packet drop seen at `skb:kfree_skb`, sampled under a per-CPU rate limit. Exact
+/// counts travel separately (per-CPU counters keyed by [`DropKey`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropEvent {
+    /// `tgid`/`tid`: the task that was running (often unrelated: softirq context).
+    pub hdr: EventHeader,
+    /// Kernel text address that freed the packet (`location`), e.g. inside `nf_hook_slow`.
+    pub location: u64,
+    /// Inode of the packet's network namespace (of its device, else of its socket); 0 when
+    /// unknown.
+    pub netns: u32,
+    /// Index of the packet's device; 0 when it has none.
+    pub ifindex: u32,
+    /// `enum skb_drop_reason` value of the running kernel (0 when the kernel has none).
+    pub reason: u32,
+    /// The tracepoint's `protocol` (ethertype, host order: 0x0800 IPv4, 0x86dd IPv6).
+    pub ethertype: u16,
+    /// IP protocol (6 TCP, 17 UDP, 1 ICMP, 58 ICMPv6); 0 when not read.
+    pub l4proto: u8,
+    /// `DROP_FAMILY_*`: which addresses were read.
+    pub family: u8,
+    /// Source and destination address: 4 bytes for IPv4 (rest zero), 16 for IPv6.
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Ports (host order) for TCP/UDP; ICMP type and code for ICMP.
+    pub sport: u16,
+    pub dport: u16,
+    pub _pad: u32,
+}
+
+/// Key of the in-kernel drop counters.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DropKey {
+    pub location: u64,
+    pub reason: u32,
+    pub netns: u32,
+}
+
 /// Key of the watched-locks map: which lock files the probes report.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -223,6 +277,30 @@ pub struct ProbeConfig {
     // syscalls:sys_enter_exit_group / sys_enter_exit: `int error_code`
     pub exit_code: u32,
     pub _pad: u32,
+    // skb:kfree_skb
+    pub kd_skbaddr: u32,
+    pub kd_location: u32,
+    pub kd_protocol: u32,
+    pub kd_reason: u32,
+    /// Non-zero when the tracepoint has a `reason` field (kernels >= 5.17).
+    pub kd_has_reason: u32,
+    /// Non-zero when the struct member offsets below were found in the kernel's BTF;
+    /// without them drops are still counted, but by netns 0 and without addresses.
+    pub skb_ok: u32,
+    // struct sk_buff, net_device, net, sock members (byte offsets, from BTF)
+    pub skb_head: u32,
+    pub skb_network_header: u32,
+    pub skb_transport_header: u32,
+    pub skb_dev: u32,
+    pub skb_sk: u32,
+    pub dev_ifindex: u32,
+    pub dev_nd_net: u32,
+    pub net_ns_inum: u32,
+    pub sk_net: u32,
+    /// Samples a CPU may send in a burst.
+    pub drop_sample_burst: u32,
+    /// Minimum spacing of drop samples per CPU, in ns; 0: no samples at all.
+    pub drop_sample_interval_ns: u64,
 }
 
 #[cfg(feature = "user")]
@@ -232,6 +310,7 @@ mod pod {
     // and have explicit padding fields, so any byte pattern is a valid value.
     unsafe impl aya::Pod for LockKey {}
     unsafe impl aya::Pod for ProbeConfig {}
+    unsafe impl aya::Pod for DropKey {}
 }
 
 /// Size in bytes of each event type, for the decoder's bounds checks.
@@ -244,6 +323,7 @@ pub mod sizes {
     pub const FORK: usize = size_of::<ForkEvent>();
     pub const EXIT: usize = size_of::<ExitEvent>();
     pub const TABLE_REPLACE: usize = size_of::<TableReplaceEvent>();
+    pub const DROP: usize = size_of::<DropEvent>();
 }
 
 #[cfg(test)]
@@ -262,6 +342,9 @@ mod tests {
         assert_eq!(size_of::<ExitEvent>(), 48);
         assert_eq!(size_of::<TableReplaceEvent>(), 56);
         assert_eq!(size_of::<LockKey>(), 16);
+        assert_eq!(size_of::<DropEvent>(), 88);
+        assert_eq!(size_of::<DropKey>(), 16);
+        assert_eq!(size_of::<ProbeConfig>(), 144);
     }
 
     #[test]
@@ -273,6 +356,7 @@ mod tests {
             EventKind::Fork,
             EventKind::Exit,
             EventKind::TableReplace,
+            EventKind::Drop,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

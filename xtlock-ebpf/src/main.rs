@@ -5,9 +5,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
-use xtlock_common::{LockKey, ProbeConfig, MAX_WATCHED_LOCKS};
+use xtlock_common::{
+    DropKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS, MAX_WATCHED_LOCKS,
+};
 
 mod emit;
 mod probes;
@@ -33,6 +35,23 @@ static CONFIG: ProbeConfig = ProbeConfig {
     fork_child_pid: 0,
     exit_code: 0,
     _pad: 0,
+    kd_skbaddr: 0,
+    kd_location: 0,
+    kd_protocol: 0,
+    kd_reason: 0,
+    kd_has_reason: 0,
+    skb_ok: 0,
+    skb_head: 0,
+    skb_network_header: 0,
+    skb_transport_header: 0,
+    skb_dev: 0,
+    skb_sk: 0,
+    dev_ifindex: 0,
+    dev_nd_net: 0,
+    net_ns_inum: 0,
+    sk_net: 0,
+    drop_sample_burst: 0,
+    drop_sample_interval_ns: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.
@@ -73,6 +92,24 @@ static EXIT_CODES: LruHashMap<u32, i32> = LruHashMap::with_max_entries(8192, 0);
 #[map]
 static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
     LruHashMap::with_max_entries(1024, 0);
+
+/// Which drop reasons to count and sample: slot `min(reason, DROP_REASON_SLOTS - 1)` is
+/// non-zero for a watched reason. Filled by userspace before attaching.
+#[map]
+static DROP_REASONS: Array<u8> = Array::with_max_entries(DROP_REASON_SLOTS, 0);
+
+/// Exact drop counts per (location, reason, netns), per CPU. Userspace reads and sums them
+/// every second and never deletes keys (a delete would race with increments).
+#[map]
+static DROP_COUNTS: PerCpuHashMap<DropKey, u64> = PerCpuHashMap::with_max_entries(MAX_DROP_KEYS, 0);
+
+/// Drops not counted under their key because `DROP_COUNTS` was full, per CPU.
+#[map]
+static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Drop-sample rate limiter per CPU: the theoretical arrival time of the next sample (GCRA).
+#[map]
+static DROP_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -9,6 +9,10 @@ use serde::Serialize;
 
 use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
 use crate::decode::{Event, ExecEvent, ExitEvent};
+use crate::drops::DropTracker;
+pub use crate::drops::{
+    ConntrackFact, DropClass, DropCountFact, DropFact, DropSummary, HoldDropsFact, HoldRef,
+};
 use crate::lock::{is_locking_proc, Ctx, LockMachine};
 pub use crate::lock::{
     FailedTryFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome, WatchedLock,
@@ -28,6 +32,14 @@ pub enum Output {
     Exec(ExecFact),
     Exit(ExitFact),
     Lost(LostFact),
+    /// A sampled packet drop.
+    Drop(DropFact),
+    /// Exact drops of one kind in one interval.
+    DropCount(DropCountFact),
+    /// Conntrack counter deltas of one netns.
+    Conntrack(ConntrackFact),
+    /// The drops that happened while one hold lasted.
+    HoldDrops(HoldDropsFact),
 }
 
 impl Output {
@@ -41,6 +53,10 @@ impl Output {
             Output::Exec(e) => e.ts_ns,
             Output::Exit(e) => e.ts_ns,
             Output::Lost(l) => l.ts_ns,
+            Output::Drop(d) => d.ts_ns,
+            Output::DropCount(d) => d.ts_ns,
+            Output::Conntrack(c) => c.ts_ns,
+            Output::HoldDrops(h) => h.start_ns,
         }
     }
 }
@@ -102,6 +118,7 @@ pub struct Analyzer {
     attr: Attributor,
     locks: LockMachine,
     stats: Stats,
+    drops: DropTracker,
 }
 
 impl Analyzer {
@@ -111,15 +128,104 @@ impl Analyzer {
             attr: Attributor::new(),
             locks: LockMachine::new(locks),
             stats: Stats::new(),
+            drops: DropTracker::new(crate::drops::DEFAULT_CONNTRACK_WARN_PCT),
         }
+    }
+
+    /// Conntrack table fill (percent) above which a warning is emitted; 0: never.
+    pub fn set_conntrack_warn_pct(&mut self, pct: u32) {
+        self.drops.set_warn_pct(pct);
+    }
+
+    /// Holds of watched locks overlapping `(t0, t1]`: open ones, and ones that ended in it.
+    fn holds_overlapping(&self, t0: u64, t1: u64) -> Vec<HoldRef> {
+        let mut v: Vec<HoldRef> = self
+            .locks
+            .open_holders()
+            .filter(|(_, start, _)| *start < t1)
+            .map(|(lock, start, who)| HoldRef {
+                lock: lock.to_string(),
+                pid: who.pid,
+                agent: who.agent.clone(),
+                comm: who.comm.clone(),
+                start_ns: start,
+                hold_ns: None,
+            })
+            .collect();
+        for h in self.drops.ended_since(t0) {
+            if h.start_ns < t1
+                && !v
+                    .iter()
+                    .any(|o| o.lock == h.lock && o.start_ns == h.start_ns)
+            {
+                v.push(h.clone());
+            }
+        }
+        v
+    }
+
+    /// The hold open at `ts`, if any (the first one, when several locks are held).
+    fn hold_at(&self, ts: u64) -> Option<HoldRef> {
+        let mut v = self.holds_overlapping(ts.saturating_sub(1), ts.saturating_add(1));
+        v.retain(|h| h.start_ns <= ts && h.hold_ns.is_none_or(|d| h.start_ns + d >= ts));
+        v.into_iter().next()
     }
 
     /// Feeds one event; facts it settles go to `out`, in order.
     pub fn process(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
         self.stats.observe(ev.ts_ns());
         let lost_before = self.stats.lost_events();
+        match ev {
+            Event::Drop(s) => {
+                let hold = self.hold_at(s.ts_ns);
+                let stats = &mut self.stats;
+                self.drops.on_sample(s, hold, &mut |o: Output| {
+                    stats.record(&o);
+                    out(o);
+                });
+                return;
+            }
+            Event::DropCounts(c) => {
+                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
+                let stats = &mut self.stats;
+                self.drops.on_counts(c, holds, &mut |o: Output| {
+                    stats.record(&o);
+                    out(o);
+                });
+                return;
+            }
+            Event::Conntrack(c) => {
+                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
+                let stats = &mut self.stats;
+                self.drops.on_conntrack(c, holds, &mut |o: Output| {
+                    stats.record(&o);
+                    out(o);
+                });
+                return;
+            }
+            Event::DropSetup {
+                has_reason,
+                host_netns,
+                names,
+                ..
+            } => {
+                self.drops.on_setup(*has_reason, names, *host_netns);
+                return;
+            }
+            Event::KernelSymbol {
+                addr, name, offset, ..
+            } => {
+                self.drops.on_symbol(*addr, name, *offset);
+                return;
+            }
+            _ => {}
+        }
         let stats = &mut self.stats;
+        let drops = &mut self.drops;
         let mut emit = |o: Output| {
+            if let Output::Hold(h) = &o {
+                drops.on_hold(h);
+            }
             stats.record(&o);
             out(o);
         };
@@ -181,7 +287,11 @@ impl Analyzer {
     /// still waiting) instead of dropping it.
     pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
         let stats = &mut self.stats;
+        let drops = &mut self.drops;
         let mut emit = |o: Output| {
+            if let Output::Hold(h) = &o {
+                drops.on_hold(h);
+            }
             stats.record(&o);
             out(o);
         };
@@ -190,10 +300,18 @@ impl Analyzer {
             attr: &mut self.attr,
         };
         self.locks.finish(ts_ns, &mut cx, &mut emit);
+        let stats = &mut self.stats;
+        self.drops.finish(ts_ns, &mut |o: Output| {
+            stats.record(&o);
+            out(o);
+        });
     }
 
     pub fn summary(&self) -> Summary {
-        self.stats.summary(self.locks.locks())
+        let mut s = self.stats.summary(self.locks.locks());
+        s.drops = self.drops.summary();
+        s.host_netns = self.drops.host_netns();
+        s
     }
 
     /// Watched locks, configured ones first, then any first seen in events.

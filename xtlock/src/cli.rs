@@ -63,6 +63,67 @@ pub struct TraceArgs {
     pub ring_buffer_mib: u32,
     #[command(flatten)]
     pub locks: LockArgs,
+    #[command(flatten)]
+    pub drops: DropArgs,
+}
+
+/// Packet drops and conntrack: shared by every command that traces live.
+#[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Packet drops and conntrack")]
+pub struct DropArgs {
+    /// Drop samples (with addresses) sent from the kernel, per second per CPU, e.g. 100/s;
+    /// 0 for counts only. Counts stay exact whatever the rate.
+    #[arg(long, value_name = "N/s", default_value = "100/s", value_parser = parse_rate)]
+    pub drop_samples: u32,
+    /// Drop reasons to watch, as this kernel spells them (e.g. NETFILTER_DROP,NO_SOCKET;
+    /// `xtlock probes` lists them), `all`, or `default`: everything but a normal socket close.
+    #[arg(long, value_name = "LIST", default_value = "default", value_parser = crate::probes::dropreason::ReasonSelection::parse)]
+    pub drop_reasons: crate::probes::dropreason::ReasonSelection,
+    /// Do not trace packet drops or conntrack at all.
+    #[arg(long, conflicts_with_all = ["drop_reasons", "netns", "all_netns"])]
+    pub no_drops: bool,
+    /// Also read conntrack counters of this network namespace (repeatable):
+    /// /run/netns/NAME or /proc/PID/ns/net. The host's are always read.
+    #[arg(long = "netns", value_name = "PATH")]
+    pub netns: Vec<PathBuf>,
+    /// Read conntrack counters of every network namespace (/run/netns/* and those of
+    /// running processes, rescanned every 10 s).
+    #[arg(long)]
+    pub all_netns: bool,
+    /// Warn when a conntrack table is at least this full, in percent (0: never).
+    #[arg(long, value_name = "PCT", default_value_t = 75, value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub conntrack_warn: u32,
+}
+
+impl DropArgs {
+    /// What the drop hook is to count and sample; `None` with `--no-drops`.
+    pub fn probe_options(&self) -> Option<crate::probes::DropOptions> {
+        (!self.no_drops).then(|| crate::probes::DropOptions {
+            reasons: self.drop_reasons.clone(),
+            samples_per_sec: self.drop_samples,
+        })
+    }
+
+    pub fn netns_options(&self) -> crate::source::drops::NetnsOptions {
+        crate::source::drops::NetnsOptions {
+            paths: self.netns.clone(),
+            all: self.all_netns,
+        }
+    }
+}
+
+/// `100/s`, `100` (per second), `0`.
+fn parse_rate(s: &str) -> Result<u32, String> {
+    let n = s.trim().strip_suffix("/s").unwrap_or(s.trim());
+    let v: u32 = n
+        .parse()
+        .map_err(|_| format!("`{s}` is not a rate; use e.g. 100/s, or 0 for counts only"))?;
+    if v > 1_000_000 {
+        return Err(format!(
+            "{v}/s is more samples than anyone can read; use at most 1000000/s"
+        ));
+    }
+    Ok(v)
 }
 
 #[derive(Debug, clap::Args)]
@@ -132,5 +193,48 @@ mod tests {
         assert!(e.to_string().contains("not a duration"), "{e}");
         let e = Cli::try_parse_from(["xtlock", "trace", "--ring-buffer-mib", "3"]).unwrap_err();
         assert!(e.to_string().contains("power of two"), "{e}");
+        let e = Cli::try_parse_from(["xtlock", "trace", "--drop-samples", "lots"]).unwrap_err();
+        assert!(e.to_string().contains("not a rate"), "{e}");
+        let e = Cli::try_parse_from(["xtlock", "trace", "--conntrack-warn", "150"]).unwrap_err();
+        assert!(e.to_string().contains("150"), "{e}");
+    }
+
+    #[test]
+    fn drop_flags() {
+        use crate::probes::dropreason::ReasonSelection;
+        let cli = Cli::try_parse_from([
+            "xtlock",
+            "trace",
+            "--drop-samples",
+            "20/s",
+            "--drop-reasons",
+            "NETFILTER_DROP,no_socket",
+            "--netns",
+            "/run/netns/a",
+            "--netns",
+            "/run/netns/b",
+            "--conntrack-warn",
+            "90",
+        ])
+        .unwrap();
+        let Command::Trace(t) = cli.command else {
+            panic!()
+        };
+        assert_eq!(t.drops.drop_samples, 20);
+        assert_eq!(
+            t.drops.drop_reasons,
+            ReasonSelection::Names(vec!["NETFILTER_DROP".into(), "NO_SOCKET".into()])
+        );
+        assert_eq!(t.drops.netns.len(), 2);
+        assert_eq!(t.drops.conntrack_warn, 90);
+        assert!(t.drops.probe_options().is_some());
+        let cli = Cli::try_parse_from(["xtlock", "trace", "--no-drops"]).unwrap();
+        let Command::Trace(t) = cli.command else {
+            panic!()
+        };
+        assert!(t.drops.probe_options().is_none());
+        assert_eq!(t.drops.drop_samples, 100);
+        assert_eq!(t.drops.drop_reasons, ReasonSelection::Default);
+        assert!(Cli::try_parse_from(["xtlock", "trace", "--no-drops", "--all-netns"]).is_err());
     }
 }

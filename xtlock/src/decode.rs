@@ -4,6 +4,7 @@
 //! that reads them. Decoding never panics: short or unknown records are [`DecodeError`]s.
 
 use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use xtlock_common as common;
 
@@ -151,6 +152,111 @@ pub struct ProcInfo {
     pub cgroup: Option<String>,
 }
 
+/// One packet drop sampled in the kernel at `skb:kfree_skb` (rate limited: exact numbers
+/// come from [`DropCounts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropSample {
+    pub ts_ns: u64,
+    /// The task that was running; often unrelated to the packet (softirq).
+    pub tgid: u32,
+    pub tid: u32,
+    /// Kernel text address that freed the packet; see [`Event::KernelSymbol`].
+    pub location: u64,
+    /// Network namespace inode; 0 when unknown.
+    pub netns: u32,
+    pub ifindex: u32,
+    /// `enum skb_drop_reason` of the recording kernel; see [`Event::DropReasons`].
+    pub reason: u32,
+    pub ethertype: u16,
+    /// IP protocol; 0 when the packet was not IP or its header was not readable.
+    pub l4proto: u8,
+    pub saddr: Option<IpAddr>,
+    pub daddr: Option<IpAddr>,
+    /// Ports for TCP/UDP, ICMP type/code for ICMP.
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Drops of one (location, reason, netns) in one interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropCount {
+    pub location: u64,
+    pub reason: u32,
+    pub netns: u32,
+    pub count: u64,
+}
+
+/// Synthetic: the kernel's exact per-CPU drop counters, read by the source every second,
+/// as deltas since the previous read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DropCounts {
+    /// When the counters were read (end of the interval).
+    pub ts_ns: u64,
+    /// Length of the interval (since the previous read).
+    pub interval_ns: u64,
+    /// Non-zero deltas only.
+    pub counts: Vec<DropCount>,
+    /// Drops the kernel could not file under their key (its key map was full).
+    pub overflow: u64,
+}
+
+/// Conntrack statistics counters (`/proc/net/stat/nf_conntrack`, summed over CPUs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ConntrackCounters {
+    /// Packets dropped because a new connection could not be tracked (table full).
+    pub drop: u64,
+    pub early_drop: u64,
+    /// Entries that lost an insert race (the DNS 5-second-timeout race); packet dropped.
+    pub insert_failed: u64,
+    pub invalid: u64,
+    pub search_restart: u64,
+    pub clash_resolve: u64,
+    pub chaintoolong: u64,
+}
+
+impl ConntrackCounters {
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+
+    pub fn saturating_sub(&self, o: &Self) -> Self {
+        ConntrackCounters {
+            drop: self.drop.saturating_sub(o.drop),
+            early_drop: self.early_drop.saturating_sub(o.early_drop),
+            insert_failed: self.insert_failed.saturating_sub(o.insert_failed),
+            invalid: self.invalid.saturating_sub(o.invalid),
+            search_restart: self.search_restart.saturating_sub(o.search_restart),
+            clash_resolve: self.clash_resolve.saturating_sub(o.clash_resolve),
+            chaintoolong: self.chaintoolong.saturating_sub(o.chaintoolong),
+        }
+    }
+
+    pub fn saturating_add(&self, o: &Self) -> Self {
+        ConntrackCounters {
+            drop: self.drop.saturating_add(o.drop),
+            early_drop: self.early_drop.saturating_add(o.early_drop),
+            insert_failed: self.insert_failed.saturating_add(o.insert_failed),
+            invalid: self.invalid.saturating_add(o.invalid),
+            search_restart: self.search_restart.saturating_add(o.search_restart),
+            clash_resolve: self.clash_resolve.saturating_add(o.clash_resolve),
+            chaintoolong: self.chaintoolong.saturating_add(o.chaintoolong),
+        }
+    }
+}
+
+/// Synthetic: conntrack counters of one network namespace, read by the source every
+/// second (deltas since the previous read) with the table's fill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackStats {
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    pub deltas: ConntrackCounters,
+    /// `nf_conntrack_count` and `nf_conntrack_max` now.
+    pub count: u64,
+    pub max: u64,
+}
+
 /// Everything the analysis consumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -167,6 +273,29 @@ pub enum Event {
         ts_ns: u64,
         count: u64,
     },
+    /// A sampled packet drop (kernel event).
+    Drop(DropSample),
+    /// Synthetic: exact drop counts of the last interval.
+    DropCounts(DropCounts),
+    /// Synthetic: conntrack counter deltas of one netns.
+    Conntrack(ConntrackStats),
+    /// Synthetic, once at the start: the recording kernel's drop-reason names
+    /// (`has_reason` false: the kernel reports no reasons, every drop has reason 0) and the
+    /// inode of the tracer's own (host) network namespace.
+    DropSetup {
+        ts_ns: u64,
+        has_reason: bool,
+        host_netns: u32,
+        names: Vec<(u32, String)>,
+    },
+    /// Synthetic, before the first event that carries `addr`: the kernel function it is in
+    /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
+    KernelSymbol {
+        ts_ns: u64,
+        addr: u64,
+        name: String,
+        offset: u64,
+    },
 }
 
 impl Event {
@@ -180,6 +309,10 @@ impl Event {
             Event::TableReplace(e) => e.ts_ns,
             Event::Proc(e) => e.ts_ns,
             Event::Lost { ts_ns, .. } => *ts_ns,
+            Event::Drop(e) => e.ts_ns,
+            Event::DropCounts(e) => e.ts_ns,
+            Event::Conntrack(e) => e.ts_ns,
+            Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }
 }
@@ -318,6 +451,30 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 ret: e.ret,
             })
         }
+        K::Drop => {
+            need(kind, b, sizes::DROP)?;
+            let e: common::DropEvent = read(b);
+            let addr = |a: &[u8; 16]| match e.family {
+                common::DROP_FAMILY_INET => Some(IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))),
+                common::DROP_FAMILY_INET6 => Some(IpAddr::V6(Ipv6Addr::from(*a))),
+                _ => None,
+            };
+            Event::Drop(DropSample {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                location: e.location,
+                netns: e.netns,
+                ifindex: e.ifindex,
+                reason: e.reason,
+                ethertype: e.ethertype,
+                l4proto: e.l4proto,
+                saddr: addr(&e.saddr),
+                daddr: addr(&e.daddr),
+                sport: e.sport,
+                dport: e.dport,
+            })
+        }
     })
 }
 
@@ -397,6 +554,56 @@ mod tests {
         for n in 0..b.len() {
             let _ = decode(&b[..n]);
         }
+    }
+
+    #[test]
+    fn drop_samples() {
+        let mut e = common::DropEvent {
+            hdr: common::EventHeader {
+                kind: common::EventKind::Drop as u32,
+                tgid: 7,
+                tid: 8,
+                _pad: 0,
+                ts_ns: 99,
+            },
+            location: 0xffff_ffff_8100_0000,
+            netns: 4026531840,
+            ifindex: 3,
+            reason: 12,
+            ethertype: 0x0800,
+            l4proto: 17,
+            family: common::DROP_FAMILY_INET,
+            saddr: [0; 16],
+            daddr: [0; 16],
+            sport: 40000,
+            dport: 53,
+            _pad: 0,
+        };
+        e.saddr[..4].copy_from_slice(&[10, 0, 0, 1]);
+        e.daddr[..4].copy_from_slice(&[10, 0, 0, 2]);
+        let Event::Drop(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.saddr, Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(d.daddr, Some("10.0.0.2".parse().unwrap()));
+        assert_eq!((d.sport, d.dport, d.l4proto, d.reason), (40000, 53, 17, 12));
+        assert_eq!((d.netns, d.ifindex, d.ts_ns), (4026531840, 3, 99));
+        e.family = common::DROP_FAMILY_INET6;
+        e.daddr = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        let Event::Drop(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.daddr, Some("fd00::2".parse().unwrap()));
+        e.family = common::DROP_FAMILY_NONE;
+        let Event::Drop(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert_eq!((d.saddr, d.daddr), (None, None));
+        let b = bytes(&e);
+        assert!(matches!(
+            decode(&b[..60]),
+            Err(DecodeError::Truncated { .. })
+        ));
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod capture;
 pub mod cli;
 pub mod commands;
 pub mod decode;
+pub mod drops;
 pub mod lock;
 pub mod lockfiles;
 pub mod pipeline;

@@ -373,6 +373,15 @@ impl LockMachine {
         })
     }
 
+    /// Open holds right now, as (lock path, start, holder).
+    pub fn open_holders(&self) -> impl Iterator<Item = (&str, u64, &Attribution)> {
+        self.locks.iter().flat_map(|l| {
+            l.holds
+                .iter()
+                .map(move |h| (l.lock.path.as_str(), h.start_ns, &*h.who))
+        })
+    }
+
     fn lock_index(&mut self, dev: u32, ino: u64) -> Option<usize> {
         if let Some(i) = self
             .locks
@@ -417,7 +426,13 @@ impl LockMachine {
                 self.on_exit(e, false, cx, out);
             }
             Event::Lost { .. } => self.losses += 1,
-            Event::Exec(_) | Event::Proc(_) => {}
+            Event::Exec(_)
+            | Event::Proc(_)
+            | Event::Drop(_)
+            | Event::DropCounts(_)
+            | Event::Conntrack(_)
+            | Event::DropSetup { .. }
+            | Event::KernelSymbol { .. } => {}
         }
     }
 

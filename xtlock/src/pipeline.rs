@@ -83,4 +83,9 @@ impl Pipeline {
     pub fn analyzer(&self) -> &Analyzer {
         &self.analyzer
     }
+
+    /// For settings (e.g. the conntrack warning threshold) before the first event.
+    pub fn analyzer_mut(&mut self) -> &mut Analyzer {
+        &mut self.analyzer
+    }
 }

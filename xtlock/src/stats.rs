@@ -143,6 +143,11 @@ pub struct Summary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_ts_ns: Option<u64>,
     pub duration_ns: u64,
+    /// Packet drops and conntrack (empty when drops were not traced).
+    pub drops: crate::drops::DropSummary,
+    /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
+    /// `drops` equal to it are the host's.
+    pub host_netns: u32,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -253,6 +258,11 @@ impl Stats {
                 }
             }
             Output::Lost(l) => self.lost = self.lost.saturating_add(l.count),
+            // Counted by the drop tracker (`drops`), which sees them first.
+            Output::Drop(_)
+            | Output::DropCount(_)
+            | Output::Conntrack(_)
+            | Output::HoldDrops(_) => {}
         }
     }
 
@@ -330,6 +340,8 @@ impl Stats {
                 (Some(f), Some(l)) => l.saturating_sub(f),
                 _ => 0,
             },
+            drops: Default::default(),
+            host_netns: 0,
         }
     }
 }

@@ -2,3 +2,4 @@
 pub mod flock;
 pub mod process;
 pub mod setsockopt;
+pub mod skb_drop;

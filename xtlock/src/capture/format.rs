@@ -6,7 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::decode::{Comm, ProcInfo};
+use crate::decode::{
+    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, ProcInfo,
+};
 
 /// First 8 bytes of every capture.
 pub const MAGIC: [u8; 8] = *b"XTLKCAP\0";
@@ -39,6 +41,11 @@ pub const KIND_KERNEL: u8 = 1;
 pub const KIND_PROC: u8 = 2;
 pub const KIND_LOST: u8 = 3;
 pub const KIND_END: u8 = 4;
+/// Synthetic drop records (skippable: a reader that does not know them loses only drops).
+pub const KIND_DROP_SETUP: u8 = 5;
+pub const KIND_KERNEL_SYMBOL: u8 = 6;
+pub const KIND_DROP_COUNTS: u8 = 7;
+pub const KIND_CONNTRACK: u8 = 8;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -329,6 +336,154 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
     Ok((r.varint("ts_ns")?, r.varint("count")?))
 }
 
+/// The record kind and body of a synthetic drop event (kinds 5..=8); `None` for any other
+/// event.
+pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
+    Some(match ev {
+        Event::DropSetup {
+            ts_ns,
+            has_reason,
+            host_netns,
+            names,
+        } => {
+            put_varint(out, *ts_ns);
+            put_varint(out, u64::from(*has_reason));
+            put_varint(out, u64::from(*host_netns));
+            put_varint(out, names.len() as u64);
+            for (code, name) in names {
+                put_varint(out, u64::from(*code));
+                put_bytes(out, name.as_bytes());
+            }
+            KIND_DROP_SETUP
+        }
+        Event::KernelSymbol {
+            ts_ns,
+            addr,
+            name,
+            offset,
+        } => {
+            put_varint(out, *ts_ns);
+            put_varint(out, *addr);
+            put_varint(out, *offset);
+            put_bytes(out, name.as_bytes());
+            KIND_KERNEL_SYMBOL
+        }
+        Event::DropCounts(c) => {
+            put_varint(out, c.ts_ns);
+            put_varint(out, c.interval_ns);
+            put_varint(out, c.overflow);
+            put_varint(out, c.counts.len() as u64);
+            for d in &c.counts {
+                put_varint(out, d.location);
+                put_varint(out, u64::from(d.reason));
+                put_varint(out, u64::from(d.netns));
+                put_varint(out, d.count);
+            }
+            KIND_DROP_COUNTS
+        }
+        Event::Conntrack(c) => {
+            for v in [
+                c.ts_ns,
+                c.interval_ns,
+                u64::from(c.netns),
+                c.count,
+                c.max,
+                c.deltas.drop,
+                c.deltas.early_drop,
+                c.deltas.insert_failed,
+                c.deltas.invalid,
+                c.deltas.search_restart,
+                c.deltas.clash_resolve,
+                c.deltas.chaintoolong,
+            ] {
+                put_varint(out, v);
+            }
+            KIND_CONNTRACK
+        }
+        _ => return None,
+    })
+}
+
+/// Decodes a body of kind 5..=8 into its event; trailing fields are ignored.
+pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
+    let mut r = Body::new(b);
+    Ok(match kind {
+        KIND_DROP_SETUP => {
+            let ts_ns = r.varint("ts_ns")?;
+            let has_reason = r.varint("has_reason")? != 0;
+            let host_netns = r.u32("host_netns")?;
+            let n = r.varint("reasons")?;
+            if n > r.remaining() as u64 {
+                return Err(format!(
+                    "{n} reasons exceed the {} bytes left",
+                    r.remaining()
+                ));
+            }
+            let mut names = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                names.push((r.u32("reason")?, r.string("reason name")?));
+            }
+            Event::DropSetup {
+                ts_ns,
+                has_reason,
+                host_netns,
+                names,
+            }
+        }
+        KIND_KERNEL_SYMBOL => Event::KernelSymbol {
+            ts_ns: r.varint("ts_ns")?,
+            addr: r.varint("addr")?,
+            offset: r.varint("offset")?,
+            name: r.string("name")?,
+        },
+        KIND_DROP_COUNTS => {
+            let ts_ns = r.varint("ts_ns")?;
+            let interval_ns = r.varint("interval_ns")?;
+            let overflow = r.varint("overflow")?;
+            let n = r.varint("counts")?;
+            // Each count takes at least four bytes.
+            if n > r.remaining() as u64 / 4 {
+                return Err(format!(
+                    "{n} counts exceed the {} bytes left",
+                    r.remaining()
+                ));
+            }
+            let mut counts = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                counts.push(DropCount {
+                    location: r.varint("location")?,
+                    reason: r.u32("reason")?,
+                    netns: r.u32("netns")?,
+                    count: r.varint("count")?,
+                });
+            }
+            Event::DropCounts(DropCounts {
+                ts_ns,
+                interval_ns,
+                counts,
+                overflow,
+            })
+        }
+        KIND_CONNTRACK => Event::Conntrack(ConntrackStats {
+            ts_ns: r.varint("ts_ns")?,
+            interval_ns: r.varint("interval_ns")?,
+            netns: r.u32("netns")?,
+            count: r.varint("count")?,
+            max: r.varint("max")?,
+            deltas: ConntrackCounters {
+                drop: r.varint("drop")?,
+                early_drop: r.varint("early_drop")?,
+                insert_failed: r.varint("insert_failed")?,
+                invalid: r.varint("invalid")?,
+                search_restart: r.varint("search_restart")?,
+                clash_resolve: r.varint("clash_resolve")?,
+                chaintoolong: r.varint("chaintoolong")?,
+            },
+        }),
+        k => return Err(format!("kind {k} is not a drop record")),
+    })
+}
+
 /// Kind 4: the `Trailer` fields as varints, in declaration order.
 pub fn encode_trailer(t: &Trailer, out: &mut Vec<u8>) {
     for v in [
@@ -435,6 +590,69 @@ mod tests {
             put_varint(&mut b, v);
         }
         assert!(decode_proc(&b).is_err());
+    }
+
+    #[test]
+    fn drop_records_round_trip() {
+        let evs = [
+            Event::DropSetup {
+                ts_ns: 5,
+                has_reason: true,
+                host_netns: 4026531840,
+                names: vec![(2, "NOT_SPECIFIED".into()), (12, "NETFILTER_DROP".into())],
+            },
+            Event::KernelSymbol {
+                ts_ns: 6,
+                addr: 0xffff_ffff_81a0_009c,
+                name: "nf_hook_slow".into(),
+                offset: 0x9c,
+            },
+            Event::DropCounts(DropCounts {
+                ts_ns: 7,
+                interval_ns: 1_000_000_000,
+                counts: vec![DropCount {
+                    location: 0xffff_ffff_81a0_009c,
+                    reason: 12,
+                    netns: 4026532000,
+                    count: 1_000_000,
+                }],
+                overflow: 3,
+            }),
+            Event::Conntrack(ConntrackStats {
+                ts_ns: 8,
+                interval_ns: 999,
+                netns: 1,
+                deltas: ConntrackCounters {
+                    drop: 1,
+                    early_drop: 2,
+                    insert_failed: 3,
+                    invalid: 4,
+                    search_restart: 5,
+                    clash_resolve: 6,
+                    chaintoolong: 7,
+                },
+                count: 100,
+                max: 128,
+            }),
+        ];
+        for ev in &evs {
+            let mut b = Vec::new();
+            let kind = encode_drop_event(ev, &mut b).unwrap();
+            assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
+            // Fields appended by a newer writer are ignored.
+            b.extend_from_slice(&[1, 2, 3]);
+            assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
+            for n in 0..b.len() - 3 {
+                assert!(decode_drop_event(kind, &b[..n]).is_err());
+            }
+        }
+        assert!(encode_drop_event(&Event::Lost { ts_ns: 1, count: 1 }, &mut Vec::new()).is_none());
+        // A huge count does not allocate.
+        let mut b = Vec::new();
+        for v in [1, 1, 0, u64::MAX] {
+            put_varint(&mut b, v);
+        }
+        assert!(decode_drop_event(KIND_DROP_COUNTS, &b).is_err());
     }
 
     #[test]

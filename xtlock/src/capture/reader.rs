@@ -25,6 +25,9 @@ pub enum Record<'a> {
         ts_ns: u64,
         count: u64,
     },
+    /// A synthetic drop record (kinds 5..=8): reason names, a kernel symbol, drop counts or
+    /// conntrack counters, as the event the live source made.
+    Synthetic(Event),
     /// The recorder finished cleanly; always the last record.
     End(Trailer),
 }
@@ -35,6 +38,7 @@ pub enum OwnedRecord {
     Kernel(Vec<u8>),
     Proc(ProcInfo),
     Lost { ts_ns: u64, count: u64 },
+    Synthetic(Event),
     End(Trailer),
 }
 
@@ -44,6 +48,7 @@ impl Record<'_> {
             Record::Kernel(b) => OwnedRecord::Kernel(b.to_vec()),
             Record::Proc(p) => OwnedRecord::Proc(p),
             Record::Lost { ts_ns, count } => OwnedRecord::Lost { ts_ns, count },
+            Record::Synthetic(e) => OwnedRecord::Synthetic(e),
             Record::End(t) => OwnedRecord::End(t),
         }
     }
@@ -59,6 +64,8 @@ pub struct ReadStats {
     pub proc_records: u64,
     pub lost_records: u64,
     pub lost_events: u64,
+    /// Drop records (reason names, symbols, drop counts, conntrack counters).
+    pub synthetic_records: u64,
     /// Records of kinds this xtlock does not know, skipped (a newer writer's additions).
     pub unknown_records: u64,
 }
@@ -188,6 +195,20 @@ impl<R: Read> CaptureReader<R> {
                         },
                         Err(reason) => Err(self.record_error(reason)),
                     });
+                }
+                format::KIND_DROP_SETUP
+                | format::KIND_KERNEL_SYMBOL
+                | format::KIND_DROP_COUNTS
+                | format::KIND_CONNTRACK => {
+                    return Some(
+                        match format::decode_drop_event(kind, &self.raw[start..end]) {
+                            Ok(ev) => {
+                                self.stats.synthetic_records += 1;
+                                Ok(Record::Synthetic(ev))
+                            }
+                            Err(reason) => Err(self.record_error(reason)),
+                        },
+                    );
                 }
                 k if k >= format::KIND_CRITICAL_MIN => {
                     let e = CaptureError::Unsupported {
@@ -432,6 +453,7 @@ impl<R: Read> Iterator for Events<R> {
             Ok(Record::Kernel(b)) => decode::decode(b),
             Ok(Record::Proc(p)) => return Some(Ok(Event::Proc(p))),
             Ok(Record::Lost { ts_ns, count }) => return Some(Ok(Event::Lost { ts_ns, count })),
+            Ok(Record::Synthetic(ev)) => return Some(Ok(ev)),
             // The reader is done after the end record.
             Ok(Record::End(_)) => return None,
             Err(e) => return Some(Err(e)),

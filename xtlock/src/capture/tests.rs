@@ -256,6 +256,7 @@ fn round_trip_mixed() {
                 ts_ns: *ts_ns,
                 count: *count,
             }),
+            OwnedRecord::Synthetic(e) => Some(e.clone()),
             OwnedRecord::End(_) => None,
         })
         .collect();

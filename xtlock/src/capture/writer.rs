@@ -161,6 +161,31 @@ impl<W: Write> CaptureWriter<W> {
         self.seal_if_full()
     }
 
+    /// Appends a synthetic event the source made itself: a process snapshot, a lost-events
+    /// report, or a drop record (reason names, a kernel symbol, drop counts, conntrack
+    /// counters). Returns `false` for kernel events, which go through
+    /// [`write_kernel`](Self::write_kernel) as raw bytes.
+    pub fn write_synthetic(&mut self, ev: &crate::decode::Event) -> Result<bool, CaptureError> {
+        use crate::decode::Event;
+        match ev {
+            Event::Proc(p) => self.write_proc(p)?,
+            Event::Lost { ts_ns, count } => self.write_lost(*ts_ns, *count)?,
+            _ => {
+                let mut b = std::mem::take(&mut self.scratch);
+                b.clear();
+                let Some(kind) = format::encode_drop_event(ev, &mut b) else {
+                    self.scratch = b;
+                    return Ok(false);
+                };
+                let pushed = self.push(kind, &b);
+                self.scratch = b;
+                pushed?;
+                self.seal_if_full()?;
+            }
+        }
+        Ok(true)
+    }
+
     /// Seals the open block and hands it to the OS (a no-op when it is empty). After this
     /// returns, the records survive the recorder being killed.
     pub fn flush_block(&mut self) -> Result<(), CaptureError> {

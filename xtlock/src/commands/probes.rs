@@ -9,16 +9,47 @@ use crate::{cli::ProbesArgs, probes};
 pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
     probes::preflight::check()?;
     let locks = super::resolve_locks(&args.locks)?;
-    let p = probes::Probes::load(&probes::LoadOptions {
-        locks: locks.clone(),
-        ring_bytes: 1 << 20,
-    })?;
+    let p = probes::Probes::load_with_drops(
+        &probes::LoadOptions {
+            locks: locks.clone(),
+            ring_bytes: 1 << 20,
+        },
+        Some(&probes::DropOptions::default()),
+    )?;
+    let conntrack = std::path::Path::new("/proc/net/stat/nf_conntrack").exists();
+    let mut features = p.features.clone();
+    features.push(probes::Feature {
+        name: "conntrack statistics",
+        available: conntrack,
+        detail: if conntrack {
+            "/proc/net/stat/nf_conntrack: table-full and insert-race drops are told apart from \
+             rule drops"
+                .into()
+        } else {
+            "/proc/net/stat/nf_conntrack is missing (nf_conntrack not loaded): netfilter drops \
+             are all reported as rule drops until it loads"
+                .into()
+        },
+    });
+    let kallsyms = crate::source::drops::Kallsyms::read().is_ok_and(|k| !k.is_empty());
+    features.push(probes::Feature {
+        name: "drop locations",
+        available: kallsyms,
+        detail: if kallsyms {
+            "/proc/kallsyms: drop locations are named (nf_hook_slow+0x9c)".into()
+        } else {
+            "/proc/kallsyms shows no addresses (not root, or kptr_restrict): drop locations \
+             are shown as addresses"
+                .into()
+        },
+    });
     let mut out = std::io::stdout().lock();
     if args.json {
         let v = serde_json::json!({
             "tracefs": p.tracefs,
             "locks": locks,
             "hooks": p.status,
+            "features": features,
         });
         writeln!(out, "{v}")?;
         return Ok(());
@@ -47,6 +78,19 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
                 s.program, s.attach, why, s.purpose
             )?,
         }
+    }
+    for f in &features {
+        writeln!(
+            out,
+            "  {:<13} {:<22} {}",
+            if f.available {
+                "available"
+            } else {
+                "UNAVAILABLE"
+            },
+            f.name,
+            f.detail
+        )?;
     }
     let missing = p.status.iter().filter(|s| !s.attached()).count();
     if missing == 0 {

@@ -21,11 +21,19 @@ use crate::{
 pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     preflight::check()?;
     let locks = resolve_locks(&args.locks)?;
-    let probes = probes::Probes::load(&LoadOptions {
-        locks: locks.clone(),
-        ring_bytes: args.ring_buffer_mib << 20,
-    })?;
+    let probes = probes::Probes::load_with_drops(
+        &LoadOptions {
+            locks: locks.clone(),
+            ring_bytes: args.ring_buffer_mib << 20,
+        },
+        args.drops.probe_options().as_ref(),
+    )?;
     let mut src = LiveSource::new(probes)?;
+    let drop_start = if args.drops.no_drops {
+        Vec::new()
+    } else {
+        src.start_drops(args.drops.netns_options())?
+    };
 
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {
@@ -46,8 +54,10 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
         .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
         .collect();
     let mut pipe = Pipeline::new(watched, vec![sink]);
-    for ev in src.seed() {
-        pipe.feed(&ev)?;
+    pipe.analyzer_mut()
+        .set_conntrack_warn_pct(args.drops.conntrack_warn);
+    for ev in src.seed().iter().chain(&drop_start) {
+        pipe.feed(ev)?;
     }
 
     let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
@@ -94,6 +104,9 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
                 if let Some(lost) = src.poll_lost() {
                     pipe.feed(&lost)?;
                 }
+                for ev in src.poll_drops() {
+                    pipe.feed(&ev)?;
+                }
                 ticks += 1;
                 if ticks.is_multiple_of(5) {
                     watch_replaced_locks(&mut locks, &mut src.probes);
@@ -112,6 +125,9 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     }
     if let Some(lost) = src.poll_lost() {
         pipe.feed(&lost)?;
+    }
+    for ev in src.poll_drops() {
+        pipe.feed(&ev)?;
     }
     pipe.finish(source::monotonic_ns())?;
     if src.decode_errors() > 0 {

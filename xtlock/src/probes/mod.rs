@@ -2,20 +2,28 @@
 //! them into the programs, attach every hook this kernel offers, and say plainly which
 //! ones did not attach and why.
 
+pub mod btf;
+pub mod dropreason;
 pub mod preflight;
 pub mod tracefs;
 
 use std::path::PathBuf;
 
 use aya::{
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, RingBuf},
+    maps::{
+        Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf,
+    },
     programs::TracePoint,
     Ebpf, EbpfLoader,
 };
-use xtlock_common::{LockKey, ProbeConfig};
+use xtlock_common::{DropKey, LockKey, ProbeConfig};
 
 use crate::lockfiles::LockFile;
+use dropreason::{ReasonError, ReasonSelection, ReasonTable};
 use tracefs::Format;
+
+/// Program name of the packet-drop hook.
+pub const DROP_PROGRAM: &str = "kfree_skb";
 
 /// The BPF object built by `build.rs` (empty when the BPF toolchain was missing).
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/xtlock"));
@@ -47,6 +55,8 @@ pub enum ProbeError {
          this kernel. Run `xtlock probes` for details."
     )]
     Required { why: String },
+    #[error("--drop-reasons: {0}")]
+    DropReasons(#[from] ReasonError),
 }
 
 /// One kernel hook and what it gives the user, in plain words.
@@ -139,6 +149,13 @@ pub const HOOKS: &[Hook] = &[
         required: false,
         purpose: "end of a legacy table replace: the kernel's share of a hold",
     },
+    Hook {
+        program: DROP_PROGRAM,
+        category: "skb",
+        tracepoint: "kfree_skb",
+        required: false,
+        purpose: "packet drops (reason, where, which netns, samples with addresses)",
+    },
 ];
 
 /// Whether a hook is attached, and if not, why.
@@ -158,16 +175,28 @@ impl HookStatus {
     }
 }
 
+/// A feature that depends on the kernel rather than on one hook: available or not, and why.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Feature {
+    pub name: &'static str,
+    pub available: bool,
+    pub detail: String,
+}
+
 /// Field offsets for every hook, and per hook the reason it cannot be used, if any.
 pub struct Discovery {
     pub config: ProbeConfig,
     pub unusable: Vec<(&'static str, String)>,
+    /// Drop reasons of this kernel (empty when it reports none).
+    pub reasons: ReasonTable,
+    pub features: Vec<Feature>,
 }
 
 /// Reads the format files of every hook and fills the probe configuration.
 pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
     let mut config = ProbeConfig::default();
     let mut unusable = Vec::new();
+    let mut reasons = ReasonTable::default();
     for hook in HOOKS {
         let fmt = match Format::read(tracefs, hook.category, hook.tracepoint)? {
             Some(f) => f,
@@ -185,8 +214,112 @@ pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
         if let Err(why) = fill(&mut config, hook.program, &fmt) {
             unusable.push((hook.program, why));
         }
+        if hook.program == DROP_PROGRAM {
+            if let Some(t) = fmt.print_fmt.as_deref().and_then(ReasonTable::from_format) {
+                reasons = t;
+            }
+        }
     }
-    Ok(Discovery { config, unusable })
+    let mut features = Vec::new();
+    if !unusable.iter().any(|(p, _)| *p == DROP_PROGRAM) {
+        discover_drops(&mut config, &mut reasons, &mut features);
+    }
+    Ok(Discovery {
+        config,
+        unusable,
+        reasons,
+        features,
+    })
+}
+
+/// Struct offsets for drop samples (from BTF) and the drop-reason table; what is missing
+/// is reported as an unavailable feature, and drops are still counted without it.
+fn discover_drops(c: &mut ProbeConfig, reasons: &mut ReasonTable, features: &mut Vec<Feature>) {
+    let btf = btf::Btf::vmlinux();
+    if c.kd_has_reason == 0 {
+        *reasons = ReasonTable::default();
+        features.push(Feature {
+            name: "drop reasons",
+            available: false,
+            detail: "skb:kfree_skb has no `reason` field (Linux < 5.17): every drop is \
+                     reported with an unknown reason"
+                .into(),
+        });
+    } else {
+        if reasons.names.is_empty() {
+            if let Some(t) = btf
+                .as_ref()
+                .ok()
+                .and_then(|b| b.enum_values("skb_drop_reason"))
+                .and_then(|v| ReasonTable::from_enum(&v))
+            {
+                *reasons = t;
+            }
+        }
+        features.push(Feature {
+            name: "drop reasons",
+            available: !reasons.names.is_empty(),
+            detail: if reasons.names.is_empty() {
+                "the kernel reports reason numbers but their names were not found (neither \
+                 in the format file nor in BTF): reasons are shown as numbers"
+                    .into()
+            } else {
+                format!(
+                    "{} reasons: {}",
+                    reasons.names.len(),
+                    reasons
+                        .names
+                        .values()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            },
+        });
+    }
+    let offsets = btf.map_err(|e| e.to_string()).and_then(|b| {
+        let m = |s: &str, p: &str| b.member_offset(s, p).map_err(|e| e.to_string());
+        Ok([
+            m("sk_buff", "head")?,
+            m("sk_buff", "network_header")?,
+            m("sk_buff", "transport_header")?,
+            m("sk_buff", "dev")?,
+            m("sk_buff", "sk")?,
+            m("net_device", "ifindex")?,
+            m("net_device", "nd_net.net")?,
+            m("net", "ns.inum")?,
+            m("sock", "__sk_common.skc_net.net")?,
+        ])
+    });
+    match offsets {
+        Ok([head, nh, th, dev, sk, ifindex, nd_net, inum, sk_net]) => {
+            c.skb_head = head;
+            c.skb_network_header = nh;
+            c.skb_transport_header = th;
+            c.skb_dev = dev;
+            c.skb_sk = sk;
+            c.dev_ifindex = ifindex;
+            c.dev_nd_net = nd_net;
+            c.net_ns_inum = inum;
+            c.sk_net = sk_net;
+            c.skb_ok = 1;
+            features.push(Feature {
+                name: "drop addresses",
+                available: true,
+                detail: "sk_buff/net_device/net offsets from BTF: samples carry netns, \
+                         interface and 5-tuple"
+                    .into(),
+            });
+        }
+        Err(why) => features.push(Feature {
+            name: "drop addresses",
+            available: false,
+            detail: format!(
+                "no usable kernel BTF ({why}): drops are counted, but without netns, \
+                 interface or addresses"
+            ),
+        }),
+    }
 }
 
 /// Offset of the first field named in `names`, checking its size.
@@ -244,6 +377,19 @@ fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> 
         }
         "sched_process_fork" => c.fork_child_pid = off(fmt, &["child_pid"], 4)?,
         "sys_enter_exit_group" => c.exit_code = off(fmt, &["error_code"], 8)?,
+        DROP_PROGRAM => {
+            c.kd_skbaddr = off(fmt, &["skbaddr"], 8)?;
+            c.kd_location = off(fmt, &["location"], 8)?;
+            c.kd_protocol = off(fmt, &["protocol"], 2)?;
+            // Linux 5.17 added the reason; before it every drop is "unknown reason".
+            match fmt.field(&["reason"]) {
+                Some(_) => {
+                    c.kd_reason = off(fmt, &["reason"], 4)?;
+                    c.kd_has_reason = 1;
+                }
+                None => c.kd_has_reason = 0,
+            }
+        }
         _ => {}
     }
     Ok(())
@@ -256,23 +402,75 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
 }
 
+/// What the drop hook counts and samples.
+#[derive(Clone, Debug)]
+pub struct DropOptions {
+    pub reasons: ReasonSelection,
+    /// Samples per second per CPU sent to userspace (0: counts only).
+    pub samples_per_sec: u32,
+}
+
+impl Default for DropOptions {
+    fn default() -> Self {
+        DropOptions {
+            reasons: ReasonSelection::Default,
+            samples_per_sec: DEFAULT_DROP_SAMPLES,
+        }
+    }
+}
+
+/// Default `--drop-samples`, per CPU.
+pub const DEFAULT_DROP_SAMPLES: u32 = 100;
+
+/// Per-CPU drop counters summed over CPUs: (key, total since load).
+pub type DropTotals = Vec<(DropKey, u64)>;
+
 /// Loaded and attached programs. Dropping it detaches everything.
 pub struct Probes {
     ebpf: Ebpf,
     pub status: Vec<HookStatus>,
     pub tracefs: PathBuf,
+    /// Kernel features the hooks depend on, and whether this kernel has them.
+    pub features: Vec<Feature>,
+    /// This kernel's drop reasons (empty when it reports none).
+    pub reasons: ReasonTable,
+    /// `skb:kfree_skb` has a `reason` field (Linux >= 5.17).
+    pub has_drop_reasons: bool,
 }
 
 impl Probes {
     /// Preflight checks, discovery, load and attach. Fails only when the lock hook itself
     /// cannot be attached; other hooks degrade with a reason in `status`.
     pub fn load(opts: &LoadOptions) -> Result<Self, ProbeError> {
+        Self::load_with_drops(opts, None)
+    }
+
+    /// [`load`](Self::load), with the packet-drop hook when `drops` is given.
+    pub fn load_with_drops(
+        opts: &LoadOptions,
+        drops: Option<&DropOptions>,
+    ) -> Result<Self, ProbeError> {
         if BPF_OBJECT.is_empty() {
             return Err(ProbeError::NotBuilt);
         }
         preflight::check()?;
         let tracefs = tracefs::locate()?;
-        let disc = discover(&tracefs)?;
+        let mut disc = discover(&tracefs)?;
+        // Bad --drop-reasons is the user's to fix: refuse before loading anything.
+        let drop_slots = match drops {
+            Some(d) => Some(
+                disc.reasons
+                    .slots(&d.reasons, disc.config.kd_has_reason != 0)?,
+            ),
+            None => None,
+        };
+        if let Some(d) = drops {
+            if d.samples_per_sec > 0 {
+                disc.config.drop_sample_interval_ns =
+                    (1_000_000_000 / u64::from(d.samples_per_sec)).max(1);
+                disc.config.drop_sample_burst = d.samples_per_sec;
+            }
+        }
         let mut ebpf = EbpfLoader::new()
             .override_global("CONFIG", &disc.config, true)
             .map_max_entries("EVENTS", opts.ring_bytes)
@@ -292,11 +490,26 @@ impl Probes {
             }
         }
 
+        if let Some(slots) = &drop_slots {
+            let map = ebpf
+                .map_mut("DROP_REASONS")
+                .ok_or_else(|| ProbeError::Load("map DROP_REASONS missing".into()))?;
+            let mut arr: BpfArray<&mut MapData, u8> =
+                BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+            for &s in slots {
+                arr.set(s, 1u8, 0)
+                    .map_err(|e| ProbeError::Load(format!("drop reason filter: {e}")))?;
+            }
+        }
+
         let mut status = Vec::new();
         for hook in HOOKS {
             let attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
             let error = match disc.unusable.iter().find(|(p, _)| *p == hook.program) {
                 Some((_, why)) => Some(why.clone()),
+                None if hook.program == DROP_PROGRAM && drops.is_none() => {
+                    Some("not asked for (--no-drops)".to_string())
+                }
                 None => attach_tracepoint(&mut ebpf, hook).err(),
             };
             if hook.required {
@@ -312,18 +525,63 @@ impl Probes {
                 error,
             });
         }
-        for s in status.iter().filter(|s| !s.attached()) {
+        for s in status
+            .iter()
+            .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
+        {
             tracing::warn!(
                 hook = s.program,
                 why = s.error.as_deref().unwrap_or(""),
                 "hook not attached"
             );
         }
+        for f in disc.features.iter().filter(|f| !f.available) {
+            tracing::warn!(feature = f.name, why = %f.detail, "feature unavailable");
+        }
         Ok(Self {
             ebpf,
             status,
             tracefs,
+            features: disc.features,
+            reasons: disc.reasons,
+            has_drop_reasons: disc.config.kd_has_reason != 0,
         })
+    }
+
+    /// Whether the drop hook is attached.
+    pub fn drops_attached(&self) -> bool {
+        self.status
+            .iter()
+            .any(|s| s.program == DROP_PROGRAM && s.attached())
+    }
+
+    /// In-kernel drop counts since load, summed over CPUs, and the drops counted in the
+    /// overflow slot because the key map was full.
+    pub fn drop_totals(&self) -> Result<(DropTotals, u64), ProbeError> {
+        let map = self
+            .ebpf
+            .map("DROP_COUNTS")
+            .ok_or_else(|| ProbeError::Load("map DROP_COUNTS missing".into()))?;
+        let counts: PerCpuHashMap<&MapData, DropKey, u64> =
+            PerCpuHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let mut out = Vec::new();
+        for item in counts.iter() {
+            // A key can vanish between listing and lookup only if deleted; we never delete.
+            let (k, v) = item.map_err(|e| ProbeError::Load(format!("reading DROP_COUNTS: {e}")))?;
+            out.push((k, v.iter().sum()));
+        }
+        let map = self
+            .ebpf
+            .map("DROP_OVERFLOW")
+            .ok_or_else(|| ProbeError::Load("map DROP_OVERFLOW missing".into()))?;
+        let ovf: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let overflow = ovf
+            .get(&0, 0)
+            .map_err(|e| ProbeError::Load(format!("reading DROP_OVERFLOW: {e}")))?
+            .iter()
+            .sum();
+        Ok((out, overflow))
     }
 
     /// The event ring buffer; call once.

@@ -73,6 +73,8 @@ pub struct Field {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Format {
     pub fields: Vec<Field>,
+    /// The `print fmt:` line, without its prefix (holds e.g. `__print_symbolic` tables).
+    pub print_fmt: Option<String>,
 }
 
 impl Format {
@@ -97,7 +99,11 @@ impl Format {
     /// Parses a format file; lines that do not describe a field are skipped.
     pub fn parse(text: &str) -> Self {
         let fields = text.lines().filter_map(parse_field).collect();
-        Self { fields }
+        let print_fmt = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("print fmt:"))
+            .map(|s| s.trim().to_string());
+        Self { fields, print_fmt }
     }
 
     /// The first field whose name is one of `names` (kernels rename fields: `fl_owner` became

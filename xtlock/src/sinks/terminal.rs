@@ -6,9 +6,12 @@ use std::time::Duration;
 
 use super::{human_ns, Sink};
 use crate::analysis::{
-    ExecFact, ExitFact, FailedTryFact, HoldFact, HolderRef, Output, Summary, TimeoutFact, WaitFact,
-    WaitMode, WaitOutcome,
+    ConntrackFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact, FailedTryFact,
+    HoldDropsFact, HoldFact, HolderRef, Output, Summary, TimeoutFact, WaitFact, WaitMode,
+    WaitOutcome,
 };
+use crate::capture::thousands;
+use crate::drops::packet_text;
 
 /// The lock almost everyone watches; other paths are named in each line.
 const DEFAULT_LOCK: &str = "/run/xtables.lock";
@@ -78,6 +81,8 @@ pub struct TerminalOptions {
     /// Exits of iptables-family processes with a non-zero status.
     pub show_exits: bool,
     pub show_failed_tries: bool,
+    /// Each sampled drop on its own line (counts are always shown, with an example).
+    pub show_drop_samples: bool,
     pub time: TimeFormat,
 }
 
@@ -88,6 +93,7 @@ impl Default for TerminalOptions {
             show_execs: true,
             show_exits: true,
             show_failed_tries: true,
+            show_drop_samples: false,
             time: TimeFormat::default(),
         }
     }
@@ -344,6 +350,132 @@ fn exit_text(e: &ExitFact) -> String {
     )
 }
 
+fn class_text(class: DropClass, reason: &str) -> String {
+    match class {
+        DropClass::Other => reason.to_string(),
+        c => c.describe().to_string(),
+    }
+}
+
+fn during(holds: &[crate::analysis::HoldRef]) -> String {
+    match holds.first() {
+        None => String::new(),
+        Some(h) => {
+            let more = if holds.len() > 1 {
+                format!(" (and {} more)", holds.len() - 1)
+            } else {
+                String::new()
+            };
+            format!(", while {} held {}{more}", h.agent, h.lock)
+        }
+    }
+}
+
+fn drop_count_text(d: &DropCountFact) -> String {
+    let what = match d.class {
+        DropClass::Other => format!("{} at {}", d.reason, d.location),
+        c => format!("{} ({} at {})", c.describe(), d.reason, d.location),
+    };
+    let mut s = format!(
+        "{} packet{} dropped in {}: {what}, netns {}",
+        thousands(d.count),
+        if d.count == 1 { "" } else { "s" },
+        human_ns(d.interval_ns),
+        d.netns
+    );
+    if let Some(p) = &d.example {
+        let _ = write!(s, ", e.g. {}", packet_text(p));
+    }
+    s.push_str(&during(&d.holds));
+    s
+}
+
+fn drop_text(d: &DropFact) -> String {
+    let mut s = format!(
+        "drop {} at {} ({}), netns {}",
+        d.reason,
+        d.location,
+        class_text(d.class, &d.reason),
+        d.netns
+    );
+    if let Some(p) = &d.packet {
+        let _ = write!(s, ": {}", packet_text(p));
+    }
+    if let Some(h) = &d.hold {
+        let _ = write!(s, ", while {} held {}", h.agent, h.lock);
+    }
+    s
+}
+
+fn conntrack_text(c: &ConntrackFact) -> String {
+    let d = &c.deltas;
+    let mut parts = Vec::new();
+    for (n, what) in [
+        (d.drop, "dropped (table full)"),
+        (d.insert_failed, "insert failed (race)"),
+        (d.early_drop, "early drops"),
+        (d.invalid, "invalid"),
+        (d.search_restart, "search restarts"),
+        (d.clash_resolve, "clashes resolved"),
+        (d.chaintoolong, "chains too long"),
+    ] {
+        if n > 0 {
+            parts.push(format!("{} {what}", thousands(n)));
+        }
+    }
+    let mut s = match &c.warning {
+        Some(w) => format!("!! {w} in netns {}", c.netns),
+        None => format!("conntrack in netns {}", c.netns),
+    };
+    if !parts.is_empty() {
+        let _ = write!(s, ": {} in {}", parts.join(", "), human_ns(c.interval_ns));
+    }
+    if c.max > 0 && c.warning.is_none() {
+        let _ = write!(
+            s,
+            "; table {}% full ({} of {})",
+            c.fill_pct, c.entries, c.max
+        );
+    }
+    s.push_str(&during(&c.holds));
+    s
+}
+
+fn hold_drops_text(h: &HoldDropsFact) -> String {
+    let classes: Vec<String> = h
+        .by_class
+        .iter()
+        .map(|(c, n)| {
+            let what = if *c == DropClass::Other {
+                let reasons: Vec<&str> = h
+                    .by_reason
+                    .keys()
+                    .filter(|r| *r != "NETFILTER_DROP")
+                    .map(String::as_str)
+                    .collect();
+                format!("other: {}", reasons.join(", "))
+            } else {
+                c.describe().to_string()
+            };
+            if h.by_class.len() == 1 {
+                what
+            } else {
+                format!("{} {what}", thousands(*n))
+            }
+        })
+        .collect();
+    format!(
+        "!! {} packet{} dropped ({}) during {}'s {} hold of {} (pid {})",
+        thousands(h.dropped),
+        if h.dropped == 1 { "" } else { "s" },
+        classes.join(", "),
+        h.agent,
+        human_ns(h.hold_ns),
+        h.lock,
+        h.pid
+    )
+}
+
 impl<W: Write> Sink for TerminalSink<W> {
     fn output(&mut self, o: &Output) -> io::Result<()> {
         if let Output::FailedTry(f) = o {
@@ -367,6 +499,10 @@ impl<W: Write> Sink for TerminalSink<W> {
                     l.count
                 )),
                 Output::FailedTry(_) => None,
+                Output::Drop(d) => self.opts.show_drop_samples.then(|| drop_text(d)),
+                Output::DropCount(d) => Some(drop_count_text(d)),
+                Output::Conntrack(c) => Some(conntrack_text(c)),
+                Output::HoldDrops(h) => Some(hold_drops_text(h)),
             };
         if let Some(text) = text {
             self.flush_run()?;
@@ -488,6 +624,90 @@ fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io::Result<()
             w,
             "!! {} events lost: the ring buffer was full; counts are lower bounds",
             s.lost_events
+        )?;
+    }
+    write_drops(w, s)
+}
+
+fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {
+    let d = &s.drops;
+    let ct = &d.conntrack;
+    if d.total == 0 && ct.is_zero() && d.conntrack_max_fill_pct == 0 {
+        return Ok(());
+    }
+    writeln!(w, "\npacket drops: {} in all", thousands(d.total))?;
+    let netns = |n: u32| {
+        if n != 0 && n == s.host_netns {
+            "host".to_string()
+        } else {
+            n.to_string()
+        }
+    };
+    let list = |m: Vec<(String, u64)>| -> String {
+        let mut m = m;
+        m.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        m.iter()
+            .take(8)
+            .map(|(k, n)| format!("{k} {}", thousands(*n)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (title, items) in [
+        (
+            "by cause",
+            d.by_class
+                .iter()
+                .map(|(c, n)| (c.describe().to_string(), *n))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "by reason",
+            d.by_reason.iter().map(|(k, n)| (k.clone(), *n)).collect(),
+        ),
+        (
+            "by location",
+            d.by_location.iter().map(|(k, n)| (k.clone(), *n)).collect(),
+        ),
+        (
+            "by netns",
+            d.by_netns.iter().map(|(k, n)| (netns(*k), *n)).collect(),
+        ),
+    ] {
+        if !items.is_empty() {
+            writeln!(w, "  {title}: {}", list(items))?;
+        }
+    }
+    writeln!(
+        w,
+        "  {} during lock holds; {} sampled",
+        thousands(d.during_holds),
+        thousands(d.samples)
+    )?;
+    for h in &d.worst_holds {
+        writeln!(w, "  {}", hold_drops_text(h).trim_start_matches("!! "))?;
+    }
+    if d.overflow > 0 {
+        writeln!(
+            w,
+            "  !! {} drops counted without reason or place (the kernel's key map was full)",
+            thousands(d.overflow)
+        )?;
+    }
+    if !ct.is_zero() || d.conntrack_max_fill_pct > 0 {
+        writeln!(
+            w,
+            "conntrack: {} dropped (table full), {} insert failed, {} early drops, {} invalid; \
+             fullest table {}%{}",
+            thousands(ct.drop),
+            thousands(ct.insert_failed),
+            thousands(ct.early_drop),
+            thousands(ct.invalid),
+            d.conntrack_max_fill_pct,
+            if d.conntrack_warnings > 0 {
+                format!(" ({} warnings)", d.conntrack_warnings)
+            } else {
+                String::new()
+            }
         )?;
     }
     Ok(())

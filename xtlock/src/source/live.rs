@@ -19,6 +19,8 @@ pub struct LiveSource {
     ring: AsyncFd<RingBuf<MapData>>,
     lost_reported: u64,
     decode_errors: u64,
+    /// Drop counters and conntrack statistics, once [`LiveSource::start_drops`] ran.
+    drops: Option<super::drops::DropPoller>,
 }
 
 impl LiveSource {
@@ -36,7 +38,29 @@ impl LiveSource {
             ring,
             lost_reported: 0,
             decode_errors: 0,
+            drops: None,
         })
+    }
+
+    /// Starts reading the kernel's drop counters (when the drop hook is attached) and the
+    /// conntrack statistics of the host and of `netns`; returns the events to begin with.
+    pub fn start_drops(
+        &mut self,
+        netns: super::drops::NetnsOptions,
+    ) -> Result<Vec<Event>, super::drops::DropSourceError> {
+        let now = super::monotonic_ns();
+        let poller = super::drops::DropPoller::new(netns, self.probes.drops_attached(), now)?;
+        let events = poller.start_events(&self.probes, now);
+        self.drops = Some(poller);
+        Ok(events)
+    }
+
+    /// Once a second: conntrack deltas, names of new drop locations, drop counts.
+    pub fn poll_drops(&mut self) -> Vec<Event> {
+        let Some(poller) = self.drops.as_mut() else {
+            return Vec::new();
+        };
+        poller.poll(&self.probes, super::monotonic_ns())
     }
 
     /// The processes that exist now, as events: the analysis starts from them.

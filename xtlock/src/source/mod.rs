@@ -1,6 +1,7 @@
 //! Where events come from. `live`: the kernel's ring buffer (plus /proc for processes that
 //! existed before tracing started). Every source yields decoded [`crate::decode::Event`]s, so
 //! the analysis and sinks never know which one they are fed by.
+pub mod drops;
 pub mod live;
 pub mod procfs;
 

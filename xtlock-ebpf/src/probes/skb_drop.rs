@@ -1,0 +1,234 @@
+//! Packet drops: `skb:kfree_skb` (drop reason and the kernel address that freed the packet).
+//!
+//! `kfree_skb` can fire millions of times a second during a flood, so the order of work is:
+//! the reason filter (one array lookup) first and nothing else for unwatched reasons; then an
+//! exact count in a per-CPU hash keyed by (location, reason, netns); and only when this CPU's
+//! rate limiter has a token, a sample with the packet's addresses through the ring buffer.
+//! No ring-buffer traffic without a token, so a flood cannot turn into a lost-event storm.
+//!
+//! Struct member offsets (`sk_buff`, `net_device`, `net`, `sock`) come from the kernel's BTF,
+//! read by userspace; every kernel pointer is read with `bpf_probe_read_kernel`.
+use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::tracepoint, programs::TracePointContext};
+use xtlock_common::{
+    DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET, DROP_FAMILY_INET6,
+    DROP_FAMILY_NONE, DROP_REASON_SLOTS,
+};
+
+use crate::{
+    emit::{cfg, field, header, now, reserve},
+    CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS,
+};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_ICMPV6: u8 = 58;
+/// `skb->network_header` when unset (`(u16)~0U`).
+const HEADER_UNSET: u16 = 0xffff;
+
+#[tracepoint]
+pub fn kfree_skb(ctx: TracePointContext) -> u32 {
+    let _ = try_kfree_skb(&ctx);
+    0
+}
+
+#[inline(always)]
+fn config() -> ProbeConfig {
+    // SAFETY: CONFIG is a static that lives for the program's lifetime; volatile because the
+    // value is patched in after compile.
+    unsafe { core::ptr::read_volatile(&CONFIG) }
+}
+
+/// Reads a `T` at `base + offset` of kernel memory.
+#[inline(always)]
+fn kread<T>(base: u64, offset: u32) -> Result<T, i32> {
+    // SAFETY: bpf_probe_read_kernel checks the address; a bad one is an error, not a fault.
+    unsafe { bpf_probe_read_kernel((base + u64::from(offset)) as *const T) }.map_err(|e| e as i32)
+}
+
+fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
+    let reason: u32 = if cfg(|c| c.kd_has_reason) != 0 {
+        field(ctx, cfg(|c| c.kd_reason))?
+    } else {
+        0
+    };
+    // Filter before any other work.
+    let slot = if reason < DROP_REASON_SLOTS - 1 {
+        reason
+    } else {
+        DROP_REASON_SLOTS - 1
+    };
+    match DROP_REASONS.get(slot) {
+        Some(v) if *v != 0 => {}
+        _ => return Ok(()),
+    }
+    let c = config();
+    let location: u64 = field(ctx, c.kd_location as usize)?;
+    let skb: u64 = field(ctx, c.kd_skbaddr as usize)?;
+    let dev: u64 = if c.skb_ok != 0 {
+        kread(skb, c.skb_dev).unwrap_or(0)
+    } else {
+        0
+    };
+    let netns = if c.skb_ok != 0 {
+        netns_of(&c, skb, dev)
+    } else {
+        0
+    };
+    count(&DropKey {
+        location,
+        reason,
+        netns,
+    });
+    if !take_token(&c) {
+        return Ok(());
+    }
+    let protocol: u16 = field(ctx, c.kd_protocol as usize).unwrap_or(0);
+    let Some(mut entry) = reserve::<DropEvent>() else {
+        return Ok(());
+    };
+    let mut ev = DropEvent {
+        hdr: header(EventKind::Drop, now()),
+        location,
+        netns,
+        ifindex: 0,
+        reason,
+        ethertype: protocol,
+        l4proto: 0,
+        family: DROP_FAMILY_NONE,
+        saddr: [0; 16],
+        daddr: [0; 16],
+        sport: 0,
+        dport: 0,
+        _pad: 0,
+    };
+    if c.skb_ok != 0 {
+        if dev != 0 {
+            ev.ifindex = kread::<i32>(dev, c.dev_ifindex).unwrap_or(0) as u32;
+        }
+        let _ = read_packet(&c, skb, &mut ev);
+    }
+    entry.write(ev);
+    entry.submit(0);
+    Ok(())
+}
+
+/// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.
+#[inline(always)]
+fn netns_of(c: &ProbeConfig, skb: u64, dev: u64) -> u32 {
+    let net: u64 = if dev != 0 {
+        kread(dev, c.dev_nd_net).unwrap_or(0)
+    } else {
+        let sk: u64 = kread(skb, c.skb_sk).unwrap_or(0);
+        if sk == 0 {
+            0
+        } else {
+            kread(sk, c.sk_net).unwrap_or(0)
+        }
+    };
+    if net == 0 {
+        return 0;
+    }
+    kread(net, c.net_ns_inum).unwrap_or(0)
+}
+
+/// Adds one to this CPU's counter for `key`.
+#[inline(always)]
+fn count(key: &DropKey) {
+    if let Some(n) = DROP_COUNTS.get_ptr_mut(key) {
+        // SAFETY: per-CPU value; this CPU is the only writer.
+        unsafe { *n += 1 };
+        return;
+    }
+    // BPF_NOEXIST: another CPU may have inserted the key meanwhile; then add to ours.
+    if DROP_COUNTS.insert(key, 1u64, 1).is_ok() {
+        return;
+    }
+    if let Some(n) = DROP_COUNTS.get_ptr_mut(key) {
+        // SAFETY: as above.
+        unsafe { *n += 1 };
+        return;
+    }
+    // The map is full.
+    if let Some(n) = DROP_OVERFLOW.get_ptr_mut(0) {
+        // SAFETY: per-CPU slot.
+        unsafe { *n += 1 };
+    }
+}
+
+/// GCRA rate limiter per CPU: at most `burst` samples at once, then one per interval.
+#[inline(always)]
+fn take_token(c: &ProbeConfig) -> bool {
+    let interval = c.drop_sample_interval_ns;
+    if interval == 0 {
+        return false;
+    }
+    let Some(tat) = DROP_RATE.get_ptr_mut(0) else {
+        return false;
+    };
+    let now = now();
+    // SAFETY: per-CPU slot; this CPU is the only writer.
+    let t = unsafe { *tat };
+    let t = if t > now { t } else { now };
+    // No overflow: userspace keeps interval * burst around one second.
+    let tolerance = interval.wrapping_mul(u64::from(c.drop_sample_burst.saturating_sub(1)));
+    if t - now > tolerance {
+        return false;
+    }
+    // SAFETY: as above.
+    unsafe { *tat = t + interval };
+    true
+}
+
+/// Addresses, protocol and ports of an IPv4/IPv6 packet, from its network header.
+#[inline(always)]
+fn read_packet(c: &ProbeConfig, skb: u64, ev: &mut DropEvent) -> Result<(), i32> {
+    let head: u64 = kread(skb, c.skb_head)?;
+    let nh: u16 = kread(skb, c.skb_network_header)?;
+    if head == 0 || nh == HEADER_UNSET {
+        return Ok(());
+    }
+    let ip = head + u64::from(nh);
+    let first: u8 = kread(ip, 0)?;
+    let version = first >> 4;
+    let transport;
+    if (ev.ethertype == ETH_P_IP || ev.ethertype == 0) && version == 4 {
+        let hdr: [u8; 20] = kread(ip, 0)?;
+        ev.family = DROP_FAMILY_INET;
+        ev.l4proto = hdr[9];
+        ev.saddr[..4].copy_from_slice(&hdr[12..16]);
+        ev.daddr[..4].copy_from_slice(&hdr[16..20]);
+        // Only the first fragment carries the ports.
+        let frag_off = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
+        if frag_off != 0 {
+            return Ok(());
+        }
+        transport = ip + u64::from(first & 0x0f) * 4;
+    } else if (ev.ethertype == ETH_P_IPV6 || ev.ethertype == 0) && version == 6 {
+        let hdr: [u8; 40] = kread(ip, 0)?;
+        ev.family = DROP_FAMILY_INET6;
+        ev.l4proto = hdr[6];
+        ev.saddr.copy_from_slice(&hdr[8..24]);
+        ev.daddr.copy_from_slice(&hdr[24..40]);
+        // Extension headers are not walked: past them the transport header is unknown.
+        transport = ip + 40;
+    } else {
+        return Ok(());
+    }
+    match ev.l4proto {
+        IPPROTO_TCP | IPPROTO_UDP => {
+            let ports: [u8; 4] = kread(transport, 0)?;
+            ev.sport = u16::from_be_bytes([ports[0], ports[1]]);
+            ev.dport = u16::from_be_bytes([ports[2], ports[3]]);
+        }
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+            let tc: [u8; 2] = kread(transport, 0)?;
+            ev.sport = u16::from(tc[0]);
+            ev.dport = u16::from(tc[1]);
+        }
+        _ => {}
+    }
+    Ok(())
+}

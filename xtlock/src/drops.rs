@@ -1,0 +1,729 @@
+//! Packet drops: classification and correlation with lock holds. Pure, like the rest of the
+//! analysis: events in, facts out.
+//!
+//! What comes in (see `decode`): sampled drops (`Drop`, rate limited in the kernel), the
+//! exact per-second counts (`DropCounts`), conntrack counter deltas per netns
+//! (`Conntrack`), the recording kernel's reason names (`DropSetup`) and the names of drop
+//! locations (`KernelSymbol`). Each second the source sends the conntrack deltas first, then
+//! the symbols, then the counts, all with the same timestamp, so a tick is complete when its
+//! counts arrive.
+//!
+//! Classification: `skb_drop_reason` NETFILTER_DROP at `nf_hook_slow` does not tell a rule's
+//! DROP from conntrack refusing the packet, so the conntrack counters of the same netns in
+//! the same interval decide: drops up to conntrack's `drop` delta are "conntrack table full",
+//! the next ones up to `insert_failed` "conntrack insert failed (race)", the rest "netfilter
+//! rule drop". Without conntrack counters for that netns, it stays "netfilter drop".
+//!
+//! Correlation: counts cover one interval (about a second); an interval that overlaps a hold
+//! of a watched lock is reported with that hold, and its drops add up on the hold, reported
+//! once the counts covering the hold's end have arrived ([`HoldDropsFact`]). Samples carry
+//! the hold open at their own time.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
+
+use serde::Serialize;
+
+use crate::analysis::Output;
+use crate::decode::{ConntrackCounters, ConntrackStats, DropCounts, DropSample};
+use crate::lock::HoldFact;
+
+/// Default `--conntrack-warn`: warn when the table is this full (percent).
+pub const DEFAULT_CONNTRACK_WARN_PCT: u32 = 75;
+/// Samples waiting for their tick; more are classified without waiting.
+const MAX_PENDING_SAMPLES: usize = 10_000;
+/// Ended holds remembered for counts that arrive after them.
+const MAX_ENDED_HOLDS: usize = 1024;
+/// Hold tallies kept at once (holds with drops not reported yet).
+const MAX_TALLIES: usize = 1024;
+/// Keys of the summary's tables; later ones are pooled.
+const MAX_KEYS: usize = 256;
+const OTHER: &str = "(other)";
+
+/// What a drop was, as far as xtlock can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DropClass {
+    /// NETFILTER_DROP while conntrack's `drop` counter rose: a new connection found the
+    /// table full.
+    ConntrackTableFull,
+    /// NETFILTER_DROP while conntrack's `insert_failed` rose: lost an insert race.
+    ConntrackInsertFailed,
+    /// NETFILTER_DROP that conntrack does not explain: a rule's DROP/REJECT, a policy.
+    NetfilterRuleDrop,
+    /// NETFILTER_DROP in a netns whose conntrack counters are not read: rule or conntrack.
+    NetfilterDrop,
+    /// Any other reason (its name says what).
+    Other,
+}
+
+impl DropClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropClass::ConntrackTableFull => "conntrack_table_full",
+            DropClass::ConntrackInsertFailed => "conntrack_insert_failed",
+            DropClass::NetfilterRuleDrop => "netfilter_rule_drop",
+            DropClass::NetfilterDrop => "netfilter_drop",
+            DropClass::Other => "other",
+        }
+    }
+
+    /// For people.
+    pub fn describe(self) -> &'static str {
+        match self {
+            DropClass::ConntrackTableFull => "conntrack table full",
+            DropClass::ConntrackInsertFailed => "conntrack insert failed (race)",
+            DropClass::NetfilterRuleDrop => "netfilter rule drop",
+            DropClass::NetfilterDrop => "netfilter drop, rule or conntrack",
+            DropClass::Other => "other",
+        }
+    }
+}
+
+/// A lock hold a drop happened in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HoldRef {
+    pub lock: String,
+    pub pid: u32,
+    pub agent: String,
+    pub comm: String,
+    pub start_ns: u64,
+    /// `None` while the hold is still open.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_ns: Option<u64>,
+}
+
+/// Addresses of a sampled packet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PacketInfo {
+    /// `tcp`, `udp`, `icmp`, `icmpv6`, or the protocol number.
+    pub proto: String,
+    pub saddr: String,
+    pub daddr: String,
+    /// Ports for TCP/UDP; `None` for others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sport: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dport: Option<u16>,
+    /// ICMP type and code.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icmp_type: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icmp_code: Option<u8>,
+}
+
+/// One sampled drop: `{"type":"drop",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DropFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    pub ifindex: u32,
+    /// The kernel's name (`NETFILTER_DROP`), or `reason N` when unnamed, or `unknown` when
+    /// the kernel reports none.
+    pub reason: String,
+    pub reason_code: u32,
+    /// `function+0xoff`, or the address when it could not be named.
+    pub location: String,
+    pub class: DropClass,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketInfo>,
+    /// The task that was running (often unrelated: softirq).
+    pub pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
+/// Exact drops of one (netns, reason, location, class) in one interval:
+/// `{"type":"drop_count",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DropCountFact {
+    /// Start of the interval.
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    pub reason: String,
+    pub reason_code: u32,
+    pub location: String,
+    pub class: DropClass,
+    pub count: u64,
+    /// Holds that overlapped the interval.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holds: Vec<HoldRef>,
+    /// One sampled packet of this kind in the interval, when there was one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<PacketInfo>,
+}
+
+/// Conntrack counter deltas of one netns in one interval: `{"type":"conntrack",...}`.
+/// Emitted when a counter moved or the table crossed the warning threshold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ConntrackFact {
+    /// Start of the interval.
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    #[serde(flatten)]
+    pub deltas: ConntrackCounters,
+    /// Entries in the table now, and its size.
+    pub entries: u64,
+    pub max: u64,
+    /// `entries * 100 / max` (0 when the size is unknown).
+    pub fill_pct: u32,
+    /// Set when the fill crossed the warning threshold, either way.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holds: Vec<HoldRef>,
+}
+
+/// The drops that happened while one hold lasted: `{"type":"hold_drops",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HoldDropsFact {
+    pub lock: String,
+    pub pid: u32,
+    pub agent: String,
+    pub comm: String,
+    pub start_ns: u64,
+    pub hold_ns: u64,
+    /// Drops in the intervals that overlapped the hold.
+    pub dropped: u64,
+    pub by_class: BTreeMap<DropClass, u64>,
+    /// Drops by reason name.
+    pub by_reason: BTreeMap<String, u64>,
+    /// Sampled drops inside the hold itself.
+    pub samples: u64,
+    /// Conntrack deltas of the overlapping intervals (all netns).
+    pub conntrack: ConntrackCounters,
+    /// Counts are per interval: the drops are those of the intervals overlapping the hold,
+    /// `window_ns` in all, which can be longer than the hold.
+    pub window_ns: u64,
+}
+
+/// The `drops` block of the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DropSummary {
+    /// Exact count of watched drops.
+    pub total: u64,
+    pub by_class: BTreeMap<DropClass, u64>,
+    pub by_reason: BTreeMap<String, u64>,
+    /// By function (`nf_hook_slow`), not by offset.
+    pub by_location: BTreeMap<String, u64>,
+    pub by_netns: BTreeMap<u32, u64>,
+    pub samples: u64,
+    /// Drops in intervals that overlapped a hold of a watched lock.
+    pub during_holds: u64,
+    /// Drops the kernel counted without a key (its key map was full).
+    pub overflow: u64,
+    /// Sum of the conntrack deltas, all namespaces.
+    pub conntrack: ConntrackCounters,
+    /// Fullest the conntrack table was seen, percent.
+    pub conntrack_max_fill_pct: u32,
+    pub conntrack_warnings: u64,
+    /// Holds with the most drops, most first (at most 5).
+    pub worst_holds: Vec<HoldDropsFact>,
+}
+
+/// One hold's running tally.
+#[derive(Clone, Debug)]
+struct Tally {
+    hold: HoldRef,
+    /// End, once the hold fact arrived.
+    end_ns: Option<u64>,
+    dropped: u64,
+    by_class: BTreeMap<DropClass, u64>,
+    by_reason: BTreeMap<String, u64>,
+    samples: u64,
+    conntrack: ConntrackCounters,
+    window_start: u64,
+    window_end: u64,
+}
+
+#[derive(Debug, Default)]
+pub struct DropTracker {
+    reasons: HashMap<u32, String>,
+    has_reason: bool,
+    host_netns: u32,
+    symbols: HashMap<u64, (String, u64)>,
+    warn_pct: u32,
+    /// Conntrack deltas per netns for the tick in progress, and what is left of them to
+    /// explain drop counts with.
+    ct_tick: HashMap<u32, ConntrackCounters>,
+    ct_budget: HashMap<u32, ConntrackCounters>,
+    /// Previous tick's deltas (samples may arrive one tick late).
+    ct_prev: HashMap<u32, ConntrackCounters>,
+    /// Netns whose conntrack counters are read.
+    ct_watched: std::collections::HashSet<u32>,
+    ct_above: HashMap<u32, bool>,
+    pending: Vec<(DropSample, Option<HoldRef>)>,
+    ended: VecDeque<HoldRef>,
+    tallies: Vec<Tally>,
+    stats: DropSummary,
+    worst: Vec<HoldDropsFact>,
+}
+
+fn proto_name(p: u8) -> String {
+    match p {
+        1 => "icmp".into(),
+        6 => "tcp".into(),
+        17 => "udp".into(),
+        58 => "icmpv6".into(),
+        n => n.to_string(),
+    }
+}
+
+fn packet_info(s: &DropSample) -> Option<PacketInfo> {
+    let (saddr, daddr) = (s.saddr?, s.daddr?);
+    let ports = matches!(s.l4proto, 6 | 17);
+    let icmp = matches!(s.l4proto, 1 | 58);
+    Some(PacketInfo {
+        proto: proto_name(s.l4proto),
+        saddr: saddr.to_string(),
+        daddr: daddr.to_string(),
+        sport: ports.then_some(s.sport),
+        dport: ports.then_some(s.dport),
+        icmp_type: icmp.then_some(s.sport as u8),
+        icmp_code: icmp.then_some(s.dport as u8),
+    })
+}
+
+/// `udp 10.0.0.1:5353 -> 10.0.0.2:53` for people.
+pub fn packet_text(p: &PacketInfo) -> String {
+    let addr = |a: &str, port: Option<u16>| match (port, a.parse::<IpAddr>()) {
+        (Some(port), Ok(IpAddr::V6(_))) => format!("[{a}]:{port}"),
+        (Some(port), _) => format!("{a}:{port}"),
+        (None, _) => a.to_string(),
+    };
+    let mut s = format!(
+        "{} {} -> {}",
+        p.proto,
+        addr(&p.saddr, p.sport),
+        addr(&p.daddr, p.dport)
+    );
+    if let (Some(t), Some(c)) = (p.icmp_type, p.icmp_code) {
+        s.push_str(&format!(" type {t} code {c}"));
+    }
+    s
+}
+
+fn add(m: &mut BTreeMap<String, u64>, k: &str, n: u64) {
+    if let Some(v) = m.get_mut(k) {
+        *v += n;
+    } else if m.len() >= MAX_KEYS {
+        *m.entry(OTHER.to_string()).or_default() += n;
+    } else {
+        m.insert(k.to_string(), n);
+    }
+}
+
+impl DropTracker {
+    pub fn new(warn_pct: u32) -> Self {
+        DropTracker {
+            warn_pct,
+            has_reason: true,
+            ..Default::default()
+        }
+    }
+
+    pub fn set_warn_pct(&mut self, pct: u32) {
+        self.warn_pct = pct;
+    }
+
+    pub fn on_setup(&mut self, has_reason: bool, names: &[(u32, String)], host_netns: u32) {
+        self.has_reason = has_reason;
+        self.host_netns = host_netns;
+        self.reasons = names.iter().cloned().collect();
+    }
+
+    pub fn on_symbol(&mut self, addr: u64, name: &str, offset: u64) {
+        self.symbols.insert(addr, (name.to_string(), offset));
+    }
+
+    /// The recording's host netns inode (0 when unknown).
+    pub fn host_netns(&self) -> u32 {
+        self.host_netns
+    }
+
+    fn reason_name(&self, r: u32) -> String {
+        if !self.has_reason {
+            return "unknown".into();
+        }
+        match self.reasons.get(&r) {
+            Some(n) => n.clone(),
+            None => format!("reason {r}"),
+        }
+    }
+
+    fn location(&self, addr: u64) -> (String, Option<&str>) {
+        match self.symbols.get(&addr) {
+            Some((f, off)) => (format!("{f}+{off:#x}"), Some(f.as_str())),
+            None => (format!("{addr:#x}"), None),
+        }
+    }
+
+    /// `None`: not a netfilter drop. `Some(true)`: NETFILTER_DROP at `nf_hook_slow` (or at a
+    /// location that could not be named), where conntrack's drops show up too;
+    /// `Some(false)`: NETFILTER_DROP elsewhere, a rule's.
+    fn netfilter(&self, reason: u32, location: u64) -> Option<bool> {
+        if self.reasons.get(&reason).map(String::as_str) != Some("NETFILTER_DROP") {
+            return None;
+        }
+        Some(
+            self.location(location)
+                .1
+                .is_none_or(|f| f == "nf_hook_slow"),
+        )
+    }
+
+    /// A sample arrives; `hold` is the hold open at its time. Classified at the next tick.
+    pub fn on_sample(
+        &mut self,
+        s: &DropSample,
+        hold: Option<HoldRef>,
+        out: &mut impl FnMut(Output),
+    ) {
+        self.stats.samples += 1;
+        if let Some(h) = &hold {
+            if let Some(t) = self
+                .tallies
+                .iter_mut()
+                .find(|t| t.hold.lock == h.lock && t.hold.start_ns == h.start_ns)
+            {
+                t.samples += 1;
+            } else if self.tallies.len() < MAX_TALLIES {
+                let mut t = Tally::new(h.clone());
+                t.samples = 1;
+                self.tallies.push(t);
+            }
+        }
+        if self.pending.len() >= MAX_PENDING_SAMPLES {
+            let (s, hold) = (*s, hold);
+            let f = self.sample_fact(&s, hold);
+            out(Output::Drop(f));
+            return;
+        }
+        self.pending.push((*s, hold));
+    }
+
+    fn sample_class(&self, s: &DropSample) -> DropClass {
+        match self.netfilter(s.reason, s.location) {
+            None => return DropClass::Other,
+            Some(false) => return DropClass::NetfilterRuleDrop,
+            Some(true) => {}
+        }
+        let now = self.ct_tick.get(&s.netns).copied().unwrap_or_default();
+        let prev = self.ct_prev.get(&s.netns).copied().unwrap_or_default();
+        let ct = now.saturating_add(&prev);
+        if !self.ct_watched.contains(&s.netns) {
+            DropClass::NetfilterDrop
+        } else if ct.drop > 0 {
+            DropClass::ConntrackTableFull
+        } else if ct.insert_failed > 0 {
+            DropClass::ConntrackInsertFailed
+        } else {
+            DropClass::NetfilterRuleDrop
+        }
+    }
+
+    fn sample_fact(&self, s: &DropSample, hold: Option<HoldRef>) -> DropFact {
+        DropFact {
+            ts_ns: s.ts_ns,
+            netns: s.netns,
+            ifindex: s.ifindex,
+            reason: self.reason_name(s.reason),
+            reason_code: s.reason,
+            location: self.location(s.location).0,
+            class: self.sample_class(s),
+            packet: packet_info(s),
+            pid: s.tgid,
+            hold,
+        }
+    }
+
+    /// Conntrack deltas of one netns for the tick in progress.
+    pub fn on_conntrack(
+        &mut self,
+        c: &ConntrackStats,
+        holds: Vec<HoldRef>,
+        out: &mut impl FnMut(Output),
+    ) {
+        self.ct_watched.insert(c.netns);
+        self.ct_tick.insert(c.netns, c.deltas);
+        self.ct_budget.insert(c.netns, c.deltas);
+        let fill_pct = c
+            .count
+            .saturating_mul(100)
+            .checked_div(c.max)
+            .map_or(0, |p| u32::try_from(p).unwrap_or(u32::MAX));
+        self.stats.conntrack = self.stats.conntrack.saturating_add(&c.deltas);
+        self.stats.conntrack_max_fill_pct = self.stats.conntrack_max_fill_pct.max(fill_pct);
+        let above = self.warn_pct > 0 && c.max > 0 && fill_pct >= self.warn_pct;
+        let was = self.ct_above.insert(c.netns, above).unwrap_or(false);
+        let warning = match (was, above) {
+            (false, true) => {
+                self.stats.conntrack_warnings += 1;
+                Some(format!(
+                    "conntrack table {fill_pct}% full ({} of {}), above {}%",
+                    c.count, c.max, self.warn_pct
+                ))
+            }
+            (true, false) => Some(format!(
+                "conntrack table back to {fill_pct}% ({} of {})",
+                c.count, c.max
+            )),
+            _ => None,
+        };
+        let start = c.ts_ns.saturating_sub(c.interval_ns);
+        if !holds.is_empty() {
+            for h in &holds {
+                if let Some(t) = self.tally(h) {
+                    t.conntrack = t.conntrack.saturating_add(&c.deltas);
+                }
+            }
+        }
+        if c.deltas.is_zero() && warning.is_none() {
+            return;
+        }
+        out(Output::Conntrack(ConntrackFact {
+            ts_ns: start,
+            interval_ns: c.interval_ns,
+            netns: c.netns,
+            deltas: c.deltas,
+            entries: c.count,
+            max: c.max,
+            fill_pct,
+            warning,
+            holds,
+        }));
+    }
+
+    fn tally(&mut self, h: &HoldRef) -> Option<&mut Tally> {
+        let i = match self
+            .tallies
+            .iter()
+            .position(|t| t.hold.lock == h.lock && t.hold.start_ns == h.start_ns)
+        {
+            Some(i) => i,
+            None if self.tallies.len() < MAX_TALLIES => {
+                self.tallies.push(Tally::new(h.clone()));
+                self.tallies.len() - 1
+            }
+            None => return None,
+        };
+        Some(&mut self.tallies[i])
+    }
+
+    /// A hold ended: remembered for counts that cover its end.
+    pub fn on_hold(&mut self, h: &HoldFact) {
+        let r = HoldRef {
+            lock: h.lock.clone(),
+            pid: h.pid,
+            agent: h.agent.clone(),
+            comm: h.comm.clone(),
+            start_ns: h.start_ns,
+            hold_ns: Some(h.hold_ns),
+        };
+        if let Some(t) = self
+            .tallies
+            .iter_mut()
+            .find(|t| t.hold.lock == r.lock && t.hold.start_ns == r.start_ns)
+        {
+            t.hold = r.clone();
+            t.end_ns = Some(h.start_ns.saturating_add(h.hold_ns));
+        }
+        if self.ended.len() >= MAX_ENDED_HOLDS {
+            self.ended.pop_front();
+        }
+        self.ended.push_back(r);
+    }
+
+    /// Holds that ended within `(t0, t1]` or later (for the counts of that interval).
+    pub fn ended_since(&self, t0: u64) -> impl Iterator<Item = &HoldRef> {
+        self.ended
+            .iter()
+            .filter(move |h| h.start_ns.saturating_add(h.hold_ns.unwrap_or(0)) > t0)
+    }
+
+    /// The counts of the tick: classifies them, emits them and the samples of the tick,
+    /// adds them to the holds they overlap, and reports holds whose end they cover.
+    /// `holds` are the holds that overlapped the interval.
+    pub fn on_counts(&mut self, c: &DropCounts, holds: Vec<HoldRef>, out: &mut impl FnMut(Output)) {
+        let start = c.ts_ns.saturating_sub(c.interval_ns);
+        // Samples of the tick first: they are classified with this tick's conntrack deltas.
+        let pending = std::mem::take(&mut self.pending);
+        let mut examples: HashMap<(u32, u32, u64), PacketInfo> = HashMap::new();
+        for (s, hold) in pending {
+            let f = self.sample_fact(&s, hold);
+            if let Some(p) = &f.packet {
+                examples
+                    .entry((s.netns, s.reason, s.location))
+                    .or_insert_with(|| p.clone());
+            }
+            out(Output::Drop(f));
+        }
+        let mut facts = Vec::new();
+        for dc in &c.counts {
+            let reason = self.reason_name(dc.reason);
+            let (location, func) = self.location(dc.location);
+            let func = func.unwrap_or(&location).to_string();
+            let mut split: Vec<(DropClass, u64)> = Vec::new();
+            let nf = self.netfilter(dc.reason, dc.location);
+            if nf == Some(false) {
+                split.push((DropClass::NetfilterRuleDrop, dc.count));
+            } else if nf == Some(true) {
+                if self.ct_watched.contains(&dc.netns) {
+                    let b = self.ct_budget.entry(dc.netns).or_default();
+                    let full = dc.count.min(b.drop);
+                    b.drop -= full;
+                    let race = (dc.count - full).min(b.insert_failed);
+                    b.insert_failed -= race;
+                    let rule = dc.count - full - race;
+                    split.extend(
+                        [
+                            (DropClass::ConntrackTableFull, full),
+                            (DropClass::ConntrackInsertFailed, race),
+                            (DropClass::NetfilterRuleDrop, rule),
+                        ]
+                        .into_iter()
+                        .filter(|(_, n)| *n > 0),
+                    );
+                } else {
+                    split.push((DropClass::NetfilterDrop, dc.count));
+                }
+            } else {
+                split.push((DropClass::Other, dc.count));
+            }
+            let example = examples.get(&(dc.netns, dc.reason, dc.location)).cloned();
+            for (class, n) in split {
+                self.stats.total += n;
+                *self.stats.by_class.entry(class).or_default() += n;
+                add(&mut self.stats.by_reason, &reason, n);
+                add(&mut self.stats.by_location, &func, n);
+                if let Some(v) = self.stats.by_netns.get_mut(&dc.netns) {
+                    *v += n;
+                } else if self.stats.by_netns.len() < MAX_KEYS {
+                    self.stats.by_netns.insert(dc.netns, n);
+                }
+                if !holds.is_empty() {
+                    self.stats.during_holds += n;
+                }
+                for h in &holds {
+                    if let Some(t) = self.tally(h) {
+                        t.dropped += n;
+                        *t.by_class.entry(class).or_default() += n;
+                        *t.by_reason.entry(reason.clone()).or_default() += n;
+                    }
+                }
+                facts.push(DropCountFact {
+                    ts_ns: start,
+                    interval_ns: c.interval_ns,
+                    netns: dc.netns,
+                    reason: reason.clone(),
+                    reason_code: dc.reason,
+                    location: location.clone(),
+                    class,
+                    count: n,
+                    holds: holds.clone(),
+                    example: example.clone(),
+                });
+            }
+        }
+        if c.overflow > 0 {
+            self.stats.overflow += c.overflow;
+            self.stats.total += c.overflow;
+            *self.stats.by_class.entry(DropClass::Other).or_default() += c.overflow;
+            add(
+                &mut self.stats.by_reason,
+                "unknown (counter map full)",
+                c.overflow,
+            );
+        }
+        for f in facts {
+            out(Output::DropCount(f));
+        }
+        for h in &holds {
+            if let Some(t) = self.tally(h) {
+                t.window_start = if t.window_start == 0 {
+                    start
+                } else {
+                    t.window_start.min(start)
+                };
+                t.window_end = t.window_end.max(c.ts_ns);
+            }
+        }
+        self.end_tick();
+        // Holds whose end these counts cover are complete.
+        let (done, keep): (Vec<Tally>, Vec<Tally>) = std::mem::take(&mut self.tallies)
+            .into_iter()
+            .partition(|t| t.end_ns.is_some_and(|e| e <= c.ts_ns));
+        self.tallies = keep;
+        for t in done {
+            self.report(t, out);
+        }
+    }
+
+    /// Conntrack deltas of a tick without drop counts still end the tick.
+    pub fn end_tick(&mut self) {
+        self.ct_prev = std::mem::take(&mut self.ct_tick);
+        self.ct_budget.clear();
+    }
+
+    fn report(&mut self, t: Tally, out: &mut impl FnMut(Output)) {
+        if t.dropped == 0 && t.samples == 0 {
+            return;
+        }
+        let f = HoldDropsFact {
+            lock: t.hold.lock,
+            pid: t.hold.pid,
+            agent: t.hold.agent,
+            comm: t.hold.comm,
+            start_ns: t.hold.start_ns,
+            hold_ns: t.hold.hold_ns.unwrap_or(0),
+            dropped: t.dropped,
+            by_class: t.by_class,
+            by_reason: t.by_reason,
+            samples: t.samples,
+            conntrack: t.conntrack,
+            window_ns: t.window_end.saturating_sub(t.window_start),
+        };
+        self.worst.push(f.clone());
+        self.worst.sort_by_key(|h| std::cmp::Reverse(h.dropped));
+        self.worst.truncate(5);
+        out(Output::HoldDrops(f));
+    }
+
+    /// End of the stream: samples still waiting and holds not reported yet.
+    pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        for (s, hold) in std::mem::take(&mut self.pending) {
+            let f = self.sample_fact(&s, hold);
+            out(Output::Drop(f));
+        }
+        for mut t in std::mem::take(&mut self.tallies) {
+            if t.hold.hold_ns.is_none() {
+                t.hold.hold_ns = Some(ts_ns.saturating_sub(t.hold.start_ns));
+            }
+            self.report(t, out);
+        }
+    }
+
+    pub fn summary(&self) -> DropSummary {
+        let mut s = self.stats.clone();
+        s.worst_holds = self.worst.clone();
+        s
+    }
+}
+
+impl Tally {
+    fn new(hold: HoldRef) -> Self {
+        Tally {
+            hold,
+            end_ns: None,
+            dropped: 0,
+            by_class: BTreeMap::new(),
+            by_reason: BTreeMap::new(),
+            samples: 0,
+            conntrack: ConntrackCounters::default(),
+            window_start: 0,
+            window_end: 0,
+        }
+    }
+}

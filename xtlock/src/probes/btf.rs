@@ -1,0 +1,472 @@
+//! A small reader of the kernel's BTF (`/sys/kernel/btf/vmlinux`): struct member offsets and
+//! enum values of the running kernel, so the drop probe reads `sk_buff`, `net_device`, `net`
+//! and `sock` members where this kernel has them instead of where one kernel had them.
+//!
+//! Only what xtlock needs: types are indexed by id, structs and unions are walked by member
+//! name (through anonymous members, which hold many `sk_buff` fields), typedefs and
+//! qualifiers are skipped, and enums are listed. Never panics on any input.
+
+use std::path::Path;
+
+pub const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+
+const MAGIC: u16 = 0xeb9f;
+const HEADER_MIN: usize = 24;
+
+const KIND_INT: u32 = 1;
+const KIND_PTR: u32 = 2;
+const KIND_ARRAY: u32 = 3;
+const KIND_STRUCT: u32 = 4;
+const KIND_UNION: u32 = 5;
+const KIND_ENUM: u32 = 6;
+const KIND_FWD: u32 = 7;
+const KIND_TYPEDEF: u32 = 8;
+const KIND_VOLATILE: u32 = 9;
+const KIND_CONST: u32 = 10;
+const KIND_RESTRICT: u32 = 11;
+const KIND_FUNC: u32 = 12;
+const KIND_FUNC_PROTO: u32 = 13;
+const KIND_VAR: u32 = 14;
+const KIND_DATASEC: u32 = 15;
+const KIND_FLOAT: u32 = 16;
+const KIND_DECL_TAG: u32 = 17;
+const KIND_TYPE_TAG: u32 = 18;
+const KIND_ENUM64: u32 = 19;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BtfError {
+    #[error("reading {path}: {why}")]
+    Read { path: String, why: String },
+    #[error("not BTF data: {0}")]
+    Malformed(String),
+    #[error("no struct {0} in the kernel's BTF")]
+    NoStruct(String),
+    #[error("struct {strukt} has no member {member}")]
+    NoMember { strukt: String, member: String },
+    #[error("{0} is a bitfield: not readable by byte offset")]
+    Bitfield(String),
+}
+
+/// One parsed type: where its record starts and its decoded header.
+#[derive(Clone, Copy, Debug)]
+struct Type {
+    /// Offset of the type's extra data (after the 12-byte common header).
+    extra: usize,
+    name_off: u32,
+    kind: u32,
+    vlen: u32,
+    kind_flag: bool,
+    /// `size` (struct/union/enum/int) or `type` (ptr/typedef/qualifiers/...).
+    size_or_type: u32,
+}
+
+/// Parsed BTF: the raw bytes plus an index of types by id.
+pub struct Btf {
+    data: Vec<u8>,
+    strings: (usize, usize),
+    /// `types[id - 1]`.
+    types: Vec<Type>,
+}
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    let s = b.get(at..at.checked_add(4)?)?;
+    Some(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+}
+
+impl Btf {
+    /// The running kernel's BTF.
+    pub fn vmlinux() -> Result<Self, BtfError> {
+        Self::from_file(Path::new(VMLINUX))
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self, BtfError> {
+        let data = std::fs::read(path).map_err(|e| BtfError::Read {
+            path: path.display().to_string(),
+            why: e.to_string(),
+        })?;
+        Self::parse(data)
+    }
+
+    pub fn parse(data: Vec<u8>) -> Result<Self, BtfError> {
+        let bad = |s: &str| BtfError::Malformed(s.to_string());
+        if data.len() < HEADER_MIN {
+            return Err(bad("shorter than a BTF header"));
+        }
+        if u16::from_le_bytes([data[0], data[1]]) != MAGIC {
+            return Err(bad("bad magic (big-endian or not BTF)"));
+        }
+        let hdr_len = u32_at(&data, 4).ok_or_else(|| bad("header"))? as usize;
+        let type_off = u32_at(&data, 8).ok_or_else(|| bad("header"))? as usize;
+        let type_len = u32_at(&data, 12).ok_or_else(|| bad("header"))? as usize;
+        let str_off = u32_at(&data, 16).ok_or_else(|| bad("header"))? as usize;
+        let str_len = u32_at(&data, 20).ok_or_else(|| bad("header"))? as usize;
+        let t_start = hdr_len.saturating_add(type_off);
+        let t_end = t_start.saturating_add(type_len);
+        let s_start = hdr_len.saturating_add(str_off);
+        let s_end = s_start.saturating_add(str_len);
+        if t_end > data.len() || s_end > data.len() {
+            return Err(bad("sections run past the end of the data"));
+        }
+        let mut types = Vec::new();
+        let mut at = t_start;
+        while at < t_end {
+            let (Some(name_off), Some(info), Some(size_or_type)) = (
+                u32_at(&data, at),
+                u32_at(&data, at + 4),
+                u32_at(&data, at + 8),
+            ) else {
+                return Err(bad("type record cut short"));
+            };
+            let kind = (info >> 24) & 0x1f;
+            let vlen = info & 0xffff;
+            let extra = at + 12;
+            let extra_len = match kind {
+                KIND_INT | KIND_VAR | KIND_DECL_TAG => 4,
+                KIND_ARRAY => 12,
+                KIND_STRUCT | KIND_UNION | KIND_DATASEC | KIND_ENUM64 => 12 * vlen as usize,
+                KIND_ENUM | KIND_FUNC_PROTO => 8 * vlen as usize,
+                KIND_PTR | KIND_FWD | KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT
+                | KIND_FUNC | KIND_FLOAT | KIND_TYPE_TAG => 0,
+                k => return Err(BtfError::Malformed(format!("unknown type kind {k}"))),
+            };
+            types.push(Type {
+                extra,
+                name_off,
+                kind,
+                vlen,
+                kind_flag: info >> 31 != 0,
+                size_or_type,
+            });
+            at = extra + extra_len;
+        }
+        if at != t_end {
+            return Err(bad("last type runs past the type section"));
+        }
+        Ok(Btf {
+            data,
+            strings: (s_start, s_end),
+            types,
+        })
+    }
+
+    fn name(&self, off: u32) -> &str {
+        let (start, end) = self.strings;
+        let Some(from) = start.checked_add(off as usize).filter(|&f| f < end) else {
+            return "";
+        };
+        let s = &self.data[from..end];
+        let n = s.iter().position(|&c| c == 0).unwrap_or(s.len());
+        std::str::from_utf8(&s[..n]).unwrap_or("")
+    }
+
+    fn get(&self, id: u32) -> Option<&Type> {
+        self.types.get((id as usize).checked_sub(1)?)
+    }
+
+    /// Follows typedefs and qualifiers to the underlying type id.
+    fn resolve(&self, mut id: u32) -> u32 {
+        for _ in 0..32 {
+            match self.get(id) {
+                Some(t)
+                    if matches!(
+                        t.kind,
+                        KIND_TYPEDEF | KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG
+                    ) =>
+                {
+                    id = t.size_or_type
+                }
+                _ => break,
+            }
+        }
+        id
+    }
+
+    /// The id of the struct named `name` that has members (not a forward declaration).
+    fn struct_id(&self, name: &str) -> Option<u32> {
+        self.types
+            .iter()
+            .position(|t| t.kind == KIND_STRUCT && t.vlen > 0 && self.name(t.name_off) == name)
+            .map(|i| i as u32 + 1)
+    }
+
+    /// Members of a struct/union: (name, type id, bit offset, bitfield size).
+    fn members(&self, t: &Type) -> impl Iterator<Item = (&str, u32, u32, u32)> + '_ {
+        let t = *t;
+        (0..t.vlen as usize).filter_map(move |i| {
+            let at = t.extra + 12 * i;
+            let name = self.name(u32_at(&self.data, at)?);
+            let ty = u32_at(&self.data, at + 4)?;
+            let off = u32_at(&self.data, at + 8)?;
+            let (bits, size) = if t.kind_flag {
+                (off & 0x00ff_ffff, off >> 24)
+            } else {
+                (off, 0)
+            };
+            Some((name, ty, bits, size))
+        })
+    }
+
+    /// Finds `member` in struct/union `id`, looking into anonymous members. Returns the bit
+    /// offset from the start of `id` and the member's type.
+    fn find_member(&self, id: u32, member: &str, depth: u32) -> Option<(u32, u32, u32)> {
+        if depth > 8 {
+            return None;
+        }
+        let t = self.get(self.resolve(id))?;
+        if t.kind != KIND_STRUCT && t.kind != KIND_UNION {
+            return None;
+        }
+        for (name, ty, bits, bf) in self.members(t) {
+            if name == member {
+                return Some((bits, ty, bf));
+            }
+            if name.is_empty() {
+                if let Some((inner, ity, ibf)) = self.find_member(ty, member, depth + 1) {
+                    return Some((bits + inner, ity, ibf));
+                }
+            }
+        }
+        None
+    }
+
+    /// Byte offset of `path` (members separated by `.`, e.g. `nd_net.net`) inside
+    /// `struct strukt`. Anonymous structs and unions on the way are looked through.
+    pub fn member_offset(&self, strukt: &str, path: &str) -> Result<u32, BtfError> {
+        let mut id = self
+            .struct_id(strukt)
+            .ok_or_else(|| BtfError::NoStruct(strukt.to_string()))?;
+        let mut bits = 0u32;
+        for seg in path.split('.') {
+            let (b, ty, bf) = self
+                .find_member(id, seg, 0)
+                .ok_or_else(|| BtfError::NoMember {
+                    strukt: strukt.to_string(),
+                    member: path.to_string(),
+                })?;
+            if bf != 0 {
+                return Err(BtfError::Bitfield(format!("{strukt}.{path}")));
+            }
+            bits += b;
+            id = ty;
+        }
+        if !bits.is_multiple_of(8) {
+            return Err(BtfError::Bitfield(format!("{strukt}.{path}")));
+        }
+        Ok(bits / 8)
+    }
+
+    /// Values of `enum name` (32- or 64-bit enums), in declaration order.
+    pub fn enum_values(&self, name: &str) -> Option<Vec<(String, i64)>> {
+        let t = self.types.iter().find(|t| {
+            (t.kind == KIND_ENUM || t.kind == KIND_ENUM64) && self.name(t.name_off) == name
+        })?;
+        let mut out = Vec::with_capacity(t.vlen as usize);
+        for i in 0..t.vlen as usize {
+            if t.kind == KIND_ENUM {
+                let at = t.extra + 8 * i;
+                let n = self.name(u32_at(&self.data, at)?);
+                let v = u32_at(&self.data, at + 4)? as i32;
+                out.push((n.to_string(), i64::from(v)));
+            } else {
+                let at = t.extra + 12 * i;
+                let n = self.name(u32_at(&self.data, at)?);
+                let lo = u64::from(u32_at(&self.data, at + 4)?);
+                let hi = u64::from(u32_at(&self.data, at + 8)?);
+                out.push((n.to_string(), ((hi << 32) | lo) as i64));
+            }
+        }
+        Some(out)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// Builds BTF bytes from type records (each the 12-byte header plus extra data).
+    pub(crate) struct Builder {
+        types: Vec<u8>,
+        strings: Vec<u8>,
+    }
+
+    impl Builder {
+        pub fn new() -> Self {
+            Builder {
+                types: Vec::new(),
+                strings: vec![0],
+            }
+        }
+        pub fn s(&mut self, name: &str) -> u32 {
+            if name.is_empty() {
+                return 0;
+            }
+            let off = self.strings.len() as u32;
+            self.strings.extend_from_slice(name.as_bytes());
+            self.strings.push(0);
+            off
+        }
+        fn push(&mut self, words: &[u32]) {
+            for w in words {
+                self.types.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        pub fn int(&mut self, name: &str, size: u32) {
+            let n = self.s(name);
+            self.push(&[n, KIND_INT << 24, size, size * 8]);
+        }
+        pub fn ptr(&mut self, to: u32) {
+            self.push(&[0, KIND_PTR << 24, to]);
+        }
+        pub fn typedef(&mut self, name: &str, to: u32) {
+            let n = self.s(name);
+            self.push(&[n, KIND_TYPEDEF << 24, to]);
+        }
+        /// Members: (name, type, bit offset).
+        pub fn strukt(&mut self, kind: u32, name: &str, size: u32, members: &[(&str, u32, u32)]) {
+            let n = self.s(name);
+            self.push(&[n, (kind << 24) | members.len() as u32, size]);
+            for (m, ty, off) in members {
+                let mn = self.s(m);
+                self.push(&[mn, *ty, *off]);
+            }
+        }
+        pub fn enumeration(&mut self, name: &str, values: &[(&str, i32)]) {
+            let n = self.s(name);
+            self.push(&[n, (KIND_ENUM << 24) | values.len() as u32, 4]);
+            for (v, x) in values {
+                let vn = self.s(v);
+                self.push(&[vn, *x as u32]);
+            }
+        }
+        pub fn build(&self) -> Vec<u8> {
+            let mut b = Vec::new();
+            b.extend_from_slice(&MAGIC.to_le_bytes());
+            b.push(1);
+            b.push(0);
+            for w in [
+                24u32,
+                0,
+                self.types.len() as u32,
+                self.types.len() as u32,
+                self.strings.len() as u32,
+            ] {
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+            b.extend_from_slice(&self.types);
+            b.extend_from_slice(&self.strings);
+            b
+        }
+    }
+
+    /// `struct sk_buff { union { struct { void *next, *prev; struct net_device *dev; }; }; ...
+    /// unsigned char *head; }` and friends, with an anonymous union and a typedef'd struct.
+    pub(crate) fn sample() -> Vec<u8> {
+        let mut b = Builder::new();
+        b.int("int", 4); // 1
+        b.ptr(0); // 2: void *
+        b.strukt(
+            KIND_STRUCT,
+            "",
+            24,
+            &[("next", 2, 0), ("prev", 2, 64), ("dev", 2, 128)],
+        ); // 3
+        b.strukt(KIND_UNION, "", 24, &[("", 3, 0), ("rbnode", 2, 0)]); // 4
+        b.int("__u16", 2); // 5
+        b.strukt(
+            KIND_STRUCT,
+            "sk_buff",
+            200,
+            &[("", 4, 0), ("head", 2, 1280), ("network_header", 5, 1424)],
+        ); // 6
+        b.strukt(KIND_STRUCT, "", 8, &[("net", 2, 0)]); // 7
+        b.typedef("possible_net_t", 7); // 8
+        b.strukt(
+            KIND_STRUCT,
+            "net_device",
+            300,
+            &[("ifindex", 1, 1792), ("nd_net", 8, 2048)],
+        ); // 9
+        b.enumeration(
+            "skb_drop_reason",
+            &[("SKB_NOT_DROPPED_YET", 0), ("SKB_DROP_REASON_NO_SOCKET", 3)],
+        );
+        // A bitfield member (kind_flag set).
+        let n = b.s("bits");
+        let m = b.s("flag");
+        b.push(&[n, (KIND_STRUCT << 24) | (1 << 31) | 1, 4]);
+        b.push(&[m, 1, (1 << 24) | 3]);
+        b.build()
+    }
+
+    #[test]
+    fn members_through_anonymous_unions_and_typedefs() {
+        let btf = Btf::parse(sample()).unwrap();
+        assert_eq!(btf.member_offset("sk_buff", "dev"), Ok(16));
+        assert_eq!(btf.member_offset("sk_buff", "head"), Ok(160));
+        assert_eq!(btf.member_offset("sk_buff", "network_header"), Ok(178));
+        assert_eq!(btf.member_offset("net_device", "ifindex"), Ok(224));
+        assert_eq!(btf.member_offset("net_device", "nd_net.net"), Ok(256));
+        assert!(matches!(
+            btf.member_offset("sk_buff", "nope"),
+            Err(BtfError::NoMember { .. })
+        ));
+        assert!(matches!(
+            btf.member_offset("nosuch", "x"),
+            Err(BtfError::NoStruct(_))
+        ));
+        assert!(matches!(
+            btf.member_offset("bits", "flag"),
+            Err(BtfError::Bitfield(_))
+        ));
+        assert_eq!(
+            btf.enum_values("skb_drop_reason").unwrap(),
+            vec![
+                ("SKB_NOT_DROPPED_YET".to_string(), 0),
+                ("SKB_DROP_REASON_NO_SOCKET".to_string(), 3)
+            ]
+        );
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(Btf::parse(Vec::new()).is_err());
+        let good = sample();
+        for n in 0..good.len() {
+            let _ = Btf::parse(good[..n].to_vec());
+        }
+        let mut bad = good.clone();
+        bad[0] = 0;
+        assert!(Btf::parse(bad).is_err());
+        for i in 24..good.len() {
+            let mut b = good.clone();
+            b[i] ^= 0xff;
+            if let Ok(btf) = Btf::parse(b) {
+                let _ = btf.member_offset("sk_buff", "nd_net.net");
+                let _ = btf.enum_values("skb_drop_reason");
+            }
+        }
+    }
+
+    /// The running kernel's BTF, when it has one.
+    #[test]
+    fn this_kernel() {
+        let Ok(btf) = Btf::vmlinux() else {
+            eprintln!("skipped: no readable {VMLINUX}");
+            return;
+        };
+        for (s, m) in [
+            ("sk_buff", "head"),
+            ("sk_buff", "dev"),
+            ("sk_buff", "network_header"),
+            ("net_device", "nd_net.net"),
+            ("net", "ns.inum"),
+            ("sock", "__sk_common.skc_net.net"),
+        ] {
+            btf.member_offset(s, m)
+                .unwrap_or_else(|e| panic!("{s}.{m}: {e}"));
+        }
+        assert!(btf
+            .enum_values("skb_drop_reason")
+            .is_some_and(|v| v.len() > 10));
+    }
+}
