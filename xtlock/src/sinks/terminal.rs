@@ -441,7 +441,7 @@ fn conntrack_text(c: &ConntrackFact) -> String {
     s
 }
 
-fn hold_drops_text(h: &HoldDropsFact) -> String {
+pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
     let classes: Vec<String> = h
         .by_class
         .iter()
