@@ -422,6 +422,148 @@ pub fn type_counts(t: &Trace) -> HashMap<String, usize> {
     m
 }
 
+/// Runs a command and returns its stdout; panics with its stderr when it fails.
+pub fn sh(prog: &str, args: &[&str]) -> String {
+    let out = Command::new(prog)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{prog}: {e}"));
+    assert!(
+        out.status.success(),
+        "{prog} {}: {}\n{}",
+        args.join(" "),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Two network namespaces, `<name>-a` (10.X.0.1) and `<name>-b` (10.X.0.2), joined by a veth
+/// pair; both are deleted on drop, with everything in them (rules, conntrack entries), also
+/// when the test fails.
+pub struct NetnsPair {
+    pub a: String,
+    pub b: String,
+    pub addr_a: String,
+    pub addr_b: String,
+}
+
+impl NetnsPair {
+    /// `subnet` picks 10.`subnet`.0.0/24: give each test its own.
+    pub fn new(name: &str, subnet: u8) -> Self {
+        let a = format!("{name}-a");
+        let b = format!("{name}-b");
+        // Left over from a killed run.
+        for n in [&a, &b] {
+            let _ = Command::new("ip")
+                .args(["netns", "del", n])
+                .stderr(Stdio::null())
+                .status();
+        }
+        let pair = NetnsPair {
+            addr_a: format!("10.{subnet}.0.1"),
+            addr_b: format!("10.{subnet}.0.2"),
+            a,
+            b,
+        };
+        sh("ip", &["netns", "add", &pair.a]);
+        sh("ip", &["netns", "add", &pair.b]);
+        let (va, vb) = (format!("xv{subnet}a"), format!("xv{subnet}b"));
+        sh(
+            "ip",
+            &[
+                "-n", &pair.a, "link", "add", &va, "type", "veth", "peer", "name", &vb, "netns",
+                &pair.b,
+            ],
+        );
+        for (ns, dev, addr) in [(&pair.a, &va, &pair.addr_a), (&pair.b, &vb, &pair.addr_b)] {
+            sh(
+                "ip",
+                &["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev],
+            );
+            sh("ip", &["-n", ns, "link", "set", dev, "up"]);
+            sh("ip", &["-n", ns, "link", "set", "lo", "up"]);
+        }
+        pair
+    }
+
+    /// `/run/netns/<ns>`.
+    pub fn path(ns: &str) -> String {
+        format!("/run/netns/{ns}")
+    }
+
+    /// The namespace's inode: the `netns` number xtlock reports.
+    pub fn inode(ns: &str) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        fs::metadata(Self::path(ns)).expect("netns file").ino()
+    }
+
+    /// Runs `prog args` inside `ns`.
+    pub fn exec(ns: &str, prog: &str, args: &[&str]) -> String {
+        let mut a = vec!["netns", "exec", ns, prog];
+        a.extend_from_slice(args);
+        sh("ip", &a)
+    }
+}
+
+impl Drop for NetnsPair {
+    fn drop(&mut self) {
+        for n in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+/// A sysctl set for a test and restored on drop, also when the test fails.
+pub struct Sysctl {
+    path: PathBuf,
+    old: String,
+}
+
+impl Sysctl {
+    pub fn set(path: &str, value: &str) -> Self {
+        let path = PathBuf::from(path);
+        let old = fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .trim()
+            .to_string();
+        fs::write(&path, value).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        Sysctl { path, old }
+    }
+}
+
+impl Drop for Sysctl {
+    fn drop(&mut self) {
+        if let Err(e) = fs::write(&self.path, &self.old) {
+            eprintln!(
+                "could not restore {} to {}: {e}",
+                self.path.display(),
+                self.old
+            );
+        }
+    }
+}
+
+/// Sum of one counter of `conntrack -S` (per CPU lines `cpu=N found=.. drop=..`).
+pub fn conntrack_stat(ns: &str, counter: &str) -> u64 {
+    let out = NetnsPair::exec(ns, "conntrack", &["-S"]);
+    let key = format!("{counter}=");
+    out.split_whitespace()
+        .filter_map(|w| w.strip_prefix(&key))
+        .filter_map(|v| v.parse::<u64>().ok())
+        .sum()
+}
+
+/// Packet counter of the first rule of `chain` in `ns` whose line contains `needle`.
+pub fn iptables_packets(ns: &str, chain: &str, needle: &str) -> u64 {
+    let out = NetnsPair::exec(ns, "iptables-legacy", &["-L", chain, "-v", "-n", "-x"]);
+    out.lines()
+        .find(|l| l.contains(needle))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no rule with `{needle}` in {chain}:\n{out}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -249,6 +249,10 @@ pub struct DropTracker {
     /// explain drop counts with.
     ct_tick: HashMap<u32, ConntrackCounters>,
     ct_budget: HashMap<u32, ConntrackCounters>,
+    /// What the previous tick's deltas did not explain: the source reads the drop counters
+    /// before conntrack's, so a packet conntrack refused just after the first read shows in
+    /// this tick's conntrack deltas and in the next tick's drop counts.
+    ct_carry: HashMap<u32, ConntrackCounters>,
     /// Previous tick's deltas (samples may arrive one tick late).
     ct_prev: HashMap<u32, ConntrackCounters>,
     /// Netns whose conntrack counters are read.
@@ -448,7 +452,9 @@ impl DropTracker {
     ) {
         self.ct_watched.insert(c.netns);
         self.ct_tick.insert(c.netns, c.deltas);
-        self.ct_budget.insert(c.netns, c.deltas);
+        let carry = self.ct_carry.remove(&c.netns).unwrap_or_default();
+        self.ct_budget
+            .insert(c.netns, c.deltas.saturating_add(&carry));
         let fill_pct = c
             .count
             .saturating_mul(100)
@@ -664,7 +670,20 @@ impl DropTracker {
     /// Conntrack deltas of a tick without drop counts still end the tick.
     pub fn end_tick(&mut self) {
         self.ct_prev = std::mem::take(&mut self.ct_tick);
-        self.ct_budget.clear();
+        // Only the drop and insert_failed budgets matter; carried one tick, not longer.
+        self.ct_carry = std::mem::take(&mut self.ct_budget)
+            .into_iter()
+            .map(|(ns, b)| {
+                let tick = self.ct_prev.get(&ns).copied().unwrap_or_default();
+                let keep = ConntrackCounters {
+                    drop: b.drop.min(tick.drop),
+                    insert_failed: b.insert_failed.min(tick.insert_failed),
+                    ..Default::default()
+                };
+                (ns, keep)
+            })
+            .filter(|(_, k)| !k.is_zero())
+            .collect();
     }
 
     fn report(&mut self, t: Tally, out: &mut impl FnMut(Output)) {

@@ -14,6 +14,10 @@
 //!                         print `start T`, `exit CODE T`; exit with CMD's status
 //!   forkhold LOCK MS      take the lock, fork; the child keeps the inherited fd and closes
 //!                         it after MS; the parent closes its copy at once and waits
+//!   udp ADDR PORT COUNT FLOWS
+//!                         send COUNT one-byte UDP datagrams to ADDR:PORT, round-robin from
+//!                         FLOWS sockets (so FLOWS distinct source ports, i.e. conntrack
+//!                         entries); print `sent N T`
 use std::{
     fs::OpenOptions,
     os::{fd::AsRawFd, unix::process::CommandExt},
@@ -157,6 +161,36 @@ fn run() -> anyhow::Result<u8> {
             say(format!("exit {code} {}", now()));
             Ok(code as u8)
         }
-        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS..."),
+        ["udp", addr, port, count, flows] => {
+            let dst: std::net::SocketAddr = format!("{addr}:{port}").parse()?;
+            let count: u64 = count.parse()?;
+            let flows: usize = flows.parse::<usize>()?.max(1);
+            let bind = if dst.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+            let socks = (0..flows)
+                .map(|_| std::net::UdpSocket::bind(bind))
+                .collect::<std::io::Result<Vec<_>>>()?;
+            let mut sent = 0u64;
+            for i in 0..count {
+                let s = &socks[(i % flows as u64) as usize];
+                // Sends to a dropped port may report ECONNREFUSED from an earlier ICMP error;
+                // only the datagrams the kernel took count.
+                loop {
+                    match s.send_to(b"x", dst) {
+                        Ok(_) => {
+                            sent += 1;
+                            break;
+                        }
+                        Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
+                            sleep(Duration::from_micros(50))
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+            say(format!("sent {sent} {}", now()));
+            Ok(0)
+        }
+        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS"),
     }
 }

@@ -401,6 +401,20 @@ impl DropPoller {
         }
         let interval_ns = now_ns.saturating_sub(self.last_ts);
         self.last_ts = now_ns;
+        // The drop counters first, conntrack's second: a packet conntrack refused is
+        // counted by conntrack before it is freed, so every drop in these counts has its
+        // conntrack increment in this read or an earlier one.
+        let totals = if self.counts_enabled {
+            match probes.drop_totals() {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot read the drop counters");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let mut out = Vec::new();
         let mut buf = std::mem::take(&mut self.buf);
         let reopen = self.polls.is_multiple_of(RESCAN_POLLS);
@@ -432,13 +446,8 @@ impl DropPoller {
             }));
         }
         self.buf = buf;
-        if self.counts_enabled {
-            match probes.drop_totals() {
-                Ok((totals, overflow)) => {
-                    self.count_events(totals, overflow, now_ns, interval_ns, &mut out)
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot read the drop counters"),
-            }
+        if let Some((totals, overflow)) = totals {
+            self.count_events(totals, overflow, now_ns, interval_ns, &mut out);
         }
         out
     }
