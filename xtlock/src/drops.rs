@@ -267,6 +267,7 @@ pub struct DropTracker {
 
 fn proto_name(p: u8) -> String {
     match p {
+        0 => "hopopt".into(),
         1 => "icmp".into(),
         6 => "tcp".into(),
         17 => "udp".into(),
