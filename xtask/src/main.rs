@@ -4,7 +4,10 @@
 //! - `setup`: installs every prerequisite this machine lacks (apt packages, the `debian` rustup
 //!   toolchain, bpf-linker against LLVM 22, tracefs); quick when all is there.
 //! - `trace [ARGS...]`: setup, release build with the real BPF programs, exec `xtlock trace`.
-//! - `test [ARGS...]`: setup, then build, test, clippy and fmt; extra args go to `cargo test`.
+//! - `test [--no-vm] [ARGS...]`: setup, then build, test, vm-test, clippy and fmt; extra args go
+//!   to `cargo test`.
+//! - `vm-test [OPTIONS] [-- TEST ARGS]`: integration tests as root inside a QEMU VM that boots a
+//!   stock Debian kernel (see `vm.rs`).
 use std::{ffi::OsString, process::ExitCode};
 
 use clap::{Parser, Subcommand};
@@ -13,6 +16,7 @@ mod setup;
 mod sh;
 mod test;
 mod trace;
+mod vm;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "xtlock's build, setup and test tasks")]
@@ -32,12 +36,19 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
-    /// Setup, then build, test (with the BPF programs), clippy and rustfmt; all must pass.
+    /// Setup, then build, test (with the BPF programs), the VM tests, clippy and rustfmt; all
+    /// must pass.
     Test {
+        /// Leave out the VM tests (`vm-test`), for a quicker local round.
+        #[arg(long)]
+        no_vm: bool,
         /// Passed to `cargo test`, e.g. `cargo xtask test -- lock -- --nocapture`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Setup, build, and run integration tests (default: lock_trace) or commands as root in a
+    /// QEMU VM booting a stock Debian kernel; `-- ARGS` go to each test binary.
+    VmTest(Box<vm::VmArgs>),
 }
 
 fn main() -> ExitCode {
@@ -46,7 +57,8 @@ fn main() -> ExitCode {
     let result = match cli.cmd {
         Cmd::Setup => setup::run().map(|_| ()),
         Cmd::Trace { args } => trace::run(&args),
-        Cmd::Test { args } => test::run(&args),
+        Cmd::Test { no_vm, args } => test::run(&args, no_vm),
+        Cmd::VmTest(args) => vm::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -64,8 +76,8 @@ mod tests {
     fn passed(argv: &[&str]) -> Vec<String> {
         let cli = Cli::try_parse_from(argv).expect("parses");
         let args = match cli.cmd {
-            Cmd::Trace { args } | Cmd::Test { args } => args,
-            Cmd::Setup => Vec::new(),
+            Cmd::Trace { args } | Cmd::Test { args, .. } => args,
+            Cmd::Setup | Cmd::VmTest(_) => Vec::new(),
         };
         args.into_iter()
             .map(|a| a.to_string_lossy().into_owned())
@@ -85,5 +97,42 @@ mod tests {
         );
         assert_eq!(passed(&["xtask", "test", "lock"]), ["lock"]);
         assert_eq!(passed(&["xtask", "test"]), Vec::<String>::new());
+        assert_eq!(passed(&["xtask", "test", "--no-vm", "lock"]), ["lock"]);
+    }
+
+    #[test]
+    fn vm_test_options_and_test_args() {
+        let cli = Cli::try_parse_from([
+            "xtask",
+            "vm-test",
+            "--kernel-version",
+            "6.1.0-56",
+            "--modules",
+            "ip_vs,ip_vs_rr",
+            "--exec",
+            "lsmod",
+            "--",
+            "calico",
+            "--nocapture",
+        ])
+        .expect("parses");
+        let Cmd::VmTest(a) = cli.cmd else {
+            panic!("not vm-test")
+        };
+        assert_eq!(a.kernel_version.as_deref(), Some("6.1.0-56"));
+        assert_eq!(
+            a.modules,
+            Some(vec!["ip_vs".to_owned(), "ip_vs_rr".to_owned()])
+        );
+        assert_eq!(a.exec, ["lsmod"]);
+        assert_eq!(a.test_args, ["calico", "--nocapture"]);
+        assert_eq!(a.timeout, 600);
+        let Cmd::Test { no_vm, .. } = Cli::try_parse_from(["xtask", "test", "--no-vm"])
+            .expect("parses")
+            .cmd
+        else {
+            panic!("not test")
+        };
+        assert!(no_vm);
     }
 }

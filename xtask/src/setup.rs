@@ -27,6 +27,9 @@ const APT_PACKAGES: &[&str] = &[
     "util-linux",
     "strace",
 ];
+/// `cargo xtask vm-test`: QEMU, the guest's busybox, and xz to unpack the guest kernel's
+/// image. Installed without their recommendations (qemu-system-x86's would bring a GUI).
+const APT_VM_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "xz-utils"];
 /// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
 const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
 
@@ -47,6 +50,7 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
   - iptables (with iptables-legacy), iproute2, conntrack, bpftool, bpftrace, procps,
     util-linux (flock), strace (optional)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
+  - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz
 and a kernel with BTF (5.8 or newer).";
 
 /// Runs every step; fails on the first one that cannot be done.
@@ -60,6 +64,7 @@ pub fn run() -> Result<()> {
     check_debian()?;
     let rustup = sh::which("rustup").is_some();
     apt_packages(rustup)?;
+    apt_vm_packages()?;
     toolchain(rustup)?;
     clippy_fmt(rustup)?;
     bpf_linker()?;
@@ -95,12 +100,25 @@ fn apt_packages(rustup: bool) -> Result<()> {
     if !rustup {
         wanted.extend(APT_WITHOUT_RUSTUP);
     }
-    let missing = missing_packages(&wanted)?;
+    apt_install("apt packages", &wanted, &[])
+}
+
+fn apt_vm_packages() -> Result<()> {
+    apt_install(
+        "apt packages for vm-test",
+        APT_VM_PACKAGES,
+        &["--no-install-recommends"],
+    )
+}
+
+/// Installs the packages of `wanted` that are missing (apt-get update first).
+fn apt_install(what: &str, wanted: &[&str], options: &[&str]) -> Result<()> {
+    let missing = missing_packages(wanted)?;
     if missing.is_empty() {
-        println!("ok: apt packages: {} (all installed)", wanted.join(" "));
+        println!("ok: {what}: {} (all installed)", wanted.join(" "));
         return Ok(());
     }
-    println!("installing: apt packages {}", missing.join(" "));
+    println!("installing: {what}: {}", missing.join(" "));
     let apt = |args: &[&str]| {
         let mut c = Command::new("apt-get");
         c.env("DEBIAN_FRONTEND", "noninteractive")
@@ -110,13 +128,13 @@ fn apt_packages(rustup: bool) -> Result<()> {
     };
     sh::run(&mut apt(&["update"]))?;
     let mut install = apt(&["install", "-y"]);
-    install.args(&missing);
+    install.args(options).args(&missing);
     sh::run(&mut install)?;
-    let still = missing_packages(&wanted)?;
+    let still = missing_packages(wanted)?;
     if !still.is_empty() {
         bail!("apt-get did not install: {}", still.join(" "));
     }
-    println!("ok: apt packages: {} (installed now)", missing.join(" "));
+    println!("ok: {what}: {} (installed now)", missing.join(" "));
     Ok(())
 }
 

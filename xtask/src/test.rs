@@ -1,6 +1,7 @@
-//! `cargo xtask test [ARGS...]`: setup, then every check CI runs, each as its own step:
-//! build, test (both with the real BPF programs), clippy, rustfmt. All steps run (the tests
-//! only when the build passed); the command fails when any step fails.
+//! `cargo xtask test [--no-vm] [ARGS...]`: setup, then every check CI runs, each as its own
+//! step: build, test (both with the real BPF programs), vm-test (the integration tests again,
+//! inside a QEMU VM on a stock Debian kernel: see vm.rs), clippy, rustfmt. All steps run (the
+//! tests only when the build passed); the command fails when any step fails.
 use std::{
     ffi::OsString,
     process::Command,
@@ -9,7 +10,7 @@ use std::{
 
 use anyhow::{bail, Result};
 
-use crate::{setup, sh};
+use crate::{setup, sh, vm};
 
 /// The BPF crate only builds for the BPF target (xtlock/build.rs builds it); every cargo step
 /// here covers the rest of the workspace.
@@ -19,6 +20,8 @@ struct Step {
     name: &'static str,
     outcome: Outcome,
     took: Duration,
+    /// Shown after the outcome in the summary.
+    note: String,
 }
 
 enum Outcome {
@@ -27,7 +30,7 @@ enum Outcome {
     Skipped(&'static str),
 }
 
-pub fn run(test_args: &[OsString]) -> Result<()> {
+pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     setup::run()?;
     let root = sh::workspace_root();
     let cargo = |args: &[&str]| {
@@ -52,11 +55,26 @@ pub fn run(test_args: &[OsString]) -> Result<()> {
         test.args(test_args);
         steps.push(step("test", &mut test));
     } else {
+        steps.push(skipped("test", "the build failed"));
+    }
+    // The same integration tests on another kernel, in a VM; the binaries of the steps above.
+    if no_vm {
+        steps.push(skipped("vm-test", "--no-vm"));
+    } else if built {
+        println!("\n== vm-test");
+        let start = Instant::now();
+        let (outcome, note) = match vm::run_default() {
+            Ok(summary) => (Outcome::Ok, summary),
+            Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
+        };
         steps.push(Step {
-            name: "test",
-            outcome: Outcome::Skipped("the build failed"),
-            took: Duration::ZERO,
+            name: "vm-test",
+            outcome,
+            took: start.elapsed(),
+            note,
         });
+    } else {
+        steps.push(skipped("vm-test", "the build failed"));
     }
     steps.push(step(
         "clippy",
@@ -74,7 +92,8 @@ pub fn run(test_args: &[OsString]) -> Result<()> {
     println!("\n== xtask test summary");
     for s in &steps {
         let (word, why) = match &s.outcome {
-            Outcome::Ok => ("ok", String::new()),
+            Outcome::Ok if s.note.is_empty() => ("ok", String::new()),
+            Outcome::Ok => ("ok", format!(": {}", s.note)),
             Outcome::Failed(e) => ("FAILED", format!(": {e}")),
             Outcome::Skipped(why) => ("skipped", format!(": {why}")),
         };
@@ -85,13 +104,26 @@ pub fn run(test_args: &[OsString]) -> Result<()> {
             s.took.as_secs_f64()
         );
     }
-    let bad: Vec<&str> = steps
-        .iter()
-        .filter(|s| !matches!(s.outcome, Outcome::Ok))
-        .map(|s| s.name)
-        .collect();
+    let names = |f: fn(&Outcome) -> bool| -> Vec<&str> {
+        steps
+            .iter()
+            .filter(|s| f(&s.outcome))
+            .map(|s| s.name)
+            .collect()
+    };
+    // A step is skipped either after a failed build (a failure already) or by --no-vm.
+    let bad = names(|o| matches!(o, Outcome::Failed(_)));
     if bad.is_empty() {
-        println!("xtask test: every step ok (build, test, clippy, fmt)");
+        let skipped = names(|o| matches!(o, Outcome::Skipped(_)));
+        println!(
+            "xtask test: every step ok ({}){}",
+            names(|o| matches!(o, Outcome::Ok)).join(", "),
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!("; skipped: {}", skipped.join(", "))
+            }
+        );
         Ok(())
     } else {
         bail!("xtask test: not ok: {}", bad.join(", "))
@@ -109,5 +141,15 @@ fn step(name: &'static str, cmd: &mut Command) -> Step {
         name,
         outcome,
         took: start.elapsed(),
+        note: String::new(),
+    }
+}
+
+fn skipped(name: &'static str, why: &'static str) -> Step {
+    Step {
+        name,
+        outcome: Outcome::Skipped(why),
+        took: Duration::ZERO,
+        note: String::new(),
     }
 }

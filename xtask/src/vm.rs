@@ -1,0 +1,883 @@
+//! `cargo xtask vm-test`: runs test binaries as root inside a QEMU VM that boots a stock
+//! Debian kernel, for the kernel code paths this machine's kernel lacks (another kernel's
+//! tracepoint layouts, kprobes, fentry, IPVS...).
+//!
+//! - The kernel: `linux-image-<V>-amd64` ([`kernel::PINNED`], `--kernel-version`,
+//!   `XTLOCK_VM_KERNEL`, or `--kernel-deb`), fetched with `apt-get download` and unpacked into
+//!   a cache (`kernel::cache_dir`) once.
+//! - The guest: a busybox initramfs built per run (busybox-static, `vm/init.sh` as `/init`,
+//!   the 9p and overlay modules, `/etc/xtlock-vm/{conf,run.sh}`). The host's root is shared
+//!   read-only over 9p under a throwaway overlay, with tmpfs on /tmp and /run; the results
+//!   folder is shared read-write. Tests find `target/` at the same path as on the host.
+//! - The run: each command runs as root with `CI=true` and `XTLOCK_VM=1`; all of them run, the
+//!   guest's exit status is the first failing one's (in `results/exit-status`, per command in
+//!   `results/commands`, the serial console in `results/console.log`). QEMU is killed after
+//!   `--timeout`.
+//!
+//! [`run_spec`] is the general entry point for other tasks: any commands, environment,
+//! modules and kernel.
+use std::{
+    env, fs,
+    io::Read as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{bail, Context as _, Result};
+use clap::Args;
+
+use crate::{setup, sh};
+
+mod cpio;
+pub mod kernel;
+pub mod qemu;
+
+use qemu::Accel;
+
+/// The integration tests (targets of the `xtlock-tests` package) that run in the VM by
+/// default. Later parts add theirs here.
+pub const DEFAULT_TESTS: &[&str] = &["lock_trace"];
+
+/// Modules every run loads (with their dependencies, in order) before the commands start;
+/// others load on demand through busybox modprobe, as kmod would on a node. crc32c_generic
+/// comes first: libcrc32c (nf_conntrack, nf_tables, ip_vs) needs a crc32c at load time. The
+/// xt_* matches are those kube-proxy-style rules use: on a node they are loaded long before,
+/// and loading one on demand under TCG takes a good part of a second inside a timed test.
+pub const DEFAULT_MODULES: &[&str] = &[
+    "crc32c_generic",
+    "x_tables",
+    "ip_tables",
+    "iptable_filter",
+    "iptable_nat",
+    "nf_conntrack",
+    "nf_nat",
+    "nf_tables",
+    "ip_vs",
+    "ip_vs_rr",
+    "veth",
+    "dummy",
+    "xt_tcpudp",
+    "xt_conntrack",
+    "xt_mark",
+    "xt_comment",
+    "xt_statistic",
+    "xt_nat",
+    "xt_MASQUERADE",
+    "xt_addrtype",
+    "xt_multiport",
+];
+
+/// What `/init` needs before the host's root is there: virtio-pci, 9p and overlay (modules in
+/// Debian's kernel; skipped where built in).
+const EARLY_MODULES: &[&str] = &["virtio_pci", "9pnet_virtio", "9p", "overlay"];
+
+const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+#[derive(Args, Debug, Default)]
+pub struct VmArgs {
+    /// Guest kernel, as in `linux-image-<V>-amd64` (default: the pinned one, or
+    /// XTLOCK_VM_KERNEL).
+    #[arg(long, value_name = "V")]
+    pub kernel_version: Option<String>,
+    /// Boot the kernel of this linux-image .deb instead.
+    #[arg(long, value_name = "PATH", conflicts_with = "kernel_version")]
+    pub kernel_deb: Option<PathBuf>,
+    /// An integration test of the xtlock-tests package to run (repeatable; default:
+    /// lock_trace, or none when --exec is given).
+    #[arg(long = "test", value_name = "NAME")]
+    pub tests: Vec<String>,
+    /// A shell command to run in the guest after the tests (repeatable), from the workspace.
+    #[arg(long, value_name = "CMD")]
+    pub exec: Vec<String>,
+    /// KEY=VALUE for the guest commands (repeatable; CI=true and XTLOCK_VM=1 are set already).
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Comma-separated modules to load instead of the default set.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub modules: Option<Vec<String>>,
+    /// Comma-separated modules to load besides the default set.
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    pub add_modules: Vec<String>,
+    /// Kill the VM after this many seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 600)]
+    pub timeout: u64,
+    /// kvm, tcg or auto (default; or XTLOCK_VM_ACCEL): KVM only when a probe VM runs on it.
+    #[arg(long, value_name = "ACCEL")]
+    pub accel: Option<String>,
+    #[arg(long, default_value_t = 2)]
+    pub cpus: u32,
+    #[arg(long, value_name = "MB", default_value_t = 2048)]
+    pub memory: u32,
+    /// Where the binaries are built and found (default: CARGO_TARGET_DIR, else target).
+    #[arg(long, value_name = "DIR")]
+    pub target_dir: Option<PathBuf>,
+    /// Results folder, shared read-write (default: <target-dir>/vm/results).
+    #[arg(long, value_name = "DIR")]
+    pub results: Option<PathBuf>,
+    /// Use the binaries as they are: no cargo build.
+    #[arg(long)]
+    pub no_build: bool,
+    /// Passed to every test binary, e.g. `-- calico --nocapture`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub test_args: Vec<String>,
+}
+
+/// One command in the guest.
+#[derive(Clone, Debug)]
+pub struct GuestCommand {
+    pub label: String,
+    /// Working directory (a host path, seen at the same path in the guest).
+    pub cwd: PathBuf,
+    /// Program and arguments; run through `sh -c` when `shell` is set.
+    pub argv: Vec<String>,
+}
+
+impl GuestCommand {
+    pub fn shell(label: &str, cwd: &Path, script: &str) -> Self {
+        Self {
+            label: label.to_owned(),
+            cwd: cwd.to_owned(),
+            argv: vec!["sh".into(), "-c".into(), script.into()],
+        }
+    }
+}
+
+/// Everything one VM run needs.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub kernel: kernel::Choice,
+    pub commands: Vec<GuestCommand>,
+    /// Added to (and overriding) the defaults: PATH, HOME, CI=true, XTLOCK_VM=1,
+    /// XTLOCK_VM_KERNEL, XTLOCK_VM_RESULTS, RUST_BACKTRACE=1.
+    pub env: Vec<(String, String)>,
+    /// Loaded with their dependencies before the commands.
+    pub modules: Vec<String>,
+    /// Host folders that must stay visible although under a guest tmpfs (/tmp, /run).
+    pub keep: Vec<PathBuf>,
+    /// Shared read-write; cleared of the previous run's status files.
+    pub results: PathBuf,
+    /// Scratch for the initramfs and the KVM probe.
+    pub work: PathBuf,
+    pub timeout: Duration,
+    /// None: detect.
+    pub accel: Option<Accel>,
+    pub cpus: u32,
+    pub memory_mb: u32,
+}
+
+/// How a run went.
+pub struct Report {
+    pub kernel: kernel::Kernel,
+    pub accel: Accel,
+    pub accel_why: String,
+    /// Fetching/unpacking the kernel (or finding it cached) and building the initramfs.
+    pub prepare: Duration,
+    pub ended: qemu::Ended,
+    /// Per command: exit status, milliseconds, label (from `results/commands`).
+    pub commands: Vec<(i32, u64, String)>,
+    /// The guest's exit status: `results/exit-status`, else the serial marker.
+    pub exit_status: Option<i32>,
+}
+
+impl Report {
+    pub fn ok(&self) -> bool {
+        self.exit_status == Some(0) && !self.ended.timed_out
+    }
+
+    /// One line for `cargo xtask test`'s summary.
+    pub fn short(&self) -> String {
+        format!(
+            "{} under QEMU/{}, boot {}",
+            self.kernel.release,
+            self.accel.name(),
+            self.ended
+                .boot
+                .map_or("-".into(), |b| format!("{:.1}s", b.as_secs_f64()))
+        )
+    }
+
+    pub fn print(&self, spec: &Spec) {
+        let e = &self.ended;
+        println!("\n== vm-test summary");
+        println!(
+            "  kernel    {} ({}; {}{})",
+            self.kernel.release,
+            self.kernel.package,
+            if self.kernel.pvh {
+                "vmlinux by PVH"
+            } else {
+                "bzImage"
+            },
+            if self.kernel.cached { ", cached" } else { "" }
+        );
+        println!(
+            "  qemu      {}, {} CPUs, {} MB ({})",
+            self.accel.name(),
+            spec.cpus,
+            spec.memory_mb,
+            self.accel_why
+        );
+        println!(
+            "  prepare   {:.1}s (kernel, initramfs)",
+            self.prepare.as_secs_f64()
+        );
+        match (e.boot, e.guest_uptime) {
+            (Some(b), Some(u)) => println!(
+                "  boot      {:.1}s from starting QEMU to the first command (guest uptime {u:.1}s)",
+                b.as_secs_f64()
+            ),
+            _ => println!("  boot      did not finish"),
+        }
+        for (rc, ms, label) in &self.commands {
+            let word = if *rc == 0 { "ok" } else { "FAILED" };
+            println!(
+                "  {word:<9} {label} ({:.1}s, exit status {rc})",
+                *ms as f64 / 1000.0
+            );
+        }
+        let ran: Vec<&str> = self.commands.iter().map(|c| c.2.as_str()).collect();
+        for c in &spec.commands {
+            if !ran.contains(&c.label.as_str()) {
+                println!("  unfinished {}", c.label);
+            }
+        }
+        println!("  vm        {:.1}s in QEMU", e.elapsed.as_secs_f64());
+        println!("  results   {}", spec.results.display());
+    }
+}
+
+/// `cargo xtask vm-test`.
+pub fn run(args: &VmArgs) -> Result<()> {
+    setup::run()?;
+    let start = Instant::now();
+    let result = run_args(args);
+    println!("vm-test: {:.1}s in all", start.elapsed().as_secs_f64());
+    result.map(|_| ())
+}
+
+/// The default suite as `cargo xtask test` runs it: the binaries of `target_dir` (already
+/// built by its build and test steps). Returns the summary line.
+pub fn run_default() -> Result<String> {
+    run_args(&VmArgs {
+        timeout: 600,
+        cpus: 2,
+        memory: 2048,
+        ..VmArgs::default()
+    })
+}
+
+fn run_args(args: &VmArgs) -> Result<String> {
+    let root = sh::workspace_root();
+    let target = target_dir(&root, args.target_dir.as_deref());
+    let mut tests = args.tests.clone();
+    if tests.is_empty() && args.exec.is_empty() {
+        tests = DEFAULT_TESTS.iter().map(|s| s.to_string()).collect();
+    }
+    let mut commands = Vec::new();
+    if !args.no_build {
+        build(&root, &target)?;
+    }
+    if !tests.is_empty() {
+        let bins = test_binaries(&root, &target, &tests)?;
+        for (name, exe) in bins {
+            commands.push(GuestCommand {
+                label: name,
+                // cargo runs integration tests from their package folder.
+                cwd: root.join("tests"),
+                argv: std::iter::once(exe.display().to_string())
+                    .chain(args.test_args.iter().cloned())
+                    .collect(),
+            });
+        }
+    }
+    for (i, e) in args.exec.iter().enumerate() {
+        let short: String = e.chars().take(60).collect();
+        let more = if short.len() < e.len() { "..." } else { "" };
+        commands.push(GuestCommand::shell(
+            &format!("exec {}: {short}{more}", i + 1),
+            &root,
+            e,
+        ));
+    }
+    let mut env = Vec::new();
+    for kv in &args.env {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--env {kv}: expected KEY=VALUE"))?;
+        env.push((k.to_owned(), v.to_owned()));
+    }
+    let mut modules: Vec<String> = match &args.modules {
+        Some(m) => m.clone(),
+        None => DEFAULT_MODULES.iter().map(|s| s.to_string()).collect(),
+    };
+    modules.extend(args.add_modules.iter().cloned());
+    modules.retain(|m| !m.is_empty());
+    let accel = match args
+        .accel
+        .clone()
+        .or_else(|| env::var("XTLOCK_VM_ACCEL").ok())
+        .as_deref()
+    {
+        None | Some("") | Some("auto") => None,
+        Some("kvm") => Some(Accel::Kvm),
+        Some("tcg") => Some(Accel::Tcg),
+        Some(other) => bail!("--accel {other}: expected kvm, tcg or auto"),
+    };
+    let kernel = match (&args.kernel_deb, &args.kernel_version) {
+        (Some(deb), _) => kernel::Choice::Deb(deb.clone()),
+        (None, Some(v)) => kernel::Choice::Apt {
+            version: normalize_version(v),
+            pinned: false,
+        },
+        (None, None) => match env::var("XTLOCK_VM_KERNEL") {
+            Ok(v) if !v.is_empty() => kernel::Choice::Apt {
+                version: normalize_version(&v),
+                pinned: false,
+            },
+            _ => kernel::Choice::Apt {
+                version: kernel::PINNED.to_owned(),
+                pinned: true,
+            },
+        },
+    };
+    let vm = target.join("vm");
+    let spec = Spec {
+        kernel,
+        commands,
+        env,
+        modules,
+        keep: vec![target.clone(), root.clone()],
+        results: args.results.clone().unwrap_or_else(|| vm.join("results")),
+        work: vm,
+        timeout: Duration::from_secs(args.timeout),
+        accel,
+        cpus: args.cpus,
+        memory_mb: args.memory,
+    };
+    let report = run_spec(&spec)?;
+    report.print(&spec);
+    if report.ok() {
+        println!("vm-test: ok ({})", report.short());
+        return Ok(report.short());
+    }
+    let e = &report.ended;
+    if e.timed_out {
+        bail!(
+            "vm-test: the VM did not finish within {} s and was killed ({}); see {}/console.log",
+            spec.timeout.as_secs(),
+            if e.boot.is_some() {
+                "the commands were running"
+            } else {
+                "it had not even booted"
+            },
+            spec.results.display()
+        );
+    }
+    match report.exit_status {
+        Some(rc) => {
+            let failed: Vec<&str> = report
+                .commands
+                .iter()
+                .filter(|c| c.0 != 0)
+                .map(|c| c.2.as_str())
+                .collect();
+            bail!(
+                "vm-test: the guest exited {rc}; failed: {}",
+                if failed.is_empty() {
+                    "the VM setup (see above)".to_owned()
+                } else {
+                    failed.join(", ")
+                }
+            )
+        }
+        None => bail!(
+            "vm-test: the guest ended without an exit status (QEMU: {}); last lines:\n  {}",
+            e.qemu.map_or("?".into(), |s| s.to_string()),
+            e.tail.join("\n  ")
+        ),
+    }
+}
+
+/// "6.1.0-56", "6.1.0-56-amd64" and "linux-image-6.1.0-56-amd64" all mean 6.1.0-56.
+fn normalize_version(v: &str) -> String {
+    let v = v.trim();
+    let v = v.strip_prefix("linux-image-").unwrap_or(v);
+    v.strip_suffix("-amd64").unwrap_or(v).to_owned()
+}
+
+pub fn target_dir(root: &Path, given: Option<&Path>) -> PathBuf {
+    let t = given
+        .map(Path::to_path_buf)
+        .or_else(|| env::var_os("CARGO_TARGET_DIR").map(PathBuf::from))
+        .unwrap_or_else(|| root.join("target"));
+    if t.is_absolute() {
+        t
+    } else {
+        root.join(t)
+    }
+}
+
+/// cargo with the environment of `cargo xtask test`'s steps (so nothing rebuilds).
+fn cargo(root: &Path, target: &Path) -> Command {
+    let mut c = sh::cargo();
+    c.current_dir(root)
+        .env("CARGO_TARGET_DIR", target)
+        .env("XTLOCK_REQUIRE_EBPF", "1")
+        .env("RUST_BACKTRACE", "1");
+    c
+}
+
+const EXCLUDE: [&str; 3] = ["--workspace", "--exclude", "xtlock-ebpf"];
+
+fn build(root: &Path, target: &Path) -> Result<()> {
+    sh::run(cargo(root, target).arg("build").args(EXCLUDE).arg("--bins"))
+}
+
+/// The executables of the named integration tests of `xtlock-tests`, built as
+/// `cargo xtask test` builds them.
+fn test_binaries(root: &Path, target: &Path, names: &[String]) -> Result<Vec<(String, PathBuf)>> {
+    let mut cmd = cargo(root, target);
+    cmd.args(["test", "--no-run", "--message-format=json"])
+        .args(EXCLUDE)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    println!("+ {}", sh::show(&cmd));
+    let mut child = cmd.spawn().context("running cargo test --no-run")?;
+    let mut out = String::new();
+    child
+        .stdout
+        .take()
+        .context("cargo stdout")?
+        .read_to_string(&mut out)?;
+    if !child.wait()?.success() {
+        bail!("cargo test --no-run failed");
+    }
+    let found = integration_tests(&out);
+    names
+        .iter()
+        .map(|n| {
+            found
+                .iter()
+                .find(|(name, _)| name == n)
+                .cloned()
+                .with_context(|| {
+                    format!(
+                        "xtlock-tests has no integration test `{n}` (it has: {})",
+                        found
+                            .iter()
+                            .map(|f| f.0.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )
+                })
+        })
+        .collect()
+}
+
+/// (target name, executable) of each `xtlock-tests` integration test in cargo's JSON messages.
+fn integration_tests(json_lines: &str) -> Vec<(String, PathBuf)> {
+    json_lines
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+        .filter(|l| l.contains("\"kind\":[\"test\"]"))
+        .filter(|l| json_str(l, "package_id").is_some_and(|p| p.contains("xtlock-tests")))
+        .filter_map(|l| {
+            let target = &l[l.find("\"target\":")?..];
+            Some((
+                json_str(target, "name")?,
+                PathBuf::from(json_str(l, "executable")?),
+            ))
+        })
+        .collect()
+}
+
+/// The first string value of `"key":"..."` in a JSON text (cargo's messages are one line each;
+/// xtask has no JSON parser, and these fields are plain strings).
+fn json_str(text: &str, key: &str) -> Option<String> {
+    let pat = format!("\"{key}\":\"");
+    let start = text.find(&pat)? + pat.len();
+    let mut out = String::new();
+    let mut chars = text[start..].chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' => return Some(out),
+            '\\' => match chars.next()? {
+                'n' => out.push('\n'),
+                't' => out.push('\t'),
+                c => out.push(c),
+            },
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// Boots the VM of `spec` and runs its commands; Err only when the VM could not be started.
+pub fn run_spec(spec: &Spec) -> Result<Report> {
+    let start = Instant::now();
+    for t in ["qemu-system-x86_64", "busybox", "dpkg", "apt-get", "xz"] {
+        if sh::which(t).is_none() {
+            bail!("{t} is missing: run `cargo xtask setup` (qemu-system-x86, busybox-static, xz-utils)");
+        }
+    }
+    fs::create_dir_all(&spec.work)?;
+    let kernel = kernel::prepare(&spec.kernel, &kernel::cache_dir())?;
+    let modules = kernel::Modules::load(&kernel.modules)?;
+    let early: Vec<String> = EARLY_MODULES.iter().map(|s| s.to_string()).collect();
+    let early = modules.closure(&early)?;
+    let preload = modules.closure(&spec.modules)?;
+
+    let results = absolute(&spec.results)?;
+    fs::create_dir_all(&results)?;
+    for f in ["exit-status", "commands", "console.log"] {
+        let _ = fs::remove_file(results.join(f));
+    }
+    let conf = conf(spec, &kernel, &early, &preload, &results)?;
+    let initramfs = spec.work.join("initramfs.cpio");
+    build_initramfs(
+        &initramfs,
+        &kernel,
+        &early,
+        &conf,
+        &run_script(spec, &kernel, &results),
+    )?;
+
+    let (accel, accel_why) = match spec.accel {
+        Some(a) => (a, "chosen".to_owned()),
+        None => qemu::detect_accel(&spec.work),
+    };
+    println!(
+        "vm: {} ({}), QEMU/{accel_name} ({accel_why}); {} command(s), time limit {} s",
+        kernel.release,
+        kernel.package,
+        spec.commands.len(),
+        spec.timeout.as_secs(),
+        accel_name = accel.name(),
+    );
+    let prepare = start.elapsed();
+    let ended = qemu::boot(&qemu::Boot {
+        accel,
+        cpus: spec.cpus,
+        memory_mb: spec.memory_mb,
+        image: &kernel.image,
+        initramfs: &initramfs,
+        cmdline: cmdline(accel),
+        shares: vec![
+            ("hostroot", "/".into(), true),
+            ("results", results.clone(), false),
+        ],
+        timeout: spec.timeout,
+        console_log: &results.join("console.log"),
+    })?;
+    let from_file = fs::read_to_string(results.join("exit-status"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok());
+    let commands = fs::read_to_string(results.join("commands"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(3, '\t');
+            Some((
+                f.next()?.parse().ok()?,
+                f.next()?.parse().ok()?,
+                f.next()?.to_owned(),
+            ))
+        })
+        .collect();
+    Ok(Report {
+        exit_status: from_file.or(ended.exit_status),
+        kernel,
+        accel,
+        accel_why,
+        prepare,
+        ended,
+        commands,
+    })
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    Ok(if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        env::current_dir()?.join(p)
+    })
+}
+
+/// quiet: the kernel says only warnings and worse. tsc=reliable: TCG's TSC is steady, and
+/// the fallback (HPET) makes every clock read an emulated MMIO access. mitigations=off: the
+/// page-table switches of KPTI are slow under TCG and prove nothing here.
+fn cmdline(accel: Accel) -> String {
+    let mut c = "console=ttyS0 panic=-1 quiet loglevel=4 mitigations=off".to_owned();
+    if accel == Accel::Tcg {
+        c.push_str(" tsc=reliable no_timer_check");
+    }
+    c
+}
+
+/// Single-quoted for sh.
+fn sq(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+fn words(v: &[String]) -> String {
+    v.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" ")
+}
+
+fn conf(
+    spec: &Spec,
+    kernel: &kernel::Kernel,
+    early: &[String],
+    preload: &[String],
+    results: &Path,
+) -> Result<String> {
+    let keep: Vec<String> = spec
+        .keep
+        .iter()
+        .map(|p| absolute(p).map(|p| p.display().to_string()))
+        .collect::<Result<_>>()?;
+    for p in keep.iter().chain([&results.display().to_string()]) {
+        if p.contains(char::is_whitespace) {
+            bail!("vm: paths with blanks are not supported: {p}");
+        }
+    }
+    let epoch = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(format!(
+        "RELEASE={}\nMSIZE=512000\nEARLY_MODULES={}\nMODULES={}\nMODULES_DIR={}\nRESULTS={}\nKEEP={}\nHOST_EPOCH={epoch}\n",
+        sq(&kernel.release),
+        sq(&words(early)),
+        sq(&words(preload)),
+        sq(&absolute(&kernel.modules)?.display().to_string()),
+        sq(&results.display().to_string()),
+        sq(&keep.join(" ")),
+    ))
+}
+
+/// The script the guest runs as root: every command, each one's status in
+/// `results/commands`, and the first failure's status as its own.
+fn run_script(spec: &Spec, kernel: &kernel::Kernel, results: &Path) -> String {
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), GUEST_PATH.into()),
+        ("HOME".into(), "/root".into()),
+        ("LANG".into(), "C.UTF-8".into()),
+        ("CI".into(), "true".into()),
+        ("RUST_BACKTRACE".into(), "1".into()),
+        ("XTLOCK_VM".into(), "1".into()),
+        ("XTLOCK_VM_KERNEL".into(), kernel.release.clone()),
+        ("XTLOCK_VM_RESULTS".into(), results.display().to_string()),
+    ];
+    for (k, v) in &spec.env {
+        env.retain(|(k2, _)| k2 != k);
+        env.push((k.clone(), v.clone()));
+    }
+    let mut s = String::from("#!/bin/sh\n# Written by cargo xtask vm-test (xtask/src/vm.rs).\n");
+    for (k, v) in &env {
+        s.push_str(&format!("export {k}={}\n", sq(v)));
+    }
+    s.push_str(
+        r#"failed=0
+step() {
+    label=$1
+    dir=$2
+    shift 2
+    printf 'xtlock-vm: run: %s\n' "$label"
+    t0=$(date +%s%N)
+    (cd "$dir" && exec "$@")
+    rc=$?
+    ms=$((($(date +%s%N) - t0) / 1000000))
+    printf 'xtlock-vm: done: %s: exit status %s after %s ms\n' "$label" "$rc" "$ms"
+    printf '%s\t%s\t%s\n' "$rc" "$ms" "$label" >>"$XTLOCK_VM_RESULTS/commands"
+    if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then failed=$rc; fi
+}
+"#,
+    );
+    for c in &spec.commands {
+        s.push_str(&format!(
+            "step {} {} {}\n",
+            sq(&c.label.replace(['\t', '\n'], " ")),
+            sq(&c.cwd.display().to_string()),
+            c.argv.iter().map(|a| sq(a)).collect::<Vec<_>>().join(" ")
+        ));
+    }
+    s.push_str("exit \"$failed\"\n");
+    s
+}
+
+fn build_initramfs(
+    out: &Path,
+    kernel: &kernel::Kernel,
+    early: &[String],
+    conf: &str,
+    run: &str,
+) -> Result<()> {
+    let busybox_path = sh::which("busybox").context("busybox is missing")?;
+    let busybox = fs::read(&busybox_path)?;
+    if !is_static_elf(&busybox) {
+        bail!(
+            "{} is not statically linked: install busybox-static",
+            busybox_path.display()
+        );
+    }
+    let file = fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut c = cpio::Cpio::new(std::io::BufWriter::new(file));
+    for d in [
+        "/bin",
+        "/sbin",
+        "/usr",
+        "/usr/bin",
+        "/usr/sbin",
+        "/etc",
+        "/etc/xtlock-vm",
+        "/proc",
+        "/sys",
+        "/dev",
+        "/tmp",
+        "/lib",
+        "/lib/modules",
+        "/host",
+        "/overlay",
+        "/newroot",
+    ] {
+        c.dir(d, 0o755)?;
+    }
+    c.char_dev("/dev/console", 0o600, 5, 1)?;
+    c.file("/bin/busybox", 0o755, &busybox)?;
+    c.file("/init", 0o755, include_str!("vm/init.sh").as_bytes())?;
+    c.file("/etc/xtlock-vm/conf", 0o644, conf.as_bytes())?;
+    c.file("/etc/xtlock-vm/run.sh", 0o755, run.as_bytes())?;
+    let base = format!("/lib/modules/{}", kernel.release);
+    let mut dirs = vec![base.clone()];
+    for m in early {
+        let mut d = String::from(&base);
+        for part in m
+            .split('/')
+            .collect::<Vec<_>>()
+            .split_last()
+            .map_or(&[][..], |x| x.1)
+        {
+            d = format!("{d}/{part}");
+            if !dirs.contains(&d) {
+                dirs.push(d.clone());
+            }
+        }
+    }
+    for d in &dirs {
+        c.dir(d, 0o755)?;
+    }
+    for m in early {
+        let data =
+            fs::read(kernel.modules.join(m)).with_context(|| format!("reading module {m}"))?;
+        c.file(&format!("{base}/{m}"), 0o644, &data)?;
+    }
+    c.finish()?;
+    Ok(())
+}
+
+/// An ELF without a PT_INTERP program header.
+fn is_static_elf(b: &[u8]) -> bool {
+    let u16_at = |o: usize| {
+        b.get(o..o + 2)
+            .map(|s| u16::from_le_bytes([s[0], s[1]]) as usize)
+    };
+    let u64_at = |o: usize| {
+        b.get(o..o + 8)
+            .and_then(|s| s.try_into().ok())
+            .map(|s: [u8; 8]| u64::from_le_bytes(s) as usize)
+    };
+    if !b.starts_with(b"\x7fELF\x02\x01") {
+        return false;
+    }
+    let (Some(phoff), Some(phentsize), Some(phnum)) = (u64_at(0x20), u16_at(0x36), u16_at(0x38))
+    else {
+        return false;
+    };
+    (0..phnum).all(|i| {
+        let o = phoff + i * phentsize;
+        b.get(o..o + 4) != Some(&3u32.to_le_bytes()[..])
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_integration_tests_in_cargo_messages() {
+        let msgs = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/tests#xtlock-tests@0.1.0","target":{"kind":["test"],"crate_types":["bin"],"name":"lock_trace","src_path":"/w/tests/tests/lock_trace.rs"},"executable":"/t/debug/deps/lock_trace-abc","fresh":true}
+{"reason":"compiler-artifact","package_id":"path+file:///w/tests#xtlock-tests@0.1.0","target":{"kind":["lib"],"name":"xtlock_tests"},"executable":"/t/debug/deps/xtlock_tests-1"}
+{"reason":"compiler-artifact","package_id":"path+file:///w/xtlock#0.1.0","target":{"kind":["test"],"name":"other"},"executable":"/t/debug/deps/other-2"}
+{"reason":"build-finished","success":true}"#;
+        assert_eq!(
+            integration_tests(msgs),
+            [(
+                "lock_trace".to_owned(),
+                PathBuf::from("/t/debug/deps/lock_trace-abc")
+            )]
+        );
+        assert_eq!(
+            json_str(r#"{"a":"x\"y\\z"}"#, "a").as_deref(),
+            Some("x\"y\\z")
+        );
+    }
+
+    #[test]
+    fn run_script_quotes_and_orders() {
+        let spec = Spec {
+            kernel: kernel::Choice::Apt {
+                version: "6.1.0-1".into(),
+                pinned: true,
+            },
+            commands: vec![
+                GuestCommand {
+                    label: "lock_trace".into(),
+                    cwd: "/w/tests".into(),
+                    argv: vec!["/t/lock_trace".into(), "it's".into()],
+                },
+                GuestCommand::shell("exec 1", Path::new("/w"), "lsmod | grep ip_vs"),
+            ],
+            env: vec![("CI".into(), "false".into()), ("X".into(), "a b".into())],
+            modules: vec![],
+            keep: vec![],
+            results: "/r".into(),
+            work: "/w/target/vm".into(),
+            timeout: Duration::from_secs(1),
+            accel: None,
+            cpus: 1,
+            memory_mb: 256,
+        };
+        let k = kernel::Kernel {
+            release: "6.1.0-1-amd64".into(),
+            package: "p".into(),
+            image: "/k".into(),
+            pvh: true,
+            modules: "/m".into(),
+            cached: true,
+        };
+        let s = run_script(&spec, &k, Path::new("/r"));
+        assert!(s.contains("export CI='false'\n"));
+        assert!(!s.contains("export CI='true'"));
+        assert!(s.contains("export X='a b'\n"));
+        assert!(s.contains("export XTLOCK_VM='1'\n"));
+        assert!(s.contains("step 'lock_trace' '/w/tests' '/t/lock_trace' 'it'\\''s'\n"));
+        assert!(s.contains("step 'exec 1' '/w' 'sh' '-c' 'lsmod | grep ip_vs'\n"));
+        assert!(s.ends_with("exit \"$failed\"\n"));
+    }
+
+    #[test]
+    fn versions_normalize() {
+        assert_eq!(normalize_version("linux-image-6.1.0-56-amd64"), "6.1.0-56");
+        assert_eq!(normalize_version("6.1.0-56-amd64"), "6.1.0-56");
+        assert_eq!(normalize_version("6.1.0-56"), "6.1.0-56");
+    }
+
+    #[test]
+    fn static_busybox_is_recognised() {
+        if let Ok(b) = fs::read("/bin/busybox") {
+            // Debian's busybox-static; the dynamic busybox package would fail this.
+            let _ = is_static_elf(&b);
+        }
+        assert!(!is_static_elf(b"not an elf"));
+    }
+}
