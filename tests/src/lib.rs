@@ -220,6 +220,7 @@ fn find(lines: &[String], key: &str) -> Option<Vec<String>> {
 pub struct Tracer {
     child: Child,
     stderr: std::sync::Arc<Mutex<String>>,
+    stderr_reader: Option<thread::JoinHandle<()>>,
 }
 
 impl Tracer {
@@ -247,7 +248,7 @@ impl Tracer {
         let stderr = std::sync::Arc::new(Mutex::new(String::new()));
         let (tx, rx) = mpsc::channel();
         let buf = stderr.clone();
-        thread::spawn(move || {
+        let stderr_reader = thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 eprintln!("[xtlock] {line}");
                 let ready = line.contains("tracing ");
@@ -268,7 +269,11 @@ impl Tracer {
                 out.map(|o| o.status)
             );
         }
-        Self { child, stderr }
+        Self {
+            child,
+            stderr,
+            stderr_reader: Some(stderr_reader),
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -282,6 +287,10 @@ impl Tracer {
             s.read_to_string(&mut out).expect("read stdout");
         }
         let status = self.child.wait().expect("wait xtlock");
+        // Every line xtlock wrote to stderr, up to its exit.
+        if let Some(r) = self.stderr_reader.take() {
+            let _ = r.join();
+        }
         let stderr = self
             .stderr
             .lock()

@@ -33,8 +33,65 @@ pub enum LogFormat {
 pub enum Command {
     /// Trace the lock live: one line per hold and wait, a summary every 10 s and at exit.
     Trace(TraceArgs),
+    /// Record everything `trace` sees into a capture file, for `report` and `export` later.
+    Record(RecordArgs),
+    /// Analyse a capture file: the same summary and events `trace` prints. No root needed.
+    Report(ReportArgs),
+    /// Turn a capture file into a timeline (Perfetto / Chrome JSON trace).
+    Export(ExportArgs),
     /// Show which kernel hooks attach on this machine, which do not, and why.
     Probes(ProbesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RecordArgs {
+    /// Capture file to write (overwritten if it exists).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+    /// Stop after this long (e.g. 30s, 5m). Default: until Ctrl-C.
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+    /// Size of the kernel-to-userspace ring buffer, in MiB (a power of two).
+    #[arg(long, default_value_t = 4, value_parser = parse_ring_mib)]
+    pub ring_buffer_mib: u32,
+    #[command(flatten)]
+    pub locks: LockArgs,
+    #[command(flatten)]
+    pub drops: DropArgs,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReportArgs {
+    /// Capture file written by `xtlock record`.
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    /// JSON Lines, the same objects as `trace --json`.
+    #[arg(long)]
+    pub json: bool,
+    /// Every event as `trace` would have printed it, then the summary.
+    #[arg(long)]
+    pub events: bool,
+    /// With --events: print holds at least this long.
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    pub min_hold: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ExportFormat {
+    /// Chrome JSON trace format, opened by ui.perfetto.dev and chrome://tracing.
+    Perfetto,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ExportArgs {
+    /// Capture file written by `xtlock record`.
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+    #[arg(long, value_enum, default_value_t = ExportFormat::Perfetto)]
+    pub format: ExportFormat,
+    /// Where to write the timeline.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]
@@ -61,6 +118,9 @@ pub struct TraceArgs {
     /// Size of the kernel-to-userspace ring buffer, in MiB (a power of two).
     #[arg(long, default_value_t = 4, value_parser = parse_ring_mib)]
     pub ring_buffer_mib: u32,
+    /// Also write everything to this capture file, as `xtlock record` does.
+    #[arg(long, value_name = "FILE")]
+    pub record: Option<PathBuf>,
     #[command(flatten)]
     pub locks: LockArgs,
     #[command(flatten)]

@@ -42,6 +42,9 @@ fn main() -> ExitCode {
     let result = rt.block_on(async {
         match &cli.command {
             Command::Trace(args) => commands::trace::run(args).await,
+            Command::Record(args) => commands::record::run(args).await,
+            Command::Report(args) => commands::report::run(args),
+            Command::Export(args) => commands::export::run(args),
             Command::Probes(args) => commands::probes::run(args),
         }
     });

@@ -1,7 +1,9 @@
 //! One file per subcommand, each wiring a source to sinks.
+pub mod export;
 pub mod probes;
+pub mod record;
+pub mod report;
 pub mod trace;
-
 use crate::{
     cli::LockArgs,
     lockfiles::{self, LockFile},

@@ -11,7 +11,7 @@ use tokio::{
 use crate::{
     analysis::WatchedLock,
     cli::TraceArgs,
-    commands::{resolve_locks, watch_replaced_locks},
+    commands::{record, resolve_locks, watch_replaced_locks},
     pipeline::Pipeline,
     probes::{self, preflight, LoadOptions},
     sinks::{JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
@@ -21,6 +21,10 @@ use crate::{
 pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     preflight::check()?;
     let locks = resolve_locks(&args.locks)?;
+    let capture = match &args.record {
+        Some(path) => Some(record::create_capture_file(path)?),
+        None => None,
+    };
     let probes = probes::Probes::load_with_drops(
         &LoadOptions {
             locks: locks.clone(),
@@ -28,12 +32,26 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
         },
         args.drops.probe_options().as_ref(),
     )?;
-    let mut src = LiveSource::new(probes)?;
-    let drop_start = if args.drops.no_drops {
-        Vec::new()
-    } else {
-        src.start_drops(args.drops.netns_options())?
+    let recorder = match (capture, &args.record) {
+        (Some(file), Some(path)) => Some(record::start_capture(
+            file,
+            path,
+            &locks,
+            &probes.status,
+            Default::default(),
+        )?),
+        _ => None,
     };
+    let mut src = LiveSource::new(probes)?;
+    if let Some(r) = recorder {
+        src.set_recorder(r);
+    }
+    // The process snapshot first, then the drop setup: the order the pipeline is fed, so a
+    // capture replays in the same order.
+    let mut start = src.seed();
+    if !args.drops.no_drops {
+        start.extend(src.start_drops(args.drops.netns_options())?);
+    }
 
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {
@@ -56,7 +74,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     let mut pipe = Pipeline::new(watched, vec![sink]);
     pipe.analyzer_mut()
         .set_conntrack_warn_pct(args.drops.conntrack_warn);
-    for ev in src.seed().iter().chain(&drop_start) {
+    for ev in &start {
         pipe.feed(ev)?;
     }
 
@@ -107,6 +125,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
                 for ev in src.poll_drops() {
                     pipe.feed(&ev)?;
                 }
+                src.flush_recorder();
                 ticks += 1;
                 if ticks.is_multiple_of(5) {
                     watch_replaced_locks(&mut locks, &mut src.probes);
@@ -129,19 +148,44 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     for ev in src.poll_drops() {
         pipe.feed(&ev)?;
     }
-    pipe.finish(source::monotonic_ns())?;
+    let summary = pipe.finish(source::monotonic_ns())?;
     if src.decode_errors() > 0 {
         tracing::warn!(
             count = src.decode_errors(),
             "events from the kernel could not be decoded"
         );
     }
-    // Dropping `src` detaches every program.
-    Ok(())
+    match &args.record {
+        Some(path) => record::finish_capture(src, path, &summary),
+        // Dropping `src` detaches every program.
+        None => Ok(()),
+    }
+}
+
+/// `YYYY-MM-DD HH:MM:SS UTC` of Unix-epoch nanoseconds.
+pub fn wall_clock_date(unix_ns: u64) -> String {
+    let secs = (unix_ns / 1_000_000_000) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 /// The local time zone's offset from UTC in seconds (0 when unknown).
-fn local_utc_offset_s() -> i32 {
+pub fn local_utc_offset_s() -> i32 {
     // SAFETY: localtime_r writes into our own `tm`; `now` is a valid time_t.
     unsafe {
         let now = libc::time(std::ptr::null_mut());
@@ -150,5 +194,24 @@ fn local_utc_offset_s() -> i32 {
             return 0;
         }
         i32::try_from(tm.tm_gmtoff).unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(wall_clock_date(0), "1970-01-01 00:00:00 UTC");
+        // 2026-11-22 00:30:05 UTC
+        assert_eq!(
+            wall_clock_date(1_795_307_405 * 1_000_000_000),
+            "2026-11-22 00:30:05 UTC"
+        );
+        assert_eq!(
+            wall_clock_date(951_782_400 * 1_000_000_000),
+            "2000-02-29 00:00:00 UTC"
+        );
     }
 }

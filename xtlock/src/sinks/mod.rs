@@ -5,9 +5,11 @@ use std::io;
 use crate::analysis::{Output, Summary};
 
 pub mod json;
+pub mod perfetto;
 pub mod terminal;
 
 pub use json::JsonSink;
+pub use perfetto::PerfettoSink;
 pub use terminal::{TerminalOptions, TerminalSink, TimeFormat};
 
 /// A consumer of facts and summaries.

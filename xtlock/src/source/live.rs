@@ -14,13 +14,36 @@ use crate::{
 /// Most records read per wake-up, so timers and signals are served during a storm.
 const BATCH: usize = 4096;
 
+/// Gets every record the source yields, in the order the pipeline sees them: raw kernel
+/// records as the ring buffer delivered them, and the events the source makes itself
+/// (process snapshot, cgroups of new programs, lost-event counts). `xtlock record` writes
+/// them to a capture file, so a replay sees exactly what the live pipeline saw.
+pub trait Recorder {
+    fn kernel(&mut self, raw: &[u8]) -> anyhow::Result<()>;
+    fn synthetic(&mut self, ev: &Event) -> anyhow::Result<()>;
+    /// Makes everything recorded so far durable against a crash of this process.
+    fn flush(&mut self) -> anyhow::Result<()>;
+    /// Completes the recording; returns a one-line description of what was written.
+    fn finish(self: Box<Self>) -> anyhow::Result<String>;
+}
+
 pub struct LiveSource {
     pub probes: Probes,
     ring: AsyncFd<RingBuf<MapData>>,
     lost_reported: u64,
-    decode_errors: u64,
+    tap: Tap,
     /// Drop counters and conntrack statistics, once [`LiveSource::start_drops`] ran.
     drops: Option<super::drops::DropPoller>,
+}
+
+/// What happens to each record besides the pipeline: recording and error counts. Apart from
+/// `ring` so both can be borrowed at once.
+#[derive(Default)]
+struct Tap {
+    decode_errors: u64,
+    recorder: Option<Box<dyn Recorder>>,
+    /// The first recording error; recording stops there, tracing goes on.
+    recorder_error: Option<anyhow::Error>,
 }
 
 impl LiveSource {
@@ -37,7 +60,7 @@ impl LiveSource {
             probes,
             ring,
             lost_reported: 0,
-            decode_errors: 0,
+            tap: Tap::default(),
             drops: None,
         })
     }
@@ -52,6 +75,9 @@ impl LiveSource {
         let poller = super::drops::DropPoller::new(netns, self.probes.drops_attached(), now)?;
         let events = poller.start_events(&self.probes, now);
         self.drops = Some(poller);
+        for ev in &events {
+            self.tap.synthetic(ev);
+        }
         Ok(events)
     }
 
@@ -60,49 +86,57 @@ impl LiveSource {
         let Some(poller) = self.drops.as_mut() else {
             return Vec::new();
         };
-        poller.poll(&self.probes, super::monotonic_ns())
+        let events = poller.poll(&self.probes, super::monotonic_ns());
+        for ev in &events {
+            self.tap.synthetic(ev);
+        }
+        events
+    }
+
+    pub fn set_recorder(&mut self, r: Box<dyn Recorder>) {
+        self.tap.recorder = Some(r);
+    }
+
+    /// The recorder back (to finish it), and the error that stopped it, if any.
+    pub fn take_recorder(&mut self) -> (Option<Box<dyn Recorder>>, Option<anyhow::Error>) {
+        (self.tap.recorder.take(), self.tap.recorder_error.take())
+    }
+
+    pub fn recording(&self) -> bool {
+        self.tap.recorder.is_some()
+    }
+
+    /// Flushes the recorder (at least every second while recording).
+    pub fn flush_recorder(&mut self) {
+        if let Some(r) = self.tap.recorder.as_mut() {
+            let res = r.flush();
+            self.tap.check(res);
+        }
     }
 
     /// The processes that exist now, as events: the analysis starts from them.
-    pub fn seed(&self) -> Vec<Event> {
+    pub fn seed(&mut self) -> Vec<Event> {
         let now = super::monotonic_ns();
-        super::procfs::snapshot(Path::new("/proc"), now)
+        let events: Vec<Event> = super::procfs::snapshot(Path::new("/proc"), now)
             .into_iter()
             .map(Event::Proc)
-            .collect()
+            .collect();
+        for ev in &events {
+            self.tap.synthetic(ev);
+        }
+        events
     }
 
     /// Waits for events and appends up to one batch of them to `out`.
     pub async fn next_batch(&mut self, out: &mut Vec<Event>) -> std::io::Result<()> {
         let mut guard = self.ring.readable_mut().await?;
-        let ring = guard.get_inner_mut();
         let mut n = 0;
         while n < BATCH {
-            let Some(item) = ring.next() else { break };
+            let Some(item) = guard.get_inner_mut().next() else {
+                break;
+            };
             n += 1;
-            match decode::decode(&item) {
-                Ok(ev) => {
-                    let exec = match &ev {
-                        Event::Exec(x) => Some((x.tgid, x.ts_ns)),
-                        _ => None,
-                    };
-                    out.push(ev);
-                    // Right behind its exec, before any exit of the same process: the
-                    // cgroup of a new program. A container's process is moved to its cgroup
-                    // by the runtime after fork, so the parent's would name the runtime.
-                    if let Some((pid, ts)) = exec {
-                        if let Some(info) = exec_cgroup(pid, ts) {
-                            out.push(Event::Proc(info));
-                        }
-                    }
-                }
-                Err(e) => {
-                    self.decode_errors += 1;
-                    if self.decode_errors == 1 {
-                        tracing::warn!(error = %e, "undecodable event from the kernel (further ones counted silently)");
-                    }
-                }
-            }
+            self.tap.kernel(&item, out);
         }
         if n < BATCH {
             guard.clear_ready();
@@ -114,9 +148,7 @@ impl LiveSource {
     pub fn drain(&mut self, out: &mut Vec<Event>) {
         let ring = self.ring.get_mut();
         while let Some(item) = ring.next() {
-            if let Ok(ev) = decode::decode(&item) {
-                out.push(ev);
-            }
+            self.tap.kernel(&item, out);
         }
     }
 
@@ -131,14 +163,68 @@ impl LiveSource {
         };
         let delta = total.saturating_sub(self.lost_reported);
         self.lost_reported = total;
-        (delta > 0).then(|| Event::Lost {
+        if delta == 0 {
+            return None;
+        }
+        let ev = Event::Lost {
             ts_ns: super::monotonic_ns(),
             count: delta,
-        })
+        };
+        self.tap.synthetic(&ev);
+        Some(ev)
     }
 
     pub fn decode_errors(&self) -> u64 {
-        self.decode_errors
+        self.tap.decode_errors
+    }
+}
+
+impl Tap {
+    /// Records and decodes one raw kernel record.
+    fn kernel(&mut self, raw: &[u8], out: &mut Vec<Event>) {
+        if let Some(r) = self.recorder.as_mut() {
+            let res = r.kernel(raw);
+            self.check(res);
+        }
+        match decode::decode(raw) {
+            Ok(ev) => {
+                let exec = match &ev {
+                    Event::Exec(x) => Some((x.tgid, x.ts_ns)),
+                    _ => None,
+                };
+                out.push(ev);
+                // Right behind its exec, before any exit of the same process: the cgroup of
+                // a new program. A container's process is moved to its cgroup by the
+                // runtime after fork, so the parent's would name the runtime.
+                if let Some(info) = exec.and_then(|(pid, ts)| exec_cgroup(pid, ts)) {
+                    let ev = Event::Proc(info);
+                    self.synthetic(&ev);
+                    out.push(ev);
+                }
+            }
+            Err(e) => {
+                self.decode_errors += 1;
+                if self.decode_errors == 1 {
+                    tracing::warn!(error = %e, "undecodable event from the kernel (further ones counted silently)");
+                }
+            }
+        }
+    }
+
+    /// Records an event the source made itself.
+    fn synthetic(&mut self, ev: &Event) {
+        if let Some(r) = self.recorder.as_mut() {
+            let res = r.synthetic(ev);
+            self.check(res);
+        }
+    }
+
+    fn check(&mut self, res: anyhow::Result<()>) {
+        if let Err(e) = res {
+            tracing::error!(error = %format!("{e:#}"), "recording stopped; tracing goes on");
+            self.recorder = None;
+            self.recorder_error = Some(e);
+        }
     }
 }
 

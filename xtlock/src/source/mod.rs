@@ -2,6 +2,7 @@
 //! existed before tracing started). Every source yields decoded [`crate::decode::Event`]s, so
 //! the analysis and sinks never know which one they are fed by.
 pub mod drops;
+pub mod file;
 pub mod live;
 pub mod procfs;
 

@@ -1,0 +1,41 @@
+//! `xtlock export FILE --format perfetto -o trace.json`: capture file -> timeline.
+
+use std::{fs::File, io::BufWriter};
+
+use anyhow::Context as _;
+
+use crate::{
+    cli::{ExportArgs, ExportFormat},
+    pipeline::Pipeline,
+    sinks::PerfettoSink,
+    source::file::FileSource,
+};
+
+pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
+    let mut src = FileSource::open(&args.file)
+        .with_context(|| format!("cannot read the capture {}", args.file.display()))?;
+    let out = File::create(&args.output)
+        .with_context(|| format!("cannot create {}", args.output.display()))?;
+    let sink = match args.format {
+        ExportFormat::Perfetto => PerfettoSink::new(BufWriter::new(out)),
+    };
+    let mut pipe = Pipeline::new(src.locks(), vec![Box::new(sink)]);
+    let end = src.for_each(|ev| pipe.feed(ev))?;
+    pipe.finish(end.last_ts_ns)
+        .with_context(|| format!("writing {}", args.output.display()))?;
+    if let Some(e) = &end.cut_short {
+        tracing::warn!("{e}; the timeline covers what was recorded until then");
+    }
+    tracing::info!(
+        "timeline of {} events written to {}: open it in https://ui.perfetto.dev",
+        pipe.events(),
+        args.output.display()
+    );
+    if let Some(e) = end.damaged {
+        return Err(anyhow::Error::new(e).context(format!(
+            "{} is damaged; the timeline covers the part before the damage",
+            args.file.display()
+        )));
+    }
+    Ok(())
+}

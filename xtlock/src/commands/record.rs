@@ -1,0 +1,402 @@
+//! `xtlock record -o FILE`: live ring buffer -> capture file, with a status line on stderr.
+//! The analysis runs too (for the status counts), through the same pipeline as `trace`.
+
+use std::{
+    fs::File,
+    io::{self, IsTerminal, Write},
+    path::Path,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    time::{interval, MissedTickBehavior},
+};
+
+use crate::{
+    analysis::{Output, Summary, WatchedLock},
+    capture::{CaptureHeader, CaptureLock, CaptureProbe, CaptureWriter},
+    cli::RecordArgs,
+    commands::{resolve_locks, watch_replaced_locks},
+    decode::Event,
+    lockfiles::LockFile,
+    pipeline::Pipeline,
+    probes::{self, preflight, HookStatus, LoadOptions},
+    sinks::Sink,
+    source::{self, live::LiveSource, live::Recorder},
+};
+
+pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
+    preflight::check()?;
+    let locks = resolve_locks(&args.locks)?;
+    // Fail on an unwritable path before loading anything.
+    let file = create_capture_file(&args.output)?;
+    let probes = probes::Probes::load_with_drops(
+        &LoadOptions {
+            locks: locks.clone(),
+            ring_bytes: args.ring_buffer_mib << 20,
+        },
+        args.drops.probe_options().as_ref(),
+    )?;
+    let shared = Arc::new(Progress::default());
+    let recorder = start_capture(file, &args.output, &locks, &probes.status, shared.clone())?;
+    let mut src = LiveSource::new(probes)?;
+    src.set_recorder(recorder);
+    // The process snapshot first, then the drop setup: the order the pipeline is fed, so a
+    // capture replays in the same order.
+    let mut start = src.seed();
+    if !args.drops.no_drops {
+        start.extend(src.start_drops(args.drops.netns_options())?);
+    }
+
+    let watched: Vec<WatchedLock> = locks
+        .iter()
+        .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
+        .collect();
+    let counts = Arc::new(Counts::default());
+    let mut pipe = Pipeline::new(watched, vec![Box::new(CountingSink(counts.clone()))]);
+    for ev in &start {
+        pipe.feed(ev)?;
+    }
+    tracing::info!(
+        "tracing {} into {}{}",
+        locks
+            .iter()
+            .map(|l| l.path.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        args.output.display(),
+        if args.duration.is_some() {
+            ""
+        } else {
+            "; Ctrl-C to stop"
+        }
+    );
+
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let deadline = tokio::time::sleep(args.duration.unwrap_or(Duration::MAX / 4));
+    tokio::pin!(deadline);
+    let mut each_second = interval(Duration::from_secs(1));
+    each_second.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut status = StatusLine::new(io::stderr().is_terminal());
+    let started = Instant::now();
+    let mut locks = locks;
+    let mut batch = Vec::with_capacity(4096);
+    let mut ticks = 0u64;
+
+    loop {
+        tokio::select! {
+            r = src.next_batch(&mut batch) => {
+                r.context("reading the ring buffer")?;
+                for ev in batch.drain(..) {
+                    pipe.feed(&ev)?;
+                }
+            }
+            _ = each_second.tick() => {
+                if let Some(lost) = src.poll_lost() {
+                    pipe.feed(&lost)?;
+                }
+                for ev in src.poll_drops() {
+                    pipe.feed(&ev)?;
+                }
+                // Crash safety: seal and write the current block at least every second.
+                src.flush_recorder();
+                ticks += 1;
+                if ticks.is_multiple_of(5) {
+                    watch_replaced_locks(&mut locks, &mut src.probes);
+                }
+                status.show(started.elapsed(), &counts, &shared, src.recording());
+            }
+            _ = &mut deadline => break,
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+
+    src.drain(&mut batch);
+    for ev in batch.drain(..) {
+        pipe.feed(&ev)?;
+    }
+    if let Some(lost) = src.poll_lost() {
+        pipe.feed(&lost)?;
+    }
+    for ev in src.poll_drops() {
+        pipe.feed(&ev)?;
+    }
+    let summary = pipe.finish(source::monotonic_ns())?;
+    status.show(started.elapsed(), &counts, &shared, src.recording());
+    status.end();
+    finish_capture(src, &args.output, &summary)
+}
+
+/// Creates (or truncates) the capture file, with a clear error.
+pub fn create_capture_file(path: &Path) -> anyhow::Result<File> {
+    File::create(path).with_context(|| format!("cannot create the capture file {}", path.display()))
+}
+
+/// A recorder writing to `file`, its header describing this run.
+pub fn start_capture(
+    file: File,
+    path: &Path,
+    locks: &[LockFile],
+    hooks: &[HookStatus],
+    progress: Arc<Progress>,
+) -> anyhow::Result<Box<dyn Recorder>> {
+    let header = capture_header(locks, hooks);
+    let writer = CaptureWriter::new(io::BufWriter::new(file), &header)
+        .with_context(|| format!("writing the capture header to {}", path.display()))?;
+    Ok(Box::new(CaptureRecorder {
+        writer: Some(writer),
+        progress,
+    }))
+}
+
+/// Detaches the probes, completes the capture, and says what was written.
+pub fn finish_capture(mut src: LiveSource, path: &Path, summary: &Summary) -> anyhow::Result<()> {
+    let (recorder, error) = src.take_recorder();
+    drop(src); // detach the programs before the (possibly slow) final write
+    let stats = match recorder {
+        Some(r) => Some(r.finish()?),
+        None => None,
+    };
+    let holds: u64 = summary.holds.values().map(|h| h.count).sum();
+    tracing::info!(
+        holds,
+        lost = summary.lost_events,
+        "capture written to {}{}",
+        path.display(),
+        stats.map(|s| format!(" ({s})")).unwrap_or_default()
+    );
+    match error {
+        Some(e) => Err(e.context(format!(
+            "recording into {} stopped early; what was written before the error is readable \
+             with `xtlock report`",
+            path.display()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The capture header: where and what was recorded.
+pub fn capture_header(locks: &[LockFile], hooks: &[HookStatus]) -> CaptureHeader {
+    let uname = uname();
+    let started_wall_ns = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    CaptureHeader {
+        xtlock_version: env!("CARGO_PKG_VERSION").to_owned(),
+        hostname: uname.0,
+        kernel_release: uname.1,
+        boot_to_wall_offset_ns: i64::try_from(source::wall_offset_ns()).unwrap_or(0),
+        started_wall_ns,
+        locks: locks
+            .iter()
+            .map(|l| CaptureLock {
+                path: l.path.display().to_string(),
+                dev: l.dev,
+                ino: l.ino,
+            })
+            .collect(),
+        probes: hooks
+            .iter()
+            .map(|h| CaptureProbe {
+                program: h.program.to_owned(),
+                attach: h.attach.clone(),
+                error: h.error.clone(),
+            })
+            .collect(),
+        extra: serde_json::Value::Null,
+    }
+}
+
+/// (nodename, release) from uname(2).
+fn uname() -> (String, String) {
+    // SAFETY: uname fills our zeroed struct; the fields are NUL-terminated C strings.
+    unsafe {
+        let mut u: libc::utsname = std::mem::zeroed();
+        if libc::uname(&mut u) != 0 {
+            return (String::new(), String::new());
+        }
+        let s = |f: &[libc::c_char]| {
+            std::ffi::CStr::from_ptr(f.as_ptr())
+                .to_string_lossy()
+                .into_owned()
+        };
+        (s(&u.nodename), s(&u.release))
+    }
+}
+
+/// Bytes and events written, shared with the status line.
+#[derive(Default)]
+pub struct Progress {
+    events: AtomicU64,
+    bytes: AtomicU64,
+}
+
+struct CaptureRecorder {
+    writer: Option<CaptureWriter<io::BufWriter<File>>>,
+    progress: Arc<Progress>,
+}
+
+impl CaptureRecorder {
+    fn writer(&mut self) -> anyhow::Result<&mut CaptureWriter<io::BufWriter<File>>> {
+        self.writer
+            .as_mut()
+            .context("the capture file was already closed")
+    }
+
+    fn note(&mut self) {
+        if let Some(w) = &self.writer {
+            let st = w.stats();
+            self.progress
+                .events
+                .store(st.kernel_events, Ordering::Relaxed);
+            self.progress
+                .bytes
+                .store(st.bytes_on_disk, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Recorder for CaptureRecorder {
+    fn kernel(&mut self, raw: &[u8]) -> anyhow::Result<()> {
+        self.writer()?.write_kernel(raw)?;
+        Ok(())
+    }
+
+    fn synthetic(&mut self, ev: &Event) -> anyhow::Result<()> {
+        // Kernel events reach the capture as raw bytes through `kernel`; this writes the
+        // ones the source makes (processes, lost counts, drop counters, conntrack).
+        self.writer()?.write_synthetic(ev)?;
+        Ok(())
+    }
+
+    fn flush(&mut self) -> anyhow::Result<()> {
+        self.writer()?.flush_block()?;
+        self.note();
+        Ok(())
+    }
+
+    fn finish(mut self: Box<Self>) -> anyhow::Result<String> {
+        let w = self
+            .writer
+            .take()
+            .context("the capture file was already closed")?;
+        let st = w.finish()?;
+        let per = st
+            .bytes_per_kernel_event()
+            .map(|b| format!(", {b:.1} bytes per event"))
+            .unwrap_or_default();
+        Ok(format!(
+            "{} events, {} bytes{per}",
+            st.kernel_events, st.bytes_on_disk
+        ))
+    }
+}
+
+/// Counts facts for the status line.
+#[derive(Default)]
+struct Counts {
+    holds: AtomicU64,
+    waits: AtomicU64,
+    timeouts: AtomicU64,
+    lost: AtomicU64,
+}
+
+struct CountingSink(Arc<Counts>);
+
+impl Sink for CountingSink {
+    fn output(&mut self, o: &Output) -> io::Result<()> {
+        let c = match o {
+            Output::Hold(_) => &self.0.holds,
+            Output::Wait(_) => &self.0.waits,
+            Output::Timeout(_) => &self.0.timeouts,
+            Output::Lost(l) => {
+                self.0.lost.fetch_add(l.count, Ordering::Relaxed);
+                return Ok(());
+            }
+            _ => return Ok(()),
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn summary(&mut self, _s: &Summary, _final: bool) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// One line refreshed in place on a terminal; a plain line every 10 s otherwise.
+struct StatusLine {
+    tty: bool,
+    shown: u64,
+}
+
+impl StatusLine {
+    fn new(tty: bool) -> Self {
+        Self { tty, shown: 0 }
+    }
+
+    fn show(&mut self, elapsed: Duration, c: &Counts, p: &Progress, recording: bool) {
+        self.shown += 1;
+        if !self.tty && self.shown % 10 != 1 {
+            return;
+        }
+        let secs = elapsed.as_secs();
+        let line =
+            format!(
+            "{:02}:{:02}:{:02} elapsed, {} events, {} holds, {} waits, {} timeouts, {} lost, {}{}",
+            secs / 3600,
+            secs / 60 % 60,
+            secs % 60,
+            p.events.load(Ordering::Relaxed),
+            c.holds.load(Ordering::Relaxed),
+            c.waits.load(Ordering::Relaxed),
+            c.timeouts.load(Ordering::Relaxed),
+            c.lost.load(Ordering::Relaxed),
+            human_bytes(p.bytes.load(Ordering::Relaxed)),
+            if recording { "" } else { " (recording stopped)" },
+        );
+        let mut err = io::stderr().lock();
+        let _ = if self.tty {
+            write!(err, "\r\x1b[2K{line}")
+        } else {
+            writeln!(err, "{line}")
+        };
+        let _ = err.flush();
+    }
+
+    fn end(&mut self) {
+        if self.tty {
+            let _ = writeln!(io::stderr());
+        }
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_for_people() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(2048), "2.0 KiB");
+        assert_eq!(human_bytes(3 << 20), "3.0 MiB");
+    }
+}
