@@ -50,6 +50,8 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
             "locks": locks,
             "hooks": p.status,
             "features": features,
+            // Kernel numbering, which changes between kernels.
+            "drop_reasons": p.reasons.names,
         });
         writeln!(out, "{v}")?;
         return Ok(());

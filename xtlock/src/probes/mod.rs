@@ -264,15 +264,14 @@ fn discover_drops(c: &mut ProbeConfig, reasons: &mut ReasonTable, features: &mut
                  in the format file nor in BTF): reasons are shown as numbers"
                     .into()
             } else {
+                // The whole list is long (over 100 on recent kernels): a few, and where the
+                // rest is.
+                let few: Vec<&str> = reasons.names.values().map(String::as_str).take(4).collect();
                 format!(
-                    "{} reasons: {}",
+                    "{} reasons named by this kernel ({}, ...; `xtlock probes --json` lists \
+                     them all), usable in --drop-reasons",
                     reasons.names.len(),
-                    reasons
-                        .names
-                        .values()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(",")
+                    few.join(", ")
                 )
             },
         });
