@@ -8,10 +8,13 @@
 //!   to `cargo test`.
 //! - `vm-test [OPTIONS] [-- TEST ARGS]`: integration tests as root inside a QEMU VM that boots a
 //!   stock Debian kernel (see `vm.rs`).
+//! - `bench [--only ...]`: overhead, throughput and loss, side by side with bpftrace; prints
+//!   tables and writes `target/bench/*.json` (see `bench/mod.rs` and `docs/performance.md`).
 use std::{ffi::OsString, process::ExitCode};
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod setup;
 mod sh;
 mod test;
@@ -49,6 +52,9 @@ enum Cmd {
     /// Setup, build, and run integration tests (default: lock_trace) or commands as root in a
     /// QEMU VM booting a stock Debian kernel; `-- ARGS` go to each test binary.
     VmTest(Box<vm::VmArgs>),
+    /// Overhead, throughput and loss of xtlock next to bpftrace (as root): prints tables and
+    /// writes target/bench/*.json. Not a test.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +65,7 @@ fn main() -> ExitCode {
         Cmd::Trace { args } => trace::run(&args),
         Cmd::Test { no_vm, args } => test::run(&args, no_vm),
         Cmd::VmTest(args) => vm::run(&args),
+        Cmd::Bench(args) => bench::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -77,7 +84,7 @@ mod tests {
         let cli = Cli::try_parse_from(argv).expect("parses");
         let args = match cli.cmd {
             Cmd::Trace { args } | Cmd::Test { args, .. } => args,
-            Cmd::Setup | Cmd::VmTest(_) => Vec::new(),
+            Cmd::Setup | Cmd::Bench(_) | Cmd::VmTest(_) => Vec::new(),
         };
         args.into_iter()
             .map(|a| a.to_string_lossy().into_owned())

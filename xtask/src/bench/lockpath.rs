@@ -1,0 +1,445 @@
+//! Benches 1 and 2: what tracing costs on the paths it hooks. Tight loops of
+//! `flock(LOCK_EX)`+`flock(LOCK_UN)` on the watched lock file and on an unwatched file,
+//! `getppid()` (a syscall nobody traces), and spawning `/bin/true` — untraced, under
+//! `xtlock trace`, and under a bpftrace script doing the same job. The three tracer columns
+//! take turns within each repetition, so a busy machine slows them alike.
+use std::{collections::BTreeMap, fs, path::Path, process::Command, time::Duration};
+
+use anyhow::Result;
+use serde_json::{json, Value};
+
+use super::{
+    run::{self, ProgStats, Session, Tracer},
+    stats::{num, table, Dist},
+    Env,
+};
+
+/// The bpftrace an SRE would write for the same job as `xtlock trace`: the lock tracepoint
+/// with per-thread maps tying it to the `flock()` call, and the process lifecycle for
+/// attribution, printing one line per event.
+pub fn bpftrace_script(lock: &Path) -> Result<String> {
+    use std::os::unix::fs::MetadataExt as _;
+    let m = fs::metadata(lock)?;
+    let dev = kernel_dev(m.dev());
+    let f = flock_fields();
+    Ok(format!(
+        r#"BEGIN {{ printf("READY\n"); }}
+tracepoint:syscalls:sys_enter_flock {{ @enter[tid] = nsecs; @cmd[tid] = args->cmd; }}
+tracepoint:filelock:flock_lock_inode /args->i_ino == {ino} && args->s_dev == {dev}/ {{
+  @watched[tid] = 1;
+  printf("lock %llu %d %d %s %llx %d %d %d\n", nsecs, pid, tid, comm, args->{owner},
+         args->{ty}, args->{flags}, args->ret);
+}}
+tracepoint:syscalls:sys_exit_flock /@watched[tid]/ {{
+  printf("flock %llu %d %d %llu %d %d\n", nsecs, pid, tid, @enter[tid], @cmd[tid], args->ret);
+  delete(@watched[tid]);
+}}
+tracepoint:syscalls:sys_exit_flock {{ delete(@enter[tid]); delete(@cmd[tid]); }}
+tracepoint:syscalls:sys_enter_execve {{ printf("argv %d ", tid); join(args->argv); }}
+tracepoint:sched:sched_process_exec {{
+  printf("exec %llu %d %s %s\n", nsecs, pid, comm, str(args->filename));
+}}
+tracepoint:sched:sched_process_fork {{
+  printf("fork %llu %d %d %s\n", nsecs, args->parent_pid, args->child_pid, comm);
+}}
+tracepoint:syscalls:sys_enter_exit_group {{ @code[pid] = args->error_code; }}
+tracepoint:sched:sched_process_exit {{
+  printf("exit %llu %d %d %s %d\n", nsecs, pid, tid, comm, @code[pid]);
+  delete(@code[pid]);
+}}
+END {{ clear(@enter); clear(@cmd); clear(@watched); clear(@code); }}
+"#,
+        ino = m.ino(),
+        dev = dev,
+        owner = f.0,
+        ty = f.1,
+        flags = f.2,
+    ))
+}
+
+/// Field names of `filelock:flock_lock_inode` (`owner`/`type`/`flags` since 6.9, `fl_*`
+/// before).
+fn flock_fields() -> (&'static str, &'static str, &'static str) {
+    let fmt = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+        .iter()
+        .find_map(|t| {
+            fs::read_to_string(format!("{t}/events/filelock/flock_lock_inode/format")).ok()
+        })
+        .unwrap_or_default();
+    if fmt.contains(" fl_owner;") {
+        ("fl_owner", "fl_type", "fl_flags")
+    } else {
+        ("owner", "type", "flags")
+    }
+}
+
+/// The kernel's `MKDEV(major, minor)` for a userspace `st_dev`, as the tracepoint reports it.
+pub fn kernel_dev(d: u64) -> u64 {
+    let major = ((d >> 8) & 0xfff) | ((d >> 32) & !0xfff);
+    let minor = (d & 0xff) | ((d >> 12) & !0xff);
+    (major << 20) | minor
+}
+
+struct LoadDef {
+    key: &'static str,
+    label: &'static str,
+    args: Vec<String>,
+}
+
+#[derive(Default)]
+struct Cell {
+    /// CPU ns per operation of the looping process (and its children, for exec).
+    cpu: Dist,
+    wall: Dist,
+    /// Tracer CPU ns per operation.
+    tracer: Dist,
+    ops_per_s: Dist,
+}
+
+pub fn run(env: &Env) -> Result<Value> {
+    let watched = env.scratch.join("watched.lock");
+    let unwatched = env.scratch.join("unwatched.lock");
+    for f in [&watched, &unwatched] {
+        fs::write(f, b"")?;
+    }
+    let script = bpftrace_script(&watched)?;
+    let secs = format!("{}", env.secs);
+    let p = |p: &Path| p.display().to_string();
+    let loads = [
+        LoadDef {
+            key: "flock_watched",
+            label: "flock cycle, watched lock",
+            args: vec!["flock".into(), p(&watched)],
+        },
+        LoadDef {
+            key: "flock_unwatched",
+            label: "flock cycle, unwatched file",
+            args: vec!["flock".into(), p(&unwatched)],
+        },
+        LoadDef {
+            key: "getppid",
+            label: "getppid() (not traced)",
+            args: vec!["getppid".into()],
+        },
+        LoadDef {
+            key: "exec",
+            label: "spawn+exec /bin/true",
+            args: vec!["exec".into(), "/bin/true".into()],
+        },
+    ];
+    let tracers = [Tracer::None, Tracer::Xtlock, Tracer::Bpftrace];
+    let mut cells: Vec<Vec<Cell>> = tracers
+        .iter()
+        .map(|_| loads.iter().map(|_| Cell::default()).collect())
+        .collect();
+    let mut lost = [0u64; 3];
+    let mut lines = [0u64; 3];
+    let mut holds = [0u64; 3];
+    let mut cycles_watched = [0u64; 3];
+    let mut canary_missed = [0u32; 3];
+    // Tracer CPU while the machine does nothing for us: ns per second (other processes'
+    // fork/exec/exit are traced too).
+    let mut background = [Dist::default(), Dist::default(), Dist::default()];
+    // (tracer, load, program) -> (ns per run, runs per operation).
+    let mut progs: BTreeMap<(usize, usize, String), (Dist, Dist)> = BTreeMap::new();
+    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
+
+    for rep in 0..env.reps {
+        for i in 0..tracers.len() {
+            // Rotate who goes first, so no tracer always runs on the coolest or hottest part.
+            let ti = (i + rep) % tracers.len();
+            let t = tracers[ti];
+            eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
+            let tag = format!("lock-{}-{rep}", t.name());
+            let s = match t {
+                Tracer::None => Session::none(),
+                Tracer::Xtlock => Session::xtlock(env, &tag, &[&watched], &[])?,
+                Tracer::Bpftrace => Session::bpftrace(env, &tag, &script)?,
+            };
+            // One lock cycle, and wait until the tracer printed it: attached and reading.
+            let before = s.out_len();
+            run::load(
+                env,
+                &["flock".into(), p(&watched), "--cycles".into(), "1".into()],
+            )?;
+            if !s.wait_output_past(before, Duration::from_secs(10)) {
+                canary_missed[ti] += 1;
+            }
+            let bg = if t == Tracer::None {
+                0.0
+            } else {
+                let b0 = s.cpu_ns();
+                let t0 = std::time::Instant::now();
+                std::thread::sleep(Duration::from_secs_f64(env.secs));
+                let v = s.cpu_ns().saturating_sub(b0) as f64 / t0.elapsed().as_secs_f64();
+                background[ti].push(v);
+                v
+            };
+            let ids = if env.bpf_stats {
+                s.prog_ids()
+            } else {
+                Vec::new()
+            };
+            for (li, l) in loads.iter().enumerate() {
+                let mut args = l.args.clone();
+                args.extend(["--secs".into(), secs.clone()]);
+                let p0 = ProgStats::read(&ids);
+                let c0 = s.cpu_ns();
+                let r = run::load(env, &args)?;
+                let c1 = s.cpu_ns();
+                let p1 = ProgStats::read(&ids);
+                let c = &mut cells[ti][li];
+                c.cpu.push(r.cpu_per_cycle());
+                c.wall.push(r.wall_per_cycle());
+                c.ops_per_s.push(r.cycles as f64 / (r.wall_ns as f64 / 1e9));
+                if t != Tracer::None {
+                    // Minus what it spends anyway on the rest of the machine.
+                    let own = c1.saturating_sub(c0) as f64 - bg * r.wall_ns as f64 / 1e9;
+                    c.tracer.push(own / r.cycles.max(1) as f64);
+                }
+                let mut seen: BTreeMap<String, u32> = BTreeMap::new();
+                for (name, runs, ns) in p1.since(&p0) {
+                    let n = seen.entry(name.clone()).or_default();
+                    *n += 1;
+                    let key = if *n > 1 { format!("{name}#{n}") } else { name };
+                    let e = progs.entry((ti, li, key)).or_default();
+                    e.0.push(ns as f64 / runs as f64);
+                    e.1.push(runs as f64 / r.cycles.max(1) as f64);
+                }
+                if li == 0 {
+                    cycles_watched[ti] += r.cycles;
+                }
+            }
+            let st = s.stop()?;
+            lost[ti] += st.lost_events;
+            lines[ti] += st.lines;
+            holds[ti] += st.holds;
+        }
+    }
+    eprint!("{:40}\r", "");
+
+    // The table.
+    println!(
+        "\n== 1-2. Hooked paths: CPU ns per operation of the looping process (median ±spread of {} runs of {} s)",
+        env.reps, env.secs
+    );
+    let mut rows = vec![vec![
+        "operation".to_string(),
+        "untraced".into(),
+        "xtlock".into(),
+        "bpftrace".into(),
+        "xtlock adds".into(),
+        "bpftrace adds".into(),
+        "adds, fastest runs: xtlock".into(),
+        "bpftrace".into(),
+    ]];
+    let mut out_loads = serde_json::Map::new();
+    for (li, l) in loads.iter().enumerate() {
+        let base = cells[0][li].cpu.median();
+        rows.push(vec![
+            l.label.into(),
+            cells[0][li].cpu.show(),
+            cells[1][li].cpu.show(),
+            cells[2][li].cpu.show(),
+            signed(
+                cells[1][li].cpu.median() - base,
+                cells[1][li].cpu.median() / base,
+            ),
+            signed(
+                cells[2][li].cpu.median() - base,
+                cells[2][li].cpu.median() / base,
+            ),
+            signed(
+                cells[1][li].cpu.min() - cells[0][li].cpu.min(),
+                cells[1][li].cpu.min() / cells[0][li].cpu.min(),
+            ),
+            signed(
+                cells[2][li].cpu.min() - cells[0][li].cpu.min(),
+                cells[2][li].cpu.min() / cells[0][li].cpu.min(),
+            ),
+        ]);
+        let mut per = serde_json::Map::new();
+        for (ti, t) in tracers.iter().enumerate() {
+            let c = &cells[ti][li];
+            per.insert(
+                t.name().into(),
+                json!({
+                    "cpu_ns_per_op": c.cpu.json(),
+                    "wall_ns_per_op": c.wall.json(),
+                    "tracer_cpu_ns_per_op": c.tracer.json(),
+                    "ops_per_s": c.ops_per_s.json(),
+                }),
+            );
+        }
+        per.insert("label".into(), json!(l.label));
+        out_loads.insert(l.key.into(), Value::Object(per));
+    }
+    table(&rows);
+    println!("\n  tracer CPU (its own process, ns per operation of the loop):");
+    let mut rows = vec![vec![
+        "operation".to_string(),
+        "xtlock".into(),
+        "bpftrace".into(),
+    ]];
+    for (li, l) in loads.iter().enumerate() {
+        rows.push(vec![
+            l.label.into(),
+            cells[1][li].tracer.show(),
+            cells[2][li].tracer.show(),
+        ]);
+    }
+    table(&rows);
+    println!(
+        "\n  per 1,000 operations/s, % of one core (added in the caller + the tracer's own CPU):"
+    );
+    let mut rows = vec![vec![
+        "operation".to_string(),
+        "xtlock".into(),
+        "bpftrace".into(),
+    ]];
+    for (li, l) in loads.iter().enumerate() {
+        let base = cells[0][li].cpu.median();
+        let pct = |ti: usize| {
+            let c = &cells[ti][li];
+            let t = if c.tracer.is_empty() {
+                0.0
+            } else {
+                c.tracer.median()
+            };
+            ((c.cpu.median() - base) + t) * 1000.0 / 1e9 * 100.0
+        };
+        rows.push(vec![
+            l.label.into(),
+            format!("{:.3}%", pct(1)),
+            format!("{:.3}%", pct(2)),
+        ]);
+    }
+    table(&rows);
+    println!(
+        "  (tracer CPU net of its background: xtlock {} ns/s, bpftrace {} ns/s while idle)",
+        background[1].show(),
+        background[2].show()
+    );
+    let mut prog_json = Vec::new();
+    if !progs.is_empty() {
+        println!("\n  BPF programs (kernel.bpf_stats_enabled): ns per run x runs per operation = ns per operation");
+        let mut rows = vec![vec![
+            "operation / tracer / program".to_string(),
+            "ns/run".into(),
+            "runs/op".into(),
+            "ns/op".into(),
+        ]];
+        for (li, l) in loads.iter().enumerate() {
+            for ti in [1, 2] {
+                let mut total = 0.0;
+                for ((t, lj, name), (ns, runs)) in &progs {
+                    if *t != ti || *lj != li || runs.median() < 0.01 {
+                        continue;
+                    }
+                    let per_op = ns.median() * runs.median();
+                    total += per_op;
+                    rows.push(vec![
+                        format!("{} / {} / {name}", l.key, tracers[ti].name()),
+                        ns.show(),
+                        format!("{:.2}", runs.median()),
+                        num(per_op),
+                    ]);
+                    prog_json.push(json!({
+                        "load": l.key, "tracer": tracers[ti].name(), "program": name,
+                        "ns_per_run": ns.json(), "runs_per_op": runs.json(),
+                    }));
+                }
+                rows.push(vec![
+                    format!("{} / {} / all programs", l.key, tracers[ti].name()),
+                    String::new(),
+                    String::new(),
+                    num(total),
+                ]);
+            }
+        }
+        table(&rows);
+    }
+    println!(
+        "\n  events lost during these runs: xtlock {} (summary lost_events; {} holds reported for {} \
+         watched cycles), bpftrace {} (its \"Lost N events\"; {} lines printed)",
+        num(lost[1] as f64),
+        num(holds[1] as f64),
+        num(cycles_watched[1] as f64),
+        num(lost[2] as f64),
+        num(lines[2] as f64),
+    );
+    if canary_missed.iter().any(|&n| n > 0) {
+        println!(
+            "  warning: the tracer did not print the canary lock cycle within 10 s in {:?} sessions \
+             (untraced, xtlock, bpftrace)",
+            canary_missed
+        );
+    }
+    Ok(json!({
+        "what": "CPU ns per operation of a tight loop (the caller's CPU time, which includes the BPF programs run in its syscalls); tracer_cpu is the tracer process's own CPU per operation",
+        "secs_per_run": env.secs,
+        "reps": env.reps,
+        "loads": Value::Object(out_loads),
+        "lost_events": {"xtlock": lost[1], "bpftrace": lost[2]},
+        "xtlock_holds_reported": holds[1],
+        "watched_cycles": {"xtlock": cycles_watched[1], "bpftrace": cycles_watched[2]},
+        "bpftrace_lines": lines[2],
+        "canary_missed": canary_missed,
+        "tracer_background_cpu_ns_per_s": {"xtlock": background[1].json(), "bpftrace": background[2].json()},
+        "bpf_programs": prog_json,
+        "bpftrace_script": script,
+    }))
+}
+
+/// `kernel.bpf_stats_enabled=1` while alive, the previous value restored on drop.
+struct BpfStats(String);
+
+impl BpfStats {
+    fn enable() -> Result<Self> {
+        if Command::new("bpftool").arg("version").output().is_err() {
+            anyhow::bail!("--bpf-stats needs bpftool (apt-get install bpftool)");
+        }
+        let path = "/proc/sys/kernel/bpf_stats_enabled";
+        let old = fs::read_to_string(path)?.trim().to_owned();
+        fs::write(path, "1")?;
+        Ok(BpfStats(old))
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        let _ = fs::write("/proc/sys/kernel/bpf_stats_enabled", &self.0);
+    }
+}
+
+/// `+123 (1.23x)`.
+fn signed(delta: f64, ratio: f64) -> String {
+    let sign = if delta >= 0.0 { "+" } else { "" };
+    format!("{sign}{} ({ratio:.2}x)", num(delta))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_dev_encoding() {
+        // makedev(8, 1) = 0x801 in userspace; MKDEV(8, 1) = 8 << 20 | 1 in the kernel.
+        assert_eq!(kernel_dev(0x801), (8 << 20) | 1);
+        // glibc's makedev(): major above 12 bits and minor above 8 bits are split.
+        let makedev = |major: u64, minor: u64| {
+            ((major & 0xfff) << 8)
+                | ((major & !0xfff) << 32)
+                | (minor & 0xff)
+                | ((minor & !0xff) << 12)
+        };
+        let ud = makedev(259, 65536);
+        assert_eq!(kernel_dev(ud), (259 << 20) | 65536);
+    }
+
+    #[test]
+    fn signed_deltas() {
+        assert_eq!(signed(1234.0, 2.5), "+1,234 (2.50x)");
+        assert_eq!(signed(-12.0, 0.9), "-12.0 (0.90x)");
+    }
+}

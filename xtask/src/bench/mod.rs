@@ -1,0 +1,289 @@
+//! `cargo xtask bench`: xtlock's cost and limits, measured side by side with bpftrace doing
+//! the same job, in the same run. Not a test: it prints tables and writes
+//! `target/bench/<name>.json` (each with the machine it ran on); `docs/performance.md` quotes
+//! them.
+//!
+//! 1-2 `lock`: CPU per operation of tight `flock` cycles (watched and unwatched file),
+//!     `getppid()` and spawning `/bin/true`, untraced / `xtlock trace` / bpftrace.
+//! 3 `drops`: UDP drop storm between two namespaces: packets/s and counts vs the rule counter.
+//! 4 `collector`: decode + analysis of a generated 10M-event capture: events/s per core, RSS.
+//! 5 `ring`: lock storm with a 1 MiB ring buffer: delivered rate before loss, loss reporting.
+//! 6 `capture`: bytes per event on disk (reported with `collector`).
+//!
+//! Every figure is the median of `--reps` runs with its spread ((max - min) / median), because
+//! the machines this runs on are often shared and noisy; the load average is recorded before
+//! and after each bench.
+use std::{env, fs, path::PathBuf, process::Command, time::Instant};
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::sh;
+
+mod collector;
+mod drops;
+mod lockpath;
+mod ring;
+mod run;
+mod stats;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// Benches to run, comma-separated: lock, drops, collector, ring (default: all). The
+    /// capture-size figures come with `collector`.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Repetitions of every measurement (medians and spreads are over these).
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
+    /// Seconds per load run (the drop storm and ring runs take twice this).
+    #[arg(long, default_value_t = 1.0)]
+    pub secs: f64,
+    /// Events in the generated capture of the collector bench.
+    #[arg(long, default_value_t = 10_000_000)]
+    pub events: u64,
+    /// Fewer, shorter runs (2 reps, 0.5 s, 1M events): to check the harness, not to quote.
+    #[arg(long)]
+    pub quick: bool,
+    /// Use the release binaries already built instead of running `cargo build --release`.
+    #[arg(long)]
+    pub no_build: bool,
+    /// Lock bench: also turn on `kernel.bpf_stats_enabled` and report every BPF program's
+    /// runs per operation and ns per run (costs some ns per run itself; restored after).
+    #[arg(long)]
+    pub bpf_stats: bool,
+}
+
+/// What every bench needs: binaries, scratch space, settings, the machine.
+pub struct Env {
+    pub xtlock: PathBuf,
+    pub load: PathBuf,
+    pub collector: PathBuf,
+    pub scratch: PathBuf,
+    pub out_dir: PathBuf,
+    pub reps: usize,
+    pub secs: f64,
+    pub events: u64,
+    pub cores: usize,
+    pub bpf_stats: bool,
+    pub machine: Value,
+}
+
+const ALL: [&str; 4] = ["lock", "drops", "collector", "ring"];
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    let selected: Vec<String> = if args.only.is_empty() {
+        ALL.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.only.clone()
+    };
+    for s in &selected {
+        if !ALL.contains(&s.as_str()) && s != "capture" {
+            bail!("unknown bench `{s}` (lock, drops, collector, ring)");
+        }
+    }
+    let needs_root = selected
+        .iter()
+        .any(|s| matches!(s.as_str(), "lock" | "drops" | "ring"));
+    if needs_root && !sh::is_root() {
+        bail!(
+            "the lock, drops and ring benches load BPF programs: run as root (or --only collector)"
+        );
+    }
+    let root = sh::workspace_root();
+    let target = env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|t| if t.is_absolute() { t } else { root.join(t) })
+        .unwrap_or_else(|| root.join("target"));
+    if !args.no_build {
+        sh::run(
+            sh::cargo()
+                .current_dir(&root)
+                .args([
+                    "build",
+                    "--release",
+                    "--package",
+                    "xtlock",
+                    "--package",
+                    "xtlock-tests",
+                    "--bin",
+                    "xtlock",
+                    "--bin",
+                    "xtlock-bench-load",
+                    "--example",
+                    "bench_collector",
+                ])
+                .env("XTLOCK_REQUIRE_EBPF", "1"),
+        )?;
+    }
+    let release = target.join("release");
+    let scratch = env::temp_dir().join(format!("xtlock-bench-{}", std::process::id()));
+    fs::create_dir_all(&scratch)?;
+    let _cleanup = RemoveOnDrop(scratch.clone());
+    let out_dir = target.join("bench");
+    fs::create_dir_all(&out_dir)?;
+    let (reps, secs, events) = if args.quick {
+        (2, 0.5, 1_000_000)
+    } else {
+        (args.reps.max(1), args.secs, args.events)
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let env = Env {
+        xtlock: release.join("xtlock"),
+        load: release.join("xtlock-bench-load"),
+        collector: release.join("examples/bench_collector"),
+        scratch,
+        out_dir,
+        reps,
+        secs,
+        events,
+        cores,
+        bpf_stats: args.bpf_stats,
+        machine: machine(cores),
+    };
+    for b in [&env.xtlock, &env.load, &env.collector] {
+        if !b.exists() {
+            bail!("{} is missing: build it (drop --no-build)", b.display());
+        }
+    }
+    println!("\n== machine");
+    for (k, v) in env.machine.as_object().into_iter().flatten() {
+        println!(
+            "  {k}: {}",
+            v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+        );
+    }
+
+    let mut written = Vec::new();
+    for name in &selected {
+        let load_before = loadavg();
+        let t = Instant::now();
+        let (main, extra) = match name.as_str() {
+            "lock" => (lockpath::run(&env)?, None),
+            "drops" => (drops::run(&env)?, None),
+            "collector" | "capture" => {
+                let (c, size) = collector::run(&env.with_reps(env.reps.min(3)))?;
+                (c, Some(("capture_size", size)))
+            }
+            "ring" => (ring::run(&env)?, None),
+            _ => unreachable!("checked above"),
+        };
+        let took = t.elapsed().as_secs_f64();
+        let load_after = loadavg();
+        println!("  (took {took:.0} s; load average {load_before} -> {load_after})");
+        let file = match name.as_str() {
+            "lock" => "lock_path",
+            "capture" => "collector",
+            n => n,
+        };
+        let mut docs = vec![(file, main)];
+        if let Some((f, v)) = extra {
+            docs.push((f, v));
+        }
+        for (f, v) in docs {
+            let path = env.out_dir.join(format!("{f}.json"));
+            let doc = json!({
+                "bench": f,
+                "machine": env.machine,
+                "loadavg_before": load_before,
+                "loadavg_after": load_after,
+                "took_s": took,
+                "results": v,
+            });
+            fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+            written.push(path);
+        }
+    }
+    println!();
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+impl Env {
+    fn with_reps(&self, reps: usize) -> Env {
+        Env {
+            xtlock: self.xtlock.clone(),
+            load: self.load.clone(),
+            collector: self.collector.clone(),
+            scratch: self.scratch.clone(),
+            out_dir: self.out_dir.clone(),
+            reps,
+            secs: self.secs,
+            events: self.events,
+            cores: self.cores,
+            bpf_stats: self.bpf_stats,
+            machine: self.machine.clone(),
+        }
+    }
+}
+
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+fn loadavg() -> String {
+    fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn first_line(cmd: &mut Command) -> String {
+    sh::capture(cmd)
+        .and_then(|s| s.lines().next().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn machine(cores: usize) -> Value {
+    let cpu = fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
+        .unwrap_or_default();
+    let kernel = fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default();
+    let root = sh::workspace_root();
+    let commit =
+        first_line(
+            Command::new("git")
+                .current_dir(&root)
+                .args(["rev-parse", "--short", "HEAD"]),
+        );
+    let dirty = !first_line(Command::new("git").current_dir(&root).args([
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+    ]))
+    .is_empty();
+    json!({
+        "cores": cores,
+        "cpu": cpu,
+        "kernel": kernel,
+        "memory_mib": mem_mib(),
+        "bpftrace": first_line(Command::new("bpftrace").arg("--version")),
+        "xtlock_commit": if dirty { format!("{commit}+local changes") } else { commit },
+        "date_utc": first_line(Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M:%SZ"])),
+        "loadavg_at_start": loadavg(),
+    })
+}
+
+fn mem_mib() -> u64 {
+    fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib / 1024)
+}
