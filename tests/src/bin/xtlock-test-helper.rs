@@ -6,14 +6,18 @@
 //! the clock of xtlock's events, so tests compare durations they measured themselves.
 //!
 //!   hold LOCK MS          flock(LOCK_EX), print `acquired T`, sleep MS, close, `released T`
+//!                         (taken before the close) and `closed T` (after it); `locking T` is
+//!                         taken before the flock(), so a test can bracket the kernel's times
 //!   poll LOCK INTERVAL_MS HOLD_MS
 //!                         LOCK_EX|LOCK_NB every INTERVAL_MS until granted (Go daemons'
-//!                         style), print `tries N` and `acquired T`, hold HOLD_MS, `released T`
+//!                         style), print `tries N` and `acquired T`, hold HOLD_MS, `released T`,
+//!                         `closed T`
 //!   run [--netns] CMD ARGS...
 //!                         run CMD as a child (in a new network namespace with --netns),
 //!                         print `start T`, `exit CODE T`; exit with CMD's status
 //!   forkhold LOCK MS      take the lock, fork; the child keeps the inherited fd and closes
-//!                         it after MS; the parent closes its copy at once and waits
+//!                         it after MS; the parent closes its copy at once and waits (the
+//!                         same `locking`, `acquired`, `released`, `closed` lines as hold)
 //!   udp ADDR PORT COUNT FLOWS
 //!                         send COUNT one-byte UDP datagrams to ADDR:PORT, round-robin from
 //!                         FLOWS sockets (so FLOWS distinct source ports, i.e. conntrack
@@ -81,12 +85,15 @@ fn run() -> anyhow::Result<u8> {
     match a.as_slice() {
         ["hold", lock, hold] => {
             let f = open(lock)?;
+            say(format!("locking {}", now()));
             flock(&f, libc::LOCK_EX)?;
             say(format!("acquired {}", now()));
             sleep(ms(hold)?);
             let t = now();
             drop(f);
+            let closed = now();
             say(format!("released {t}"));
+            say(format!("closed {closed}"));
             Ok(0)
         }
         ["poll", lock, interval, hold] => {
@@ -107,11 +114,14 @@ fn run() -> anyhow::Result<u8> {
             sleep(ms(hold)?);
             let t = now();
             drop(f);
+            let closed = now();
             say(format!("released {t}"));
+            say(format!("closed {closed}"));
             Ok(0)
         }
         ["forkhold", lock, hold] => {
             let f = open(lock)?;
+            say(format!("locking {}", now()));
             flock(&f, libc::LOCK_EX)?;
             say(format!("acquired {}", now()));
             // SAFETY: single-threaded program; the child only sleeps, prints and exits.
@@ -124,7 +134,9 @@ fn run() -> anyhow::Result<u8> {
                 sleep(ms(hold)?);
                 let t = now();
                 drop(f);
+                let closed = now();
                 say(format!("released {t}"));
+                say(format!("closed {closed}"));
                 // SAFETY: leave without running the parent's atexit handlers twice.
                 unsafe { libc::_exit(0) };
             }
