@@ -26,6 +26,10 @@ const APT_PACKAGES: &[&str] = &[
     "procps",
     "util-linux",
     "strace",
+    // `tests/tests/daemon.rs`: a real Prometheus (and promtool) scrapes the daemon; gdb
+    // closes a probe's link fd inside it.
+    "prometheus",
+    "gdb",
 ];
 /// `cargo xtask vm-test`: QEMU, the guest's busybox, and xz to unpack the guest kernel's
 /// image. Installed without their recommendations (qemu-system-x86's would bring a GUI).

@@ -319,6 +319,13 @@ impl Analyzer {
         self.locks.locks().cloned().collect()
     }
 
+    /// Open holds right now, as (lock path, start, holder).
+    pub fn open_holders(
+        &self,
+    ) -> impl Iterator<Item = (&str, u64, &crate::attribution::Attribution)> {
+        self.locks.open_holders()
+    }
+
     pub fn procs(&self) -> &ProcTable {
         &self.procs
     }

@@ -41,6 +41,62 @@ pub enum Command {
     Export(ExportArgs),
     /// Show which kernel hooks attach on this machine, which do not, and why.
     Probes(ProbesArgs),
+    /// Run continuously: Prometheus metrics on /metrics, /healthz and /readyz, and optionally
+    /// a rolling set of capture files. Logs only (see --log-format json); no other output.
+    Daemon(DaemonArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DaemonArgs {
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:9655")]
+    pub listen: std::net::SocketAddr,
+    /// Keep rolling capture files here (`xtlock report` replays any of them).
+    #[arg(long, value_name = "DIR")]
+    pub record_dir: Option<PathBuf>,
+    /// With --record-dir: how many capture files to keep.
+    #[arg(long, value_name = "N", default_value_t = 8, requires = "record_dir", value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pub record_keep: u64,
+    /// With --record-dir: at most this many bytes for all of them (e.g. 256MiB); a file is
+    /// rotated when it passes its share (this / --record-keep).
+    #[arg(long, value_name = "BYTES", default_value = "256MiB", requires = "record_dir", value_parser = parse_bytes)]
+    pub record_max_bytes: u64,
+    /// With --record-dir: also rotate after this long (e.g. 1h).
+    #[arg(long, value_name = "DURATION", requires = "record_dir", value_parser = parse_duration)]
+    pub record_period: Option<Duration>,
+    /// Stop after this long (for tests). Default: until SIGTERM.
+    #[arg(long, value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+    /// Size of the kernel-to-userspace ring buffer, in MiB (a power of two).
+    #[arg(long, default_value_t = 4, value_parser = parse_ring_mib)]
+    pub ring_buffer_mib: u32,
+    #[command(flatten)]
+    pub locks: LockArgs,
+    #[command(flatten)]
+    pub drops: DropArgs,
+}
+
+/// `1048576`, `512KiB`, `64MiB`, `1GiB` (also KB/MB/GB as powers of 1000, and k/M/G as 1024).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size; use e.g. 64MiB, 1GiB, 500000"))?;
+    let mul: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "k" | "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        u => return Err(format!("`{u}` is not a size unit; use B, KiB, MiB or GiB")),
+    };
+    n.checked_mul(mul)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("`{s}` is not a usable size"))
 }
 
 #[derive(Debug, clap::Args)]
@@ -257,6 +313,37 @@ mod tests {
         assert!(e.to_string().contains("not a rate"), "{e}");
         let e = Cli::try_parse_from(["xtlock", "trace", "--conntrack-warn", "150"]).unwrap_err();
         assert!(e.to_string().contains("150"), "{e}");
+    }
+
+    #[test]
+    fn daemon_flags() {
+        let cli = Cli::try_parse_from([
+            "xtlock",
+            "daemon",
+            "--listen",
+            "127.0.0.1:0",
+            "--record-dir",
+            "/tmp/x",
+            "--record-keep",
+            "3",
+            "--record-max-bytes",
+            "3MiB",
+        ])
+        .unwrap();
+        let Command::Daemon(d) = cli.command else {
+            panic!()
+        };
+        assert_eq!(d.record_keep, 3);
+        assert_eq!(d.record_max_bytes, 3 << 20);
+        let Command::Daemon(d) = Cli::try_parse_from(["xtlock", "daemon"]).unwrap().command else {
+            panic!()
+        };
+        assert_eq!(d.listen.to_string(), "127.0.0.1:9655");
+        assert!(Cli::try_parse_from(["xtlock", "daemon", "--record-keep", "3"]).is_err());
+        assert_eq!(parse_bytes("1000000"), Ok(1_000_000));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("5 parsecs").is_err());
     }
 
     #[test]

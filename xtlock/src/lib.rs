@@ -15,6 +15,7 @@ pub mod lockfiles;
 pub mod pipeline;
 pub mod probes;
 pub mod procs;
+pub mod serve;
 pub mod sinks;
 pub mod source;
 pub mod stats;

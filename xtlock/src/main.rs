@@ -46,6 +46,7 @@ fn main() -> ExitCode {
             Command::Report(args) => commands::report::run(args),
             Command::Export(args) => commands::export::run(args),
             Command::Probes(args) => commands::probes::run(args),
+            Command::Daemon(args) => commands::daemon::run(args).await,
         }
     });
     match result {

@@ -1,4 +1,5 @@
 //! One file per subcommand, each wiring a source to sinks.
+pub mod daemon;
 pub mod export;
 pub mod probes;
 pub mod record;

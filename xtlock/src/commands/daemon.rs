@@ -1,0 +1,504 @@
+//! `xtlock daemon`: the probes and the pipeline of `trace`, with no terminal output; facts
+//! become Prometheus metrics served over HTTP, and optionally a rolling set of capture files.
+
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    time::{interval, MissedTickBehavior},
+};
+
+use crate::{
+    analysis::WatchedLock,
+    cli::DaemonArgs,
+    commands::{record, resolve_locks, watch_replaced_locks},
+    decode::Event,
+    lockfiles::LockFile,
+    pipeline::Pipeline,
+    probes::{self, preflight, HookStatus, LoadOptions},
+    serve::{self, State},
+    sinks::metrics::{HoldLabels, Metrics, MetricsSink, ProbeLabels},
+    source::{self, live::LiveSource, live::Recorder},
+};
+
+/// The event loop must tick within this long, or `/readyz` says it is stuck.
+const STALL: Duration = Duration::from_secs(5);
+
+pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
+    preflight::check()?;
+    let locks = resolve_locks(&args.locks)?;
+    let kernel = record::capture_header(&[], &[]).kernel_release;
+    let metrics = Arc::new(Metrics::new(&kernel));
+    let state = Arc::new(State::new(metrics.clone()));
+    // Listen before loading the probes: a taken port fails fast, and /healthz answers while
+    // the programs load.
+    let addr = serve::start(args.listen, state.clone()).await?;
+    tracing::info!(%addr, "serving /metrics /healthz /readyz");
+
+    let mut rolling = match &args.record_dir {
+        Some(dir) => Some(Rolling::new(
+            dir,
+            usize::try_from(args.record_keep).unwrap_or(usize::MAX),
+            args.record_max_bytes,
+            args.record_period,
+        )?),
+        None => None,
+    };
+    let probes = probes::Probes::load_with_drops(
+        &LoadOptions {
+            locks: locks.clone(),
+            ring_bytes: args.ring_buffer_mib << 20,
+        },
+        args.drops.probe_options().as_ref(),
+    )?;
+    let mut src = LiveSource::new(probes)?;
+    let mut links = links::Watch::new(&src.probes.status);
+    if let Some(r) = rolling.as_mut() {
+        src.set_recorder(r.open(&locks, &src.probes.status)?);
+    }
+    let mut start = src.seed();
+    let mut drop_setup = Vec::new();
+    if !args.drops.no_drops {
+        drop_setup = src.start_drops(args.drops.netns_options())?;
+        start.extend(drop_setup.iter().cloned());
+    }
+
+    let watched: Vec<WatchedLock> = locks
+        .iter()
+        .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
+        .collect();
+    let host_netns = netns_inode(Path::new("/proc/self/ns/net"));
+    let sink = MetricsSink::new(metrics.clone(), host_netns);
+    let mut pipe = Pipeline::new(watched, vec![Box::new(sink)]);
+    pipe.analyzer_mut()
+        .set_conntrack_warn_pct(args.drops.conntrack_warn);
+    for ev in &start {
+        pipe.feed(ev)?;
+    }
+    let seeded = pipe.events();
+    let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
+    let attached = src.probes.status.iter().filter(|s| s.attached()).count();
+    tracing::info!(
+        "tracing {} ({attached}/{} hooks attached) as a daemon",
+        names.join(", "),
+        src.probes.status.len(),
+    );
+
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let deadline = tokio::time::sleep(args.duration.unwrap_or(Duration::MAX / 4));
+    tokio::pin!(deadline);
+    let mut each_second = interval(Duration::from_secs(1));
+    each_second.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut ticks = 0u64;
+    let mut locks = locks;
+    let mut batch = Vec::with_capacity(4096);
+    let mut last_tick = Instant::now();
+    let mut counted = 0u64;
+
+    loop {
+        tokio::select! {
+            r = src.next_batch(&mut batch) => {
+                r.context("reading the ring buffer")?;
+                for ev in batch.drain(..) {
+                    pipe.feed(&ev)?;
+                }
+                publish_open_holds(&pipe, &metrics);
+            }
+            _ = each_second.tick() => {
+                if let Some(lost) = src.poll_lost() {
+                    pipe.feed(&lost)?;
+                }
+                for ev in src.poll_drops() {
+                    pipe.feed(&ev)?;
+                }
+                src.flush_recorder();
+                publish_open_holds(&pipe, &metrics);
+                metrics.events.inc_by(pipe.events() - counted);
+                counted = pipe.events();
+                ticks += 1;
+                if ticks.is_multiple_of(5) {
+                    watch_replaced_locks(&mut locks, &mut src.probes);
+                }
+                if let Some(r) = rolling.as_mut() {
+                    r.maybe_rotate(&mut src, &locks, &drop_setup);
+                }
+                let now = Instant::now();
+                let stalled = now.duration_since(last_tick) > STALL;
+                last_tick = now;
+                let why = readiness(&mut links, &metrics, pipe.events() - seeded, stalled);
+                if why != state.not_ready() {
+                    match &why {
+                        Some(w) => tracing::warn!(why = %w, "not ready"),
+                        None => tracing::info!("ready"),
+                    }
+                }
+                state.set_not_ready(why);
+            }
+            _ = &mut deadline => break,
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+
+    state.set_not_ready(Some("shutting down".into()));
+    // SIGTERM: detach, flush the capture, exit 0 within the kubelet's grace period. Only what
+    // is already queued is drained: no waiting.
+    src.drain(&mut batch);
+    for ev in batch.drain(..) {
+        pipe.feed(&ev)?;
+    }
+    if let Some(lost) = src.poll_lost() {
+        pipe.feed(&lost)?;
+    }
+    let summary = pipe.finish(source::monotonic_ns())?;
+    match rolling {
+        Some(r) => record::finish_capture(src, &r.current, &summary)?,
+        None => drop(src),
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// `None` when ready; otherwise why not.
+fn readiness(
+    links: &mut links::Watch,
+    metrics: &Metrics,
+    kernel_events: u64,
+    stalled: bool,
+) -> Option<String> {
+    let detached = links.check();
+    for (program, up) in links.states() {
+        metrics
+            .probe_attached
+            .get_or_create(&ProbeLabels {
+                program: program.to_owned(),
+            })
+            .set(i64::from(up));
+    }
+    if !detached.is_empty() {
+        return Some(format!(
+            "probe(s) detached behind xtlock's back: {}",
+            detached.join(", ")
+        ));
+    }
+    if stalled {
+        return Some("the event loop stalled (no tick for 5 s)".into());
+    }
+    if kernel_events == 0 {
+        return Some("no event from the kernel yet".into());
+    }
+    None
+}
+
+fn publish_open_holds(pipe: &Pipeline, metrics: &Metrics) {
+    let a = pipe.analyzer();
+    let locks = a.locks();
+    metrics.set_open_holds(
+        locks.iter().map(|l| l.path.as_str()),
+        a.open_holders().map(|(lock, _, who)| HoldLabels {
+            lock: lock.to_owned(),
+            agent: who.agent.clone(),
+            role: who.role.to_owned(),
+        }),
+    );
+}
+
+fn netns_inode(p: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p)
+        .ok()
+        .and_then(|m| u32::try_from(m.ino()).ok())
+}
+
+/// The last N capture files of bounded size in one directory.
+struct Rolling {
+    dir: PathBuf,
+    keep: usize,
+    max_bytes: u64,
+    period: Option<Duration>,
+    current: PathBuf,
+    opened: Instant,
+    seq: u64,
+    /// Size of the current file at the previous check.
+    last_size: u64,
+}
+
+/// Capture files the daemon writes: `xtlock-<unix ms>-<seq>.xtlock`, so names sort by age.
+const ROLL_PREFIX: &str = "xtlock-";
+const ROLL_SUFFIX: &str = ".xtlock";
+
+impl Rolling {
+    fn new(
+        dir: &Path,
+        keep: usize,
+        max_bytes: u64,
+        period: Option<Duration>,
+    ) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the record directory {}", dir.display()))?;
+        Ok(Self {
+            dir: dir.to_owned(),
+            keep: keep.max(1),
+            max_bytes,
+            period,
+            current: PathBuf::new(),
+            opened: Instant::now(),
+            seq: 0,
+            last_size: 0,
+        })
+    }
+
+    /// Rotate when the current file is past its share of the budget.
+    fn file_limit(&self) -> u64 {
+        self.max_bytes / self.keep as u64
+    }
+
+    fn open(
+        &mut self,
+        locks: &[LockFile],
+        hooks: &[HookStatus],
+    ) -> anyhow::Result<Box<dyn Recorder>> {
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        self.seq += 1;
+        let path = self.dir.join(format!(
+            "{ROLL_PREFIX}{ms:013}-{:06}{ROLL_SUFFIX}",
+            self.seq
+        ));
+        let file: File = record::create_capture_file(&path)?;
+        let r = record::start_capture(file, &path, locks, hooks, Default::default())?;
+        self.current = path;
+        self.opened = Instant::now();
+        self.last_size = 0;
+        self.prune();
+        Ok(r)
+    }
+
+    fn maybe_rotate(&mut self, src: &mut LiveSource, locks: &[LockFile], drop_setup: &[Event]) {
+        let size = std::fs::metadata(&self.current).map_or(0, |m| m.len());
+        // Checked once a second: rotate while two more seconds at the last rate still fit,
+        // so no file outgrows its share and all of them stay under --record-max-bytes.
+        let growth = size.saturating_sub(self.last_size);
+        self.last_size = size;
+        let due = size.saturating_add(2 * growth) >= self.file_limit()
+            || self.period.is_some_and(|p| self.opened.elapsed() >= p);
+        if !due || !src.recording() {
+            self.prune();
+            return;
+        }
+        let (old, error) = src.take_recorder();
+        if let Some(e) = error {
+            tracing::warn!(error = %format!("{e:#}"), "the previous capture file stopped early");
+        }
+        if let Some(old) = old {
+            match old.finish() {
+                Ok(what) => {
+                    tracing::debug!(file = %self.current.display(), what, "capture file rotated")
+                }
+                Err(e) => tracing::warn!(error = %format!("{e:#}"), "finishing a capture file"),
+            }
+        }
+        let mut next = match self.open(locks, &src.probes.status) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %format!("{e:#}"), "cannot open the next capture file; recording stopped");
+                return;
+            }
+        };
+        // Each file replays on its own: it starts with the processes alive now and the
+        // drop-reason names, as the first one did.
+        let now = source::monotonic_ns();
+        let seed = source::procfs::snapshot(Path::new("/proc"), now)
+            .into_iter()
+            .map(Event::Proc);
+        let setup = drop_setup.iter().cloned().map(|mut ev| {
+            if let Event::DropSetup { ts_ns, .. } = &mut ev {
+                *ts_ns = now;
+            }
+            ev
+        });
+        for ev in seed.chain(setup) {
+            if let Err(e) = next.synthetic(&ev) {
+                tracing::error!(error = %format!("{e:#}"), "writing the next capture file; recording stopped");
+                return;
+            }
+        }
+        src.set_recorder(next);
+    }
+
+    /// Deletes the oldest files beyond `keep`, and while all of them exceed `max_bytes`.
+    /// The current file is never deleted.
+    fn prune(&self) {
+        let mut files = match rolled_files(&self.dir) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the record directory");
+                return;
+            }
+        };
+        let mut total: u64 = files.iter().map(|f| f.1).sum();
+        let mut count = files.len();
+        files.retain(|f| f.0 != self.current);
+        for (path, size) in files {
+            if count <= self.keep && total <= self.max_bytes {
+                break;
+            }
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    count -= 1;
+                    total -= size;
+                }
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "cannot delete an old capture file")
+                }
+            }
+        }
+    }
+}
+
+/// The daemon's capture files in `dir`, oldest first, with their sizes.
+fn rolled_files(dir: &Path) -> std::io::Result<Vec<(PathBuf, u64)>> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(ROLL_PREFIX) && name.ends_with(ROLL_SUFFIX) {
+            let size = e.metadata().map_or(0, |m| m.len());
+            v.push((e.path(), size));
+        }
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// Are the daemon's BPF links still attached? Each attached hook is a perf-event link owned
+/// by this process (`/proc/self/fdinfo` shows `link_type: perf` and `tp_name`). Tracepoint
+/// links cannot be detached with `BPF_LINK_DETACH` (`bpftool link detach` says "Operation not
+/// supported" on 6.x), but one can vanish behind our back, e.g. its fd closed from outside
+/// with a debugger: then the link is released and the hook is dead.
+mod links {
+    use super::HookStatus;
+
+    pub struct Watch {
+        /// (program, tracepoint name) of each hook attached at start.
+        hooks: Vec<(&'static str, String)>,
+        up: Vec<bool>,
+    }
+
+    impl Watch {
+        pub fn new(status: &[HookStatus]) -> Self {
+            let hooks: Vec<(&'static str, String)> = status
+                .iter()
+                .filter(|s| s.attached())
+                .map(|s| {
+                    // `tracepoint category:name`
+                    let tp = s.attach.rsplit(':').next().unwrap_or(s.program);
+                    (s.program, tp.to_owned())
+                })
+                .collect();
+            let up = vec![true; hooks.len()];
+            Self { hooks, up }
+        }
+
+        /// Re-reads the links; returns the programs no longer attached.
+        pub fn check(&mut self) -> Vec<&'static str> {
+            match attached_tracepoints() {
+                Ok(live) => {
+                    for ((_, tp), up) in self.hooks.iter().zip(self.up.iter_mut()) {
+                        *up = live.iter().any(|n| n == tp);
+                    }
+                }
+                // Keep the last answer: /proc being unreadable says nothing about the links.
+                Err(e) => tracing::debug!(error = %e, "cannot read /proc/self/fdinfo"),
+            }
+            self.states()
+                .filter(|(_, up)| !up)
+                .map(|(p, _)| p)
+                .collect()
+        }
+
+        pub fn states(&self) -> impl Iterator<Item = (&'static str, bool)> + '_ {
+            self.hooks.iter().map(|h| h.0).zip(self.up.iter().copied())
+        }
+    }
+
+    /// Tracepoint names of this process's perf-event BPF links.
+    fn attached_tracepoints() -> std::io::Result<Vec<String>> {
+        let mut v = Vec::new();
+        for e in std::fs::read_dir("/proc/self/fdinfo")? {
+            // An fd closed since the listing: skip it.
+            let Ok(text) = std::fs::read_to_string(e?.path()) else {
+                continue;
+            };
+            if let Some(tp) = perf_link_tracepoint(&text) {
+                v.push(tp.to_owned());
+            }
+        }
+        Ok(v)
+    }
+
+    /// `tp_name` of a perf link's fdinfo.
+    pub fn perf_link_tracepoint(fdinfo: &str) -> Option<&str> {
+        let mut perf = false;
+        let mut tp = None;
+        for line in fdinfo.lines() {
+            let (k, v) = line.split_once(':')?;
+            match k {
+                "link_type" => perf = v.trim() == "perf",
+                "tp_name" => tp = Some(v.trim()),
+                _ => {}
+            }
+        }
+        tp.filter(|_| perf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fdinfo_of_a_perf_link() {
+        let t = "pos:\t0\nflags:\t02000000\nmnt_id:\t17\nino:\t1038\nlink_type:\tperf\n\
+                 link_id:\t2070\nprog_tag:\ta008d8c614118a60\nprog_id:\t2986\n\
+                 tp_name:\tflock_lock_inode\nevent_type:\ttracepoint\ncookie:\t0\n";
+        assert_eq!(links::perf_link_tracepoint(t), Some("flock_lock_inode"));
+        assert_eq!(links::perf_link_tracepoint("pos:\t0\nflags:\t0\n"), None);
+    }
+
+    #[test]
+    fn rolling_prunes_oldest_by_count_and_bytes() {
+        let dir = std::env::temp_dir().join(format!("xtlock-roll-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut r = Rolling::new(&dir, 3, 1000, None).unwrap();
+        for i in 0..5 {
+            std::fs::write(
+                dir.join(format!("xtlock-{i:013}-000001.xtlock")),
+                [0u8; 300],
+            )
+            .unwrap();
+        }
+        std::fs::write(dir.join("unrelated.txt"), b"x").unwrap();
+        r.current = dir.join("xtlock-0000000000004-000001.xtlock");
+        r.prune();
+        let left = rolled_files(&dir).unwrap();
+        // 3 files of 300 bytes: within both the count and the byte budget.
+        assert_eq!(left.len(), 3, "{left:?}");
+        assert!(left.iter().any(|f| f.0 == r.current));
+        r.max_bytes = 650;
+        r.prune();
+        let left = rolled_files(&dir).unwrap();
+        assert_eq!(left.len(), 2, "{left:?}");
+        assert!(dir.join("unrelated.txt").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,666 @@
+//! Prometheus metrics: facts in, metric updates out. `xtlock daemon` feeds it through the
+//! same [`Pipeline`](crate::pipeline::Pipeline) as `trace`, and serves [`Metrics::encode`]
+//! on `/metrics`. Names, labels and help text are documented in `docs/metrics.md`.
+//!
+//! Label values are bounded: agents (comm of the caller, not pids) are capped at
+//! [`MAX_AGENTS`], drop locations at [`MAX_DROP_KINDS`]; past the cap a value is `(other)`.
+
+use std::{
+    collections::HashSet,
+    io,
+    sync::{Arc, Mutex},
+};
+
+use prometheus_client::{
+    encoding::EncodeLabelSet,
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    registry::{Registry, Unit},
+};
+
+use super::Sink;
+use crate::analysis::{Output, Summary};
+
+/// Distinct agents kept as label values; more are `(other)`.
+pub const MAX_AGENTS: usize = 64;
+/// Distinct (reason, location, class) drop series; more go to one `(other)` series.
+pub const MAX_DROP_KINDS: usize = 256;
+/// The label value of everything past a cap.
+pub const OTHER: &str = "(other)";
+
+/// Hold, wait and iptables-restore durations: 100 µs (an uncontended `iptables -C`) to
+/// 60 s (a restore of a huge ruleset behind a stuck holder).
+pub const DURATION_BUCKETS: [f64; 18] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HoldLabels {
+    pub lock: String,
+    pub agent: String,
+    pub role: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WaitLabels {
+    pub lock: String,
+    pub agent: String,
+    pub holder_agent: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LockAgentLabels {
+    pub lock: String,
+    pub agent: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AgentLabels {
+    pub agent: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LockLabels {
+    pub lock: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DropLabels {
+    pub reason: String,
+    pub location: String,
+    pub class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NetnsLabels {
+    /// `host` (the daemon's own namespace) or `other` (pods': bounded, not per namespace).
+    pub netns: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProbeLabels {
+    pub program: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
+    pub kernel: String,
+}
+
+type Hist<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn duration_histogram() -> Histogram {
+    Histogram::new(DURATION_BUCKETS)
+}
+
+fn hist<L: Clone + std::hash::Hash + Eq>() -> Hist<L> {
+    Family::new_with_constructor(duration_histogram as fn() -> Histogram)
+}
+
+/// Every metric, and the registry that encodes them. Shared (`Arc`) between the sink that
+/// updates it and the HTTP server that reads it.
+pub struct Metrics {
+    registry: Registry,
+    pub hold: Hist<HoldLabels>,
+    pub wait: Hist<WaitLabels>,
+    pub failed_attempts: Family<LockAgentLabels, Counter>,
+    pub timeouts: Family<AgentLabels, Counter>,
+    pub held: Family<LockLabels, Gauge>,
+    pub holder_info: Family<HoldLabels, Gauge>,
+    pub execs: Family<AgentLabels, Counter>,
+    pub restore: Hist<AgentLabels>,
+    pub drops: Family<DropLabels, Counter>,
+    pub conntrack: [Family<NetnsLabels, Counter>; 7],
+    pub conntrack_entries: Family<NetnsLabels, Gauge>,
+    pub conntrack_max: Family<NetnsLabels, Gauge>,
+    pub lost: Counter,
+    pub events: Counter,
+    pub probe_attached: Family<ProbeLabels, Gauge>,
+    /// The open holds last published, to clear their `holder_info` series when they end.
+    published: Mutex<Vec<HoldLabels>>,
+}
+
+/// The conntrack statistics counters, in [`Metrics::conntrack`] order.
+pub const CONNTRACK_COUNTERS: [(&str, &str); 7] = [
+    (
+        "drop",
+        "Packets dropped because a new connection could not be tracked (table full)",
+    ),
+    (
+        "early_drop",
+        "Conntrack entries evicted early to make room for new ones",
+    ),
+    (
+        "insert_failed",
+        "Conntrack inserts that lost a race (e.g. the DNS 5 s timeout race); packet dropped",
+    ),
+    (
+        "invalid",
+        "Packets conntrack could not track (invalid state)",
+    ),
+    (
+        "search_restart",
+        "Conntrack hash lookups restarted because of a concurrent resize",
+    ),
+    (
+        "clash_resolve",
+        "Conntrack insert clashes resolved without a drop",
+    ),
+    (
+        "chaintoolong",
+        "Conntrack inserts refused because a hash chain was too long",
+    ),
+];
+
+impl Metrics {
+    pub fn new(kernel: &str) -> Self {
+        let mut r = Registry::with_prefix("xtlock");
+        let hold = hist::<HoldLabels>();
+        r.register_with_unit(
+            "lock_hold",
+            "How long the xtables lock was held, per holding agent",
+            Unit::Seconds,
+            hold.clone(),
+        );
+        let wait = hist::<WaitLabels>();
+        r.register_with_unit(
+            "lock_wait",
+            "How long an agent waited for the xtables lock, by the agent that held it when \
+             the wait began",
+            Unit::Seconds,
+            wait.clone(),
+        );
+        let failed_attempts = Family::<LockAgentLabels, Counter>::default();
+        r.register(
+            "lock_failed_attempts",
+            "Failed non-blocking tries to take the xtables lock (iptables -w polling)",
+            failed_attempts.clone(),
+        );
+        let timeouts = Family::<AgentLabels, Counter>::default();
+        r.register(
+            "lock_timeouts",
+            "iptables runs that gave up on the xtables lock (exit status 4 after lock trouble)",
+            timeouts.clone(),
+        );
+        let held = Family::<LockLabels, Gauge>::default();
+        r.register(
+            "lock_held",
+            "1 while the lock is held, 0 otherwise",
+            held.clone(),
+        );
+        let holder_info = Family::<HoldLabels, Gauge>::default();
+        r.register(
+            "lock_holder_info",
+            "1 for the agent holding the lock right now (no series while it is free)",
+            holder_info.clone(),
+        );
+        let execs = Family::<AgentLabels, Counter>::default();
+        r.register(
+            "iptables_exec",
+            "iptables-family programs started, per calling agent",
+            execs.clone(),
+        );
+        let restore = hist::<AgentLabels>();
+        r.register_with_unit(
+            "iptables_restore_duration",
+            "Run time of iptables-restore processes (exec to exit), per calling agent",
+            Unit::Seconds,
+            restore.clone(),
+        );
+        let drops = Family::<DropLabels, Counter>::default();
+        r.register(
+            "drops",
+            "Packets dropped by the kernel, by drop reason, kernel function and xtlock's class",
+            drops.clone(),
+        );
+        let conntrack: [Family<NetnsLabels, Counter>; 7] = Default::default();
+        for ((name, help), fam) in CONNTRACK_COUNTERS.iter().zip(&conntrack) {
+            r.register(format!("conntrack_{name}"), *help, fam.clone());
+        }
+        let conntrack_entries = Family::<NetnsLabels, Gauge>::default();
+        r.register(
+            "conntrack_entries",
+            "Entries in the conntrack table",
+            conntrack_entries.clone(),
+        );
+        let conntrack_max = Family::<NetnsLabels, Gauge>::default();
+        r.register(
+            "conntrack_max",
+            "Size of the conntrack table (nf_conntrack_max)",
+            conntrack_max.clone(),
+        );
+        let lost = Counter::default();
+        r.register(
+            "events_lost",
+            "Events the kernel dropped because the ring buffer was full",
+            lost.clone(),
+        );
+        let events = Counter::default();
+        r.register(
+            "events",
+            "Events analysed (kernel events and /proc snapshots)",
+            events.clone(),
+        );
+        let probe_attached = Family::<ProbeLabels, Gauge>::default();
+        r.register(
+            "probe_attached",
+            "1 when the kernel hook is attached and still linked, 0 otherwise",
+            probe_attached.clone(),
+        );
+        // A gauge, not an OpenMetrics info: Prometheus' text format has no info type.
+        let build = Family::<BuildLabels, Gauge>::default();
+        build
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+                kernel: kernel.to_owned(),
+            })
+            .set(1);
+        r.register(
+            "build_info",
+            "xtlock's version and the kernel release",
+            build,
+        );
+        Metrics {
+            registry: r,
+            hold,
+            wait,
+            failed_attempts,
+            timeouts,
+            held,
+            holder_info,
+            execs,
+            restore,
+            drops,
+            conntrack,
+            conntrack_entries,
+            conntrack_max,
+            lost,
+            events,
+            probe_attached,
+            published: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The exposition, in Prometheus' text format 0.0.4 (see [`to_prometheus_text`]).
+    pub fn encode(&self) -> Result<String, std::fmt::Error> {
+        let mut s = String::with_capacity(16 * 1024);
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)?;
+        Ok(to_prometheus_text(&s))
+    }
+
+    /// Publishes who holds each lock right now: `lock_held` 1/0 per lock and one
+    /// `lock_holder_info` series per open hold. `open` is (lock, agent, role).
+    pub fn set_open_holds<'a>(
+        &self,
+        locks: impl IntoIterator<Item = &'a str>,
+        open: impl IntoIterator<Item = HoldLabels>,
+    ) {
+        let open: Vec<HoldLabels> = open.into_iter().collect();
+        for lock in locks {
+            let n = open.iter().filter(|h| h.lock == lock).count();
+            self.held
+                .get_or_create(&LockLabels {
+                    lock: lock.to_owned(),
+                })
+                .set(i64::from(n > 0));
+        }
+        let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        for old in published.iter().filter(|o| !open.contains(o)) {
+            self.holder_info.remove(old);
+        }
+        for h in &open {
+            self.holder_info.get_or_create(h).set(1);
+        }
+        *published = open;
+    }
+}
+
+/// OpenMetrics text (what prometheus-client writes) as Prometheus text 0.0.4: a counter
+/// family `x` with samples `x_total` is described as `x_total` (else the 0.0.4 parser, and
+/// `promtool check metrics`, see samples without HELP/TYPE), and `# UNIT` / `# EOF` go.
+pub fn to_prometheus_text(om: &str) -> String {
+    let counters: HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len() + 16 * counters.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        if let Some((p, rest)) = meta {
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            if counters.contains(name) {
+                out.push_str(p);
+                out.push_str(name);
+                out.push_str("_total ");
+                out.push_str(tail);
+                out.push('\n');
+                continue;
+            }
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+/// Keeps at most `max` distinct values; the rest map to [`OTHER`].
+#[derive(Debug)]
+pub struct Capped {
+    seen: HashSet<String>,
+    max: usize,
+}
+
+impl Capped {
+    pub fn new(max: usize) -> Self {
+        Self {
+            seen: HashSet::new(),
+            max,
+        }
+    }
+
+    pub fn label(&mut self, v: &str) -> String {
+        if self.seen.contains(v) {
+            return v.to_owned();
+        }
+        if self.seen.len() < self.max {
+            self.seen.insert(v.to_owned());
+            return v.to_owned();
+        }
+        OTHER.to_owned()
+    }
+}
+
+/// The sink: turns facts into metric updates.
+pub struct MetricsSink {
+    m: Arc<Metrics>,
+    agents: Capped,
+    drop_kinds: Capped,
+    /// The daemon's own network namespace (inode), labelled `host`.
+    host_netns: Option<u32>,
+}
+
+impl MetricsSink {
+    pub fn new(m: Arc<Metrics>, host_netns: Option<u32>) -> Self {
+        Self {
+            m,
+            agents: Capped::new(MAX_AGENTS),
+            drop_kinds: Capped::new(MAX_DROP_KINDS),
+            host_netns,
+        }
+    }
+
+    fn agent(&mut self, a: &str) -> String {
+        let a = if a.is_empty() { "(unknown)" } else { a };
+        self.agents.label(a)
+    }
+
+    fn netns(&self, ns: u32) -> NetnsLabels {
+        let host = self.host_netns.is_none_or(|h| h == ns);
+        NetnsLabels {
+            netns: if host { "host" } else { "other" }.to_owned(),
+        }
+    }
+}
+
+fn secs(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+/// `function+0x1a/0x2b` -> `function`: the offset would multiply the series.
+fn location_function(loc: &str) -> &str {
+    loc.split('+').next().unwrap_or(loc)
+}
+
+impl Sink for MetricsSink {
+    fn output(&mut self, o: &Output) -> io::Result<()> {
+        match o {
+            // An open hold (still held when tracing ended) is not a finished duration.
+            Output::Hold(h) if !h.open => {
+                let l = HoldLabels {
+                    lock: h.lock.clone(),
+                    agent: self.agent(&h.agent),
+                    role: h.role.to_owned(),
+                };
+                self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
+            }
+            Output::Wait(w) => {
+                let holder = w.holders.first().map_or("(none)", |h| h.agent.as_str());
+                let l = WaitLabels {
+                    lock: w.lock.clone(),
+                    agent: self.agent(&w.agent),
+                    holder_agent: self.agent(holder),
+                };
+                self.m.wait.get_or_create(&l).observe(secs(w.wait_ns));
+            }
+            Output::FailedTry(f) => {
+                let l = LockAgentLabels {
+                    lock: f.lock.clone(),
+                    agent: self.agent(&f.agent),
+                };
+                self.m.failed_attempts.get_or_create(&l).inc();
+            }
+            Output::Timeout(t) => {
+                let l = AgentLabels {
+                    agent: self.agent(&t.agent),
+                };
+                self.m.timeouts.get_or_create(&l).inc();
+            }
+            Output::Exec(e) => {
+                let l = AgentLabels {
+                    agent: self.agent(&e.agent),
+                };
+                self.m.execs.get_or_create(&l).inc();
+            }
+            // comm is cut to 15 bytes: `iptables-restor`, `ip6tables-resto`.
+            Output::Exit(e) if e.comm.contains("-resto") => {
+                if let Some(ns) = e.runtime_ns {
+                    let l = AgentLabels {
+                        agent: self.agent(&e.agent),
+                    };
+                    self.m.restore.get_or_create(&l).observe(secs(ns));
+                }
+            }
+            Output::Lost(l) => {
+                self.m.lost.inc_by(l.count);
+            }
+            Output::DropCount(d) => {
+                let loc = location_function(&d.location);
+                let key = format!("{}\0{}\0{}", d.reason, loc, d.class.as_str());
+                let l = if self.drop_kinds.label(&key) == OTHER {
+                    DropLabels {
+                        reason: OTHER.into(),
+                        location: OTHER.into(),
+                        class: OTHER.into(),
+                    }
+                } else {
+                    DropLabels {
+                        reason: d.reason.clone(),
+                        location: loc.to_owned(),
+                        class: d.class.as_str().to_owned(),
+                    }
+                };
+                self.m.drops.get_or_create(&l).inc_by(d.count);
+            }
+            Output::Conntrack(c) => {
+                let l = self.netns(c.netns);
+                let d = &c.deltas;
+                let deltas = [
+                    d.drop,
+                    d.early_drop,
+                    d.insert_failed,
+                    d.invalid,
+                    d.search_restart,
+                    d.clash_resolve,
+                    d.chaintoolong,
+                ];
+                for (fam, v) in self.m.conntrack.iter().zip(deltas) {
+                    if v > 0 {
+                        fam.get_or_create(&l).inc_by(v);
+                    }
+                }
+                // Table fill only for the host: pods' tables would each need a series.
+                if l.netns == "host" {
+                    let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+                    self.m
+                        .conntrack_entries
+                        .get_or_create(&l)
+                        .set(clamp(c.entries));
+                    self.m.conntrack_max.get_or_create(&l).set(clamp(c.max));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn summary(&mut self, _s: &Summary, _final: bool) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lock::{HoldFact, HolderRef, WaitFact, WaitMode, WaitOutcome};
+
+    fn hold(agent: &str, ns: u64) -> Output {
+        Output::Hold(HoldFact {
+            lock: "/run/xtables.lock".into(),
+            pid: 10,
+            tid: 10,
+            comm: agent.into(),
+            agent: agent.into(),
+            role: "proxy",
+            cmdline: String::new(),
+            start_ns: 1,
+            hold_ns: ns,
+            owner: 0,
+            exclusive: true,
+            kernel_ns: 0,
+            replaces: 0,
+            agent_pid: 10,
+            released_by: None,
+            pod_uid: None,
+            container_id: None,
+            open: false,
+            incomplete: false,
+        })
+    }
+
+    #[test]
+    fn holds_and_waits_become_histograms() {
+        let m = Arc::new(Metrics::new("6.1.0"));
+        let mut s = MetricsSink::new(m.clone(), None);
+        s.output(&hold("kube-proxy", 2_000_000_000)).unwrap();
+        s.output(&hold("kube-proxy", 50_000)).unwrap();
+        s.output(&Output::Wait(WaitFact {
+            lock: "/run/xtables.lock".into(),
+            pid: 11,
+            tid: 11,
+            comm: "iptables".into(),
+            agent: "calico-node".into(),
+            role: "cni",
+            cmdline: String::new(),
+            start_ns: 1,
+            wait_ns: 1_500_000_000,
+            holders: vec![HolderRef {
+                pid: 10,
+                agent: "kube-proxy".into(),
+                role: "proxy",
+                comm: "kube-proxy".into(),
+                cmdline: String::new(),
+            }],
+            outcome: WaitOutcome::Acquired,
+            mode: WaitMode::Blocking,
+            tries: 0,
+            ret: None,
+            agent_pid: 11,
+            pod_uid: None,
+            container_id: None,
+            incomplete: false,
+        }))
+        .unwrap();
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains(
+                "xtlock_lock_hold_seconds_count{lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\"} 2"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("xtlock_lock_hold_seconds_bucket{le=\"0.0001\",lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\"} 1")
+                || text.contains("le=\"0.0001\""),
+            "{text}"
+        );
+        assert!(
+            text.contains("xtlock_lock_wait_seconds_count{lock=\"/run/xtables.lock\",agent=\"calico-node\",holder_agent=\"kube-proxy\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("xtlock_build_info{version=\""), "{text}");
+    }
+
+    #[test]
+    fn agents_are_capped() {
+        let m = Arc::new(Metrics::new("k"));
+        let mut s = MetricsSink::new(m.clone(), None);
+        for i in 0..(MAX_AGENTS + 10) {
+            s.output(&hold(&format!("agent{i}"), 1000)).unwrap();
+        }
+        let text = m.encode().unwrap();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("xtlock_lock_hold_seconds_count{"))
+            .count();
+        assert_eq!(series, MAX_AGENTS + 1, "{text}");
+        assert!(text.contains("agent=\"(other)\""), "{text}");
+    }
+
+    #[test]
+    fn holder_info_follows_open_holds() {
+        let m = Metrics::new("k");
+        let kp = HoldLabels {
+            lock: "/l".into(),
+            agent: "kube-proxy".into(),
+            role: "proxy".into(),
+        };
+        m.set_open_holds(["/l"], [kp.clone()]);
+        let t = m.encode().unwrap();
+        assert!(t.contains("xtlock_lock_held{lock=\"/l\"} 1"), "{t}");
+        assert!(
+            t.contains("xtlock_lock_holder_info{lock=\"/l\",agent=\"kube-proxy\""),
+            "{t}"
+        );
+        m.set_open_holds(["/l"], []);
+        let t = m.encode().unwrap();
+        assert!(t.contains("xtlock_lock_held{lock=\"/l\"} 0"), "{t}");
+        assert!(!t.contains("xtlock_lock_holder_info{"), "{t}");
+    }
+
+    #[test]
+    fn counters_are_described_by_their_sample_names() {
+        let om = "# HELP x_drops Drops.\n# TYPE x_drops counter\nx_drops_total{a=\"1\"} 2\n\
+                  # HELP x_hold_seconds Hold.\n# TYPE x_hold_seconds histogram\n\
+                  # UNIT x_hold_seconds seconds\nx_hold_seconds_count 1\n# EOF\n";
+        assert_eq!(
+            to_prometheus_text(om),
+            "# HELP x_drops_total Drops.\n# TYPE x_drops_total counter\nx_drops_total{a=\"1\"} 2\n\
+             # HELP x_hold_seconds Hold.\n# TYPE x_hold_seconds histogram\nx_hold_seconds_count 1\n"
+        );
+    }
+
+    #[test]
+    fn drop_locations_lose_their_offsets() {
+        assert_eq!(location_function("nf_hook_slow+0x9c/0x120"), "nf_hook_slow");
+        assert_eq!(
+            location_function("0xffffffff81000000"),
+            "0xffffffff81000000"
+        );
+    }
+}
