@@ -8,9 +8,14 @@ use std::time::Duration;
 
 use serde_json::Value;
 use xtlock_tests::{
-    kube_proxy_ruleset, loaded_bpf_program_names, require_bpf, serial, type_counts, write_file,
-    Agent, Scratch, Tracer,
+    kube_proxy_ruleset, loaded_bpf_program_names, require_bpf, serial, type_counts, within_pct,
+    write_file, Agent, Scratch, Tracer,
 };
+
+/// Inside `cargo xtask vm-test`'s TCG guest, where emulation stretches every syscall.
+fn in_vm() -> bool {
+    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
+}
 
 const T: Duration = Duration::from_secs(20);
 
@@ -176,6 +181,22 @@ fn calico_waits_behind_kube_proxy() {
         "the wait ended at {w_end} ns, outside [{kp_rel}, {cn_exit}] (kube-proxy released, \
          iptables exited):\n{dump}"
     );
+
+    // On a real machine the issue's bound holds too: both durations within 5% of what the
+    // processes timed themselves (the wait as seen from the test, iptables' start-up of a
+    // few ms included). Under emulation only the brackets above are meaningful.
+    if !in_vm() {
+        assert!(
+            within_pct(u(&h["hold_ns"]), want_hold, 5.0),
+            "hold {} ns vs {want_hold} ns timed by the holder:\n{dump}",
+            h["hold_ns"]
+        );
+        assert!(
+            within_pct(u(&w["wait_ns"]), want_wait, 5.0),
+            "wait {} ns vs {want_wait} ns timed by the test:\n{dump}",
+            w["wait_ns"]
+        );
+    }
 
     let summary = trace.summary();
     let pair = summary["contention"]
