@@ -187,8 +187,10 @@ impl Report {
 
     /// One line for `cargo xtask test`'s summary.
     pub fn short(&self) -> String {
+        let ran: Vec<&str> = self.commands.iter().map(|c| c.2.as_str()).collect();
         format!(
-            "{} under QEMU/{}, boot {}",
+            "{} on {} under QEMU/{}, boot {}",
+            ran.join(", "),
             self.kernel.release,
             self.accel.name(),
             self.ended
