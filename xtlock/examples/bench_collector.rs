@@ -6,7 +6,8 @@
 //!   bench_collector run PATH --stage read|decode|analyse|json
 //!       reads the capture back and times one stage of the pipeline: `read` (blocks, checksums,
 //!       LZ4, records), `decode` (+ `decode::decode`), `analyse` (+ `Analyzer::process`),
-//!       `json` (+ the JSON Lines sink writing every fact to a null writer).
+//!       `json` (+ the JSON Lines sink writing every fact to a null writer); `kinds` prints,
+//!       on stderr, the analysis' allocations and time per event kind.
 //!
 //! Both print one JSON object on stdout. `run` reports CPU time (the process is single
 //! threaded: events per CPU second = events/s per core), wall time, peak RSS (`VmHWM` of this
@@ -35,7 +36,7 @@ use anyhow::{bail, Context as _, Result};
 use xtlock::{
     analysis::{Analyzer, WatchedLock},
     capture::{CaptureHeader, CaptureLock, CaptureReader, CaptureWriter, Record},
-    decode::{Comm, ProcInfo},
+    decode::{Comm, Event, LockOp, ProcInfo},
     sinks::{JsonSink, Sink},
 };
 use xtlock_common as c;
@@ -648,7 +649,53 @@ fn run(path: &Path, args: &[String]) -> Result<()> {
                 return Err(e.into());
             }
         }
-        s => bail!("unknown --stage {s} (read, decode, analyse, json)"),
+        "kinds" => {
+            // Where the analysis spends: allocations and time per event kind (Instant per
+            // event: slower than `analyse`, for the breakdown only).
+            let mut by: std::collections::BTreeMap<&str, (u64, u64, u64, u64)> = Default::default();
+            for ev in reader.events() {
+                let Ok(ev) = ev else { continue };
+                events += 1;
+                let kind = match &ev {
+                    Event::Lock(l) => match l.op {
+                        LockOp::Acquired { .. } => "lock acquired",
+                        LockOp::Released => "lock released",
+                        LockOp::Deferred => "lock deferred",
+                        LockOp::Failed { .. } => "lock failed try",
+                    },
+                    Event::FlockCall(_) => "flock return",
+                    Event::Exec(_) => "exec",
+                    Event::Fork(f) if f.parent_tgid == f.child_tid => "fork",
+                    Event::Fork(_) => "fork",
+                    Event::Exit(e) if e.tid != e.tgid => "exit (thread)",
+                    Event::Exit(_) => "exit",
+                    Event::TableReplace(_) => "table replace",
+                    Event::Proc(_) => "proc",
+                    _ => "other",
+                };
+                let a0 = ALLOCS.load(Ordering::Relaxed);
+                let t0 = Instant::now();
+                let mut n = 0u64;
+                analyzer.process(&ev, &mut |_| n += 1);
+                let dt = t0.elapsed().as_nanos() as u64;
+                let e = by.entry(kind).or_default();
+                e.0 += 1;
+                e.1 += ALLOCS.load(Ordering::Relaxed) - a0;
+                e.2 += dt;
+                e.3 += n;
+                facts += n;
+            }
+            for (k, (n, a, ns, f)) in &by {
+                eprintln!(
+                    "{k:<16} {n:>10} events  {:>7.2} allocs/event  {:>7.0} ns/event  {:>5.2} facts/event  {:>5.1}% of the time",
+                    *a as f64 / *n as f64,
+                    *ns as f64 / *n as f64,
+                    *f as f64 / *n as f64,
+                    *ns as f64 * 100.0 / by.values().map(|v| v.2).sum::<u64>() as f64
+                );
+            }
+        }
+        s => bail!("unknown --stage {s} (read, decode, analyse, json, kinds)"),
     }
     let wall = t.elapsed().as_nanos() as u64;
     let cpu = cpu_ns() - cpu0;

@@ -6,7 +6,7 @@
 //! just-exited `iptables` still need them; they are pruned by age and by count.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::decode::{Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
 
@@ -53,9 +53,9 @@ impl Proc {
             pid,
             ppid,
             comm,
-            argv: Arc::from(Vec::new()),
+            argv: empty_argv(),
             argv_truncated: false,
-            filename: Arc::from(""),
+            filename: empty_name(),
             cgroup: None,
             start_ns,
             exec_ns: None,
@@ -85,6 +85,19 @@ impl Proc {
 
 pub(crate) fn basename(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
+}
+
+/// The empty argv every new entry starts with, shared: a fork (thousands a second on a busy
+/// node) then costs no allocation for it.
+fn empty_argv() -> Arc<[String]> {
+    static EMPTY: OnceLock<Arc<[String]>> = OnceLock::new();
+    EMPTY.get_or_init(|| Arc::from(Vec::new())).clone()
+}
+
+/// The empty filename, shared like [`empty_argv`].
+fn empty_name() -> Arc<str> {
+    static EMPTY: OnceLock<Arc<str>> = OnceLock::new();
+    EMPTY.get_or_init(|| Arc::from("")).clone()
 }
 
 /// The process table. Keyed by pid (tgid).
@@ -223,7 +236,7 @@ impl ProcTable {
                 pp.filename.clone(),
                 pp.cgroup.clone(),
             ),
-            None => (Arc::from(Vec::new()), false, Arc::from(""), None),
+            None => (empty_argv(), false, empty_name(), None),
         };
         let c = self.fresh(f.child_tid, f.parent_tgid, f.comm, f.ts_ns);
         c.argv = argv;
