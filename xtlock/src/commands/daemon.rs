@@ -9,15 +9,10 @@ use std::{
 };
 
 use anyhow::Context as _;
-use tokio::{
-    signal::unix::{signal, SignalKind},
-    time::{interval, MissedTickBehavior},
-};
 
 use crate::{
-    analysis::WatchedLock,
     cli::DaemonArgs,
-    commands::{record, resolve_locks, watch_replaced_locks},
+    commands::{live, record, resolve_locks},
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
@@ -32,7 +27,7 @@ const STALL: Duration = Duration::from_secs(5);
 
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     preflight::check()?;
-    let locks = resolve_locks(&args.locks)?;
+    let mut locks = resolve_locks(&args.locks)?;
     let kernel = record::capture_header(&[], &[]).kernel_release;
     let metrics = Arc::new(Metrics::new(&kernel));
     let state = Arc::new(State::new(metrics.clone()));
@@ -58,112 +53,104 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
         args.drops.probe_options().as_ref(),
     )?;
     let mut src = LiveSource::new(probes)?;
-    let mut links = links::Watch::new(&src.probes.status);
+    let links = links::Watch::new(&src.probes.status);
     if let Some(r) = rolling.as_mut() {
         src.set_recorder(r.open(&locks, &src.probes.status)?);
     }
-    let mut start = src.seed();
-    let mut drop_setup = Vec::new();
-    if !args.drops.no_drops {
-        drop_setup = src.start_drops(args.drops.netns_options())?;
-        start.extend(drop_setup.iter().cloned());
-    }
+    let (start, drop_setup) = live::begin(&mut src, &args.drops)?;
 
-    let watched: Vec<WatchedLock> = locks
-        .iter()
-        .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
-        .collect();
     let host_netns = netns_inode(Path::new("/proc/self/ns/net"));
     let sink = MetricsSink::new(metrics.clone(), host_netns);
-    let mut pipe = Pipeline::new(watched, vec![Box::new(sink)]);
+    let mut pipe = Pipeline::new(live::watched(&locks), vec![Box::new(sink)]);
     pipe.analyzer_mut()
         .set_conntrack_warn_pct(args.drops.conntrack_warn);
     for ev in &start {
         pipe.feed(ev)?;
     }
-    let seeded = pipe.events();
-    let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
-    let attached = src.probes.status.iter().filter(|s| s.attached()).count();
-    tracing::info!(
-        "tracing {} ({attached}/{} hooks attached) as a daemon",
-        names.join(", "),
-        src.probes.status.len(),
-    );
+    live::announce(&locks, &src, " as a daemon");
 
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let deadline = tokio::time::sleep(args.duration.unwrap_or(Duration::MAX / 4));
-    tokio::pin!(deadline);
-    let mut each_second = interval(Duration::from_secs(1));
-    each_second.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut ticks = 0u64;
-    let mut locks = locks;
-    let mut batch = Vec::with_capacity(4096);
-    let mut last_tick = Instant::now();
-    let mut counted = 0u64;
-
-    loop {
-        tokio::select! {
-            r = src.next_batch(&mut batch) => {
-                r.context("reading the ring buffer")?;
-                for ev in batch.drain(..) {
-                    pipe.feed(&ev)?;
-                }
-                publish_open_holds(&pipe, &metrics);
-            }
-            _ = each_second.tick() => {
-                if let Some(lost) = src.poll_lost() {
-                    pipe.feed(&lost)?;
-                }
-                for ev in src.poll_drops() {
-                    pipe.feed(&ev)?;
-                }
-                src.flush_recorder();
-                publish_open_holds(&pipe, &metrics);
-                metrics.events.inc_by(pipe.events() - counted);
-                counted = pipe.events();
-                ticks += 1;
-                if ticks.is_multiple_of(5) {
-                    watch_replaced_locks(&mut locks, &mut src.probes);
-                }
-                if let Some(r) = rolling.as_mut() {
-                    r.maybe_rotate(&mut src, &locks, &drop_setup);
-                }
-                let now = Instant::now();
-                let stalled = now.duration_since(last_tick) > STALL;
-                last_tick = now;
-                let why = readiness(&mut links, &metrics, pipe.events() - seeded, stalled);
-                if why != state.not_ready() {
-                    match &why {
-                        Some(w) => tracing::warn!(why = %w, "not ready"),
-                        None => tracing::info!("ready"),
-                    }
-                }
-                state.set_not_ready(why);
-            }
-            _ = &mut deadline => break,
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
-        }
-    }
-
-    state.set_not_ready(Some("shutting down".into()));
-    // SIGTERM: detach, flush the capture, exit 0 within the kubelet's grace period. Only what
-    // is already queued is drained: no waiting.
-    src.drain(&mut batch);
-    for ev in batch.drain(..) {
-        pipe.feed(&ev)?;
-    }
-    if let Some(lost) = src.poll_lost() {
-        pipe.feed(&lost)?;
-    }
-    let summary = pipe.finish(source::monotonic_ns())?;
-    match rolling {
+    let mut hooks = DaemonHooks {
+        metrics: metrics.clone(),
+        state: state.clone(),
+        links,
+        rolling,
+        drop_setup,
+        seeded: pipe.events(),
+        counted: pipe.events(),
+        last_tick: Instant::now(),
+    };
+    let summary = live::run(
+        &mut src,
+        &mut pipe,
+        &mut locks,
+        args.duration,
+        None,
+        &mut hooks,
+    )
+    .await?;
+    // SIGTERM: detach, complete the capture, exit 0 within the kubelet's grace period.
+    match hooks.rolling {
         Some(r) => record::finish_capture(src, &r.current, &summary)?,
         None => drop(src),
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// What the daemon adds to the live loop: metrics of open holds and event counts, rotation
+/// of the rolling capture, and readiness.
+struct DaemonHooks {
+    metrics: Arc<Metrics>,
+    state: Arc<State>,
+    links: links::Watch,
+    rolling: Option<Rolling>,
+    drop_setup: Vec<Event>,
+    /// Events fed before the loop (the process snapshot): not proof that probes work.
+    seeded: u64,
+    counted: u64,
+    last_tick: Instant,
+}
+
+impl live::LiveHooks for DaemonHooks {
+    fn after_batch(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
+        publish_open_holds(pipe, &self.metrics);
+        Ok(())
+    }
+
+    fn each_second(
+        &mut self,
+        src: &mut LiveSource,
+        pipe: &mut Pipeline,
+        locks: &[LockFile],
+    ) -> anyhow::Result<()> {
+        publish_open_holds(pipe, &self.metrics);
+        self.metrics.events.inc_by(pipe.events() - self.counted);
+        self.counted = pipe.events();
+        if let Some(r) = self.rolling.as_mut() {
+            r.maybe_rotate(src, locks, &self.drop_setup);
+        }
+        let now = Instant::now();
+        let stalled = now.duration_since(self.last_tick) > STALL;
+        self.last_tick = now;
+        let why = readiness(
+            &mut self.links,
+            &self.metrics,
+            pipe.events() - self.seeded,
+            stalled,
+        );
+        if why != self.state.not_ready() {
+            match &why {
+                Some(w) => tracing::warn!(why = %w, "not ready"),
+                None => tracing::info!("ready"),
+            }
+        }
+        self.state.set_not_ready(why);
+        Ok(())
+    }
+
+    fn stopping(&mut self) {
+        self.state.set_not_ready(Some("shutting down".into()));
+    }
 }
 
 /// `None` when ready; otherwise why not.

@@ -1,6 +1,7 @@
 //! One file per subcommand, each wiring a source to sinks.
 pub mod daemon;
 pub mod export;
+pub mod live;
 pub mod probes;
 pub mod record;
 pub mod report;

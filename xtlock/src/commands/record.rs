@@ -9,20 +9,16 @@ use std::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use anyhow::Context as _;
-use tokio::{
-    signal::unix::{signal, SignalKind},
-    time::{interval, MissedTickBehavior},
-};
 
 use crate::{
-    analysis::{Output, Summary, WatchedLock},
+    analysis::{Output, Summary},
     capture::{CaptureHeader, CaptureLock, CaptureProbe, CaptureWriter},
     cli::RecordArgs,
-    commands::{resolve_locks, watch_replaced_locks},
+    commands::{live, resolve_locks},
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
@@ -33,7 +29,7 @@ use crate::{
 
 pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
     preflight::check()?;
-    let locks = resolve_locks(&args.locks)?;
+    let mut locks = resolve_locks(&args.locks)?;
     // Fail on an unwritable path before loading anything.
     let file = create_capture_file(&args.output)?;
     let probes = probes::Probes::load_with_drops(
@@ -43,33 +39,24 @@ pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
         },
         args.drops.probe_options().as_ref(),
     )?;
-    let shared = Arc::new(Progress::default());
-    let recorder = start_capture(file, &args.output, &locks, &probes.status, shared.clone())?;
+    let progress = Arc::new(Progress::default());
+    let recorder = start_capture(file, &args.output, &locks, &probes.status, progress.clone())?;
     let mut src = LiveSource::new(probes)?;
     src.set_recorder(recorder);
-    // The process snapshot first, then the drop setup: the order the pipeline is fed, so a
-    // capture replays in the same order.
-    let mut start = src.seed();
-    if !args.drops.no_drops {
-        start.extend(src.start_drops(args.drops.netns_options())?);
-    }
+    let (start, _) = live::begin(&mut src, &args.drops)?;
 
-    let watched: Vec<WatchedLock> = locks
-        .iter()
-        .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
-        .collect();
     let counts = Arc::new(Counts::default());
-    let mut pipe = Pipeline::new(watched, vec![Box::new(CountingSink(counts.clone()))]);
+    let mut pipe = Pipeline::new(
+        live::watched(&locks),
+        vec![Box::new(CountingSink(counts.clone()))],
+    );
+    pipe.analyzer_mut()
+        .set_conntrack_warn_pct(args.drops.conntrack_warn);
     for ev in &start {
         pipe.feed(ev)?;
     }
-    tracing::info!(
-        "tracing {} into {}{}",
-        locks
-            .iter()
-            .map(|l| l.path.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
+    let how = format!(
+        " into {}{}",
         args.output.display(),
         if args.duration.is_some() {
             ""
@@ -77,60 +64,25 @@ pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
             "; Ctrl-C to stop"
         }
     );
+    live::announce(&locks, &src, &how);
 
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let deadline = tokio::time::sleep(args.duration.unwrap_or(Duration::MAX / 4));
-    tokio::pin!(deadline);
-    let mut each_second = interval(Duration::from_secs(1));
-    each_second.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut status = StatusLine::new(io::stderr().is_terminal());
-    let started = Instant::now();
-    let mut locks = locks;
-    let mut batch = Vec::with_capacity(4096);
-    let mut ticks = 0u64;
-
-    loop {
-        tokio::select! {
-            r = src.next_batch(&mut batch) => {
-                r.context("reading the ring buffer")?;
-                for ev in batch.drain(..) {
-                    pipe.feed(&ev)?;
-                }
-            }
-            _ = each_second.tick() => {
-                if let Some(lost) = src.poll_lost() {
-                    pipe.feed(&lost)?;
-                }
-                for ev in src.poll_drops() {
-                    pipe.feed(&ev)?;
-                }
-                // Crash safety: seal and write the current block at least every second.
-                src.flush_recorder();
-                ticks += 1;
-                if ticks.is_multiple_of(5) {
-                    watch_replaced_locks(&mut locks, &mut src.probes);
-                }
-                status.show(started.elapsed(), &counts, &shared, src.recording());
-            }
-            _ = &mut deadline => break,
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
-        }
-    }
-
-    src.drain(&mut batch);
-    for ev in batch.drain(..) {
-        pipe.feed(&ev)?;
-    }
-    if let Some(lost) = src.poll_lost() {
-        pipe.feed(&lost)?;
-    }
-    for ev in src.poll_drops() {
-        pipe.feed(&ev)?;
-    }
-    let summary = pipe.finish(source::monotonic_ns())?;
-    status.show(started.elapsed(), &counts, &shared, src.recording());
+    let mut status = StatusLine {
+        tty: io::stderr().is_terminal(),
+        shown: 0,
+        started: Instant::now(),
+        counts,
+        progress,
+    };
+    let summary = live::run(
+        &mut src,
+        &mut pipe,
+        &mut locks,
+        args.duration,
+        None,
+        &mut status,
+    )
+    .await?;
+    status.show(src.recording());
     status.end();
     finish_capture(src, &args.output, &summary)
 }
@@ -337,19 +289,31 @@ impl Sink for CountingSink {
 struct StatusLine {
     tty: bool,
     shown: u64,
+    started: Instant,
+    counts: Arc<Counts>,
+    progress: Arc<Progress>,
+}
+
+impl live::LiveHooks for StatusLine {
+    fn each_second(
+        &mut self,
+        src: &mut LiveSource,
+        _pipe: &mut Pipeline,
+        _locks: &[LockFile],
+    ) -> anyhow::Result<()> {
+        self.show(src.recording());
+        Ok(())
+    }
 }
 
 impl StatusLine {
-    fn new(tty: bool) -> Self {
-        Self { tty, shown: 0 }
-    }
-
-    fn show(&mut self, elapsed: Duration, c: &Counts, p: &Progress, recording: bool) {
+    fn show(&mut self, recording: bool) {
         self.shown += 1;
         if !self.tty && self.shown % 10 != 1 {
             return;
         }
-        let secs = elapsed.as_secs();
+        let (c, p) = (&self.counts, &self.progress);
+        let secs = self.started.elapsed().as_secs();
         let line =
             format!(
             "{:02}:{:02}:{:02} elapsed, {} events, {} holds, {} waits, {} timeouts, {} lost, {}{}",

@@ -1,17 +1,10 @@
 //! `xtlock trace`: live ring buffer -> analysis -> terminal or JSON Lines on stdout.
 
-use std::{io, time::Duration};
-
-use anyhow::Context as _;
-use tokio::{
-    signal::unix::{signal, SignalKind},
-    time::{interval, MissedTickBehavior},
-};
+use std::io;
 
 use crate::{
-    analysis::WatchedLock,
     cli::TraceArgs,
-    commands::{record, resolve_locks, watch_replaced_locks},
+    commands::{live, record, resolve_locks},
     pipeline::Pipeline,
     probes::{self, preflight, LoadOptions},
     sinks::{JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
@@ -20,7 +13,8 @@ use crate::{
 
 pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     preflight::check()?;
-    let locks = resolve_locks(&args.locks)?;
+    let mut locks = resolve_locks(&args.locks)?;
+    // An unwritable capture path fails before anything is loaded.
     let capture = match &args.record {
         Some(path) => Some(record::create_capture_file(path)?),
         None => None,
@@ -46,12 +40,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     if let Some(r) = recorder {
         src.set_recorder(r);
     }
-    // The process snapshot first, then the drop setup: the order the pipeline is fed, so a
-    // capture replays in the same order.
-    let mut start = src.seed();
-    if !args.drops.no_drops {
-        start.extend(src.start_drops(args.drops.netns_options())?);
-    }
+    let (start, _) = live::begin(&mut src, &args.drops)?;
 
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {
@@ -67,94 +56,31 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
             },
         ))
     };
-    let watched: Vec<WatchedLock> = locks
-        .iter()
-        .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
-        .collect();
-    let mut pipe = Pipeline::new(watched, vec![sink]);
+    let mut pipe = Pipeline::new(live::watched(&locks), vec![sink]);
     pipe.analyzer_mut()
         .set_conntrack_warn_pct(args.drops.conntrack_warn);
     for ev in &start {
         pipe.feed(ev)?;
     }
-
-    let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
-    let attached = src.probes.status.iter().filter(|s| s.attached()).count();
-    tracing::info!(
-        "tracing {} ({attached}/{} hooks attached){}",
-        names.join(", "),
-        src.probes.status.len(),
-        if args.duration.is_some() {
-            ""
-        } else {
-            "; Ctrl-C to stop"
-        }
-    );
-
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let deadline = tokio::time::sleep(args.duration.unwrap_or(Duration::MAX / 4));
-    tokio::pin!(deadline);
-    let mut each_second = interval(Duration::from_secs(1));
-    each_second.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let summary_every = if args.summary_interval.is_zero() || args.json {
-        Duration::MAX / 4
+    let how = if args.duration.is_some() {
+        ""
     } else {
-        args.summary_interval
+        "; Ctrl-C to stop"
     };
-    let mut summaries = interval(summary_every);
-    summaries.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    summaries.tick().await;
-    let mut ticks = 0u64;
-    let mut locks = locks;
-    let mut batch = Vec::with_capacity(4096);
+    live::announce(&locks, &src, how);
 
-    loop {
-        tokio::select! {
-            r = src.next_batch(&mut batch) => {
-                r.context("reading the ring buffer")?;
-                for ev in batch.drain(..) {
-                    pipe.feed(&ev)?;
-                }
-                pipe.flush()?;
-            }
-            _ = each_second.tick() => {
-                if let Some(lost) = src.poll_lost() {
-                    pipe.feed(&lost)?;
-                }
-                for ev in src.poll_drops() {
-                    pipe.feed(&ev)?;
-                }
-                src.flush_recorder();
-                ticks += 1;
-                if ticks.is_multiple_of(5) {
-                    watch_replaced_locks(&mut locks, &mut src.probes);
-                }
-            }
-            _ = summaries.tick() => pipe.periodic_summary()?,
-            _ = &mut deadline => break,
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
-        }
-    }
-
-    src.drain(&mut batch);
-    for ev in batch.drain(..) {
-        pipe.feed(&ev)?;
-    }
-    if let Some(lost) = src.poll_lost() {
-        pipe.feed(&lost)?;
-    }
-    for ev in src.poll_drops() {
-        pipe.feed(&ev)?;
-    }
-    let summary = pipe.finish(source::monotonic_ns())?;
-    if src.decode_errors() > 0 {
-        tracing::warn!(
-            count = src.decode_errors(),
-            "events from the kernel could not be decoded"
-        );
-    }
+    // JSON carries one summary, last; the terminal gets one every `--summary-interval` too.
+    let summary_every =
+        (!args.json && !args.summary_interval.is_zero()).then_some(args.summary_interval);
+    let summary = live::run(
+        &mut src,
+        &mut pipe,
+        &mut locks,
+        args.duration,
+        summary_every,
+        &mut live::NoHooks,
+    )
+    .await?;
     match &args.record {
         Some(path) => record::finish_capture(src, path, &summary),
         // Dropping `src` detaches every program.

@@ -1,0 +1,157 @@
+//! The live loop that `trace`, `record` and `daemon` share: ring buffer batches through the
+//! pipeline, the once-a-second chores (lost events, drop and conntrack counters, recorder
+//! flush, replaced lock files), Ctrl-C, SIGTERM and `--duration`, and the final drain. Each
+//! command adds only what is its own, through [`LiveHooks`].
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::{
+    signal::unix::{signal, SignalKind},
+    time::{interval, MissedTickBehavior},
+};
+
+use crate::{
+    analysis::{Summary, WatchedLock},
+    cli::DropArgs,
+    commands::watch_replaced_locks,
+    decode::Event,
+    lockfiles::LockFile,
+    pipeline::Pipeline,
+    source::{self, live::LiveSource},
+};
+
+/// The analysis' view of the lock files.
+pub fn watched(locks: &[LockFile]) -> Vec<WatchedLock> {
+    locks
+        .iter()
+        .map(|l| WatchedLock::new(l.path.display().to_string(), l.dev, l.ino))
+        .collect()
+}
+
+/// What a command adds to the shared loop.
+pub trait LiveHooks {
+    /// After each batch of events went through the pipeline.
+    fn after_batch(&mut self, _pipe: &mut Pipeline) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// Once a second, after the source's own chores.
+    fn each_second(
+        &mut self,
+        _src: &mut LiveSource,
+        _pipe: &mut Pipeline,
+        _locks: &[LockFile],
+    ) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    /// The loop is stopping (signal or deadline); the final drain follows.
+    fn stopping(&mut self) {}
+}
+
+/// A command with nothing of its own to add.
+pub struct NoHooks;
+
+impl LiveHooks for NoHooks {}
+
+/// The events to begin with, in the order they are recorded: the process snapshot, then the
+/// drop setup (reason names, symbols). Returns them all, and the drop setup alone.
+pub fn begin(src: &mut LiveSource, drops: &DropArgs) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
+    let mut start = src.seed();
+    let mut drop_setup = Vec::new();
+    if !drops.no_drops {
+        drop_setup = src.start_drops(drops.netns_options())?;
+        start.extend(drop_setup.iter().cloned());
+    }
+    Ok((start, drop_setup))
+}
+
+/// Says what is being traced and how many hooks attached.
+pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) {
+    let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
+    let attached = src.probes.status.iter().filter(|s| s.attached()).count();
+    tracing::info!(
+        "tracing {} ({attached}/{} hooks attached){what}",
+        names.join(", "),
+        src.probes.status.len(),
+    );
+}
+
+/// Runs until Ctrl-C, SIGTERM or `duration`; then drains what is queued and finishes the
+/// pipeline. `summary_every`: periodic summaries (None: only the final one).
+pub async fn run(
+    src: &mut LiveSource,
+    pipe: &mut Pipeline,
+    locks: &mut Vec<LockFile>,
+    duration: Option<Duration>,
+    summary_every: Option<Duration>,
+    hooks: &mut impl LiveHooks,
+) -> anyhow::Result<Summary> {
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    // Far enough to never come, near enough not to overflow the timer.
+    let never = Duration::from_secs(100 * 365 * 86_400);
+    let deadline = tokio::time::sleep(duration.unwrap_or(never));
+    tokio::pin!(deadline);
+    let mut each_second = interval(Duration::from_secs(1));
+    each_second.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut summaries = interval(summary_every.unwrap_or(never));
+    summaries.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    summaries.tick().await;
+    let mut ticks = 0u64;
+    let mut batch = Vec::with_capacity(4096);
+
+    loop {
+        tokio::select! {
+            r = src.next_batch(&mut batch) => {
+                r.context("reading the ring buffer")?;
+                for ev in batch.drain(..) {
+                    pipe.feed(&ev)?;
+                }
+                pipe.flush()?;
+                hooks.after_batch(pipe)?;
+            }
+            _ = each_second.tick() => {
+                if let Some(lost) = src.poll_lost() {
+                    pipe.feed(&lost)?;
+                }
+                for ev in src.poll_drops() {
+                    pipe.feed(&ev)?;
+                }
+                // Crash safety of a recording: a block at least every second.
+                src.flush_recorder();
+                ticks += 1;
+                if ticks.is_multiple_of(5) {
+                    watch_replaced_locks(locks, &mut src.probes);
+                }
+                hooks.each_second(src, pipe, locks)?;
+            }
+            _ = summaries.tick() => pipe.periodic_summary()?,
+            _ = &mut deadline => break,
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+
+    hooks.stopping();
+    // Only what is already queued: no waiting, so SIGTERM ends within the grace period.
+    src.drain(&mut batch);
+    for ev in batch.drain(..) {
+        pipe.feed(&ev)?;
+    }
+    if let Some(lost) = src.poll_lost() {
+        pipe.feed(&lost)?;
+    }
+    for ev in src.poll_drops() {
+        pipe.feed(&ev)?;
+    }
+    let summary = pipe.finish(source::monotonic_ns())?;
+    if src.decode_errors() > 0 {
+        tracing::warn!(
+            count = src.decode_errors(),
+            "events from the kernel could not be decoded"
+        );
+    }
+    Ok(summary)
+}
