@@ -18,7 +18,7 @@ use std::{env, fs, path::PathBuf, process::Command, time::Instant};
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 
-use crate::sh;
+use crate::{setup, sh};
 
 mod collector;
 mod drops;
@@ -96,25 +96,29 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .map(|t| if t.is_absolute() { t } else { root.join(t) })
         .unwrap_or_else(|| root.join("target"));
     if !args.no_build {
-        sh::run(
-            sh::cargo()
-                .current_dir(&root)
-                .args([
-                    "build",
-                    "--release",
-                    "--package",
-                    "xtlock",
-                    "--package",
-                    "xtlock-tests",
-                    "--bin",
-                    "xtlock",
-                    "--bin",
-                    "xtlock-bench-load",
-                    "--example",
-                    "bench_collector",
-                ])
-                .env("XTLOCK_REQUIRE_EBPF", "1"),
-        )?;
+        // The release build needs the BPF toolchain, the benches bpftrace and bpftool:
+        // setup installs what is missing (as root; the collector alone needs none of it).
+        if needs_root {
+            setup::run()?;
+        }
+        let mut build = sh::cargo();
+        if needs_root {
+            build.env("XTLOCK_REQUIRE_EBPF", "1");
+        }
+        sh::run(build.current_dir(&root).args([
+            "build",
+            "--release",
+            "--package",
+            "xtlock",
+            "--package",
+            "xtlock-tests",
+            "--bin",
+            "xtlock",
+            "--bin",
+            "xtlock-bench-load",
+            "--example",
+            "bench_collector",
+        ]))?;
     }
     let release = target.join("release");
     let scratch = env::temp_dir().join(format!("xtlock-bench-{}", std::process::id()));
