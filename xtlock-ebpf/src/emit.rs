@@ -3,6 +3,7 @@ use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
     maps::ring_buf::RingBufEntry,
     programs::TracePointContext,
+    EbpfContext as _,
 };
 use xtlock_common::{EventHeader, EventKind, ProbeConfig};
 
@@ -16,11 +17,47 @@ pub fn cfg<F: Fn(&ProbeConfig) -> u32>(f: F) -> usize {
     f(&c) as usize
 }
 
+/// Ring buffer flags for a new record: no wakeup unless a quarter of the ring is waiting
+/// (userspace also polls it on a timer), so a steady trickle of events does not cost a
+/// wakeup (an IPI, a VM exit on a virtual machine) per event.
+#[inline(always)]
+pub fn wake_flags() -> u64 {
+    const BPF_RB_NO_WAKEUP: u64 = 1;
+    const BPF_RB_FORCE_WAKEUP: u64 = 2;
+    const BPF_RB_AVAIL_DATA: u64 = 0;
+    const BPF_RB_RING_SIZE: u64 = 1;
+    let avail = EVENTS.query(BPF_RB_AVAIL_DATA);
+    let size = EVENTS.query(BPF_RB_RING_SIZE);
+    if avail > size / 4 {
+        BPF_RB_FORCE_WAKEUP
+    } else {
+        BPF_RB_NO_WAKEUP
+    }
+}
+
 /// Reads a `T` at `offset` of the tracepoint record.
 #[inline(always)]
 pub fn field<T>(ctx: &TracePointContext, offset: usize) -> Result<T, i32> {
     // SAFETY: offsets come from the kernel's own format file for this tracepoint.
     unsafe { ctx.read_at::<T>(offset) }
+}
+
+/// [`field`] with a fast path: when the running kernel's offset is `OFF` (the usual layout),
+/// a direct load from the record at a constant offset (what the verifier allows on a
+/// tracepoint context) instead of a `bpf_probe_read_kernel` call. The offset is a constant
+/// of the frozen read-only `CONFIG`, so the verifier drops the branch not taken.
+#[inline(always)]
+pub fn field_fast<T: Copy, const OFF: usize>(
+    ctx: &TracePointContext,
+    offset: usize,
+) -> Result<T, i32> {
+    if offset == OFF {
+        // SAFETY: OFF is inside the record (the kernel's format says so for this kernel)
+        // and aligned for T.
+        Ok(unsafe { core::ptr::read((ctx.as_ptr() as *const u8).add(OFF) as *const T) })
+    } else {
+        field(ctx, offset)
+    }
 }
 
 /// (tgid, tid) of the current task.
@@ -64,7 +101,7 @@ pub fn reserve<T: 'static>() -> Option<RingBufEntry<T>> {
 /// Copies a small event into the ring buffer, counting a lost event when it is full.
 #[inline(always)]
 pub fn output<T: 'static>(ev: &T) {
-    if EVENTS.output::<T>(ev, 0).is_err() {
+    if EVENTS.output::<T>(ev, wake_flags()).is_err() {
         if let Some(n) = LOST.get_ptr_mut(0) {
             // SAFETY: per-CPU slot, this program is the only writer on this CPU.
             unsafe { *n += 1 };

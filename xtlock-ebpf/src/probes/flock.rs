@@ -10,7 +10,7 @@ use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
 use xtlock_common::{EventKind, FlockCallEvent, LockEvent, LockKey, F_UNLCK};
 
 use crate::{
-    emit::{cfg, field, header, ids, now, output},
+    emit::{cfg, field, field_fast, header, ids, now, output},
     FLOCK_ENTER, FLOCK_INFLIGHT, WATCHED,
 };
 
@@ -36,7 +36,7 @@ pub struct FlockInflight {
 
 #[tracepoint]
 pub fn sys_enter_flock(ctx: TracePointContext) -> u32 {
-    let cmd: u64 = field(&ctx, cfg(|c| c.flock_cmd)).unwrap_or(u64::from(u32::MAX));
+    let cmd: u64 = field_fast::<u64, 24>(&ctx, cfg(|c| c.flock_cmd)).unwrap_or(u64::from(u32::MAX));
     let (_, tid) = ids();
     if let Some(slot) = FLOCK_ENTER.get_ptr_mut(0) {
         // SAFETY: per-CPU slot.
@@ -58,8 +58,8 @@ pub fn flock_lock_inode(ctx: TracePointContext) -> u32 {
 }
 
 fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
-    let ino: u64 = field(ctx, cfg(|c| c.fl_ino))?;
-    let dev: u32 = field(ctx, cfg(|c| c.fl_dev))?;
+    let ino: u64 = field_fast::<u64, 16>(ctx, cfg(|c| c.fl_ino))?;
+    let dev: u32 = field_fast::<u32, 24>(ctx, cfg(|c| c.fl_dev))?;
     let key = LockKey { ino, dev, _pad: 0 };
     // SAFETY: read-only lookup; userspace only writes this map before attaching.
     if unsafe { WATCHED.get(&key) }.is_none() {

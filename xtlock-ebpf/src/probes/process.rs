@@ -20,6 +20,15 @@ use crate::{
     EXEC_ARGS, EXEC_SCRATCH, EXIT_CODES,
 };
 
+/// Writes `words` zero u64s at `p`: a plain loop, since the BPF target has no memset.
+#[inline(always)]
+fn zero(p: *mut u64, words: usize) {
+    for i in 0..words {
+        // SAFETY: callers pass a buffer of at least `words` u64s.
+        unsafe { p.add(i).write_volatile(0) };
+    }
+}
+
 /// argv as read at `execve` entry.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -47,6 +56,9 @@ fn save_argv(ctx: &TracePointContext, argv_offset: usize) -> Result<(), i32> {
     let scratch = EXEC_SCRATCH.get_ptr_mut(0).ok_or(0)?;
     // SAFETY: per-CPU scratch slot; user pointers are only read through the helpers.
     let s = unsafe { &mut *scratch };
+    // Cleared first: the slot keeps the previous exec's argv, and the bytes after each NUL
+    // would otherwise carry another process's command line into events and capture files.
+    zero(s.args.as_mut_ptr().cast::<u64>(), ARG_LEN * ARGV_SLOTS / 8);
     s.argc = 0;
     s.truncated = 0;
     for i in 0..ARGV_SLOTS {
@@ -84,6 +96,8 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
     // SAFETY: `ev` points at a reserved, writable ring buffer entry of the right size;
     // every field is written before submit.
     unsafe {
+        // Ring buffer memory holds older records: clear what is not always written.
+        zero((*ev).filename.as_mut_ptr().cast::<u64>(), FILENAME_LEN / 8);
         (*ev).hdr = header(EventKind::Exec, now());
         (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
         // __data_loc: low 16 bits offset from the record start, high 16 bits length.
@@ -106,13 +120,17 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
                 (*ev).args_truncated = a.truncated;
             }
             None => {
+                zero(
+                    (*ev).args.as_mut_ptr().cast::<u64>(),
+                    ARG_LEN * ARGV_SLOTS / 8,
+                );
                 (*ev).argc = 0;
                 (*ev).args_truncated = 0;
             }
         }
     }
     let _ = EXEC_ARGS.remove(&old_pid);
-    entry.submit(0);
+    entry.submit(crate::emit::wake_flags());
     Ok(())
 }
 

@@ -111,7 +111,7 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
         let _ = read_packet(&c, skb, &mut ev);
     }
     entry.write(ev);
-    entry.submit(0);
+    entry.submit(crate::emit::wake_flags());
     Ok(())
 }
 

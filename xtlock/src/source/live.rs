@@ -12,7 +12,7 @@ use crate::{
 };
 
 /// Most records read per wake-up, so timers and signals are served during a storm.
-const BATCH: usize = 4096;
+pub const BATCH: usize = 4096;
 
 /// Gets every record the source yields, in the order the pipeline sees them: raw kernel
 /// records as the ring buffer delivered them, and the events the source makes itself
@@ -144,10 +144,13 @@ impl LiveSource {
         Ok(())
     }
 
-    /// Drains whatever is queued now without waiting (used at exit).
-    pub fn drain(&mut self, out: &mut Vec<Event>) {
+    /// Reads up to `limit` queued records without waiting (on the poll tick, and at exit).
+    /// Bounded, so a storm that fills the ring as fast as it is read cannot starve the
+    /// timers and signals, nor hold up an exit.
+    pub fn drain(&mut self, out: &mut Vec<Event>, limit: usize) {
         let ring = self.ring.get_mut();
-        while let Some(item) = ring.next() {
+        for _ in 0..limit {
+            let Some(item) = ring.next() else { break };
             self.tap.kernel(&item, out);
         }
     }
