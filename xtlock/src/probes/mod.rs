@@ -4,6 +4,7 @@
 
 pub mod btf;
 pub mod dropreason;
+pub mod nft_commit;
 pub mod preflight;
 pub mod tracefs;
 
@@ -221,6 +222,7 @@ pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
         }
     }
     let mut features = Vec::new();
+    discover_task_netns(&mut config);
     if !unusable.iter().any(|(p, _)| *p == DROP_PROGRAM) {
         discover_drops(&mut config, &mut reasons, &mut features);
     }
@@ -230,6 +232,30 @@ pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
         reasons,
         features,
     })
+}
+
+/// Offsets to the current task's netns inode (nf_tables commits), from BTF; without them
+/// commits are reported with netns unknown.
+fn discover_task_netns(c: &mut ProbeConfig) {
+    let offsets = btf::Btf::vmlinux()
+        .map_err(|e| e.to_string())
+        .and_then(|b| {
+            let m = |s: &str, p: &str| b.member_offset(s, p).map_err(|e| e.to_string());
+            Ok([
+                m("task_struct", "nsproxy")?,
+                m("nsproxy", "net_ns")?,
+                m("net", "ns.inum")?,
+            ])
+        });
+    match offsets {
+        Ok([nsproxy, net_ns, inum]) => {
+            c.task_nsproxy = nsproxy;
+            c.nsproxy_net_ns = net_ns;
+            c.net_ns_inum = inum;
+            c.task_ok = 1;
+        }
+        Err(why) => tracing::warn!(%why, "nf_tables commits will show netns unknown"),
+    }
 }
 
 /// Struct offsets for drop samples (from BTF) and the drop-reason table; what is missing
@@ -524,6 +550,18 @@ impl Probes {
                 error,
             });
         }
+        let facts = nft_commit::discover(&tracefs);
+        let (attach, error) = match nft_commit::attach(&mut ebpf, &facts) {
+            Ok(a) => (a.describe, None),
+            Err(why) => ("fentry/fexit, else kprobe/kretprobe".to_string(), Some(why)),
+        };
+        status.push(HookStatus {
+            program: nft_commit::HOOK,
+            attach,
+            required: false,
+            purpose: nft_commit::PURPOSE,
+            error,
+        });
         for s in status
             .iter()
             .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
