@@ -1193,8 +1193,9 @@ fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
         hold_ns: c.ts_ns.saturating_sub(c.enter_ns),
         owner: 0,
         exclusive: true,
+        // The whole hold is the kernel's; no legacy table replace in it.
         kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
-        replaces: 1,
+        replaces: 0,
         agent_pid: who.agent_pid,
         released_by: None,
         pod_uid: who.pod_uid.clone(),
