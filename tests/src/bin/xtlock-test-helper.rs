@@ -5,7 +5,8 @@
 //! Every line it prints on stdout is `KEY VALUE...` with CLOCK_MONOTONIC timestamps in ns,
 //! the clock of xtlock's events, so tests compare durations they measured themselves.
 //!
-//!   hold LOCK MS          flock(LOCK_EX), print `acquired T`, sleep MS, close, `released T`
+//!   hold LOCK MS          print `locking T`, flock(LOCK_EX), `acquired T`, sleep MS,
+//!                         `released T` (just before close), close, `closed T`
 //!   poll LOCK INTERVAL_MS HOLD_MS
 //!                         LOCK_EX|LOCK_NB every INTERVAL_MS until granted (Go daemons'
 //!                         style), print `tries N` and `acquired T`, hold HOLD_MS, `released T`
@@ -81,12 +82,14 @@ fn run() -> anyhow::Result<u8> {
     match a.as_slice() {
         ["hold", lock, hold] => {
             let f = open(lock)?;
+            say(format!("locking {}", now()));
             flock(&f, libc::LOCK_EX)?;
             say(format!("acquired {}", now()));
             sleep(ms(hold)?);
             let t = now();
             drop(f);
             say(format!("released {t}"));
+            say(format!("closed {}", now()));
             Ok(0)
         }
         ["poll", lock, interval, hold] => {
@@ -108,10 +111,12 @@ fn run() -> anyhow::Result<u8> {
             let t = now();
             drop(f);
             say(format!("released {t}"));
+            say(format!("closed {}", now()));
             Ok(0)
         }
         ["forkhold", lock, hold] => {
             let f = open(lock)?;
+            say(format!("locking {}", now()));
             flock(&f, libc::LOCK_EX)?;
             say(format!("acquired {}", now()));
             // SAFETY: single-threaded program; the child only sleeps, prints and exits.
@@ -125,6 +130,7 @@ fn run() -> anyhow::Result<u8> {
                 let t = now();
                 drop(f);
                 say(format!("released {t}"));
+                say(format!("closed {}", now()));
                 // SAFETY: leave without running the parent's atexit handlers twice.
                 unsafe { libc::_exit(0) };
             }
