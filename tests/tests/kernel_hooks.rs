@@ -140,7 +140,10 @@ fn nft_commits_under_trace(env: &[(&str, &str)], table: &str) -> (Vec<Value>, St
                 .is_some_and(|l| l.starts_with("nf_tables commit"))
         })
         .cloned()
-        .collect();
+        .collect::<Vec<_>>();
+    for h in &holds {
+        eprintln!("nf_tables commit hold: {h}");
+    }
     (holds, trace.dump())
 }
 
