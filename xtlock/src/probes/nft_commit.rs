@@ -108,8 +108,8 @@ pub fn plan(facts: &KernelFacts) -> Result<Plan, PlanError> {
     })
 }
 
-/// Reads the facts of the running kernel.
-pub fn discover(tracefs: &Path) -> KernelFacts {
+/// Reads the facts of the running kernel (`btf`: its parsed vmlinux BTF, or why not).
+pub fn discover(tracefs: &Path, btf: Result<&super::btf::Btf, String>) -> KernelFacts {
     let mut symbols = Vec::new();
     if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
         symbols = kallsyms_functions(&text, FUNCTIONS);
@@ -122,9 +122,9 @@ pub fn discover(tracefs: &Path) -> KernelFacts {
         ..Default::default()
     };
     if let Ok(p) = plan(&facts) {
-        match super::btf::Btf::vmlinux() {
+        match btf {
             Ok(b) => facts.in_vmlinux_btf = b.has_func(&p.function),
-            Err(e) => facts.btf_error = Some(e.to_string()),
+            Err(e) => facts.btf_error = Some(e),
         }
     }
     facts
