@@ -33,7 +33,8 @@ const APT_PACKAGES: &[&str] = &[
 ];
 /// `cargo xtask vm-test`: QEMU, the guest's busybox, and xz to unpack the guest kernel's
 /// image. Installed without their recommendations (qemu-system-x86's would bring a GUI).
-const APT_VM_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "xz-utils"];
+/// nftables: `nft`, run by the nf_tables commit tests (on the host and, through its root, in the VM).
+const APT_VM_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "xz-utils", "nftables"];
 /// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
 const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
 

@@ -66,6 +66,9 @@ pub enum EventKind {
     TableReplace = 6,
     /// `skb:kfree_skb`: one sampled packet drop (rate limited; counts are kept apart).
     Drop = 7,
+    /// An nf_tables commit (`nfnetlink_rcv_batch` or `nf_tables_commit`), seen at its return:
+    /// the serialisation point of nft, iptables-nft, kube-proxy's nftables mode, firewalld.
+    NftCommit = 8,
 }
 
 impl EventKind {
@@ -78,6 +81,7 @@ impl EventKind {
             5 => Self::Exit,
             6 => Self::TableReplace,
             7 => Self::Drop,
+            8 => Self::NftCommit,
             _ => return None,
         })
     }
@@ -186,6 +190,19 @@ pub struct TableReplaceEvent {
     pub optname: u32,
     pub optlen: u32,
     pub _pad: u32,
+}
+
+/// One nf_tables commit (a netlink batch), seen at its return. `hdr` is the sending task.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftCommitEvent {
+    /// `ts_ns` is the function's return.
+    pub hdr: EventHeader,
+    pub enter_ns: u64,
+    /// Inode of the sending task's network namespace; 0 when unknown.
+    pub netns: u32,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
 }
 
 /// Address family of a [`DropEvent`]'s addresses.
@@ -301,6 +318,12 @@ pub struct ProbeConfig {
     pub drop_sample_burst: u32,
     /// Minimum spacing of drop samples per CPU, in ns; 0: no samples at all.
     pub drop_sample_interval_ns: u64,
+    /// Non-zero when the offsets below and `net_ns_inum` were found in BTF (nf_tables commit netns).
+    pub task_ok: u32,
+    /// `task_struct.nsproxy`, `nsproxy.net_ns` (then `net_ns_inum` above: the commit's netns).
+    pub task_nsproxy: u32,
+    pub nsproxy_net_ns: u32,
+    pub _pad2: u32,
 }
 
 #[cfg(feature = "user")]
@@ -324,6 +347,7 @@ pub mod sizes {
     pub const EXIT: usize = size_of::<ExitEvent>();
     pub const TABLE_REPLACE: usize = size_of::<TableReplaceEvent>();
     pub const DROP: usize = size_of::<DropEvent>();
+    pub const NFT_COMMIT: usize = size_of::<NftCommitEvent>();
 }
 
 #[cfg(test)]
@@ -344,7 +368,8 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        assert_eq!(size_of::<ProbeConfig>(), 144);
+        assert_eq!(size_of::<ProbeConfig>(), 160);
+        assert_eq!(size_of::<NftCommitEvent>(), 56);
     }
 
     #[test]
@@ -357,6 +382,7 @@ mod tests {
             EventKind::Exit,
             EventKind::TableReplace,
             EventKind::Drop,
+            EventKind::NftCommit,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

@@ -52,6 +52,10 @@ static CONFIG: ProbeConfig = ProbeConfig {
     sk_net: 0,
     drop_sample_burst: 0,
     drop_sample_interval_ns: 0,
+    task_ok: 0,
+    task_nsproxy: 0,
+    nsproxy_net_ns: 0,
+    _pad2: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.
@@ -91,6 +95,11 @@ static EXIT_CODES: LruHashMap<u32, i32> = LruHashMap::with_max_entries(8192, 0);
 /// xtables `setsockopt()` calls in progress, by thread id.
 #[map]
 static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
+    LruHashMap::with_max_entries(1024, 0);
+
+/// nf_tables commits in progress, by thread id.
+#[map]
+static NFT_INFLIGHT: LruHashMap<u32, probes::nft_commit::NftEnter> =
     LruHashMap::with_max_entries(1024, 0);
 
 /// Which drop reasons to count and sample: slot `min(reason, DROP_REASON_SLOTS - 1)` is

@@ -543,6 +543,41 @@ mod tests {
 
     const RESTORE: &[&str] = &["iptables-restore", "-w", "5", "--noflush", "--counters"];
 
+    /// An nft batch sent by firewalld's child is a hold of the second lock, per netns.
+    #[test]
+    fn nft_commit_is_a_hold_of_the_second_lock() {
+        let mut r = Run::new();
+        let mut evs = node();
+        evs.extend(spawn(10, 60, 300, "firewalld", &["nft", "-f", "rules.nft"]));
+        evs.push(Event::NftCommit(crate::decode::NftCommitEvent {
+            ts_ns: 5 * MS,
+            enter_ns: 2 * MS,
+            tgid: 300,
+            tid: 300,
+            netns: 4026531840,
+            comm: Comm::new("nft"),
+        }));
+        r.feed(&evs);
+        let h = r.holds();
+        assert_eq!(h.len(), 1, "{:?}", r.out);
+        assert_eq!(h[0].lock, "nf_tables commit (netns 4026531840)");
+        assert_eq!(
+            (
+                h[0].pid,
+                h[0].comm.as_str(),
+                h[0].agent.as_str(),
+                h[0].agent_pid
+            ),
+            (300, "nft", "firewalld", 60)
+        );
+        assert_eq!((h[0].start_ns, h[0].hold_ns), (2 * MS, 3 * MS));
+        assert_eq!(
+            r.a.summary().holds["firewalld"].count,
+            1,
+            "counted with the agent's holds"
+        );
+    }
+
     #[test]
     fn release_by_close_from_another_pid() {
         let mut r = Run::new();

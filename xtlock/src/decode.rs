@@ -139,6 +139,19 @@ pub struct TableReplaceEvent {
     pub ret: i64,
 }
 
+/// One nf_tables commit (netlink batch): the second lock, held for `ts_ns - enter_ns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftCommitEvent {
+    /// The commit function's return.
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    /// Inode of the sender's network namespace; 0 when unknown.
+    pub netns: u32,
+    pub comm: Comm,
+}
+
 /// A process that existed when tracing started (from /proc), or that userspace looked up
 /// later. Not a kernel event: the source produces it so the analysis never reads /proc.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -266,6 +279,7 @@ pub enum Event {
     Fork(ForkEvent),
     Exit(ExitEvent),
     TableReplace(TableReplaceEvent),
+    NftCommit(NftCommitEvent),
     Proc(ProcInfo),
     /// The kernel dropped `count` events because the ring buffer was full (since the last
     /// such report).
@@ -307,6 +321,7 @@ impl Event {
             Event::Fork(e) => e.ts_ns,
             Event::Exit(e) => e.ts_ns,
             Event::TableReplace(e) => e.ts_ns,
+            Event::NftCommit(e) => e.ts_ns,
             Event::Proc(e) => e.ts_ns,
             Event::Lost { ts_ns, .. } => *ts_ns,
             Event::Drop(e) => e.ts_ns,
@@ -449,6 +464,18 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 optname: e.optname,
                 optlen: e.optlen,
                 ret: e.ret,
+            })
+        }
+        K::NftCommit => {
+            need(kind, b, sizes::NFT_COMMIT)?;
+            let e: common::NftCommitEvent = read(b);
+            Event::NftCommit(NftCommitEvent {
+                ts_ns: hdr.ts_ns,
+                enter_ns: e.enter_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                netns: e.netns,
+                comm: Comm(e.comm),
             })
         }
         K::Drop => {

@@ -25,7 +25,8 @@ use serde::{Serialize, Serializer};
 use crate::analysis::Output;
 use crate::attribution::{is_locking_comm, Attribution, Attributor};
 use crate::decode::{
-    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, TableReplaceEvent,
+    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, NftCommitEvent,
+    TableReplaceEvent,
 };
 use crate::procs::{basename, ProcTable};
 
@@ -422,6 +423,7 @@ impl LockMachine {
             Event::FlockCall(e) => self.on_flock_call(e, cx, out),
             Event::Fork(f) => self.on_fork(f),
             Event::TableReplace(t) => self.on_table_replace(t),
+            Event::NftCommit(c) => out(Output::Hold(nft_commit_hold(c, cx))),
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
             }
@@ -1164,6 +1166,42 @@ fn hold_fact(
         container_id: who.container_id.clone(),
         open,
         incomplete,
+    }
+}
+
+/// Name of the second lock: nf_tables serialises commits per network namespace.
+pub fn nft_commit_lock(netns: u32) -> String {
+    if netns == 0 {
+        "nf_tables commit (netns unknown)".to_string()
+    } else {
+        format!("nf_tables commit (netns {netns})")
+    }
+}
+
+/// One nf_tables commit as a hold of the second lock, attributed like a file-lock hold.
+fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
+    let who = cx.who(c.tgid, &c.comm);
+    HoldFact {
+        lock: nft_commit_lock(c.netns),
+        pid: c.tgid,
+        tid: c.tid,
+        comm: who.comm.clone(),
+        agent: who.agent.clone(),
+        role: who.role,
+        cmdline: who.cmdline.clone(),
+        start_ns: c.enter_ns,
+        hold_ns: c.ts_ns.saturating_sub(c.enter_ns),
+        owner: 0,
+        exclusive: true,
+        // The whole hold is the kernel's; no legacy table replace in it.
+        kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
+        replaces: 0,
+        agent_pid: who.agent_pid,
+        released_by: None,
+        pod_uid: who.pod_uid.clone(),
+        container_id: who.container_id.clone(),
+        open: false,
+        incomplete: false,
     }
 }
 

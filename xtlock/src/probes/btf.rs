@@ -229,6 +229,13 @@ impl Btf {
         None
     }
 
+    /// Whether the kernel has a function named `name` in this BTF (what fentry attaches to).
+    pub fn has_func(&self, name: &str) -> bool {
+        self.types
+            .iter()
+            .any(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)
+    }
+
     /// Byte offset of `path` (members separated by `.`, e.g. `nd_net.net`) inside
     /// `struct strukt`. Anonymous structs and unions on the way are looked through.
     pub fn member_offset(&self, strukt: &str, path: &str) -> Result<u32, BtfError> {

@@ -4,6 +4,7 @@
 
 pub mod btf;
 pub mod dropreason;
+pub mod nft_commit;
 pub mod preflight;
 pub mod tracefs;
 
@@ -190,6 +191,8 @@ pub struct Discovery {
     /// Drop reasons of this kernel (empty when it reports none).
     pub reasons: ReasonTable,
     pub features: Vec<Feature>,
+    /// What the nf_tables commit hook can attach to.
+    pub nft: nft_commit::KernelFacts,
 }
 
 /// Reads the format files of every hook and fills the probe configuration.
@@ -221,21 +224,52 @@ pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
         }
     }
     let mut features = Vec::new();
+    // Parsed once: under emulation each parse of vmlinux BTF takes seconds.
+    let btf = btf::Btf::vmlinux();
+    discover_task_netns(&mut config, &btf);
     if !unusable.iter().any(|(p, _)| *p == DROP_PROGRAM) {
-        discover_drops(&mut config, &mut reasons, &mut features);
+        discover_drops(&mut config, &mut reasons, &mut features, &btf);
     }
+    let nft = nft_commit::discover(tracefs, btf.as_ref().map_err(|e| e.to_string()));
     Ok(Discovery {
         config,
         unusable,
         reasons,
         features,
+        nft,
     })
+}
+
+/// Offsets to the current task's netns inode (nf_tables commits), from BTF; without them
+/// commits are reported with netns unknown.
+fn discover_task_netns(c: &mut ProbeConfig, btf: &Result<btf::Btf, btf::BtfError>) {
+    let offsets = btf.as_ref().map_err(|e| e.to_string()).and_then(|b| {
+        let m = |s: &str, p: &str| b.member_offset(s, p).map_err(|e| e.to_string());
+        Ok([
+            m("task_struct", "nsproxy")?,
+            m("nsproxy", "net_ns")?,
+            m("net", "ns.inum")?,
+        ])
+    });
+    match offsets {
+        Ok([nsproxy, net_ns, inum]) => {
+            c.task_nsproxy = nsproxy;
+            c.nsproxy_net_ns = net_ns;
+            c.net_ns_inum = inum;
+            c.task_ok = 1;
+        }
+        Err(why) => tracing::warn!(%why, "nf_tables commits will show netns unknown"),
+    }
 }
 
 /// Struct offsets for drop samples (from BTF) and the drop-reason table; what is missing
 /// is reported as an unavailable feature, and drops are still counted without it.
-fn discover_drops(c: &mut ProbeConfig, reasons: &mut ReasonTable, features: &mut Vec<Feature>) {
-    let btf = btf::Btf::vmlinux();
+fn discover_drops(
+    c: &mut ProbeConfig,
+    reasons: &mut ReasonTable,
+    features: &mut Vec<Feature>,
+    btf: &Result<btf::Btf, btf::BtfError>,
+) {
     if c.kd_has_reason == 0 {
         *reasons = ReasonTable::default();
         features.push(Feature {
@@ -276,7 +310,7 @@ fn discover_drops(c: &mut ProbeConfig, reasons: &mut ReasonTable, features: &mut
             },
         });
     }
-    let offsets = btf.map_err(|e| e.to_string()).and_then(|b| {
+    let offsets = btf.as_ref().map_err(|e| e.to_string()).and_then(|b| {
         let m = |s: &str, p: &str| b.member_offset(s, p).map_err(|e| e.to_string());
         Ok([
             m("sk_buff", "head")?,
@@ -524,6 +558,17 @@ impl Probes {
                 error,
             });
         }
+        let (attach, error) = match nft_commit::attach(&mut ebpf, &disc.nft) {
+            Ok(a) => (a.describe, None),
+            Err(why) => ("fentry/fexit, else kprobe/kretprobe".to_string(), Some(why)),
+        };
+        status.push(HookStatus {
+            program: nft_commit::HOOK,
+            attach,
+            required: false,
+            purpose: nft_commit::PURPOSE,
+            error,
+        });
         for s in status
             .iter()
             .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))

@@ -1,0 +1,199 @@
+//! Hooks with more than one way in (fentry/fexit, else kprobe/kretprobe): which one attached,
+//! or plainly why none did, and what they see. The nf_tables commit hook: an `nft` batch sent
+//! by an agent shows as a hold of the second lock, "nf_tables commit (netns N)".
+//!
+//! On a kernel with neither usable fentry nor kprobes (the host these tests were written on:
+//! 6.18 without CONFIG_KPROBES, fentry refused with EPERM) the tests assert the plain
+//! "not attached: fentry: ...; kprobe: kernel built without kprobes" report instead of
+//! skipping. In the VM (`cargo xtask vm-test`, Debian's 6.1) they assert the real behaviour.
+
+use std::{path::Path, process::Command, time::Duration};
+
+use serde_json::Value;
+use xtlock_tests::{require_bpf, serial, xtlock_bin, Agent, Scratch, Tracer};
+
+const T: Duration = Duration::from_secs(30);
+
+/// The kernel offers kprobes (a kprobe PMU, or tracefs `kprobe_events`).
+fn kernel_has_kprobes() -> bool {
+    Path::new("/sys/bus/event_source/devices/kprobe").exists()
+        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
+        || Path::new("/sys/kernel/debug/tracing/kprobe_events").exists()
+}
+
+fn in_vm() -> bool {
+    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
+}
+
+/// `xtlock probes --json`'s entry for the nf_tables commit hook.
+fn nft_status(env: &[(&str, &str)]) -> Value {
+    let mut c = Command::new(xtlock_bin());
+    c.args(["probes", "--json"]);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("run xtlock probes");
+    assert!(out.status.success(), "xtlock probes failed: {out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
+    v["hooks"]
+        .as_array()
+        .expect("hooks array")
+        .iter()
+        .find(|h| h["program"] == "nft_commit")
+        .cloned()
+        .unwrap_or_else(|| panic!("no nft_commit hook in {v}"))
+}
+
+fn host_netns() -> u64 {
+    std::fs::metadata("/proc/self/ns/net")
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .expect("own netns")
+}
+
+/// Where neither attach type works, the report says why for each, and names what is lost.
+fn assert_plain_not_attached(h: &Value) {
+    let why = h["error"].as_str().unwrap_or_else(|| {
+        panic!("nft_commit attached on a kernel without kprobes: {h}");
+    });
+    assert!(why.contains("fentry: "), "{why}");
+    assert!(
+        why.contains("kprobe: kernel built without kprobes"),
+        "{why}"
+    );
+    assert!(
+        h["purpose"]
+            .as_str()
+            .is_some_and(|p| p.contains("nf_tables commit")),
+        "{h}"
+    );
+}
+
+/// The hook's status: attached (in the VM, and wherever kprobes exist), else the plain report.
+#[test]
+fn nft_commit_hook_reports_its_attach_type() {
+    if !require_bpf("nft_commit_hook_reports_its_attach_type") {
+        return;
+    }
+    let _g = serial();
+    let h = nft_status(&[]);
+    eprintln!("nft_commit: {h}");
+    if !in_vm() && !kernel_has_kprobes() && !h["error"].is_string() {
+        // fentry worked here: fine too.
+        return;
+    }
+    if !in_vm() && !kernel_has_kprobes() {
+        assert_plain_not_attached(&h);
+        return;
+    }
+    assert!(h["error"].is_null(), "nft_commit should attach here: {h}");
+    let attach = h["attach"].as_str().unwrap_or_default();
+    assert!(
+        attach.starts_with("fentry/fexit ") || attach.starts_with("kprobe/kretprobe "),
+        "{attach}"
+    );
+    if attach.starts_with("kprobe/") {
+        // Chosen as the fallback: the reason fentry was not used is kept.
+        assert!(attach.contains("(fallback; fentry: "), "{attach}");
+    }
+    // Forcing the fallback.
+    let h = nft_status(&[("XTLOCK_DISABLE_FENTRY", "1")]);
+    eprintln!("nft_commit with XTLOCK_DISABLE_FENTRY=1: {h}");
+    assert!(h["error"].is_null(), "{h}");
+    let attach = h["attach"].as_str().unwrap_or_default();
+    assert!(attach.starts_with("kprobe/kretprobe "), "{attach}");
+    assert!(
+        attach.contains("fentry: disabled by XTLOCK_DISABLE_FENTRY=1"),
+        "{attach}"
+    );
+}
+
+/// Runs `nft add table; nft add chain` in a new netns, started by an agent named
+/// firewalld, under `xtlock trace` (with `env`); returns the nf_tables commit holds.
+fn nft_commits_under_trace(env: &[(&str, &str)], table: &str) -> (Vec<Value>, String) {
+    let s = Scratch::new(&format!("nft-{table}"));
+    let lock = s.lock_file("xtables.lock");
+    let firewalld = s.agent("firewalld");
+    let mut c = Command::new(xtlock_bin());
+    c.args(["trace", "--json", "--duration", "8000ms", "--no-drops"])
+        .arg("--lock-file")
+        .arg(&lock);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let tracer = Tracer::spawn(c);
+    let script = format!("nft add table inet {table} && nft add chain inet {table} c");
+    let mut fw = Agent::spawn(
+        &firewalld,
+        &["run", "--netns", "sh", "-c", &script],
+        &[],
+        None,
+    );
+    fw.ts("start", T);
+    assert_eq!(fw.wait(), 0, "nft failed");
+    let trace = tracer.finish();
+    let holds = trace
+        .of_type("hold")
+        .into_iter()
+        .filter(|h| {
+            h["lock"]
+                .as_str()
+                .is_some_and(|l| l.starts_with("nf_tables commit"))
+        })
+        .cloned()
+        .collect::<Vec<_>>();
+    for h in &holds {
+        eprintln!("nf_tables commit hold: {h}");
+    }
+    (holds, trace.dump())
+}
+
+fn assert_nft_holds(holds: &[Value], dump: &str) {
+    assert_eq!(holds.len(), 2, "two nft batches, two commits:\n{dump}");
+    let host = host_netns();
+    for h in holds {
+        assert_eq!(h["comm"], "nft", "{h}");
+        assert_eq!(h["agent"], "firewalld", "{h}");
+        let lock = h["lock"].as_str().unwrap_or_default();
+        let netns: u64 = lock
+            .trim_start_matches("nf_tables commit (netns ")
+            .trim_end_matches(')')
+            .parse()
+            .unwrap_or_else(|_| panic!("no netns in {lock:?}"));
+        assert_ne!(netns, host, "nft ran in its own netns: {h}");
+        assert!(h["hold_ns"].as_u64().is_some_and(|n| n > 0), "{h}");
+    }
+    assert_eq!(holds[0]["lock"], holds[1]["lock"], "same netns for both");
+}
+
+/// An nft batch is a hold of the second lock, with the right process and netns; the same
+/// through the kprobe fallback.
+#[test]
+fn nft_batch_is_an_nf_tables_commit_hold() {
+    if !require_bpf("nft_batch_is_an_nf_tables_commit_hold") {
+        return;
+    }
+    let _g = serial();
+    let h = nft_status(&[]);
+    if h["error"].is_string() {
+        if in_vm() || kernel_has_kprobes() {
+            panic!("nft_commit did not attach: {h}");
+        }
+        assert_plain_not_attached(&h);
+        eprintln!(
+            "nf_tables commits are not visible on this kernel: {}",
+            h["error"]
+        );
+        return;
+    }
+    if Command::new("nft").arg("--version").output().is_err() {
+        assert!(!in_vm(), "nft missing (the nftables package)");
+        eprintln!("skipped: nft not installed (apt-get install nftables)");
+        return;
+    }
+    let (holds, dump) = nft_commits_under_trace(&[], "xtlock_a");
+    assert_nft_holds(&holds, &dump);
+    if kernel_has_kprobes() {
+        let (holds, dump) = nft_commits_under_trace(&[("XTLOCK_DISABLE_FENTRY", "1")], "xtlock_b");
+        assert_nft_holds(&holds, &dump);
+    }
+}
