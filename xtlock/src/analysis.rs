@@ -111,6 +111,14 @@ pub struct LostFact {
     pub total: u64,
 }
 
+/// `out`, with every fact counted in the statistics on its way.
+fn counted<'a>(stats: &'a mut Stats, out: &'a mut impl FnMut(Output)) -> impl FnMut(Output) + 'a {
+    move |o: Output| {
+        stats.record(&o);
+        out(o);
+    }
+}
+
 /// Process table, attribution, lock state machine and statistics behind one call.
 #[derive(Debug)]
 pub struct Analyzer {
@@ -178,29 +186,20 @@ impl Analyzer {
         match ev {
             Event::Drop(s) => {
                 let hold = self.hold_at(s.ts_ns);
-                let stats = &mut self.stats;
-                self.drops.on_sample(s, hold, &mut |o: Output| {
-                    stats.record(&o);
-                    out(o);
-                });
+                self.drops
+                    .on_sample(s, hold, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::DropCounts(c) => {
                 let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
-                let stats = &mut self.stats;
-                self.drops.on_counts(c, holds, &mut |o: Output| {
-                    stats.record(&o);
-                    out(o);
-                });
+                self.drops
+                    .on_counts(c, holds, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::Conntrack(c) => {
                 let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
-                let stats = &mut self.stats;
-                self.drops.on_conntrack(c, holds, &mut |o: Output| {
-                    stats.record(&o);
-                    out(o);
-                });
+                self.drops
+                    .on_conntrack(c, holds, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::DropSetup {
@@ -300,11 +299,7 @@ impl Analyzer {
             attr: &mut self.attr,
         };
         self.locks.finish(ts_ns, &mut cx, &mut emit);
-        let stats = &mut self.stats;
-        self.drops.finish(ts_ns, &mut |o: Output| {
-            stats.record(&o);
-            out(o);
-        });
+        self.drops.finish(ts_ns, &mut counted(&mut self.stats, out));
     }
 
     pub fn summary(&self) -> Summary {
