@@ -16,7 +16,7 @@ use crate::{
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
-    probes::{self, preflight, HookStatus, LoadOptions},
+    probes::{preflight, HookStatus},
     serve::{self, State},
     sinks::metrics::{HoldLabels, Metrics, MetricsSink, ProbeLabels},
     source::{self, live::LiveSource, live::Recorder},
@@ -45,13 +45,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
         )?),
         None => None,
     };
-    let probes = probes::Probes::load_with_drops(
-        &LoadOptions {
-            locks: locks.clone(),
-            ring_bytes: args.ring_buffer_mib << 20,
-        },
-        args.drops.probe_options().as_ref(),
-    )?;
+    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops)?;
     let mut src = LiveSource::new(probes)?;
     let links = links::Watch::new(&src.probes.status);
     if let Some(r) = rolling.as_mut() {

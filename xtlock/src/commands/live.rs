@@ -18,6 +18,7 @@ use crate::{
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
+    probes::{LoadOptions, Probes},
     source::{
         self,
         live::{self, LiveSource},
@@ -57,6 +58,18 @@ pub trait LiveHooks {
 pub struct NoHooks;
 
 impl LiveHooks for NoHooks {}
+
+/// Loads and attaches the probes for these lock files, with the drop options.
+pub fn load(locks: &[LockFile], ring_mib: u32, drops: &DropArgs) -> anyhow::Result<Probes> {
+    let opts = LoadOptions {
+        locks: locks.to_vec(),
+        ring_bytes: ring_mib << 20,
+    };
+    Ok(Probes::load_with_drops(
+        &opts,
+        drops.probe_options().as_ref(),
+    )?)
+}
 
 /// The events to begin with, in the order they are recorded: the process snapshot, then the
 /// drop setup (reason names, symbols). Returns them all, and the drop setup alone.

@@ -22,7 +22,7 @@ use crate::{
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
-    probes::{self, preflight, HookStatus, LoadOptions},
+    probes::{preflight, HookStatus},
     sinks::Sink,
     source::{self, live::LiveSource, live::Recorder},
 };
@@ -32,13 +32,7 @@ pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
     let mut locks = resolve_locks(&args.locks)?;
     // Fail on an unwritable path before loading anything.
     let file = create_capture_file(&args.output)?;
-    let probes = probes::Probes::load_with_drops(
-        &LoadOptions {
-            locks: locks.clone(),
-            ring_bytes: args.ring_buffer_mib << 20,
-        },
-        args.drops.probe_options().as_ref(),
-    )?;
+    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops)?;
     let progress = Arc::new(Progress::default());
     let recorder = start_capture(file, &args.output, &locks, &probes.status, progress.clone())?;
     let mut src = LiveSource::new(probes)?;

@@ -6,7 +6,7 @@ use crate::{
     cli::TraceArgs,
     commands::{live, record, resolve_locks},
     pipeline::Pipeline,
-    probes::{self, preflight, LoadOptions},
+    probes::preflight,
     sinks::{JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
     source::{self, live::LiveSource},
 };
@@ -19,13 +19,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
         Some(path) => Some(record::create_capture_file(path)?),
         None => None,
     };
-    let probes = probes::Probes::load_with_drops(
-        &LoadOptions {
-            locks: locks.clone(),
-            ring_bytes: args.ring_buffer_mib << 20,
-        },
-        args.drops.probe_options().as_ref(),
-    )?;
+    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops)?;
     let recorder = match (capture, &args.record) {
         (Some(file), Some(path)) => Some(record::start_capture(
             file,
