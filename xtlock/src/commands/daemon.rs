@@ -28,7 +28,7 @@ const STALL: Duration = Duration::from_secs(5);
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     preflight::check()?;
     let mut locks = resolve_locks(&args.locks)?;
-    let kernel = record::capture_header(&[], &[]).kernel_release;
+    let kernel = record::kernel_release();
     let metrics = Arc::new(Metrics::new(&kernel));
     let state = Arc::new(State::new(metrics.clone()));
     // Listen before loading the probes: a taken port fails fast, and /healthz answers while

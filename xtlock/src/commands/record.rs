@@ -162,6 +162,11 @@ pub fn capture_header(locks: &[LockFile], hooks: &[HookStatus]) -> CaptureHeader
     }
 }
 
+/// `uname -r` of the running kernel.
+pub fn kernel_release() -> String {
+    uname().1
+}
+
 /// (nodename, release) from uname(2).
 fn uname() -> (String, String) {
     // SAFETY: uname fills our zeroed struct; the fields are NUL-terminated C strings.

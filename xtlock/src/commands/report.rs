@@ -9,7 +9,7 @@ use crate::{
     analysis::{Output, Summary},
     cli::ReportArgs,
     pipeline::Pipeline,
-    sinks::{JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
+    sinks::{terminal::wall_clock_date, JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
     source::file::FileSource,
 };
 
@@ -32,16 +32,13 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
             },
             h.kernel_release,
             h.xtlock_version,
-            super::trace::wall_clock_date(h.started_wall_ns),
+            wall_clock_date(h.started_wall_ns),
         )?;
         Box::new(TerminalSink::with_options(
             out,
             TerminalOptions {
                 min_hold: args.min_hold,
-                time: TimeFormat::wall_clock(
-                    h.boot_to_wall_offset_ns,
-                    super::trace::local_utc_offset_s(),
-                ),
+                time: TimeFormat::local_wall_clock(h.boot_to_wall_offset_ns),
                 ..Default::default()
             },
         ))

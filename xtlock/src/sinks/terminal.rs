@@ -37,6 +37,13 @@ impl TimeFormat {
     }
 }
 
+impl TimeFormat {
+    /// Wall clock in the machine's local time zone.
+    pub fn local_wall_clock(realtime_offset_ns: i64) -> Self {
+        Self::wall_clock(realtime_offset_ns, local_utc_offset_s())
+    }
+}
+
 impl Default for TimeFormat {
     fn default() -> Self {
         TimeFormat::Relative { origin_ns: None }
@@ -70,6 +77,41 @@ pub fn wall_clock_label(ts_ns: u64, realtime_offset_ns: i64, utc_offset_s: i32) 
         ms / 1000 % 60,
         ms % 1000
     )
+}
+
+/// `YYYY-MM-DD HH:MM:SS UTC` of Unix-epoch nanoseconds.
+pub fn wall_clock_date(unix_ns: u64) -> String {
+    let secs = (unix_ns / 1_000_000_000) as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+/// The local time zone's offset from UTC in seconds (0 when unknown).
+pub fn local_utc_offset_s() -> i32 {
+    // SAFETY: localtime_r writes into our own `tm`; `now` is a valid time_t.
+    unsafe {
+        let now = libc::time(std::ptr::null_mut());
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&now, &mut tm).is_null() {
+            return 0;
+        }
+        i32::try_from(tm.tm_gmtoff).unwrap_or(0)
+    }
 }
 
 /// What the terminal shows.
@@ -904,6 +946,20 @@ mod tests {
         assert!(
             text.contains("12 events lost: the ring buffer was full; counts are lower bounds"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn dates() {
+        assert_eq!(wall_clock_date(0), "1970-01-01 00:00:00 UTC");
+        // 2026-11-22 00:30:05 UTC
+        assert_eq!(
+            wall_clock_date(1_795_307_405 * 1_000_000_000),
+            "2026-11-22 00:30:05 UTC"
+        );
+        assert_eq!(
+            wall_clock_date(951_782_400 * 1_000_000_000),
+            "2000-02-29 00:00:00 UTC"
         );
     }
 }
