@@ -64,7 +64,10 @@ struct Type {
 pub struct Btf {
     data: Vec<u8>,
     strings: (usize, usize),
-    /// `types[id - 1]`.
+    /// For a module's split BTF merged onto vmlinux: the string offset where the module's own
+    /// strings begin (the base's string length) and where they lie in `data`.
+    split_strings: Option<(u32, usize, usize)>,
+    /// `types[id - 1]`; a module's types follow the base's, as their ids do.
     types: Vec<Type>,
 }
 
@@ -145,12 +148,56 @@ impl Btf {
         Ok(Btf {
             data,
             strings: (s_start, s_end),
+            split_strings: None,
+            types,
+        })
+    }
+
+    /// A kernel module's BTF (`/sys/kernel/btf/<module>`), which is split BTF: its type ids
+    /// continue after vmlinux's and its string offsets after vmlinux's strings. The result
+    /// holds both, so a module struct's members of vmlinux types resolve.
+    pub fn module(base: &Btf, module: &str) -> Result<Self, BtfError> {
+        let path = Path::new("/sys/kernel/btf").join(module);
+        let data = std::fs::read(&path).map_err(|e| BtfError::Read {
+            path: path.display().to_string(),
+            why: e.to_string(),
+        })?;
+        Self::parse_split(base, data)
+    }
+
+    pub fn parse_split(base: &Btf, data: Vec<u8>) -> Result<Self, BtfError> {
+        if base.split_strings.is_some() {
+            return Err(BtfError::Malformed("split BTF cannot be a base".into()));
+        }
+        let module = Self::parse(data)?;
+        let shift = base.data.len();
+        let base_str_len = (base.strings.1 - base.strings.0) as u32;
+        let mut data = Vec::with_capacity(shift + module.data.len());
+        data.extend_from_slice(&base.data);
+        data.extend_from_slice(&module.data);
+        let mut types = Vec::with_capacity(base.types.len() + module.types.len());
+        types.extend_from_slice(&base.types);
+        types.extend(module.types.iter().map(|t| Type {
+            extra: t.extra + shift,
+            ..*t
+        }));
+        Ok(Btf {
+            data,
+            strings: base.strings,
+            split_strings: Some((
+                base_str_len,
+                module.strings.0 + shift,
+                module.strings.1 + shift,
+            )),
             types,
         })
     }
 
     fn name(&self, off: u32) -> &str {
-        let (start, end) = self.strings;
+        let (start, end, off) = match self.split_strings {
+            Some((base_len, start, end)) if off >= base_len => (start, end, off - base_len),
+            _ => (self.strings.0, self.strings.1, off),
+        };
         let Some(from) = start.checked_add(off as usize).filter(|&f| f < end) else {
             return "";
         };
@@ -294,6 +341,8 @@ pub(crate) mod tests {
     pub(crate) struct Builder {
         types: Vec<u8>,
         strings: Vec<u8>,
+        /// Split BTF: the base's string length, added to every string offset.
+        str_base: u32,
     }
 
     impl Builder {
@@ -301,13 +350,20 @@ pub(crate) mod tests {
             Builder {
                 types: Vec::new(),
                 strings: vec![0],
+                str_base: 0,
+            }
+        }
+        pub fn split(base_strings: u32) -> Self {
+            Builder {
+                str_base: base_strings,
+                ..Self::new()
             }
         }
         pub fn s(&mut self, name: &str) -> u32 {
             if name.is_empty() {
                 return 0;
             }
-            let off = self.strings.len() as u32;
+            let off = self.str_base + self.strings.len() as u32;
             self.strings.extend_from_slice(name.as_bytes());
             self.strings.push(0);
             off
@@ -455,6 +511,33 @@ pub(crate) mod tests {
     }
 
     /// The running kernel's BTF, when it has one.
+    #[test]
+    fn module_split_btf_resolves_through_vmlinux() {
+        let base = Btf::parse(sample()).unwrap();
+        let first = base.types.len() as u32 + 1;
+        let mut m = Builder::split((base.strings.1 - base.strings.0) as u32);
+        // struct ip_vs_dest { __u16 port; struct sk_buff *skb; } with __u16 (5) from the base.
+        m.ptr(6); // first: struct sk_buff *
+        m.strukt(
+            KIND_STRUCT,
+            "ip_vs_dest",
+            16,
+            &[("port", 5, 32), ("skb", first, 64)],
+        );
+        let btf = Btf::parse_split(&base, m.build()).unwrap();
+        assert_eq!(btf.member_offset("ip_vs_dest", "port"), Ok(4));
+        assert_eq!(btf.member_offset("ip_vs_dest", "skb"), Ok(8));
+        // Base types and names still resolve, through the merged data.
+        assert_eq!(btf.member_offset("sk_buff", "dev"), Ok(16));
+        assert_eq!(btf.member_offset("net_device", "nd_net.net"), Ok(256));
+        assert!(Btf::parse_split(&btf, m.build()).is_err());
+        // A module BTF cut short is an error, not a panic.
+        let bytes = m.build();
+        for cut in 0..bytes.len() {
+            let _ = Btf::parse_split(&base, bytes[..cut].to_vec());
+        }
+    }
+
     #[test]
     fn this_kernel() {
         let Ok(btf) = Btf::vmlinux() else {
