@@ -26,12 +26,14 @@ fn in_vm() -> bool {
 }
 
 /// `xtlock probes --json`'s entry for the nf_tables commit hook.
-fn nft_status(env: &[(&str, &str)]) -> Value {
+fn nft_status(args: &[&str]) -> Value {
+    hook_status("nft_commit", args)
+}
+
+/// `xtlock probes --json ARGS`' entry for `hook`.
+fn hook_status(hook: &str, args: &[&str]) -> Value {
     let mut c = Command::new(xtlock_bin());
-    c.args(["probes", "--json"]);
-    for (k, v) in env {
-        c.env(k, v);
-    }
+    c.args(["probes", "--json"]).args(args);
     let out = c.output().expect("run xtlock probes");
     assert!(out.status.success(), "xtlock probes failed: {out:?}");
     let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
@@ -39,9 +41,9 @@ fn nft_status(env: &[(&str, &str)]) -> Value {
         .as_array()
         .expect("hooks array")
         .iter()
-        .find(|h| h["program"] == "nft_commit")
+        .find(|h| h["program"] == hook)
         .cloned()
-        .unwrap_or_else(|| panic!("no nft_commit hook in {v}"))
+        .unwrap_or_else(|| panic!("no {hook} hook in {v}"))
 }
 
 fn host_netns() -> u64 {
@@ -96,20 +98,29 @@ fn nft_commit_hook_reports_its_attach_type() {
         assert!(attach.contains("(fallback; fentry: "), "{attach}");
     }
     // Forcing the fallback.
-    let h = nft_status(&[("XTLOCK_DISABLE_FENTRY", "1")]);
-    eprintln!("nft_commit with XTLOCK_DISABLE_FENTRY=1: {h}");
+    let h = nft_status(&["--no-attach", "fentry"]);
+    eprintln!("nft_commit with --no-attach fentry: {h}");
     assert!(h["error"].is_null(), "{h}");
     let attach = h["attach"].as_str().unwrap_or_default();
     assert!(attach.starts_with("kprobe/kretprobe "), "{attach}");
     assert!(
-        attach.contains("fentry: disabled by XTLOCK_DISABLE_FENTRY=1"),
+        attach.contains("fentry: ruled out by --no-attach fentry"),
         "{attach}"
+    );
+    // The old variable still works.
+    let mut c = Command::new(xtlock_bin());
+    c.args(["probes", "--json"])
+        .env("XTLOCK_DISABLE_FENTRY", "1");
+    let out = c.output().expect("run xtlock probes");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ruled out by --no-attach fentry"),
+        "{out:?}"
     );
 }
 
 /// Runs `nft add table; nft add chain` in a new netns, started by an agent named
 /// firewalld, under `xtlock trace` (with `env`); returns the nf_tables commit holds.
-fn nft_commits_under_trace(env: &[(&str, &str)], table: &str) -> (Vec<Value>, String) {
+fn nft_commits_under_trace(args: &[&str], table: &str) -> (Vec<Value>, String) {
     let s = Scratch::new(&format!("nft-{table}"));
     let lock = s.lock_file("xtables.lock");
     let firewalld = s.agent("firewalld");
@@ -117,9 +128,7 @@ fn nft_commits_under_trace(env: &[(&str, &str)], table: &str) -> (Vec<Value>, St
     c.args(["trace", "--json", "--duration", "8000ms", "--no-drops"])
         .arg("--lock-file")
         .arg(&lock);
-    for (k, v) in env {
-        c.env(k, v);
-    }
+    c.args(args);
     let tracer = Tracer::spawn(c);
     let script = format!("nft add table inet {table} && nft add chain inet {table} c");
     let mut fw = Agent::spawn(
@@ -193,7 +202,150 @@ fn nft_batch_is_an_nf_tables_commit_hold() {
     let (holds, dump) = nft_commits_under_trace(&[], "xtlock_a");
     assert_nft_holds(&holds, &dump);
     if kernel_has_kprobes() {
-        let (holds, dump) = nft_commits_under_trace(&[("XTLOCK_DISABLE_FENTRY", "1")], "xtlock_b");
+        let (holds, dump) = nft_commits_under_trace(&["--no-attach", "fentry"], "xtlock_b");
         assert_nft_holds(&holds, &dump);
+    }
+}
+
+/// What one run of the flock scenario showed: the attach line of the flock syscall hook, and
+/// per agent what the analysis made of it.
+#[derive(Debug, PartialEq, Eq)]
+struct FlockSeen {
+    failed_tries: u64,
+    poll_waits: Vec<(String, u64)>,
+    blocking_waits: usize,
+    holds: usize,
+}
+
+/// firewalld holds the lock 1.5 s; portmap polls it Go-style (LOCK_NB every 50 ms) and
+/// calico-node blocks in flock(). Which calls were LOCK_NB, and how each ended, come from
+/// the flock syscall hook: tracepoints, or its fallbacks on the syscall's function.
+fn flock_scenario(extra: &[&str], name: &str) -> (FlockSeen, u64, String) {
+    let s = Scratch::new(name);
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let firewalld = s.agent("firewalld");
+    let portmap = s.agent("portmap");
+    let calico = s.agent("calico-node");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(6), extra);
+    let mut fw = Agent::spawn(&firewalld, &["hold", lock_s, "1500"], &[], None);
+    fw.ts("acquired", T);
+    let mut pm = Agent::spawn(&portmap, &["poll", lock_s, "200", "50"], &[], None);
+    let mut cn = Agent::spawn(&calico, &["hold", lock_s, "10"], &[], None);
+    let tries: u64 = pm.expect("tries", T)[0].parse().unwrap();
+    assert_eq!(pm.wait(), 0);
+    cn.ts("acquired", T);
+    fw.wait();
+    cn.wait();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    let failed_tries = trace
+        .of_type("failed_try")
+        .into_iter()
+        .filter(|f| f["agent"] == "portmap")
+        .count() as u64;
+    let waits = trace.of_type("wait");
+    let poll_waits = waits
+        .iter()
+        .filter(|w| w["mode"] == "poll")
+        .map(|w| {
+            (
+                w["agent"].as_str().unwrap_or("").to_string(),
+                w["tries"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let blocking_waits = waits
+        .iter()
+        .filter(|w| w["agent"] == "calico-node" && w["mode"] != "poll")
+        .count();
+    let holds = trace.of_type("hold").len();
+    (
+        FlockSeen {
+            failed_tries,
+            poll_waits,
+            blocking_waits,
+            holds,
+        },
+        tries,
+        dump,
+    )
+}
+
+/// The flock syscall hook's candidates: tracepoints first; with them ruled out, fentry/fexit
+/// on the syscall's function; with fentry ruled out too, kprobe/kretprobe. Each gives the same
+/// analysis of the same scenario. Where the kernel has neither (this host), the hook says why
+/// and the lock is still traced.
+#[test]
+fn flock_syscall_fallbacks_give_the_same_results() {
+    if !require_bpf("flock_syscall_fallbacks_give_the_same_results") {
+        return;
+    }
+    let _g = serial();
+    let no_tp: &[&str] = &["--no-attach", "sys_enter_flock:tracepoint"];
+    let no_tp_fentry: &[&str] = &["--no-attach", "sys_enter_flock:tracepoint,fentry"];
+
+    let h = hook_status("sys_enter_flock", &[]);
+    assert!(h["error"].is_null(), "{h}");
+    assert!(
+        h["attach"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("tracepoint "),
+        "{h}"
+    );
+
+    let fentry = hook_status("sys_enter_flock", no_tp);
+    eprintln!("sys_enter_flock without its tracepoint: {fentry}");
+    if !in_vm() && fentry["error"].is_string() {
+        // This host: fentry refused, no kprobes. Said plainly, and the lock is still traced.
+        let why = fentry["error"].as_str().unwrap_or("");
+        assert!(
+            why.contains("tracepoint: ruled out by --no-attach"),
+            "{why}"
+        );
+        assert!(why.contains("fentry: "), "{why}");
+        let (seen, _, dump) = flock_scenario(no_tp, "flock-nofallback");
+        assert_eq!(seen.holds, 3, "{dump}");
+        return;
+    }
+    let attach = fentry["attach"].as_str().unwrap_or("");
+    assert!(
+        attach.starts_with("fentry/fexit __x64_sys_flock"),
+        "{fentry}"
+    );
+    assert!(
+        attach.contains("(fallback; tracepoint: ruled out by --no-attach"),
+        "{attach}"
+    );
+    let exit = hook_status("sys_exit_flock", no_tp);
+    assert_eq!(exit["attach"], fentry["attach"], "the pair follows: {exit}");
+    let kprobe = hook_status("sys_enter_flock", no_tp_fentry);
+    let attach = kprobe["attach"].as_str().unwrap_or("");
+    assert!(
+        attach.starts_with("kprobe/kretprobe __x64_sys_flock"),
+        "{kprobe}"
+    );
+    assert!(
+        attach.contains("fentry: ruled out by --no-attach fentry"),
+        "{attach}"
+    );
+
+    for (name, extra) in [
+        ("tracepoint", &[][..]),
+        ("fentry", no_tp),
+        ("kprobe", no_tp_fentry),
+    ] {
+        let (seen, tries, dump) = flock_scenario(extra, &format!("flock-{name}"));
+        eprintln!("{name}: {seen:?} (portmap counted {tries} failed tries)");
+        // Exact against the poller's own count, whatever the attach type.
+        assert_eq!(seen.failed_tries, tries, "{name}:\n{dump}");
+        assert_eq!(
+            seen.poll_waits,
+            vec![("portmap".to_string(), tries)],
+            "{name}:\n{dump}"
+        );
+        assert_eq!(seen.blocking_waits, 1, "{name}:\n{dump}");
+        assert_eq!(seen.holds, 3, "{name}:\n{dump}");
     }
 }

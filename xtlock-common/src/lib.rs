@@ -323,7 +323,9 @@ pub struct ProbeConfig {
     /// `task_struct.nsproxy`, `nsproxy.net_ns` (then `net_ns_inum` above: the commit's netns).
     pub task_nsproxy: u32,
     pub nsproxy_net_ns: u32,
-    pub _pad2: u32,
+    /// Offset of a syscall's second argument in the user `pt_regs` (`si` on x86-64), for
+    /// hooks on the syscall's function instead of its tracepoint.
+    pub regs_arg1: u32,
 }
 
 #[cfg(feature = "user")]
