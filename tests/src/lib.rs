@@ -281,6 +281,12 @@ impl Tracer {
     }
 
     /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
+    /// Ctrl-C: xtlock stops, drains and prints its summary; then call [`finish`](Self::finish).
+    pub fn interrupt(&self) {
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGINT) };
+    }
+
     pub fn finish(mut self) -> Trace {
         let mut out = String::new();
         if let Some(mut s) = self.child.stdout.take() {
@@ -573,6 +579,25 @@ pub fn iptables_packets(ns: &str, chain: &str, needle: &str) -> u64 {
         .unwrap_or_else(|| panic!("no rule with `{needle}` in {chain}:\n{out}"))
 }
 
+/// Sends `count` UDP datagrams from namespace `from` to `to:port` over `flows` sockets (each
+/// its own source port); returns how many were sent.
+pub fn send_udp(s: &Scratch, from: &str, to: &str, port: u16, count: u64, flows: u64) -> u64 {
+    let helper = s.agent("udp-sender");
+    let helper = helper.to_str().unwrap();
+    let (port, count, flows) = (port.to_string(), count.to_string(), flows.to_string());
+    let mut a = Agent::spawn(
+        Path::new("ip"),
+        &[
+            "netns", "exec", from, helper, "udp", to, &port, &count, &flows,
+        ],
+        &[],
+        None,
+    );
+    let sent = a.expect("sent", Duration::from_secs(30));
+    assert_eq!(a.wait(), 0, "udp sender failed: {:?}", a.seen);
+    sent[0].parse().unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -593,3 +618,4 @@ mod tests {
         assert!(within_pct(95, 100, 5.0));
     }
 }
+

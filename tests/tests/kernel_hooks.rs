@@ -10,7 +10,10 @@
 use std::{path::Path, process::Command, time::Duration};
 
 use serde_json::Value;
-use xtlock_tests::{require_bpf, serial, xtlock_bin, Agent, Scratch, Tracer};
+use xtlock_tests::{
+    conntrack_stat, require_bpf, send_udp, serial, xtlock_bin, Agent, NetnsPair, Scratch, Sysctl,
+    Tracer,
+};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -348,4 +351,191 @@ fn flock_syscall_fallbacks_give_the_same_results() {
         assert_eq!(seen.blocking_waits, 1, "{name}:\n{dump}");
         assert_eq!(seen.holds, 3, "{name}:\n{dump}");
     }
+}
+
+/// Turns conntrack on in namespace `ns` (any conntrack match does).
+fn conntrack_on(ns: &str) {
+    NetnsPair::exec(
+        ns,
+        "iptables-legacy",
+        &[
+            "-w",
+            "-A",
+            "INPUT",
+            "-m",
+            "conntrack",
+            "--ctstate",
+            "INVALID",
+            "-j",
+            "DROP",
+        ],
+    );
+}
+
+/// Runs UDP flows from a to b under the sysctls, traced: `send` sends them; returns the
+/// `conntrack_refused` facts of b's netns, the delta of b's conntrack counter `stat`, and the
+/// trace's dump.
+fn refusals(
+    name: &str,
+    sysctls: &[(&str, &str)],
+    stat: &str,
+    send: impl FnOnce(&Scratch, &NetnsPair),
+) -> (Vec<Value>, u64, NetnsPair, String) {
+    let s = Scratch::new(name);
+    let lock = s.lock_file("xtables.lock");
+    let ns = NetnsPair::new(name, 203);
+    conntrack_on(&ns.b);
+    let before = conntrack_stat(&ns.b, stat);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
+    {
+        // Restored before the namespace goes, whatever happens.
+        let _guards: Vec<Sysctl> = sysctls.iter().map(|(p, v)| Sysctl::set(p, v)).collect();
+        send(&s, &ns);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let delta = conntrack_stat(&ns.b, stat) - before;
+    let inode = NetnsPair::inode(&ns.b);
+    let facts = trace
+        .of_type("conntrack_refused")
+        .into_iter()
+        .filter(|f| f["netns"].as_u64() == Some(inode))
+        .cloned()
+        .collect();
+    (facts, delta, ns, trace.dump())
+}
+
+/// Every refusal carries the flow that was refused: a's address to b's `dport` (or any port
+/// when `None`), no two refusals for the same flow.
+fn assert_flows(facts: &[Value], ns: &NetnsPair, dport: Option<u64>, dump: &str) {
+    let mut flows = std::collections::BTreeSet::new();
+    for f in facts {
+        let p = &f["packet"];
+        assert_eq!(p["proto"], "udp", "{f}");
+        assert_eq!(p["saddr"], ns.addr_a.as_str(), "{f}");
+        assert_eq!(p["daddr"], ns.addr_b.as_str(), "{f}");
+        if let Some(d) = dport {
+            assert_eq!(p["dport"], d, "{f}");
+        }
+        flows.insert((
+            p["sport"].as_u64().unwrap_or(0),
+            p["dport"].as_u64().unwrap_or(0),
+        ));
+    }
+    assert_eq!(flows.len(), facts.len(), "one refusal per flow:\n{dump}");
+}
+
+/// The conntrack hooks: a full table and a hash chain too long (nf_conntrack_buckets=1, so
+/// every entry shares one chain and confirm refuses once it passes the kernel's limit) each
+/// give one `conntrack_refused` per refused flow, with its addresses, exactly as many as the
+/// kernel's own counters (`drop`, `insert_failed`) rose.
+#[test]
+fn conntrack_refusals_come_with_their_flows() {
+    if !require_bpf("conntrack_refusals_come_with_their_flows") {
+        return;
+    }
+    let _g = serial();
+    let full = hook_status("conntrack_table_full", &[]);
+    let insert = hook_status("conntrack_insert_failed", &[]);
+    eprintln!("conntrack hooks: {full}\n{insert}");
+    if !in_vm() && !kernel_has_kprobes() && full["error"].is_string() {
+        for h in [&full, &insert] {
+            let why = h["error"].as_str().unwrap_or("");
+            assert!(
+                why.contains("kprobe: kernel built without kprobes"),
+                "{why}"
+            );
+        }
+        eprintln!("conntrack refusals are not visible on this kernel: counters only");
+        return;
+    }
+    for h in [&full, &insert] {
+        assert!(h["error"].is_null(), "{h}");
+    }
+
+    let (facts, drop_delta, ns, dump) = refusals(
+        "xtk-ctfull",
+        &[("/proc/sys/net/netfilter/nf_conntrack_max", "64")],
+        "drop",
+        |s, ns| {
+            send_udp(s, &ns.a, &ns.addr_b, 7777, 400, 400);
+        },
+    );
+    assert!(
+        drop_delta >= 100,
+        "conntrack dropped only {drop_delta} of 400 flows"
+    );
+    assert!(
+        facts.iter().all(
+            |f| f["class"] == "conntrack_table_full" && f["function"] == "__nf_conntrack_alloc"
+        ),
+        "{dump}"
+    );
+    assert_eq!(
+        facts.len() as u64,
+        drop_delta,
+        "refusals vs conntrack -S drop:\n{dump}"
+    );
+    assert_flows(&facts, &ns, Some(7777), &dump);
+    drop(ns);
+
+    // Hash chains too long for confirm: the fewest buckets the kernel allows (it rounds up
+    // to a page of them), and 40 flows per bucket, so the chains pass confirm's limit (50 to
+    // 80 entries, drawn per insert) about halfway through.
+    let buckets = "/proc/sys/net/netfilter/nf_conntrack_buckets";
+    let (facts, failed_delta, ns, dump) = refusals(
+        "xtk-ctchain",
+        &[
+            ("/proc/sys/net/netfilter/nf_conntrack_max", "262144"),
+            (buckets, "1"),
+        ],
+        "insert_failed",
+        |s, ns| {
+            let n: u64 = std::fs::read_to_string(buckets)
+                .expect("read nf_conntrack_buckets")
+                .trim()
+                .parse()
+                .expect("a number of buckets");
+            let flows = (n * 40).min(60_000).to_string();
+            eprintln!("{n} conntrack buckets, sending {flows} flows");
+            let helper = s.agent("udp-sender");
+            let mut a = Agent::spawn(
+                Path::new("ip"),
+                &[
+                    "netns",
+                    "exec",
+                    &ns.a,
+                    helper.to_str().unwrap(),
+                    "udp-ports",
+                    &ns.addr_b,
+                    "1024",
+                    &flows,
+                ],
+                &[],
+                None,
+            );
+            a.expect("sent", Duration::from_secs(120));
+            assert_eq!(a.wait(), 0, "udp sender failed: {:?}", a.seen);
+        },
+    );
+    eprintln!(
+        "insert_failed rose by {failed_delta}; {} refusals reported",
+        facts.len()
+    );
+    assert!(
+        failed_delta >= 100,
+        "insert_failed rose by only {failed_delta}"
+    );
+    assert!(
+        facts.iter().all(|f| f["class"] == "conntrack_insert_failed"
+            && f["function"] == "__nf_conntrack_confirm"),
+        "{dump}"
+    );
+    assert_eq!(
+        facts.len() as u64,
+        failed_delta,
+        "refusals vs conntrack -S insert_failed:\n{dump}"
+    );
+    assert_flows(&facts, &ns, None, &dump);
 }

@@ -69,6 +69,13 @@ pub enum EventKind {
     /// An nf_tables commit (`nfnetlink_rcv_batch` or `nf_tables_commit`), seen at its return:
     /// the serialisation point of nft, iptables-nft, kube-proxy's nftables mode, firewalld.
     NftCommit = 8,
+    /// Conntrack refused a new connection, seen in the kernel function that refused it:
+    /// `__nf_conntrack_confirm` returned `NF_DROP` (its `insert_failed` path), or
+    /// `__nf_conntrack_alloc` failed (table full).
+    ConntrackFail = 9,
+    /// `xt_replace_table` returned: a legacy table swapped in, and every CPU waited out of
+    /// the old one (the kernel's part of a table replace).
+    XtReplace = 10,
 }
 
 impl EventKind {
@@ -82,6 +89,8 @@ impl EventKind {
             6 => Self::TableReplace,
             7 => Self::Drop,
             8 => Self::NftCommit,
+            9 => Self::ConntrackFail,
+            10 => Self::XtReplace,
             _ => return None,
         })
     }
@@ -203,6 +212,65 @@ pub struct NftCommitEvent {
     pub netns: u32,
     pub _pad: u32,
     pub comm: [u8; COMM_LEN],
+}
+
+/// One `xt_replace_table` call, seen at its return (`hdr.ts_ns`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct XtReplaceEvent {
+    pub hdr: EventHeader,
+    pub enter_ns: u64,
+}
+
+/// What a [`ConntrackFailEvent`] saw.
+pub const CT_FAIL_INSERT: u8 = 1;
+pub const CT_FAIL_TABLE_FULL: u8 = 2;
+
+/// A connection conntrack refused, with the original direction's tuple.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackFailEvent {
+    /// `tgid`/`tid`: the task that was running (the sender, or softirq context).
+    pub hdr: EventHeader,
+    /// Inode of the connection's network namespace; 0 when unknown.
+    pub netns: u32,
+    /// `CT_FAIL_*`.
+    pub what: u8,
+    pub l4proto: u8,
+    /// `DROP_FAMILY_*`.
+    pub family: u8,
+    pub _pad0: u8,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Ports (host order) for TCP/UDP; ICMP id and type/code otherwise.
+    pub sport: u16,
+    pub dport: u16,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// Where the conntrack hooks find what they read, from the BTF of the module that has
+/// `struct nf_conn` (or vmlinux). Kept in a map, not in [`ProbeConfig`], because nf_conntrack
+/// may load after xtlock started. Offsets in bytes; the tuple's are from the tuple's start.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtConfig {
+    /// Non-zero once filled.
+    pub ok: u32,
+    /// `sk_buff._nfct` (the conntrack pointer, low 3 bits the ctinfo).
+    pub skb_nfct: u32,
+    /// `nf_conn.tuplehash[IP_CT_DIR_ORIGINAL].tuple`.
+    pub ct_tuple: u32,
+    /// `nf_conn.ct_net.net`, then `net.ns.inum`.
+    pub ct_net: u32,
+    pub net_inum: u32,
+    pub src_u3: u32,
+    pub src_port: u32,
+    pub src_l3num: u32,
+    pub dst_u3: u32,
+    pub dst_port: u32,
+    pub dst_protonum: u32,
+    pub _pad: u32,
 }
 
 /// Address family of a [`DropEvent`]'s addresses.
@@ -336,6 +404,7 @@ mod pod {
     unsafe impl aya::Pod for LockKey {}
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
+    unsafe impl aya::Pod for CtConfig {}
 }
 
 /// Size in bytes of each event type, for the decoder's bounds checks.
@@ -350,6 +419,8 @@ pub mod sizes {
     pub const TABLE_REPLACE: usize = size_of::<TableReplaceEvent>();
     pub const DROP: usize = size_of::<DropEvent>();
     pub const NFT_COMMIT: usize = size_of::<NftCommitEvent>();
+    pub const CONNTRACK_FAIL: usize = size_of::<ConntrackFailEvent>();
+    pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
 }
 
 #[cfg(test)]
@@ -372,6 +443,9 @@ mod tests {
         assert_eq!(size_of::<DropKey>(), 16);
         assert_eq!(size_of::<ProbeConfig>(), 160);
         assert_eq!(size_of::<NftCommitEvent>(), 56);
+        assert_eq!(size_of::<ConntrackFailEvent>(), 88);
+        assert_eq!(size_of::<CtConfig>(), 48);
+        assert_eq!(size_of::<XtReplaceEvent>(), 32);
     }
 
     #[test]
@@ -385,6 +459,8 @@ mod tests {
             EventKind::TableReplace,
             EventKind::Drop,
             EventKind::NftCommit,
+            EventKind::ConntrackFail,
+            EventKind::XtReplace,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

@@ -102,6 +102,20 @@ static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
 static NFT_INFLIGHT: LruHashMap<u32, probes::nft_commit::NftEnter> =
     LruHashMap::with_max_entries(1024, 0);
 
+/// `xt_replace_table` calls in progress: entry time by thread id.
+#[map]
+static XT_INFLIGHT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1024, 0);
+
+/// Conntrack confirms and allocations in progress, by thread id.
+#[map]
+static CT_INFLIGHT: LruHashMap<u32, probes::conntrack::CtEnter> =
+    LruHashMap::with_max_entries(1024, 0);
+
+/// Offsets of `nf_conn` and its tuple, written by userspace when the conntrack hooks attach
+/// (nf_conntrack may load after start, so not in CONFIG).
+#[map]
+static CT_CONFIG: Array<xtlock_common::CtConfig> = Array::with_max_entries(1, 0);
+
 /// Which drop reasons to count and sample: slot `min(reason, DROP_REASON_SLOTS - 1)` is
 /// non-zero for a watched reason. Filled by userspace before attaching.
 #[map]

@@ -11,7 +11,8 @@ use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
 use crate::decode::{Event, ExecEvent, ExitEvent};
 use crate::drops::DropTracker;
 pub use crate::drops::{
-    ConntrackFact, DropClass, DropCountFact, DropFact, DropSummary, HoldDropsFact, HoldRef,
+    ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, DropSummary,
+    HoldDropsFact, HoldRef,
 };
 use crate::lock::{is_locking_proc, Ctx, LockMachine};
 pub use crate::lock::{
@@ -40,6 +41,8 @@ pub enum Output {
     Conntrack(ConntrackFact),
     /// The drops that happened while one hold lasted.
     HoldDrops(HoldDropsFact),
+    /// A connection conntrack refused, seen in its own function.
+    ConntrackRefused(ConntrackRefusedFact),
 }
 
 impl Output {
@@ -54,6 +57,7 @@ impl Output {
             Output::Exit(e) => e.ts_ns,
             Output::Lost(l) => l.ts_ns,
             Output::Drop(d) => d.ts_ns,
+            Output::ConntrackRefused(c) => c.ts_ns,
             Output::DropCount(d) => d.ts_ns,
             Output::Conntrack(c) => c.ts_ns,
             Output::HoldDrops(h) => h.start_ns,
@@ -188,6 +192,12 @@ impl Analyzer {
                 let hold = self.hold_at(s.ts_ns);
                 self.drops
                     .on_sample(s, hold, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::ConntrackFail(c) => {
+                let hold = self.hold_at(c.ts_ns);
+                self.drops
+                    .on_conntrack_fail(c, hold, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::DropCounts(c) => {

@@ -3,11 +3,13 @@
 //! ones did not attach and why.
 
 pub mod btf;
+pub mod conntrack;
 pub mod dropreason;
 pub mod kfunc;
 pub mod nft_commit;
 pub mod preflight;
 pub mod tracefs;
+pub mod xt_replace;
 
 use std::path::PathBuf;
 
@@ -92,7 +94,12 @@ pub const FLOCK_SYSCALL: KfuncHook = KfuncHook {
 };
 
 /// Hooks that exist only on kernel functions, attached after the tracepoints.
-pub const KFUNC_HOOKS: &[&KfuncHook] = &[&nft_commit::HOOK];
+pub const KFUNC_HOOKS: &[&KfuncHook] = &[
+    &nft_commit::HOOK,
+    &conntrack::INSERT_FAILED,
+    &conntrack::TABLE_FULL,
+    &xt_replace::HOOK,
+];
 
 pub const HOOKS: &[Hook] = &[
     Hook {
