@@ -502,6 +502,25 @@ impl NetnsPair {
         pair
     }
 
+    /// Turns conntrack on in namespace `ns`: any conntrack match does.
+    pub fn conntrack_on(ns: &str) {
+        Self::exec(
+            ns,
+            "iptables-legacy",
+            &[
+                "-w",
+                "-A",
+                "INPUT",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "INVALID",
+                "-j",
+                "DROP",
+            ],
+        );
+    }
+
     /// `/run/netns/<ns>`.
     pub fn path(ns: &str) -> String {
         format!("/run/netns/{ns}")
@@ -618,4 +637,3 @@ mod tests {
         assert!(within_pct(95, 100, 5.0));
     }
 }
-

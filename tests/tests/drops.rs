@@ -114,22 +114,7 @@ fn conntrack_table_full_matches_conntrack_stats() {
     let s = Scratch::new("drops-ct");
     let lock = s.lock_file("xtables.lock");
     let ns = NetnsPair::new("xtd-ct", 202);
-    // Any conntrack match turns conntrack on in the namespace.
-    NetnsPair::exec(
-        &ns.b,
-        "iptables-legacy",
-        &[
-            "-w",
-            "-A",
-            "INPUT",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "INVALID",
-            "-j",
-            "DROP",
-        ],
-    );
+    NetnsPair::conntrack_on(&ns.b);
     let b_path = NetnsPair::path(&ns.b);
     let before = conntrack_stat(&ns.b, "drop");
     let dmesg_before = xtlock_tests::sh("dmesg", &[]).lines().count();

@@ -353,25 +353,6 @@ fn flock_syscall_fallbacks_give_the_same_results() {
     }
 }
 
-/// Turns conntrack on in namespace `ns` (any conntrack match does).
-fn conntrack_on(ns: &str) {
-    NetnsPair::exec(
-        ns,
-        "iptables-legacy",
-        &[
-            "-w",
-            "-A",
-            "INPUT",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "INVALID",
-            "-j",
-            "DROP",
-        ],
-    );
-}
-
 /// Runs UDP flows from a to b under the sysctls, traced: `send` sends them; returns the
 /// `conntrack_refused` facts of b's netns, the delta of b's conntrack counter `stat`, and the
 /// trace's dump.
@@ -384,7 +365,7 @@ fn refusals(
     let s = Scratch::new(name);
     let lock = s.lock_file("xtables.lock");
     let ns = NetnsPair::new(name, 203);
-    conntrack_on(&ns.b);
+    NetnsPair::conntrack_on(&ns.b);
     let before = conntrack_stat(&ns.b, stat);
     let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
     {
