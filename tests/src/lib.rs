@@ -280,13 +280,30 @@ impl Tracer {
         self.child.id()
     }
 
-    /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
     /// Ctrl-C: xtlock stops, drains and prints its summary; then call [`finish`](Self::finish).
     pub fn interrupt(&self) {
         // SAFETY: plain syscall on our own child.
         unsafe { libc::kill(self.pid() as i32, libc::SIGINT) };
     }
 
+    /// Waits until xtlock wrote `needle` to stderr; false after `timeout`.
+    pub fn wait_for_stderr(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self
+                .stderr
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(needle)
+            {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
     pub fn finish(mut self) -> Trace {
         let mut out = String::new();
         if let Some(mut s) = self.child.stdout.take() {

@@ -751,7 +751,12 @@ impl Probes {
         );
         // BTF facts stay those of start: a module's functions are never in vmlinux BTF.
         self.kfunc.symbols = fresh.symbols;
-        let btf = btf::Btf::vmlinux().ok();
+        // Parsed only for hooks that need it (seconds on a slow machine).
+        let btf = ready
+            .iter()
+            .any(|h| h.setup.is_some())
+            .then(|| btf::Btf::vmlinux().ok())
+            .flatten();
         let mut changed = Vec::new();
         for hook in ready {
             // Not yet in kallsyms (module still initialising): try again next time.
