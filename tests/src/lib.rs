@@ -24,6 +24,15 @@ pub fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Extra `xtlock` arguments for every traced run, from `XTLOCK_TEST_TRACER_ARGS`: how the
+/// VM suite runs the lock tests a second time with other attach types (e.g.
+/// `--no-attach syscalls:tracepoint`).
+pub fn tracer_extra_args() -> Vec<String> {
+    std::env::var("XTLOCK_TEST_TRACER_ARGS")
+        .map(|v| v.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
@@ -235,7 +244,7 @@ impl Tracer {
         for l in locks {
             c.arg("--lock-file").arg(l);
         }
-        c.args(extra);
+        c.args(extra).args(tracer_extra_args());
         Self::spawn(c)
     }
 
