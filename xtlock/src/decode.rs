@@ -186,6 +186,17 @@ pub struct ConntrackFail {
     pub dport: u16,
 }
 
+/// Synthetic, at the start: a flock already held on a watched lock when tracing began, from
+/// `/proc/locks` (the hold's start and owner are unknown; its holder's pid is not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockSeed {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub dev: u32,
+    pub ino: u64,
+    pub exclusive: bool,
+}
+
 /// A process that existed when tracing started (from /proc), or that userspace looked up
 /// later. Not a kernel event: the source produces it so the analysis never reads /proc.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
@@ -326,6 +337,8 @@ pub enum Event {
     /// A connection conntrack refused (kernel event).
     ConntrackFail(ConntrackFail),
     XtReplace(XtReplaceEvent),
+    /// Synthetic: a hold that began before tracing did.
+    LockSeed(LockSeed),
     /// Synthetic: exact drop counts of the last interval.
     DropCounts(DropCounts),
     /// Synthetic: conntrack counter deltas of one netns.
@@ -364,6 +377,7 @@ impl Event {
             Event::Drop(e) => e.ts_ns,
             Event::ConntrackFail(e) => e.ts_ns,
             Event::XtReplace(e) => e.ts_ns,
+            Event::LockSeed(e) => e.ts_ns,
             Event::DropCounts(e) => e.ts_ns,
             Event::Conntrack(e) => e.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,

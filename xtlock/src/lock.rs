@@ -25,7 +25,7 @@ use serde::{Serialize, Serializer};
 use crate::analysis::Output;
 use crate::attribution::{is_locking_comm, Attribution, Attributor};
 use crate::decode::{
-    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, NftCommitEvent,
+    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
     TableReplaceEvent, XtReplaceEvent,
 };
 use crate::procs::{basename, ProcTable};
@@ -145,6 +145,10 @@ pub struct HoldFact {
     /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
     #[serde(skip_serializing_if = "is_zero")]
     pub swap_ns: u64,
+    /// Held already when tracing began (seen in /proc/locks): `start_ns` is when tracing
+    /// began, so `hold_ns` is a lower bound.
+    #[serde(skip_serializing_if = "is_false")]
+    pub before_start: bool,
     pub agent_pid: u32,
     /// Pid whose close released it, when that was seen.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -268,6 +272,8 @@ struct OpenHold {
     replaces: u32,
     swap_ns: u64,
     incomplete: bool,
+    /// Held when tracing began (from /proc/locks): start and owner unknown.
+    before_start: bool,
     end: Option<PendingEnd>,
     /// [`LockMachine::losses`] when it began.
     losses: u64,
@@ -429,6 +435,7 @@ impl LockMachine {
             Event::Fork(f) => self.on_fork(f),
             Event::TableReplace(t) => self.on_table_replace(t),
             Event::XtReplace(x) => self.on_xt_replace(x),
+            Event::LockSeed(l) => self.on_seed(l, cx),
             Event::NftCommit(c) => out(Output::Hold(nft_commit_hold(c, cx))),
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
@@ -542,6 +549,7 @@ impl LockMachine {
                 replaces: 0,
                 swap_ns: 0,
                 incomplete: false,
+                before_start: false,
                 end: None,
                 losses,
             });
@@ -700,9 +708,44 @@ impl LockMachine {
         self.deadline(e.ts_ns.saturating_add(POLL_GAP_NS));
     }
 
+    /// A hold in place when tracing began: its holder's pid is known, not its owner; its
+    /// release is the first one from that process.
+    fn on_seed(&mut self, s: &LockSeed, cx: &mut Ctx<'_>) {
+        let Some(li) = self.lock_index(s.dev, s.ino) else {
+            return;
+        };
+        let who = cx.who(s.pid, &Comm::default());
+        self.locks[li].holds.push(OpenHold {
+            owner: 0,
+            pid: s.pid,
+            tid: s.pid,
+            start_ns: s.ts_ns,
+            exclusive: s.exclusive,
+            who,
+            users: vec![(s.pid, false)],
+            users_overflow: false,
+            kernel_ns: 0,
+            replaces: 0,
+            swap_ns: 0,
+            incomplete: false,
+            before_start: true,
+            end: None,
+            losses: self.losses,
+        });
+    }
+
     fn on_released(&mut self, li: usize, e: &LockEvent, out: &mut dyn FnMut(Output)) {
         let st = &mut self.locks[li];
-        let Some(i) = st.holds.iter().position(|h| h.owner == e.owner) else {
+        let found = st
+            .holds
+            .iter()
+            .position(|h| h.owner == e.owner)
+            .or_else(|| {
+                st.holds
+                    .iter()
+                    .position(|h| h.before_start && h.users.iter().any(|u| u.0 == e.tgid))
+            });
+        let Some(i) = found else {
             // close() of any descriptor of the file while someone holds it, or the hold
             // began before tracing, or its acquire was lost.
             tracing::trace!(pid = e.tgid, owner = e.owner, "release without a hold");
@@ -775,6 +818,7 @@ impl LockMachine {
                         replaces: 0,
                         swap_ns: 0,
                         incomplete: true,
+                        before_start: false,
                         end: None,
                         losses: self.losses,
                     });
@@ -1180,6 +1224,7 @@ fn hold_fact(
         kernel_ns: h.kernel_ns,
         replaces: h.replaces,
         swap_ns: h.swap_ns,
+        before_start: h.before_start,
         agent_pid: who.agent_pid,
         released_by,
         pod_uid: who.pod_uid.clone(),
@@ -1217,6 +1262,7 @@ fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
         kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
         replaces: 0,
         swap_ns: 0,
+        before_start: false,
         agent_pid: who.agent_pid,
         released_by: None,
         pod_uid: who.pod_uid.clone(),
@@ -1238,4 +1284,8 @@ pub fn is_locking_proc(procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
 
 fn is_zero(v: &u64) -> bool {
     *v == 0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }

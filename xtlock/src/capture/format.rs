@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decode::{
-    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, ProcInfo,
+    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, LockSeed, ProcInfo,
 };
 
 /// First 8 bytes of every capture.
@@ -46,6 +46,8 @@ pub const KIND_DROP_SETUP: u8 = 5;
 pub const KIND_KERNEL_SYMBOL: u8 = 6;
 pub const KIND_DROP_COUNTS: u8 = 7;
 pub const KIND_CONNTRACK: u8 = 8;
+/// A flock held on a watched lock when recording began (from `/proc/locks`).
+pub const KIND_LOCK_SEED: u8 = 9;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -336,8 +338,8 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
     Ok((r.varint("ts_ns")?, r.varint("count")?))
 }
 
-/// The record kind and body of a synthetic drop event (kinds 5..=8); `None` for any other
-/// event.
+/// The record kind and body of a synthetic event of kinds 5..=9 (drop records, lock seeds);
+/// `None` for any other event.
 pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     Some(match ev {
         Event::DropSetup {
@@ -400,11 +402,23 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_CONNTRACK
         }
+        Event::LockSeed(l) => {
+            for v in [
+                l.ts_ns,
+                u64::from(l.pid),
+                u64::from(l.dev),
+                l.ino,
+                u64::from(l.exclusive),
+            ] {
+                put_varint(out, v);
+            }
+            KIND_LOCK_SEED
+        }
         _ => return None,
     })
 }
 
-/// Decodes a body of kind 5..=8 into its event; trailing fields are ignored.
+/// Decodes a body of kind 5..=9 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
@@ -480,7 +494,14 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 chaintoolong: r.varint("chaintoolong")?,
             },
         }),
-        k => return Err(format!("kind {k} is not a drop record")),
+        KIND_LOCK_SEED => Event::LockSeed(LockSeed {
+            ts_ns: r.varint("ts_ns")?,
+            pid: r.u32("pid")?,
+            dev: r.u32("dev")?,
+            ino: r.varint("ino")?,
+            exclusive: r.varint("exclusive")? != 0,
+        }),
+        k => return Err(format!("kind {k} is not a synthetic record")),
     })
 }
 

@@ -51,7 +51,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     if let Some(r) = rolling.as_mut() {
         src.set_recorder(r.open(&locks, &src.probes.status)?);
     }
-    let (start, drop_setup) = live::begin(&mut src, &args.drops)?;
+    let (start, drop_setup) = live::begin(&mut src, &locks, &args.drops)?;
 
     let host_netns = netns_inode(Path::new("/proc/self/ns/net"));
     let sink = MetricsSink::new(metrics.clone(), host_netns);

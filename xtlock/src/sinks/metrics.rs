@@ -570,6 +570,7 @@ mod tests {
             kernel_ns: 0,
             replaces: 0,
             swap_ns: 0,
+            before_start: false,
             agent_pid: 10,
             released_by: None,
             pod_uid: None,

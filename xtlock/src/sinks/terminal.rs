@@ -289,13 +289,17 @@ fn hold_text(h: &HoldFact) -> String {
         &h.cmdline
     };
     let mut s = format!(
-        "{} held {} {} (pid {} {})",
+        "{} held {} {}{} (pid {} {})",
         h.agent,
         h.lock,
+        if h.before_start { "at least " } else { "" },
         human_ns(h.hold_ns),
         h.pid,
         what
     );
+    if h.before_start {
+        s.push_str(", held already when tracing began");
+    }
     if h.replaces > 0 {
         let _ = write!(
             s,
@@ -828,6 +832,7 @@ mod tests {
             kernel_ns: 0,
             replaces: 0,
             swap_ns: 0,
+            before_start: false,
             agent_pid: 100,
             released_by: Some(1234),
             pod_uid: None,
