@@ -5,8 +5,11 @@
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
 
 use xtlock_common as common;
+
+use crate::shared::SharedStr;
 
 /// A task's `comm`: 16 bytes, NUL-padded. Kept inline so lock events do not allocate.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -102,8 +105,9 @@ pub struct ExecEvent {
     pub tgid: u32,
     pub tid: u32,
     pub comm: Comm,
-    pub filename: String,
-    pub argv: Vec<String>,
+    pub filename: SharedStr,
+    /// Shared with the process table and the exec fact.
+    pub argv: Arc<[String]>,
     pub argv_truncated: bool,
 }
 
@@ -425,7 +429,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 tgid: hdr.tgid,
                 tid: hdr.tid,
                 comm: Comm(e.comm),
-                filename: string(&e.filename),
+                filename: SharedStr::from(string(&e.filename)),
                 argv: e.args[..argc].iter().map(|a| string(a)).collect(),
                 argv_truncated: e.args_truncated != 0,
             })
@@ -653,7 +657,7 @@ mod tests {
         let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
             panic!()
         };
-        assert_eq!(d.argv, ["iptables-restore", "-w", "5"]);
+        assert_eq!(*d.argv, ["iptables-restore", "-w", "5"]);
         assert_eq!(d.filename, "/usr/sbin/ipt-r");
     }
 }

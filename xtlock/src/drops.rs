@@ -27,6 +27,7 @@ use serde::Serialize;
 use crate::analysis::Output;
 use crate::decode::{ConntrackCounters, ConntrackStats, DropCounts, DropSample};
 use crate::lock::HoldFact;
+use crate::shared::SharedStr;
 
 /// Default `--conntrack-warn`: warn when the table is this full (percent).
 pub const DEFAULT_CONNTRACK_WARN_PCT: u32 = 75;
@@ -83,10 +84,10 @@ impl DropClass {
 /// A lock hold a drop happened in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldRef {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
-    pub agent: String,
-    pub comm: String,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
     pub start_ns: u64,
     /// `None` while the hold is still open.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -179,10 +180,10 @@ pub struct ConntrackFact {
 /// The drops that happened while one hold lasted: `{"type":"hold_drops",...}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldDropsFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
-    pub agent: String,
-    pub comm: String,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
     pub start_ns: u64,
     pub hold_ns: u64,
     /// Drops in the intervals that overlapped the hold.

@@ -29,6 +29,7 @@ use crate::decode::{
     TableReplaceEvent,
 };
 use crate::procs::{basename, ProcTable};
+use crate::shared::SharedStr;
 
 /// How long a hold whose end we inferred waits for its real release (event time).
 pub const GRACE_NS: u64 = 1_000_000_000;
@@ -104,10 +105,10 @@ fn hex<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HolderRef {
     pub pid: u32,
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
-    pub comm: String,
-    pub cmdline: String,
+    pub comm: SharedStr,
+    pub cmdline: SharedStr,
 }
 
 impl From<&Attribution> for HolderRef {
@@ -125,13 +126,13 @@ impl From<&Attribution> for HolderRef {
 /// The lock was held from `start_ns` for `hold_ns`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
-    pub agent: String,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
     pub role: &'static str,
-    pub cmdline: String,
+    pub cmdline: SharedStr,
     pub start_ns: u64,
     pub hold_ns: u64,
     #[serde(serialize_with = "hex")]
@@ -146,9 +147,9 @@ pub struct HoldFact {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub released_by: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
     /// Still held when tracing ended: `hold_ns` is a lower bound.
     pub open: bool,
     /// The end was inferred (release lost or late): `hold_ns` is approximate.
@@ -158,13 +159,13 @@ pub struct HoldFact {
 /// Someone waited for the lock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WaitFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
-    pub agent: String,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
     pub role: &'static str,
-    pub cmdline: String,
+    pub cmdline: SharedStr,
     pub start_ns: u64,
     pub wait_ns: u64,
     /// Everyone who held the lock during the wait, first to last, one entry per pid.
@@ -178,9 +179,9 @@ pub struct WaitFact {
     pub ret: Option<i64>,
     pub agent_pid: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
     /// Part of it was inferred (an event was lost).
     pub incomplete: bool,
 }
@@ -188,11 +189,11 @@ pub struct WaitFact {
 /// One failed non-blocking try.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FailedTryFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
-    pub agent: String,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
     pub role: &'static str,
     pub ts_ns: u64,
     pub errno: i32,
@@ -205,12 +206,12 @@ pub struct FailedTryFact {
 /// timed-out wait on a watched lock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TimeoutFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
-    pub comm: String,
-    pub cmdline: String,
+    pub comm: SharedStr,
+    pub cmdline: SharedStr,
     /// The caller (the iptables' nearest non-tool ancestor).
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
     pub agent_pid: u32,
     pub ts_ns: u64,
@@ -222,9 +223,9 @@ pub struct TimeoutFact {
     /// Who held the lock while it tried.
     pub holders: Vec<HolderRef>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
 }
 
 /// Where the machine looks things up. Borrowed per event.
@@ -295,6 +296,8 @@ struct PollStreak {
 #[derive(Debug)]
 struct LockState {
     lock: WatchedLock,
+    /// `lock.path`, shared by the facts.
+    name: SharedStr,
     holds: Vec<OpenHold>,
     waits: Vec<OpenWait>,
     polls: Vec<PollStreak>,
@@ -348,6 +351,7 @@ impl LockMachine {
             locks: locks
                 .into_iter()
                 .map(|lock| LockState {
+                    name: SharedStr::from(lock.path.as_str()),
                     lock,
                     holds: Vec::new(),
                     waits: Vec::new(),
@@ -375,12 +379,10 @@ impl LockMachine {
     }
 
     /// Open holds right now, as (lock path, start, holder).
-    pub fn open_holders(&self) -> impl Iterator<Item = (&str, u64, &Attribution)> {
-        self.locks.iter().flat_map(|l| {
-            l.holds
-                .iter()
-                .map(move |h| (l.lock.path.as_str(), h.start_ns, &*h.who))
-        })
+    pub fn open_holders(&self) -> impl Iterator<Item = (&SharedStr, u64, &Attribution)> {
+        self.locks
+            .iter()
+            .flat_map(|l| l.holds.iter().map(move |h| (&l.name, h.start_ns, &*h.who)))
     }
 
     fn lock_index(&mut self, dev: u32, ino: u64) -> Option<usize> {
@@ -399,6 +401,7 @@ impl LockMachine {
         let path = format!("dev {}:{} ino {}", dev >> 20, dev & 0xf_ffff, ino);
         tracing::info!(%path, "lock events for an inode that was not configured");
         self.locks.push(LockState {
+            name: SharedStr::from(path.as_str()),
             lock: WatchedLock { path, dev, ino },
             holds: Vec::new(),
             waits: Vec::new(),
@@ -473,7 +476,7 @@ impl LockMachine {
         {
             let h = st.holds.remove(i);
             out(Output::Hold(hold_fact(
-                &st.lock, &h, e.ts_ns, false, true, None,
+                &st.name, &h, e.ts_ns, false, true, None,
             )));
         }
         if let Some(h) = st
@@ -492,7 +495,7 @@ impl LockMachine {
                 if st.holds[i].owner == e.owner {
                     let h = st.holds.remove(i);
                     let at = h.end.map_or(e.ts_ns, |p| p.at_ns);
-                    out(Output::Hold(hold_fact(&st.lock, &h, at, false, true, None)));
+                    out(Output::Hold(hold_fact(&st.name, &h, at, false, true, None)));
                 } else {
                     i += 1;
                 }
@@ -551,7 +554,7 @@ impl LockMachine {
         if let Some(i) = st.polls.iter().position(|p| p.pid == e.tgid) {
             let p = st.polls.swap_remove(i);
             emit_wait(
-                &st.lock,
+                &st.name,
                 WaitEnd {
                     pid: p.pid,
                     tid: p.tid,
@@ -638,7 +641,7 @@ impl LockMachine {
             .map(|h| h.who.clone())
             .collect();
         out(Output::FailedTry(FailedTryFact {
-            lock: st.lock.path.clone(),
+            lock: st.name.clone(),
             pid: e.tgid,
             tid: e.tid,
             comm: who.comm.clone(),
@@ -679,7 +682,7 @@ impl LockMachine {
             }
         }
         if let Some(p) = ended {
-            end_poll(&self.locks[li].lock, p, WaitOutcome::TimedOut, cx, out);
+            end_poll(&self.locks[li].name, p, WaitOutcome::TimedOut, cx, out);
         }
         if is_locking_comm(&e.comm) {
             let t = self.trouble_of(e.tgid, li, e.ts_ns);
@@ -706,7 +709,7 @@ impl LockMachine {
             _ => e.ts_ns,
         };
         out(Output::Hold(hold_fact(
-            &st.lock,
+            &st.name,
             &h,
             end,
             false,
@@ -796,7 +799,7 @@ impl LockMachine {
             }
         }
         emit_wait(
-            &self.locks[li].lock,
+            &self.locks[li].name,
             WaitEnd {
                 pid: w.pid,
                 tid: w.tid,
@@ -923,7 +926,7 @@ impl LockMachine {
                     } else {
                         WaitOutcome::Abandoned
                     };
-                    end_poll(&st.lock, p, outcome, cx, out);
+                    end_poll(&st.name, p, outcome, cx, out);
                 }
             }
             // A hold whose every user is gone ends at the latest when the last one exits;
@@ -965,7 +968,7 @@ impl LockMachine {
             lock: self
                 .locks
                 .get(t.lock)
-                .map(|l| l.lock.path.clone())
+                .map(|l| l.name.clone())
                 .unwrap_or_default(),
             pid: e.tgid,
             comm: who.comm.clone(),
@@ -997,7 +1000,7 @@ impl LockMachine {
                         let h = st.holds.remove(i);
                         tracing::debug!(lock = %st.lock.path, pid = h.pid, "release not seen; hold end inferred");
                         out(Output::Hold(hold_fact(
-                            &st.lock, &h, p.at_ns, false, true, None,
+                            &st.name, &h, p.at_ns, false, true, None,
                         )));
                     }
                     Some(p) => {
@@ -1012,7 +1015,7 @@ impl LockMachine {
                 let gap_end = st.polls[i].last_ns.saturating_add(POLL_GAP_NS);
                 if gap_end <= now {
                     let p = st.polls.swap_remove(i);
-                    end_poll(&st.lock, p, WaitOutcome::TimedOut, cx, out);
+                    end_poll(&st.name, p, WaitOutcome::TimedOut, cx, out);
                 } else {
                     next = next.min(gap_end);
                     i += 1;
@@ -1044,15 +1047,15 @@ impl LockMachine {
             let st = &mut self.locks[li];
             for h in std::mem::take(&mut st.holds) {
                 let fact = match h.end {
-                    Some(p) => hold_fact(&st.lock, &h, p.at_ns, false, true, None),
-                    None => hold_fact(&st.lock, &h, ts, true, h.incomplete, None),
+                    Some(p) => hold_fact(&st.name, &h, p.at_ns, false, true, None),
+                    None => hold_fact(&st.name, &h, ts, true, h.incomplete, None),
                 };
                 out(Output::Hold(fact));
             }
             for p in std::mem::take(&mut st.polls) {
                 // A single failed try just before the end is a wait in progress too.
                 emit_wait(
-                    &st.lock,
+                    &st.name,
                     WaitEnd {
                         pid: p.pid,
                         tid: p.tid,
@@ -1084,7 +1087,7 @@ impl LockMachine {
 
 /// Reports a poll run that did not end in success; a single try is not a wait.
 fn end_poll(
-    lock: &WatchedLock,
+    lock: &SharedStr,
     p: PollStreak,
     outcome: WaitOutcome,
     cx: &mut Ctx<'_>,
@@ -1113,10 +1116,10 @@ fn end_poll(
     );
 }
 
-fn emit_wait(lock: &WatchedLock, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
+fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
     let who = cx.who(w.pid, w.comm);
     out(Output::Wait(WaitFact {
-        lock: lock.path.clone(),
+        lock: lock.clone(),
         pid: w.pid,
         tid: w.tid,
         comm: who.comm.clone(),
@@ -1138,7 +1141,7 @@ fn emit_wait(lock: &WatchedLock, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn
 }
 
 fn hold_fact(
-    lock: &WatchedLock,
+    lock: &SharedStr,
     h: &OpenHold,
     end_ns: u64,
     open: bool,
@@ -1147,7 +1150,7 @@ fn hold_fact(
 ) -> HoldFact {
     let who = &h.who;
     HoldFact {
-        lock: lock.path.clone(),
+        lock: lock.clone(),
         pid: h.pid,
         tid: h.tid,
         comm: who.comm.clone(),
@@ -1170,11 +1173,11 @@ fn hold_fact(
 }
 
 /// Name of the second lock: nf_tables serialises commits per network namespace.
-pub fn nft_commit_lock(netns: u32) -> String {
+pub fn nft_commit_lock(netns: u32) -> SharedStr {
     if netns == 0 {
-        "nf_tables commit (netns unknown)".to_string()
+        SharedStr::from("nf_tables commit (netns unknown)")
     } else {
-        format!("nf_tables commit (netns {netns})")
+        SharedStr::from(format!("nf_tables commit (netns {netns})"))
     }
 }
 

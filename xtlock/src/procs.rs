@@ -4,11 +4,19 @@
 //! reads /proc itself. Entries of exited processes are kept for a while, because lock
 //! releases (the kernel closes files after the exit tracepoint) and attribution of a
 //! just-exited `iptables` still need them; they are pruned by age and by count.
+//!
+//! Hot path (every fork, exec and exit of the node): names are interned, argv, filename and
+//! cgroup are shared with the parent until an exec, so a fork allocates nothing.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
+use crate::attribution::{parse_cgroup, CgroupIdentity};
 use crate::decode::{Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
+use crate::shared::SharedStr;
+
+/// A `HashMap` with a fast, seeded hash: keys are pids and comms, hashed on every event.
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Dead entries older than this (event time) are pruned.
 pub const DEFAULT_DEAD_TTL_NS: u64 = 60_000_000_000;
@@ -16,6 +24,8 @@ pub const DEFAULT_DEAD_TTL_NS: u64 = 60_000_000_000;
 pub const DEFAULT_MAX_DEAD: usize = 8192;
 /// Longest ancestor chain walked; real chains are a handful of levels deep.
 pub const MAX_CHAIN: usize = 64;
+/// Interned names kept; beyond, the interner starts over (names are shared, not lost).
+const MAX_NAMES: usize = 4096;
 
 /// How a process ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +35,13 @@ pub struct ExitInfo {
     pub code: Option<i32>,
 }
 
+/// A cgroup path and the pod/container it names, parsed once per path.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Cgroup {
+    pub path: String,
+    pub identity: CgroupIdentity,
+}
+
 /// One process (thread group), or a thread mistaken for one (see [`ProcTable::apply`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Proc {
@@ -32,12 +49,16 @@ pub struct Proc {
     /// 0 when unknown.
     pub ppid: u32,
     pub comm: Comm,
+    /// `comm` as a shared string (interned).
+    pub name: SharedStr,
     /// Shared with forked children until they exec: forks are frequent, argv rarely needed.
     pub argv: Arc<[String]>,
     pub argv_truncated: bool,
+    /// [`Proc::cmdline`], built on first use and shared like `argv`.
+    cmdline: OnceLock<SharedStr>,
     /// Path given to `execve`, empty when no exec was seen.
-    pub filename: Arc<str>,
-    pub cgroup: Option<Arc<str>>,
+    pub filename: SharedStr,
+    pub cgroup: Option<Arc<Cgroup>>,
     /// When this entry started (fork or exec time; 0 for seeds: before tracing).
     pub start_ns: u64,
     /// Time of the last exec, when seen.
@@ -45,22 +66,35 @@ pub struct Proc {
     pub exited: Option<ExitInfo>,
     /// Distinguishes successive processes that had the same pid.
     pub generation: u64,
+    /// Changes (table-wide unique) whenever something an attribution reads changes: name,
+    /// argv, filename, cgroup, parent. Lets cached attributions check their chain.
+    pub stamp: u64,
 }
 
 impl Proc {
-    fn new(pid: u32, ppid: u32, comm: Comm, start_ns: u64, generation: u64) -> Self {
+    fn new(
+        pid: u32,
+        ppid: u32,
+        comm: Comm,
+        name: SharedStr,
+        start_ns: u64,
+        generation: u64,
+    ) -> Self {
         Proc {
             pid,
             ppid,
             comm,
+            name,
             argv: empty_argv(),
             argv_truncated: false,
-            filename: empty_name(),
+            cmdline: OnceLock::new(),
+            filename: SharedStr::empty(),
             cgroup: None,
             start_ns,
             exec_ns: None,
             exited: None,
             generation,
+            stamp: generation,
         }
     }
 
@@ -75,6 +109,19 @@ impl Proc {
             s.push_str(" ...");
         }
         s
+    }
+
+    /// [`Proc::cmdline`], built once.
+    pub fn cmdline_shared(&self) -> SharedStr {
+        self.cmdline
+            .get_or_init(|| SharedStr::from(self.cmdline()))
+            .clone()
+    }
+
+    fn set_argv(&mut self, argv: Arc<[String]>, truncated: bool) {
+        self.argv = argv;
+        self.argv_truncated = truncated;
+        self.cmdline = OnceLock::new();
     }
 
     /// Last path component of the exec'd file.
@@ -94,22 +141,18 @@ fn empty_argv() -> Arc<[String]> {
     EMPTY.get_or_init(|| Arc::from(Vec::new())).clone()
 }
 
-/// The empty filename, shared like [`empty_argv`].
-fn empty_name() -> Arc<str> {
-    static EMPTY: OnceLock<Arc<str>> = OnceLock::new();
-    EMPTY.get_or_init(|| Arc::from("")).clone()
-}
-
 /// The process table. Keyed by pid (tgid).
 #[derive(Debug)]
 pub struct ProcTable {
-    procs: HashMap<u32, Proc>,
+    procs: FastMap<u32, Proc>,
     /// (pid, generation, exit time) in exit order, for pruning.
     dead: VecDeque<(u32, u64, u64)>,
+    /// Source of generations and stamps.
     next_generation: u64,
-    /// Bumped whenever a name, argv or parent link changes, so cached attributions can
-    /// tell they may be stale.
-    epoch: u64,
+    /// Comms as shared strings.
+    names: FastMap<Comm, SharedStr>,
+    /// The last cgroup parsed (processes come in runs from the same cgroup).
+    last_cgroup: Option<Arc<Cgroup>>,
     max_dead: usize,
     dead_ttl_ns: u64,
 }
@@ -127,10 +170,11 @@ impl ProcTable {
 
     pub fn with_limits(max_dead: usize, dead_ttl_ns: u64) -> Self {
         ProcTable {
-            procs: HashMap::new(),
+            procs: FastMap::default(),
             dead: VecDeque::new(),
             next_generation: 1,
-            epoch: 0,
+            names: FastMap::default(),
+            last_cgroup: None,
             max_dead,
             dead_ttl_ns,
         }
@@ -153,11 +197,6 @@ impl ProcTable {
         self.procs.values().filter(|p| !p.is_alive()).count()
     }
 
-    /// Changes whenever a cached view of a chain may have become stale.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
     /// Updates the table from one event; events that are not about processes are ignored.
     pub fn apply(&mut self, ev: &Event) {
         match ev {
@@ -169,51 +208,92 @@ impl ProcTable {
         }
     }
 
-    fn fresh(&mut self, pid: u32, ppid: u32, comm: Comm, ts: u64) -> &mut Proc {
-        let generation = self.next_generation;
+    fn next_stamp(&mut self) -> u64 {
+        let g = self.next_generation;
         self.next_generation += 1;
-        self.epoch += 1;
-        let p = Proc::new(pid, ppid, comm, ts, generation);
-        self.procs.insert(pid, p);
-        // Just inserted.
-        self.procs.get_mut(&pid).unwrap_or_else(|| unreachable!())
+        g
+    }
+
+    /// `comm` as a shared string, allocated once per distinct comm.
+    fn name(&mut self, comm: Comm) -> SharedStr {
+        if let Some(n) = self.names.get(&comm) {
+            return n.clone();
+        }
+        if self.names.len() >= MAX_NAMES {
+            self.names.clear();
+        }
+        let n = SharedStr::from(comm.as_str().as_ref());
+        self.names.insert(comm, n.clone());
+        n
+    }
+
+    fn cgroup(&mut self, path: &str) -> Arc<Cgroup> {
+        if let Some(c) = self.last_cgroup.as_ref().filter(|c| c.path == path) {
+            return c.clone();
+        }
+        let c = Arc::new(Cgroup {
+            path: path.to_string(),
+            identity: parse_cgroup(path),
+        });
+        self.last_cgroup = Some(c.clone());
+        c
+    }
+
+    fn fresh(&mut self, pid: u32, ppid: u32, comm: Comm, name: SharedStr, ts: u64) -> &mut Proc {
+        let generation = self.next_stamp();
+        let p = Proc::new(pid, ppid, comm, name, ts, generation);
+        match self.procs.entry(pid) {
+            std::collections::hash_map::Entry::Occupied(mut o) => {
+                o.insert(p);
+                o.into_mut()
+            }
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(p),
+        }
     }
 
     fn on_proc(&mut self, info: &ProcInfo) {
-        self.epoch += 1;
+        let stamp = self.next_stamp();
+        let name = (!info.comm.is_empty()).then(|| self.name(info.comm));
+        let cgroup = info.cgroup.as_deref().map(|cg| self.cgroup(cg));
         let p = match self.procs.get_mut(&info.pid) {
             Some(p) if p.is_alive() => p,
             // Dead or unknown: /proc shows a live process, so this is a new one. When it
             // started is unknown (0): seeds are read one by one, a parent may be read
             // after its child, and the reuse guard of `ancestors` must not cut it.
-            _ => self.fresh(info.pid, info.ppid, info.comm, 0),
+            _ => {
+                let n = name.clone().unwrap_or_else(|| self.name(info.comm));
+                self.fresh(info.pid, info.ppid, info.comm, n, 0)
+            }
         };
+        p.stamp = stamp;
         if info.ppid != 0 {
             p.ppid = info.ppid;
         }
-        if !info.comm.is_empty() {
+        if let Some(n) = name {
             p.comm = info.comm;
+            p.name = n;
         }
         if !info.argv.is_empty() {
-            p.argv = Arc::from(info.argv.as_slice());
-            p.argv_truncated = false;
+            p.set_argv(Arc::from(info.argv.as_slice()), false);
         }
-        if let Some(cg) = &info.cgroup {
-            p.cgroup = Some(Arc::from(cg.as_str()));
+        if let Some(cg) = cgroup {
+            p.cgroup = Some(cg);
         }
     }
 
     fn on_exec(&mut self, e: &ExecEvent) {
-        self.epoch += 1;
+        let stamp = self.next_stamp();
+        let name = self.name(e.comm);
         let p = match self.procs.get_mut(&e.tgid) {
             Some(p) if p.is_alive() => p,
             // Fork not seen (before tracing, or lost): parent unknown.
-            _ => self.fresh(e.tgid, 0, e.comm, e.ts_ns),
+            _ => self.fresh(e.tgid, 0, e.comm, name.clone(), e.ts_ns),
         };
+        p.stamp = stamp;
         p.comm = e.comm;
-        p.argv = Arc::from(e.argv.as_slice());
-        p.argv_truncated = e.argv_truncated;
-        p.filename = Arc::from(e.filename.as_str());
+        p.name = name;
+        p.set_argv(e.argv.clone(), e.argv_truncated);
+        p.filename = e.filename.clone();
         p.exec_ns = Some(e.ts_ns);
     }
 
@@ -229,18 +309,35 @@ impl ProcTable {
                 return;
             }
         }
-        let (argv, truncated, filename, cgroup) = match self.procs.get(&f.parent_tgid) {
-            Some(pp) => (
+        let parent = self.procs.get(&f.parent_tgid).map(|pp| {
+            (
+                (pp.comm == f.comm).then(|| pp.name.clone()),
                 pp.argv.clone(),
                 pp.argv_truncated,
+                pp.cmdline.clone(),
                 pp.filename.clone(),
                 pp.cgroup.clone(),
+            )
+        });
+        let (name, argv, truncated, cmdline, filename, cgroup) = match parent {
+            Some(x) => x,
+            None => (
+                None,
+                empty_argv(),
+                false,
+                OnceLock::new(),
+                SharedStr::empty(),
+                None,
             ),
-            None => (empty_argv(), false, empty_name(), None),
         };
-        let c = self.fresh(f.child_tid, f.parent_tgid, f.comm, f.ts_ns);
+        let name = match name {
+            Some(n) => n,
+            None => self.name(f.comm),
+        };
+        let c = self.fresh(f.child_tid, f.parent_tgid, f.comm, name, f.ts_ns);
         c.argv = argv;
         c.argv_truncated = truncated;
+        c.cmdline = cmdline;
         c.filename = filename;
         c.cgroup = cgroup;
         self.prune(f.ts_ns);
@@ -351,7 +448,7 @@ pub(crate) mod tests {
             tgid: pid,
             tid: pid,
             comm: Comm::new(comm),
-            filename: filename.to_string(),
+            filename: filename.into(),
             argv: argv.iter().map(|s| s.to_string()).collect(),
             argv_truncated: false,
         })
@@ -391,7 +488,10 @@ pub(crate) mod tests {
         let c = t.get(200).unwrap();
         assert_eq!(c.ppid, 100);
         assert_eq!(c.comm.as_str(), "kube-proxy");
-        assert_eq!(c.cgroup.as_deref(), Some("0::/kubepods/x"));
+        assert_eq!(
+            c.cgroup.as_ref().map(|c| c.path.as_str()),
+            Some("0::/kubepods/x")
+        );
         t.apply(&exec(
             11,
             200,
