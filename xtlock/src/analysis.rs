@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
-use crate::decode::{Event, ExecEvent, ExitEvent};
+use crate::decode::{Argv, Event, ExecEvent, ExitEvent};
 use crate::drops::DropTracker;
 pub use crate::drops::{
     ConntrackFact, DropClass, DropCountFact, DropFact, DropSummary, HoldDropsFact, HoldRef,
@@ -72,7 +72,7 @@ pub struct ExecFact {
     pub ppid: u32,
     pub comm: SharedStr,
     pub filename: SharedStr,
-    pub argv: Arc<[String]>,
+    pub argv: Argv,
     pub argv_truncated: bool,
     /// argv joined by spaces (`" ..."` appended when truncated).
     pub cmdline: SharedStr,

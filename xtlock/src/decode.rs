@@ -5,7 +5,6 @@
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::sync::Arc;
 
 use xtlock_common as common;
 
@@ -53,6 +52,96 @@ fn cstr(b: &[u8]) -> &[u8] {
 
 fn string(b: &[u8]) -> String {
     String::from_utf8_lossy(cstr(b)).into_owned()
+}
+
+/// Like [`string`], straight into a [`SharedStr`] (one allocation when the text is UTF-8).
+fn shared(b: &[u8]) -> SharedStr {
+    match String::from_utf8_lossy(cstr(b)) {
+        std::borrow::Cow::Borrowed(s) => SharedStr::from(s),
+        std::borrow::Cow::Owned(s) => SharedStr::from(s),
+    }
+}
+
+/// The arguments of an exec, NUL-separated in one shared allocation: one allocation to
+/// decode, none to hand to the process table, forked children and facts. Arguments are C
+/// strings: they contain no NUL. Serialises as a JSON array of strings.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Argv {
+    text: SharedStr,
+    argc: u32,
+}
+
+impl Argv {
+    pub fn new<S: AsRef<str>>(args: impl IntoIterator<Item = S>) -> Self {
+        let mut text = String::new();
+        let mut argc = 0u32;
+        for a in args {
+            if argc > 0 {
+                text.push('\0');
+            }
+            text.push_str(a.as_ref());
+            argc += 1;
+        }
+        Argv {
+            text: SharedStr::from(text),
+            argc,
+        }
+    }
+
+    /// From the argument slots of an exec event.
+    fn from_slots(slots: &[[u8; common::ARG_LEN]]) -> Self {
+        const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN;
+        let mut buf = [0u8; MAX];
+        let mut n = 0;
+        for (i, slot) in slots.iter().enumerate() {
+            let a = cstr(slot);
+            if std::str::from_utf8(a).is_err() || n + a.len() + 1 > MAX {
+                // Rare: the lossy conversion may grow the text.
+                return Argv::new(slots.iter().map(|a| string(a)));
+            }
+            if i > 0 {
+                buf[n] = 0;
+                n += 1;
+            }
+            buf[n..n + a.len()].copy_from_slice(a);
+            n += a.len();
+        }
+        let text =
+            std::str::from_utf8(&buf[..n]).map_or_else(|_| SharedStr::empty(), SharedStr::from);
+        Argv {
+            text,
+            argc: slots.len() as u32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.argc as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.argc == 0
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.text.split('\0').take(self.argc as usize)
+    }
+
+    /// The arguments joined by spaces.
+    pub fn join(&self) -> String {
+        self.text.replace('\0', " ")
+    }
+}
+
+impl fmt::Debug for Argv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl serde::Serialize for Argv {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
 }
 
 /// What a `flock_lock_inode` call on a watched lock did.
@@ -107,7 +196,7 @@ pub struct ExecEvent {
     pub comm: Comm,
     pub filename: SharedStr,
     /// Shared with the process table and the exec fact.
-    pub argv: Arc<[String]>,
+    pub argv: Argv,
     pub argv_truncated: bool,
 }
 
@@ -429,8 +518,8 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 tgid: hdr.tgid,
                 tid: hdr.tid,
                 comm: Comm(e.comm),
-                filename: SharedStr::from(string(&e.filename)),
-                argv: e.args[..argc].iter().map(|a| string(a)).collect(),
+                filename: shared(&e.filename),
+                argv: Argv::from_slots(&e.args[..argc]),
                 argv_truncated: e.args_truncated != 0,
             })
         }
@@ -657,7 +746,7 @@ mod tests {
         let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
             panic!()
         };
-        assert_eq!(*d.argv, ["iptables-restore", "-w", "5"]);
+        assert!(d.argv.iter().eq(["iptables-restore", "-w", "5"]));
         assert_eq!(d.filename, "/usr/sbin/ipt-r");
     }
 }

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
 use crate::attribution::{parse_cgroup, CgroupIdentity};
-use crate::decode::{Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
+use crate::decode::{Argv, Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
 use crate::shared::SharedStr;
 
 /// A `HashMap` with a fast, seeded hash: keys are pids and comms, hashed on every event.
@@ -52,7 +52,7 @@ pub struct Proc {
     /// `comm` as a shared string (interned).
     pub name: SharedStr,
     /// Shared with forked children until they exec: forks are frequent, argv rarely needed.
-    pub argv: Arc<[String]>,
+    pub argv: Argv,
     pub argv_truncated: bool,
     /// [`Proc::cmdline`], built on first use and shared like `argv`.
     cmdline: OnceLock<SharedStr>,
@@ -85,7 +85,7 @@ impl Proc {
             ppid,
             comm,
             name,
-            argv: empty_argv(),
+            argv: Argv::default(),
             argv_truncated: false,
             cmdline: OnceLock::new(),
             filename: SharedStr::empty(),
@@ -104,7 +104,7 @@ impl Proc {
 
     /// argv joined by spaces; `" ..."` is appended when the probe truncated it.
     pub fn cmdline(&self) -> String {
-        let mut s = self.argv.join(" ");
+        let mut s = self.argv.join();
         if self.argv_truncated && !s.is_empty() {
             s.push_str(" ...");
         }
@@ -118,7 +118,7 @@ impl Proc {
             .clone()
     }
 
-    fn set_argv(&mut self, argv: Arc<[String]>, truncated: bool) {
+    fn set_argv(&mut self, argv: Argv, truncated: bool) {
         self.argv = argv;
         self.argv_truncated = truncated;
         self.cmdline = OnceLock::new();
@@ -132,13 +132,6 @@ impl Proc {
 
 pub(crate) fn basename(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
-}
-
-/// The empty argv every new entry starts with, shared: a fork (thousands a second on a busy
-/// node) then costs no allocation for it.
-fn empty_argv() -> Arc<[String]> {
-    static EMPTY: OnceLock<Arc<[String]>> = OnceLock::new();
-    EMPTY.get_or_init(|| Arc::from(Vec::new())).clone()
 }
 
 /// The process table. Keyed by pid (tgid).
@@ -274,7 +267,7 @@ impl ProcTable {
             p.name = n;
         }
         if !info.argv.is_empty() {
-            p.set_argv(Arc::from(info.argv.as_slice()), false);
+            p.set_argv(Argv::new(&info.argv), false);
         }
         if let Some(cg) = cgroup {
             p.cgroup = Some(cg);
@@ -323,7 +316,7 @@ impl ProcTable {
             Some(x) => x,
             None => (
                 None,
-                empty_argv(),
+                Argv::default(),
                 false,
                 OnceLock::new(),
                 SharedStr::empty(),
@@ -449,7 +442,7 @@ pub(crate) mod tests {
             tid: pid,
             comm: Comm::new(comm),
             filename: filename.into(),
-            argv: argv.iter().map(|s| s.to_string()).collect(),
+            argv: Argv::new(argv),
             argv_truncated: false,
         })
     }
