@@ -244,6 +244,7 @@ impl Analyzer {
                     if let Some(f) = exit_fact(&self.procs, &mut self.attr, e, timeout) {
                         emit(Output::Exit(f));
                     }
+                    self.attr.forget(e.tgid);
                 }
                 self.procs.apply(ev);
             }

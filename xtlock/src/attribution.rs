@@ -289,6 +289,12 @@ impl Attributor {
         );
         attr
     }
+
+    /// Drops what is cached for `pid` (its process exited: nothing asks for it again, and
+    /// the cache then holds live processes only).
+    pub fn forget(&mut self, pid: u32) {
+        self.cache.remove(&pid);
+    }
 }
 
 #[cfg(test)]

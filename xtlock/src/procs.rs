@@ -134,10 +134,67 @@ pub(crate) fn basename(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
+/// Entries by pid: a small map from pid to a slot of a slab. Thousands of entries churn
+/// (every fork and every pruned exit): the map stays small enough for the cache, and slots
+/// are reused instead of moved when the map grows or rehashes.
+#[derive(Debug, Default)]
+struct Entries {
+    index: FastMap<u32, u32>,
+    slots: Vec<Option<Proc>>,
+    free: Vec<u32>,
+}
+
+impl Entries {
+    fn get(&self, pid: &u32) -> Option<&Proc> {
+        let i = *self.index.get(pid)?;
+        self.slots.get(i as usize)?.as_ref()
+    }
+
+    fn get_mut(&mut self, pid: &u32) -> Option<&mut Proc> {
+        let i = *self.index.get(pid)?;
+        self.slots.get_mut(i as usize)?.as_mut()
+    }
+
+    /// Puts `p` at its pid, replacing any entry there.
+    fn insert(&mut self, p: Proc) -> &mut Proc {
+        let i = match self.index.get(&p.pid) {
+            Some(&i) => i,
+            None => {
+                let i = self.free.pop().unwrap_or_else(|| {
+                    self.slots.push(None);
+                    (self.slots.len() - 1) as u32
+                });
+                self.index.insert(p.pid, i);
+                i
+            }
+        };
+        // Every index entry names a slot of `slots`, which never shrinks.
+        let slot = &mut self.slots[i as usize];
+        slot.insert(p)
+    }
+
+    fn remove(&mut self, pid: &u32) {
+        if let Some(i) = self.index.remove(pid) {
+            if let Some(slot) = self.slots.get_mut(i as usize) {
+                *slot = None;
+                self.free.push(i);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Proc> {
+        self.slots.iter().flatten()
+    }
+}
+
 /// The process table. Keyed by pid (tgid).
 #[derive(Debug)]
 pub struct ProcTable {
-    procs: FastMap<u32, Proc>,
+    procs: Entries,
     /// (pid, generation, exit time) in exit order, for pruning.
     dead: VecDeque<(u32, u64, u64)>,
     /// Source of generations and stamps.
@@ -163,7 +220,7 @@ impl ProcTable {
 
     pub fn with_limits(max_dead: usize, dead_ttl_ns: u64) -> Self {
         ProcTable {
-            procs: FastMap::default(),
+            procs: Entries::default(),
             dead: VecDeque::new(),
             next_generation: 1,
             names: FastMap::default(),
@@ -183,7 +240,7 @@ impl ProcTable {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.procs.is_empty()
+        self.procs.len() == 0
     }
 
     pub fn dead_count(&self) -> usize {
@@ -234,14 +291,8 @@ impl ProcTable {
 
     fn fresh(&mut self, pid: u32, ppid: u32, comm: Comm, name: SharedStr, ts: u64) -> &mut Proc {
         let generation = self.next_stamp();
-        let p = Proc::new(pid, ppid, comm, name, ts, generation);
-        match self.procs.entry(pid) {
-            std::collections::hash_map::Entry::Occupied(mut o) => {
-                o.insert(p);
-                o.into_mut()
-            }
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(p),
-        }
+        self.procs
+            .insert(Proc::new(pid, ppid, comm, name, ts, generation))
     }
 
     fn on_proc(&mut self, info: &ProcInfo) {
