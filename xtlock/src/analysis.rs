@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
+use crate::attribution::{is_xtables_comm, is_xtables_tool, Attributor, ChainLink};
 use crate::decode::{Argv, Event, ExecEvent, ExitEvent};
 use crate::drops::DropTracker;
 pub use crate::drops::{
@@ -338,8 +338,7 @@ impl Analyzer {
 }
 
 fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<ExecFact> {
-    let comm = e.comm.as_str();
-    if !is_xtables_tool(&comm) && !is_xtables_tool(basename(&e.filename)) {
+    if !is_xtables_comm(&e.comm) && !is_xtables_tool(basename(&e.filename)) {
         return None;
     }
     let who = attr.get(procs, e.tgid, &e.comm);
@@ -368,8 +367,8 @@ fn exit_fact(
     lock_timeout: bool,
 ) -> Option<ExitFact> {
     let p = procs.get(e.tgid).filter(|p| p.is_alive());
-    let tool = crate::attribution::is_xtables_tool(&e.comm.as_str())
-        || p.is_some_and(|p| is_xtables_tool(&p.comm.as_str()) || is_xtables_tool(p.exe_name()));
+    let tool = is_xtables_comm(&e.comm)
+        || p.is_some_and(|p| is_xtables_comm(&p.comm) || is_xtables_tool(p.exe_name()));
     if !tool {
         return None;
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::decode::Comm;
-use crate::procs::{basename, FastMap, ProcTable};
+use crate::procs::{FastMap, ProcTable};
 use crate::shared::SharedStr;
 
 /// Binaries of the xtables/nftables family (comm prefixes; comm is cut to 15 bytes).
@@ -40,6 +40,11 @@ pub fn is_xtables_tool(name: &str) -> bool {
 /// Like [`is_xtables_tool`], without `nft`: the tools that lock `/run/xtables.lock`.
 pub fn is_locking_tool(name: &str) -> bool {
     has_prefix(name.as_bytes(), LOCKING_PREFIXES)
+}
+
+/// [`is_xtables_tool`] on a raw comm, without converting it (hot path).
+pub fn is_xtables_comm(comm: &Comm) -> bool {
+    has_prefix(&comm.0, XTABLES_PREFIXES)
 }
 
 /// [`is_locking_tool`] on a raw comm, without allocating (hot path).
@@ -120,7 +125,7 @@ pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
         if cgroup.is_none() {
             cgroup = p.cgroup.as_ref();
         }
-        if agent.is_none() && !is_skipped(&p.name) && !is_skipped(basename(&p.filename)) {
+        if agent.is_none() && !is_skipped(&p.name) && !is_skipped(p.exe_name()) {
             agent = Some((p.pid, p.name.clone()));
         }
         chain.push(ChainLink {

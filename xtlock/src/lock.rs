@@ -28,7 +28,7 @@ use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, NftCommitEvent,
     TableReplaceEvent,
 };
-use crate::procs::{basename, ProcTable};
+use crate::procs::ProcTable;
 use crate::shared::SharedStr;
 
 /// How long a hold whose end we inferred waits for its real release (event time).
@@ -1214,6 +1214,6 @@ pub fn is_locking_proc(procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
         return true;
     }
     procs.get(pid).is_some_and(|p| {
-        is_locking_comm(&p.comm) || crate::attribution::is_locking_tool(basename(&p.filename))
+        is_locking_comm(&p.comm) || crate::attribution::is_locking_tool(p.exe_name())
     })
 }

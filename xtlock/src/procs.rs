@@ -58,6 +58,8 @@ pub struct Proc {
     cmdline: OnceLock<SharedStr>,
     /// Path given to `execve`, empty when no exec was seen.
     pub filename: SharedStr,
+    /// Where its last component starts (see [`Proc::exe_name`]), found once per exec.
+    exe_start: u16,
     pub cgroup: Option<Arc<Cgroup>>,
     /// When this entry started (fork or exec time; 0 for seeds: before tracing).
     pub start_ns: u64,
@@ -89,6 +91,7 @@ impl Proc {
             argv_truncated: false,
             cmdline: OnceLock::new(),
             filename: SharedStr::empty(),
+            exe_start: 0,
             cgroup: None,
             start_ns,
             exec_ns: None,
@@ -126,7 +129,20 @@ impl Proc {
 
     /// Last path component of the exec'd file.
     pub fn exe_name(&self) -> &str {
-        basename(&self.filename)
+        match self.exe_start {
+            u16::MAX => basename(&self.filename),
+            i => self
+                .filename
+                .get(usize::from(i)..)
+                .unwrap_or_else(|| basename(&self.filename)),
+        }
+    }
+
+    fn set_filename(&mut self, filename: SharedStr) {
+        let start = filename.len() - basename(&filename).len();
+        // u16::MAX: too long to remember, found again on each call.
+        self.exe_start = u16::try_from(start).unwrap_or(u16::MAX);
+        self.filename = filename;
     }
 }
 
@@ -337,7 +353,7 @@ impl ProcTable {
         p.comm = e.comm;
         p.name = name;
         p.set_argv(e.argv.clone(), e.argv_truncated);
-        p.filename = e.filename.clone();
+        p.set_filename(e.filename.clone());
         p.exec_ns = Some(e.ts_ns);
     }
 
@@ -359,7 +375,7 @@ impl ProcTable {
                 pp.argv.clone(),
                 pp.argv_truncated,
                 pp.cmdline.clone(),
-                pp.filename.clone(),
+                (pp.filename.clone(), pp.exe_start),
                 pp.cgroup.clone(),
             )
         });
@@ -370,7 +386,7 @@ impl ProcTable {
                 Argv::default(),
                 false,
                 OnceLock::new(),
-                SharedStr::empty(),
+                (SharedStr::empty(), 0),
                 None,
             ),
         };
@@ -382,7 +398,7 @@ impl ProcTable {
         c.argv = argv;
         c.argv_truncated = truncated;
         c.cmdline = cmdline;
-        c.filename = filename;
+        (c.filename, c.exe_start) = filename;
         c.cgroup = cgroup;
         self.prune(f.ts_ns);
     }
