@@ -369,37 +369,40 @@ impl ProcTable {
                 return;
             }
         }
-        let parent = self.procs.get(&f.parent_tgid).map(|pp| {
-            (
-                (pp.comm == f.comm).then(|| pp.name.clone()),
-                pp.argv.clone(),
-                pp.argv_truncated,
-                pp.cmdline.clone(),
-                (pp.filename.clone(), pp.exe_start),
-                pp.cgroup.clone(),
-            )
-        });
-        let (name, argv, truncated, cmdline, filename, cgroup) = match parent {
-            Some(x) => x,
-            None => (
-                None,
-                Argv::default(),
-                false,
-                OnceLock::new(),
-                (SharedStr::empty(), 0),
-                None,
+        let name = match self.procs.get(&f.parent_tgid) {
+            Some(pp) if pp.comm == f.comm => pp.name.clone(),
+            _ => self.name(f.comm),
+        };
+        let generation = self.next_stamp();
+        let child = match self.procs.get(&f.parent_tgid) {
+            // Built from the parent's fields directly: each shared one is cloned once.
+            Some(pp) => Proc {
+                pid: f.child_tid,
+                ppid: f.parent_tgid,
+                comm: f.comm,
+                name,
+                argv: pp.argv.clone(),
+                argv_truncated: pp.argv_truncated,
+                cmdline: pp.cmdline.clone(),
+                filename: pp.filename.clone(),
+                exe_start: pp.exe_start,
+                cgroup: pp.cgroup.clone(),
+                start_ns: f.ts_ns,
+                exec_ns: None,
+                exited: None,
+                generation,
+                stamp: generation,
+            },
+            None => Proc::new(
+                f.child_tid,
+                f.parent_tgid,
+                f.comm,
+                name,
+                f.ts_ns,
+                generation,
             ),
         };
-        let name = match name {
-            Some(n) => n,
-            None => self.name(f.comm),
-        };
-        let c = self.fresh(f.child_tid, f.parent_tgid, f.comm, name, f.ts_ns);
-        c.argv = argv;
-        c.argv_truncated = truncated;
-        c.cmdline = cmdline;
-        (c.filename, c.exe_start) = filename;
-        c.cgroup = cgroup;
+        self.procs.insert(child);
         self.prune(f.ts_ns);
     }
 
