@@ -17,7 +17,6 @@
 //!   reach us just before the old holder's release. A conflicting acquire therefore marks
 //!   the old hold as ending, and its release is awaited for a grace period.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde::{Serialize, Serializer};
@@ -28,7 +27,7 @@ use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, NftCommitEvent,
     TableReplaceEvent,
 };
-use crate::procs::ProcTable;
+use crate::procs::{FastMap, ProcTable};
 use crate::shared::SharedStr;
 
 /// How long a hold whose end we inferred waits for its real release (event time).
@@ -259,7 +258,7 @@ struct OpenHold {
     exclusive: bool,
     who: Arc<Attribution>,
     /// Pids/tids that share the owner, and whether they exited.
-    users: Vec<(u32, bool)>,
+    users: Users,
     users_overflow: bool,
     kernel_ns: u64,
     replaces: u32,
@@ -267,6 +266,39 @@ struct OpenHold {
     end: Option<PendingEnd>,
     /// [`LockMachine::losses`] when it began.
     losses: u64,
+}
+
+/// Pids/tids sharing a hold's owner, and whether each exited. Nearly always just the one
+/// that took it: that one is kept inline, so a hold allocates nothing.
+#[derive(Debug)]
+struct Users {
+    first: (u32, bool),
+    rest: Vec<(u32, bool)>,
+}
+
+impl Users {
+    fn new(pid: u32) -> Self {
+        Users {
+            first: (pid, false),
+            rest: Vec::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    fn push(&mut self, u: (u32, bool)) {
+        self.rest.push(u);
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &(u32, bool)> {
+        std::iter::once(&self.first).chain(self.rest.iter())
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut (u32, bool)> {
+        std::iter::once(&mut self.first).chain(self.rest.iter_mut())
+    }
 }
 
 #[derive(Debug)]
@@ -338,11 +370,13 @@ fn push_holder(v: &mut Vec<Arc<Attribution>>, who: &Arc<Attribution>) {
 #[derive(Debug)]
 pub struct LockMachine {
     locks: Vec<LockState>,
-    trouble: HashMap<u32, Trouble>,
+    trouble: FastMap<u32, Trouble>,
     /// Earliest event time at which something pending must be settled.
     next_deadline: u64,
     /// Number of `Lost` reports so far.
     losses: u64,
+    /// The last nf_tables commit lock named, by netns: commits come in runs from one netns.
+    nft_name: Option<(u32, SharedStr)>,
 }
 
 impl LockMachine {
@@ -358,9 +392,10 @@ impl LockMachine {
                     polls: Vec::new(),
                 })
                 .collect(),
-            trouble: HashMap::new(),
+            trouble: FastMap::default(),
             next_deadline: u64::MAX,
             losses: 0,
+            nft_name: None,
         }
     }
 
@@ -426,7 +461,17 @@ impl LockMachine {
             Event::FlockCall(e) => self.on_flock_call(e, cx, out),
             Event::Fork(f) => self.on_fork(f),
             Event::TableReplace(t) => self.on_table_replace(t),
-            Event::NftCommit(c) => out(Output::Hold(nft_commit_hold(c, cx))),
+            Event::NftCommit(c) => {
+                let lock = match &self.nft_name {
+                    Some((netns, name)) if *netns == c.netns => name.clone(),
+                    _ => {
+                        let name = nft_commit_lock(c.netns);
+                        self.nft_name = Some((c.netns, name.clone()));
+                        name
+                    }
+                };
+                out(Output::Hold(nft_commit_hold(c, lock, cx)))
+            }
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
             }
@@ -532,7 +577,7 @@ impl LockMachine {
                 start_ns: e.ts_ns,
                 exclusive,
                 who,
-                users: vec![(e.tgid, false)],
+                users: Users::new(e.tgid),
                 users_overflow: false,
                 kernel_ns: 0,
                 replaces: 0,
@@ -764,7 +809,7 @@ impl LockMachine {
                         start_ns: e.ts_ns,
                         exclusive: true,
                         who,
-                        users: vec![(w.pid, false)],
+                        users: Users::new(w.pid),
                         users_overflow: false,
                         kernel_ns: 0,
                         replaces: 0,
@@ -1182,10 +1227,10 @@ pub fn nft_commit_lock(netns: u32) -> SharedStr {
 }
 
 /// One nf_tables commit as a hold of the second lock, attributed like a file-lock hold.
-fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
+fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> HoldFact {
     let who = cx.who(c.tgid, &c.comm);
     HoldFact {
-        lock: nft_commit_lock(c.netns),
+        lock,
         pid: c.tgid,
         tid: c.tid,
         comm: who.comm.clone(),
