@@ -114,7 +114,20 @@ pub struct Attribution {
 
 /// Attributes `pid`. `comm` names the process when the table does not know it.
 pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
-    let mut chain = Vec::new();
+    attribute_into(procs, pid, comm, &mut Vec::new(), &mut Vec::new())
+}
+
+/// [`attribute`] with the caller's buffers: `chain` (left empty) for the links, `stamps`
+/// (cleared, then filled) for the stamps of the entries the chain was built from.
+fn attribute_into(
+    procs: &ProcTable,
+    pid: u32,
+    comm: &Comm,
+    chain: &mut Vec<ChainLink>,
+    stamps: &mut Vec<u64>,
+) -> Attribution {
+    chain.clear();
+    stamps.clear();
     let mut agent: Option<(u32, SharedStr)> = None;
     let mut cgroup = None;
     let mut cmdline = SharedStr::empty();
@@ -132,6 +145,7 @@ pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
             pid: p.pid,
             comm: p.name.clone(),
         });
+        stamps.push(p.stamp);
     }
     let own_comm = match chain.first() {
         Some(l) => l.comm.clone(),
@@ -155,7 +169,8 @@ pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
         role: role_of(&agent),
         agent,
         agent_pid,
-        chain: Arc::from(chain),
+        // Moved out of the buffer in one allocation.
+        chain: chain.drain(..).collect(),
         pod_uid,
         container_id,
     }
@@ -238,6 +253,8 @@ fn container_id_of(comp: &str) -> Option<&str> {
 #[derive(Debug, Default)]
 pub struct Attributor {
     cache: FastMap<u32, Cached>,
+    /// Reused for the links of each chain built.
+    chain: Vec<ChainLink>,
 }
 
 #[derive(Debug)]
@@ -276,11 +293,15 @@ impl Attributor {
             Some(c) => Some(std::mem::take(&mut c.stamps)),
             None => None,
         };
-        let attr = Arc::new(attribute(procs, pid, comm));
         // The replaced entry's buffer is reused.
         let mut stamps = stale.unwrap_or_default();
-        stamps.clear();
-        stamps.extend(procs.ancestors(pid).map(|p| p.stamp));
+        let attr = Arc::new(attribute_into(
+            procs,
+            pid,
+            comm,
+            &mut self.chain,
+            &mut stamps,
+        ));
         if self.cache.len() >= CACHE_MAX && !self.cache.contains_key(&pid) {
             self.cache.clear();
         }

@@ -130,6 +130,28 @@ impl Argv {
     pub fn join(&self) -> String {
         self.text.replace('\0', " ")
     }
+
+    /// [`Argv::join`], then `suffix` unless that is empty, as a [`SharedStr`]: one
+    /// allocation for the argv of an exec event.
+    pub fn join_shared(&self, suffix: &str) -> SharedStr {
+        const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN + 16;
+        let text = self.text.as_bytes();
+        let suffix = if text.is_empty() { "" } else { suffix };
+        let n = text.len() + suffix.len();
+        if n > MAX {
+            let mut s = self.join();
+            s.push_str(suffix);
+            return SharedStr::from(s);
+        }
+        let mut buf = [0u8; MAX];
+        for (d, &c) in buf.iter_mut().zip(text) {
+            *d = if c == 0 { b' ' } else { c };
+        }
+        buf[text.len()..n].copy_from_slice(suffix.as_bytes());
+        // NULs (ASCII) became spaces (ASCII) in UTF-8 text: still UTF-8.
+        std::str::from_utf8(&buf[..n])
+            .map_or_else(|_| SharedStr::from(self.join()), SharedStr::from)
+    }
 }
 
 impl fmt::Debug for Argv {
@@ -748,5 +770,25 @@ mod tests {
         };
         assert!(d.argv.iter().eq(["iptables-restore", "-w", "5"]));
         assert_eq!(d.filename, "/usr/sbin/ipt-r");
+        assert_eq!(d.argv.join_shared(" ..."), "iptables-restore -w 5 ...");
+        assert_eq!(
+            serde_json::to_string(&d.argv).unwrap(),
+            r#"["iptables-restore","-w","5"]"#
+        );
+    }
+
+    #[test]
+    fn argv_edges() {
+        let none = Argv::default();
+        assert_eq!((none.len(), none.iter().count()), (0, 0));
+        assert_eq!(none.join_shared(" ..."), "");
+        let one_empty = Argv::new([""]);
+        assert!(one_empty.iter().eq([""]));
+        assert_eq!(one_empty.join_shared(" ..."), "");
+        let two_empty = Argv::new(["", ""]);
+        assert_eq!(two_empty.join(), " ");
+        assert_eq!(two_empty.join_shared(" ..."), "  ...");
+        let long = Argv::new(std::iter::repeat_n("x".repeat(100), 20));
+        assert_eq!(long.join_shared("").len(), 20 * 101 - 1);
     }
 }

@@ -117,7 +117,10 @@ impl Proc {
     /// [`Proc::cmdline`], built once.
     pub fn cmdline_shared(&self) -> SharedStr {
         self.cmdline
-            .get_or_init(|| SharedStr::from(self.cmdline()))
+            .get_or_init(|| {
+                self.argv
+                    .join_shared(if self.argv_truncated { " ..." } else { "" })
+            })
             .clone()
     }
 
