@@ -263,7 +263,7 @@ fn round_trip_mixed() {
     assert_eq!(events, want_events);
     assert!(events
         .iter()
-        .any(|e| matches!(e, Event::Exec(x) if x.argv == ["iptables", "-L"])));
+        .any(|e| matches!(e, Event::Exec(x) if x.argv.iter().eq(["iptables", "-L"]))));
 }
 
 #[test]

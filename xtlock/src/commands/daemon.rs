@@ -185,7 +185,7 @@ fn publish_open_holds(pipe: &Pipeline, metrics: &Metrics) {
         locks.iter().map(|l| l.path.as_str()),
         a.open_holders().map(|(lock, _, who)| HoldLabels {
             lock: lock.to_owned(),
-            agent: who.agent.clone(),
+            agent: who.agent.to_string(),
             role: who.role.to_owned(),
         }),
     );

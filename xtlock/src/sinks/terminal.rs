@@ -241,8 +241,8 @@ impl<W: Write> TerminalSink<W> {
         self.line(f.ts_ns, &text)?;
         self.run = Some(FailedRun {
             pid: f.pid,
-            lock: f.lock.clone(),
-            agent: f.agent.clone(),
+            lock: f.lock.to_string(),
+            agent: f.agent.to_string(),
             more: 0,
             first_ns: f.ts_ns,
             last_ns: f.ts_ns,
