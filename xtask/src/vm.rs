@@ -37,7 +37,7 @@ use qemu::Accel;
 
 /// The integration tests (targets of the `xtlock-tests` package) that run in the VM by
 /// default. Later parts add theirs here.
-pub const DEFAULT_TESTS: &[&str] = &["lock_trace", "kernel_hooks"];
+pub const DEFAULT_TESTS: &[&str] = &["lock_trace", "kernel_hooks", "ipvs"];
 
 /// Modules every run loads (with their dependencies, in order) before the commands start;
 /// others load on demand through busybox modprobe, as kmod would on a node. crc32c_generic

@@ -69,6 +69,9 @@ pub enum EventKind {
     /// An nf_tables commit (`nfnetlink_rcv_batch` or `nf_tables_commit`), seen at its return:
     /// the serialisation point of nft, iptables-nft, kube-proxy's nftables mode, firewalld.
     NftCommit = 8,
+    /// IPVS: a connection scheduled, a packet on a stale connection, a stale connection's
+    /// entry expired, or a real-server table change (`IpvsEvent::op`).
+    Ipvs = 9,
 }
 
 impl EventKind {
@@ -82,6 +85,7 @@ impl EventKind {
             6 => Self::TableReplace,
             7 => Self::Drop,
             8 => Self::NftCommit,
+            9 => Self::Ipvs,
             _ => return None,
         })
     }
@@ -250,6 +254,92 @@ pub struct DropKey {
     pub netns: u32,
 }
 
+/// `IpvsEvent::op`: a new connection scheduled to a real server (`ip_vs_conn_new`).
+pub const IPVS_OP_SCHEDULED: u8 = 1;
+/// A packet on a connection whose real server is no longer usable (removed, or weight 0);
+/// rate limited per connection, `packets` counts the packets since the previous one.
+pub const IPVS_OP_STALE: u8 = 2;
+/// The entry of a connection reported stale expired (`ip_vs_conn_expire`).
+pub const IPVS_OP_EXPIRED: u8 = 3;
+/// Real-server table changes (`ip_vs_add_dest`, `ip_vs_del_dest`, `ip_vs_edit_dest`), seen at
+/// their return, by the process that made them.
+pub const IPVS_OP_DEST_ADD: u8 = 4;
+pub const IPVS_OP_DEST_DEL: u8 = 5;
+pub const IPVS_OP_DEST_EDIT: u8 = 6;
+
+/// State of a connection's real server when a packet came (`IpvsEvent::dest_state`,
+/// `IpvsKey::state`): usable, weight 0 (quiescent: still forwarded), or no longer
+/// available (removed from its service: the kernel drops or expires).
+pub const IPVS_DEST_OK: u8 = 0;
+pub const IPVS_DEST_QUIESCENT: u8 = 1;
+pub const IPVS_DEST_GONE: u8 = 2;
+
+/// What the kernel did with a packet on a stale connection (`IpvsEvent::action`).
+pub const IPVS_ACTION_NONE: u8 = 0;
+/// Forwarded to the stale real server (weight 0).
+pub const IPVS_ACTION_FORWARDED: u8 = 1;
+/// Dropped, the entry left to expire without its timer restarted (`expire_nodest_conn=0`).
+pub const IPVS_ACTION_DROPPED: u8 = 2;
+/// The entry expired at once (`expire_nodest_conn=1`); the packet is scheduled anew, or
+/// dropped when its conntrack entry was already confirmed.
+pub const IPVS_ACTION_EXPIRED: u8 = 3;
+
+/// Distinct (service, real server, state) keys of the in-kernel IPVS packet counters.
+pub const MAX_IPVS_KEYS: u32 = 8192;
+
+/// One IPVS event. Addresses are `union nf_inet_addr` (4 bytes used for IPv4), ports in
+/// host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpvsEvent {
+    pub hdr: EventHeader,
+    /// Kernel address of the `struct ip_vs_conn` (a connection's identity while it lives);
+    /// 0 for table changes.
+    pub conn: u64,
+    /// Time left on the connection entry's timer, in ns (0 when unknown or not running).
+    pub timer_left_ns: u64,
+    /// `IPVS_OP_STALE`/`IPVS_OP_EXPIRED`: stale packets of this connection since its
+    /// previous event.
+    pub packets: u64,
+    /// Virtual service, client, real server.
+    pub vaddr: [u8; 16],
+    pub caddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub vport: u16,
+    pub cport: u16,
+    pub dport: u16,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub af: u16,
+    pub protocol: u8,
+    /// `IPVS_OP_*`.
+    pub op: u8,
+    /// `IPVS_DEST_*`.
+    pub dest_state: u8,
+    /// `IPVS_ACTION_*`.
+    pub action: u8,
+    /// The real server's weight (for table changes: the requested weight).
+    pub weight: i32,
+    /// Table changes: the function's return (0 or a negative errno).
+    pub ret: i32,
+    pub comm: [u8; COMM_LEN],
+    pub _pad: u32,
+}
+
+/// Key of the in-kernel IPVS packet counters: packets sent to (or, state `GONE`, refused
+/// for) one real server of one virtual service.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IpvsKey {
+    pub vaddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub vport: u16,
+    pub dport: u16,
+    pub af: u16,
+    pub protocol: u8,
+    /// `IPVS_DEST_*`.
+    pub state: u8,
+}
+
 /// Key of the watched-locks map: which lock files the probes report.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -324,6 +414,46 @@ pub struct ProbeConfig {
     pub task_nsproxy: u32,
     pub nsproxy_net_ns: u32,
     pub _pad2: u32,
+    /// Non-zero when the IPVS offsets below were found in the ip_vs module's BTF.
+    pub ipvs_ok: u32,
+    // struct ip_vs_conn
+    pub conn_af: u32,
+    pub conn_protocol: u32,
+    pub conn_caddr: u32,
+    pub conn_vaddr: u32,
+    pub conn_daddr: u32,
+    pub conn_cport: u32,
+    pub conn_vport: u32,
+    pub conn_dport: u32,
+    pub conn_flags: u32,
+    pub conn_dest: u32,
+    /// `timer` (a `timer_list`) and `timer.expires`.
+    pub conn_timer: u32,
+    pub conn_timer_expires: u32,
+    pub conn_ipvs: u32,
+    /// `netns_ipvs.sysctl_expire_nodest_conn`.
+    pub ipvs_expire_nodest: u32,
+    // struct ip_vs_dest
+    /// `cflags` (an `unsigned long`: kernels with the 2026 IPVS flags split, backported to
+    /// stable ones such as Debian's 6.1.192) when `dest_avail_wide` is set, else `flags`
+    /// (an `unsigned int`): where the "available" bit (0x1) is.
+    pub dest_flags: u32,
+    pub dest_weight: u32,
+    // struct ip_vs_service
+    pub svc_af: u32,
+    pub svc_protocol: u32,
+    pub svc_addr: u32,
+    pub svc_port: u32,
+    // struct ip_vs_dest_user_kern
+    pub udest_addr: u32,
+    pub udest_port: u32,
+    pub udest_weight: u32,
+    pub dest_avail_wide: u32,
+    pub _pad3: u32,
+    /// Nanoseconds per jiffy of the running kernel (1e9 / HZ).
+    pub ns_per_jiffy: u64,
+    /// Minimum spacing of stale-packet events per connection, in ns.
+    pub ipvs_stale_interval_ns: u64,
 }
 
 #[cfg(feature = "user")]
@@ -334,6 +464,7 @@ mod pod {
     unsafe impl aya::Pod for LockKey {}
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
+    unsafe impl aya::Pod for IpvsKey {}
 }
 
 /// Size in bytes of each event type, for the decoder's bounds checks.
@@ -348,6 +479,7 @@ pub mod sizes {
     pub const TABLE_REPLACE: usize = size_of::<TableReplaceEvent>();
     pub const DROP: usize = size_of::<DropEvent>();
     pub const NFT_COMMIT: usize = size_of::<NftCommitEvent>();
+    pub const IPVS: usize = size_of::<IpvsEvent>();
 }
 
 #[cfg(test)]
@@ -368,7 +500,9 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        assert_eq!(size_of::<ProbeConfig>(), 160);
+        assert_eq!(size_of::<ProbeConfig>(), 280);
+        assert_eq!(size_of::<IpvsEvent>(), 136);
+        assert_eq!(size_of::<IpvsKey>(), 40);
         assert_eq!(size_of::<NftCommitEvent>(), 56);
     }
 
@@ -383,6 +517,7 @@ mod tests {
             EventKind::TableReplace,
             EventKind::Drop,
             EventKind::NftCommit,
+            EventKind::Ipvs,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

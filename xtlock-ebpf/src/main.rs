@@ -8,7 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xtlock_common::{
-    DropKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS, MAX_WATCHED_LOCKS,
+    DropKey, IpvsEvent, IpvsKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS,
+    MAX_IPVS_KEYS, MAX_WATCHED_LOCKS,
 };
 
 mod emit;
@@ -56,6 +57,34 @@ static CONFIG: ProbeConfig = ProbeConfig {
     task_nsproxy: 0,
     nsproxy_net_ns: 0,
     _pad2: 0,
+    ipvs_ok: 0,
+    conn_af: 0,
+    conn_protocol: 0,
+    conn_caddr: 0,
+    conn_vaddr: 0,
+    conn_daddr: 0,
+    conn_cport: 0,
+    conn_vport: 0,
+    conn_dport: 0,
+    conn_flags: 0,
+    conn_dest: 0,
+    conn_timer: 0,
+    conn_timer_expires: 0,
+    conn_ipvs: 0,
+    ipvs_expire_nodest: 0,
+    dest_flags: 0,
+    dest_weight: 0,
+    svc_af: 0,
+    svc_protocol: 0,
+    svc_addr: 0,
+    svc_port: 0,
+    udest_addr: 0,
+    udest_port: 0,
+    udest_weight: 0,
+    dest_avail_wide: 0,
+    _pad3: 0,
+    ns_per_jiffy: 0,
+    ipvs_stale_interval_ns: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.
@@ -119,6 +148,25 @@ static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// Drop-sample rate limiter per CPU: the theoretical arrival time of the next sample (GCRA).
 #[map]
 static DROP_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Exact IPVS packet counts per (virtual service, real server, state), per CPU. Userspace
+/// reads and sums them every second and never deletes keys.
+#[map]
+static IPVS_COUNTS: PerCpuHashMap<IpvsKey, u64> = PerCpuHashMap::with_max_entries(MAX_IPVS_KEYS, 0);
+
+/// IPVS packets not counted under their key because `IPVS_COUNTS` was full, per CPU.
+#[map]
+static IPVS_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Connections seen with a stale real server, by `struct ip_vs_conn` address: when their
+/// last event went out and the stale packets since.
+#[map]
+static IPVS_STALE: LruHashMap<u64, probes::ipvs::StaleConn> =
+    LruHashMap::with_max_entries(16384, 0);
+
+/// Real-server table changes in progress, by thread id (completed at the function's return).
+#[map]
+static IPVS_DEST_OPS: LruHashMap<u32, IpvsEvent> = LruHashMap::with_max_entries(256, 0);
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -1,5 +1,6 @@
 //! One module per kernel hook.
 pub mod flock;
+pub mod ipvs;
 pub mod nft_commit;
 pub mod process;
 pub mod setsockopt;

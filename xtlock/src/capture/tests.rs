@@ -569,7 +569,7 @@ fn file_header() -> Vec<u8> {
 fn unknown_kinds_are_skipped_critical_ones_refused() {
     let mut payload = Vec::new();
     for (kind, body) in [
-        (9u8, &b"from the future"[..]),
+        (0x7fu8, &b"from the future"[..]),
         (format::KIND_LOST, &[5, 6][..]),
         (0, &[][..]),
     ] {

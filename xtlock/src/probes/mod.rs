@@ -4,6 +4,7 @@
 
 pub mod btf;
 pub mod dropreason;
+pub mod ipvs;
 pub mod nft_commit;
 pub mod preflight;
 pub mod tracefs;
@@ -17,7 +18,7 @@ use aya::{
     programs::TracePoint,
     Ebpf, EbpfLoader,
 };
-use xtlock_common::{DropKey, LockKey, ProbeConfig};
+use xtlock_common::{DropKey, IpvsKey, LockKey, ProbeConfig};
 
 use crate::lockfiles::LockFile;
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
@@ -193,6 +194,8 @@ pub struct Discovery {
     pub features: Vec<Feature>,
     /// What the nf_tables commit hook can attach to.
     pub nft: nft_commit::KernelFacts,
+    /// What the IPVS hooks can attach to.
+    pub ipvs: ipvs::IpvsFacts,
 }
 
 /// Reads the format files of every hook and fills the probe configuration.
@@ -231,12 +234,18 @@ pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
         discover_drops(&mut config, &mut reasons, &mut features, &btf);
     }
     let nft = nft_commit::discover(tracefs, btf.as_ref().map_err(|e| e.to_string()));
+    let ipvs = ipvs::discover(
+        &mut config,
+        tracefs,
+        btf.as_ref().map_err(|e| e.to_string()),
+    );
     Ok(Discovery {
         config,
         unusable,
         reasons,
         features,
         nft,
+        ipvs,
     })
 }
 
@@ -569,6 +578,17 @@ impl Probes {
             purpose: nft_commit::PURPOSE,
             error,
         });
+        let (attach, error) = match ipvs::attach(&mut ebpf, &disc.ipvs) {
+            Ok(describe) => (describe, None),
+            Err(why) => ("kprobe/kretprobe on ip_vs functions".to_string(), Some(why)),
+        };
+        status.push(HookStatus {
+            program: ipvs::HOOK,
+            attach,
+            required: false,
+            purpose: ipvs::PURPOSE,
+            error,
+        });
         for s in status
             .iter()
             .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
@@ -602,30 +622,52 @@ impl Probes {
     /// In-kernel drop counts since load, summed over CPUs, and the drops counted in the
     /// overflow slot because the key map was full.
     pub fn drop_totals(&self) -> Result<(DropTotals, u64), ProbeError> {
+        self.counter_totals("DROP_COUNTS", "DROP_OVERFLOW")
+    }
+
+    /// A per-CPU counter map summed over CPUs, and its per-CPU overflow counter summed.
+    fn counter_totals<K: aya::Pod>(
+        &self,
+        counts: &str,
+        overflow: &str,
+    ) -> Result<(Vec<(K, u64)>, u64), ProbeError> {
         let map = self
             .ebpf
-            .map("DROP_COUNTS")
-            .ok_or_else(|| ProbeError::Load("map DROP_COUNTS missing".into()))?;
-        let counts: PerCpuHashMap<&MapData, DropKey, u64> =
+            .map(counts)
+            .ok_or_else(|| ProbeError::Load(format!("map {counts} missing")))?;
+        let per_cpu: PerCpuHashMap<&MapData, K, u64> =
             PerCpuHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
         let mut out = Vec::new();
-        for item in counts.iter() {
+        for item in per_cpu.iter() {
             // A key can vanish between listing and lookup only if deleted; we never delete.
-            let (k, v) = item.map_err(|e| ProbeError::Load(format!("reading DROP_COUNTS: {e}")))?;
+            let (k, v) = item.map_err(|e| ProbeError::Load(format!("reading {counts}: {e}")))?;
             out.push((k, v.iter().sum()));
         }
         let map = self
             .ebpf
-            .map("DROP_OVERFLOW")
-            .ok_or_else(|| ProbeError::Load("map DROP_OVERFLOW missing".into()))?;
+            .map(overflow)
+            .ok_or_else(|| ProbeError::Load(format!("map {overflow} missing")))?;
         let ovf: PerCpuArray<&MapData, u64> =
             PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
         let overflow = ovf
             .get(&0, 0)
-            .map_err(|e| ProbeError::Load(format!("reading DROP_OVERFLOW: {e}")))?
+            .map_err(|e| ProbeError::Load(format!("reading {overflow}: {e}")))?
             .iter()
             .sum();
         Ok((out, overflow))
+    }
+
+    /// Whether the IPVS hooks are attached.
+    pub fn ipvs_attached(&self) -> bool {
+        self.status
+            .iter()
+            .any(|s| s.program == ipvs::HOOK && s.attached())
+    }
+
+    /// In-kernel IPVS packet counts since load, summed over CPUs, and the packets counted in
+    /// the overflow slot because the key map was full.
+    pub fn ipvs_totals(&self) -> Result<(Vec<(IpvsKey, u64)>, u64), ProbeError> {
+        self.counter_totals("IPVS_COUNTS", "IPVS_OVERFLOW")
     }
 
     /// The event ring buffer; call once.

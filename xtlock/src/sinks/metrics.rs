@@ -24,6 +24,8 @@ use crate::analysis::{Output, Summary};
 pub const MAX_AGENTS: usize = 64;
 /// Distinct (reason, location, class) drop series; more go to one `(other)` series.
 pub const MAX_DROP_KINDS: usize = 256;
+/// Distinct (protocol, service, backend) IPVS series; more go to one `(other)` series.
+pub const MAX_IPVS_SERIES: usize = 4096;
 /// The label value of everything past a cap.
 pub const OTHER: &str = "(other)";
 
@@ -69,6 +71,32 @@ pub struct DropLabels {
     pub reason: String,
     pub location: String,
     pub class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpvsLabels {
+    pub protocol: String,
+    /// Virtual service, `ip:port`.
+    pub service: String,
+    /// Real server, `ip:port`.
+    pub backend: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpvsStaleLabels {
+    pub protocol: String,
+    pub service: String,
+    pub backend: String,
+    /// `weight_0` (still forwarded) or `removed` (dropped or expired by the kernel).
+    pub backend_state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpvsChangeLabels {
+    /// `dest_added`, `dest_removed`, `dest_edited`.
+    pub change: String,
+    /// comm of the process that made it (kube-proxy, ipvsadm).
+    pub comm: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -119,6 +147,10 @@ pub struct Metrics {
     pub probe_attached: Family<ProbeLabels, Gauge>,
     /// The open holds last published, to clear their `holder_info` series when they end.
     published: Mutex<Vec<HoldLabels>>,
+    ipvs_packets: Family<IpvsLabels, Counter>,
+    ipvs_stale_packets: Family<IpvsStaleLabels, Counter>,
+    ipvs_connections: Family<IpvsLabels, Counter>,
+    ipvs_changes: Family<IpvsChangeLabels, Counter>,
 }
 
 /// The conntrack statistics counters, in [`Metrics::conntrack`] order.
@@ -230,6 +262,32 @@ impl Metrics {
             "Size of the conntrack table (nf_conntrack_max)",
             conntrack_max.clone(),
         );
+        let ipvs_packets = Family::<IpvsLabels, Counter>::default();
+        r.register(
+            "ipvs_packets",
+            "Packets IPVS forwarded to a real server of a virtual service (exact, counted in \
+             the kernel)",
+            ipvs_packets.clone(),
+        );
+        let ipvs_stale_packets = Family::<IpvsStaleLabels, Counter>::default();
+        r.register(
+            "ipvs_stale_packets",
+            "Packets on IPVS connections whose real server was set to weight 0 (forwarded) or \
+             removed (dropped or expired)",
+            ipvs_stale_packets.clone(),
+        );
+        let ipvs_connections = Family::<IpvsLabels, Counter>::default();
+        r.register(
+            "ipvs_connections",
+            "New IPVS connections scheduled to a real server",
+            ipvs_connections.clone(),
+        );
+        let ipvs_changes = Family::<IpvsChangeLabels, Counter>::default();
+        r.register(
+            "ipvs_dest_changes",
+            "IPVS real-server table changes, by kind and by the process that made them",
+            ipvs_changes.clone(),
+        );
         let lost = Counter::default();
         r.register(
             "events_lost",
@@ -279,6 +337,10 @@ impl Metrics {
             events,
             probe_attached,
             published: Mutex::new(Vec::new()),
+            ipvs_packets,
+            ipvs_stale_packets,
+            ipvs_connections,
+            ipvs_changes,
         }
     }
 
@@ -382,6 +444,7 @@ pub struct MetricsSink {
     m: Arc<Metrics>,
     agents: Capped,
     drop_kinds: Capped,
+    ipvs_series: Capped,
     /// The daemon's own network namespace (inode), labelled `host`.
     host_netns: Option<u32>,
 }
@@ -392,6 +455,7 @@ impl MetricsSink {
             m,
             agents: Capped::new(MAX_AGENTS),
             drop_kinds: Capped::new(MAX_DROP_KINDS),
+            ipvs_series: Capped::new(MAX_IPVS_SERIES),
             host_netns,
         }
     }
@@ -399,6 +463,23 @@ impl MetricsSink {
     fn agent(&mut self, a: &str) -> String {
         let a = if a.is_empty() { "(unknown)" } else { a };
         self.agents.label(a)
+    }
+
+    /// IPVS labels, `(other)` past the series cap.
+    fn ipvs(&mut self, protocol: &str, service: &str, backend: &str) -> IpvsLabels {
+        let key = format!("{protocol}\0{service}\0{backend}");
+        if self.ipvs_series.label(&key) == OTHER {
+            return IpvsLabels {
+                protocol: OTHER.into(),
+                service: OTHER.into(),
+                backend: OTHER.into(),
+            };
+        }
+        IpvsLabels {
+            protocol: protocol.to_owned(),
+            service: service.to_owned(),
+            backend: backend.to_owned(),
+        }
     }
 
     fn netns(&self, ns: u32) -> NetnsLabels {
@@ -514,6 +595,38 @@ impl Sink for MetricsSink {
                         .set(clamp(c.entries));
                     self.m.conntrack_max.get_or_create(&l).set(clamp(c.max));
                 }
+            }
+            Output::IpvsCount(c) => {
+                let l = self.ipvs(c.protocol, &c.service, &c.backend);
+                if c.backend_state != "removed" {
+                    self.m.ipvs_packets.get_or_create(&l).inc_by(c.packets);
+                }
+                if c.backend_state != "ok" {
+                    let l = IpvsStaleLabels {
+                        protocol: l.protocol,
+                        service: l.service,
+                        backend: l.backend,
+                        backend_state: c.backend_state.to_owned(),
+                    };
+                    self.m
+                        .ipvs_stale_packets
+                        .get_or_create(&l)
+                        .inc_by(c.packets);
+                }
+            }
+            Output::Ipvs(i) if i.event == "scheduled" => {
+                let l = self.ipvs(i.protocol, &i.service, &i.backend);
+                self.m.ipvs_connections.get_or_create(&l).inc();
+            }
+            Output::Ipvs(i) if i.event.starts_with("dest_") => {
+                let comm = self.agent(i.comm.as_deref().unwrap_or(""));
+                self.m
+                    .ipvs_changes
+                    .get_or_create(&IpvsChangeLabels {
+                        change: i.event.to_owned(),
+                        comm,
+                    })
+                    .inc();
             }
             _ => {}
         }

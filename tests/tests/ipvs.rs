@@ -1,0 +1,420 @@
+//! IPVS, as kube-proxy's ipvs mode sets it up: a virtual server 10.96.0.10:53/udp on a dummy
+//! interface of a "node" namespace, two real servers in their own namespaces answering UDP,
+//! and a client namespace sending from fixed source ports (one IPVS connection each).
+//! xtlock must report which backend each connection was scheduled to, count the packets per
+//! backend exactly as `ipvsadm --stats` does, and, when a backend is removed (or set to
+//! weight 0) while its client keeps its source port, report the stale forwarding to exactly
+//! that backend with the client address, then its end when the connection entry expires.
+//!
+//! Needs kprobes and the ip_vs module: in the VM (`cargo xtask vm-test --test ipvs`). On a
+//! kernel without them (this project's host: 6.18 without CONFIG_KPROBES, no IPVS) the test
+//! asserts the plain "not attached: why" report instead; under CI=true it never skips.
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    process::{Child, Command, Stdio},
+    thread::sleep,
+    time::{Duration, Instant},
+};
+
+use serde_json::Value;
+use xtlock_tests::{require_bpf, serial, sh, xtlock_bin, Scratch, Tracer};
+
+const VIP: &str = "10.96.0.10";
+const NODE: &str = "xi-node";
+const CLI: &str = "xi-cli";
+const BACKENDS: [(&str, &str, &str); 2] =
+    [("xi-be1", "10.0.1.5", "1"), ("xi-be2", "10.0.2.6", "2")];
+/// UDP timeout of IPVS connections in this test (`ipvsadm --set 0 0 N`), in seconds.
+const UDP_TIMEOUT_S: u64 = 8;
+/// ipvsadm's counters are the kernel's per-CPU counters summed by its rate estimator, every
+/// 2 s: a read waits this long after the last packet.
+const ESTIMATOR: Duration = Duration::from_millis(2500);
+
+fn in_vm() -> bool {
+    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
+}
+
+fn kernel_has_kprobes() -> bool {
+    Path::new("/sys/bus/event_source/devices/kprobe").exists()
+        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
+}
+
+fn ipvs_status() -> Value {
+    let out = Command::new(xtlock_bin())
+        .args(["probes", "--json"])
+        .output()
+        .expect("run xtlock probes");
+    assert!(out.status.success(), "xtlock probes failed: {out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
+    v["hooks"]
+        .as_array()
+        .expect("hooks array")
+        .iter()
+        .find(|h| h["program"] == "ipvs")
+        .cloned()
+        .unwrap_or_else(|| panic!("no ipvs hook in {v}"))
+}
+
+fn ns(n: &str, prog: &str, args: &[&str]) -> String {
+    let mut a = vec!["netns", "exec", n, prog];
+    a.extend_from_slice(args);
+    sh("ip", &a)
+}
+
+/// The namespaces, links, addresses, the virtual server and its real servers; removed on
+/// drop, also when the test fails.
+struct Lab {
+    echo: Vec<Child>,
+}
+
+impl Lab {
+    fn new(scratch: &Scratch) -> Self {
+        Self::cleanup();
+        for n in [NODE, CLI, BACKENDS[0].0, BACKENDS[1].0] {
+            sh("ip", &["netns", "add", n]);
+            ns(n, "ip", &["link", "set", "lo", "up"]);
+        }
+        let mut links = vec![(CLI, "0", "10.0.0.9")];
+        links.extend(BACKENDS.iter().map(|(n, a, i)| (*n, *i, *a)));
+        for (peer, i, addr) in links {
+            let (vn, vp) = (format!("xin{i}"), format!("xip{i}"));
+            sh(
+                "ip",
+                &[
+                    "-n", NODE, "link", "add", &vn, "type", "veth", "peer", "name", &vp, "netns",
+                    peer,
+                ],
+            );
+            let gw = format!("10.0.{i}.1");
+            ns(
+                NODE,
+                "ip",
+                &["addr", "add", &format!("{gw}/24"), "dev", &vn],
+            );
+            ns(NODE, "ip", &["link", "set", &vn, "up"]);
+            ns(
+                peer,
+                "ip",
+                &["addr", "add", &format!("{addr}/24"), "dev", &vp],
+            );
+            ns(peer, "ip", &["link", "set", &vp, "up"]);
+            ns(peer, "ip", &["route", "add", "default", "via", &gw]);
+        }
+        // kube-proxy's way: the ClusterIP on a dummy interface, so it is local to the node.
+        ns(NODE, "ip", &["link", "add", "kube-ipvs0", "type", "dummy"]);
+        ns(
+            NODE,
+            "ip",
+            &["addr", "add", &format!("{VIP}/32"), "dev", "kube-ipvs0"],
+        );
+        ns(NODE, "ip", &["link", "set", "kube-ipvs0", "up"]);
+        ns(
+            NODE,
+            "sh",
+            &["-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"],
+        );
+        let svc = format!("{VIP}:53");
+        ns(NODE, "ipvsadm", &["-A", "-u", &svc, "-s", "rr"]);
+        ns(
+            NODE,
+            "ipvsadm",
+            &["--set", "0", "0", &UDP_TIMEOUT_S.to_string()],
+        );
+        for (_, addr, _) in BACKENDS {
+            let rs = format!("{addr}:53");
+            ns(
+                NODE,
+                "ipvsadm",
+                &["-a", "-u", &svc, "-r", &rs, "-m", "-w", "1"],
+            );
+        }
+        let helper = scratch.agent("udpecho");
+        let echo = BACKENDS
+            .iter()
+            .map(|(n, _, _)| {
+                Command::new("ip")
+                    .args(["netns", "exec", n])
+                    .arg(&helper)
+                    .args(["udpecho", "53"])
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .expect("start udp echo")
+            })
+            .collect();
+        Lab { echo }
+    }
+
+    fn cleanup() {
+        for n in [NODE, CLI, BACKENDS[0].0, BACKENDS[1].0] {
+            let _ = Command::new("ip")
+                .args(["netns", "del", n])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for c in &mut self.echo {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        Self::cleanup();
+    }
+}
+
+/// Sends `count` datagrams from `10.0.0.9:sport` to the virtual server, one per `every_ms`.
+fn send(client: &Path, sport: u16, count: u32, every_ms: u32) {
+    let out = ns(
+        CLI,
+        &client.display().to_string(),
+        &[
+            "udpfrom",
+            &sport.to_string(),
+            VIP,
+            "53",
+            &count.to_string(),
+            &every_ms.to_string(),
+        ],
+    );
+    assert_eq!(out.trim(), format!("sent {count}"), "client {sport}");
+}
+
+/// `ipvsadm -Lnc`: client `ip:port` -> real server `ip:port`.
+fn ipvs_connections() -> HashMap<String, String> {
+    let text = ns(NODE, "ipvsadm", &["-Lnc"]);
+    let mut m = HashMap::new();
+    for l in text.lines() {
+        // pro expire state source virtual destination
+        let w: Vec<&str> = l.split_whitespace().collect();
+        if w.len() == 6 && w[0] == "UDP" {
+            m.insert(w[3].to_string(), w[5].to_string());
+        }
+    }
+    m
+}
+
+/// `ipvsadm -Ln --stats --exact`: real server `ip:port` -> InPkts.
+fn ipvs_inpkts() -> HashMap<String, u64> {
+    let text = ns(NODE, "ipvsadm", &["-Ln", "--stats", "--exact"]);
+    let mut m = HashMap::new();
+    for l in text.lines() {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        // "  -> 10.0.1.5:53   Conns InPkts OutPkts InBytes OutBytes"
+        if w.len() >= 4 && w[0] == "->" && w[1] != "RemoteAddress:Port" {
+            m.insert(w[1].to_string(), w[3].parse().expect("InPkts"));
+        }
+    }
+    m
+}
+
+/// Sum of `ipvs_count` packets for a backend in the given states.
+fn counted(t: &xtlock_tests::Trace, backend: &str, states: &[&str]) -> u64 {
+    t.of_type("ipvs")
+        .iter()
+        .chain(t.of_type("ipvs_count").iter())
+        .filter(|e| e["type"] == "ipvs_count" && e["backend"] == backend)
+        .filter(|e| states.iter().any(|s| e["backend_state"] == *s))
+        .map(|e| e["packets"].as_u64().expect("packets"))
+        .sum()
+}
+
+fn ipvs_facts<'a>(t: &'a xtlock_tests::Trace, event: &str) -> Vec<&'a Value> {
+    t.of_type("ipvs")
+        .into_iter()
+        .filter(|e| e["event"] == event)
+        .collect()
+}
+
+#[test]
+fn ipvs_scheduling_counts_and_stale_backends() {
+    if !require_bpf("ipvs_scheduling_counts_and_stale_backends") {
+        return;
+    }
+    let _g = serial();
+    let ipvs_loaded = Path::new("/sys/module/ip_vs").exists();
+    let h = ipvs_status();
+    eprintln!("ipvs hook: {h}");
+    let can_attach = ipvs_loaded && kernel_has_kprobes();
+    if !in_vm() && !can_attach {
+        // The plain report, never a silent skip.
+        let why = h["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("ipvs hook attached without ip_vs or kprobes: {h}"));
+        if !ipvs_loaded {
+            assert_eq!(why, "module ip_vs not loaded", "{h}");
+        } else {
+            assert!(why.contains("without kprobes"), "{why}");
+        }
+        eprintln!("not in the VM: asserted the plain report ({why})");
+        return;
+    }
+    assert!(h["error"].is_null(), "ipvs hook not attached: {h}");
+    let attach = h["attach"].as_str().unwrap_or("");
+    for f in [
+        "ip_vs_conn_new",
+        "ip_vs_nat_xmit",
+        "ip_vs_conn_in_get_proto",
+        "ip_vs_conn_expire",
+        "ip_vs_del_dest",
+        "ip_vs_edit_dest",
+    ] {
+        assert!(attach.contains(f), "{f} not attached: {attach}");
+    }
+
+    let scratch = Scratch::new("ipvs");
+    let lab = Lab::new(&scratch);
+    let client = scratch.agent("dnsclient");
+    let started = Instant::now();
+    let lock = scratch.lock_file("xtables.lock");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(60), &["--no-drops"]);
+
+    // Two connections: rr sends the first to one real server, the second to the other.
+    send(&client, 40000, 60, 10);
+    send(&client, 40001, 40, 10);
+    let conns = ipvs_connections();
+    let b0 = conns
+        .get("10.0.0.9:40000")
+        .unwrap_or_else(|| panic!("no IPVS connection of port 40000: {conns:?}"))
+        .clone();
+    let b1 = conns
+        .get("10.0.0.9:40001")
+        .unwrap_or_else(|| panic!("no IPVS connection of port 40001: {conns:?}"))
+        .clone();
+    assert_ne!(b0, b1, "rr scheduled both connections to one backend");
+    sleep(ESTIMATOR);
+    let before = ipvs_inpkts();
+    eprintln!("connections {conns:?}, InPkts {before:?}");
+
+    // Remove the first backend while its client keeps its source port: dropped by the
+    // kernel (expire_nodest_conn=0), the entry left to expire.
+    let svc = format!("{VIP}:53");
+    ns(NODE, "ipvsadm", &["-d", "-u", &svc, "-r", &b0]);
+    send(&client, 40000, 25, 10);
+    // Weight 0 on the second (kube-proxy's graceful termination): still forwarded.
+    ns(
+        NODE,
+        "ipvsadm",
+        &["-e", "-u", &svc, "-r", &b1, "-m", "-w", "0"],
+    );
+    send(&client, 40001, 30, 10);
+    sleep(ESTIMATOR);
+    let after = ipvs_inpkts();
+    eprintln!("InPkts after {after:?}");
+    // Both entries expire UDP_TIMEOUT_S after their last forwarded packet.
+    sleep(Duration::from_secs(UDP_TIMEOUT_S + 1));
+    let gone = ipvs_connections();
+    assert!(
+        !gone.contains_key("10.0.0.9:40000") && !gone.contains_key("10.0.0.9:40001"),
+        "IPVS entries still there: {gone:?}"
+    );
+    // SIGINT: xtlock drains, reads the counters a last time and prints the summary.
+    sh("kill", &["-INT", &tracer.pid().to_string()]);
+    let t = tracer.finish();
+    eprintln!("{} s in all", started.elapsed().as_secs());
+    let facts: Vec<&Value> = t.of_type("ipvs");
+    for f in &facts {
+        eprintln!("{f}");
+    }
+    for f in t.of_type("ipvs_count") {
+        eprintln!("{f}");
+    }
+    drop(lab);
+
+    // Scheduling: exactly one connection per client port, to the backend ipvsadm shows.
+    let sched = ipvs_facts(&t, "scheduled");
+    for (port, backend) in [(40000, &b0), (40001, &b1)] {
+        let client = format!("10.0.0.9:{port}");
+        let mine: Vec<_> = sched
+            .iter()
+            .filter(|e| e["client"] == client.as_str())
+            .collect();
+        assert_eq!(mine.len(), 1, "scheduled facts of {client}: {mine:?}");
+        assert_eq!(mine[0]["backend"], backend.as_str());
+        assert_eq!(mine[0]["service"], svc.as_str());
+        assert_eq!(mine[0]["protocol"], "udp");
+    }
+
+    // Per-backend counts: exactly what ipvsadm counted (and what the client sent).
+    assert_eq!(before[&b0], 60);
+    assert_eq!(before[&b1], 40);
+    assert_eq!(counted(&t, &b0, &["ok"]), before[&b0], "{b0} forwarded");
+    assert_eq!(after[&b1], 70);
+    assert_eq!(
+        counted(&t, &b1, &["ok", "weight_0"]),
+        after[&b1],
+        "{b1} forwarded"
+    );
+    assert_eq!(counted(&t, &b1, &["weight_0"]), 30, "{b1} at weight 0");
+    assert_eq!(counted(&t, &b0, &["removed"]), 25, "{b0} stale, dropped");
+    assert_eq!(counted(&t, &b0, &["weight_0"]), 0);
+    assert_eq!(counted(&t, &b1, &["removed"]), 0);
+
+    // Table changes, with the process that made them.
+    let removed = ipvs_facts(&t, "dest_removed");
+    assert_eq!(removed.len(), 1, "{removed:?}");
+    assert_eq!(removed[0]["backend"], b0.as_str());
+    assert_eq!(removed[0]["comm"], "ipvsadm");
+    let edited = ipvs_facts(&t, "dest_edited");
+    assert_eq!(edited.len(), 1, "{edited:?}");
+    assert_eq!(edited[0]["backend"], b1.as_str());
+    assert_eq!(edited[0]["weight"], 0);
+    assert_eq!(ipvs_facts(&t, "dest_added").len(), 0);
+
+    // Stale forwarding: exactly the two connections, each to its own backend.
+    let stale = ipvs_facts(&t, "stale");
+    assert_eq!(stale.len(), 2, "{stale:?}");
+    let ends = ipvs_facts(&t, "stale_end");
+    assert_eq!(ends.len(), 2, "{ends:?}");
+    for (client, backend, state, action, packets) in [
+        ("10.0.0.9:40000", &b0, "removed", "dropped", 25),
+        ("10.0.0.9:40001", &b1, "weight_0", "forwarded", 30),
+    ] {
+        let s = stale
+            .iter()
+            .find(|e| e["client"] == client)
+            .unwrap_or_else(|| panic!("no stale fact for {client}: {stale:?}"));
+        assert_eq!(s["backend"], backend.as_str(), "{s}");
+        assert_eq!(s["backend_state"], state, "{s}");
+        assert_eq!(s["action"], action, "{s}");
+        assert_eq!(s["change"]["comm"], "ipvsadm", "{s}");
+        let left = s["entry_left_ns"].as_u64().expect("entry_left_ns");
+        assert!(
+            left > 0 && left <= UDP_TIMEOUT_S * 1_000_000_000,
+            "entry left {left} ns: {s}"
+        );
+        let e = ends
+            .iter()
+            .find(|e| e["client"] == client)
+            .unwrap_or_else(|| panic!("no stale_end fact for {client}: {ends:?}"));
+        assert_eq!(e["backend"], backend.as_str(), "{e}");
+        assert_eq!(e["packets"], packets, "{e}");
+        let last = e["last_packet_ns"].as_u64().expect("last_packet_ns");
+        let expired = e["expired_ns"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{client}: entry not seen expiring: {e}"));
+        // Removed: the timer was not restarted by the dropped packets, so the entry ends
+        // within the timeout of the last forwarded packet, before the timeout after the last
+        // stale one. Weight 0: each forwarded packet restarts it.
+        let gap = expired.saturating_sub(last);
+        eprintln!("{client}: entry expired {gap} ns after its last stale packet");
+        if state == "weight_0" {
+            assert!(
+                ((UDP_TIMEOUT_S - 1) * 1_000_000_000..=(UDP_TIMEOUT_S + 2) * 1_000_000_000)
+                    .contains(&gap),
+                "{e}"
+            );
+        } else {
+            assert!(gap < UDP_TIMEOUT_S * 1_000_000_000, "{e}");
+        }
+    }
+    let rows = t.summary()["ipvs"].as_array().cloned().unwrap_or_default();
+    assert!(
+        rows.iter()
+            .any(|r| r["backend"] == b0.as_str() && r["stale_packets"] == 25),
+        "summary: {rows:?}"
+    );
+}
