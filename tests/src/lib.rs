@@ -44,6 +44,40 @@ pub fn require_bpf(test: &str) -> bool {
     false
 }
 
+/// Running inside the VM of `cargo xtask vm-test`.
+pub fn in_vm() -> bool {
+    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
+}
+
+/// The kernel offers kprobes (a kprobe PMU, or tracefs `kprobe_events`).
+pub fn kernel_has_kprobes() -> bool {
+    Path::new("/sys/bus/event_source/devices/kprobe").exists()
+        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
+        || Path::new("/sys/kernel/debug/tracing/kprobe_events").exists()
+}
+
+/// `xtlock probes --json ARGS`' hook entries.
+pub fn hook_statuses(args: &[&str]) -> Vec<Value> {
+    let out = Command::new(xtlock_bin())
+        .args(["probes", "--json"])
+        .args(args)
+        .output()
+        .expect("run xtlock probes");
+    assert!(out.status.success(), "xtlock probes failed: {out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
+    v["hooks"].as_array().expect("hooks array").clone()
+}
+
+/// `xtlock probes --json ARGS`' entry for `hook`.
+pub fn hook_status(hook: &str, args: &[&str]) -> Value {
+    let hooks = hook_statuses(args);
+    hooks
+        .iter()
+        .find(|h| h["program"] == hook)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {hook} hook in {hooks:?}"))
+}
+
 /// The xtlock binary built beside this test (`cargo build --workspace --bins` first;
 /// `./xtask/run test` does). `XTLOCK_BIN` overrides.
 pub fn xtlock_bin() -> PathBuf {
@@ -281,6 +315,12 @@ impl Tracer {
     }
 
     /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
+    /// Ctrl-C: xtlock stops, drains and prints its summary; then call [`finish`](Self::finish).
+    pub fn interrupt(&self) {
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGINT) };
+    }
+
     pub fn finish(mut self) -> Trace {
         let mut out = String::new();
         if let Some(mut s) = self.child.stdout.take() {
@@ -496,6 +536,25 @@ impl NetnsPair {
         pair
     }
 
+    /// Turns conntrack on in namespace `ns`: any conntrack match does.
+    pub fn conntrack_on(ns: &str) {
+        Self::exec(
+            ns,
+            "iptables-legacy",
+            &[
+                "-w",
+                "-A",
+                "INPUT",
+                "-m",
+                "conntrack",
+                "--ctstate",
+                "INVALID",
+                "-j",
+                "DROP",
+            ],
+        );
+    }
+
     /// `/run/netns/<ns>`.
     pub fn path(ns: &str) -> String {
         format!("/run/netns/{ns}")
@@ -571,6 +630,25 @@ pub fn iptables_packets(ns: &str, chain: &str, needle: &str) -> u64 {
         .and_then(|l| l.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no rule with `{needle}` in {chain}:\n{out}"))
+}
+
+/// Sends `count` UDP datagrams from namespace `from` to `to:port` over `flows` sockets (each
+/// its own source port); returns how many were sent.
+pub fn send_udp(s: &Scratch, from: &str, to: &str, port: u16, count: u64, flows: u64) -> u64 {
+    let helper = s.agent("udp-sender");
+    let helper = helper.to_str().unwrap();
+    let (port, count, flows) = (port.to_string(), count.to_string(), flows.to_string());
+    let mut a = Agent::spawn(
+        Path::new("ip"),
+        &[
+            "netns", "exec", from, helper, "udp", to, &port, &count, &flows,
+        ],
+        &[],
+        None,
+    );
+    let sent = a.expect("sent", Duration::from_secs(30));
+    assert_eq!(a.wait(), 0, "udp sender failed: {:?}", a.seen);
+    sent[0].parse().unwrap()
 }
 
 #[cfg(test)]

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use xtlock_tests::{
-    conntrack_stat, iptables_packets, require_bpf, serial, Agent, NetnsPair, Scratch, Sysctl,
-    Tracer,
+    conntrack_stat, iptables_packets, require_bpf, send_udp, serial, Agent, NetnsPair, Scratch,
+    Sysctl, Tracer,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -16,24 +16,6 @@ const T: Duration = Duration::from_secs(30);
 fn u(v: &Value) -> u64 {
     v.as_u64()
         .unwrap_or_else(|| panic!("not an unsigned number: {v}"))
-}
-
-/// Sends `count` UDP datagrams from namespace `from` to `to:port` over `flows` sockets.
-fn send_udp(s: &Scratch, from: &str, to: &str, port: u16, count: u64, flows: u64) -> u64 {
-    let helper = s.agent("udp-sender");
-    let helper = helper.to_str().unwrap();
-    let (port, count, flows) = (port.to_string(), count.to_string(), flows.to_string());
-    let mut a = Agent::spawn(
-        std::path::Path::new("ip"),
-        &[
-            "netns", "exec", from, helper, "udp", to, &port, &count, &flows,
-        ],
-        &[],
-        None,
-    );
-    let sent = a.expect("sent", T);
-    assert_eq!(a.wait(), 0, "udp sender failed: {:?}", a.seen);
-    sent[0].parse().unwrap()
 }
 
 /// Sum of `count` over `drop_count` objects of `netns` matching `pred`.
@@ -132,22 +114,7 @@ fn conntrack_table_full_matches_conntrack_stats() {
     let s = Scratch::new("drops-ct");
     let lock = s.lock_file("xtables.lock");
     let ns = NetnsPair::new("xtd-ct", 202);
-    // Any conntrack match turns conntrack on in the namespace.
-    NetnsPair::exec(
-        &ns.b,
-        "iptables-legacy",
-        &[
-            "-w",
-            "-A",
-            "INPUT",
-            "-m",
-            "conntrack",
-            "--ctstate",
-            "INVALID",
-            "-j",
-            "DROP",
-        ],
-    );
+    NetnsPair::conntrack_on(&ns.b);
     let b_path = NetnsPair::path(&ns.b);
     let before = conntrack_stat(&ns.b, "drop");
     let dmesg_before = xtlock_tests::sh("dmesg", &[]).lines().count();

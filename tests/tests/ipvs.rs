@@ -19,7 +19,9 @@ use std::{
 };
 
 use serde_json::Value;
-use xtlock_tests::{require_bpf, serial, sh, xtlock_bin, Scratch, Tracer};
+use xtlock_tests::{
+    hook_statuses, in_vm, kernel_has_kprobes, require_bpf, serial, sh, Scratch, Tracer,
+};
 
 const VIP: &str = "10.96.0.10";
 const NODE: &str = "xi-node";
@@ -32,30 +34,17 @@ const UDP_TIMEOUT_S: u64 = 8;
 /// 2 s: a read waits this long after the last packet.
 const ESTIMATOR: Duration = Duration::from_millis(2500);
 
-fn in_vm() -> bool {
-    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
-}
-
-fn kernel_has_kprobes() -> bool {
-    Path::new("/sys/bus/event_source/devices/kprobe").exists()
-        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
-}
-
-fn ipvs_status() -> Value {
-    let out = Command::new(xtlock_bin())
-        .args(["probes", "--json"])
-        .output()
-        .expect("run xtlock probes");
-    assert!(out.status.success(), "xtlock probes failed: {out:?}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
-    v["hooks"]
-        .as_array()
-        .expect("hooks array")
-        .iter()
-        .find(|h| h["program"] == "ipvs")
-        .cloned()
-        .unwrap_or_else(|| panic!("no ipvs hook in {v}"))
-}
+/// The IPVS hooks of `xtlock probes`.
+const HOOKS: [&str; 8] = [
+    "ipvs_conn_new",
+    "ipvs_nat_xmit",
+    "ipvs_nat_xmit_v6",
+    "ipvs_conn_in_get",
+    "ipvs_conn_expire",
+    "ipvs_add_dest",
+    "ipvs_del_dest",
+    "ipvs_edit_dest",
+];
 
 fn ns(n: &str, prog: &str, args: &[&str]) -> String {
     let mut a = vec!["netns", "exec", n, prog];
@@ -236,33 +225,40 @@ fn ipvs_scheduling_counts_and_stale_backends() {
     }
     let _g = serial();
     let ipvs_loaded = Path::new("/sys/module/ip_vs").exists();
-    let h = ipvs_status();
-    eprintln!("ipvs hook: {h}");
+    let all = hook_statuses(&[]);
+    let hooks: Vec<&Value> = all
+        .iter()
+        .filter(|h| {
+            h["program"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("ipvs_"))
+        })
+        .collect();
+    let names: Vec<&str> = hooks.iter().filter_map(|h| h["program"].as_str()).collect();
+    assert_eq!(names, HOOKS, "{hooks:?}");
     let can_attach = ipvs_loaded && kernel_has_kprobes();
     if !in_vm() && !can_attach {
         // The plain report, never a silent skip.
-        let why = h["error"]
-            .as_str()
-            .unwrap_or_else(|| panic!("ipvs hook attached without ip_vs or kprobes: {h}"));
-        if !ipvs_loaded {
-            assert_eq!(why, "module ip_vs not loaded", "{h}");
-        } else {
-            assert!(why.contains("without kprobes"), "{why}");
+        for h in &hooks {
+            let why = h["error"]
+                .as_str()
+                .unwrap_or_else(|| panic!("IPVS hook attached without ip_vs or kprobes: {h}"));
+            if !ipvs_loaded {
+                assert!(why.starts_with("module ip_vs not loaded"), "{h}");
+            } else {
+                assert!(why.contains("without kprobes"), "{why}");
+            }
+            eprintln!("not in the VM: {}: {why}", h["program"]);
         }
-        eprintln!("not in the VM: asserted the plain report ({why})");
         return;
     }
-    assert!(h["error"].is_null(), "ipvs hook not attached: {h}");
-    let attach = h["attach"].as_str().unwrap_or("");
-    for f in [
-        "ip_vs_conn_new",
-        "ip_vs_nat_xmit",
-        "ip_vs_conn_in_get_proto",
-        "ip_vs_conn_expire",
-        "ip_vs_del_dest",
-        "ip_vs_edit_dest",
-    ] {
-        assert!(attach.contains(f), "{f} not attached: {attach}");
+    for h in &hooks {
+        assert!(h["error"].is_null(), "IPVS hook not attached: {h}");
+        let attach = h["attach"].as_str().unwrap_or("");
+        assert!(
+            attach.starts_with("kprobe") || attach.starts_with("kretprobe"),
+            "{h}"
+        );
     }
 
     let scratch = Scratch::new("ipvs");
@@ -312,7 +308,7 @@ fn ipvs_scheduling_counts_and_stale_backends() {
         "IPVS entries still there: {gone:?}"
     );
     // SIGINT: xtlock drains, reads the counters a last time and prints the summary.
-    sh("kill", &["-INT", &tracer.pid().to_string()]);
+    tracer.interrupt();
     let t = tracer.finish();
     eprintln!("{} s in all", started.elapsed().as_secs());
     let facts: Vec<&Value> = t.of_type("ipvs");

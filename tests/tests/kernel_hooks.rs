@@ -10,38 +10,16 @@
 use std::{path::Path, process::Command, time::Duration};
 
 use serde_json::Value;
-use xtlock_tests::{require_bpf, serial, xtlock_bin, Agent, Scratch, Tracer};
+use xtlock_tests::{
+    conntrack_stat, hook_status, in_vm, kernel_has_kprobes, require_bpf, send_udp, serial,
+    xtlock_bin, Agent, NetnsPair, Scratch, Sysctl, Tracer,
+};
 
 const T: Duration = Duration::from_secs(30);
 
-/// The kernel offers kprobes (a kprobe PMU, or tracefs `kprobe_events`).
-fn kernel_has_kprobes() -> bool {
-    Path::new("/sys/bus/event_source/devices/kprobe").exists()
-        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
-        || Path::new("/sys/kernel/debug/tracing/kprobe_events").exists()
-}
-
-fn in_vm() -> bool {
-    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
-}
-
 /// `xtlock probes --json`'s entry for the nf_tables commit hook.
-fn nft_status(env: &[(&str, &str)]) -> Value {
-    let mut c = Command::new(xtlock_bin());
-    c.args(["probes", "--json"]);
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    let out = c.output().expect("run xtlock probes");
-    assert!(out.status.success(), "xtlock probes failed: {out:?}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
-    v["hooks"]
-        .as_array()
-        .expect("hooks array")
-        .iter()
-        .find(|h| h["program"] == "nft_commit")
-        .cloned()
-        .unwrap_or_else(|| panic!("no nft_commit hook in {v}"))
+fn nft_status(args: &[&str]) -> Value {
+    hook_status("nft_commit", args)
 }
 
 fn host_netns() -> u64 {
@@ -96,20 +74,29 @@ fn nft_commit_hook_reports_its_attach_type() {
         assert!(attach.contains("(fallback; fentry: "), "{attach}");
     }
     // Forcing the fallback.
-    let h = nft_status(&[("XTLOCK_DISABLE_FENTRY", "1")]);
-    eprintln!("nft_commit with XTLOCK_DISABLE_FENTRY=1: {h}");
+    let h = nft_status(&["--no-attach", "fentry"]);
+    eprintln!("nft_commit with --no-attach fentry: {h}");
     assert!(h["error"].is_null(), "{h}");
     let attach = h["attach"].as_str().unwrap_or_default();
     assert!(attach.starts_with("kprobe/kretprobe "), "{attach}");
     assert!(
-        attach.contains("fentry: disabled by XTLOCK_DISABLE_FENTRY=1"),
+        attach.contains("fentry: ruled out by --no-attach fentry"),
         "{attach}"
+    );
+    // The old variable still works.
+    let mut c = Command::new(xtlock_bin());
+    c.args(["probes", "--json"])
+        .env("XTLOCK_DISABLE_FENTRY", "1");
+    let out = c.output().expect("run xtlock probes");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ruled out by --no-attach fentry"),
+        "{out:?}"
     );
 }
 
 /// Runs `nft add table; nft add chain` in a new netns, started by an agent named
 /// firewalld, under `xtlock trace` (with `env`); returns the nf_tables commit holds.
-fn nft_commits_under_trace(env: &[(&str, &str)], table: &str) -> (Vec<Value>, String) {
+fn nft_commits_under_trace(args: &[&str], table: &str) -> (Vec<Value>, String) {
     let s = Scratch::new(&format!("nft-{table}"));
     let lock = s.lock_file("xtables.lock");
     let firewalld = s.agent("firewalld");
@@ -117,9 +104,7 @@ fn nft_commits_under_trace(env: &[(&str, &str)], table: &str) -> (Vec<Value>, St
     c.args(["trace", "--json", "--duration", "8000ms", "--no-drops"])
         .arg("--lock-file")
         .arg(&lock);
-    for (k, v) in env {
-        c.env(k, v);
-    }
+    c.args(args);
     let tracer = Tracer::spawn(c);
     let script = format!("nft add table inet {table} && nft add chain inet {table} c");
     let mut fw = Agent::spawn(
@@ -193,7 +178,318 @@ fn nft_batch_is_an_nf_tables_commit_hold() {
     let (holds, dump) = nft_commits_under_trace(&[], "xtlock_a");
     assert_nft_holds(&holds, &dump);
     if kernel_has_kprobes() {
-        let (holds, dump) = nft_commits_under_trace(&[("XTLOCK_DISABLE_FENTRY", "1")], "xtlock_b");
+        let (holds, dump) = nft_commits_under_trace(&["--no-attach", "fentry"], "xtlock_b");
         assert_nft_holds(&holds, &dump);
     }
+}
+
+/// What one run of the flock scenario showed: the attach line of the flock syscall hook, and
+/// per agent what the analysis made of it.
+#[derive(Debug, PartialEq, Eq)]
+struct FlockSeen {
+    failed_tries: u64,
+    poll_waits: Vec<(String, u64)>,
+    blocking_waits: usize,
+    holds: usize,
+}
+
+/// firewalld holds the lock 1.5 s; portmap polls it Go-style (LOCK_NB every 50 ms) and
+/// calico-node blocks in flock(). Which calls were LOCK_NB, and how each ended, come from
+/// the flock syscall hook: tracepoints, or its fallbacks on the syscall's function.
+fn flock_scenario(extra: &[&str], name: &str) -> (FlockSeen, u64, String) {
+    let s = Scratch::new(name);
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let firewalld = s.agent("firewalld");
+    let portmap = s.agent("portmap");
+    let calico = s.agent("calico-node");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(6), extra);
+    let mut fw = Agent::spawn(&firewalld, &["hold", lock_s, "1500"], &[], None);
+    fw.ts("acquired", T);
+    let mut pm = Agent::spawn(&portmap, &["poll", lock_s, "200", "50"], &[], None);
+    let mut cn = Agent::spawn(&calico, &["hold", lock_s, "10"], &[], None);
+    let tries: u64 = pm.expect("tries", T)[0].parse().unwrap();
+    assert_eq!(pm.wait(), 0);
+    cn.ts("acquired", T);
+    fw.wait();
+    cn.wait();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    let failed_tries = trace
+        .of_type("failed_try")
+        .into_iter()
+        .filter(|f| f["agent"] == "portmap")
+        .count() as u64;
+    let waits = trace.of_type("wait");
+    let poll_waits = waits
+        .iter()
+        .filter(|w| w["mode"] == "poll")
+        .map(|w| {
+            (
+                w["agent"].as_str().unwrap_or("").to_string(),
+                w["tries"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    let blocking_waits = waits
+        .iter()
+        .filter(|w| w["agent"] == "calico-node" && w["mode"] != "poll")
+        .count();
+    let holds = trace.of_type("hold").len();
+    (
+        FlockSeen {
+            failed_tries,
+            poll_waits,
+            blocking_waits,
+            holds,
+        },
+        tries,
+        dump,
+    )
+}
+
+/// The flock syscall hook's candidates: tracepoints first; with them ruled out, fentry/fexit
+/// on the syscall's function; with fentry ruled out too, kprobe/kretprobe. Each gives the same
+/// analysis of the same scenario. Where the kernel has neither (this host), the hook says why
+/// and the lock is still traced.
+#[test]
+fn flock_syscall_fallbacks_give_the_same_results() {
+    if !require_bpf("flock_syscall_fallbacks_give_the_same_results") {
+        return;
+    }
+    let _g = serial();
+    let no_tp: &[&str] = &["--no-attach", "sys_enter_flock:tracepoint"];
+    let no_tp_fentry: &[&str] = &["--no-attach", "sys_enter_flock:tracepoint,fentry"];
+
+    let h = hook_status("sys_enter_flock", &[]);
+    assert!(h["error"].is_null(), "{h}");
+    assert!(
+        h["attach"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("tracepoint "),
+        "{h}"
+    );
+
+    let fentry = hook_status("sys_enter_flock", no_tp);
+    eprintln!("sys_enter_flock without its tracepoint: {fentry}");
+    if !in_vm() && fentry["error"].is_string() {
+        // This host: fentry refused, no kprobes. Said plainly, and the lock is still traced.
+        let why = fentry["error"].as_str().unwrap_or("");
+        assert!(
+            why.contains("tracepoint: ruled out by --no-attach"),
+            "{why}"
+        );
+        assert!(why.contains("fentry: "), "{why}");
+        let (seen, _, dump) = flock_scenario(no_tp, "flock-nofallback");
+        assert_eq!(seen.holds, 3, "{dump}");
+        return;
+    }
+    let attach = fentry["attach"].as_str().unwrap_or("");
+    assert!(
+        attach.starts_with("fentry/fexit __x64_sys_flock"),
+        "{fentry}"
+    );
+    assert!(
+        attach.contains("(fallback; tracepoint: ruled out by --no-attach"),
+        "{attach}"
+    );
+    let exit = hook_status("sys_exit_flock", no_tp);
+    assert_eq!(exit["attach"], fentry["attach"], "the pair follows: {exit}");
+    let kprobe = hook_status("sys_enter_flock", no_tp_fentry);
+    let attach = kprobe["attach"].as_str().unwrap_or("");
+    assert!(
+        attach.starts_with("kprobe/kretprobe __x64_sys_flock"),
+        "{kprobe}"
+    );
+    assert!(
+        attach.contains("fentry: ruled out by --no-attach fentry"),
+        "{attach}"
+    );
+
+    for (name, extra) in [
+        ("tracepoint", &[][..]),
+        ("fentry", no_tp),
+        ("kprobe", no_tp_fentry),
+    ] {
+        let (seen, tries, dump) = flock_scenario(extra, &format!("flock-{name}"));
+        eprintln!("{name}: {seen:?} (portmap counted {tries} failed tries)");
+        // Exact against the poller's own count, whatever the attach type.
+        assert_eq!(seen.failed_tries, tries, "{name}:\n{dump}");
+        assert_eq!(
+            seen.poll_waits,
+            vec![("portmap".to_string(), tries)],
+            "{name}:\n{dump}"
+        );
+        assert_eq!(seen.blocking_waits, 1, "{name}:\n{dump}");
+        assert_eq!(seen.holds, 3, "{name}:\n{dump}");
+    }
+}
+
+/// Runs UDP flows from a to b under the sysctls, traced: `send` sends them; returns the
+/// `conntrack_refused` facts of b's netns, the delta of b's conntrack counter `stat`, and the
+/// trace's dump.
+fn refusals(
+    name: &str,
+    sysctls: &[(&str, &str)],
+    stat: &str,
+    send: impl FnOnce(&Scratch, &NetnsPair),
+) -> (Vec<Value>, u64, NetnsPair, String) {
+    let s = Scratch::new(name);
+    let lock = s.lock_file("xtables.lock");
+    let ns = NetnsPair::new(name, 203);
+    NetnsPair::conntrack_on(&ns.b);
+    let before = conntrack_stat(&ns.b, stat);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
+    {
+        // Restored before the namespace goes, whatever happens.
+        let _guards: Vec<Sysctl> = sysctls.iter().map(|(p, v)| Sysctl::set(p, v)).collect();
+        send(&s, &ns);
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let delta = conntrack_stat(&ns.b, stat) - before;
+    let inode = NetnsPair::inode(&ns.b);
+    let facts = trace
+        .of_type("conntrack_refused")
+        .into_iter()
+        .filter(|f| f["netns"].as_u64() == Some(inode))
+        .cloned()
+        .collect();
+    (facts, delta, ns, trace.dump())
+}
+
+/// Every refusal carries the flow that was refused: a's address to b's `dport` (or any port
+/// when `None`), no two refusals for the same flow.
+fn assert_flows(facts: &[Value], ns: &NetnsPair, dport: Option<u64>, dump: &str) {
+    let mut flows = std::collections::BTreeSet::new();
+    for f in facts {
+        let p = &f["packet"];
+        assert_eq!(p["proto"], "udp", "{f}");
+        assert_eq!(p["saddr"], ns.addr_a.as_str(), "{f}");
+        assert_eq!(p["daddr"], ns.addr_b.as_str(), "{f}");
+        if let Some(d) = dport {
+            assert_eq!(p["dport"], d, "{f}");
+        }
+        flows.insert((
+            p["sport"].as_u64().unwrap_or(0),
+            p["dport"].as_u64().unwrap_or(0),
+        ));
+    }
+    assert_eq!(flows.len(), facts.len(), "one refusal per flow:\n{dump}");
+}
+
+/// The conntrack hooks: a full table and a hash chain too long (nf_conntrack_buckets=1, so
+/// every entry shares one chain and confirm refuses once it passes the kernel's limit) each
+/// give one `conntrack_refused` per refused flow, with its addresses, exactly as many as the
+/// kernel's own counters (`drop`, `insert_failed`) rose.
+#[test]
+fn conntrack_refusals_come_with_their_flows() {
+    if !require_bpf("conntrack_refusals_come_with_their_flows") {
+        return;
+    }
+    let _g = serial();
+    let full = hook_status("conntrack_table_full", &[]);
+    let insert = hook_status("conntrack_insert_failed", &[]);
+    eprintln!("conntrack hooks: {full}\n{insert}");
+    if !in_vm() && !kernel_has_kprobes() && full["error"].is_string() {
+        for h in [&full, &insert] {
+            let why = h["error"].as_str().unwrap_or("");
+            assert!(
+                why.contains("kprobe: kernel built without kprobes"),
+                "{why}"
+            );
+        }
+        eprintln!("conntrack refusals are not visible on this kernel: counters only");
+        return;
+    }
+    for h in [&full, &insert] {
+        assert!(h["error"].is_null(), "{h}");
+    }
+
+    let (facts, drop_delta, ns, dump) = refusals(
+        "xtk-ctfull",
+        &[("/proc/sys/net/netfilter/nf_conntrack_max", "64")],
+        "drop",
+        |s, ns| {
+            send_udp(s, &ns.a, &ns.addr_b, 7777, 400, 400);
+        },
+    );
+    assert!(
+        drop_delta >= 100,
+        "conntrack dropped only {drop_delta} of 400 flows"
+    );
+    assert!(
+        facts.iter().all(
+            |f| f["class"] == "conntrack_table_full" && f["function"] == "__nf_conntrack_alloc"
+        ),
+        "{dump}"
+    );
+    assert_eq!(
+        facts.len() as u64,
+        drop_delta,
+        "refusals vs conntrack -S drop:\n{dump}"
+    );
+    assert_flows(&facts, &ns, Some(7777), &dump);
+    drop(ns);
+
+    // Hash chains too long for confirm: the fewest buckets the kernel allows (it rounds up
+    // to a page of them), and 40 flows per bucket, so the chains pass confirm's limit (50 to
+    // 80 entries, drawn per insert) about halfway through.
+    let buckets = "/proc/sys/net/netfilter/nf_conntrack_buckets";
+    let (facts, failed_delta, ns, dump) = refusals(
+        "xtk-ctchain",
+        &[
+            ("/proc/sys/net/netfilter/nf_conntrack_max", "262144"),
+            (buckets, "1"),
+        ],
+        "insert_failed",
+        |s, ns| {
+            let n: u64 = std::fs::read_to_string(buckets)
+                .expect("read nf_conntrack_buckets")
+                .trim()
+                .parse()
+                .expect("a number of buckets");
+            let flows = (n * 40).min(60_000).to_string();
+            eprintln!("{n} conntrack buckets, sending {flows} flows");
+            let helper = s.agent("udp-sender");
+            let mut a = Agent::spawn(
+                Path::new("ip"),
+                &[
+                    "netns",
+                    "exec",
+                    &ns.a,
+                    helper.to_str().unwrap(),
+                    "udp-ports",
+                    &ns.addr_b,
+                    "1024",
+                    &flows,
+                ],
+                &[],
+                None,
+            );
+            a.expect("sent", Duration::from_secs(120));
+            assert_eq!(a.wait(), 0, "udp sender failed: {:?}", a.seen);
+        },
+    );
+    eprintln!(
+        "insert_failed rose by {failed_delta}; {} refusals reported",
+        facts.len()
+    );
+    assert!(
+        failed_delta >= 100,
+        "insert_failed rose by only {failed_delta}"
+    );
+    assert!(
+        facts.iter().all(|f| f["class"] == "conntrack_insert_failed"
+            && f["function"] == "__nf_conntrack_confirm"),
+        "{dump}"
+    );
+    assert_eq!(
+        facts.len() as u64,
+        failed_delta,
+        "refusals vs conntrack -S insert_failed:\n{dump}"
+    );
+    assert_flows(&facts, &ns, None, &dump);
 }

@@ -302,6 +302,25 @@ fn restore_holds_and_lock_timeout() {
     for h in &restore_holds {
         assert_eq!(h["role"], "proxy");
         assert!(u(&h["hold_ns"]) > 0);
+        assert!(
+            u(&h["replaces"]) >= 1,
+            "each restore replaces its table: {h}"
+        );
+        // xt_replace_table's share of the replace: on kernels where its hook attaches (the
+        // VM's 6.1 with kprobes), a part of kernel_ns; absent where it cannot attach.
+        match h.get("swap_ns") {
+            Some(swap) => {
+                eprintln!(
+                    "restore hold: kernel_ns {} (in {} replaces), of it swap_ns {}",
+                    h["kernel_ns"], h["replaces"], swap
+                );
+                assert!(u(swap) > 0 && u(swap) <= u(&h["kernel_ns"]), "{h}");
+            }
+            None => assert!(
+                !in_vm(),
+                "the xt_replace_table hook attaches in the VM, yet no swap_ns: {h}"
+            ),
+        }
     }
 
     let timeouts = trace.of_type("timeout");

@@ -69,9 +69,16 @@ pub enum EventKind {
     /// An nf_tables commit (`nfnetlink_rcv_batch` or `nf_tables_commit`), seen at its return:
     /// the serialisation point of nft, iptables-nft, kube-proxy's nftables mode, firewalld.
     NftCommit = 8,
+    /// Conntrack refused a new connection, seen in the kernel function that refused it:
+    /// `__nf_conntrack_confirm` returned `NF_DROP` (its `insert_failed` path), or
+    /// `__nf_conntrack_alloc` failed (table full).
+    ConntrackFail = 9,
+    /// `xt_replace_table` returned: a legacy table swapped in, and every CPU waited out of
+    /// the old one (the kernel's part of a table replace).
+    XtReplace = 10,
     /// IPVS: a connection scheduled, a packet on a stale connection, a stale connection's
     /// entry expired, or a real-server table change (`IpvsEvent::op`).
-    Ipvs = 9,
+    Ipvs = 11,
 }
 
 impl EventKind {
@@ -85,7 +92,9 @@ impl EventKind {
             6 => Self::TableReplace,
             7 => Self::Drop,
             8 => Self::NftCommit,
-            9 => Self::Ipvs,
+            9 => Self::ConntrackFail,
+            10 => Self::XtReplace,
+            11 => Self::Ipvs,
             _ => return None,
         })
     }
@@ -207,6 +216,112 @@ pub struct NftCommitEvent {
     pub netns: u32,
     pub _pad: u32,
     pub comm: [u8; COMM_LEN],
+}
+
+/// One `xt_replace_table` call, seen at its return (`hdr.ts_ns`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct XtReplaceEvent {
+    pub hdr: EventHeader,
+    pub enter_ns: u64,
+}
+
+/// What a [`ConntrackFailEvent`] saw.
+pub const CT_FAIL_INSERT: u8 = 1;
+pub const CT_FAIL_TABLE_FULL: u8 = 2;
+
+/// A connection conntrack refused, with the original direction's tuple.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackFailEvent {
+    /// `tgid`/`tid`: the task that was running (the sender, or softirq context).
+    pub hdr: EventHeader,
+    /// Inode of the connection's network namespace; 0 when unknown.
+    pub netns: u32,
+    /// `CT_FAIL_*`.
+    pub what: u8,
+    pub l4proto: u8,
+    /// `DROP_FAMILY_*`.
+    pub family: u8,
+    pub _pad0: u8,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    /// Ports (host order) for TCP/UDP; ICMP id and type/code otherwise.
+    pub sport: u16,
+    pub dport: u16,
+    pub _pad: u32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// Where the conntrack hooks find what they read, from the BTF of the module that has
+/// `struct nf_conn` (or vmlinux). Kept in a map, not in [`ProbeConfig`], because nf_conntrack
+/// may load after xtlock started. Offsets in bytes; the tuple's are from the tuple's start.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtConfig {
+    /// Non-zero once filled.
+    pub ok: u32,
+    /// `sk_buff._nfct` (the conntrack pointer, low 3 bits the ctinfo).
+    pub skb_nfct: u32,
+    /// `nf_conn.tuplehash[IP_CT_DIR_ORIGINAL].tuple`.
+    pub ct_tuple: u32,
+    /// `nf_conn.ct_net.net`, then `net.ns.inum`.
+    pub ct_net: u32,
+    pub net_inum: u32,
+    pub src_u3: u32,
+    pub src_port: u32,
+    pub src_l3num: u32,
+    pub dst_u3: u32,
+    pub dst_port: u32,
+    pub dst_protonum: u32,
+    pub _pad: u32,
+}
+
+/// Where the IPVS hooks find what they read, from the `ip_vs` module's BTF. Kept in a map,
+/// not in [`ProbeConfig`], because ip_vs may load after xtlock started. Offsets in bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IpvsConfig {
+    /// Non-zero once filled.
+    pub ok: u32,
+    // struct ip_vs_conn
+    pub conn_af: u32,
+    pub conn_protocol: u32,
+    pub conn_caddr: u32,
+    pub conn_vaddr: u32,
+    pub conn_daddr: u32,
+    pub conn_cport: u32,
+    pub conn_vport: u32,
+    pub conn_dport: u32,
+    pub conn_flags: u32,
+    pub conn_dest: u32,
+    /// `timer` (a `timer_list`) and `timer.expires`.
+    pub conn_timer: u32,
+    pub conn_timer_expires: u32,
+    pub conn_ipvs: u32,
+    /// `netns_ipvs.sysctl_expire_nodest_conn`.
+    pub ipvs_expire_nodest: u32,
+    // struct ip_vs_dest
+    /// `cflags` (an `unsigned long`: kernels with the 2026 IPVS flags split, backported to
+    /// stable ones such as Debian's 6.1.192) when `dest_avail_wide` is set, else `flags`
+    /// (an `unsigned int`): where the "available" bit (0x1) is.
+    pub dest_flags: u32,
+    pub dest_avail_wide: u32,
+    pub dest_weight: u32,
+    // struct ip_vs_service
+    pub svc_af: u32,
+    pub svc_protocol: u32,
+    pub svc_addr: u32,
+    pub svc_port: u32,
+    // struct ip_vs_dest_user_kern
+    pub udest_addr: u32,
+    pub udest_port: u32,
+    pub udest_weight: u32,
+    pub _pad: u32,
+    /// Nanoseconds per jiffy of the running kernel (1e9 / HZ).
+    pub ns_per_jiffy: u64,
+    /// Minimum spacing of stale-packet events per connection, in ns.
+    pub stale_interval_ns: u64,
 }
 
 /// Address family of a [`DropEvent`]'s addresses.
@@ -413,47 +528,9 @@ pub struct ProbeConfig {
     /// `task_struct.nsproxy`, `nsproxy.net_ns` (then `net_ns_inum` above: the commit's netns).
     pub task_nsproxy: u32,
     pub nsproxy_net_ns: u32,
-    pub _pad2: u32,
-    /// Non-zero when the IPVS offsets below were found in the ip_vs module's BTF.
-    pub ipvs_ok: u32,
-    // struct ip_vs_conn
-    pub conn_af: u32,
-    pub conn_protocol: u32,
-    pub conn_caddr: u32,
-    pub conn_vaddr: u32,
-    pub conn_daddr: u32,
-    pub conn_cport: u32,
-    pub conn_vport: u32,
-    pub conn_dport: u32,
-    pub conn_flags: u32,
-    pub conn_dest: u32,
-    /// `timer` (a `timer_list`) and `timer.expires`.
-    pub conn_timer: u32,
-    pub conn_timer_expires: u32,
-    pub conn_ipvs: u32,
-    /// `netns_ipvs.sysctl_expire_nodest_conn`.
-    pub ipvs_expire_nodest: u32,
-    // struct ip_vs_dest
-    /// `cflags` (an `unsigned long`: kernels with the 2026 IPVS flags split, backported to
-    /// stable ones such as Debian's 6.1.192) when `dest_avail_wide` is set, else `flags`
-    /// (an `unsigned int`): where the "available" bit (0x1) is.
-    pub dest_flags: u32,
-    pub dest_weight: u32,
-    // struct ip_vs_service
-    pub svc_af: u32,
-    pub svc_protocol: u32,
-    pub svc_addr: u32,
-    pub svc_port: u32,
-    // struct ip_vs_dest_user_kern
-    pub udest_addr: u32,
-    pub udest_port: u32,
-    pub udest_weight: u32,
-    pub dest_avail_wide: u32,
-    pub _pad3: u32,
-    /// Nanoseconds per jiffy of the running kernel (1e9 / HZ).
-    pub ns_per_jiffy: u64,
-    /// Minimum spacing of stale-packet events per connection, in ns.
-    pub ipvs_stale_interval_ns: u64,
+    /// Offset of a syscall's second argument in the user `pt_regs` (`si` on x86-64), for
+    /// hooks on the syscall's function instead of its tracepoint.
+    pub regs_arg1: u32,
 }
 
 #[cfg(feature = "user")]
@@ -465,6 +542,8 @@ mod pod {
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
     unsafe impl aya::Pod for IpvsKey {}
+    unsafe impl aya::Pod for IpvsConfig {}
+    unsafe impl aya::Pod for CtConfig {}
 }
 
 /// Size in bytes of each event type, for the decoder's bounds checks.
@@ -480,6 +559,8 @@ pub mod sizes {
     pub const DROP: usize = size_of::<DropEvent>();
     pub const NFT_COMMIT: usize = size_of::<NftCommitEvent>();
     pub const IPVS: usize = size_of::<IpvsEvent>();
+    pub const CONNTRACK_FAIL: usize = size_of::<ConntrackFailEvent>();
+    pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
 }
 
 #[cfg(test)]
@@ -500,10 +581,14 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        assert_eq!(size_of::<ProbeConfig>(), 280);
+        assert_eq!(size_of::<ProbeConfig>(), 160);
+        assert_eq!(size_of::<IpvsConfig>(), 120);
         assert_eq!(size_of::<IpvsEvent>(), 136);
         assert_eq!(size_of::<IpvsKey>(), 40);
         assert_eq!(size_of::<NftCommitEvent>(), 56);
+        assert_eq!(size_of::<ConntrackFailEvent>(), 88);
+        assert_eq!(size_of::<CtConfig>(), 48);
+        assert_eq!(size_of::<XtReplaceEvent>(), 32);
     }
 
     #[test]
@@ -517,6 +602,8 @@ mod tests {
             EventKind::TableReplace,
             EventKind::Drop,
             EventKind::NftCommit,
+            EventKind::ConntrackFail,
+            EventKind::XtReplace,
             EventKind::Ipvs,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));

@@ -9,6 +9,14 @@ use xtlock_common::{EventHeader, EventKind, ProbeConfig};
 
 use crate::{CONFIG, EVENTS, LOST};
 
+/// Reads a `T` at `base + offset` of kernel memory (kernel-function hooks: struct members
+/// at offsets userspace found in BTF).
+#[inline(always)]
+pub fn kread<T>(base: u64, offset: usize) -> Option<T> {
+    // SAFETY: bpf_probe_read_kernel checks the address; a bad one is an error, not a fault.
+    unsafe { aya_ebpf::helpers::bpf_probe_read_kernel((base + offset as u64) as *const T) }.ok()
+}
+
 /// Reads a field offset from `CONFIG`. Volatile: the value is patched in after compile.
 #[inline(always)]
 pub fn cfg<F: Fn(&ProbeConfig) -> u32>(f: F) -> usize {

@@ -56,35 +56,7 @@ static CONFIG: ProbeConfig = ProbeConfig {
     task_ok: 0,
     task_nsproxy: 0,
     nsproxy_net_ns: 0,
-    _pad2: 0,
-    ipvs_ok: 0,
-    conn_af: 0,
-    conn_protocol: 0,
-    conn_caddr: 0,
-    conn_vaddr: 0,
-    conn_daddr: 0,
-    conn_cport: 0,
-    conn_vport: 0,
-    conn_dport: 0,
-    conn_flags: 0,
-    conn_dest: 0,
-    conn_timer: 0,
-    conn_timer_expires: 0,
-    conn_ipvs: 0,
-    ipvs_expire_nodest: 0,
-    dest_flags: 0,
-    dest_weight: 0,
-    svc_af: 0,
-    svc_protocol: 0,
-    svc_addr: 0,
-    svc_port: 0,
-    udest_addr: 0,
-    udest_port: 0,
-    udest_weight: 0,
-    dest_avail_wide: 0,
-    _pad3: 0,
-    ns_per_jiffy: 0,
-    ipvs_stale_interval_ns: 0,
+    regs_arg1: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.
@@ -131,6 +103,20 @@ static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
 static NFT_INFLIGHT: LruHashMap<u32, probes::nft_commit::NftEnter> =
     LruHashMap::with_max_entries(1024, 0);
 
+/// `xt_replace_table` calls in progress: entry time by thread id.
+#[map]
+static XT_INFLIGHT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1024, 0);
+
+/// Conntrack confirms and allocations in progress, by thread id.
+#[map]
+static CT_INFLIGHT: LruHashMap<u32, probes::conntrack::CtEnter> =
+    LruHashMap::with_max_entries(1024, 0);
+
+/// Offsets of `nf_conn` and its tuple, written by userspace when the conntrack hooks attach
+/// (nf_conntrack may load after start, so not in CONFIG).
+#[map]
+static CT_CONFIG: Array<xtlock_common::CtConfig> = Array::with_max_entries(1, 0);
+
 /// Which drop reasons to count and sample: slot `min(reason, DROP_REASON_SLOTS - 1)` is
 /// non-zero for a watched reason. Filled by userspace before attaching.
 #[map]
@@ -148,6 +134,11 @@ static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// Drop-sample rate limiter per CPU: the theoretical arrival time of the next sample (GCRA).
 #[map]
 static DROP_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// IPVS struct offsets (one entry), written by userspace when ip_vs is there (possibly after
+/// start, when the module loads later).
+#[map]
+static IPVS_CONFIG: Array<xtlock_common::IpvsConfig> = Array::with_max_entries(1, 0);
 
 /// Exact IPVS packet counts per (virtual service, real server, state), per CPU. Userspace
 /// reads and sums them every second and never deletes keys.

@@ -11,7 +11,8 @@ use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
 use crate::decode::{Event, ExecEvent, ExitEvent};
 use crate::drops::DropTracker;
 pub use crate::drops::{
-    ConntrackFact, DropClass, DropCountFact, DropFact, DropSummary, HoldDropsFact, HoldRef,
+    ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, DropSummary,
+    HoldDropsFact, HoldRef,
 };
 use crate::ipvs::IpvsTracker;
 pub use crate::ipvs::{IpvsCountFact, IpvsFact};
@@ -46,6 +47,8 @@ pub enum Output {
     Ipvs(IpvsFact),
     /// IPVS: exact packets per (service, backend, state) in one interval.
     IpvsCount(IpvsCountFact),
+    /// A connection conntrack refused, seen in its own function.
+    ConntrackRefused(ConntrackRefusedFact),
 }
 
 impl Output {
@@ -60,6 +63,7 @@ impl Output {
             Output::Exit(e) => e.ts_ns,
             Output::Lost(l) => l.ts_ns,
             Output::Drop(d) => d.ts_ns,
+            Output::ConntrackRefused(c) => c.ts_ns,
             Output::DropCount(d) => d.ts_ns,
             Output::Conntrack(c) => c.ts_ns,
             Output::HoldDrops(h) => h.start_ns,
@@ -198,6 +202,12 @@ impl Analyzer {
                 let hold = self.hold_at(s.ts_ns);
                 self.drops
                     .on_sample(s, hold, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::ConntrackFail(c) => {
+                let hold = self.hold_at(c.ts_ns);
+                self.drops
+                    .on_conntrack_fail(c, hold, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::DropCounts(c) => {

@@ -155,6 +155,20 @@ pub struct LockArgs {
     /// Lock file to watch (repeatable). Default: $XTABLES_LOCKFILE, else /run/xtables.lock.
     #[arg(long = "lock-file", value_name = "PATH")]
     pub lock_files: Vec<PathBuf>,
+    /// Attach types not to use, everywhere (`fentry`) or for one hook
+    /// (`sys_enter_flock:tracepoint`), comma-separated or repeated: hooks then take their
+    /// next candidate (tracepoint, fentry/fexit, kprobe/kretprobe). Also $XTLOCK_NO_ATTACH.
+    #[arg(long = "no-attach", value_name = "[HOOK:]KIND")]
+    pub no_attach: Vec<crate::probes::kfunc::AttachFilter>,
+}
+
+impl LockArgs {
+    /// The flag's rules and the environment's.
+    pub fn attach_filter(&self) -> anyhow::Result<crate::probes::kfunc::AttachFilter> {
+        crate::probes::kfunc::AttachFilter::merge(&self.no_attach)
+            .with_env()
+            .map_err(anyhow::Error::msg)
+    }
 }
 
 #[derive(Debug, clap::Args)]

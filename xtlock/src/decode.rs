@@ -139,6 +139,15 @@ pub struct TableReplaceEvent {
     pub ret: i64,
 }
 
+/// One `xt_replace_table` call: a legacy table swapped in, every CPU waited out of the old.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct XtReplaceEvent {
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+}
+
 /// One nf_tables commit (netlink batch): the second lock, held for `ts_ns - enter_ns`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NftCommitEvent {
@@ -150,6 +159,31 @@ pub struct NftCommitEvent {
     /// Inode of the sender's network namespace; 0 when unknown.
     pub netns: u32,
     pub comm: Comm,
+}
+
+/// What conntrack refused, seen in the refusing kernel function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CtFailKind {
+    /// `__nf_conntrack_confirm` returned `NF_DROP`: the kernel's `insert_failed` path.
+    InsertFailed,
+    /// `__nf_conntrack_alloc` failed: the table was full.
+    TableFull,
+}
+
+/// A connection conntrack refused (kernel event).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackFail {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    pub what: CtFailKind,
+    pub netns: u32,
+    pub l4proto: u8,
+    pub saddr: Option<IpAddr>,
+    pub daddr: Option<IpAddr>,
+    pub sport: u16,
+    pub dport: u16,
 }
 
 /// A process that existed when tracing started (from /proc), or that userspace looked up
@@ -438,6 +472,9 @@ pub enum Event {
     },
     /// A sampled packet drop (kernel event).
     Drop(DropSample),
+    /// A connection conntrack refused (kernel event).
+    ConntrackFail(ConntrackFail),
+    XtReplace(XtReplaceEvent),
     /// Synthetic: exact drop counts of the last interval.
     DropCounts(DropCounts),
     /// Synthetic: conntrack counter deltas of one netns.
@@ -478,6 +515,8 @@ impl Event {
             Event::Proc(e) => e.ts_ns,
             Event::Lost { ts_ns, .. } => *ts_ns,
             Event::Drop(e) => e.ts_ns,
+            Event::ConntrackFail(e) => e.ts_ns,
+            Event::XtReplace(e) => e.ts_ns,
             Event::DropCounts(e) => e.ts_ns,
             Event::Conntrack(e) => e.ts_ns,
             Event::Ipvs(e) => e.ts_ns,
@@ -633,14 +672,40 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 comm: Comm(e.comm),
             })
         }
+        K::XtReplace => {
+            need(kind, b, sizes::XT_REPLACE)?;
+            let e: common::XtReplaceEvent = read(b);
+            Event::XtReplace(XtReplaceEvent {
+                ts_ns: hdr.ts_ns,
+                enter_ns: e.enter_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+            })
+        }
+        K::ConntrackFail => {
+            need(kind, b, sizes::CONNTRACK_FAIL)?;
+            let e: common::ConntrackFailEvent = read(b);
+            Event::ConntrackFail(ConntrackFail {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                what: match e.what {
+                    common::CT_FAIL_TABLE_FULL => CtFailKind::TableFull,
+                    _ => CtFailKind::InsertFailed,
+                },
+                netns: e.netns,
+                l4proto: e.l4proto,
+                saddr: ip_addr(e.family, &e.saddr),
+                daddr: ip_addr(e.family, &e.daddr),
+                sport: e.sport,
+                dport: e.dport,
+            })
+        }
         K::Drop => {
             need(kind, b, sizes::DROP)?;
             let e: common::DropEvent = read(b);
-            let addr = |a: &[u8; 16]| match e.family {
-                common::DROP_FAMILY_INET => Some(IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))),
-                common::DROP_FAMILY_INET6 => Some(IpAddr::V6(Ipv6Addr::from(*a))),
-                _ => None,
-            };
+            let addr = |a: &[u8; 16]| ip_addr(e.family, a);
             Event::Drop(DropSample {
                 ts_ns: hdr.ts_ns,
                 tgid: hdr.tgid,
@@ -692,9 +757,56 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
     })
 }
 
+/// An address of a kernel event: 4 bytes for IPv4 (`DROP_FAMILY_INET`), 16 for IPv6.
+fn ip_addr(family: u8, a: &[u8; 16]) -> Option<IpAddr> {
+    match family {
+        common::DROP_FAMILY_INET => Some(IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))),
+        common::DROP_FAMILY_INET6 => Some(IpAddr::V6(Ipv6Addr::from(*a))),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn conntrack_fail_decodes() {
+        let mut saddr = [0u8; 16];
+        saddr[..4].copy_from_slice(&[10, 0, 0, 9]);
+        let mut daddr = [0u8; 16];
+        daddr[..4].copy_from_slice(&[10, 96, 0, 10]);
+        let e = common::ConntrackFailEvent {
+            hdr: common::EventHeader {
+                kind: common::EventKind::ConntrackFail as u32,
+                tgid: 5,
+                tid: 5,
+                _pad: 0,
+                ts_ns: 1000,
+            },
+            netns: 7,
+            what: common::CT_FAIL_TABLE_FULL,
+            l4proto: 17,
+            family: common::DROP_FAMILY_INET,
+            _pad0: 0,
+            saddr,
+            daddr,
+            sport: 40000,
+            dport: 53,
+            _pad: 0,
+            comm: *b"dig\0\0\0\0\0\0\0\0\0\0\0\0\0",
+        };
+        let Event::ConntrackFail(c) = decode(&bytes(&e)).unwrap() else {
+            panic!("not a conntrack failure");
+        };
+        assert_eq!(c.what, CtFailKind::TableFull);
+        assert_eq!(c.saddr, Some("10.0.0.9".parse().unwrap()));
+        assert_eq!(c.daddr, Some("10.96.0.10".parse().unwrap()));
+        assert_eq!((c.sport, c.dport, c.netns, c.l4proto), (40000, 53, 7, 17));
+        assert_eq!(c.comm.as_str(), "dig");
+        // Cut short: an error, not a panic.
+        assert!(decode(&bytes(&e)[..60]).is_err());
+    }
 
     fn bytes<T: Copy>(v: &T) -> Vec<u8> {
         // SAFETY: T is a POD repr(C) event struct; we only read its bytes.

@@ -25,7 +25,9 @@ use std::net::IpAddr;
 use serde::Serialize;
 
 use crate::analysis::Output;
-use crate::decode::{ConntrackCounters, ConntrackStats, DropCounts, DropSample};
+use crate::decode::{
+    ConntrackCounters, ConntrackFail, ConntrackStats, CtFailKind, DropCounts, DropSample,
+};
 use crate::lock::HoldFact;
 
 /// Default `--conntrack-warn`: warn when the table is this full (percent).
@@ -133,6 +135,26 @@ pub struct DropFact {
     pub hold: Option<HoldRef>,
 }
 
+/// A connection conntrack refused, seen in the kernel function that refused it:
+/// `{"type":"conntrack_refused",...}`. Exact: one per refusal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ConntrackRefusedFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    /// `conntrack_insert_failed` or `conntrack_table_full`.
+    pub class: DropClass,
+    /// The kernel function that refused it.
+    pub function: &'static str,
+    /// The connection's original direction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketInfo>,
+    /// The task that was running (the sender for locally sent packets; else unrelated).
+    pub pid: u32,
+    pub comm: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
 /// Exact drops of one (netns, reason, location, class) in one interval:
 /// `{"type":"drop_count",...}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -221,6 +243,10 @@ pub struct DropSummary {
     pub conntrack_warnings: u64,
     /// Holds with the most drops, most first (at most 5).
     pub worst_holds: Vec<HoldDropsFact>,
+    /// Connections refused, as seen in conntrack's own functions (exact, where those hooks
+    /// attached; the counter deltas above are the cross-check). Absent when none were seen.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub conntrack_refused: BTreeMap<DropClass, u64>,
 }
 
 /// One hold's running tally.
@@ -277,17 +303,27 @@ fn proto_name(p: u8) -> String {
 }
 
 fn packet_info(s: &DropSample) -> Option<PacketInfo> {
-    let (saddr, daddr) = (s.saddr?, s.daddr?);
-    let ports = matches!(s.l4proto, 6 | 17);
-    let icmp = matches!(s.l4proto, 1 | 58);
+    packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport)
+}
+
+fn packet(
+    l4proto: u8,
+    saddr: Option<IpAddr>,
+    daddr: Option<IpAddr>,
+    sport: u16,
+    dport: u16,
+) -> Option<PacketInfo> {
+    let (saddr, daddr) = (saddr?, daddr?);
+    let ports = matches!(l4proto, 6 | 17);
+    let icmp = matches!(l4proto, 1 | 58);
     Some(PacketInfo {
-        proto: proto_name(s.l4proto),
+        proto: proto_name(l4proto),
         saddr: saddr.to_string(),
         daddr: daddr.to_string(),
-        sport: ports.then_some(s.sport),
-        dport: ports.then_some(s.dport),
-        icmp_type: icmp.then_some(s.sport as u8),
-        icmp_code: icmp.then_some(s.dport as u8),
+        sport: ports.then_some(sport),
+        dport: ports.then_some(dport),
+        icmp_type: icmp.then_some(sport as u8),
+        icmp_code: icmp.then_some(dport as u8),
     })
 }
 
@@ -442,6 +478,32 @@ impl DropTracker {
             pid: s.tgid,
             hold,
         }
+    }
+
+    /// A refusal seen in conntrack's own function; `hold` is the hold open at its time.
+    pub fn on_conntrack_fail(
+        &mut self,
+        c: &ConntrackFail,
+        hold: Option<HoldRef>,
+        out: &mut impl FnMut(Output),
+    ) {
+        let (class, function) = match c.what {
+            CtFailKind::InsertFailed => {
+                (DropClass::ConntrackInsertFailed, "__nf_conntrack_confirm")
+            }
+            CtFailKind::TableFull => (DropClass::ConntrackTableFull, "__nf_conntrack_alloc"),
+        };
+        *self.stats.conntrack_refused.entry(class).or_default() += 1;
+        out(Output::ConntrackRefused(ConntrackRefusedFact {
+            ts_ns: c.ts_ns,
+            netns: c.netns,
+            class,
+            function,
+            packet: packet(c.l4proto, c.saddr, c.daddr, c.sport, c.dport),
+            pid: c.tgid,
+            comm: c.comm.as_str().into_owned(),
+            hold,
+        }));
     }
 
     /// Conntrack deltas of one netns for the tick in progress.

@@ -26,7 +26,7 @@ use crate::analysis::Output;
 use crate::attribution::{is_locking_comm, Attribution, Attributor};
 use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, NftCommitEvent,
-    TableReplaceEvent,
+    TableReplaceEvent, XtReplaceEvent,
 };
 use crate::procs::{basename, ProcTable};
 
@@ -141,6 +141,10 @@ pub struct HoldFact {
     pub kernel_ns: u64,
     /// Number of those replaces.
     pub replaces: u32,
+    /// Of `kernel_ns`, the time in `xt_replace_table`: swapping the new table in and waiting
+    /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub swap_ns: u64,
     pub agent_pid: u32,
     /// Pid whose close released it, when that was seen.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -262,6 +266,7 @@ struct OpenHold {
     users_overflow: bool,
     kernel_ns: u64,
     replaces: u32,
+    swap_ns: u64,
     incomplete: bool,
     end: Option<PendingEnd>,
     /// [`LockMachine::losses`] when it began.
@@ -423,6 +428,7 @@ impl LockMachine {
             Event::FlockCall(e) => self.on_flock_call(e, cx, out),
             Event::Fork(f) => self.on_fork(f),
             Event::TableReplace(t) => self.on_table_replace(t),
+            Event::XtReplace(x) => self.on_xt_replace(x),
             Event::NftCommit(c) => out(Output::Hold(nft_commit_hold(c, cx))),
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
@@ -431,6 +437,7 @@ impl LockMachine {
             Event::Exec(_)
             | Event::Proc(_)
             | Event::Drop(_)
+            | Event::ConntrackFail(_)
             | Event::DropCounts(_)
             | Event::Conntrack(_)
             | Event::DropSetup { .. }
@@ -535,6 +542,7 @@ impl LockMachine {
                 users_overflow: false,
                 kernel_ns: 0,
                 replaces: 0,
+                swap_ns: 0,
                 incomplete: false,
                 end: None,
                 losses,
@@ -767,6 +775,7 @@ impl LockMachine {
                         users_overflow: false,
                         kernel_ns: 0,
                         replaces: 0,
+                        swap_ns: 0,
                         incomplete: true,
                         end: None,
                         losses: self.losses,
@@ -862,6 +871,16 @@ impl LockMachine {
                     } else {
                         h.users_overflow = true;
                     }
+                }
+            }
+        }
+    }
+
+    fn on_xt_replace(&mut self, x: &XtReplaceEvent) {
+        for st in self.locks.iter_mut() {
+            for h in st.holds.iter_mut() {
+                if h.pid == x.tgid && h.end.is_none() && x.ts_ns >= h.start_ns {
+                    h.swap_ns += x.ts_ns.saturating_sub(x.enter_ns);
                 }
             }
         }
@@ -1162,6 +1181,7 @@ fn hold_fact(
         exclusive: h.exclusive,
         kernel_ns: h.kernel_ns,
         replaces: h.replaces,
+        swap_ns: h.swap_ns,
         agent_pid: who.agent_pid,
         released_by,
         pod_uid: who.pod_uid.clone(),
@@ -1198,6 +1218,7 @@ fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
         // The whole hold is the kernel's; no legacy table replace in it.
         kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
         replaces: 0,
+        swap_ns: 0,
         agent_pid: who.agent_pid,
         released_by: None,
         pod_uid: who.pod_uid.clone(),
@@ -1215,4 +1236,8 @@ pub fn is_locking_proc(procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
     procs.get(pid).is_some_and(|p| {
         is_locking_comm(&p.comm) || crate::attribution::is_locking_tool(basename(&p.filename))
     })
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }

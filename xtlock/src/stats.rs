@@ -273,6 +273,7 @@ impl Stats {
             Output::Lost(l) => self.lost = self.lost.saturating_add(l.count),
             // Counted by the drop tracker (`drops`), which sees them first.
             Output::Drop(_)
+            | Output::ConntrackRefused(_)
             | Output::DropCount(_)
             | Output::Conntrack(_)
             | Output::HoldDrops(_) => {}

@@ -188,24 +188,23 @@ fn run() -> anyhow::Result<u8> {
                 .collect::<std::io::Result<Vec<_>>>()?;
             let mut sent = 0u64;
             for i in 0..count {
-                let s = &socks[(i % flows as u64) as usize];
-                // Sends to a dropped port may report ECONNREFUSED from an earlier ICMP error;
-                // only the datagrams the kernel took count.
-                loop {
-                    match s.send_to(b"x", dst) {
-                        Ok(_) => {
-                            sent += 1;
-                            break;
-                        }
-                        Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => {
-                            sleep(Duration::from_micros(50))
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-                        Err(e) => return Err(e.into()),
-                    }
-                }
+                send_one(&socks[(i % flows as u64) as usize], dst)?;
+                sent += 1;
             }
             say(format!("sent {sent} {}", now()));
+            Ok(0)
+        }
+        // One datagram to each of NPORTS ports from one socket: many flows, cheaply.
+        ["udp-ports", addr, first, nports] => {
+            let first: u16 = first.parse()?;
+            let nports: u16 = nports.parse()?;
+            let ip: std::net::IpAddr = addr.parse()?;
+            let bind = if ip.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+            let sock = std::net::UdpSocket::bind(bind)?;
+            for p in 0..nports {
+                send_one(&sock, std::net::SocketAddr::new(ip, first.wrapping_add(p)))?;
+            }
+            say(format!("sent {nports} {}", now()));
             Ok(0)
         }
         ["udpfrom", sport, addr, port, count, interval_ms] => {
@@ -215,12 +214,8 @@ fn run() -> anyhow::Result<u8> {
             let interval = Duration::from_millis(interval_ms.parse()?);
             let mut sent = 0u64;
             for _ in 0..count {
-                match sock.send_to(b"x", dst) {
-                    Ok(_) => sent += 1,
-                    // An ICMP error of an earlier datagram; this one was not sent.
-                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-                    Err(e) => return Err(e.into()),
-                }
+                send_one(&sock, dst)?;
+                sent += 1;
                 sleep(interval);
             }
             say(format!("sent {sent}"));
@@ -235,6 +230,20 @@ fn run() -> anyhow::Result<u8> {
                 let _ = sock.send_to(&buf[..n], from);
             }
         }
-        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT"),
+        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT"),
+    }
+}
+
+/// Sends one datagram, retrying while the kernel is out of buffers. Sends to a dropped port
+/// may report ECONNREFUSED from an earlier ICMP error; only the datagrams the kernel took
+/// count.
+fn send_one(s: &std::net::UdpSocket, dst: std::net::SocketAddr) -> anyhow::Result<()> {
+    loop {
+        match s.send_to(b"x", dst) {
+            Ok(_) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => sleep(Duration::from_micros(50)),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
+            Err(e) => return Err(e.into()),
+        }
     }
 }

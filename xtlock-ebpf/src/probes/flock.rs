@@ -3,14 +3,22 @@
 //! call started, its flags, and how it ended: granted, `-EAGAIN`, or `-EINTR` from
 //! iptables' `alarm()`).
 //!
+//! Where the syscall tracepoints cannot be used, the same two steps hang off the syscall's
+//! function (`__x64_sys_flock` or its arch's name, picked by userspace): fentry/fexit, else
+//! kprobe/kretprobe. Its one argument is the user `pt_regs`; the command is the second
+//! syscall argument, at an offset userspace found in BTF.
+//!
 //! Cost on unwatched files: a per-CPU write at syscall entry, one hash miss in the
 //! tracepoint, one LRU miss at syscall exit.
 use aya_ebpf::helpers::bpf_get_current_comm;
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{fentry, fexit, kprobe, kretprobe, tracepoint},
+    programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext, TracePointContext},
+};
 use xtlock_common::{EventKind, FlockCallEvent, LockEvent, LockKey, F_UNLCK};
 
 use crate::{
-    emit::{cfg, field, field_fast, header, ids, now, output},
+    emit::{cfg, field, field_fast, header, ids, kread, now, output},
     FLOCK_ENTER, FLOCK_INFLIGHT, WATCHED,
 };
 
@@ -37,6 +45,43 @@ pub struct FlockInflight {
 #[tracepoint]
 pub fn sys_enter_flock(ctx: TracePointContext) -> u32 {
     let cmd: u64 = field_fast::<u64, 24>(&ctx, cfg(|c| c.flock_cmd)).unwrap_or(u64::from(u32::MAX));
+    flock_enter(cmd);
+    0
+}
+
+/// The command of a `flock()` whose user registers are at `regs`.
+#[inline(always)]
+fn regs_cmd(regs: u64) -> u64 {
+    kread(regs, cfg(|c| c.regs_arg1)).unwrap_or(u64::from(u32::MAX))
+}
+
+#[fentry(function = "__x64_sys_flock")]
+pub fn flock_syscall_fentry(ctx: FEntryContext) -> u32 {
+    flock_enter(regs_cmd(ctx.arg(0)));
+    0
+}
+
+#[fexit(function = "__x64_sys_flock")]
+pub fn flock_syscall_fexit(ctx: FExitContext) -> u32 {
+    // The return value follows the one argument (no bpf_get_func_ret before 5.17).
+    flock_exit(ctx.arg(1));
+    0
+}
+
+#[kprobe]
+pub fn flock_syscall_kprobe(ctx: ProbeContext) -> u32 {
+    flock_enter(regs_cmd(ctx.arg(0).unwrap_or(0)));
+    0
+}
+
+#[kretprobe]
+pub fn flock_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
+    flock_exit(ctx.ret());
+    0
+}
+
+#[inline(always)]
+fn flock_enter(cmd: u64) {
     let (_, tid) = ids();
     if let Some(slot) = FLOCK_ENTER.get_ptr_mut(0) {
         // SAFETY: per-CPU slot.
@@ -48,7 +93,6 @@ pub fn sys_enter_flock(ctx: TracePointContext) -> u32 {
             }
         };
     }
-    0
 }
 
 #[tracepoint]
@@ -118,13 +162,19 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
 
 #[tracepoint]
 pub fn sys_exit_flock(ctx: TracePointContext) -> u32 {
+    let ret: i64 = field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0);
+    flock_exit(ret);
+    0
+}
+
+#[inline(always)]
+fn flock_exit(ret: i64) {
     let (_, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
     let Some(inflight) = (unsafe { FLOCK_INFLIGHT.get(&tid) }).copied() else {
-        return 0;
+        return;
     };
     let _ = FLOCK_INFLIGHT.remove(&tid);
-    let ret: i64 = field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0);
     let ev = FlockCallEvent {
         hdr: header(EventKind::FlockCall, now()),
         enter_ns: inflight.enter_ns,
@@ -135,5 +185,4 @@ pub fn sys_exit_flock(ctx: TracePointContext) -> u32 {
         dev: inflight.dev,
     };
     output(&ev);
-    0
 }

@@ -5,8 +5,9 @@
 //! fentry only to vmlinux functions); userspace picks what to attach from kallsyms.
 //!
 //! - `ip_vs_conn_new` (return): a new connection, bound to its real server.
-//! - `ip_vs_*_xmit` (entry, `cp` is the second argument): a packet forwarded on a connection;
-//!   counted per CPU; a real server of weight 0 makes it a stale packet (still forwarded).
+//! - `ip_vs_nat_xmit`/`ip_vs_nat_xmit_v6` (entry, `cp` is the second argument; NAT, the
+//!   forwarding kube-proxy uses): a packet forwarded on a connection; counted per CPU; a real
+//!   server of weight 0 makes it a stale packet (still forwarded).
 //! - `ip_vs_conn_in_get_proto` (return): the connection lookup of an incoming packet. When
 //!   the connection's real server is no longer available (removed), `ip_vs_in_hook` drops the
 //!   packet without restarting the entry's timer, or with `expire_nodest_conn=1` expires the
@@ -14,14 +15,14 @@
 //! - `ip_vs_conn_expire` (entry, the timer callback): the end of a connection reported stale.
 //! - `ip_vs_add_dest`/`ip_vs_del_dest`/`ip_vs_edit_dest` (entry and return).
 //!
-//! Struct member offsets come from the module's BTF at run time (`ProbeConfig::conn_*` etc.).
+//! Struct member offsets come from the module's BTF at run time (`IpvsConfig::conn_*` etc.).
 use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_jiffies64, bpf_probe_read_kernel},
     macros::{kprobe, kretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
 use xtlock_common::{
-    EventKind, IpvsEvent, IpvsKey, ProbeConfig, COMM_LEN, IPVS_ACTION_DROPPED, IPVS_ACTION_EXPIRED,
+    EventKind, IpvsConfig, IpvsEvent, IpvsKey, COMM_LEN, IPVS_ACTION_DROPPED, IPVS_ACTION_EXPIRED,
     IPVS_ACTION_FORWARDED, IPVS_ACTION_NONE, IPVS_DEST_GONE, IPVS_DEST_OK, IPVS_DEST_QUIESCENT,
     IPVS_OP_DEST_ADD, IPVS_OP_DEST_DEL, IPVS_OP_DEST_EDIT, IPVS_OP_EXPIRED, IPVS_OP_SCHEDULED,
     IPVS_OP_STALE,
@@ -29,7 +30,7 @@ use xtlock_common::{
 
 use crate::{
     emit::{count_in, header, ids, now, output},
-    CONFIG, IPVS_COUNTS, IPVS_DEST_OPS, IPVS_OVERFLOW, IPVS_STALE,
+    IPVS_CONFIG, IPVS_COUNTS, IPVS_DEST_OPS, IPVS_OVERFLOW, IPVS_STALE,
 };
 
 /// `IP_VS_DEST_F_AVAILABLE` in `flags`, or `IP_VS_DEST_CF_AVAILABLE` in `cflags` (the
@@ -48,10 +49,11 @@ pub struct StaleConn {
     pub pending: u64,
 }
 
+/// The offsets, once userspace filled them.
 #[inline(always)]
-fn config() -> ProbeConfig {
-    // SAFETY: CONFIG lives for the program's lifetime; volatile: patched in after compile.
-    unsafe { core::ptr::read_volatile(&CONFIG) }
+fn config() -> Option<IpvsConfig> {
+    let c = *IPVS_CONFIG.get(0)?;
+    (c.ok != 0).then_some(c)
 }
 
 /// Reads a `T` at `base + offset` of kernel memory.
@@ -91,7 +93,7 @@ fn blank(op: u8) -> IpvsEvent {
 
 /// The connection's addresses, ports and protocol into `ev`.
 #[inline(always)]
-fn read_conn(c: &ProbeConfig, cp: u64, ev: &mut IpvsEvent) {
+fn read_conn(c: &IpvsConfig, cp: u64, ev: &mut IpvsEvent) {
     ev.conn = cp;
     ev.af = kread::<u16>(cp, c.conn_af).unwrap_or(0);
     ev.protocol = kread::<u16>(cp, c.conn_protocol).unwrap_or(0) as u8;
@@ -105,7 +107,7 @@ fn read_conn(c: &ProbeConfig, cp: u64, ev: &mut IpvsEvent) {
 
 /// Nanoseconds left on the connection's timer (0 when it is due or unknown).
 #[inline(always)]
-fn timer_left(c: &ProbeConfig, cp: u64) -> u64 {
+fn timer_left(c: &IpvsConfig, cp: u64) -> u64 {
     let expires: u64 = kread(cp, c.conn_timer_expires).unwrap_or(0);
     // SAFETY: plain helper call.
     let now = unsafe { bpf_jiffies64() };
@@ -118,7 +120,7 @@ fn timer_left(c: &ProbeConfig, cp: u64) -> u64 {
 
 /// (state, weight) of a real server.
 #[inline(always)]
-fn dest_state(c: &ProbeConfig, dest: u64) -> (u8, i32) {
+fn dest_state(c: &IpvsConfig, dest: u64) -> (u8, i32) {
     // `cflags` (unsigned long) where the kernel has it, else `flags` (unsigned int).
     let flags: u32 = if c.dest_avail_wide != 0 {
         kread::<u64>(dest, c.dest_flags).map_or(DEST_F_AVAILABLE, |v| v as u32)
@@ -137,7 +139,7 @@ fn dest_state(c: &ProbeConfig, dest: u64) -> (u8, i32) {
 
 /// Adds one to this CPU's counter for the connection's (service, real server, state).
 #[inline(always)]
-fn count(c: &ProbeConfig, cp: u64, state: u8) {
+fn count(c: &IpvsConfig, cp: u64, state: u8) {
     let key = IpvsKey {
         vaddr: kread(cp, c.conn_vaddr).unwrap_or([0; 16]),
         daddr: kread(cp, c.conn_daddr).unwrap_or([0; 16]),
@@ -153,7 +155,7 @@ fn count(c: &ProbeConfig, cp: u64, state: u8) {
 /// A stale packet: an event for the first one of a connection, then at most one per
 /// interval carrying the packets since the previous one.
 #[inline(always)]
-fn stale(c: &ProbeConfig, cp: u64, state: u8, weight: i32, action: u8) {
+fn stale(c: &IpvsConfig, cp: u64, state: u8, weight: i32, action: u8) {
     let t = now();
     let packets = match IPVS_STALE.get_ptr_mut(&cp) {
         Some(s) => {
@@ -161,7 +163,7 @@ fn stale(c: &ProbeConfig, cp: u64, state: u8, weight: i32, action: u8) {
             // (the exact count is in IPVS_COUNTS).
             let s = unsafe { &mut *s };
             s.pending += 1;
-            if t.saturating_sub(s.last_ns) < c.ipvs_stale_interval_ns {
+            if t.saturating_sub(s.last_ns) < c.stale_interval_ns {
                 return;
             }
             let p = s.pending;
@@ -194,11 +196,8 @@ fn stale(c: &ProbeConfig, cp: u64, state: u8, weight: i32, action: u8) {
 /// The configuration and the connection a probed function returned, when the offsets are
 /// known and it returned one.
 #[inline(always)]
-fn returned_conn(ctx: &RetProbeContext) -> Option<(ProbeConfig, u64)> {
-    let c = config();
-    if c.ipvs_ok == 0 {
-        return None;
-    }
+fn returned_conn(ctx: &RetProbeContext) -> Option<(IpvsConfig, u64)> {
+    let c = config()?;
     let cp: u64 = ctx.ret();
     (cp != 0).then_some((c, cp))
 }
@@ -226,16 +225,28 @@ pub fn ipvs_conn_new(ctx: RetProbeContext) -> u32 {
 }
 
 #[kprobe]
-pub fn ipvs_xmit(ctx: ProbeContext) -> u32 {
-    let c = config();
-    if c.ipvs_ok == 0 {
-        return 0;
-    }
+pub fn ipvs_nat_xmit(ctx: ProbeContext) -> u32 {
+    xmit(&ctx);
+    0
+}
+
+#[kprobe]
+pub fn ipvs_nat_xmit_v6(ctx: ProbeContext) -> u32 {
+    xmit(&ctx);
+    0
+}
+
+/// A packet forwarded on connection `cp` (the xmit function's second argument).
+#[inline(always)]
+fn xmit(ctx: &ProbeContext) {
+    let Some(c) = config() else {
+        return;
+    };
     let Some(cp) = ctx.arg::<u64>(1) else {
-        return 0;
+        return;
     };
     if cp == 0 {
-        return 0;
+        return;
     }
     let dest: u64 = kread(cp, c.conn_dest).unwrap_or(0);
     let (state, weight) = if dest != 0 {
@@ -247,7 +258,6 @@ pub fn ipvs_xmit(ctx: ProbeContext) -> u32 {
     if state == IPVS_DEST_QUIESCENT {
         stale(&c, cp, state, weight, IPVS_ACTION_FORWARDED);
     }
-    0
 }
 
 #[kretprobe]
@@ -281,10 +291,9 @@ pub fn ipvs_conn_in_get(ctx: RetProbeContext) -> u32 {
 
 #[kprobe]
 pub fn ipvs_conn_expire(ctx: ProbeContext) -> u32 {
-    let c = config();
-    if c.ipvs_ok == 0 {
+    let Some(c) = config() else {
         return 0;
-    }
+    };
     let Some(timer) = ctx.arg::<u64>(0) else {
         return 0;
     };
@@ -310,10 +319,9 @@ pub fn ipvs_conn_expire(ctx: ProbeContext) -> u32 {
 /// Entry of a real-server table change: what was asked, kept until the return.
 #[inline(always)]
 fn dest_op(ctx: &ProbeContext, op: u8) {
-    let c = config();
-    if c.ipvs_ok == 0 {
+    let Some(c) = config() else {
         return;
-    }
+    };
     let (Some(svc), Some(udest)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
         return;
     };
@@ -349,16 +357,34 @@ pub fn ipvs_edit_dest(ctx: ProbeContext) -> u32 {
 }
 
 #[kretprobe]
-pub fn ipvs_dest_op_ret(ctx: RetProbeContext) -> u32 {
+pub fn ipvs_add_dest_ret(ctx: RetProbeContext) -> u32 {
+    dest_op_ret(&ctx);
+    0
+}
+
+#[kretprobe]
+pub fn ipvs_del_dest_ret(ctx: RetProbeContext) -> u32 {
+    dest_op_ret(&ctx);
+    0
+}
+
+#[kretprobe]
+pub fn ipvs_edit_dest_ret(ctx: RetProbeContext) -> u32 {
+    dest_op_ret(&ctx);
+    0
+}
+
+/// Return of a real-server table change: the entry's event, with the result.
+#[inline(always)]
+fn dest_op_ret(ctx: &RetProbeContext) {
     let (_, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
     let Some(mut ev) = (unsafe { IPVS_DEST_OPS.get(&tid) }).copied() else {
-        return 0;
+        return;
     };
     let _ = IPVS_DEST_OPS.remove(&tid);
     let ret: i64 = ctx.ret();
     ev.ret = ret as i32;
     ev.hdr.ts_ns = now();
     output(&ev);
-    0
 }

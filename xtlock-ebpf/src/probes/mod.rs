@@ -1,7 +1,9 @@
 //! One module per kernel hook.
+pub mod conntrack;
 pub mod flock;
 pub mod ipvs;
 pub mod nft_commit;
 pub mod process;
 pub mod setsockopt;
 pub mod skb_drop;
+pub mod xt_replace;

@@ -8,14 +8,14 @@
 //! The netns is the sending task's: `current->nsproxy->net_ns->ns.inum`, with offsets from
 //! the kernel's BTF (read by userspace).
 use aya_ebpf::{
-    helpers::{bpf_get_current_comm, bpf_get_current_task, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_comm, bpf_get_current_task},
     macros::{fentry, fexit, kprobe, kretprobe},
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext},
 };
 use xtlock_common::{EventKind, NftCommitEvent, COMM_LEN};
 
 use crate::{
-    emit::{cfg, header, ids, now, output},
+    emit::{cfg, header, ids, kread, now, output},
     NFT_INFLIGHT,
 };
 
@@ -25,13 +25,6 @@ pub struct NftEnter {
     pub enter_ns: u64,
     pub netns: u32,
     pub _pad: u32,
-}
-
-/// Reads a `T` at `base + offset` of kernel memory.
-#[inline(always)]
-fn kread<T>(base: u64, offset: usize) -> Option<T> {
-    // SAFETY: bpf_probe_read_kernel checks the address; a bad one is an error, not a fault.
-    unsafe { bpf_probe_read_kernel((base + offset as u64) as *const T) }.ok()
 }
 
 /// Inode of the current task's network namespace; 0 when the offsets are unknown.

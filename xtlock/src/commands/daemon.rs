@@ -45,7 +45,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
         )?),
         None => None,
     };
-    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops)?;
+    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
     let mut src = LiveSource::new(probes)?;
     let links = links::Watch::new(&src.probes.status);
     if let Some(r) = rolling.as_mut() {

@@ -13,7 +13,7 @@ use tokio::{
 
 use crate::{
     analysis::{Summary, WatchedLock},
-    cli::DropArgs,
+    cli::{DropArgs, LockArgs},
     commands::watch_replaced_locks,
     decode::Event,
     lockfiles::LockFile,
@@ -59,11 +59,17 @@ pub struct NoHooks;
 
 impl LiveHooks for NoHooks {}
 
-/// Loads and attaches the probes for these lock files, with the drop options.
-pub fn load(locks: &[LockFile], ring_mib: u32, drops: &DropArgs) -> anyhow::Result<Probes> {
+/// Loads and attaches the probes for these lock files, with the drop and attach options.
+pub fn load(
+    locks: &[LockFile],
+    ring_mib: u32,
+    drops: &DropArgs,
+    lock_args: &LockArgs,
+) -> anyhow::Result<Probes> {
     let opts = LoadOptions {
         locks: locks.to_vec(),
         ring_bytes: ring_mib << 20,
+        no_attach: lock_args.attach_filter()?,
     };
     Ok(Probes::load_with_drops(
         &opts,
@@ -152,6 +158,12 @@ pub async fn run(
                 ticks += 1;
                 if ticks.is_multiple_of(5) {
                     watch_replaced_locks(locks, &mut src.probes);
+                    for s in src.probes.attach_pending() {
+                        match &s.error {
+                            None => tracing::info!(hook = s.program, attach = %s.attach, "module loaded: hook attached"),
+                            Some(why) => tracing::warn!(hook = s.program, %why, "module loaded, but the hook did not attach"),
+                        }
+                    }
                 }
                 hooks.each_second(src, pipe, locks)?;
             }

@@ -13,6 +13,7 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
         &probes::LoadOptions {
             locks: locks.clone(),
             ring_bytes: 1 << 20,
+            no_attach: args.locks.attach_filter()?,
         },
         Some(&probes::DropOptions::default()),
     )?;

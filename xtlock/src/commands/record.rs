@@ -32,7 +32,7 @@ pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
     let mut locks = resolve_locks(&args.locks)?;
     // Fail on an unwritable path before loading anything.
     let file = create_capture_file(&args.output)?;
-    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops)?;
+    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
     let progress = Arc::new(Progress::default());
     let recorder = start_capture(file, &args.output, &locks, &probes.status, progress.clone())?;
     let mut src = LiveSource::new(probes)?;

@@ -19,7 +19,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
         Some(path) => Some(record::create_capture_file(path)?),
         None => None,
     };
-    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops)?;
+    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
     let recorder = match (capture, &args.record) {
         (Some(file), Some(path)) => Some(record::start_capture(
             file,

@@ -1,153 +1,137 @@
 //! The IPVS hooks (kube-proxy's ipvs mode): kprobes/kretprobes on functions of the `ip_vs`
 //! module. What they see is described in `xtlock-ebpf/src/probes/ipvs.rs` and docs/ipvs.md.
 //!
-//! Discovery: the functions from /proc/kallsyms (the module must be loaded), the struct
-//! member offsets from the module's split BTF (`/sys/kernel/btf/ip_vs`), never hard-coded,
-//! and the kernel's HZ (to turn the connection timer's jiffies into time) from
-//! /proc/timer_list. fentry is not a candidate: aya 0.14 attaches it only to vmlinux
-//! functions, and these are all in the module.
+//! Each is a [`KfuncHook`] of the kernel-function layer (kallsyms, attach, status, and a late
+//! attach when ip_vs loads after start). Their setup writes `IPVS_CONFIG`: the struct member
+//! offsets from the module's split BTF (`/sys/kernel/btf/ip_vs`), never hard-coded, and the
+//! kernel's HZ (to turn the connection timer's jiffies into time) from /proc/timer_list.
+//! fentry is not a candidate: aya 0.14 attaches it only to vmlinux functions, and these are
+//! all in the module.
 
-use std::path::Path;
-
-use aya::{programs::KProbe, Ebpf};
-use xtlock_common::ProbeConfig;
+use aya::{maps::Array, Ebpf};
+use xtlock_common::IpvsConfig;
 
 use super::btf::Btf;
-use super::nft_commit::kallsyms_functions;
+use super::kfunc::KfuncHook;
 
-/// The hook's name in `xtlock probes`.
-pub const HOOK: &str = "ipvs";
-pub const PURPOSE: &str = "IPVS (kube-proxy ipvs mode): connections scheduled to real servers, \
-                           packets per service and real server, packets still sent to removed \
-                           or weight-0 real servers, real-server changes and who made them";
 /// Minimum spacing of stale-packet events per connection.
 pub const STALE_INTERVAL_NS: u64 = 1_000_000_000;
 
-/// One program and the functions it goes on.
-struct Attachment {
-    program: &'static str,
+/// One hook per function: aya loads a program once, and the kernel-function layer attaches
+/// each hook's programs to its one function.
+const fn hook(
+    name: &'static str,
+    purpose: &'static str,
     functions: &'static [&'static str],
-    /// Without it the hook is not attached at all.
-    required: bool,
-}
-
-/// Every IPVS program, in attach order. The table changes go first so their return probe
-/// finds its entries.
-const ATTACHMENTS: &[Attachment] = &[
-    Attachment {
-        program: "ipvs_conn_new",
-        functions: &["ip_vs_conn_new"],
-        required: true,
-    },
-    Attachment {
-        program: "ipvs_xmit",
-        functions: &[
-            "ip_vs_nat_xmit",
-            "ip_vs_dr_xmit",
-            "ip_vs_tunnel_xmit",
-            "ip_vs_nat_xmit_v6",
-            "ip_vs_dr_xmit_v6",
-            "ip_vs_tunnel_xmit_v6",
-        ],
-        required: true,
-    },
-    Attachment {
-        program: "ipvs_conn_in_get",
-        functions: &["ip_vs_conn_in_get_proto"],
-        required: false,
-    },
-    Attachment {
-        program: "ipvs_conn_expire",
-        functions: &["ip_vs_conn_expire"],
-        required: false,
-    },
-    Attachment {
-        program: "ipvs_dest_op_ret",
-        functions: &["ip_vs_add_dest", "ip_vs_del_dest", "ip_vs_edit_dest"],
-        required: false,
-    },
-    Attachment {
-        program: "ipvs_add_dest",
-        functions: &["ip_vs_add_dest"],
-        required: false,
-    },
-    Attachment {
-        program: "ipvs_del_dest",
-        functions: &["ip_vs_del_dest"],
-        required: false,
-    },
-    Attachment {
-        program: "ipvs_edit_dest",
-        functions: &["ip_vs_edit_dest"],
-        required: false,
-    },
-];
-
-/// What the running kernel offers for the IPVS hooks.
-#[derive(Clone, Debug, Default)]
-pub struct IpvsFacts {
-    /// Functions of [`ATTACHMENTS`] found in /proc/kallsyms.
-    pub symbols: Vec<String>,
-    /// Why the hooks cannot be used at all (module not loaded, no BTF, no kprobes).
-    pub unusable: Option<String>,
-}
-
-/// Why nothing can be attached, in plain words.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum IpvsError {
-    #[error("module ip_vs not loaded")]
-    NotLoaded,
-    #[error("kernel built without kprobes (fentry: aya 0.14 cannot attach to module functions)")]
-    NoKprobes,
-    #[error("no BTF for module ip_vs ({0}): struct offsets unknown")]
-    NoBtf(String),
-    #[error("HZ of this kernel unknown ({0})")]
-    NoHz(String),
-}
-
-/// Reads the facts and fills the IPVS part of `config`. `vmlinux`: the parsed vmlinux BTF.
-pub fn discover(
-    config: &mut ProbeConfig,
-    tracefs: &Path,
-    vmlinux: Result<&Btf, String>,
-) -> IpvsFacts {
-    let mut facts = IpvsFacts::default();
-    let wanted: Vec<&str> = ATTACHMENTS
-        .iter()
-        .flat_map(|a| a.functions.iter().copied())
-        .collect();
-    if let Ok(text) = std::fs::read_to_string("/proc/kallsyms") {
-        facts.symbols = kallsyms_functions(&text, &wanted)
-            .into_iter()
-            .map(|(n, _)| n)
-            .collect();
+    kprobe: Option<&'static str>,
+    kretprobe: Option<&'static str>,
+) -> KfuncHook {
+    KfuncHook {
+        name,
+        purpose,
+        functions,
+        module: Some("ip_vs"),
+        fentry: None,
+        fexit: None,
+        kprobe,
+        kretprobe,
+        setup: Some(setup),
     }
-    let res = (|| {
-        if !Path::new("/sys/module/ip_vs").exists() && facts.symbols.is_empty() {
-            return Err(IpvsError::NotLoaded);
-        }
-        let kprobes = Path::new("/sys/bus/event_source/devices/kprobe").exists()
-            || tracefs.join("kprobe_events").exists();
-        if !kprobes {
-            return Err(IpvsError::NoKprobes);
-        }
-        let base = vmlinux.map_err(IpvsError::NoBtf)?;
-        let btf = Btf::module(base, "ip_vs").map_err(|e| IpvsError::NoBtf(e.to_string()))?;
-        fill_offsets(config, &btf).map_err(IpvsError::NoBtf)?;
-        let hz = kernel_hz().map_err(IpvsError::NoHz)?;
-        config.ns_per_jiffy = 1_000_000_000 / hz;
-        config.ipvs_stale_interval_ns = STALE_INTERVAL_NS;
-        config.ipvs_ok = 1;
-        Ok(())
-    })();
-    if let Err(e) = res {
-        facts.unusable = Some(e.to_string());
+}
+
+pub const CONN_NEW: KfuncHook = hook(
+    "ipvs_conn_new",
+    "IPVS connections scheduled: virtual service, client, real server",
+    &["ip_vs_conn_new"],
+    None,
+    Some("ipvs_conn_new"),
+);
+pub const NAT_XMIT: KfuncHook = hook(
+    "ipvs_nat_xmit",
+    "IPVS packets forwarded (NAT, kube-proxy's mode), counted per service and real server; \
+     packets still sent to weight-0 real servers",
+    &["ip_vs_nat_xmit"],
+    Some("ipvs_nat_xmit"),
+    None,
+);
+pub const NAT_XMIT_V6: KfuncHook = hook(
+    "ipvs_nat_xmit_v6",
+    "the same for IPv6 services",
+    &["ip_vs_nat_xmit_v6"],
+    Some("ipvs_nat_xmit_v6"),
+    None,
+);
+pub const CONN_IN_GET: KfuncHook = hook(
+    "ipvs_conn_in_get",
+    "IPVS packets of connections whose real server was removed (dropped or expired)",
+    &["ip_vs_conn_in_get_proto"],
+    None,
+    Some("ipvs_conn_in_get"),
+);
+pub const CONN_EXPIRE: KfuncHook = hook(
+    "ipvs_conn_expire",
+    "the end of IPVS connections still sent to a removed or weight-0 real server",
+    &["ip_vs_conn_expire"],
+    Some("ipvs_conn_expire"),
+    None,
+);
+pub const ADD_DEST: KfuncHook = hook(
+    "ipvs_add_dest",
+    "IPVS real servers added, and by whom",
+    &["ip_vs_add_dest"],
+    Some("ipvs_add_dest"),
+    Some("ipvs_add_dest_ret"),
+);
+pub const DEL_DEST: KfuncHook = hook(
+    "ipvs_del_dest",
+    "IPVS real servers removed, and by whom",
+    &["ip_vs_del_dest"],
+    Some("ipvs_del_dest"),
+    Some("ipvs_del_dest_ret"),
+);
+pub const EDIT_DEST: KfuncHook = hook(
+    "ipvs_edit_dest",
+    "IPVS real-server weight changes (0: graceful termination), and by whom",
+    &["ip_vs_edit_dest"],
+    Some("ipvs_edit_dest"),
+    Some("ipvs_edit_dest_ret"),
+);
+
+/// The hooks whose maps hold the packet counters.
+pub const COUNTING_HOOKS: &[&str] = &["ipvs_nat_xmit", "ipvs_nat_xmit_v6", "ipvs_conn_in_get"];
+
+/// Writes `IPVS_CONFIG` (once: every IPVS hook calls it): offsets from the module's BTF and
+/// the kernel's HZ.
+fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>) -> Result<(), String> {
+    let map = ebpf
+        .map_mut("IPVS_CONFIG")
+        .ok_or("map IPVS_CONFIG missing from the BPF object")?;
+    let mut arr: Array<_, IpvsConfig> = Array::try_from(map).map_err(|e| e.to_string())?;
+    if arr.get(&0, 0).is_ok_and(|c| c.ok != 0) {
+        return Ok(());
     }
-    facts
+    // After start the vmlinux BTF was dropped; read it again (a module loaded later).
+    let owned;
+    let base = match vmlinux {
+        Some(b) => b,
+        None => {
+            owned = Btf::vmlinux().map_err(|e| format!("no kernel BTF ({e})"))?;
+            &owned
+        }
+    };
+    let btf = Btf::module(base, "ip_vs").map_err(|e| format!("no BTF for module ip_vs ({e})"))?;
+    let mut c = IpvsConfig::default();
+    fill_offsets(&mut c, &btf)?;
+    let hz = kernel_hz().map_err(|e| format!("HZ of this kernel unknown ({e})"))?;
+    c.ns_per_jiffy = 1_000_000_000 / hz;
+    c.stale_interval_ns = STALE_INTERVAL_NS;
+    c.ok = 1;
+    arr.set(0, c, 0)
+        .map_err(|e| format!("writing IPVS_CONFIG: {e}"))
 }
 
 /// Struct member offsets from the module's BTF.
-fn fill_offsets(c: &mut ProbeConfig, btf: &Btf) -> Result<(), String> {
+fn fill_offsets(c: &mut IpvsConfig, btf: &Btf) -> Result<(), String> {
     let m = |s: &str, p: &str| btf.member_offset(s, p).map_err(|e| e.to_string());
     c.conn_af = m("ip_vs_conn", "af")?;
     c.conn_protocol = m("ip_vs_conn", "protocol")?;
@@ -183,15 +167,7 @@ fn fill_offsets(c: &mut ProbeConfig, btf: &Btf) -> Result<(), String> {
     c.udest_addr = m("ip_vs_dest_user_kern", "addr")?;
     c.udest_port = m("ip_vs_dest_user_kern", "port")?;
     c.udest_weight = m("ip_vs_dest_user_kern", "weight")?;
-    tracing::debug!(
-        conn_dest = c.conn_dest,
-        conn_timer = c.conn_timer,
-        dest_flags = c.dest_flags,
-        dest_avail_wide = c.dest_avail_wide,
-        dest_weight = c.dest_weight,
-        svc_addr = c.svc_addr,
-        "IPVS offsets from BTF"
-    );
+    tracing::debug!(?c, "IPVS offsets from BTF");
     Ok(())
 }
 
@@ -242,70 +218,6 @@ fn hz_from(dt_ns: u64, djiffies: u64) -> Option<u64> {
             .abs()
             .total_cmp(&(*b as f64 - measured).abs())
     })
-}
-
-/// Attaches every program to the functions of it that this kernel has. `Ok`: what attached
-/// (for `xtlock probes`); `Err`: why the hook is not attached.
-pub fn attach(ebpf: &mut Ebpf, facts: &IpvsFacts) -> Result<String, String> {
-    if let Some(why) = &facts.unusable {
-        return Err(why.clone());
-    }
-    let mut attached = Vec::new();
-    let mut missing = Vec::new();
-    for a in ATTACHMENTS {
-        let present: Vec<&str> = a
-            .functions
-            .iter()
-            .copied()
-            .filter(|f| facts.symbols.iter().any(|s| s == f))
-            .collect();
-        if present.is_empty() {
-            if a.required {
-                return Err(format!(
-                    "none of {} in /proc/kallsyms",
-                    a.functions.join(", ")
-                ));
-            }
-            missing.push(a.program);
-            continue;
-        }
-        let res = (|| -> Result<(), String> {
-            let p: &mut KProbe = ebpf
-                .program_mut(a.program)
-                .ok_or_else(|| format!("program {} missing from the BPF object", a.program))?
-                .try_into()
-                .map_err(|e: aya::programs::ProgramError| e.to_string())?;
-            p.load()
-                .map_err(|e| format!("{}: {}", a.program, super::preflight::error_chain(&e)))?;
-            for f in &present {
-                p.attach(*f, 0)
-                    .map_err(|e| format!("{f}: {}", super::preflight::error_chain(&e)))?;
-            }
-            Ok(())
-        })();
-        match res {
-            Ok(()) => {
-                for f in present {
-                    if !attached.contains(&f) {
-                        attached.push(f);
-                    }
-                }
-            }
-            Err(e) if a.required => return Err(e),
-            Err(e) => {
-                tracing::warn!(program = a.program, error = %e, "IPVS probe not attached");
-                missing.push(a.program);
-            }
-        }
-    }
-    let mut describe = format!(
-        "kprobe/kretprobe on {} (fentry: aya 0.14 cannot attach to module functions)",
-        attached.join(", ")
-    );
-    if !missing.is_empty() {
-        describe.push_str(&format!("; without {}", missing.join(", ")));
-    }
-    Ok(describe)
 }
 
 #[cfg(test)]

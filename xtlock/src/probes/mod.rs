@@ -3,11 +3,14 @@
 //! ones did not attach and why.
 
 pub mod btf;
+pub mod conntrack;
 pub mod dropreason;
 pub mod ipvs;
+pub mod kfunc;
 pub mod nft_commit;
 pub mod preflight;
 pub mod tracefs;
+pub mod xt_replace;
 
 use std::path::PathBuf;
 
@@ -22,6 +25,7 @@ use xtlock_common::{DropKey, IpvsKey, LockKey, ProbeConfig};
 
 use crate::lockfiles::LockFile;
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
+use kfunc::{AttachFilter, AttachKind, KfuncHook};
 use tracefs::Format;
 
 /// Program name of the packet-drop hook.
@@ -71,7 +75,40 @@ pub struct Hook {
     /// Without it xtlock cannot do its job at all.
     pub required: bool,
     pub purpose: &'static str,
+    /// Kernel functions to hook instead when the tracepoint cannot be used.
+    pub fallback: Option<&'static KfuncHook>,
+    /// Attached together with this hook (its fallback covers both).
+    pub paired_with: Option<&'static str>,
 }
+
+/// `flock()` by its syscall function: the fallback of the flock syscall tracepoints.
+pub const FLOCK_SYSCALL: KfuncHook = KfuncHook {
+    name: "flock_syscall",
+    purpose: "when each flock() call started and how it ended",
+    functions: &["__x64_sys_flock", "__arm64_sys_flock"],
+    module: None,
+    fentry: Some("flock_syscall_fentry"),
+    fexit: Some("flock_syscall_fexit"),
+    kprobe: Some("flock_syscall_kprobe"),
+    kretprobe: Some("flock_syscall_kretprobe"),
+    setup: None,
+};
+
+/// Hooks that exist only on kernel functions, attached after the tracepoints.
+pub const KFUNC_HOOKS: &[&KfuncHook] = &[
+    &nft_commit::HOOK,
+    &conntrack::INSERT_FAILED,
+    &conntrack::TABLE_FULL,
+    &xt_replace::HOOK,
+    &ipvs::CONN_NEW,
+    &ipvs::NAT_XMIT,
+    &ipvs::NAT_XMIT_V6,
+    &ipvs::CONN_IN_GET,
+    &ipvs::CONN_EXPIRE,
+    &ipvs::ADD_DEST,
+    &ipvs::DEL_DEST,
+    &ipvs::EDIT_DEST,
+];
 
 pub const HOOKS: &[Hook] = &[
     Hook {
@@ -80,6 +117,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "flock_lock_inode",
         required: true,
         purpose: "takes, failed tries, waits and releases of the watched lock files",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sys_enter_flock",
@@ -87,6 +126,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_flock",
         required: false,
         purpose: "when each flock() call started, and its flags (LOCK_NB)",
+        fallback: Some(&FLOCK_SYSCALL),
+        paired_with: None,
     },
     Hook {
         program: "sys_exit_flock",
@@ -94,6 +135,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_exit_flock",
         required: false,
         purpose: "how each flock() call ended (granted, EAGAIN, EINTR when `iptables -w` gave up)",
+        fallback: None,
+        paired_with: Some("sys_enter_flock"),
     },
     Hook {
         program: "sys_enter_execve",
@@ -101,6 +144,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_execve",
         required: false,
         purpose: "command lines of new programs (execve)",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sys_enter_execveat",
@@ -108,6 +153,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_execveat",
         required: false,
         purpose: "command lines of new programs (execveat)",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sched_process_exec",
@@ -115,6 +162,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sched_process_exec",
         required: false,
         purpose: "iptables and iptables-restore runs, and the programs that started them",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sched_process_fork",
@@ -122,6 +171,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sched_process_fork",
         required: false,
         purpose: "the parent of each new process (who called iptables)",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sys_enter_exit_group",
@@ -129,6 +180,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_exit_group",
         required: false,
         purpose: "exit status (iptables exits 4 when it gave up waiting for the lock)",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sched_process_exit",
@@ -136,6 +189,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sched_process_exit",
         required: false,
         purpose: "process exits",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sys_enter_setsockopt",
@@ -143,6 +198,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_setsockopt",
         required: false,
         purpose: "start of a legacy table replace (IPT_SO_SET_REPLACE) inside a hold",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: "sys_exit_setsockopt",
@@ -150,6 +207,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_exit_setsockopt",
         required: false,
         purpose: "end of a legacy table replace: the kernel's share of a hold",
+        fallback: None,
+        paired_with: None,
     },
     Hook {
         program: DROP_PROGRAM,
@@ -157,6 +216,8 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "kfree_skb",
         required: false,
         purpose: "packet drops (reason, where, which netns, samples with addresses)",
+        fallback: None,
+        paired_with: None,
     },
 ];
 
@@ -192,14 +253,14 @@ pub struct Discovery {
     /// Drop reasons of this kernel (empty when it reports none).
     pub reasons: ReasonTable,
     pub features: Vec<Feature>,
-    /// What the nf_tables commit hook can attach to.
-    pub nft: nft_commit::KernelFacts,
-    /// What the IPVS hooks can attach to.
-    pub ipvs: ipvs::IpvsFacts,
+    /// What the kernel-function hooks can attach to.
+    pub kfunc: kfunc::KernelFacts,
+    /// vmlinux BTF, for the hooks' setup (dropped after load).
+    pub btf: Option<btf::Btf>,
 }
 
 /// Reads the format files of every hook and fills the probe configuration.
-pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
+pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Discovery, ProbeError> {
     let mut config = ProbeConfig::default();
     let mut unusable = Vec::new();
     let mut reasons = ReasonTable::default();
@@ -233,20 +294,35 @@ pub fn discover(tracefs: &std::path::Path) -> Result<Discovery, ProbeError> {
     if !unusable.iter().any(|(p, _)| *p == DROP_PROGRAM) {
         discover_drops(&mut config, &mut reasons, &mut features, &btf);
     }
-    let nft = nft_commit::discover(tracefs, btf.as_ref().map_err(|e| e.to_string()));
-    let ipvs = ipvs::discover(
-        &mut config,
+    discover_syscall_regs(&mut config, &btf);
+    let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
+    wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+    let kfunc = kfunc::discover(
         tracefs,
         btf.as_ref().map_err(|e| e.to_string()),
+        &wanted,
+        filter,
     );
     Ok(Discovery {
         config,
         unusable,
         reasons,
         features,
-        nft,
-        ipvs,
+        kfunc,
+        btf: btf.ok(),
     })
+}
+
+/// Where a syscall's second argument lives in the user `pt_regs`, for hooks on syscall
+/// functions: `si` on x86-64, `regs[1]` on arm64. Left at 0 (the fallbacks then read a wrong
+/// command, so they are not offered) when BTF has neither.
+fn discover_syscall_regs(c: &mut ProbeConfig, btf: &Result<btf::Btf, btf::BtfError>) {
+    let Ok(b) = btf else { return };
+    if let Ok(off) = b.member_offset("pt_regs", "si") {
+        c.regs_arg1 = off;
+    } else if let Ok(off) = b.member_offset("pt_regs", "regs") {
+        c.regs_arg1 = off + 8;
+    }
 }
 
 /// Offsets to the current task's netns inode (nf_tables commits), from BTF; without them
@@ -442,6 +518,8 @@ pub struct LoadOptions {
     pub locks: Vec<LockFile>,
     /// Ring buffer size in bytes (a power of two, multiple of the page size).
     pub ring_bytes: u32,
+    /// Attach types ruled out (`--no-attach`).
+    pub no_attach: AttachFilter,
 }
 
 /// What the drop hook counts and samples.
@@ -471,6 +549,10 @@ pub type DropTotals = Vec<(DropKey, u64)>;
 pub struct Probes {
     ebpf: Ebpf,
     pub status: Vec<HookStatus>,
+    /// Kernel-function hooks whose functions were not there at start (module not loaded):
+    /// tried again by [`Probes::attach_pending`].
+    pending: Vec<&'static KfuncHook>,
+    kfunc: kfunc::KernelFacts,
     pub tracefs: PathBuf,
     /// Kernel features the hooks depend on, and whether this kernel has them.
     pub features: Vec<Feature>,
@@ -497,7 +579,7 @@ impl Probes {
         }
         preflight::check()?;
         let tracefs = tracefs::locate()?;
-        let mut disc = discover(&tracefs)?;
+        let mut disc = discover(&tracefs, opts.no_attach.clone())?;
         // Bad --drop-reasons is the user's to fix: refuse before loading anything.
         let drop_slots = match drops {
             Some(d) => Some(
@@ -544,15 +626,54 @@ impl Probes {
             }
         }
 
-        let mut status = Vec::new();
+        let mut status: Vec<HookStatus> = Vec::new();
         for hook in HOOKS {
-            let attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
-            let error = match disc.unusable.iter().find(|(p, _)| *p == hook.program) {
-                Some((_, why)) => Some(why.clone()),
-                None if hook.program == DROP_PROGRAM && drops.is_none() => {
-                    Some("not asked for (--no-drops)".to_string())
+            let mut attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
+            let partner = hook
+                .paired_with
+                .and_then(|p| status.iter().find(|s| s.program == p));
+            let error = match partner {
+                // The partner's fallback hooks the function for both of them.
+                Some(p) if !p.attach.starts_with("tracepoint") => {
+                    attach = p.attach.clone();
+                    p.error.clone()
                 }
-                None => attach_tracepoint(&mut ebpf, hook).err(),
+                _ => {
+                    let tp = match disc.unusable.iter().find(|(p, _)| *p == hook.program) {
+                        Some((_, why)) => Err(why.clone()),
+                        None if hook.program == DROP_PROGRAM && drops.is_none() => {
+                            Err("not asked for (--no-drops)".to_string())
+                        }
+                        None => match disc
+                            .kfunc
+                            .filter
+                            .blocks(hook.program, AttachKind::Tracepoint)
+                        {
+                            Some(why) => Err(why),
+                            None => attach_tracepoint(&mut ebpf, hook),
+                        },
+                    };
+                    match (tp, hook.fallback) {
+                        (Ok(()), _) => None,
+                        (Err(why), Some(fb)) if !why.starts_with("not asked") => {
+                            let earlier = vec![format!("tracepoint: {why}")];
+                            match kfunc::attach_after(&mut ebpf, fb, &disc.kfunc, earlier) {
+                                Ok(a) => {
+                                    attach = a.describe;
+                                    None
+                                }
+                                Err(all) => {
+                                    attach.push_str(&format!(
+                                        ", else {}",
+                                        kfunc::candidates_text(fb)
+                                    ));
+                                    Some(all)
+                                }
+                            }
+                        }
+                        (Err(why), _) => Some(why),
+                    }
+                }
             };
             if hook.required {
                 if let Some(why) = &error {
@@ -567,28 +688,26 @@ impl Probes {
                 error,
             });
         }
-        let (attach, error) = match nft_commit::attach(&mut ebpf, &disc.nft) {
-            Ok(a) => (a.describe, None),
-            Err(why) => ("fentry/fexit, else kprobe/kretprobe".to_string(), Some(why)),
-        };
-        status.push(HookStatus {
-            program: nft_commit::HOOK,
-            attach,
-            required: false,
-            purpose: nft_commit::PURPOSE,
-            error,
-        });
-        let (attach, error) = match ipvs::attach(&mut ebpf, &disc.ipvs) {
-            Ok(describe) => (describe, None),
-            Err(why) => ("kprobe/kretprobe on ip_vs functions".to_string(), Some(why)),
-        };
-        status.push(HookStatus {
-            program: ipvs::HOOK,
-            attach,
-            required: false,
-            purpose: ipvs::PURPOSE,
-            error,
-        });
+        let mut pending = Vec::new();
+        for hook in KFUNC_HOOKS {
+            let (attach, error) =
+                match kfunc::setup_and_attach(&mut ebpf, hook, &disc.kfunc, disc.btf.as_ref()) {
+                    Ok(a) => (module_note(hook, a.describe), None),
+                    Err(why) => {
+                        if kfunc::plan(hook, &disc.kfunc).is_err() {
+                            pending.push(*hook);
+                        }
+                        (module_note(hook, kfunc::candidates_text(hook)), Some(why))
+                    }
+                };
+            status.push(HookStatus {
+                program: hook.name,
+                attach,
+                required: false,
+                purpose: hook.purpose,
+                error,
+            });
+        }
         for s in status
             .iter()
             .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
@@ -605,11 +724,62 @@ impl Probes {
         Ok(Self {
             ebpf,
             status,
+            pending,
+            kfunc: disc.kfunc,
             tracefs,
             features: disc.features,
             reasons: disc.reasons,
             has_drop_reasons: disc.config.kd_has_reason != 0,
         })
+    }
+
+    /// Attaches the kernel-function hooks whose module has loaded since start (nf_tables,
+    /// ip_vs load on demand, often after xtlock started). Cheap when nothing changed: a
+    /// stat per pending hook's module; kallsyms is read only when one appeared. Returns the
+    /// statuses that changed.
+    pub fn attach_pending(&mut self) -> Vec<HookStatus> {
+        let ready: Vec<&'static KfuncHook> = self
+            .pending
+            .iter()
+            .copied()
+            .filter(|h| {
+                h.module
+                    .is_some_and(|m| std::path::Path::new("/sys/module").join(m).exists())
+            })
+            .collect();
+        if ready.is_empty() {
+            return Vec::new();
+        }
+        let mut wanted: Vec<&KfuncHook> = ready.clone();
+        wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+        let fresh = kfunc::discover(
+            &self.tracefs,
+            Err("not read again after start".into()),
+            &wanted,
+            self.kfunc.filter.clone(),
+        );
+        // BTF facts stay those of start: a module's functions are never in vmlinux BTF.
+        self.kfunc.symbols = fresh.symbols;
+        let btf = btf::Btf::vmlinux().ok();
+        let mut changed = Vec::new();
+        for hook in ready {
+            // Not yet in kallsyms (module still initialising): try again next time.
+            if kfunc::plan(hook, &self.kfunc).is_err() {
+                continue;
+            }
+            self.pending.retain(|h| h.name != hook.name);
+            let (attach, error) =
+                match kfunc::setup_and_attach(&mut self.ebpf, hook, &self.kfunc, btf.as_ref()) {
+                    Ok(a) => (module_note(hook, a.describe), None),
+                    Err(why) => (module_note(hook, kfunc::candidates_text(hook)), Some(why)),
+                };
+            if let Some(s) = self.status.iter_mut().find(|s| s.program == hook.name) {
+                s.attach = attach;
+                s.error = error;
+                changed.push(s.clone());
+            }
+        }
+        changed
     }
 
     /// Whether the drop hook is attached.
@@ -661,7 +831,7 @@ impl Probes {
     pub fn ipvs_attached(&self) -> bool {
         self.status
             .iter()
-            .any(|s| s.program == ipvs::HOOK && s.attached())
+            .any(|s| ipvs::COUNTING_HOOKS.contains(&s.program) && s.attached())
     }
 
     /// In-kernel IPVS packet counts since load, summed over CPUs, and the packets counted in
@@ -704,6 +874,17 @@ impl Probes {
         watched
             .insert(lock.key(), index, 0)
             .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))
+    }
+}
+
+/// A module's hook without fentry programs says why: aya 0.14 cannot attach fentry there.
+fn module_note(hook: &KfuncHook, attach: String) -> String {
+    match hook.module {
+        Some(m) if hook.fentry.is_none() && hook.fexit.is_none() => format!(
+            "{attach} (no fentry: aya 0.14 attaches fentry only to vmlinux functions, and \
+             this one is in module {m})"
+        ),
+        _ => attach,
     }
 }
 
@@ -756,7 +937,7 @@ mod tests {
             eprintln!("skipped: tracefs not available to this user");
             return;
         };
-        let d = discover(&tracefs).unwrap();
+        let d = discover(&tracefs, AttachFilter::default()).unwrap();
         assert!(
             !d.unusable.iter().any(|(p, _)| *p == "flock_lock_inode"),
             "{:?}",

@@ -100,6 +100,14 @@ pub struct IpvsChangeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusedLabels {
+    /// `host` or `other`, as for the conntrack counters.
+    pub netns: String,
+    /// `conntrack_insert_failed` or `conntrack_table_full`.
+    pub class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NetnsLabels {
     /// `host` (the daemon's own namespace) or `other` (pods': bounded, not per namespace).
     pub netns: String,
@@ -142,6 +150,7 @@ pub struct Metrics {
     pub conntrack: [Family<NetnsLabels, Counter>; 7],
     pub conntrack_entries: Family<NetnsLabels, Gauge>,
     pub conntrack_max: Family<NetnsLabels, Gauge>,
+    pub conntrack_refused: Family<RefusedLabels, Counter>,
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
@@ -240,6 +249,13 @@ impl Metrics {
             Unit::Seconds,
             restore.clone(),
         );
+        let conntrack_refused = Family::<RefusedLabels, Counter>::default();
+        r.register(
+            "conntrack_refused",
+            "Connections conntrack refused, counted in the refusing kernel function \
+             (__nf_conntrack_confirm NF_DROP: insert failed; __nf_conntrack_alloc: table full)",
+            conntrack_refused.clone(),
+        );
         let drops = Family::<DropLabels, Counter>::default();
         r.register(
             "drops",
@@ -333,6 +349,7 @@ impl Metrics {
             conntrack,
             conntrack_entries,
             conntrack_max,
+            conntrack_refused,
             lost,
             events,
             probe_attached,
@@ -569,6 +586,13 @@ impl Sink for MetricsSink {
                 };
                 self.m.drops.get_or_create(&l).inc_by(d.count);
             }
+            Output::ConntrackRefused(c) => {
+                let l = RefusedLabels {
+                    netns: self.netns(c.netns).netns,
+                    class: c.class.as_str().to_owned(),
+                };
+                self.m.conntrack_refused.get_or_create(&l).inc();
+            }
             Output::Conntrack(c) => {
                 let l = self.netns(c.netns);
                 let d = &c.deltas;
@@ -658,6 +682,7 @@ mod tests {
             exclusive: true,
             kernel_ns: 0,
             replaces: 0,
+            swap_ns: 0,
             agent_pid: 10,
             released_by: None,
             pod_uid: None,

@@ -90,6 +90,13 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 format!("drop {} ({})", label(&d.class), d.reason),
                 serde_json::to_value(d).unwrap_or(Value::Null),
             )),
+            Output::ConntrackRefused(c) => self.instants.push((
+                c.ts_ns,
+                0,
+                DROPS_GROUP.to_owned(),
+                format!("{} ({})", c.class.describe(), c.function),
+                serde_json::to_value(c).unwrap_or(Value::Null),
+            )),
             Output::DropCount(c) => self.counters.push((
                 c.ts_ns,
                 format!("drops: {} (netns {})", label(&c.class), c.netns),

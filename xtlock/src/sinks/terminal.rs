@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use super::{human_ns, Sink};
 use crate::analysis::{
-    ConntrackFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact, FailedTryFact,
-    HoldDropsFact, HoldFact, HolderRef, IpvsFact, Output, Summary, TimeoutFact, WaitFact, WaitMode,
-    WaitOutcome,
+    ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
+    FailedTryFact, HoldDropsFact, HoldFact, HolderRef, IpvsFact, Output, Summary, TimeoutFact,
+    WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
 use crate::drops::packet_text;
@@ -449,6 +449,25 @@ fn drop_text(d: &DropFact) -> String {
     s
 }
 
+fn conntrack_refused_text(c: &ConntrackRefusedFact) -> String {
+    let mut s = format!(
+        "{} in {}, netns {}",
+        c.class.describe(),
+        c.function,
+        c.netns
+    );
+    if let Some(p) = &c.packet {
+        let _ = write!(s, ": {}", packet_text(p));
+    }
+    if !c.comm.is_empty() {
+        let _ = write!(s, " (running: {}[{}])", c.comm, c.pid);
+    }
+    if let Some(h) = &c.hold {
+        let _ = write!(s, ", while {} held {}", h.agent, h.lock);
+    }
+    s
+}
+
 fn conntrack_text(c: &ConntrackFact) -> String {
     let d = &c.deltas;
     let mut parts = Vec::new();
@@ -545,6 +564,7 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::DropCount(d) => Some(drop_count_text(d)),
                 Output::Conntrack(c) => Some(conntrack_text(c)),
                 Output::HoldDrops(h) => Some(hold_drops_text(h)),
+                Output::ConntrackRefused(c) => Some(conntrack_refused_text(c)),
                 Output::Ipvs(i) => Some(ipvs_text(i)),
                 // Per second and per backend: too many lines; the summary has the totals.
                 Output::IpvsCount(_) => None,
@@ -578,13 +598,16 @@ fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io::Result<()
         s.events
     )?;
     for l in &s.locks {
+        // A lock file has a device and inode; the nf_tables commit lock has neither.
+        let file = if l.dev == 0 && l.ino == 0 {
+            String::new()
+        } else {
+            format!(" (dev {}:{} ino {})", l.dev >> 20, l.dev & 0xf_ffff, l.ino)
+        };
         writeln!(
             w,
-            "lock {} (dev {}:{} ino {}): {} holds, {} held in all, longest {}; {} waits",
+            "lock {}{file}: {} holds, {} held in all, longest {}; {} waits",
             l.path,
-            l.dev >> 20,
-            l.dev & 0xf_ffff,
-            l.ino,
             l.holds,
             human_ns(l.held_ns),
             human_ns(l.max_hold_ns),
@@ -889,6 +912,18 @@ fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {
             }
         )?;
     }
+    if !d.conntrack_refused.is_empty() {
+        let parts: Vec<String> = d
+            .conntrack_refused
+            .iter()
+            .map(|(c, n)| format!("{} {}", thousands(*n), c.describe()))
+            .collect();
+        writeln!(
+            w,
+            "conntrack refused (seen in its own functions): {}",
+            parts.join(", ")
+        )?;
+    }
     Ok(())
 }
 
@@ -922,6 +957,7 @@ mod tests {
             exclusive: true,
             kernel_ns: 0,
             replaces: 0,
+            swap_ns: 0,
             agent_pid: 100,
             released_by: Some(1234),
             pod_uid: None,

@@ -1,0 +1,625 @@
+//! Hooks on kernel functions, for what no tracepoint shows (nf_tables commits, conntrack
+//! insert failures, legacy table replaces, IPVS), and as the fallback of tracepoint hooks.
+//!
+//! Each hook lists its kernel functions (best first) and its BPF programs per attach type.
+//! The candidates are tried in order: fentry/fexit, then kprobe/kretprobe. What this kernel
+//! offers is discovered once at start (kallsyms for each function and its module, BTF for
+//! fentry, the kprobe PMU or `kprobe_events` for kprobes); the first candidate that loads and
+//! attaches wins, and every failure is kept so `xtlock probes` can say why each one did not.
+//! `--no-attach` (or `XTLOCK_NO_ATTACH`) rules out attach types, per hook or everywhere:
+//! how the fallbacks are exercised on a kernel where the first choice works.
+
+use std::{collections::BTreeSet, fmt, path::Path};
+
+use aya::{
+    programs::{FEntry, FExit, KProbe},
+    Ebpf,
+};
+
+use super::preflight::error_chain;
+
+/// Environment variable with `--no-attach` rules, added to the flag's (for DaemonSets).
+pub const NO_ATTACH_ENV: &str = "XTLOCK_NO_ATTACH";
+/// Older spelling of `--no-attach fentry`.
+pub const DISABLE_FENTRY_ENV: &str = "XTLOCK_DISABLE_FENTRY";
+
+/// An attach type, in the order they are tried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum AttachKind {
+    Tracepoint,
+    FEntry,
+    KProbe,
+}
+
+impl fmt::Display for AttachKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AttachKind::Tracepoint => "tracepoint",
+            AttachKind::FEntry => "fentry",
+            AttachKind::KProbe => "kprobe",
+        })
+    }
+}
+
+impl AttachKind {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "tracepoint" | "tp" => Some(AttachKind::Tracepoint),
+            "fentry" | "fexit" => Some(AttachKind::FEntry),
+            "kprobe" | "kretprobe" => Some(AttachKind::KProbe),
+            _ => None,
+        }
+    }
+}
+
+/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_enter_flock:tracepoint`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AttachFilter {
+    rules: BTreeSet<(Option<String>, AttachKind)>,
+}
+
+impl AttachFilter {
+    /// Parses a comma-separated list of `KIND` or `HOOK:KIND`.
+    pub fn parse(spec: &str) -> Result<Self, String> {
+        let mut f = AttachFilter::default();
+        f.add(spec)?;
+        Ok(f)
+    }
+
+    fn add(&mut self, spec: &str) -> Result<(), String> {
+        for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let (hook, kind) = match item.rsplit_once(':') {
+                Some((h, k)) => (Some(h.to_string()), k),
+                None => (None, item),
+            };
+            let kind = AttachKind::parse(kind).ok_or_else(|| {
+                format!(
+                    "`{item}`: the attach type must be tracepoint, fentry or kprobe, \
+                     optionally after a hook name from `xtlock probes` (e.g. \
+                     sys_enter_flock:tracepoint)"
+                )
+            })?;
+            self.rules.insert((hook, kind));
+        }
+        Ok(())
+    }
+
+    /// Merges several filters (the flag's values).
+    pub fn merge(filters: &[AttachFilter]) -> Self {
+        let mut out = AttachFilter::default();
+        for f in filters {
+            out.rules.extend(f.rules.iter().cloned());
+        }
+        out
+    }
+
+    /// Adds the rules of `XTLOCK_NO_ATTACH` and `XTLOCK_DISABLE_FENTRY=1`; a bad variable is
+    /// the user's to fix.
+    pub fn with_env(mut self) -> Result<Self, String> {
+        if let Ok(v) = std::env::var(NO_ATTACH_ENV) {
+            self.add(&v).map_err(|e| format!("{NO_ATTACH_ENV}: {e}"))?;
+        }
+        if std::env::var(DISABLE_FENTRY_ENV).is_ok_and(|v| v == "1") {
+            self.rules.insert((None, AttachKind::FEntry));
+        }
+        Ok(self)
+    }
+
+    /// Why `kind` may not be used for `hook`, if it may not.
+    pub fn blocks(&self, hook: &str, kind: AttachKind) -> Option<String> {
+        self.rules
+            .iter()
+            .find(|(h, k)| *k == kind && h.as_deref().is_none_or(|h| h == hook))
+            .map(|(h, k)| match h {
+                Some(h) => format!("ruled out by --no-attach {h}:{k}"),
+                None => format!("ruled out by --no-attach {k}"),
+            })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+}
+
+impl std::str::FromStr for AttachFilter {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s)
+    }
+}
+
+/// One hook on kernel functions and its BPF programs per attach type.
+#[derive(Clone, Copy, Debug)]
+pub struct KfuncHook {
+    /// Its name in `xtlock probes` and in `--no-attach` rules.
+    pub name: &'static str,
+    pub purpose: &'static str,
+    /// Kernel functions to hook, best first: the first found in kallsyms is used.
+    pub functions: &'static [&'static str],
+    /// The module that has the functions on distribution kernels, for "not loaded".
+    pub module: Option<&'static str>,
+    pub fentry: Option<&'static str>,
+    pub fexit: Option<&'static str>,
+    pub kprobe: Option<&'static str>,
+    pub kretprobe: Option<&'static str>,
+    /// Writes what the programs need (struct offsets from the module's BTF, into a map)
+    /// before they attach; given vmlinux BTF when it could be read. Runs again when the
+    /// module loads after start.
+    pub setup: Option<SetupFn>,
+}
+
+/// See [`KfuncHook::setup`].
+pub type SetupFn = fn(&mut Ebpf, Option<&super::btf::Btf>) -> Result<(), String>;
+
+impl KfuncHook {
+    fn has(&self, kind: AttachKind) -> bool {
+        match kind {
+            AttachKind::Tracepoint => false,
+            AttachKind::FEntry => self.fentry.is_some() || self.fexit.is_some(),
+            AttachKind::KProbe => self.kprobe.is_some() || self.kretprobe.is_some(),
+        }
+    }
+
+    /// `"fentry/fexit"`, `"kretprobe"`, ...: the programs this hook has of `kind`.
+    fn describe(&self, kind: AttachKind) -> String {
+        let (a, b) = match kind {
+            AttachKind::Tracepoint => (None, None),
+            AttachKind::FEntry => (self.fentry.map(|_| "fentry"), self.fexit.map(|_| "fexit")),
+            AttachKind::KProbe => (
+                self.kprobe.map(|_| "kprobe"),
+                self.kretprobe.map(|_| "kretprobe"),
+            ),
+        };
+        [a, b].into_iter().flatten().collect::<Vec<_>>().join("/")
+    }
+}
+
+/// What the running kernel offers, discovered once at start.
+#[derive(Clone, Debug, Default)]
+pub struct KernelFacts {
+    /// `(function, module)` of the wanted functions found in /proc/kallsyms (`None`: built
+    /// into vmlinux). A function absent there is inlined, or its module not loaded.
+    pub symbols: Vec<(String, Option<String>)>,
+    /// Wanted functions that are in vmlinux BTF (what aya's fentry can attach to).
+    pub btf_funcs: BTreeSet<String>,
+    /// Why BTF could not be read, if so.
+    pub btf_error: Option<String>,
+    /// The kernel has kprobes (a kprobe PMU or tracefs `kprobe_events`).
+    pub kprobes: bool,
+    pub filter: AttachFilter,
+}
+
+/// The function to hook and, per candidate, either `None` (try it) or why it is skipped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub function: String,
+    pub candidates: Vec<(AttachKind, Option<String>)>,
+}
+
+/// Errors that stop the hook before any candidate is tried.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    #[error("module {module} not loaded (none of {functions} is in /proc/kallsyms)")]
+    ModuleNotLoaded { module: String, functions: String },
+    #[error("none of {0} is in /proc/kallsyms (inlined or renamed on this kernel)")]
+    NoFunction(String),
+}
+
+/// Picks the function and what to try, from the kernel's facts alone.
+pub fn plan(hook: &KfuncHook, facts: &KernelFacts) -> Result<Plan, PlanError> {
+    let Some((function, module)) = hook
+        .functions
+        .iter()
+        .find_map(|f| facts.symbols.iter().find(|(n, _)| n == f))
+        .cloned()
+    else {
+        let functions = hook.functions.join(", ");
+        return Err(match hook.module {
+            Some(m) if !module_present(m) => PlanError::ModuleNotLoaded {
+                module: m.to_string(),
+                functions,
+            },
+            _ => PlanError::NoFunction(functions),
+        });
+    };
+    let mut candidates = Vec::new();
+    for kind in [AttachKind::FEntry, AttachKind::KProbe] {
+        if !hook.has(kind) {
+            continue;
+        }
+        let skip = if let Some(why) = facts.filter.blocks(hook.name, kind) {
+            Some(why)
+        } else if kind == AttachKind::FEntry {
+            if let Some(e) = &facts.btf_error {
+                Some(format!("no kernel BTF ({e})"))
+            } else if !facts.btf_funcs.contains(&function) {
+                Some(match &module {
+                    Some(m) => format!(
+                        "{function} is in module {m}, and aya 0.14 attaches fentry only to \
+                         vmlinux functions (no module BTF)"
+                    ),
+                    None => format!("{function} is not in the kernel's BTF"),
+                })
+            } else {
+                None
+            }
+        } else {
+            (!facts.kprobes).then(|| "kernel built without kprobes".to_string())
+        };
+        candidates.push((kind, skip));
+    }
+    Ok(Plan {
+        function,
+        candidates,
+    })
+}
+
+/// Whether a module is loaded (or built in with parameters): `/sys/module/NAME`.
+fn module_present(name: &str) -> bool {
+    Path::new("/sys/module").join(name).exists()
+}
+
+/// Reads the facts of the running kernel for `hooks` (`btf`: its parsed vmlinux BTF, or why
+/// not).
+pub fn discover(
+    tracefs: &Path,
+    btf: Result<&super::btf::Btf, String>,
+    hooks: &[&KfuncHook],
+    filter: AttachFilter,
+) -> KernelFacts {
+    let wanted: Vec<&str> = hooks
+        .iter()
+        .flat_map(|h| h.functions.iter().copied())
+        .collect();
+    let symbols = std::fs::read_to_string("/proc/kallsyms")
+        .map(|t| kallsyms_functions(&t, &wanted))
+        .unwrap_or_default();
+    let mut facts = KernelFacts {
+        symbols,
+        kprobes: Path::new("/sys/bus/event_source/devices/kprobe").exists()
+            || tracefs.join("kprobe_events").exists(),
+        filter,
+        ..Default::default()
+    };
+    match btf {
+        Ok(b) => {
+            facts.btf_funcs = wanted
+                .iter()
+                .filter(|f| b.has_func(f))
+                .map(|f| f.to_string())
+                .collect()
+        }
+        Err(e) => facts.btf_error = Some(e),
+    }
+    facts
+}
+
+/// `(name, module)` of the text symbols of `wanted` in a /proc/kallsyms listing.
+pub fn kallsyms_functions(text: &str, wanted: &[&str]) -> Vec<(String, Option<String>)> {
+    let mut out: Vec<(String, Option<String>)> = Vec::new();
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let (Some(_addr), Some(ty), Some(name)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
+        if !matches!(ty, "t" | "T") || !wanted.contains(&name) {
+            continue;
+        }
+        if out.iter().any(|(n, _)| n == name) {
+            continue;
+        }
+        let module = it
+            .next()
+            .map(|m| m.trim_start_matches('[').trim_end_matches(']').to_string());
+        out.push((name.to_string(), module));
+    }
+    out
+}
+
+/// The attached hook, e.g. `"kprobe/kretprobe nf_tables_commit (fallback; fentry: ...)"`.
+#[derive(Clone, Debug)]
+pub struct Attached {
+    pub kind: AttachKind,
+    pub function: String,
+    pub describe: String,
+}
+
+/// Tries the candidates in order. `Err` lists why each one failed, in plain words.
+pub fn attach(ebpf: &mut Ebpf, hook: &KfuncHook, facts: &KernelFacts) -> Result<Attached, String> {
+    attach_after(ebpf, hook, facts, Vec::new())
+}
+
+/// [`attach`], running the hook's setup first (once the function is known to be there).
+pub fn setup_and_attach(
+    ebpf: &mut Ebpf,
+    hook: &KfuncHook,
+    facts: &KernelFacts,
+    btf: Option<&super::btf::Btf>,
+) -> Result<Attached, String> {
+    plan(hook, facts).map_err(|e| e.to_string())?;
+    if let Some(setup) = hook.setup {
+        setup(ebpf, btf).map_err(|e| format!("setup: {e}"))?;
+    }
+    attach(ebpf, hook, facts)
+}
+
+/// [`attach`], for the fallback of a hook whose first choice failed for the reasons in
+/// `earlier` (e.g. `"tracepoint: ..."`): they head the fallback note and the error.
+pub fn attach_after(
+    ebpf: &mut Ebpf,
+    hook: &KfuncHook,
+    facts: &KernelFacts,
+    mut why: Vec<String>,
+) -> Result<Attached, String> {
+    let plan = match plan(hook, facts) {
+        Ok(p) => p,
+        Err(e) => {
+            why.push(e.to_string());
+            return Err(why.join("; "));
+        }
+    };
+    for (kind, skip) in &plan.candidates {
+        let res = match skip {
+            Some(s) => Err(s.clone()),
+            None => match kind {
+                AttachKind::FEntry => attach_fentry(ebpf, hook, &plan.function),
+                _ => attach_kprobe(ebpf, hook, &plan.function),
+            },
+        };
+        match res {
+            Ok(()) => {
+                let mut describe = format!("{} {}", hook.describe(*kind), plan.function);
+                if !why.is_empty() {
+                    describe.push_str(&format!(" (fallback; {})", why.join("; ")));
+                }
+                return Ok(Attached {
+                    kind: *kind,
+                    function: plan.function,
+                    describe,
+                });
+            }
+            Err(e) => why.push(format!("{kind}: {e}")),
+        }
+    }
+    Err(why.join("; "))
+}
+
+/// What the hook would use, for the status line when nothing attached.
+pub fn candidates_text(hook: &KfuncHook) -> String {
+    [AttachKind::FEntry, AttachKind::KProbe]
+        .into_iter()
+        .filter(|k| hook.has(*k))
+        .map(|k| hook.describe(k))
+        .collect::<Vec<_>>()
+        .join(", else ")
+}
+
+/// Plain words for a load/attach error: EPERM named as such.
+fn explain(e: &dyn std::error::Error) -> String {
+    let s = error_chain(e);
+    // aya appends the verifier log, empty for a refused load.
+    let s = match s.find("Verifier output:") {
+        Some(i)
+            if s[i + 16..]
+                .trim_matches(|c: char| c.is_whitespace() || c == '\0')
+                .is_empty() =>
+        {
+            s[..i].trim_end().trim_end_matches('.').to_string()
+        }
+        _ => s,
+    };
+    if s.contains("Operation not permitted") || s.contains("os error 1)") {
+        format!("EPERM ({s})")
+    } else {
+        s
+    }
+}
+
+fn attach_fentry(ebpf: &mut Ebpf, hook: &KfuncHook, function: &str) -> Result<(), String> {
+    let btf = aya::Btf::from_sys_fs().map_err(|e| format!("kernel BTF: {e}"))?;
+    let res = (|| {
+        if let Some(name) = hook.fentry {
+            let p: &mut FEntry = program(ebpf, name)?;
+            p.load(function, &btf).map_err(|e| explain(&e))?;
+            p.attach().map_err(|e| explain(&e))?;
+        }
+        if let Some(name) = hook.fexit {
+            let p: &mut FExit = program(ebpf, name)?;
+            p.load(function, &btf).map_err(|e| explain(&e))?;
+            p.attach().map_err(|e| explain(&e))?;
+        }
+        Ok(())
+    })();
+    if res.is_err() {
+        // Half attached is worse than not: an entry without its exit fills the maps.
+        if let Some(name) = hook.fentry {
+            if let Ok(p) = program::<FEntry>(ebpf, name) {
+                let _ = p.unload();
+            }
+        }
+    }
+    res
+}
+
+fn attach_kprobe(ebpf: &mut Ebpf, hook: &KfuncHook, function: &str) -> Result<(), String> {
+    let res = (|| {
+        for name in [hook.kprobe, hook.kretprobe].into_iter().flatten() {
+            let p: &mut KProbe = program(ebpf, name)?;
+            p.load().map_err(|e| explain(&e))?;
+            p.attach(function, 0).map_err(|e| explain(&e))?;
+        }
+        Ok(())
+    })();
+    if res.is_err() {
+        if let Some(name) = hook.kprobe {
+            if let Ok(p) = program::<KProbe>(ebpf, name) {
+                let _ = p.unload();
+            }
+        }
+    }
+    res
+}
+
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, String>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or_else(|| format!("program {name} missing from the BPF object"))?
+        .try_into()
+        .map_err(|e: aya::programs::ProgramError| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOOK: KfuncHook = KfuncHook {
+        name: "nft_commit",
+        purpose: "",
+        functions: &["nfnetlink_rcv_batch", "nf_tables_commit"],
+        module: Some("xtlock_no_such_module"),
+        fentry: Some("a"),
+        fexit: Some("b"),
+        kprobe: Some("c"),
+        kretprobe: Some("d"),
+        setup: None,
+    };
+
+    fn facts(symbols: &[(&str, Option<&str>)]) -> KernelFacts {
+        KernelFacts {
+            symbols: symbols
+                .iter()
+                .map(|(n, m)| (n.to_string(), m.map(str::to_string)))
+                .collect(),
+            btf_funcs: symbols
+                .iter()
+                .filter(|(_, m)| m.is_none())
+                .map(|(n, _)| n.to_string())
+                .collect(),
+            kprobes: true,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn prefers_the_first_function_and_fentry() {
+        let f = facts(&[("nf_tables_commit", None), ("nfnetlink_rcv_batch", None)]);
+        let p = plan(&HOOK, &f).unwrap();
+        assert_eq!(p.function, "nfnetlink_rcv_batch");
+        assert_eq!(
+            p.candidates,
+            vec![(AttachKind::FEntry, None), (AttachKind::KProbe, None)]
+        );
+    }
+
+    #[test]
+    fn falls_back_to_the_next_function_when_the_first_is_inlined() {
+        let p = plan(&HOOK, &facts(&[("nf_tables_commit", Some("nf_tables"))])).unwrap();
+        assert_eq!(p.function, "nf_tables_commit");
+    }
+
+    #[test]
+    fn missing_module_is_named() {
+        let e = plan(&HOOK, &facts(&[])).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("module xtlock_no_such_module not loaded"),
+            "{e}"
+        );
+        let h = KfuncHook {
+            module: None,
+            ..HOOK
+        };
+        let e = plan(&h, &facts(&[])).unwrap_err();
+        assert!(e.to_string().contains("inlined"), "{e}");
+    }
+
+    #[test]
+    fn hooks_without_a_kind_do_not_list_it() {
+        let h = KfuncHook {
+            fentry: None,
+            fexit: None,
+            kprobe: None,
+            ..HOOK
+        };
+        let p = plan(&h, &facts(&[("nf_tables_commit", None)])).unwrap();
+        assert_eq!(p.candidates, vec![(AttachKind::KProbe, None)]);
+        assert_eq!(candidates_text(&h), "kretprobe");
+        assert_eq!(
+            candidates_text(&HOOK),
+            "fentry/fexit, else kprobe/kretprobe"
+        );
+    }
+
+    #[test]
+    fn skips_say_why() {
+        let mut f = facts(&[("nfnetlink_rcv_batch", Some("nfnetlink"))]);
+        f.kprobes = false;
+        let p = plan(&HOOK, &f).unwrap();
+        let fe = p.candidates[0].1.as_deref().unwrap();
+        assert!(fe.contains("in module nfnetlink"), "{fe}");
+        assert_eq!(
+            p.candidates[1].1.as_deref(),
+            Some("kernel built without kprobes")
+        );
+        f.btf_error = Some("gone".into());
+        let p = plan(&HOOK, &f).unwrap();
+        assert!(p.candidates[0]
+            .1
+            .as_deref()
+            .unwrap()
+            .contains("no kernel BTF"));
+    }
+
+    #[test]
+    fn filter_rules_per_hook_and_everywhere() {
+        let f = AttachFilter::parse("fentry, sys_enter_flock:tracepoint").unwrap();
+        assert_eq!(
+            f.blocks("nft_commit", AttachKind::FEntry).as_deref(),
+            Some("ruled out by --no-attach fentry")
+        );
+        assert_eq!(f.blocks("nft_commit", AttachKind::KProbe), None);
+        assert_eq!(f.blocks("flock_lock_inode", AttachKind::Tracepoint), None);
+        assert_eq!(
+            f.blocks("sys_enter_flock", AttachKind::Tracepoint)
+                .as_deref(),
+            Some("ruled out by --no-attach sys_enter_flock:tracepoint")
+        );
+        let e = AttachFilter::parse("uprobe").unwrap_err();
+        assert!(e.contains("tracepoint, fentry or kprobe"), "{e}");
+        let mut fa = facts(&[("nfnetlink_rcv_batch", None)]);
+        fa.filter = f;
+        let p = plan(&HOOK, &fa).unwrap();
+        assert_eq!(
+            p.candidates[0].1.as_deref(),
+            Some("ruled out by --no-attach fentry")
+        );
+        assert_eq!(p.candidates[1].1, None);
+        let m = AttachFilter::merge(&[
+            AttachFilter::parse("kprobe").unwrap(),
+            AttachFilter::parse("x:fentry").unwrap(),
+        ]);
+        assert!(m.blocks("x", AttachKind::FEntry).is_some());
+        assert!(m.blocks("y", AttachKind::KProbe).is_some());
+        assert!(m.blocks("y", AttachKind::FEntry).is_none());
+    }
+
+    #[test]
+    fn kallsyms_text_symbols_with_modules() {
+        let text = "ffffffff81f2ce40 t nfnetlink_rcv_batch\n\
+                    ffffffff81241e0d t nf_tables_commit.cold\n\
+                    ffffffffc0a01000 t nf_tables_commit\t[nf_tables]\n\
+                    ffffffffc0a01000 d nfnetlink_rcv_batch\n";
+        assert_eq!(
+            kallsyms_functions(text, HOOK.functions),
+            vec![
+                ("nfnetlink_rcv_batch".to_string(), None),
+                (
+                    "nf_tables_commit".to_string(),
+                    Some("nf_tables".to_string())
+                ),
+            ]
+        );
+    }
+}
