@@ -416,6 +416,9 @@ pub struct IpvsEvent {
     /// `IPVS_OP_STALE`/`IPVS_OP_EXPIRED`: stale packets of this connection since its
     /// previous event.
     pub packets: u64,
+    /// `IPVS_OP_STALE`/`IPVS_OP_EXPIRED`: when the connection's last stale packet came
+    /// (`CLOCK_MONOTONIC` ns); 0 when none.
+    pub last_packet_ns: u64,
     /// Virtual service, client, real server.
     pub vaddr: [u8; 16],
     pub caddr: [u8; 16],
@@ -583,7 +586,7 @@ mod tests {
         assert_eq!(size_of::<DropKey>(), 16);
         assert_eq!(size_of::<ProbeConfig>(), 160);
         assert_eq!(size_of::<IpvsConfig>(), 120);
-        assert_eq!(size_of::<IpvsEvent>(), 136);
+        assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);
         assert_eq!(size_of::<NftCommitEvent>(), 56);
         assert_eq!(size_of::<ConntrackFailEvent>(), 88);

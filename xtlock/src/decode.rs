@@ -405,6 +405,8 @@ pub struct IpvsEvent {
     pub ret: i32,
     /// Stale packets since this connection's previous event.
     pub packets: u64,
+    /// When the connection's last stale packet came; 0 when none.
+    pub last_packet_ns: u64,
     /// Time left on the connection entry's timer.
     pub timer_left_ns: u64,
 }
@@ -751,6 +753,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 weight: e.weight,
                 ret: e.ret,
                 packets: e.packets,
+                last_packet_ns: e.last_packet_ns,
                 timer_left_ns: e.timer_left_ns,
             })
         }

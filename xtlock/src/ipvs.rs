@@ -64,7 +64,7 @@ pub struct IpvsFact {
     /// Stale facts: stale packets of this connection so far.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub packets: Option<u64>,
-    /// Stale facts: first and last stale packet seen.
+    /// Stale facts: first and last stale packet.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_packet_ns: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -244,7 +244,7 @@ impl IpvsTracker {
                     packets: 0,
                 });
                 s.packets += e.packets;
-                s.last_ns = e.ts_ns;
+                s.last_ns = s.last_ns.max(e.last_packet_ns).max(e.ts_ns);
                 s.action = e.action;
                 s.state = e.dest_state;
                 if first {
@@ -266,6 +266,7 @@ impl IpvsTracker {
                     return;
                 };
                 s.packets += e.packets;
+                s.last_ns = s.last_ns.max(e.last_packet_ns);
                 out(self.end_fact(s, Some(e.ts_ns)));
             }
         }
@@ -371,6 +372,7 @@ mod tests {
             weight: 1,
             ret: 0,
             packets: 1,
+            last_packet_ns: ts,
             timer_left_ns: 5_000_000_000,
         }
     }
@@ -389,6 +391,7 @@ mod tests {
         t.on_event(&s, &mut out);
         let mut x = ev(90, IpvsOp::Expired, 7, "10.0.1.5:53");
         x.packets = 0;
+        x.last_packet_ns = 45;
         t.on_event(&x, &mut out);
         let events: Vec<&str> = facts.iter().map(|f| f.event).collect();
         assert_eq!(events, ["scheduled", "dest_removed", "stale", "stale_end"]);
@@ -398,7 +401,7 @@ mod tests {
         let end = &facts[3];
         assert_eq!(end.ts_ns, 20);
         assert_eq!(end.packets, Some(37));
-        assert_eq!(end.last_packet_ns, Some(40));
+        assert_eq!(end.last_packet_ns, Some(45));
         assert_eq!(end.expired_ns, Some(90));
         assert_eq!(end.backend, "10.0.1.5:53");
         let v = serde_json::to_value(end).unwrap();

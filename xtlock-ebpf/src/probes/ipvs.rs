@@ -45,6 +45,8 @@ const CONN_F_TEMPLATE: u32 = 0x1000;
 pub struct StaleConn {
     /// When its last event went out.
     pub last_ns: u64,
+    /// When its last stale packet came.
+    pub last_pkt_ns: u64,
     /// Stale packets since that event.
     pub pending: u64,
 }
@@ -73,6 +75,7 @@ fn blank(op: u8) -> IpvsEvent {
         conn: 0,
         timer_left_ns: 0,
         packets: 0,
+        last_packet_ns: 0,
         vaddr: [0; 16],
         caddr: [0; 16],
         daddr: [0; 16],
@@ -163,6 +166,7 @@ fn stale(c: &IpvsConfig, cp: u64, state: u8, weight: i32, action: u8) {
             // (the exact count is in IPVS_COUNTS).
             let s = unsafe { &mut *s };
             s.pending += 1;
+            s.last_pkt_ns = t;
             if t.saturating_sub(s.last_ns) < c.stale_interval_ns {
                 return;
             }
@@ -176,6 +180,7 @@ fn stale(c: &IpvsConfig, cp: u64, state: u8, weight: i32, action: u8) {
                 &cp,
                 &StaleConn {
                     last_ns: t,
+                    last_pkt_ns: t,
                     pending: 0,
                 },
                 0,
@@ -186,6 +191,7 @@ fn stale(c: &IpvsConfig, cp: u64, state: u8, weight: i32, action: u8) {
     let mut ev = blank(IPVS_OP_STALE);
     read_conn(c, cp, &mut ev);
     ev.packets = packets;
+    ev.last_packet_ns = t;
     ev.dest_state = state;
     ev.weight = weight;
     ev.action = action;
@@ -306,6 +312,7 @@ pub fn ipvs_conn_expire(ctx: ProbeContext) -> u32 {
     let mut ev = blank(IPVS_OP_EXPIRED);
     read_conn(&c, cp, &mut ev);
     ev.packets = s.pending;
+    ev.last_packet_ns = s.last_pkt_ns;
     let dest: u64 = kread(cp, c.conn_dest).unwrap_or(0);
     if dest != 0 {
         let (state, weight) = dest_state(&c, dest);

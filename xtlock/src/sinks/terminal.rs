@@ -737,7 +737,7 @@ pub(crate) fn ipvs_text(f: &IpvsFact) -> String {
         "stale" => {
             let what = match f.backend_state {
                 Some("removed") => "removed",
-                _ => "at weight 0",
+                _ => "set to weight 0",
             };
             let mut s = format!(
                 "!! {head}: packets from {client} still go to endpoint {} ({what}{}), {}",
