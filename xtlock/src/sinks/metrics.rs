@@ -693,6 +693,44 @@ mod tests {
     }
 
     #[test]
+    fn ipvs_counts_and_changes() {
+        let m = Arc::new(Metrics::new("6.1.0"));
+        let mut s = MetricsSink::new(m.clone(), None);
+        let count = |state: &'static str, n: u64| {
+            Output::IpvsCount(crate::ipvs::IpvsCountFact {
+                ts_ns: 1,
+                interval_ns: 1,
+                protocol: "udp",
+                service: "10.96.0.10:53".into(),
+                backend: "10.0.1.5:53".into(),
+                backend_state: state,
+                packets: n,
+            })
+        };
+        s.output(&count("ok", 60)).unwrap();
+        s.output(&count("weight_0", 30)).unwrap();
+        s.output(&count("removed", 25)).unwrap();
+        let text = m.encode().unwrap();
+        let l = "protocol=\"udp\",service=\"10.96.0.10:53\",backend=\"10.0.1.5:53\"";
+        assert!(
+            text.contains(&format!("xtlock_ipvs_packets_total{{{l}}} 90")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "xtlock_ipvs_stale_packets_total{{{l},backend_state=\"removed\"}} 25"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "xtlock_ipvs_stale_packets_total{{{l},backend_state=\"weight_0\"}} 30"
+            )),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn holds_and_waits_become_histograms() {
         let m = Arc::new(Metrics::new("6.1.0"));
         let mut s = MetricsSink::new(m.clone(), None);
