@@ -29,13 +29,13 @@ const CLI: &str = "xi-cli";
 const BACKENDS: [(&str, &str, &str); 2] =
     [("xi-be1", "10.0.1.5", "1"), ("xi-be2", "10.0.2.6", "2")];
 /// UDP timeout of IPVS connections in this test (`ipvsadm --set 0 0 N`), in seconds.
-const UDP_TIMEOUT_S: u64 = 8;
+const UDP_TIMEOUT_S: u64 = 10;
 /// ipvsadm's counters are the kernel's per-CPU counters summed by its rate estimator, every
 /// 2 s: a read waits this long after the last packet.
 const ESTIMATOR: Duration = Duration::from_millis(2500);
 
 /// The IPVS hooks of `xtlock probes`.
-const HOOKS: [&str; 8] = [
+const HOOKS: [&str; 11] = [
     "ipvs_conn_new",
     "ipvs_nat_xmit",
     "ipvs_nat_xmit_v6",
@@ -44,6 +44,9 @@ const HOOKS: [&str; 8] = [
     "ipvs_add_dest",
     "ipvs_del_dest",
     "ipvs_edit_dest",
+    "ipvs_add_service",
+    "ipvs_edit_service",
+    "ipvs_unlink_service",
 ];
 
 fn ns(n: &str, prog: &str, args: &[&str]) -> String {
@@ -325,6 +328,11 @@ fn ipvs_scheduling_counts_and_stale_backends() {
         !gone.contains_key("10.0.0.9:40000") && !gone.contains_key("10.0.0.9:40001"),
         "IPVS entries still there: {gone:?}"
     );
+    // Virtual-service changes: kube-proxy adds a ClusterIP, edits one, removes one.
+    let svc2 = "10.96.0.11:53";
+    ns(NODE, "ipvsadm", &["-A", "-u", svc2, "-s", "rr"]);
+    ns(NODE, "ipvsadm", &["-E", "-u", &svc, "-s", "rr", "-p", "30"]);
+    ns(NODE, "ipvsadm", &["-D", "-u", svc2]);
     // SIGINT: xtlock drains, reads the counters a last time and prints the summary.
     tracer.interrupt();
     let t = tracer.finish();
@@ -389,6 +397,21 @@ fn ipvs_scheduling_counts_and_stale_backends() {
     assert_eq!(edited[0]["backend"], b1.as_str());
     assert_eq!(edited[0]["weight"], 0);
     assert_eq!(ipvs_facts(&t, "dest_added").len(), 0);
+    for (event, service) in [
+        ("service_added", "10.96.0.11:53"),
+        ("service_edited", svc.as_str()),
+        ("service_removed", "10.96.0.11:53"),
+    ] {
+        let f = ipvs_facts(&t, event);
+        assert_eq!(f.len(), 1, "{event}: {f:?}");
+        assert_eq!(f[0]["service"], service, "{event}");
+        assert_eq!(f[0]["comm"], "ipvsadm", "{event}");
+        assert!(
+            f[0]["ret"].is_null() || f[0]["ret"] == 0,
+            "{event}: {}",
+            f[0]
+        );
+    }
 
     // Stale forwarding: exactly the two connections, each to its own backend.
     let stale = ipvs_facts(&t, "stale");

@@ -317,7 +317,13 @@ pub struct IpvsConfig {
     pub udest_addr: u32,
     pub udest_port: u32,
     pub udest_weight: u32,
+    // struct ip_vs_service_user_kern
+    pub usvc_af: u32,
+    pub usvc_protocol: u32,
+    pub usvc_addr: u32,
+    pub usvc_port: u32,
     pub _pad: u32,
+    pub _pad2: u32,
     /// Nanoseconds per jiffy of the running kernel (1e9 / HZ).
     pub ns_per_jiffy: u64,
     /// Minimum spacing of stale-packet events per connection, in ns.
@@ -381,6 +387,11 @@ pub const IPVS_OP_EXPIRED: u8 = 3;
 pub const IPVS_OP_DEST_ADD: u8 = 4;
 pub const IPVS_OP_DEST_DEL: u8 = 5;
 pub const IPVS_OP_DEST_EDIT: u8 = 6;
+/// Virtual-service changes: `ip_vs_add_service`, `ip_vs_edit_service` (both seen at their
+/// return), `ip_vs_unlink_service` (removed, or flushed).
+pub const IPVS_OP_SVC_ADD: u8 = 7;
+pub const IPVS_OP_SVC_EDIT: u8 = 8;
+pub const IPVS_OP_SVC_DEL: u8 = 9;
 
 /// State of a connection's real server when a packet came (`IpvsEvent::dest_state`,
 /// `IpvsKey::state`): usable, weight 0 (quiescent: still forwarded), or no longer
@@ -585,7 +596,7 @@ mod tests {
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
         assert_eq!(size_of::<ProbeConfig>(), 160);
-        assert_eq!(size_of::<IpvsConfig>(), 120);
+        assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);
         assert_eq!(size_of::<NftCommitEvent>(), 56);

@@ -155,9 +155,9 @@ static IPVS_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 static IPVS_STALE: LruHashMap<u64, probes::ipvs::StaleConn> =
     LruHashMap::with_max_entries(16384, 0);
 
-/// Real-server table changes in progress, by thread id (completed at the function's return).
+/// IPVS table changes in progress, by thread id (completed at the function's return).
 #[map]
-static IPVS_DEST_OPS: LruHashMap<u32, IpvsEvent> = LruHashMap::with_max_entries(256, 0);
+static IPVS_TABLE_OPS: LruHashMap<u32, IpvsEvent> = LruHashMap::with_max_entries(256, 0);
 
 #[cfg(not(test))]
 #[panic_handler]

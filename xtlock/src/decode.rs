@@ -320,6 +320,10 @@ pub enum IpvsOp {
     DestRemoved,
     /// Real server edited (weight).
     DestEdited,
+    /// Virtual service added, edited, removed (deleted or flushed).
+    ServiceAdded,
+    ServiceEdited,
+    ServiceRemoved,
 }
 
 /// State of a connection's real server (`xtlock_common::IPVS_DEST_*`).
@@ -734,6 +738,9 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 common::IPVS_OP_DEST_ADD => IpvsOp::DestAdded,
                 common::IPVS_OP_DEST_DEL => IpvsOp::DestRemoved,
                 common::IPVS_OP_DEST_EDIT => IpvsOp::DestEdited,
+                common::IPVS_OP_SVC_ADD => IpvsOp::ServiceAdded,
+                common::IPVS_OP_SVC_EDIT => IpvsOp::ServiceEdited,
+                common::IPVS_OP_SVC_DEL => IpvsOp::ServiceRemoved,
                 _ => return Err(DecodeError::UnknownKind { kind: hdr.kind }),
             };
             let is_conn = e.conn != 0;

@@ -36,13 +36,15 @@ pub struct IpvsFact {
     /// When it happened; for `stale_end`, when the backend went stale (the change, else the
     /// first stale packet), so the line reads "removed at T ... until T+x".
     pub ts_ns: u64,
-    /// `scheduled`, `dest_added`, `dest_removed`, `dest_edited`, `stale` (the first stale
-    /// packets of a connection), `stale_end` (its entry expired).
+    /// `scheduled`, `dest_added`, `dest_removed`, `dest_edited`, `service_added`,
+    /// `service_edited`, `service_removed`, `stale` (the first stale packets of a
+    /// connection), `stale_end` (its entry expired).
     pub event: &'static str,
     pub protocol: &'static str,
     /// Virtual service, `ip:port`.
     pub service: String,
-    /// Real server, `ip:port`.
+    /// Real server, `ip:port` (empty for service changes).
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub backend: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub client: Option<String>,
@@ -260,6 +262,23 @@ impl IpvsTracker {
                         ..base
                     });
                 }
+            }
+            IpvsOp::ServiceAdded | IpvsOp::ServiceEdited | IpvsOp::ServiceRemoved => {
+                let event = match e.op {
+                    IpvsOp::ServiceAdded => "service_added",
+                    IpvsOp::ServiceEdited => "service_edited",
+                    _ => "service_removed",
+                };
+                out(IpvsFact {
+                    event,
+                    backend: String::new(),
+                    weight: 0,
+                    pid: Some(e.tgid),
+                    comm: Some(e.comm.as_str().into_owned()),
+                    // ip_vs_unlink_service cannot fail and is seen at entry.
+                    ret: (e.op != IpvsOp::ServiceRemoved).then_some(e.ret),
+                    ..base
+                });
             }
             IpvsOp::Expired => {
                 let Some(mut s) = self.stale.remove(&e.conn) else {

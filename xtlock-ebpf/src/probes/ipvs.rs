@@ -13,7 +13,8 @@
 //!   packet without restarting the entry's timer, or with `expire_nodest_conn=1` expires the
 //!   entry at once: a stale packet with that action.
 //! - `ip_vs_conn_expire` (entry, the timer callback): the end of a connection reported stale.
-//! - `ip_vs_add_dest`/`ip_vs_del_dest`/`ip_vs_edit_dest` (entry and return).
+//! - `ip_vs_add_dest`/`ip_vs_del_dest`/`ip_vs_edit_dest` (entry and return), and
+//!   `ip_vs_add_service`/`ip_vs_edit_service` (entry and return), `ip_vs_unlink_service`.
 //!
 //! Struct member offsets come from the module's BTF at run time (`IpvsConfig::conn_*` etc.).
 use aya_ebpf::{
@@ -25,12 +26,12 @@ use xtlock_common::{
     EventKind, IpvsConfig, IpvsEvent, IpvsKey, COMM_LEN, IPVS_ACTION_DROPPED, IPVS_ACTION_EXPIRED,
     IPVS_ACTION_FORWARDED, IPVS_ACTION_NONE, IPVS_DEST_GONE, IPVS_DEST_OK, IPVS_DEST_QUIESCENT,
     IPVS_OP_DEST_ADD, IPVS_OP_DEST_DEL, IPVS_OP_DEST_EDIT, IPVS_OP_EXPIRED, IPVS_OP_SCHEDULED,
-    IPVS_OP_STALE,
+    IPVS_OP_STALE, IPVS_OP_SVC_ADD, IPVS_OP_SVC_DEL, IPVS_OP_SVC_EDIT,
 };
 
 use crate::{
     emit::{count_in, header, ids, now, output},
-    IPVS_CONFIG, IPVS_COUNTS, IPVS_DEST_OPS, IPVS_OVERFLOW, IPVS_STALE,
+    IPVS_CONFIG, IPVS_COUNTS, IPVS_OVERFLOW, IPVS_STALE, IPVS_TABLE_OPS,
 };
 
 /// `IP_VS_DEST_F_AVAILABLE` in `flags`, or `IP_VS_DEST_CF_AVAILABLE` in `cflags` (the
@@ -208,6 +209,15 @@ fn returned_conn(ctx: &RetProbeContext) -> Option<(IpvsConfig, u64)> {
     (cp != 0).then_some((c, cp))
 }
 
+/// The configuration and the probed function's argument `n` (a kernel pointer), when the
+/// offsets are known.
+#[inline(always)]
+fn config_and_arg(ctx: &ProbeContext, n: usize) -> Option<(IpvsConfig, u64)> {
+    let c = config()?;
+    let p = ctx.arg::<u64>(n)?;
+    (p != 0).then_some((c, p))
+}
+
 #[kretprobe]
 pub fn ipvs_conn_new(ctx: RetProbeContext) -> u32 {
     let Some((c, cp)) = returned_conn(&ctx) else {
@@ -245,15 +255,9 @@ pub fn ipvs_nat_xmit_v6(ctx: ProbeContext) -> u32 {
 /// A packet forwarded on connection `cp` (the xmit function's second argument).
 #[inline(always)]
 fn xmit(ctx: &ProbeContext) {
-    let Some(c) = config() else {
+    let Some((c, cp)) = config_and_arg(ctx, 1) else {
         return;
     };
-    let Some(cp) = ctx.arg::<u64>(1) else {
-        return;
-    };
-    if cp == 0 {
-        return;
-    }
     let dest: u64 = kread(cp, c.conn_dest).unwrap_or(0);
     let (state, weight) = if dest != 0 {
         dest_state(&c, dest)
@@ -297,10 +301,7 @@ pub fn ipvs_conn_in_get(ctx: RetProbeContext) -> u32 {
 
 #[kprobe]
 pub fn ipvs_conn_expire(ctx: ProbeContext) -> u32 {
-    let Some(c) = config() else {
-        return 0;
-    };
-    let Some(timer) = ctx.arg::<u64>(0) else {
+    let Some((c, timer)) = config_and_arg(&ctx, 0) else {
         return 0;
     };
     let cp = timer.wrapping_sub(u64::from(c.conn_timer));
@@ -326,23 +327,84 @@ pub fn ipvs_conn_expire(ctx: ProbeContext) -> u32 {
 /// Entry of a real-server table change: what was asked, kept until the return.
 #[inline(always)]
 fn dest_op(ctx: &ProbeContext, op: u8) {
-    let Some(c) = config() else {
+    let (Some((c, svc)), Some(udest)) = (config_and_arg(ctx, 0), ctx.arg::<u64>(1)) else {
         return;
     };
-    let (Some(svc), Some(udest)) = (ctx.arg::<u64>(0), ctx.arg::<u64>(1)) else {
-        return;
-    };
-    let mut ev = blank(op);
-    ev.af = kread::<u16>(svc, c.svc_af).unwrap_or(0);
-    ev.protocol = kread::<u16>(svc, c.svc_protocol).unwrap_or(0) as u8;
-    ev.vaddr = kread(svc, c.svc_addr).unwrap_or([0; 16]);
-    ev.vport = be16(svc, c.svc_port);
+    let mut ev = service_event(&c, op, svc);
     ev.daddr = kread(udest, c.udest_addr).unwrap_or([0; 16]);
     ev.dport = be16(udest, c.udest_port);
     ev.weight = kread(udest, c.udest_weight).unwrap_or(0);
+    stash(&ev);
+}
+
+/// An event for a change of virtual service `svc` (a `struct ip_vs_service`), by the current
+/// task.
+#[inline(always)]
+fn service_event(c: &IpvsConfig, op: u8, svc: u64) -> IpvsEvent {
+    service_event_at(op, svc, [c.svc_af, c.svc_protocol, c.svc_addr, c.svc_port])
+}
+
+/// An event for a service described at `base` by the offsets of its af, protocol, address and
+/// port (a `struct ip_vs_service` or the request, `struct ip_vs_service_user_kern`).
+#[inline(always)]
+fn service_event_at(op: u8, base: u64, [af, protocol, addr, port]: [u32; 4]) -> IpvsEvent {
+    let mut ev = blank(op);
+    ev.af = kread::<u16>(base, af).unwrap_or(0);
+    ev.protocol = kread::<u16>(base, protocol).unwrap_or(0) as u8;
+    ev.vaddr = kread(base, addr).unwrap_or([0; 16]);
+    ev.vport = be16(base, port);
     ev.comm = bpf_get_current_comm().unwrap_or([0u8; COMM_LEN]);
+    ev
+}
+
+/// Keeps a table change's event until its function returns.
+#[inline(always)]
+fn stash(ev: &IpvsEvent) {
     let (_, tid) = ids();
-    let _ = IPVS_DEST_OPS.insert(&tid, &ev, 0);
+    let _ = IPVS_TABLE_OPS.insert(&tid, ev, 0);
+}
+
+#[kprobe]
+pub fn ipvs_add_service(ctx: ProbeContext) -> u32 {
+    // ip_vs_add_service(ipvs, u, svc_p): the request (no service yet).
+    let Some((c, u)) = config_and_arg(&ctx, 1) else {
+        return 0;
+    };
+    let usvc = [c.usvc_af, c.usvc_protocol, c.usvc_addr, c.usvc_port];
+    stash(&service_event_at(IPVS_OP_SVC_ADD, u, usvc));
+    0
+}
+
+#[kprobe]
+pub fn ipvs_edit_service(ctx: ProbeContext) -> u32 {
+    let Some((c, svc)) = config_and_arg(&ctx, 0) else {
+        return 0;
+    };
+    stash(&service_event(&c, IPVS_OP_SVC_EDIT, svc));
+    0
+}
+
+/// `ip_vs_unlink_service(svc, cleanup)`: the service leaves the table (delete or flush). It
+/// cannot fail: reported at entry.
+#[kprobe]
+pub fn ipvs_unlink_service(ctx: ProbeContext) -> u32 {
+    let Some((c, svc)) = config_and_arg(&ctx, 0) else {
+        return 0;
+    };
+    output(&service_event(&c, IPVS_OP_SVC_DEL, svc));
+    0
+}
+
+#[kretprobe]
+pub fn ipvs_add_service_ret(ctx: RetProbeContext) -> u32 {
+    table_op_ret(&ctx);
+    0
+}
+
+#[kretprobe]
+pub fn ipvs_edit_service_ret(ctx: RetProbeContext) -> u32 {
+    table_op_ret(&ctx);
+    0
 }
 
 #[kprobe]
@@ -365,31 +427,31 @@ pub fn ipvs_edit_dest(ctx: ProbeContext) -> u32 {
 
 #[kretprobe]
 pub fn ipvs_add_dest_ret(ctx: RetProbeContext) -> u32 {
-    dest_op_ret(&ctx);
+    table_op_ret(&ctx);
     0
 }
 
 #[kretprobe]
 pub fn ipvs_del_dest_ret(ctx: RetProbeContext) -> u32 {
-    dest_op_ret(&ctx);
+    table_op_ret(&ctx);
     0
 }
 
 #[kretprobe]
 pub fn ipvs_edit_dest_ret(ctx: RetProbeContext) -> u32 {
-    dest_op_ret(&ctx);
+    table_op_ret(&ctx);
     0
 }
 
-/// Return of a real-server table change: the entry's event, with the result.
+/// Return of a table change: the entry's event, with the result.
 #[inline(always)]
-fn dest_op_ret(ctx: &RetProbeContext) {
+fn table_op_ret(ctx: &RetProbeContext) {
     let (_, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
-    let Some(mut ev) = (unsafe { IPVS_DEST_OPS.get(&tid) }).copied() else {
+    let Some(mut ev) = (unsafe { IPVS_TABLE_OPS.get(&tid) }).copied() else {
         return;
     };
-    let _ = IPVS_DEST_OPS.remove(&tid);
+    let _ = IPVS_TABLE_OPS.remove(&tid);
     let ret: i64 = ctx.ret();
     ev.ret = ret as i32;
     ev.hdr.ts_ns = now();

@@ -97,6 +97,28 @@ pub const EDIT_DEST: KfuncHook = hook(
     Some("ipvs_edit_dest_ret"),
 );
 
+pub const ADD_SERVICE: KfuncHook = hook(
+    "ipvs_add_service",
+    "IPVS virtual services added, and by whom",
+    &["ip_vs_add_service"],
+    Some("ipvs_add_service"),
+    Some("ipvs_add_service_ret"),
+);
+pub const EDIT_SERVICE: KfuncHook = hook(
+    "ipvs_edit_service",
+    "IPVS virtual services edited (scheduler, persistence), and by whom",
+    &["ip_vs_edit_service"],
+    Some("ipvs_edit_service"),
+    Some("ipvs_edit_service_ret"),
+);
+pub const UNLINK_SERVICE: KfuncHook = hook(
+    "ipvs_unlink_service",
+    "IPVS virtual services removed (deleted or flushed), and by whom",
+    &["ip_vs_unlink_service"],
+    Some("ipvs_unlink_service"),
+    None,
+);
+
 /// The hooks whose maps hold the packet counters.
 pub const COUNTING_HOOKS: &[&str] = &["ipvs_nat_xmit", "ipvs_nat_xmit_v6", "ipvs_conn_in_get"];
 
@@ -167,6 +189,10 @@ fn fill_offsets(c: &mut IpvsConfig, btf: &Btf) -> Result<(), String> {
     c.udest_addr = m("ip_vs_dest_user_kern", "addr")?;
     c.udest_port = m("ip_vs_dest_user_kern", "port")?;
     c.udest_weight = m("ip_vs_dest_user_kern", "weight")?;
+    c.usvc_af = m("ip_vs_service_user_kern", "af")?;
+    c.usvc_protocol = m("ip_vs_service_user_kern", "protocol")?;
+    c.usvc_addr = m("ip_vs_service_user_kern", "addr")?;
+    c.usvc_port = m("ip_vs_service_user_kern", "port")?;
     tracing::debug!(?c, "IPVS offsets from BTF");
     Ok(())
 }

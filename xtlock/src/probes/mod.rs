@@ -108,6 +108,9 @@ pub const KFUNC_HOOKS: &[&KfuncHook] = &[
     &ipvs::ADD_DEST,
     &ipvs::DEL_DEST,
     &ipvs::EDIT_DEST,
+    &ipvs::ADD_SERVICE,
+    &ipvs::EDIT_SERVICE,
+    &ipvs::UNLINK_SERVICE,
 ];
 
 pub const HOOKS: &[Hook] = &[

@@ -93,7 +93,8 @@ pub struct IpvsStaleLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct IpvsChangeLabels {
-    /// `dest_added`, `dest_removed`, `dest_edited`.
+    /// `dest_added`, `dest_removed`, `dest_edited`, `service_added`, `service_edited`,
+    /// `service_removed`.
     pub change: String,
     /// comm of the process that made it (kube-proxy, ipvsadm).
     pub comm: String,
@@ -300,8 +301,9 @@ impl Metrics {
         );
         let ipvs_changes = Family::<IpvsChangeLabels, Counter>::default();
         r.register(
-            "ipvs_dest_changes",
-            "IPVS real-server table changes, by kind and by the process that made them",
+            "ipvs_table_changes",
+            "IPVS virtual-service and real-server changes, by kind and by the process that made \
+             them",
             ipvs_changes.clone(),
         );
         let lost = Counter::default();
@@ -642,7 +644,7 @@ impl Sink for MetricsSink {
                 let l = self.ipvs(i.protocol, &i.service, &i.backend);
                 self.m.ipvs_connections.get_or_create(&l).inc();
             }
-            Output::Ipvs(i) if i.event.starts_with("dest_") => {
+            Output::Ipvs(i) if i.event.starts_with("dest_") || i.event.starts_with("service_") => {
                 let comm = self.agent(i.comm.as_deref().unwrap_or(""));
                 self.m
                     .ipvs_changes

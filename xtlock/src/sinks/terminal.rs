@@ -734,6 +734,11 @@ pub(crate) fn ipvs_text(f: &IpvsFact) -> String {
             f.weight,
             who(f.pid, &f.comm)
         ),
+        "service_added" | "service_edited" | "service_removed" => format!(
+            "{head}: virtual service {} by {}{failed}",
+            &f.event[8..],
+            who(f.pid, &f.comm)
+        ),
         "stale" => {
             let what = match f.backend_state {
                 Some("removed") => "removed",
