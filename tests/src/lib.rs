@@ -24,6 +24,15 @@ pub fn serial() -> MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Extra `xtlock` arguments for every traced run, from `XTLOCK_TEST_TRACER_ARGS`: how the
+/// VM suite runs the lock tests a second time with other attach types (e.g.
+/// `--no-attach syscalls:tracepoint`).
+pub fn tracer_extra_args() -> Vec<String> {
+    std::env::var("XTLOCK_TEST_TRACER_ARGS")
+        .map(|v| v.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
@@ -269,7 +278,7 @@ impl Tracer {
         for l in locks {
             c.arg("--lock-file").arg(l);
         }
-        c.args(extra);
+        c.args(extra).args(tracer_extra_args());
         Self::spawn(c)
     }
 
@@ -314,13 +323,30 @@ impl Tracer {
         self.child.id()
     }
 
-    /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
     /// Ctrl-C: xtlock stops, drains and prints its summary; then call [`finish`](Self::finish).
     pub fn interrupt(&self) {
         // SAFETY: plain syscall on our own child.
         unsafe { libc::kill(self.pid() as i32, libc::SIGINT) };
     }
 
+    /// Waits until xtlock wrote `needle` to stderr; false after `timeout`.
+    pub fn wait_for_stderr(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self
+                .stderr
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(needle)
+            {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        false
+    }
+
+    /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
     pub fn finish(mut self) -> Trace {
         let mut out = String::new();
         if let Some(mut s) = self.child.stdout.take() {

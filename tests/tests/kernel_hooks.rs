@@ -493,3 +493,79 @@ fn conntrack_refusals_come_with_their_flows() {
     );
     assert_flows(&facts, &ns, None, &dump);
 }
+
+/// Unloads `module`, waiting out references that are going away (namespaces of earlier
+/// tests); true when it is gone.
+fn unload(module: &str) -> bool {
+    let dir = Path::new("/sys/module").join(module);
+    for _ in 0..50 {
+        if !dir.exists() {
+            return true;
+        }
+        let _ = Command::new("rmmod").arg(module).status();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    !dir.exists()
+}
+
+/// nf_tables loads after xtlock started (as it does on demand, at the first nft command): the
+/// nf_tables commit hook is reported as waiting for the module, attaches within seconds of the
+/// module appearing, without a restart, and later batches are holds. Needs nf_tables as a
+/// module: it runs in the VM (`cargo xtask vm-test`, part of the README's test command).
+#[test]
+fn nf_tables_loaded_after_start_is_hooked() {
+    if !require_bpf("nf_tables_loaded_after_start_is_hooked") {
+        return;
+    }
+    if !in_vm() {
+        eprintln!(
+            "nf_tables_loaded_after_start_is_hooked: runs in the VM only (this kernel has no \
+             loadable nf_tables); `cargo xtask vm-test` runs it"
+        );
+        return;
+    }
+    let _g = serial();
+    assert!(
+        unload("nf_tables") && unload("nfnetlink"),
+        "cannot unload nf_tables/nfnetlink"
+    );
+    let h = nft_status(&[]);
+    let why = h["error"].as_str().unwrap_or_default();
+    assert!(why.contains("module nf_tables not loaded"), "{h}");
+
+    let s = Scratch::new("nft-late");
+    let lock = s.lock_file("xtables.lock");
+    let firewalld = s.agent("firewalld");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &["--no-drops"]);
+    // The first nft loads the modules (request_module), as on a node.
+    xtlock_tests::sh("nft", &["add", "table", "inet", "xtlock_late_load"]);
+    assert!(Path::new("/sys/module/nf_tables").exists());
+    // Pending hooks are retried every 5 s.
+    assert!(
+        tracer.wait_for_stderr("module loaded: hook attached", Duration::from_secs(30)),
+        "the nf_tables commit hook did not attach within 30 s of nf_tables loading"
+    );
+    let script = "nft add table inet xtlock_late && nft add chain inet xtlock_late c";
+    let mut fw = Agent::spawn(
+        &firewalld,
+        &["run", "--netns", "sh", "-c", script],
+        &[],
+        None,
+    );
+    fw.ts("start", T);
+    assert_eq!(fw.wait(), 0, "nft failed");
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let _ = Command::new("nft")
+        .args(["delete", "table", "inet", "xtlock_late_load"])
+        .status();
+    let holds: Vec<&Value> = trace
+        .of_type("hold")
+        .into_iter()
+        .filter(|h| h["agent"] == "firewalld")
+        .collect();
+    assert_nft_holds(
+        &holds.into_iter().cloned().collect::<Vec<_>>(),
+        &trace.dump(),
+    );
+}

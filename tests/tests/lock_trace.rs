@@ -456,9 +456,11 @@ fn probes_reports_every_hook() {
     let _g = serial();
     let s = Scratch::new("probes");
     let lock = s.lock_file("xtables.lock");
+    let extra = xtlock_tests::tracer_extra_args();
     let out = std::process::Command::new(xtlock_tests::xtlock_bin())
         .args(["probes", "--json", "--lock-file"])
         .arg(&lock)
+        .args(&extra)
         .output()
         .unwrap();
     assert!(
@@ -474,6 +476,21 @@ fn probes_reports_every_hook() {
         .unwrap();
     assert!(lock_hook["error"].is_null(), "{v}");
     assert!(hooks.len() >= 10);
+    if extra.join(" ").contains("syscalls:tracepoint") {
+        // This run traces syscalls on their functions: every syscall hook must be there.
+        for h in hooks
+            .iter()
+            .filter(|h| h["program"].as_str().is_some_and(|p| p.starts_with("sys_")))
+        {
+            let attach = h["attach"].as_str().unwrap_or("");
+            assert!(h["error"].is_null(), "{h}");
+            assert!(
+                attach.starts_with("fentry") || attach.starts_with("kprobe"),
+                "{h}"
+            );
+            eprintln!("{}: {attach}", h["program"]);
+        }
+    }
     assert_eq!(v["locks"][0]["path"], lock.to_str().unwrap());
 }
 

@@ -39,6 +39,11 @@ use qemu::Accel;
 /// default. Later parts add theirs here.
 pub const DEFAULT_TESTS: &[&str] = &["lock_trace", "kernel_hooks", "ipvs"];
 
+/// Default tests run a second time with other xtlock arguments (`XTLOCK_TEST_TRACER_ARGS`):
+/// the lock tests with every syscall hook on its function (fentry/fexit) instead of its
+/// tracepoint, the same assertions holding.
+pub const DEFAULT_VARIANTS: &[(&str, &str)] = &[("lock_trace", "--no-attach syscalls:tracepoint")];
+
 /// Modules every run loads (with their dependencies, in order) before the commands start;
 /// others load on demand through busybox modprobe, as kmod would on a node. crc32c_generic
 /// comes first: libcrc32c (nf_conntrack, nf_tables, ip_vs) needs a crc32c at load time. The
@@ -262,7 +267,8 @@ pub fn run(args: &VmArgs) -> Result<()> {
 /// built by its build and test steps). Returns the summary line.
 pub fn run_default() -> Result<String> {
     run_args(&VmArgs {
-        timeout: 600,
+        // Under TCG the suite takes 5-10 min, more on a loaded machine.
+        timeout: 1500,
         cpus: 2,
         memory: 2048,
         ..VmArgs::default()
@@ -273,7 +279,8 @@ fn run_args(args: &VmArgs) -> Result<String> {
     let root = sh::workspace_root();
     let target = target_dir(&root, args.target_dir.as_deref());
     let mut tests = args.tests.clone();
-    if tests.is_empty() && args.exec.is_empty() {
+    let default_suite = tests.is_empty() && args.exec.is_empty();
+    if default_suite {
         tests = DEFAULT_TESTS.iter().map(|s| s.to_string()).collect();
     }
     let mut commands = Vec::new();
@@ -282,6 +289,19 @@ fn run_args(args: &VmArgs) -> Result<String> {
     }
     if !tests.is_empty() {
         let bins = test_binaries(&root, &target, &tests)?;
+        if default_suite {
+            for (test, extra) in DEFAULT_VARIANTS {
+                if let Some((_, exe)) = bins.iter().find(|(n, _)| n == test) {
+                    let mut cmd = GuestCommand::shell(
+                        &format!("{test} ({extra})"),
+                        &root.join("tests"),
+                        &format!("XTLOCK_TEST_TRACER_ARGS='{extra}' exec {}", exe.display()),
+                    );
+                    cmd.argv[2].push_str(&format!(" {}", args.test_args.join(" ")));
+                    commands.push(cmd);
+                }
+            }
+        }
         for (name, exe) in bins {
             commands.push(GuestCommand {
                 label: name,

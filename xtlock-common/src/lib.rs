@@ -323,7 +323,6 @@ pub struct IpvsConfig {
     pub usvc_addr: u32,
     pub usvc_port: u32,
     pub _pad: u32,
-    pub _pad2: u32,
     /// Nanoseconds per jiffy of the running kernel (1e9 / HZ).
     pub ns_per_jiffy: u64,
     /// Minimum spacing of stale-packet events per connection, in ns.
@@ -542,9 +541,11 @@ pub struct ProbeConfig {
     /// `task_struct.nsproxy`, `nsproxy.net_ns` (then `net_ns_inum` above: the commit's netns).
     pub task_nsproxy: u32,
     pub nsproxy_net_ns: u32,
-    /// Offset of a syscall's second argument in the user `pt_regs` (`si` on x86-64), for
-    /// hooks on the syscall's function instead of its tracepoint.
-    pub regs_arg1: u32,
+    /// Offsets of a syscall's first five arguments in the user `pt_regs` (`di`, `si`, `dx`,
+    /// `r10`, `r8` on x86-64; `regs[0..5]` on arm64), for hooks on a syscall's function
+    /// (`__x64_sys_flock`, ...) instead of its tracepoint.
+    pub regs_args: [u32; 5],
+    pub _pad3: u32,
 }
 
 #[cfg(feature = "user")]
@@ -595,7 +596,7 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        assert_eq!(size_of::<ProbeConfig>(), 160);
+        assert_eq!(size_of::<ProbeConfig>(), 184);
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);

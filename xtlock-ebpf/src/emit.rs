@@ -17,6 +17,19 @@ pub fn kread<T>(base: u64, offset: usize) -> Option<T> {
     unsafe { aya_ebpf::helpers::bpf_probe_read_kernel((base + offset as u64) as *const T) }.ok()
 }
 
+/// Argument `n` (0-4) of a syscall whose user registers are at `regs` (the one argument of
+/// `__x64_sys_*` and its arch twins); `None` when it cannot be read.
+#[inline(always)]
+pub fn syscall_arg(regs: u64, n: usize) -> Option<u64> {
+    // SAFETY: CONFIG is a static that lives for the program's lifetime.
+    let c = unsafe { core::ptr::read_volatile(&CONFIG) };
+    let off = *c.regs_args.get(n)?;
+    if regs == 0 || (off == 0 && n > 0) {
+        return None;
+    }
+    kread(regs, off as usize)
+}
+
 /// Reads a field offset from `CONFIG`. Volatile: the value is patched in after compile.
 #[inline(always)]
 pub fn cfg<F: Fn(&ProbeConfig) -> u32>(f: F) -> usize {

@@ -56,7 +56,8 @@ static CONFIG: ProbeConfig = ProbeConfig {
     task_ok: 0,
     task_nsproxy: 0,
     nsproxy_net_ns: 0,
-    regs_arg1: 0,
+    regs_args: [0; 5],
+    _pad3: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.

@@ -18,7 +18,7 @@ use aya_ebpf::{
 use xtlock_common::{EventKind, FlockCallEvent, LockEvent, LockKey, F_UNLCK};
 
 use crate::{
-    emit::{cfg, field, field_fast, header, ids, kread, now, output},
+    emit::{cfg, field, field_fast, header, ids, now, output, syscall_arg},
     FLOCK_ENTER, FLOCK_INFLIGHT, WATCHED,
 };
 
@@ -52,7 +52,7 @@ pub fn sys_enter_flock(ctx: TracePointContext) -> u32 {
 /// The command of a `flock()` whose user registers are at `regs`.
 #[inline(always)]
 fn regs_cmd(regs: u64) -> u64 {
-    kread(regs, cfg(|c| c.regs_arg1)).unwrap_or(u64::from(u32::MAX))
+    syscall_arg(regs, 1).unwrap_or(u64::from(u32::MAX))
 }
 
 #[fentry(function = "__x64_sys_flock")]

@@ -7,8 +7,8 @@ use aya_ebpf::{
         bpf_get_current_comm, bpf_probe_read_kernel_buf, bpf_probe_read_kernel_str_bytes,
         bpf_probe_read_user, bpf_probe_read_user_str_bytes,
     },
-    macros::tracepoint,
-    programs::TracePointContext,
+    macros::{fentry, kprobe, tracepoint},
+    programs::{FEntryContext, ProbeContext, TracePointContext},
     EbpfContext,
 };
 use xtlock_common::{
@@ -16,7 +16,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, field, header, ids, now, output, reserve},
+    emit::{cfg, field, header, ids, now, output, reserve, syscall_arg},
     EXEC_ARGS, EXEC_SCRATCH, EXIT_CODES,
 };
 
@@ -40,18 +40,56 @@ pub struct ExecArgs {
 
 #[tracepoint]
 pub fn sys_enter_execve(ctx: TracePointContext) -> u32 {
-    let _ = save_argv(&ctx, cfg(|c| c.execve_argv));
+    if let Ok(argv) = field(&ctx, cfg(|c| c.execve_argv)) {
+        let _ = save_argv(argv);
+    }
     0
 }
 
 #[tracepoint]
 pub fn sys_enter_execveat(ctx: TracePointContext) -> u32 {
-    let _ = save_argv(&ctx, cfg(|c| c.execveat_argv));
+    if let Ok(argv) = field(&ctx, cfg(|c| c.execveat_argv)) {
+        let _ = save_argv(argv);
+    }
     0
 }
 
-fn save_argv(ctx: &TracePointContext, argv_offset: usize) -> Result<(), i32> {
-    let argv: u64 = field(ctx, argv_offset)?;
+// The same on the syscall functions (`__x64_sys_execve(const struct pt_regs *regs)`): argv is
+// the second argument of execve, the third of execveat.
+
+#[fentry(function = "__x64_sys_execve")]
+pub fn execve_syscall_fentry(ctx: FEntryContext) -> u32 {
+    if let Some(argv) = syscall_arg(ctx.arg(0), 1) {
+        let _ = save_argv(argv);
+    }
+    0
+}
+
+#[kprobe]
+pub fn execve_syscall_kprobe(ctx: ProbeContext) -> u32 {
+    if let Some(argv) = syscall_arg(ctx.arg(0).unwrap_or(0), 1) {
+        let _ = save_argv(argv);
+    }
+    0
+}
+
+#[fentry(function = "__x64_sys_execveat")]
+pub fn execveat_syscall_fentry(ctx: FEntryContext) -> u32 {
+    if let Some(argv) = syscall_arg(ctx.arg(0), 2) {
+        let _ = save_argv(argv);
+    }
+    0
+}
+
+#[kprobe]
+pub fn execveat_syscall_kprobe(ctx: ProbeContext) -> u32 {
+    if let Some(argv) = syscall_arg(ctx.arg(0).unwrap_or(0), 2) {
+        let _ = save_argv(argv);
+    }
+    0
+}
+
+fn save_argv(argv: u64) -> Result<(), i32> {
     let argv = argv as *const *const u8;
     let scratch = EXEC_SCRATCH.get_ptr_mut(0).ok_or(0)?;
     // SAFETY: per-CPU scratch slot; user pointers are only read through the helpers.
@@ -149,10 +187,26 @@ pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_exit_group(ctx: TracePointContext) -> u32 {
-    let code: u64 = field(&ctx, cfg(|c| c.exit_code)).unwrap_or(0);
+    save_exit_code(field(&ctx, cfg(|c| c.exit_code)).unwrap_or(0));
+    0
+}
+
+#[fentry(function = "__x64_sys_exit_group")]
+pub fn exit_group_syscall_fentry(ctx: FEntryContext) -> u32 {
+    save_exit_code(syscall_arg(ctx.arg(0), 0).unwrap_or(0));
+    0
+}
+
+#[kprobe]
+pub fn exit_group_syscall_kprobe(ctx: ProbeContext) -> u32 {
+    save_exit_code(syscall_arg(ctx.arg(0).unwrap_or(0), 0).unwrap_or(0));
+    0
+}
+
+#[inline(always)]
+fn save_exit_code(code: u64) {
     let (tgid, _) = ids();
     let _ = EXIT_CODES.insert(&tgid, &(code as i32), 0);
-    0
 }
 
 #[tracepoint]

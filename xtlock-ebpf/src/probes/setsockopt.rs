@@ -1,13 +1,16 @@
 //! Legacy xtables table swaps: `setsockopt(IPT_SO_SET_REPLACE / IPT_SO_SET_ADD_COUNTERS)`
 //! and their ip6t, arpt and ebt twins. Their duration is the kernel's part of a hold.
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{fentry, fexit, kprobe, kretprobe, tracepoint},
+    programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext, TracePointContext},
+};
 use xtlock_common::{
     EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IP, SOL_IPV6,
     XT_SO_SET_ADD_COUNTERS, XT_SO_SET_REPLACE,
 };
 
 use crate::{
-    emit::{cfg, field, header, ids, now, output},
+    emit::{cfg, field, header, ids, now, output, syscall_arg},
     SOCKOPT_INFLIGHT,
 };
 
@@ -32,10 +35,57 @@ fn is_xtables(level: u32, optname: u32) -> bool {
 pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field(&ctx, cfg(|c| c.sso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field(&ctx, cfg(|c| c.sso_optname)).unwrap_or(u64::MAX);
+    enter(level, optname, || {
+        field(&ctx, cfg(|c| c.sso_optlen)).unwrap_or(0)
+    });
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
+    exit(field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0));
+    0
+}
+
+// The same on the syscall's function: `setsockopt(fd, level, optname, optval, optlen)`.
+
+#[inline(always)]
+fn enter_regs(regs: u64) {
+    let level = syscall_arg(regs, 1).unwrap_or(u64::MAX);
+    let optname = syscall_arg(regs, 2).unwrap_or(u64::MAX);
+    enter(level, optname, || syscall_arg(regs, 4).unwrap_or(0));
+}
+
+#[fentry(function = "__x64_sys_setsockopt")]
+pub fn setsockopt_syscall_fentry(ctx: FEntryContext) -> u32 {
+    enter_regs(ctx.arg(0));
+    0
+}
+
+#[fexit(function = "__x64_sys_setsockopt")]
+pub fn setsockopt_syscall_fexit(ctx: FExitContext) -> u32 {
+    exit(ctx.arg(1));
+    0
+}
+
+#[kprobe]
+pub fn setsockopt_syscall_kprobe(ctx: ProbeContext) -> u32 {
+    enter_regs(ctx.arg(0).unwrap_or(0));
+    0
+}
+
+#[kretprobe]
+pub fn setsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
+    exit(ctx.ret());
+    0
+}
+
+#[inline(always)]
+fn enter(level: u64, optname: u64, optlen: impl Fn() -> u64) {
     if !is_xtables(level as u32, optname as u32) {
-        return 0;
+        return;
     }
-    let optlen: u64 = field(&ctx, cfg(|c| c.sso_optlen)).unwrap_or(0);
+    let optlen = optlen();
     let (_, tid) = ids();
     let enter = SockoptEnter {
         enter_ns: now(),
@@ -45,18 +95,16 @@ pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
         _pad: 0,
     };
     let _ = SOCKOPT_INFLIGHT.insert(&tid, &enter, 0);
-    0
 }
 
-#[tracepoint]
-pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
+#[inline(always)]
+fn exit(ret: i64) {
     let (_, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
     let Some(enter) = (unsafe { SOCKOPT_INFLIGHT.get(&tid) }).copied() else {
-        return 0;
+        return;
     };
     let _ = SOCKOPT_INFLIGHT.remove(&tid);
-    let ret: i64 = field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0);
     let ev = TableReplaceEvent {
         hdr: header(EventKind::TableReplace, now()),
         enter_ns: enter.enter_ns,
@@ -67,5 +115,4 @@ pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
         _pad: 0,
     };
     output(&ev);
-    0
 }

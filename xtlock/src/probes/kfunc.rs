@@ -415,17 +415,36 @@ fn explain(e: &dyn std::error::Error) -> String {
     }
 }
 
+/// aya's parse of vmlinux BTF, shared by the fentry attaches of one load: each parse takes
+/// 0.1 s on a fast machine and seconds on a slow one. [`forget_btf`] frees it after load.
+static AYA_BTF: std::sync::Mutex<Option<std::sync::Arc<aya::Btf>>> = std::sync::Mutex::new(None);
+
+fn aya_btf() -> Result<std::sync::Arc<aya::Btf>, String> {
+    let mut cached = AYA_BTF.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(b) = cached.as_ref() {
+        return Ok(b.clone());
+    }
+    let b = std::sync::Arc::new(aya::Btf::from_sys_fs().map_err(|e| format!("kernel BTF: {e}"))?);
+    *cached = Some(b.clone());
+    Ok(b)
+}
+
+/// Frees the parsed BTF kept for fentry attaches (tens of MB).
+pub fn forget_btf() {
+    *AYA_BTF.lock().unwrap_or_else(|e| e.into_inner()) = None;
+}
+
 fn attach_fentry(ebpf: &mut Ebpf, hook: &KfuncHook, function: &str) -> Result<(), String> {
-    let btf = aya::Btf::from_sys_fs().map_err(|e| format!("kernel BTF: {e}"))?;
+    let btf = aya_btf()?;
     let res = (|| {
         if let Some(name) = hook.fentry {
             let p: &mut FEntry = program(ebpf, name)?;
-            p.load(function, &btf).map_err(|e| explain(&e))?;
+            p.load(function, btf.as_ref()).map_err(|e| explain(&e))?;
             p.attach().map_err(|e| explain(&e))?;
         }
         if let Some(name) = hook.fexit {
             let p: &mut FExit = program(ebpf, name)?;
-            p.load(function, &btf).map_err(|e| explain(&e))?;
+            p.load(function, btf.as_ref()).map_err(|e| explain(&e))?;
             p.attach().map_err(|e| explain(&e))?;
         }
         Ok(())

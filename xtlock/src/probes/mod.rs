@@ -94,6 +94,63 @@ pub const FLOCK_SYSCALL: KfuncHook = KfuncHook {
     setup: None,
 };
 
+/// A syscall's function (`__x64_sys_NAME`, `__arm64_sys_NAME`) as the fallback of its
+/// tracepoints.
+const fn syscall_fn(
+    name: &'static str,
+    purpose: &'static str,
+    functions: &'static [&'static str],
+    entry: (&'static str, &'static str),
+    exit: Option<(&'static str, &'static str)>,
+) -> KfuncHook {
+    KfuncHook {
+        name,
+        purpose,
+        functions,
+        module: None,
+        fentry: Some(entry.0),
+        fexit: match exit {
+            Some(e) => Some(e.0),
+            None => None,
+        },
+        kprobe: Some(entry.1),
+        kretprobe: match exit {
+            Some(e) => Some(e.1),
+            None => None,
+        },
+        setup: None,
+    }
+}
+
+pub const EXECVE_SYSCALL: KfuncHook = syscall_fn(
+    "execve_syscall",
+    "command lines of new programs (execve)",
+    &["__x64_sys_execve", "__arm64_sys_execve"],
+    ("execve_syscall_fentry", "execve_syscall_kprobe"),
+    None,
+);
+pub const EXECVEAT_SYSCALL: KfuncHook = syscall_fn(
+    "execveat_syscall",
+    "command lines of new programs (execveat)",
+    &["__x64_sys_execveat", "__arm64_sys_execveat"],
+    ("execveat_syscall_fentry", "execveat_syscall_kprobe"),
+    None,
+);
+pub const EXIT_GROUP_SYSCALL: KfuncHook = syscall_fn(
+    "exit_group_syscall",
+    "exit status",
+    &["__x64_sys_exit_group", "__arm64_sys_exit_group"],
+    ("exit_group_syscall_fentry", "exit_group_syscall_kprobe"),
+    None,
+);
+pub const SETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
+    "setsockopt_syscall",
+    "legacy table replaces",
+    &["__x64_sys_setsockopt", "__arm64_sys_setsockopt"],
+    ("setsockopt_syscall_fentry", "setsockopt_syscall_kprobe"),
+    Some(("setsockopt_syscall_fexit", "setsockopt_syscall_kretprobe")),
+);
+
 /// Hooks that exist only on kernel functions, attached after the tracepoints.
 pub const KFUNC_HOOKS: &[&KfuncHook] = &[
     &nft_commit::HOOK,
@@ -147,7 +204,7 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_execve",
         required: false,
         purpose: "command lines of new programs (execve)",
-        fallback: None,
+        fallback: Some(&EXECVE_SYSCALL),
         paired_with: None,
     },
     Hook {
@@ -156,7 +213,7 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_execveat",
         required: false,
         purpose: "command lines of new programs (execveat)",
-        fallback: None,
+        fallback: Some(&EXECVEAT_SYSCALL),
         paired_with: None,
     },
     Hook {
@@ -183,7 +240,7 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_exit_group",
         required: false,
         purpose: "exit status (iptables exits 4 when it gave up waiting for the lock)",
-        fallback: None,
+        fallback: Some(&EXIT_GROUP_SYSCALL),
         paired_with: None,
     },
     Hook {
@@ -201,7 +258,7 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_setsockopt",
         required: false,
         purpose: "start of a legacy table replace (IPT_SO_SET_REPLACE) inside a hold",
-        fallback: None,
+        fallback: Some(&SETSOCKOPT_SYSCALL),
         paired_with: None,
     },
     Hook {
@@ -211,7 +268,7 @@ pub const HOOKS: &[Hook] = &[
         required: false,
         purpose: "end of a legacy table replace: the kernel's share of a hold",
         fallback: None,
-        paired_with: None,
+        paired_with: Some("sys_enter_setsockopt"),
     },
     Hook {
         program: DROP_PROGRAM,
@@ -316,15 +373,21 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     })
 }
 
-/// Where a syscall's second argument lives in the user `pt_regs`, for hooks on syscall
-/// functions: `si` on x86-64, `regs[1]` on arm64. Left at 0 (the fallbacks then read a wrong
-/// command, so they are not offered) when BTF has neither.
+/// Where a syscall's first five arguments live in the user `pt_regs`, for hooks on syscall
+/// functions: `di si dx r10 r8` on x86-64, `regs[0..5]` on arm64. Left at 0 when BTF has
+/// neither: the programs then read no arguments rather than wrong ones.
 fn discover_syscall_regs(c: &mut ProbeConfig, btf: &Result<btf::Btf, btf::BtfError>) {
     let Ok(b) = btf else { return };
-    if let Ok(off) = b.member_offset("pt_regs", "si") {
-        c.regs_arg1 = off;
+    let x86: Result<Vec<u32>, _> = ["di", "si", "dx", "r10", "r8"]
+        .iter()
+        .map(|r| b.member_offset("pt_regs", r))
+        .collect();
+    if let Ok(v) = x86 {
+        c.regs_args.copy_from_slice(&v);
     } else if let Ok(off) = b.member_offset("pt_regs", "regs") {
-        c.regs_arg1 = off + 8;
+        for (i, slot) in c.regs_args.iter_mut().enumerate() {
+            *slot = off + 8 * i as u32;
+        }
     }
 }
 
@@ -651,7 +714,11 @@ impl Probes {
                             .kfunc
                             .filter
                             .blocks(hook.program, AttachKind::Tracepoint)
-                        {
+                            .or_else(|| {
+                                disc.kfunc
+                                    .filter
+                                    .blocks(hook.category, AttachKind::Tracepoint)
+                            }) {
                             Some(why) => Err(why),
                             None => attach_tracepoint(&mut ebpf, hook),
                         },
@@ -711,6 +778,7 @@ impl Probes {
                 error,
             });
         }
+        kfunc::forget_btf();
         for s in status
             .iter()
             .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
@@ -763,7 +831,12 @@ impl Probes {
         );
         // BTF facts stay those of start: a module's functions are never in vmlinux BTF.
         self.kfunc.symbols = fresh.symbols;
-        let btf = btf::Btf::vmlinux().ok();
+        // Parsed only for hooks that need it (seconds on a slow machine).
+        let btf = ready
+            .iter()
+            .any(|h| h.setup.is_some())
+            .then(|| btf::Btf::vmlinux().ok())
+            .flatten();
         let mut changed = Vec::new();
         for hook in ready {
             // Not yet in kallsyms (module still initialising): try again next time.
@@ -782,6 +855,7 @@ impl Probes {
                 changed.push(s.clone());
             }
         }
+        kfunc::forget_btf();
         changed
     }
 

@@ -304,6 +304,13 @@ fn hold_text(h: &HoldFact) -> String {
             h.replaces,
             if h.replaces == 1 { "" } else { "s" }
         );
+        if h.swap_ns > 0 {
+            let _ = write!(
+                s,
+                " ({} swapping tables, waiting for every CPU)",
+                human_ns(h.swap_ns)
+            );
+        }
     }
     if h.open {
         s.push_str(" [still held when tracing ended]");
