@@ -423,6 +423,52 @@ fn go_style_polling_is_counted() {
     assert_eq!(holds[0]["role"], "firewall");
 }
 
+/// The lock is already held when tracing starts, as during an incident: xtlock reads
+/// /proc/locks and reports the hold (`before_start`, its length a lower bound) with its
+/// holder, names it as the holder of whoever waits behind it, and ends it at the holder's
+/// release.
+#[test]
+fn hold_taken_before_tracing_is_reported() {
+    if !require_bpf("hold_taken_before_tracing_is_reported") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("before");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let kube_proxy = s.agent("kube-proxy");
+    let calico = s.agent("calico-node");
+    let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "600000"], &[], None);
+    kp.ts("acquired", T);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &["--no-drops"]);
+    let mut cn = Agent::spawn(&calico, &["hold", lock_s, "10"], &[], None);
+    cn.ts("locking", T);
+    // Let calico-node block in flock() first.
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = kp.child.kill();
+    let _ = kp.child.wait();
+    cn.ts("acquired", T);
+    assert_eq!(cn.wait(), 0);
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    let holds = holds_by(&trace, "kube-proxy");
+    assert_eq!(holds.len(), 1, "{dump}");
+    let h = holds[0];
+    assert_eq!(h["before_start"], true, "{h}");
+    assert_eq!(u(&h["pid"]), u64::from(kp.child.id()), "{h}");
+    assert_eq!(h["open"], false, "ended at the holder's death: {h}");
+    assert!(u(&h["hold_ns"]) >= 500_000_000, "{h}");
+    let waits: Vec<&Value> = trace
+        .of_type("wait")
+        .into_iter()
+        .filter(|w| w["agent"] == "calico-node")
+        .collect();
+    assert_eq!(waits.len(), 1, "{dump}");
+    assert_eq!(waits[0]["holders"][0]["agent"], "kube-proxy", "{dump}");
+    assert_eq!(waits[0]["outcome"], "acquired", "{dump}");
+}
+
 /// A forked child inherits the locked open file description: the hold is one hold, owned by
 /// the file, and ends when the child closes it, not when the parent does.
 #[test]

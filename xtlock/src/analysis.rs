@@ -5,10 +5,12 @@
 //! Hot path: lock events arrive at more than a million per second under load, so an event
 //! that produces no fact allocates nothing; strings are built only for emitted facts.
 
+use std::sync::Arc;
+
 use serde::Serialize;
 
-use crate::attribution::{is_xtables_tool, Attributor, ChainLink};
-use crate::decode::{Event, ExecEvent, ExitEvent};
+use crate::attribution::{is_xtables_comm, is_xtables_tool, Attributor, ChainLink};
+use crate::decode::{Argv, Event, ExecEvent, ExitEvent};
 use crate::drops::DropTracker;
 pub use crate::drops::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, DropSummary,
@@ -21,6 +23,7 @@ pub use crate::lock::{
     FailedTryFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome, WatchedLock,
 };
 use crate::procs::{basename, ProcTable};
+use crate::shared::SharedStr;
 use crate::stats::Stats;
 pub use crate::stats::Summary;
 
@@ -79,22 +82,22 @@ pub struct ExecFact {
     pub ts_ns: u64,
     pub pid: u32,
     pub ppid: u32,
-    pub comm: String,
-    pub filename: String,
-    pub argv: Vec<String>,
+    pub comm: SharedStr,
+    pub filename: SharedStr,
+    pub argv: Argv,
     pub argv_truncated: bool,
     /// argv joined by spaces (`" ..."` appended when truncated).
-    pub cmdline: String,
+    pub cmdline: SharedStr,
     /// The caller.
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
     pub agent_pid: u32,
     /// From the new process up to the oldest known ancestor.
-    pub chain: Vec<ChainLink>,
+    pub chain: Arc<[ChainLink]>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
 }
 
 /// An iptables-family process ended.
@@ -102,10 +105,10 @@ pub struct ExecFact {
 pub struct ExitFact {
     pub ts_ns: u64,
     pub pid: u32,
-    pub comm: String,
+    pub comm: SharedStr,
     /// Exit status; `None` (JSON null) when killed by a signal.
     pub code: Option<i32>,
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
     /// Since its exec, when that was seen.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -166,7 +169,7 @@ impl Analyzer {
             .open_holders()
             .filter(|(_, start, _)| *start < t1)
             .map(|(lock, start, who)| HoldRef {
-                lock: lock.to_string(),
+                lock: lock.clone(),
                 pid: who.pid,
                 agent: who.agent.clone(),
                 comm: who.comm.clone(),
@@ -271,6 +274,7 @@ impl Analyzer {
                     if let Some(f) = exit_fact(&self.procs, &mut self.attr, e, timeout) {
                         emit(Output::Exit(f));
                     }
+                    self.attr.forget(e.tgid);
                 }
                 self.procs.apply(ev);
             }
@@ -363,7 +367,9 @@ impl Analyzer {
     pub fn open_holders(
         &self,
     ) -> impl Iterator<Item = (&str, u64, &crate::attribution::Attribution)> {
-        self.locks.open_holders()
+        self.locks
+            .open_holders()
+            .map(|(lock, start, who)| (lock.as_str(), start, who))
     }
 
     pub fn procs(&self) -> &ProcTable {
@@ -377,8 +383,7 @@ impl Analyzer {
 }
 
 fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<ExecFact> {
-    let comm = e.comm.as_str();
-    if !is_xtables_tool(&comm) && !is_xtables_tool(basename(&e.filename)) {
+    if !is_xtables_comm(&e.comm) && !is_xtables_tool(basename(&e.filename)) {
         return None;
     }
     let who = attr.get(procs, e.tgid, &e.comm);
@@ -386,7 +391,7 @@ fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<
         ts_ns: e.ts_ns,
         pid: e.tgid,
         ppid: procs.get(e.tgid).map_or(0, |p| p.ppid),
-        comm: comm.into_owned(),
+        comm: who.comm.clone(),
         filename: e.filename.clone(),
         argv: e.argv.clone(),
         argv_truncated: e.argv_truncated,
@@ -407,8 +412,8 @@ fn exit_fact(
     lock_timeout: bool,
 ) -> Option<ExitFact> {
     let p = procs.get(e.tgid).filter(|p| p.is_alive());
-    let tool = crate::attribution::is_xtables_tool(&e.comm.as_str())
-        || p.is_some_and(|p| is_xtables_tool(&p.comm.as_str()) || is_xtables_tool(p.exe_name()));
+    let tool = is_xtables_comm(&e.comm)
+        || p.is_some_and(|p| is_xtables_comm(&p.comm) || is_xtables_tool(p.exe_name()));
     if !tool {
         return None;
     }

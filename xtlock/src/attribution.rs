@@ -5,13 +5,13 @@
 //! often run through a shell or inside a container by a runtime shim; the culprit is the
 //! nearest ancestor that is none of those.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde::Serialize;
 
 use crate::decode::Comm;
-use crate::procs::{basename, ProcTable};
+use crate::procs::{FastMap, ProcTable};
+use crate::shared::SharedStr;
 
 /// Binaries of the xtables/nftables family (comm prefixes; comm is cut to 15 bytes).
 const XTABLES_PREFIXES: &[&[u8]] = &[
@@ -40,6 +40,11 @@ pub fn is_xtables_tool(name: &str) -> bool {
 /// Like [`is_xtables_tool`], without `nft`: the tools that lock `/run/xtables.lock`.
 pub fn is_locking_tool(name: &str) -> bool {
     has_prefix(name.as_bytes(), LOCKING_PREFIXES)
+}
+
+/// [`is_xtables_tool`] on a raw comm, without converting it (hot path).
+pub fn is_xtables_comm(comm: &Comm) -> bool {
+    has_prefix(&comm.0, XTABLES_PREFIXES)
 }
 
 /// [`is_locking_tool`] on a raw comm, without allocating (hot path).
@@ -86,60 +91,77 @@ pub fn role_of(agent: &str) -> &'static str {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct ChainLink {
     pub pid: u32,
-    pub comm: String,
+    pub comm: SharedStr,
 }
 
-/// Who is behind a pid.
+/// Who is behind a pid. Its strings are shared with every fact that names the process.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Attribution {
     pub pid: u32,
     /// The process's own comm.
-    pub comm: String,
+    pub comm: SharedStr,
     /// Its argv joined by spaces, empty when unknown.
-    pub cmdline: String,
+    pub cmdline: SharedStr,
     /// Comm of the nearest ancestor (itself included) that is not a tool, shell or shim.
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
     pub agent_pid: u32,
     /// From the process up.
-    pub chain: Vec<ChainLink>,
-    pub pod_uid: Option<String>,
-    pub container_id: Option<String>,
+    pub chain: Arc<[ChainLink]>,
+    pub pod_uid: Option<SharedStr>,
+    pub container_id: Option<SharedStr>,
 }
 
 /// Attributes `pid`. `comm` names the process when the table does not know it.
 pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
-    let mut chain = Vec::new();
-    let mut agent: Option<(u32, String)> = None;
-    let mut cgroup: Option<&str> = None;
-    let mut cmdline = String::new();
-    let mut own_comm = None;
+    attribute_into(procs, pid, comm, &mut Vec::new(), &mut Vec::new())
+}
+
+/// [`attribute`] with the caller's buffers: `chain` (left empty) for the links, `stamps`
+/// (cleared, then filled) for the stamps of the entries the chain was built from.
+fn attribute_into(
+    procs: &ProcTable,
+    pid: u32,
+    comm: &Comm,
+    chain: &mut Vec<ChainLink>,
+    stamps: &mut Vec<u64>,
+) -> Attribution {
+    chain.clear();
+    stamps.clear();
+    let mut agent: Option<(u32, SharedStr)> = None;
+    let mut cgroup = None;
+    let mut cmdline = SharedStr::empty();
     for p in procs.ancestors(pid) {
-        let c = p.comm.to_string();
         if chain.is_empty() {
-            cmdline = p.cmdline();
-            own_comm = Some(c.clone());
+            cmdline = p.cmdline_shared();
         }
         if cgroup.is_none() {
-            cgroup = p.cgroup.as_deref();
+            cgroup = p.cgroup.as_ref();
         }
-        if agent.is_none() && !is_skipped(&c) && !is_skipped(basename(&p.filename)) {
-            agent = Some((p.pid, c.clone()));
+        if agent.is_none() && !is_skipped(&p.name) && !is_skipped(p.exe_name()) {
+            agent = Some((p.pid, p.name.clone()));
         }
         chain.push(ChainLink {
             pid: p.pid,
-            comm: c,
+            comm: p.name.clone(),
         });
+        stamps.push(p.stamp);
     }
-    let own_comm = own_comm.unwrap_or_else(|| comm.to_string());
-    if chain.is_empty() {
-        chain.push(ChainLink {
-            pid,
-            comm: own_comm.clone(),
-        });
-    }
+    let own_comm = match chain.first() {
+        Some(l) => l.comm.clone(),
+        None => {
+            let own = SharedStr::from(comm.as_str().as_ref());
+            chain.push(ChainLink {
+                pid,
+                comm: own.clone(),
+            });
+            own
+        }
+    };
     let (agent_pid, agent) = agent.unwrap_or_else(|| (pid, own_comm.clone()));
-    let id = cgroup.map(parse_cgroup).unwrap_or_default();
+    let (pod_uid, container_id) = cgroup.map_or((None, None), |c| {
+        (c.identity.pod_uid.clone(), c.identity.container_id.clone())
+    });
     Attribution {
         pid,
         comm: own_comm,
@@ -147,17 +169,18 @@ pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
         role: role_of(&agent),
         agent,
         agent_pid,
-        chain,
-        pod_uid: id.pod_uid,
-        container_id: id.container_id,
+        // Moved out of the buffer in one allocation.
+        chain: chain.drain(..).collect(),
+        pod_uid,
+        container_id,
     }
 }
 
 /// Pod and container named by a cgroup path.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CgroupIdentity {
-    pub pod_uid: Option<String>,
-    pub container_id: Option<String>,
+    pub pod_uid: Option<SharedStr>,
+    pub container_id: Option<SharedStr>,
 }
 
 /// Reads pod UID and container ID out of a cgroup path (or a `/proc/PID/cgroup` line).
@@ -171,9 +194,9 @@ pub fn parse_cgroup(line: &str) -> CgroupIdentity {
     let mut id = CgroupIdentity::default();
     for comp in path.split('/').filter(|c| !c.is_empty()) {
         if let Some(uid) = pod_uid_of(comp) {
-            id.pod_uid = Some(uid);
+            id.pod_uid = Some(SharedStr::from(uid));
         } else if let Some(cid) = container_id_of(comp) {
-            id.container_id = Some(cid.to_string());
+            id.container_id = Some(SharedStr::from(cid));
         }
     }
     id
@@ -221,18 +244,39 @@ fn container_id_of(comp: &str) -> Option<&str> {
 }
 
 /// Remembers attributions per pid, so a daemon locking a million times does not walk and
-/// allocate its chain a million times. Bounded: cleared when it grows too big.
+/// allocate its chain a million times. An entry stays valid while the chain it was built
+/// from is unchanged: the same table entries (by their [`Proc::stamp`]) in the same order,
+/// so forks, execs and exits elsewhere on the node do not invalidate it. Bounded: cleared
+/// when it grows too big.
+///
+/// [`Proc::stamp`]: crate::procs::Proc::stamp
 #[derive(Debug, Default)]
 pub struct Attributor {
-    cache: HashMap<u32, Cached>,
+    cache: FastMap<u32, Cached>,
+    /// Reused for the links of each chain built.
+    chain: Vec<ChainLink>,
 }
 
 #[derive(Debug)]
 struct Cached {
-    generation: Option<u64>,
-    epoch: u64,
+    /// Stamps of the chain's entries, from the process up; empty for an unknown pid.
+    stamps: Vec<u64>,
+    /// The event's comm, which names an unknown pid.
     comm: Comm,
     attr: Arc<Attribution>,
+}
+
+impl Cached {
+    fn is_current(&self, procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
+        let mut n = 0;
+        for p in procs.ancestors(pid) {
+            if self.stamps.get(n) != Some(&p.stamp) {
+                return false;
+            }
+            n += 1;
+        }
+        n == self.stamps.len() && (n > 0 || self.comm == *comm)
+    }
 }
 
 const CACHE_MAX: usize = 4096;
@@ -244,30 +288,38 @@ impl Attributor {
 
     /// The attribution of `pid` now; `comm` is the event's comm for unknown pids.
     pub fn get(&mut self, procs: &ProcTable, pid: u32, comm: &Comm) -> Arc<Attribution> {
-        let generation = procs.get(pid).map(|p| p.generation);
-        let epoch = procs.epoch();
-        if let Some(c) = self.cache.get(&pid) {
-            if c.generation == generation
-                && c.epoch == epoch
-                && (generation.is_some() || c.comm == *comm)
-            {
-                return c.attr.clone();
-            }
-        }
-        let attr = Arc::new(attribute(procs, pid, comm));
-        if self.cache.len() >= CACHE_MAX {
+        let stale = match self.cache.get_mut(&pid) {
+            Some(c) if c.is_current(procs, pid, comm) => return c.attr.clone(),
+            Some(c) => Some(std::mem::take(&mut c.stamps)),
+            None => None,
+        };
+        // The replaced entry's buffer is reused.
+        let mut stamps = stale.unwrap_or_default();
+        let attr = Arc::new(attribute_into(
+            procs,
+            pid,
+            comm,
+            &mut self.chain,
+            &mut stamps,
+        ));
+        if self.cache.len() >= CACHE_MAX && !self.cache.contains_key(&pid) {
             self.cache.clear();
         }
         self.cache.insert(
             pid,
             Cached {
-                generation,
-                epoch,
+                stamps,
                 comm: *comm,
                 attr: attr.clone(),
             },
         );
         attr
+    }
+
+    /// Drops what is cached for `pid` (its process exited: nothing asks for it again, and
+    /// the cache then holds live processes only).
+    pub fn forget(&mut self, pid: u32) {
+        self.cache.remove(&pid);
     }
 }
 
@@ -333,7 +385,7 @@ mod tests {
         assert_eq!(a.agent, "mystery");
         assert_eq!(a.comm, "mystery");
         assert_eq!(
-            a.chain,
+            *a.chain,
             [ChainLink {
                 pid: 999,
                 comm: "mystery".into()

@@ -8,6 +8,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use xtlock_common as common;
 
+use crate::shared::SharedStr;
+
 /// A task's `comm`: 16 bytes, NUL-padded. Kept inline so lock events do not allocate.
 #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct Comm(pub [u8; common::COMM_LEN]);
@@ -50,6 +52,118 @@ fn cstr(b: &[u8]) -> &[u8] {
 
 fn string(b: &[u8]) -> String {
     String::from_utf8_lossy(cstr(b)).into_owned()
+}
+
+/// Like [`string`], straight into a [`SharedStr`] (one allocation when the text is UTF-8).
+fn shared(b: &[u8]) -> SharedStr {
+    match String::from_utf8_lossy(cstr(b)) {
+        std::borrow::Cow::Borrowed(s) => SharedStr::from(s),
+        std::borrow::Cow::Owned(s) => SharedStr::from(s),
+    }
+}
+
+/// The arguments of an exec, NUL-separated in one shared allocation: one allocation to
+/// decode, none to hand to the process table, forked children and facts. Arguments are C
+/// strings: they contain no NUL. Serialises as a JSON array of strings.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Argv {
+    text: SharedStr,
+    argc: u32,
+}
+
+impl Argv {
+    pub fn new<S: AsRef<str>>(args: impl IntoIterator<Item = S>) -> Self {
+        let mut text = String::new();
+        let mut argc = 0u32;
+        for a in args {
+            if argc > 0 {
+                text.push('\0');
+            }
+            text.push_str(a.as_ref());
+            argc += 1;
+        }
+        Argv {
+            text: SharedStr::from(text),
+            argc,
+        }
+    }
+
+    /// From the argument slots of an exec event.
+    fn from_slots(slots: &[[u8; common::ARG_LEN]]) -> Self {
+        const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN;
+        let mut buf = [0u8; MAX];
+        let mut n = 0;
+        for (i, slot) in slots.iter().enumerate() {
+            let a = cstr(slot);
+            if std::str::from_utf8(a).is_err() || n + a.len() + 1 > MAX {
+                // Rare: the lossy conversion may grow the text.
+                return Argv::new(slots.iter().map(|a| string(a)));
+            }
+            if i > 0 {
+                buf[n] = 0;
+                n += 1;
+            }
+            buf[n..n + a.len()].copy_from_slice(a);
+            n += a.len();
+        }
+        let text =
+            std::str::from_utf8(&buf[..n]).map_or_else(|_| SharedStr::empty(), SharedStr::from);
+        Argv {
+            text,
+            argc: slots.len() as u32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.argc as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.argc == 0
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.text.split('\0').take(self.argc as usize)
+    }
+
+    /// The arguments joined by spaces.
+    pub fn join(&self) -> String {
+        self.text.replace('\0', " ")
+    }
+
+    /// [`Argv::join`], then `suffix` unless that is empty, as a [`SharedStr`]: one
+    /// allocation for the argv of an exec event.
+    pub fn join_shared(&self, suffix: &str) -> SharedStr {
+        const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN + 16;
+        let text = self.text.as_bytes();
+        let suffix = if text.is_empty() { "" } else { suffix };
+        let n = text.len() + suffix.len();
+        if n > MAX {
+            let mut s = self.join();
+            s.push_str(suffix);
+            return SharedStr::from(s);
+        }
+        let mut buf = [0u8; MAX];
+        for (d, &c) in buf.iter_mut().zip(text) {
+            *d = if c == 0 { b' ' } else { c };
+        }
+        buf[text.len()..n].copy_from_slice(suffix.as_bytes());
+        // NULs (ASCII) became spaces (ASCII) in UTF-8 text: still UTF-8.
+        std::str::from_utf8(&buf[..n])
+            .map_or_else(|_| SharedStr::from(self.join()), SharedStr::from)
+    }
+}
+
+impl fmt::Debug for Argv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl serde::Serialize for Argv {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
 }
 
 /// What a `flock_lock_inode` call on a watched lock did.
@@ -102,8 +216,9 @@ pub struct ExecEvent {
     pub tgid: u32,
     pub tid: u32,
     pub comm: Comm,
-    pub filename: String,
-    pub argv: Vec<String>,
+    pub filename: SharedStr,
+    /// Shared with the process table and the exec fact.
+    pub argv: Argv,
     pub argv_truncated: bool,
 }
 
@@ -184,6 +299,17 @@ pub struct ConntrackFail {
     pub daddr: Option<IpAddr>,
     pub sport: u16,
     pub dport: u16,
+}
+
+/// Synthetic, at the start: a flock already held on a watched lock when tracing began, from
+/// `/proc/locks` (the hold's start and owner are unknown; its holder's pid is not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockSeed {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub dev: u32,
+    pub ino: u64,
+    pub exclusive: bool,
 }
 
 /// A process that existed when tracing started (from /proc), or that userspace looked up
@@ -481,6 +607,8 @@ pub enum Event {
     /// A connection conntrack refused (kernel event).
     ConntrackFail(ConntrackFail),
     XtReplace(XtReplaceEvent),
+    /// Synthetic: a hold that began before tracing did.
+    LockSeed(LockSeed),
     /// Synthetic: exact drop counts of the last interval.
     DropCounts(DropCounts),
     /// Synthetic: conntrack counter deltas of one netns.
@@ -523,6 +651,7 @@ impl Event {
             Event::Drop(e) => e.ts_ns,
             Event::ConntrackFail(e) => e.ts_ns,
             Event::XtReplace(e) => e.ts_ns,
+            Event::LockSeed(e) => e.ts_ns,
             Event::DropCounts(e) => e.ts_ns,
             Event::Conntrack(e) => e.ts_ns,
             Event::Ipvs(e) => e.ts_ns,
@@ -625,8 +754,8 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 tgid: hdr.tgid,
                 tid: hdr.tid,
                 comm: Comm(e.comm),
-                filename: string(&e.filename),
-                argv: e.args[..argc].iter().map(|a| string(a)).collect(),
+                filename: shared(&e.filename),
+                argv: Argv::from_slots(&e.args[..argc]),
                 argv_truncated: e.args_truncated != 0,
             })
         }
@@ -962,7 +1091,27 @@ mod tests {
         let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
             panic!()
         };
-        assert_eq!(d.argv, ["iptables-restore", "-w", "5"]);
+        assert!(d.argv.iter().eq(["iptables-restore", "-w", "5"]));
         assert_eq!(d.filename, "/usr/sbin/ipt-r");
+        assert_eq!(d.argv.join_shared(" ..."), "iptables-restore -w 5 ...");
+        assert_eq!(
+            serde_json::to_string(&d.argv).unwrap(),
+            r#"["iptables-restore","-w","5"]"#
+        );
+    }
+
+    #[test]
+    fn argv_edges() {
+        let none = Argv::default();
+        assert_eq!((none.len(), none.iter().count()), (0, 0));
+        assert_eq!(none.join_shared(" ..."), "");
+        let one_empty = Argv::new([""]);
+        assert!(one_empty.iter().eq([""]));
+        assert_eq!(one_empty.join_shared(" ..."), "");
+        let two_empty = Argv::new(["", ""]);
+        assert_eq!(two_empty.join(), " ");
+        assert_eq!(two_empty.join_shared(" ..."), "  ...");
+        let long = Argv::new(std::iter::repeat_n("x".repeat(100), 20));
+        assert_eq!(long.join_shared("").len(), 20 * 101 - 1);
     }
 }

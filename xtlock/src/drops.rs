@@ -29,6 +29,7 @@ use crate::decode::{
     ConntrackCounters, ConntrackFail, ConntrackStats, CtFailKind, DropCounts, DropSample,
 };
 use crate::lock::HoldFact;
+use crate::shared::SharedStr;
 
 /// Default `--conntrack-warn`: warn when the table is this full (percent).
 pub const DEFAULT_CONNTRACK_WARN_PCT: u32 = 75;
@@ -85,10 +86,10 @@ impl DropClass {
 /// A lock hold a drop happened in.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldRef {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
-    pub agent: String,
-    pub comm: String,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
     pub start_ns: u64,
     /// `None` while the hold is still open.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -201,10 +202,10 @@ pub struct ConntrackFact {
 /// The drops that happened while one hold lasted: `{"type":"hold_drops",...}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldDropsFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
-    pub agent: String,
-    pub comm: String,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
     pub start_ns: u64,
     pub hold_ns: u64,
     /// Drops in the intervals that overlapped the hold.

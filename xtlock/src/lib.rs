@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod probes;
 pub mod procs;
 pub mod serve;
+pub mod shared;
 pub mod sinks;
 pub mod source;
 pub mod stats;

@@ -17,7 +17,6 @@
 //!   reach us just before the old holder's release. A conflicting acquire therefore marks
 //!   the old hold as ending, and its release is awaited for a grace period.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use serde::{Serialize, Serializer};
@@ -25,10 +24,11 @@ use serde::{Serialize, Serializer};
 use crate::analysis::Output;
 use crate::attribution::{is_locking_comm, Attribution, Attributor};
 use crate::decode::{
-    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, NftCommitEvent,
+    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
     TableReplaceEvent, XtReplaceEvent,
 };
-use crate::procs::{basename, ProcTable};
+use crate::procs::{FastMap, ProcTable};
+use crate::shared::SharedStr;
 
 /// How long a hold whose end we inferred waits for its real release (event time).
 pub const GRACE_NS: u64 = 1_000_000_000;
@@ -104,10 +104,10 @@ fn hex<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HolderRef {
     pub pid: u32,
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
-    pub comm: String,
-    pub cmdline: String,
+    pub comm: SharedStr,
+    pub cmdline: SharedStr,
 }
 
 impl From<&Attribution> for HolderRef {
@@ -125,13 +125,13 @@ impl From<&Attribution> for HolderRef {
 /// The lock was held from `start_ns` for `hold_ns`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
-    pub agent: String,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
     pub role: &'static str,
-    pub cmdline: String,
+    pub cmdline: SharedStr,
     pub start_ns: u64,
     pub hold_ns: u64,
     #[serde(serialize_with = "hex")]
@@ -145,14 +145,18 @@ pub struct HoldFact {
     /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
     #[serde(skip_serializing_if = "is_zero")]
     pub swap_ns: u64,
+    /// Held already when tracing began (seen in /proc/locks): `start_ns` is when tracing
+    /// began, so `hold_ns` is a lower bound.
+    #[serde(skip_serializing_if = "is_false")]
+    pub before_start: bool,
     pub agent_pid: u32,
     /// Pid whose close released it, when that was seen.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub released_by: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
     /// Still held when tracing ended: `hold_ns` is a lower bound.
     pub open: bool,
     /// The end was inferred (release lost or late): `hold_ns` is approximate.
@@ -162,13 +166,13 @@ pub struct HoldFact {
 /// Someone waited for the lock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct WaitFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
-    pub agent: String,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
     pub role: &'static str,
-    pub cmdline: String,
+    pub cmdline: SharedStr,
     pub start_ns: u64,
     pub wait_ns: u64,
     /// Everyone who held the lock during the wait, first to last, one entry per pid.
@@ -182,9 +186,9 @@ pub struct WaitFact {
     pub ret: Option<i64>,
     pub agent_pid: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
     /// Part of it was inferred (an event was lost).
     pub incomplete: bool,
 }
@@ -192,11 +196,11 @@ pub struct WaitFact {
 /// One failed non-blocking try.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct FailedTryFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: String,
-    pub agent: String,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
     pub role: &'static str,
     pub ts_ns: u64,
     pub errno: i32,
@@ -209,12 +213,12 @@ pub struct FailedTryFact {
 /// timed-out wait on a watched lock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct TimeoutFact {
-    pub lock: String,
+    pub lock: SharedStr,
     pub pid: u32,
-    pub comm: String,
-    pub cmdline: String,
+    pub comm: SharedStr,
+    pub cmdline: SharedStr,
     /// The caller (the iptables' nearest non-tool ancestor).
-    pub agent: String,
+    pub agent: SharedStr,
     pub role: &'static str,
     pub agent_pid: u32,
     pub ts_ns: u64,
@@ -226,9 +230,9 @@ pub struct TimeoutFact {
     /// Who held the lock while it tried.
     pub holders: Vec<HolderRef>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<String>,
+    pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<String>,
+    pub container_id: Option<SharedStr>,
 }
 
 /// Where the machine looks things up. Borrowed per event.
@@ -262,15 +266,50 @@ struct OpenHold {
     exclusive: bool,
     who: Arc<Attribution>,
     /// Pids/tids that share the owner, and whether they exited.
-    users: Vec<(u32, bool)>,
+    users: Users,
     users_overflow: bool,
     kernel_ns: u64,
     replaces: u32,
     swap_ns: u64,
     incomplete: bool,
+    /// Held when tracing began (from /proc/locks): start and owner unknown.
+    before_start: bool,
     end: Option<PendingEnd>,
     /// [`LockMachine::losses`] when it began.
     losses: u64,
+}
+
+/// Pids/tids sharing a hold's owner, and whether each exited. Nearly always just the one
+/// that took it: that one is kept inline, so a hold allocates nothing.
+#[derive(Debug)]
+struct Users {
+    first: (u32, bool),
+    rest: Vec<(u32, bool)>,
+}
+
+impl Users {
+    fn new(pid: u32) -> Self {
+        Users {
+            first: (pid, false),
+            rest: Vec::new(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        1 + self.rest.len()
+    }
+
+    fn push(&mut self, u: (u32, bool)) {
+        self.rest.push(u);
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &(u32, bool)> {
+        std::iter::once(&self.first).chain(self.rest.iter())
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = &mut (u32, bool)> {
+        std::iter::once(&mut self.first).chain(self.rest.iter_mut())
+    }
 }
 
 #[derive(Debug)]
@@ -300,6 +339,8 @@ struct PollStreak {
 #[derive(Debug)]
 struct LockState {
     lock: WatchedLock,
+    /// `lock.path`, shared by the facts.
+    name: SharedStr,
     holds: Vec<OpenHold>,
     waits: Vec<OpenWait>,
     polls: Vec<PollStreak>,
@@ -340,11 +381,13 @@ fn push_holder(v: &mut Vec<Arc<Attribution>>, who: &Arc<Attribution>) {
 #[derive(Debug)]
 pub struct LockMachine {
     locks: Vec<LockState>,
-    trouble: HashMap<u32, Trouble>,
+    trouble: FastMap<u32, Trouble>,
     /// Earliest event time at which something pending must be settled.
     next_deadline: u64,
     /// Number of `Lost` reports so far.
     losses: u64,
+    /// The last nf_tables commit lock named, by netns: commits come in runs from one netns.
+    nft_name: Option<(u32, SharedStr)>,
 }
 
 impl LockMachine {
@@ -353,15 +396,17 @@ impl LockMachine {
             locks: locks
                 .into_iter()
                 .map(|lock| LockState {
+                    name: SharedStr::from(lock.path.as_str()),
                     lock,
                     holds: Vec::new(),
                     waits: Vec::new(),
                     polls: Vec::new(),
                 })
                 .collect(),
-            trouble: HashMap::new(),
+            trouble: FastMap::default(),
             next_deadline: u64::MAX,
             losses: 0,
+            nft_name: None,
         }
     }
 
@@ -380,12 +425,10 @@ impl LockMachine {
     }
 
     /// Open holds right now, as (lock path, start, holder).
-    pub fn open_holders(&self) -> impl Iterator<Item = (&str, u64, &Attribution)> {
-        self.locks.iter().flat_map(|l| {
-            l.holds
-                .iter()
-                .map(move |h| (l.lock.path.as_str(), h.start_ns, &*h.who))
-        })
+    pub fn open_holders(&self) -> impl Iterator<Item = (&SharedStr, u64, &Attribution)> {
+        self.locks
+            .iter()
+            .flat_map(|l| l.holds.iter().map(move |h| (&l.name, h.start_ns, &*h.who)))
     }
 
     fn lock_index(&mut self, dev: u32, ino: u64) -> Option<usize> {
@@ -404,6 +447,7 @@ impl LockMachine {
         let path = format!("dev {}:{} ino {}", dev >> 20, dev & 0xf_ffff, ino);
         tracing::info!(%path, "lock events for an inode that was not configured");
         self.locks.push(LockState {
+            name: SharedStr::from(path.as_str()),
             lock: WatchedLock { path, dev, ino },
             holds: Vec::new(),
             waits: Vec::new(),
@@ -429,7 +473,18 @@ impl LockMachine {
             Event::Fork(f) => self.on_fork(f),
             Event::TableReplace(t) => self.on_table_replace(t),
             Event::XtReplace(x) => self.on_xt_replace(x),
-            Event::NftCommit(c) => out(Output::Hold(nft_commit_hold(c, cx))),
+            Event::LockSeed(l) => self.on_seed(l, cx),
+            Event::NftCommit(c) => {
+                let lock = match &self.nft_name {
+                    Some((netns, name)) if *netns == c.netns => name.clone(),
+                    _ => {
+                        let name = nft_commit_lock(c.netns);
+                        self.nft_name = Some((c.netns, name.clone()));
+                        name
+                    }
+                };
+                out(Output::Hold(nft_commit_hold(c, lock, cx)))
+            }
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
             }
@@ -482,7 +537,7 @@ impl LockMachine {
         {
             let h = st.holds.remove(i);
             out(Output::Hold(hold_fact(
-                &st.lock, &h, e.ts_ns, false, true, None,
+                &st.name, &h, e.ts_ns, false, true, None,
             )));
         }
         if let Some(h) = st
@@ -501,7 +556,7 @@ impl LockMachine {
                 if st.holds[i].owner == e.owner {
                     let h = st.holds.remove(i);
                     let at = h.end.map_or(e.ts_ns, |p| p.at_ns);
-                    out(Output::Hold(hold_fact(&st.lock, &h, at, false, true, None)));
+                    out(Output::Hold(hold_fact(&st.name, &h, at, false, true, None)));
                 } else {
                     i += 1;
                 }
@@ -538,12 +593,13 @@ impl LockMachine {
                 start_ns: e.ts_ns,
                 exclusive,
                 who,
-                users: vec![(e.tgid, false)],
+                users: Users::new(e.tgid),
                 users_overflow: false,
                 kernel_ns: 0,
                 replaces: 0,
                 swap_ns: 0,
                 incomplete: false,
+                before_start: false,
                 end: None,
                 losses,
             });
@@ -561,7 +617,7 @@ impl LockMachine {
         if let Some(i) = st.polls.iter().position(|p| p.pid == e.tgid) {
             let p = st.polls.swap_remove(i);
             emit_wait(
-                &st.lock,
+                &st.name,
                 WaitEnd {
                     pid: p.pid,
                     tid: p.tid,
@@ -648,7 +704,7 @@ impl LockMachine {
             .map(|h| h.who.clone())
             .collect();
         out(Output::FailedTry(FailedTryFact {
-            lock: st.lock.path.clone(),
+            lock: st.name.clone(),
             pid: e.tgid,
             tid: e.tid,
             comm: who.comm.clone(),
@@ -689,7 +745,7 @@ impl LockMachine {
             }
         }
         if let Some(p) = ended {
-            end_poll(&self.locks[li].lock, p, WaitOutcome::TimedOut, cx, out);
+            end_poll(&self.locks[li].name, p, WaitOutcome::TimedOut, cx, out);
         }
         if is_locking_comm(&e.comm) {
             let t = self.trouble_of(e.tgid, li, e.ts_ns);
@@ -702,9 +758,44 @@ impl LockMachine {
         self.deadline(e.ts_ns.saturating_add(POLL_GAP_NS));
     }
 
+    /// A hold in place when tracing began: its holder's pid is known, not its owner; its
+    /// release is the first one from that process.
+    fn on_seed(&mut self, s: &LockSeed, cx: &mut Ctx<'_>) {
+        let Some(li) = self.lock_index(s.dev, s.ino) else {
+            return;
+        };
+        let who = cx.who(s.pid, &Comm::default());
+        self.locks[li].holds.push(OpenHold {
+            owner: 0,
+            pid: s.pid,
+            tid: s.pid,
+            start_ns: s.ts_ns,
+            exclusive: s.exclusive,
+            who,
+            users: Users::new(s.pid),
+            users_overflow: false,
+            kernel_ns: 0,
+            replaces: 0,
+            swap_ns: 0,
+            incomplete: false,
+            before_start: true,
+            end: None,
+            losses: self.losses,
+        });
+    }
+
     fn on_released(&mut self, li: usize, e: &LockEvent, out: &mut dyn FnMut(Output)) {
         let st = &mut self.locks[li];
-        let Some(i) = st.holds.iter().position(|h| h.owner == e.owner) else {
+        let found = st
+            .holds
+            .iter()
+            .position(|h| h.owner == e.owner)
+            .or_else(|| {
+                st.holds
+                    .iter()
+                    .position(|h| h.before_start && h.users.iter().any(|u| u.0 == e.tgid))
+            });
+        let Some(i) = found else {
             // close() of any descriptor of the file while someone holds it, or the hold
             // began before tracing, or its acquire was lost.
             tracing::trace!(pid = e.tgid, owner = e.owner, "release without a hold");
@@ -716,7 +807,7 @@ impl LockMachine {
             _ => e.ts_ns,
         };
         out(Output::Hold(hold_fact(
-            &st.lock,
+            &st.name,
             &h,
             end,
             false,
@@ -771,12 +862,13 @@ impl LockMachine {
                         start_ns: e.ts_ns,
                         exclusive: true,
                         who,
-                        users: vec![(w.pid, false)],
+                        users: Users::new(w.pid),
                         users_overflow: false,
                         kernel_ns: 0,
                         replaces: 0,
                         swap_ns: 0,
                         incomplete: true,
+                        before_start: false,
                         end: None,
                         losses: self.losses,
                     });
@@ -807,7 +899,7 @@ impl LockMachine {
             }
         }
         emit_wait(
-            &self.locks[li].lock,
+            &self.locks[li].name,
             WaitEnd {
                 pid: w.pid,
                 tid: w.tid,
@@ -944,7 +1036,7 @@ impl LockMachine {
                     } else {
                         WaitOutcome::Abandoned
                     };
-                    end_poll(&st.lock, p, outcome, cx, out);
+                    end_poll(&st.name, p, outcome, cx, out);
                 }
             }
             // A hold whose every user is gone ends at the latest when the last one exits;
@@ -986,7 +1078,7 @@ impl LockMachine {
             lock: self
                 .locks
                 .get(t.lock)
-                .map(|l| l.lock.path.clone())
+                .map(|l| l.name.clone())
                 .unwrap_or_default(),
             pid: e.tgid,
             comm: who.comm.clone(),
@@ -1018,7 +1110,7 @@ impl LockMachine {
                         let h = st.holds.remove(i);
                         tracing::debug!(lock = %st.lock.path, pid = h.pid, "release not seen; hold end inferred");
                         out(Output::Hold(hold_fact(
-                            &st.lock, &h, p.at_ns, false, true, None,
+                            &st.name, &h, p.at_ns, false, true, None,
                         )));
                     }
                     Some(p) => {
@@ -1033,7 +1125,7 @@ impl LockMachine {
                 let gap_end = st.polls[i].last_ns.saturating_add(POLL_GAP_NS);
                 if gap_end <= now {
                     let p = st.polls.swap_remove(i);
-                    end_poll(&st.lock, p, WaitOutcome::TimedOut, cx, out);
+                    end_poll(&st.name, p, WaitOutcome::TimedOut, cx, out);
                 } else {
                     next = next.min(gap_end);
                     i += 1;
@@ -1065,15 +1157,15 @@ impl LockMachine {
             let st = &mut self.locks[li];
             for h in std::mem::take(&mut st.holds) {
                 let fact = match h.end {
-                    Some(p) => hold_fact(&st.lock, &h, p.at_ns, false, true, None),
-                    None => hold_fact(&st.lock, &h, ts, true, h.incomplete, None),
+                    Some(p) => hold_fact(&st.name, &h, p.at_ns, false, true, None),
+                    None => hold_fact(&st.name, &h, ts, true, h.incomplete, None),
                 };
                 out(Output::Hold(fact));
             }
             for p in std::mem::take(&mut st.polls) {
                 // A single failed try just before the end is a wait in progress too.
                 emit_wait(
-                    &st.lock,
+                    &st.name,
                     WaitEnd {
                         pid: p.pid,
                         tid: p.tid,
@@ -1105,7 +1197,7 @@ impl LockMachine {
 
 /// Reports a poll run that did not end in success; a single try is not a wait.
 fn end_poll(
-    lock: &WatchedLock,
+    lock: &SharedStr,
     p: PollStreak,
     outcome: WaitOutcome,
     cx: &mut Ctx<'_>,
@@ -1134,10 +1226,10 @@ fn end_poll(
     );
 }
 
-fn emit_wait(lock: &WatchedLock, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
+fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
     let who = cx.who(w.pid, w.comm);
     out(Output::Wait(WaitFact {
-        lock: lock.path.clone(),
+        lock: lock.clone(),
         pid: w.pid,
         tid: w.tid,
         comm: who.comm.clone(),
@@ -1159,7 +1251,7 @@ fn emit_wait(lock: &WatchedLock, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn
 }
 
 fn hold_fact(
-    lock: &WatchedLock,
+    lock: &SharedStr,
     h: &OpenHold,
     end_ns: u64,
     open: bool,
@@ -1168,7 +1260,7 @@ fn hold_fact(
 ) -> HoldFact {
     let who = &h.who;
     HoldFact {
-        lock: lock.path.clone(),
+        lock: lock.clone(),
         pid: h.pid,
         tid: h.tid,
         comm: who.comm.clone(),
@@ -1182,6 +1274,7 @@ fn hold_fact(
         kernel_ns: h.kernel_ns,
         replaces: h.replaces,
         swap_ns: h.swap_ns,
+        before_start: h.before_start,
         agent_pid: who.agent_pid,
         released_by,
         pod_uid: who.pod_uid.clone(),
@@ -1192,19 +1285,19 @@ fn hold_fact(
 }
 
 /// Name of the second lock: nf_tables serialises commits per network namespace.
-pub fn nft_commit_lock(netns: u32) -> String {
+pub fn nft_commit_lock(netns: u32) -> SharedStr {
     if netns == 0 {
-        "nf_tables commit (netns unknown)".to_string()
+        SharedStr::from("nf_tables commit (netns unknown)")
     } else {
-        format!("nf_tables commit (netns {netns})")
+        SharedStr::from(format!("nf_tables commit (netns {netns})"))
     }
 }
 
 /// One nf_tables commit as a hold of the second lock, attributed like a file-lock hold.
-fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
+fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> HoldFact {
     let who = cx.who(c.tgid, &c.comm);
     HoldFact {
-        lock: nft_commit_lock(c.netns),
+        lock,
         pid: c.tgid,
         tid: c.tid,
         comm: who.comm.clone(),
@@ -1219,6 +1312,7 @@ fn nft_commit_hold(c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
         kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
         replaces: 0,
         swap_ns: 0,
+        before_start: false,
         agent_pid: who.agent_pid,
         released_by: None,
         pod_uid: who.pod_uid.clone(),
@@ -1234,10 +1328,14 @@ pub fn is_locking_proc(procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
         return true;
     }
     procs.get(pid).is_some_and(|p| {
-        is_locking_comm(&p.comm) || crate::attribution::is_locking_tool(basename(&p.filename))
+        is_locking_comm(&p.comm) || crate::attribution::is_locking_tool(p.exe_name())
     })
 }
 
 fn is_zero(v: &u64) -> bool {
     *v == 0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }

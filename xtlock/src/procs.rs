@@ -4,11 +4,19 @@
 //! reads /proc itself. Entries of exited processes are kept for a while, because lock
 //! releases (the kernel closes files after the exit tracepoint) and attribution of a
 //! just-exited `iptables` still need them; they are pruned by age and by count.
+//!
+//! Hot path (every fork, exec and exit of the node): names are interned, argv, filename and
+//! cgroup are shared with the parent until an exec, so a fork allocates nothing.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
-use crate::decode::{Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
+use crate::attribution::{parse_cgroup, CgroupIdentity};
+use crate::decode::{Argv, Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
+use crate::shared::SharedStr;
+
+/// A `HashMap` with a fast, seeded hash: keys are pids and comms, hashed on every event.
+pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Dead entries older than this (event time) are pruned.
 pub const DEFAULT_DEAD_TTL_NS: u64 = 60_000_000_000;
@@ -16,6 +24,8 @@ pub const DEFAULT_DEAD_TTL_NS: u64 = 60_000_000_000;
 pub const DEFAULT_MAX_DEAD: usize = 8192;
 /// Longest ancestor chain walked; real chains are a handful of levels deep.
 pub const MAX_CHAIN: usize = 64;
+/// Interned names kept; beyond, the interner starts over (names are shared, not lost).
+const MAX_NAMES: usize = 4096;
 
 /// How a process ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,6 +35,13 @@ pub struct ExitInfo {
     pub code: Option<i32>,
 }
 
+/// A cgroup path and the pod/container it names, parsed once per path.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Cgroup {
+    pub path: String,
+    pub identity: CgroupIdentity,
+}
+
 /// One process (thread group), or a thread mistaken for one (see [`ProcTable::apply`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Proc {
@@ -32,12 +49,18 @@ pub struct Proc {
     /// 0 when unknown.
     pub ppid: u32,
     pub comm: Comm,
+    /// `comm` as a shared string (interned).
+    pub name: SharedStr,
     /// Shared with forked children until they exec: forks are frequent, argv rarely needed.
-    pub argv: Arc<[String]>,
+    pub argv: Argv,
     pub argv_truncated: bool,
+    /// [`Proc::cmdline`], built on first use and shared like `argv`.
+    cmdline: OnceLock<SharedStr>,
     /// Path given to `execve`, empty when no exec was seen.
-    pub filename: Arc<str>,
-    pub cgroup: Option<Arc<str>>,
+    pub filename: SharedStr,
+    /// Where its last component starts (see [`Proc::exe_name`]), found once per exec.
+    exe_start: u16,
+    pub cgroup: Option<Arc<Cgroup>>,
     /// When this entry started (fork or exec time; 0 for seeds: before tracing).
     pub start_ns: u64,
     /// Time of the last exec, when seen.
@@ -45,22 +68,36 @@ pub struct Proc {
     pub exited: Option<ExitInfo>,
     /// Distinguishes successive processes that had the same pid.
     pub generation: u64,
+    /// Changes (table-wide unique) whenever something an attribution reads changes: name,
+    /// argv, filename, cgroup, parent. Lets cached attributions check their chain.
+    pub stamp: u64,
 }
 
 impl Proc {
-    fn new(pid: u32, ppid: u32, comm: Comm, start_ns: u64, generation: u64) -> Self {
+    fn new(
+        pid: u32,
+        ppid: u32,
+        comm: Comm,
+        name: SharedStr,
+        start_ns: u64,
+        generation: u64,
+    ) -> Self {
         Proc {
             pid,
             ppid,
             comm,
-            argv: empty_argv(),
+            name,
+            argv: Argv::default(),
             argv_truncated: false,
-            filename: empty_name(),
+            cmdline: OnceLock::new(),
+            filename: SharedStr::empty(),
+            exe_start: 0,
             cgroup: None,
             start_ns,
             exec_ns: None,
             exited: None,
             generation,
+            stamp: generation,
         }
     }
 
@@ -70,16 +107,45 @@ impl Proc {
 
     /// argv joined by spaces; `" ..."` is appended when the probe truncated it.
     pub fn cmdline(&self) -> String {
-        let mut s = self.argv.join(" ");
+        let mut s = self.argv.join();
         if self.argv_truncated && !s.is_empty() {
             s.push_str(" ...");
         }
         s
     }
 
+    /// [`Proc::cmdline`], built once.
+    pub fn cmdline_shared(&self) -> SharedStr {
+        self.cmdline
+            .get_or_init(|| {
+                self.argv
+                    .join_shared(if self.argv_truncated { " ..." } else { "" })
+            })
+            .clone()
+    }
+
+    fn set_argv(&mut self, argv: Argv, truncated: bool) {
+        self.argv = argv;
+        self.argv_truncated = truncated;
+        self.cmdline = OnceLock::new();
+    }
+
     /// Last path component of the exec'd file.
     pub fn exe_name(&self) -> &str {
-        basename(&self.filename)
+        match self.exe_start {
+            u16::MAX => basename(&self.filename),
+            i => self
+                .filename
+                .get(usize::from(i)..)
+                .unwrap_or_else(|| basename(&self.filename)),
+        }
+    }
+
+    fn set_filename(&mut self, filename: SharedStr) {
+        let start = filename.len() - basename(&filename).len();
+        // u16::MAX: too long to remember, found again on each call.
+        self.exe_start = u16::try_from(start).unwrap_or(u16::MAX);
+        self.filename = filename;
     }
 }
 
@@ -87,29 +153,75 @@ pub(crate) fn basename(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
-/// The empty argv every new entry starts with, shared: a fork (thousands a second on a busy
-/// node) then costs no allocation for it.
-fn empty_argv() -> Arc<[String]> {
-    static EMPTY: OnceLock<Arc<[String]>> = OnceLock::new();
-    EMPTY.get_or_init(|| Arc::from(Vec::new())).clone()
+/// Entries by pid: a small map from pid to a slot of a slab. Thousands of entries churn
+/// (every fork and every pruned exit): the map stays small enough for the cache, and slots
+/// are reused instead of moved when the map grows or rehashes.
+#[derive(Debug, Default)]
+struct Entries {
+    index: FastMap<u32, u32>,
+    slots: Vec<Option<Proc>>,
+    free: Vec<u32>,
 }
 
-/// The empty filename, shared like [`empty_argv`].
-fn empty_name() -> Arc<str> {
-    static EMPTY: OnceLock<Arc<str>> = OnceLock::new();
-    EMPTY.get_or_init(|| Arc::from("")).clone()
+impl Entries {
+    fn get(&self, pid: &u32) -> Option<&Proc> {
+        let i = *self.index.get(pid)?;
+        self.slots.get(i as usize)?.as_ref()
+    }
+
+    fn get_mut(&mut self, pid: &u32) -> Option<&mut Proc> {
+        let i = *self.index.get(pid)?;
+        self.slots.get_mut(i as usize)?.as_mut()
+    }
+
+    /// Puts `p` at its pid, replacing any entry there.
+    fn insert(&mut self, p: Proc) -> &mut Proc {
+        let i = match self.index.get(&p.pid) {
+            Some(&i) => i,
+            None => {
+                let i = self.free.pop().unwrap_or_else(|| {
+                    self.slots.push(None);
+                    (self.slots.len() - 1) as u32
+                });
+                self.index.insert(p.pid, i);
+                i
+            }
+        };
+        // Every index entry names a slot of `slots`, which never shrinks.
+        let slot = &mut self.slots[i as usize];
+        slot.insert(p)
+    }
+
+    fn remove(&mut self, pid: &u32) {
+        if let Some(i) = self.index.remove(pid) {
+            if let Some(slot) = self.slots.get_mut(i as usize) {
+                *slot = None;
+                self.free.push(i);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Proc> {
+        self.slots.iter().flatten()
+    }
 }
 
 /// The process table. Keyed by pid (tgid).
 #[derive(Debug)]
 pub struct ProcTable {
-    procs: HashMap<u32, Proc>,
+    procs: Entries,
     /// (pid, generation, exit time) in exit order, for pruning.
     dead: VecDeque<(u32, u64, u64)>,
+    /// Source of generations and stamps.
     next_generation: u64,
-    /// Bumped whenever a name, argv or parent link changes, so cached attributions can
-    /// tell they may be stale.
-    epoch: u64,
+    /// Comms as shared strings.
+    names: FastMap<Comm, SharedStr>,
+    /// The last cgroup parsed (processes come in runs from the same cgroup).
+    last_cgroup: Option<Arc<Cgroup>>,
     max_dead: usize,
     dead_ttl_ns: u64,
 }
@@ -127,10 +239,11 @@ impl ProcTable {
 
     pub fn with_limits(max_dead: usize, dead_ttl_ns: u64) -> Self {
         ProcTable {
-            procs: HashMap::new(),
+            procs: Entries::default(),
             dead: VecDeque::new(),
             next_generation: 1,
-            epoch: 0,
+            names: FastMap::default(),
+            last_cgroup: None,
             max_dead,
             dead_ttl_ns,
         }
@@ -146,16 +259,11 @@ impl ProcTable {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.procs.is_empty()
+        self.procs.len() == 0
     }
 
     pub fn dead_count(&self) -> usize {
         self.procs.values().filter(|p| !p.is_alive()).count()
-    }
-
-    /// Changes whenever a cached view of a chain may have become stale.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
     }
 
     /// Updates the table from one event; events that are not about processes are ignored.
@@ -169,51 +277,86 @@ impl ProcTable {
         }
     }
 
-    fn fresh(&mut self, pid: u32, ppid: u32, comm: Comm, ts: u64) -> &mut Proc {
-        let generation = self.next_generation;
+    fn next_stamp(&mut self) -> u64 {
+        let g = self.next_generation;
         self.next_generation += 1;
-        self.epoch += 1;
-        let p = Proc::new(pid, ppid, comm, ts, generation);
-        self.procs.insert(pid, p);
-        // Just inserted.
-        self.procs.get_mut(&pid).unwrap_or_else(|| unreachable!())
+        g
+    }
+
+    /// `comm` as a shared string, allocated once per distinct comm.
+    fn name(&mut self, comm: Comm) -> SharedStr {
+        if let Some(n) = self.names.get(&comm) {
+            return n.clone();
+        }
+        if self.names.len() >= MAX_NAMES {
+            self.names.clear();
+        }
+        let n = SharedStr::from(comm.as_str().as_ref());
+        self.names.insert(comm, n.clone());
+        n
+    }
+
+    fn cgroup(&mut self, path: &str) -> Arc<Cgroup> {
+        if let Some(c) = self.last_cgroup.as_ref().filter(|c| c.path == path) {
+            return c.clone();
+        }
+        let c = Arc::new(Cgroup {
+            path: path.to_string(),
+            identity: parse_cgroup(path),
+        });
+        self.last_cgroup = Some(c.clone());
+        c
+    }
+
+    fn fresh(&mut self, pid: u32, ppid: u32, comm: Comm, name: SharedStr, ts: u64) -> &mut Proc {
+        let generation = self.next_stamp();
+        self.procs
+            .insert(Proc::new(pid, ppid, comm, name, ts, generation))
     }
 
     fn on_proc(&mut self, info: &ProcInfo) {
-        self.epoch += 1;
+        let stamp = self.next_stamp();
+        let name = (!info.comm.is_empty()).then(|| self.name(info.comm));
+        let cgroup = info.cgroup.as_deref().map(|cg| self.cgroup(cg));
         let p = match self.procs.get_mut(&info.pid) {
             Some(p) if p.is_alive() => p,
             // Dead or unknown: /proc shows a live process, so this is a new one. When it
             // started is unknown (0): seeds are read one by one, a parent may be read
             // after its child, and the reuse guard of `ancestors` must not cut it.
-            _ => self.fresh(info.pid, info.ppid, info.comm, 0),
+            _ => {
+                let n = name.clone().unwrap_or_else(|| self.name(info.comm));
+                self.fresh(info.pid, info.ppid, info.comm, n, 0)
+            }
         };
+        p.stamp = stamp;
         if info.ppid != 0 {
             p.ppid = info.ppid;
         }
-        if !info.comm.is_empty() {
+        if let Some(n) = name {
             p.comm = info.comm;
+            p.name = n;
         }
         if !info.argv.is_empty() {
-            p.argv = Arc::from(info.argv.as_slice());
-            p.argv_truncated = false;
+            p.set_argv(Argv::new(&info.argv), false);
         }
-        if let Some(cg) = &info.cgroup {
-            p.cgroup = Some(Arc::from(cg.as_str()));
+        if let Some(cg) = cgroup {
+            p.cgroup = Some(cg);
         }
     }
 
     fn on_exec(&mut self, e: &ExecEvent) {
-        self.epoch += 1;
+        let stamp = self.next_stamp();
+        let name = self.name(e.comm);
         let p = match self.procs.get_mut(&e.tgid) {
             Some(p) if p.is_alive() => p,
             // Fork not seen (before tracing, or lost): parent unknown.
-            _ => self.fresh(e.tgid, 0, e.comm, e.ts_ns),
+            _ => self.fresh(e.tgid, 0, e.comm, name.clone(), e.ts_ns),
         };
+        p.stamp = stamp;
         p.comm = e.comm;
-        p.argv = Arc::from(e.argv.as_slice());
-        p.argv_truncated = e.argv_truncated;
-        p.filename = Arc::from(e.filename.as_str());
+        p.name = name;
+        p.set_argv(e.argv.clone(), e.argv_truncated);
+        p.set_filename(e.filename.clone());
         p.exec_ns = Some(e.ts_ns);
     }
 
@@ -229,20 +372,40 @@ impl ProcTable {
                 return;
             }
         }
-        let (argv, truncated, filename, cgroup) = match self.procs.get(&f.parent_tgid) {
-            Some(pp) => (
-                pp.argv.clone(),
-                pp.argv_truncated,
-                pp.filename.clone(),
-                pp.cgroup.clone(),
-            ),
-            None => (empty_argv(), false, empty_name(), None),
+        let name = match self.procs.get(&f.parent_tgid) {
+            Some(pp) if pp.comm == f.comm => pp.name.clone(),
+            _ => self.name(f.comm),
         };
-        let c = self.fresh(f.child_tid, f.parent_tgid, f.comm, f.ts_ns);
-        c.argv = argv;
-        c.argv_truncated = truncated;
-        c.filename = filename;
-        c.cgroup = cgroup;
+        let generation = self.next_stamp();
+        let child = match self.procs.get(&f.parent_tgid) {
+            // Built from the parent's fields directly: each shared one is cloned once.
+            Some(pp) => Proc {
+                pid: f.child_tid,
+                ppid: f.parent_tgid,
+                comm: f.comm,
+                name,
+                argv: pp.argv.clone(),
+                argv_truncated: pp.argv_truncated,
+                cmdline: pp.cmdline.clone(),
+                filename: pp.filename.clone(),
+                exe_start: pp.exe_start,
+                cgroup: pp.cgroup.clone(),
+                start_ns: f.ts_ns,
+                exec_ns: None,
+                exited: None,
+                generation,
+                stamp: generation,
+            },
+            None => Proc::new(
+                f.child_tid,
+                f.parent_tgid,
+                f.comm,
+                name,
+                f.ts_ns,
+                generation,
+            ),
+        };
+        self.procs.insert(child);
         self.prune(f.ts_ns);
     }
 
@@ -351,8 +514,8 @@ pub(crate) mod tests {
             tgid: pid,
             tid: pid,
             comm: Comm::new(comm),
-            filename: filename.to_string(),
-            argv: argv.iter().map(|s| s.to_string()).collect(),
+            filename: filename.into(),
+            argv: Argv::new(argv),
             argv_truncated: false,
         })
     }
@@ -391,7 +554,10 @@ pub(crate) mod tests {
         let c = t.get(200).unwrap();
         assert_eq!(c.ppid, 100);
         assert_eq!(c.comm.as_str(), "kube-proxy");
-        assert_eq!(c.cgroup.as_deref(), Some("0::/kubepods/x"));
+        assert_eq!(
+            c.cgroup.as_ref().map(|c| c.path.as_str()),
+            Some("0::/kubepods/x")
+        );
         t.apply(&exec(
             11,
             200,

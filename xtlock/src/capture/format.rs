@@ -7,7 +7,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decode::{
-    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, IpvsCounts, ProcInfo,
+    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, IpvsCounts, LockSeed,
+    ProcInfo,
 };
 
 /// First 8 bytes of every capture.
@@ -46,8 +47,10 @@ pub const KIND_DROP_SETUP: u8 = 5;
 pub const KIND_KERNEL_SYMBOL: u8 = 6;
 pub const KIND_DROP_COUNTS: u8 = 7;
 pub const KIND_CONNTRACK: u8 = 8;
+/// A flock held on a watched lock when recording began (from `/proc/locks`).
+pub const KIND_LOCK_SEED: u8 = 9;
 /// Synthetic IPVS packet counts (skippable like the drop records).
-pub const KIND_IPVS_COUNTS: u8 = 9;
+pub const KIND_IPVS_COUNTS: u8 = 10;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -338,8 +341,8 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
     Ok((r.varint("ts_ns")?, r.varint("count")?))
 }
 
-/// The record kind and body of a synthetic drop event (kinds 5..=8); `None` for any other
-/// event.
+/// The record kind and body of a synthetic event of kinds 5..=9 (drop records, lock seeds);
+/// `None` for any other event.
 pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     Some(match ev {
         Event::DropSetup {
@@ -402,6 +405,18 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_CONNTRACK
         }
+        Event::LockSeed(l) => {
+            for v in [
+                l.ts_ns,
+                u64::from(l.pid),
+                u64::from(l.dev),
+                l.ino,
+                u64::from(l.exclusive),
+            ] {
+                put_varint(out, v);
+            }
+            KIND_LOCK_SEED
+        }
         Event::IpvsCounts(c) => {
             put_varint(out, c.ts_ns);
             put_varint(out, c.interval_ns);
@@ -425,7 +440,7 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     })
 }
 
-/// Decodes a body of kind 5..=8 into its event; trailing fields are ignored.
+/// Decodes a body of kind 5..=9 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
@@ -543,7 +558,14 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 overflow,
             })
         }
-        k => return Err(format!("kind {k} is not a drop record")),
+        KIND_LOCK_SEED => Event::LockSeed(LockSeed {
+            ts_ns: r.varint("ts_ns")?,
+            pid: r.u32("pid")?,
+            dev: r.u32("dev")?,
+            ino: r.varint("ino")?,
+            exclusive: r.varint("exclusive")? != 0,
+        }),
+        k => return Err(format!("kind {k} is not a synthetic record")),
     })
 }
 

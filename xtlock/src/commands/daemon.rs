@@ -51,7 +51,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     if let Some(r) = rolling.as_mut() {
         src.set_recorder(r.open(&locks, &src.probes.status)?);
     }
-    let (start, drop_setup) = live::begin(&mut src, &args.drops)?;
+    let (start, drop_setup) = live::begin(&mut src, &locks, &args.drops)?;
 
     let host_netns = netns_inode(Path::new("/proc/self/ns/net"));
     let sink = MetricsSink::new(metrics.clone(), host_netns);
@@ -185,7 +185,7 @@ fn publish_open_holds(pipe: &Pipeline, metrics: &Metrics) {
         locks.iter().map(|l| l.path.as_str()),
         a.open_holders().map(|(lock, _, who)| HoldLabels {
             lock: lock.to_owned(),
-            agent: who.agent.clone(),
+            agent: who.agent.to_string(),
             role: who.role.to_owned(),
         }),
     );

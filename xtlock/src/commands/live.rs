@@ -77,10 +77,16 @@ pub fn load(
     )?)
 }
 
-/// The events to begin with, in the order they are recorded: the process snapshot, then the
-/// drop setup (reason names, symbols). Returns them all, and the drop setup alone.
-pub fn begin(src: &mut LiveSource, drops: &DropArgs) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
-    let mut start = src.seed();
+/// The events to begin with, in the order they are recorded: the process snapshot and the
+/// holds already in place on `locks`, then the drop setup (reason names, symbols). Returns
+/// them all, and the drop setup alone.
+pub fn begin(
+    src: &mut LiveSource,
+    locks: &[LockFile],
+    drops: &DropArgs,
+) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
+    let keys: Vec<(u32, u64)> = locks.iter().map(|l| (l.dev, l.ino)).collect();
+    let mut start = src.seed(&keys);
     let mut drop_setup = Vec::new();
     if !drops.no_drops {
         drop_setup = src.start_drops(drops.netns_options())?;

@@ -524,7 +524,7 @@ impl Sink for MetricsSink {
             // An open hold (still held when tracing ended) is not a finished duration.
             Output::Hold(h) if !h.open => {
                 let l = HoldLabels {
-                    lock: h.lock.clone(),
+                    lock: h.lock.to_string(),
                     agent: self.agent(&h.agent),
                     role: h.role.to_owned(),
                 };
@@ -533,7 +533,7 @@ impl Sink for MetricsSink {
             Output::Wait(w) => {
                 let holder = w.holders.first().map_or("(none)", |h| h.agent.as_str());
                 let l = WaitLabels {
-                    lock: w.lock.clone(),
+                    lock: w.lock.to_string(),
                     agent: self.agent(&w.agent),
                     holder_agent: self.agent(holder),
                 };
@@ -541,7 +541,7 @@ impl Sink for MetricsSink {
             }
             Output::FailedTry(f) => {
                 let l = LockAgentLabels {
-                    lock: f.lock.clone(),
+                    lock: f.lock.to_string(),
                     agent: self.agent(&f.agent),
                 };
                 self.m.failed_attempts.get_or_create(&l).inc();
@@ -668,6 +668,7 @@ impl Sink for MetricsSink {
 mod tests {
     use super::*;
     use crate::lock::{HoldFact, HolderRef, WaitFact, WaitMode, WaitOutcome};
+    use crate::shared::SharedStr;
 
     fn hold(agent: &str, ns: u64) -> Output {
         Output::Hold(HoldFact {
@@ -677,7 +678,7 @@ mod tests {
             comm: agent.into(),
             agent: agent.into(),
             role: "proxy",
-            cmdline: String::new(),
+            cmdline: SharedStr::empty(),
             start_ns: 1,
             hold_ns: ns,
             owner: 0,
@@ -685,6 +686,7 @@ mod tests {
             kernel_ns: 0,
             replaces: 0,
             swap_ns: 0,
+            before_start: false,
             agent_pid: 10,
             released_by: None,
             pod_uid: None,
@@ -745,7 +747,7 @@ mod tests {
             comm: "iptables".into(),
             agent: "calico-node".into(),
             role: "cni",
-            cmdline: String::new(),
+            cmdline: SharedStr::empty(),
             start_ns: 1,
             wait_ns: 1_500_000_000,
             holders: vec![HolderRef {
@@ -753,7 +755,7 @@ mod tests {
                 agent: "kube-proxy".into(),
                 role: "proxy",
                 comm: "kube-proxy".into(),
-                cmdline: String::new(),
+                cmdline: SharedStr::empty(),
             }],
             outcome: WaitOutcome::Acquired,
             mode: WaitMode::Blocking,

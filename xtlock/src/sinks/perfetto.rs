@@ -65,21 +65,21 @@ impl<W: Write> Sink for PerfettoSink<W> {
             Output::Exec(e) => self.instants.push((
                 e.ts_ns,
                 e.pid,
-                e.agent.clone(),
+                e.agent.to_string(),
                 format!("exec {}", e.cmdline),
                 json!({ "filename": e.filename, "caller": e.agent, "ppid": e.ppid }),
             )),
             Output::FailedTry(f) => self.instants.push((
                 f.ts_ns,
                 f.pid,
-                f.agent.clone(),
+                f.agent.to_string(),
                 format!("failed try on {}", f.lock),
                 json!({ "errno": f.errno, "holder": f.holder.as_ref().map(|h| &h.agent) }),
             )),
             Output::Timeout(t) => self.instants.push((
                 t.ts_ns,
                 t.pid,
-                t.agent.clone(),
+                t.agent.to_string(),
                 format!("lock timeout on {} (exit {})", t.lock, t.exit_code),
                 json!({ "waited_ns": t.waited_ns, "cmdline": t.cmdline }),
             )),
@@ -110,7 +110,7 @@ impl<W: Write> Sink for PerfettoSink<W> {
             Output::HoldDrops(h) => self.instants.push((
                 h.start_ns + h.hold_ns,
                 h.pid,
-                h.agent.clone(),
+                h.agent.to_string(),
                 format!(
                     "{} packets dropped during this hold of {}",
                     h.dropped, h.lock

@@ -241,8 +241,8 @@ impl<W: Write> TerminalSink<W> {
         self.line(f.ts_ns, &text)?;
         self.run = Some(FailedRun {
             pid: f.pid,
-            lock: f.lock.clone(),
-            agent: f.agent.clone(),
+            lock: f.lock.to_string(),
+            agent: f.agent.to_string(),
             more: 0,
             first_ns: f.ts_ns,
             last_ns: f.ts_ns,
@@ -289,13 +289,17 @@ fn hold_text(h: &HoldFact) -> String {
         &h.cmdline
     };
     let mut s = format!(
-        "{} held {} {} (pid {} {})",
+        "{} held {} {}{} (pid {} {})",
         h.agent,
         h.lock,
+        if h.before_start { "at least " } else { "" },
         human_ns(h.hold_ns),
         h.pid,
         what
     );
+    if h.before_start {
+        s.push_str(", held already when tracing began");
+    }
     if h.replaces > 0 {
         let _ = write!(
             s,
@@ -970,6 +974,7 @@ mod tests {
             kernel_ns: 0,
             replaces: 0,
             swap_ns: 0,
+            before_start: false,
             agent_pid: 100,
             released_by: Some(1234),
             pod_uid: None,

@@ -120,12 +120,20 @@ impl LiveSource {
     }
 
     /// The processes that exist now, as events: the analysis starts from them.
-    pub fn seed(&mut self) -> Vec<Event> {
+    pub fn seed(&mut self, locks: &[(u32, u64)]) -> Vec<Event> {
         let now = super::monotonic_ns();
-        let events: Vec<Event> = super::procfs::snapshot(Path::new("/proc"), now)
+        let mut events: Vec<Event> = super::procfs::snapshot(Path::new("/proc"), now)
             .into_iter()
             .map(Event::Proc)
             .collect();
+        // Holds already in place: during an incident, the lock is likely held right now.
+        if let Ok(text) = std::fs::read_to_string("/proc/locks") {
+            events.extend(
+                super::procfs::held_flocks(&text, locks, now)
+                    .into_iter()
+                    .map(Event::LockSeed),
+            );
+        }
         for ev in &events {
             self.tap.synthetic(ev);
         }

@@ -1,0 +1,161 @@
+//! [`SharedStr`]: an immutable, reference-counted string for the names the analysis hands
+//! out (comm, agent, cmdline, lock path, ids). Built once per attribution, then shared by
+//! every fact that names the same process: a clone is a reference-count increment, not an
+//! allocation. Serialises as a plain JSON string.
+
+use std::borrow::Borrow;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::{Arc, OnceLock};
+
+use serde::{Serialize, Serializer};
+
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SharedStr(Arc<str>);
+
+impl SharedStr {
+    /// The empty string, shared: costs no allocation.
+    pub fn empty() -> Self {
+        static EMPTY: OnceLock<SharedStr> = OnceLock::new();
+        EMPTY.get_or_init(|| SharedStr(Arc::from(""))).clone()
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Same allocation (not merely equal text).
+    pub fn ptr_eq(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.0, &b.0)
+    }
+}
+
+impl Default for SharedStr {
+    fn default() -> Self {
+        Self::empty()
+    }
+}
+
+impl Deref for SharedStr {
+    type Target = str;
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl AsRef<str> for SharedStr {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Borrow<str> for SharedStr {
+    fn borrow(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&str> for SharedStr {
+    fn from(s: &str) -> Self {
+        if s.is_empty() {
+            return Self::empty();
+        }
+        SharedStr(Arc::from(s))
+    }
+}
+
+impl From<String> for SharedStr {
+    fn from(s: String) -> Self {
+        if s.is_empty() {
+            return Self::empty();
+        }
+        SharedStr(Arc::from(s))
+    }
+}
+
+impl From<&String> for SharedStr {
+    fn from(s: &String) -> Self {
+        Self::from(s.as_str())
+    }
+}
+
+impl From<SharedStr> for String {
+    fn from(s: SharedStr) -> Self {
+        s.0.to_string()
+    }
+}
+
+impl PartialEq<str> for SharedStr {
+    fn eq(&self, o: &str) -> bool {
+        &*self.0 == o
+    }
+}
+
+impl PartialEq<&str> for SharedStr {
+    fn eq(&self, o: &&str) -> bool {
+        &*self.0 == *o
+    }
+}
+
+impl PartialEq<String> for SharedStr {
+    fn eq(&self, o: &String) -> bool {
+        &*self.0 == o.as_str()
+    }
+}
+
+impl PartialEq<SharedStr> for str {
+    fn eq(&self, o: &SharedStr) -> bool {
+        self == &*o.0
+    }
+}
+
+impl PartialEq<SharedStr> for &str {
+    fn eq(&self, o: &SharedStr) -> bool {
+        *self == &*o.0
+    }
+}
+
+impl PartialEq<SharedStr> for String {
+    fn eq(&self, o: &SharedStr) -> bool {
+        self.as_str() == &*o.0
+    }
+}
+
+impl fmt::Display for SharedStr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Debug for SharedStr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl Serialize for SharedStr {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn behaves_like_a_string() {
+        let a = SharedStr::from("kube-proxy");
+        let b = a.clone();
+        assert!(SharedStr::ptr_eq(&a, &b));
+        assert_eq!(a, "kube-proxy");
+        assert_eq!(a.as_str(), "kube-proxy");
+        assert_eq!(format!("{a} {a:?}"), "kube-proxy \"kube-proxy\"");
+        assert_eq!(serde_json::to_string(&a).unwrap(), "\"kube-proxy\"");
+        assert!(SharedStr::ptr_eq(
+            &SharedStr::from(""),
+            &SharedStr::default()
+        ));
+        assert!(a.starts_with("kube"));
+    }
+}
