@@ -529,3 +529,92 @@ fn ipvs_scheduling_counts_and_stale_backends() {
         "summary: {rows:?}"
     );
 }
+
+/// The `.ko` of module `name` of the running kernel, from the unpacked kernel package the VM
+/// harness boots (its cache, shared read-only with the guest): the host's modprobe does not
+/// know the guest kernel's modules.
+fn module_file(name: &str) -> String {
+    let release = sh("uname", &["-r"]).trim().to_string();
+    let caches = [
+        std::env::var("XTLOCK_VM_CACHE").unwrap_or_default(),
+        "/root/.cache/xtlock/vm".to_string(),
+    ];
+    for cache in caches.iter().filter(|c| !c.is_empty()) {
+        let dir = Path::new(cache).join("kernels");
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let f = e
+                .path()
+                .join("root/lib/modules")
+                .join(&release)
+                .join("kernel/net/netfilter/ipvs")
+                .join(format!("{name}.ko"));
+            if f.exists() {
+                return f.display().to_string();
+            }
+        }
+    }
+    panic!("{name}.ko of {release} not found in the VM harness's kernel cache");
+}
+
+/// ip_vs loaded after xtlock started (modules load on demand on a node): the hooks attach
+/// within seconds, without a restart, and see the next connection. In the VM only (the module
+/// must be unloadable); elsewhere the first test covers the plain report.
+#[test]
+fn ipvs_hooks_attach_when_the_module_loads() {
+    if !require_bpf("ipvs_hooks_attach_when_the_module_loads") {
+        return;
+    }
+    let _g = serial();
+    if !in_vm() {
+        eprintln!("not in the VM: the module is not ours to unload here");
+        return;
+    }
+    Lab::cleanup();
+    sh("rmmod", &["ip_vs_rr", "ip_vs"]);
+    assert!(!Path::new("/sys/module/ip_vs").exists());
+    let scratch = Scratch::new("ipvs-late");
+    let lock = scratch.lock_file("xtables.lock");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &["--no-drops"]);
+    for m in ["ip_vs", "ip_vs_rr"] {
+        sh("insmod", &[&module_file(m)]);
+    }
+    // xtlock looks for modules that appeared every 5 s; the hooks attach in their order.
+    let last = format!(
+        "module loaded: hook attached hook=\"{}\"",
+        HOOKS[HOOKS.len() - 1]
+    );
+    assert!(
+        tracer.wait_for_stderr(&last, Duration::from_secs(60)),
+        "the IPVS hooks did not attach within 60 s of ip_vs loading"
+    );
+    let lab = Lab::new(&scratch);
+    let client = scratch.agent("dnsclient");
+    send(&client, 40000, 20, 10);
+    let conns = ipvs_connections();
+    let backend = conns
+        .get("10.0.0.9:40000")
+        .unwrap_or_else(|| panic!("no IPVS connection of port 40000: {conns:?}"))
+        .clone();
+    // The counters are read once a second.
+    sleep(Duration::from_millis(2500));
+    tracer.interrupt();
+    let t = tracer.finish();
+    drop(lab);
+    for h in HOOKS {
+        assert!(
+            t.stderr
+                .lines()
+                .any(|l| l.contains("module loaded: hook attached") && l.contains(h)),
+            "{h} not attached after ip_vs loaded:\n{}",
+            t.stderr
+        );
+    }
+    let sched = ipvs_facts(&t, "scheduled");
+    assert_eq!(sched.len(), 1, "{sched:?}");
+    assert_eq!(sched[0]["client"], "10.0.0.9:40000");
+    assert_eq!(sched[0]["backend"], backend.as_str());
+    assert_eq!(counted(&t, &backend, &["ok"]), 20);
+}
