@@ -213,6 +213,14 @@ fn ipvs_connections() -> HashMap<String, String> {
     m
 }
 
+/// The real server of the client's connection from `port`, as `ipvsadm -Lnc` lists it.
+fn backend_of(conns: &HashMap<String, String>, port: u16) -> String {
+    conns
+        .get(&format!("10.0.0.9:{port}"))
+        .unwrap_or_else(|| panic!("no IPVS connection of port {port}: {conns:?}"))
+        .clone()
+}
+
 /// `ipvsadm -Ln --stats --exact`: real server `ip:port` -> InPkts.
 fn ipvs_inpkts() -> HashMap<String, u64> {
     let text = ns(NODE, "ipvsadm", &["-Ln", "--stats", "--exact"]);
@@ -293,14 +301,8 @@ fn ipvs_scheduling_counts_and_stale_backends() {
     send(&client, 40000, 60, 10);
     send(&client, 40001, 40, 10);
     let conns = ipvs_connections();
-    let b0 = conns
-        .get("10.0.0.9:40000")
-        .unwrap_or_else(|| panic!("no IPVS connection of port 40000: {conns:?}"))
-        .clone();
-    let b1 = conns
-        .get("10.0.0.9:40001")
-        .unwrap_or_else(|| panic!("no IPVS connection of port 40001: {conns:?}"))
-        .clone();
+    let b0 = backend_of(&conns, 40000);
+    let b1 = backend_of(&conns, 40001);
     assert_ne!(b0, b1, "rr scheduled both connections to one backend");
     sleep(ESTIMATOR);
     let before = ipvs_inpkts();
@@ -593,11 +595,7 @@ fn ipvs_hooks_attach_when_the_module_loads() {
     let lab = Lab::new(&scratch);
     let client = scratch.agent("dnsclient");
     send(&client, 40000, 20, 10);
-    let conns = ipvs_connections();
-    let backend = conns
-        .get("10.0.0.9:40000")
-        .unwrap_or_else(|| panic!("no IPVS connection of port 40000: {conns:?}"))
-        .clone();
+    let backend = backend_of(&ipvs_connections(), 40000);
     // The counters are read once a second.
     sleep(Duration::from_millis(2500));
     tracer.interrupt();
