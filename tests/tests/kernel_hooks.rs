@@ -494,13 +494,21 @@ fn conntrack_refusals_come_with_their_flows() {
     assert_flows(&facts, &ns, None, &dump);
 }
 
-/// Unloads `module`, waiting out references that are going away (namespaces of earlier
-/// tests); true when it is gone.
+/// Unloads `module` and first the modules that use it (`/sys/module/M/holders`: e.g.
+/// nf_conntrack_netlink, which `conntrack -S` loads, holds nfnetlink), waiting out references
+/// that are going away (namespaces of earlier tests); true when it is gone.
 fn unload(module: &str) -> bool {
     let dir = Path::new("/sys/module").join(module);
     for _ in 0..50 {
         if !dir.exists() {
             return true;
+        }
+        if let Ok(holders) = std::fs::read_dir(dir.join("holders")) {
+            for h in holders.flatten() {
+                if let Some(name) = h.file_name().to_str() {
+                    unload(name);
+                }
+            }
         }
         let _ = Command::new("rmmod").arg(module).status();
         std::thread::sleep(Duration::from_millis(100));
