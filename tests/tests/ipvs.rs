@@ -575,8 +575,21 @@ fn ipvs_hooks_attach_when_the_module_loads() {
         return;
     }
     Lab::cleanup();
-    sh("rmmod", &["ip_vs_rr", "ip_vs"]);
-    assert!(!Path::new("/sys/module/ip_vs").exists());
+    // Namespaces of the other test go away asynchronously and hold ip_vs until they do.
+    for _ in 0..100 {
+        let _ = Command::new("rmmod")
+            .args(["ip_vs_rr", "ip_vs"])
+            .stderr(Stdio::null())
+            .status();
+        if !Path::new("/sys/module/ip_vs").exists() {
+            break;
+        }
+        sleep(Duration::from_millis(100));
+    }
+    assert!(
+        !Path::new("/sys/module/ip_vs").exists(),
+        "cannot unload ip_vs"
+    );
     let scratch = Scratch::new("ipvs-late");
     let lock = scratch.lock_file("xtables.lock");
     let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &["--no-drops"]);
