@@ -53,6 +53,40 @@ pub fn require_bpf(test: &str) -> bool {
     false
 }
 
+/// Running inside the VM of `cargo xtask vm-test`.
+pub fn in_vm() -> bool {
+    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
+}
+
+/// The kernel offers kprobes (a kprobe PMU, or tracefs `kprobe_events`).
+pub fn kernel_has_kprobes() -> bool {
+    Path::new("/sys/bus/event_source/devices/kprobe").exists()
+        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
+        || Path::new("/sys/kernel/debug/tracing/kprobe_events").exists()
+}
+
+/// `xtlock probes --json ARGS`' hook entries.
+pub fn hook_statuses(args: &[&str]) -> Vec<Value> {
+    let out = Command::new(xtlock_bin())
+        .args(["probes", "--json"])
+        .args(args)
+        .output()
+        .expect("run xtlock probes");
+    assert!(out.status.success(), "xtlock probes failed: {out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
+    v["hooks"].as_array().expect("hooks array").clone()
+}
+
+/// `xtlock probes --json ARGS`' entry for `hook`.
+pub fn hook_status(hook: &str, args: &[&str]) -> Value {
+    let hooks = hook_statuses(args);
+    hooks
+        .iter()
+        .find(|h| h["program"] == hook)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {hook} hook in {hooks:?}"))
+}
+
 /// The xtlock binary built beside this test (`cargo build --workspace --bins` first;
 /// `./xtask/run test` does). `XTLOCK_BIN` overrides.
 pub fn xtlock_bin() -> PathBuf {

@@ -11,42 +11,15 @@ use std::{path::Path, process::Command, time::Duration};
 
 use serde_json::Value;
 use xtlock_tests::{
-    conntrack_stat, require_bpf, send_udp, serial, xtlock_bin, Agent, NetnsPair, Scratch, Sysctl,
-    Tracer,
+    conntrack_stat, hook_status, in_vm, kernel_has_kprobes, require_bpf, send_udp, serial,
+    xtlock_bin, Agent, NetnsPair, Scratch, Sysctl, Tracer,
 };
 
 const T: Duration = Duration::from_secs(30);
 
-/// The kernel offers kprobes (a kprobe PMU, or tracefs `kprobe_events`).
-fn kernel_has_kprobes() -> bool {
-    Path::new("/sys/bus/event_source/devices/kprobe").exists()
-        || Path::new("/sys/kernel/tracing/kprobe_events").exists()
-        || Path::new("/sys/kernel/debug/tracing/kprobe_events").exists()
-}
-
-fn in_vm() -> bool {
-    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
-}
-
 /// `xtlock probes --json`'s entry for the nf_tables commit hook.
 fn nft_status(args: &[&str]) -> Value {
     hook_status("nft_commit", args)
-}
-
-/// `xtlock probes --json ARGS`' entry for `hook`.
-fn hook_status(hook: &str, args: &[&str]) -> Value {
-    let mut c = Command::new(xtlock_bin());
-    c.args(["probes", "--json"]).args(args);
-    let out = c.output().expect("run xtlock probes");
-    assert!(out.status.success(), "xtlock probes failed: {out:?}");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("probes --json is JSON");
-    v["hooks"]
-        .as_array()
-        .expect("hooks array")
-        .iter()
-        .find(|h| h["program"] == hook)
-        .cloned()
-        .unwrap_or_else(|| panic!("no {hook} hook in {v}"))
 }
 
 fn host_netns() -> u64 {

@@ -37,7 +37,7 @@ use qemu::Accel;
 
 /// The integration tests (targets of the `xtlock-tests` package) that run in the VM by
 /// default. Later parts add theirs here.
-pub const DEFAULT_TESTS: &[&str] = &["lock_trace", "kernel_hooks"];
+pub const DEFAULT_TESTS: &[&str] = &["lock_trace", "kernel_hooks", "ipvs"];
 
 /// Default tests run a second time with other xtlock arguments (`XTLOCK_TEST_TRACER_ARGS`):
 /// the lock tests with every syscall hook on its function (fentry/fexit) instead of its

@@ -76,6 +76,9 @@ pub enum EventKind {
     /// `xt_replace_table` returned: a legacy table swapped in, and every CPU waited out of
     /// the old one (the kernel's part of a table replace).
     XtReplace = 10,
+    /// IPVS: a connection scheduled, a packet on a stale connection, a stale connection's
+    /// entry expired, or a real-server table change (`IpvsEvent::op`).
+    Ipvs = 11,
 }
 
 impl EventKind {
@@ -91,6 +94,7 @@ impl EventKind {
             8 => Self::NftCommit,
             9 => Self::ConntrackFail,
             10 => Self::XtReplace,
+            11 => Self::Ipvs,
             _ => return None,
         })
     }
@@ -273,6 +277,58 @@ pub struct CtConfig {
     pub _pad: u32,
 }
 
+/// Where the IPVS hooks find what they read, from the `ip_vs` module's BTF. Kept in a map,
+/// not in [`ProbeConfig`], because ip_vs may load after xtlock started. Offsets in bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IpvsConfig {
+    /// Non-zero once filled.
+    pub ok: u32,
+    // struct ip_vs_conn
+    pub conn_af: u32,
+    pub conn_protocol: u32,
+    pub conn_caddr: u32,
+    pub conn_vaddr: u32,
+    pub conn_daddr: u32,
+    pub conn_cport: u32,
+    pub conn_vport: u32,
+    pub conn_dport: u32,
+    pub conn_flags: u32,
+    pub conn_dest: u32,
+    /// `timer` (a `timer_list`) and `timer.expires`.
+    pub conn_timer: u32,
+    pub conn_timer_expires: u32,
+    pub conn_ipvs: u32,
+    /// `netns_ipvs.sysctl_expire_nodest_conn`.
+    pub ipvs_expire_nodest: u32,
+    // struct ip_vs_dest
+    /// `cflags` (an `unsigned long`: kernels with the 2026 IPVS flags split, backported to
+    /// stable ones such as Debian's 6.1.192) when `dest_avail_wide` is set, else `flags`
+    /// (an `unsigned int`): where the "available" bit (0x1) is.
+    pub dest_flags: u32,
+    pub dest_avail_wide: u32,
+    pub dest_weight: u32,
+    // struct ip_vs_service
+    pub svc_af: u32,
+    pub svc_protocol: u32,
+    pub svc_addr: u32,
+    pub svc_port: u32,
+    // struct ip_vs_dest_user_kern
+    pub udest_addr: u32,
+    pub udest_port: u32,
+    pub udest_weight: u32,
+    // struct ip_vs_service_user_kern
+    pub usvc_af: u32,
+    pub usvc_protocol: u32,
+    pub usvc_addr: u32,
+    pub usvc_port: u32,
+    pub _pad: u32,
+    /// Nanoseconds per jiffy of the running kernel (1e9 / HZ).
+    pub ns_per_jiffy: u64,
+    /// Minimum spacing of stale-packet events per connection, in ns.
+    pub stale_interval_ns: u64,
+}
+
 /// Address family of a [`DropEvent`]'s addresses.
 pub const DROP_FAMILY_NONE: u8 = 0;
 pub const DROP_FAMILY_INET: u8 = 4;
@@ -316,6 +372,100 @@ pub struct DropKey {
     pub location: u64,
     pub reason: u32,
     pub netns: u32,
+}
+
+/// `IpvsEvent::op`: a new connection scheduled to a real server (`ip_vs_conn_new`).
+pub const IPVS_OP_SCHEDULED: u8 = 1;
+/// A packet on a connection whose real server is no longer usable (removed, or weight 0);
+/// rate limited per connection, `packets` counts the packets since the previous one.
+pub const IPVS_OP_STALE: u8 = 2;
+/// The entry of a connection reported stale expired (`ip_vs_conn_expire`).
+pub const IPVS_OP_EXPIRED: u8 = 3;
+/// Real-server table changes (`ip_vs_add_dest`, `ip_vs_del_dest`, `ip_vs_edit_dest`), seen at
+/// their return, by the process that made them.
+pub const IPVS_OP_DEST_ADD: u8 = 4;
+pub const IPVS_OP_DEST_DEL: u8 = 5;
+pub const IPVS_OP_DEST_EDIT: u8 = 6;
+/// Virtual-service changes: `ip_vs_add_service`, `ip_vs_edit_service` (both seen at their
+/// return), `ip_vs_unlink_service` (removed, or flushed).
+pub const IPVS_OP_SVC_ADD: u8 = 7;
+pub const IPVS_OP_SVC_EDIT: u8 = 8;
+pub const IPVS_OP_SVC_DEL: u8 = 9;
+
+/// State of a connection's real server when a packet came (`IpvsEvent::dest_state`,
+/// `IpvsKey::state`): usable, weight 0 (quiescent: still forwarded), or no longer
+/// available (removed from its service: the kernel drops or expires).
+pub const IPVS_DEST_OK: u8 = 0;
+pub const IPVS_DEST_QUIESCENT: u8 = 1;
+pub const IPVS_DEST_GONE: u8 = 2;
+
+/// What the kernel did with a packet on a stale connection (`IpvsEvent::action`).
+pub const IPVS_ACTION_NONE: u8 = 0;
+/// Forwarded to the stale real server (weight 0).
+pub const IPVS_ACTION_FORWARDED: u8 = 1;
+/// Dropped, the entry left to expire without its timer restarted (`expire_nodest_conn=0`).
+pub const IPVS_ACTION_DROPPED: u8 = 2;
+/// The entry expired at once (`expire_nodest_conn=1`); the packet is scheduled anew, or
+/// dropped when its conntrack entry was already confirmed.
+pub const IPVS_ACTION_EXPIRED: u8 = 3;
+
+/// Distinct (service, real server, state) keys of the in-kernel IPVS packet counters.
+pub const MAX_IPVS_KEYS: u32 = 8192;
+
+/// One IPVS event. Addresses are `union nf_inet_addr` (4 bytes used for IPv4), ports in
+/// host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpvsEvent {
+    pub hdr: EventHeader,
+    /// Kernel address of the `struct ip_vs_conn` (a connection's identity while it lives);
+    /// 0 for table changes.
+    pub conn: u64,
+    /// Time left on the connection entry's timer, in ns (0 when unknown or not running).
+    pub timer_left_ns: u64,
+    /// `IPVS_OP_STALE`/`IPVS_OP_EXPIRED`: stale packets of this connection since its
+    /// previous event.
+    pub packets: u64,
+    /// `IPVS_OP_STALE`/`IPVS_OP_EXPIRED`: when the connection's last stale packet came
+    /// (`CLOCK_MONOTONIC` ns); 0 when none.
+    pub last_packet_ns: u64,
+    /// Virtual service, client, real server.
+    pub vaddr: [u8; 16],
+    pub caddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub vport: u16,
+    pub cport: u16,
+    pub dport: u16,
+    /// `AF_INET` (2) or `AF_INET6` (10).
+    pub af: u16,
+    pub protocol: u8,
+    /// `IPVS_OP_*`.
+    pub op: u8,
+    /// `IPVS_DEST_*`.
+    pub dest_state: u8,
+    /// `IPVS_ACTION_*`.
+    pub action: u8,
+    /// The real server's weight (for table changes: the requested weight).
+    pub weight: i32,
+    /// Table changes: the function's return (0 or a negative errno).
+    pub ret: i32,
+    pub comm: [u8; COMM_LEN],
+    pub _pad: u32,
+}
+
+/// Key of the in-kernel IPVS packet counters: packets sent to (or, state `GONE`, refused
+/// for) one real server of one virtual service.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IpvsKey {
+    pub vaddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub vport: u16,
+    pub dport: u16,
+    pub af: u16,
+    pub protocol: u8,
+    /// `IPVS_DEST_*`.
+    pub state: u8,
 }
 
 /// Key of the watched-locks map: which lock files the probes report.
@@ -406,6 +556,8 @@ mod pod {
     unsafe impl aya::Pod for LockKey {}
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
+    unsafe impl aya::Pod for IpvsKey {}
+    unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}
 }
 
@@ -421,6 +573,7 @@ pub mod sizes {
     pub const TABLE_REPLACE: usize = size_of::<TableReplaceEvent>();
     pub const DROP: usize = size_of::<DropEvent>();
     pub const NFT_COMMIT: usize = size_of::<NftCommitEvent>();
+    pub const IPVS: usize = size_of::<IpvsEvent>();
     pub const CONNTRACK_FAIL: usize = size_of::<ConntrackFailEvent>();
     pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
 }
@@ -444,6 +597,9 @@ mod tests {
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
         assert_eq!(size_of::<ProbeConfig>(), 184);
+        assert_eq!(size_of::<IpvsConfig>(), 136);
+        assert_eq!(size_of::<IpvsEvent>(), 144);
+        assert_eq!(size_of::<IpvsKey>(), 40);
         assert_eq!(size_of::<NftCommitEvent>(), 56);
         assert_eq!(size_of::<ConntrackFailEvent>(), 88);
         assert_eq!(size_of::<CtConfig>(), 48);
@@ -463,6 +619,7 @@ mod tests {
             EventKind::NftCommit,
             EventKind::ConntrackFail,
             EventKind::XtReplace,
+            EventKind::Ipvs,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

@@ -1,7 +1,7 @@
 //! Helpers shared by the probes: configuration reads, event headers, lost-event counting.
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_ktime_get_ns},
-    maps::ring_buf::RingBufEntry,
+    maps::{ring_buf::RingBufEntry, PerCpuArray, PerCpuHashMap},
     programs::TracePointContext,
     EbpfContext as _,
 };
@@ -127,5 +127,28 @@ pub fn output<T: 'static>(ev: &T) {
             // SAFETY: per-CPU slot, this program is the only writer on this CPU.
             unsafe { *n += 1 };
         }
+    }
+}
+
+/// Adds one to this CPU's counter for `key` in `map`; when the map is full, to `overflow`.
+#[inline(always)]
+pub fn count_in<K>(map: &PerCpuHashMap<K, u64>, overflow: &PerCpuArray<u64>, key: &K) {
+    if let Some(n) = map.get_ptr_mut(key) {
+        // SAFETY: per-CPU value; this CPU is the only writer.
+        unsafe { *n += 1 };
+        return;
+    }
+    // BPF_NOEXIST: another CPU may have inserted the key meanwhile; then add to ours.
+    if map.insert(key, 1u64, 1).is_ok() {
+        return;
+    }
+    if let Some(n) = map.get_ptr_mut(key) {
+        // SAFETY: as above.
+        unsafe { *n += 1 };
+        return;
+    }
+    if let Some(n) = overflow.get_ptr_mut(0) {
+        // SAFETY: per-CPU slot.
+        unsafe { *n += 1 };
     }
 }

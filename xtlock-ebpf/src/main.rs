@@ -8,7 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xtlock_common::{
-    DropKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS, MAX_WATCHED_LOCKS,
+    DropKey, IpvsEvent, IpvsKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS,
+    MAX_IPVS_KEYS, MAX_WATCHED_LOCKS,
 };
 
 mod emit;
@@ -134,6 +135,30 @@ static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// Drop-sample rate limiter per CPU: the theoretical arrival time of the next sample (GCRA).
 #[map]
 static DROP_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// IPVS struct offsets (one entry), written by userspace when ip_vs is there (possibly after
+/// start, when the module loads later).
+#[map]
+static IPVS_CONFIG: Array<xtlock_common::IpvsConfig> = Array::with_max_entries(1, 0);
+
+/// Exact IPVS packet counts per (virtual service, real server, state), per CPU. Userspace
+/// reads and sums them every second and never deletes keys.
+#[map]
+static IPVS_COUNTS: PerCpuHashMap<IpvsKey, u64> = PerCpuHashMap::with_max_entries(MAX_IPVS_KEYS, 0);
+
+/// IPVS packets not counted under their key because `IPVS_COUNTS` was full, per CPU.
+#[map]
+static IPVS_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Connections seen with a stale real server, by `struct ip_vs_conn` address: when their
+/// last event went out and the stale packets since.
+#[map]
+static IPVS_STALE: LruHashMap<u64, probes::ipvs::StaleConn> =
+    LruHashMap::with_max_entries(16384, 0);
+
+/// IPVS table changes in progress, by thread id (completed at the function's return).
+#[map]
+static IPVS_TABLE_OPS: LruHashMap<u32, IpvsEvent> = LruHashMap::with_max_entries(256, 0);
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -16,6 +16,8 @@ pub use crate::drops::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, DropSummary,
     HoldDropsFact, HoldRef,
 };
+use crate::ipvs::IpvsTracker;
+pub use crate::ipvs::{IpvsCountFact, IpvsFact};
 use crate::lock::{is_locking_proc, Ctx, LockMachine};
 pub use crate::lock::{
     FailedTryFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome, WatchedLock,
@@ -44,6 +46,10 @@ pub enum Output {
     Conntrack(ConntrackFact),
     /// The drops that happened while one hold lasted.
     HoldDrops(HoldDropsFact),
+    /// IPVS: a connection scheduled, a real-server change, stale forwarding.
+    Ipvs(IpvsFact),
+    /// IPVS: exact packets per (service, backend, state) in one interval.
+    IpvsCount(IpvsCountFact),
     /// A connection conntrack refused, seen in its own function.
     ConntrackRefused(ConntrackRefusedFact),
 }
@@ -64,6 +70,8 @@ impl Output {
             Output::DropCount(d) => d.ts_ns,
             Output::Conntrack(c) => c.ts_ns,
             Output::HoldDrops(h) => h.start_ns,
+            Output::Ipvs(i) => i.ts_ns,
+            Output::IpvsCount(c) => c.ts_ns,
         }
     }
 }
@@ -134,6 +142,7 @@ pub struct Analyzer {
     locks: LockMachine,
     stats: Stats,
     drops: DropTracker,
+    ipvs: IpvsTracker,
 }
 
 impl Analyzer {
@@ -144,6 +153,7 @@ impl Analyzer {
             locks: LockMachine::new(locks),
             stats: Stats::new(),
             drops: DropTracker::new(crate::drops::DEFAULT_CONNTRACK_WARN_PCT),
+            ipvs: IpvsTracker::new(),
         }
     }
 
@@ -213,6 +223,16 @@ impl Analyzer {
                 let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
                 self.drops
                     .on_conntrack(c, holds, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::Ipvs(e) => {
+                let mut out = counted(&mut self.stats, out);
+                self.ipvs.on_event(e, &mut |f| out(Output::Ipvs(f)));
+                return;
+            }
+            Event::IpvsCounts(c) => {
+                let mut out = counted(&mut self.stats, out);
+                self.ipvs.on_counts(c, &mut |f| out(Output::IpvsCount(f)));
                 return;
             }
             Event::DropSetup {
@@ -314,12 +334,27 @@ impl Analyzer {
         };
         self.locks.finish(ts_ns, &mut cx, &mut emit);
         self.drops.finish(ts_ns, &mut counted(&mut self.stats, out));
+        let mut out = counted(&mut self.stats, out);
+        self.ipvs.finish(&mut |f| out(Output::Ipvs(f)));
     }
 
     pub fn summary(&self) -> Summary {
         let mut s = self.stats.summary(self.locks.locks());
         s.drops = self.drops.summary();
         s.host_netns = self.drops.host_netns();
+        s.ipvs = self
+            .ipvs
+            .summary()
+            .into_iter()
+            .map(
+                |(protocol, service, backend, counts)| crate::stats::IpvsBackendRow {
+                    protocol,
+                    service,
+                    backend,
+                    counts,
+                },
+            )
+            .collect();
         s
     }
 

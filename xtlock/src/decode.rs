@@ -4,7 +4,7 @@
 //! that reads them. Decoding never panics: short or unknown records are [`DecodeError`]s.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use xtlock_common as common;
 
@@ -430,6 +430,161 @@ pub struct ConntrackStats {
     pub max: u64,
 }
 
+/// What an IPVS event reports (`xtlock_common::IPVS_OP_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IpvsOp {
+    /// A new connection scheduled to a real server.
+    Scheduled,
+    /// Packets on a connection whose real server was removed or set to weight 0.
+    Stale,
+    /// The entry of a connection reported stale expired.
+    Expired,
+    /// Real server added to a virtual service.
+    DestAdded,
+    /// Real server removed from a virtual service.
+    DestRemoved,
+    /// Real server edited (weight).
+    DestEdited,
+    /// Virtual service added, edited, removed (deleted or flushed).
+    ServiceAdded,
+    ServiceEdited,
+    ServiceRemoved,
+}
+
+/// State of a connection's real server (`xtlock_common::IPVS_DEST_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DestState {
+    /// In its service with a weight above 0.
+    Ok,
+    /// Weight 0 (graceful termination): existing connections are still forwarded to it.
+    Quiescent,
+    /// Removed from its service: packets of its connections are dropped or the entries
+    /// expired.
+    Removed,
+}
+
+impl DestState {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            common::IPVS_DEST_QUIESCENT => DestState::Quiescent,
+            common::IPVS_DEST_GONE => DestState::Removed,
+            _ => DestState::Ok,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DestState::Ok => "ok",
+            DestState::Quiescent => "weight_0",
+            DestState::Removed => "removed",
+        }
+    }
+}
+
+/// What the kernel did with a packet on a stale connection (`xtlock_common::IPVS_ACTION_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StaleAction {
+    None,
+    /// Forwarded to the stale real server (weight 0).
+    Forwarded,
+    /// Dropped; the entry's timer not restarted (`expire_nodest_conn=0`).
+    Dropped,
+    /// Entry expired at once (`expire_nodest_conn=1`); the packet rescheduled or dropped.
+    Expired,
+}
+
+impl StaleAction {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            common::IPVS_ACTION_FORWARDED => StaleAction::Forwarded,
+            common::IPVS_ACTION_DROPPED => StaleAction::Dropped,
+            common::IPVS_ACTION_EXPIRED => StaleAction::Expired,
+            _ => StaleAction::None,
+        }
+    }
+}
+
+/// One IPVS kernel event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpvsEvent {
+    pub ts_ns: u64,
+    /// The running task: the process that made a table change; often unrelated otherwise
+    /// (softirq).
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    pub op: IpvsOp,
+    /// Kernel address of the connection; 0 for table changes.
+    pub conn: u64,
+    /// IP protocol (17 UDP, 6 TCP, 132 SCTP).
+    pub protocol: u8,
+    /// Virtual service.
+    pub service: SocketAddr,
+    /// Client; `None` for table changes.
+    pub client: Option<SocketAddr>,
+    /// Real server.
+    pub backend: SocketAddr,
+    pub dest_state: DestState,
+    pub action: StaleAction,
+    /// The real server's weight (table changes: the requested one).
+    pub weight: i32,
+    /// Table changes: 0 or a negative errno.
+    pub ret: i32,
+    /// Stale packets since this connection's previous event.
+    pub packets: u64,
+    /// When the connection's last stale packet came; 0 when none.
+    pub last_packet_ns: u64,
+    /// Time left on the connection entry's timer.
+    pub timer_left_ns: u64,
+}
+
+/// Packets of one (virtual service, real server, state) in one interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpvsCount {
+    pub protocol: u8,
+    pub service: SocketAddr,
+    pub backend: SocketAddr,
+    pub state: DestState,
+    pub count: u64,
+}
+
+/// Synthetic: the kernel's exact per-CPU IPVS packet counters, read by the source every
+/// second, as deltas since the previous read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpvsCounts {
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    /// Non-zero deltas only.
+    pub counts: Vec<IpvsCount>,
+    /// Packets the kernel could not file under their key (its key map was full).
+    pub overflow: u64,
+}
+
+/// An `AF_INET`/`AF_INET6` address from a `union nf_inet_addr` and a port.
+pub fn inet_addr(af: u16, a: &[u8; 16], port: u16) -> SocketAddr {
+    const AF_INET6: u16 = 10;
+    let ip = if af == AF_INET6 {
+        IpAddr::V6(Ipv6Addr::from(*a))
+    } else {
+        IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))
+    };
+    SocketAddr::new(ip, port)
+}
+
+/// The key of the kernel's IPVS counters as a count.
+pub fn ipvs_count(k: &common::IpvsKey, count: u64) -> IpvsCount {
+    IpvsCount {
+        protocol: k.protocol,
+        service: inet_addr(k.af, &k.vaddr, k.vport),
+        backend: inet_addr(k.af, &k.daddr, k.dport),
+        state: DestState::from_u8(k.state),
+        count,
+    }
+}
+
 /// Everything the analysis consumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -458,6 +613,10 @@ pub enum Event {
     DropCounts(DropCounts),
     /// Synthetic: conntrack counter deltas of one netns.
     Conntrack(ConntrackStats),
+    /// An IPVS kernel event.
+    Ipvs(IpvsEvent),
+    /// Synthetic: exact IPVS packet counts of the last interval.
+    IpvsCounts(IpvsCounts),
     /// Synthetic, once at the start: the recording kernel's drop-reason names
     /// (`has_reason` false: the kernel reports no reasons, every drop has reason 0) and the
     /// inode of the tracer's own (host) network namespace.
@@ -495,6 +654,8 @@ impl Event {
             Event::LockSeed(e) => e.ts_ns,
             Event::DropCounts(e) => e.ts_ns,
             Event::Conntrack(e) => e.ts_ns,
+            Event::Ipvs(e) => e.ts_ns,
+            Event::IpvsCounts(e) => e.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }
@@ -694,6 +855,42 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 daddr: addr(&e.daddr),
                 sport: e.sport,
                 dport: e.dport,
+            })
+        }
+        K::Ipvs => {
+            need(kind, b, sizes::IPVS)?;
+            let e: common::IpvsEvent = read(b);
+            let op = match e.op {
+                common::IPVS_OP_SCHEDULED => IpvsOp::Scheduled,
+                common::IPVS_OP_STALE => IpvsOp::Stale,
+                common::IPVS_OP_EXPIRED => IpvsOp::Expired,
+                common::IPVS_OP_DEST_ADD => IpvsOp::DestAdded,
+                common::IPVS_OP_DEST_DEL => IpvsOp::DestRemoved,
+                common::IPVS_OP_DEST_EDIT => IpvsOp::DestEdited,
+                common::IPVS_OP_SVC_ADD => IpvsOp::ServiceAdded,
+                common::IPVS_OP_SVC_EDIT => IpvsOp::ServiceEdited,
+                common::IPVS_OP_SVC_DEL => IpvsOp::ServiceRemoved,
+                _ => return Err(DecodeError::UnknownKind { kind: hdr.kind }),
+            };
+            let is_conn = e.conn != 0;
+            Event::Ipvs(IpvsEvent {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                op,
+                conn: e.conn,
+                protocol: e.protocol,
+                service: inet_addr(e.af, &e.vaddr, e.vport),
+                client: is_conn.then(|| inet_addr(e.af, &e.caddr, e.cport)),
+                backend: inet_addr(e.af, &e.daddr, e.dport),
+                dest_state: DestState::from_u8(e.dest_state),
+                action: StaleAction::from_u8(e.action),
+                weight: e.weight,
+                ret: e.ret,
+                packets: e.packets,
+                last_packet_ns: e.last_packet_ns,
+                timer_left_ns: e.timer_left_ns,
             })
         }
     })

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod commands;
 pub mod decode;
 pub mod drops;
+pub mod ipvs;
 pub mod lock;
 pub mod lockfiles;
 pub mod pipeline;

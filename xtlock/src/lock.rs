@@ -496,7 +496,9 @@ impl LockMachine {
             | Event::DropCounts(_)
             | Event::Conntrack(_)
             | Event::DropSetup { .. }
-            | Event::KernelSymbol { .. } => {}
+            | Event::KernelSymbol { .. }
+            | Event::Ipvs(_)
+            | Event::IpvsCounts(_) => {}
         }
     }
 

@@ -148,6 +148,19 @@ pub struct Summary {
     /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
     /// `drops` equal to it are the host's.
     pub host_netns: u32,
+    /// IPVS per (protocol, service, backend): connections, packets, stale packets.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ipvs: Vec<IpvsBackendRow>,
+}
+
+/// One row of the IPVS summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IpvsBackendRow {
+    pub protocol: String,
+    pub service: String,
+    pub backend: String,
+    #[serde(flatten)]
+    pub counts: crate::ipvs::IpvsBackendSummary,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -264,6 +277,8 @@ impl Stats {
             | Output::DropCount(_)
             | Output::Conntrack(_)
             | Output::HoldDrops(_) => {}
+            // Counted by the IPVS tracker.
+            Output::Ipvs(_) | Output::IpvsCount(_) => {}
         }
     }
 
@@ -343,6 +358,7 @@ impl Stats {
             },
             drops: Default::default(),
             host_netns: 0,
+            ipvs: Vec::new(),
         }
     }
 }

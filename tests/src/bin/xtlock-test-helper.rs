@@ -22,6 +22,11 @@
 //!                         send COUNT one-byte UDP datagrams to ADDR:PORT, round-robin from
 //!                         FLOWS sockets (so FLOWS distinct source ports, i.e. conntrack
 //!                         entries); print `sent N T`
+//!   udpfrom SPORT ADDR PORT COUNT INTERVAL_MS
+//!                         send COUNT one-byte UDP datagrams to ADDR:PORT from the fixed
+//!                         source port SPORT, one every INTERVAL_MS (the same IPVS
+//!                         connection throughout); print `sent N`
+//!   udpecho PORT          answer every UDP datagram on PORT with the same bytes, until killed
 use std::{
     fs::OpenOptions,
     os::{fd::AsRawFd, unix::process::CommandExt},
@@ -202,7 +207,30 @@ fn run() -> anyhow::Result<u8> {
             say(format!("sent {nports} {}", now()));
             Ok(0)
         }
-        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS"),
+        ["udpfrom", sport, addr, port, count, interval_ms] => {
+            let dst: std::net::SocketAddr = format!("{addr}:{port}").parse()?;
+            let sock = std::net::UdpSocket::bind(format!("0.0.0.0:{sport}"))?;
+            let count: u64 = count.parse()?;
+            let interval = Duration::from_millis(interval_ms.parse()?);
+            let mut sent = 0u64;
+            for _ in 0..count {
+                send_one(&sock, dst)?;
+                sent += 1;
+                sleep(interval);
+            }
+            say(format!("sent {sent}"));
+            Ok(0)
+        }
+        ["udpecho", port] => {
+            let sock = std::net::UdpSocket::bind(format!("0.0.0.0:{port}"))?;
+            say("listening".into());
+            let mut buf = [0u8; 2048];
+            loop {
+                let (n, from) = sock.recv_from(&mut buf)?;
+                let _ = sock.send_to(&buf[..n], from);
+            }
+        }
+        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT"),
     }
 }
 

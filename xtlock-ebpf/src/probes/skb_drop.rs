@@ -15,7 +15,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, field, header, now, reserve},
+    emit::{cfg, count_in, field, header, now, reserve},
     CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS,
 };
 
@@ -77,11 +77,15 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
     } else {
         0
     };
-    count(&DropKey {
-        location,
-        reason,
-        netns,
-    });
+    count_in(
+        &DROP_COUNTS,
+        &DROP_OVERFLOW,
+        &DropKey {
+            location,
+            reason,
+            netns,
+        },
+    );
     if !take_token(&c) {
         return Ok(());
     }
@@ -132,30 +136,6 @@ fn netns_of(c: &ProbeConfig, skb: u64, dev: u64) -> u32 {
         return 0;
     }
     kread(net, c.net_ns_inum).unwrap_or(0)
-}
-
-/// Adds one to this CPU's counter for `key`.
-#[inline(always)]
-fn count(key: &DropKey) {
-    if let Some(n) = DROP_COUNTS.get_ptr_mut(key) {
-        // SAFETY: per-CPU value; this CPU is the only writer.
-        unsafe { *n += 1 };
-        return;
-    }
-    // BPF_NOEXIST: another CPU may have inserted the key meanwhile; then add to ours.
-    if DROP_COUNTS.insert(key, 1u64, 1).is_ok() {
-        return;
-    }
-    if let Some(n) = DROP_COUNTS.get_ptr_mut(key) {
-        // SAFETY: as above.
-        unsafe { *n += 1 };
-        return;
-    }
-    // The map is full.
-    if let Some(n) = DROP_OVERFLOW.get_ptr_mut(0) {
-        // SAFETY: per-CPU slot.
-        unsafe { *n += 1 };
-    }
 }
 
 /// GCRA rate limiter per CPU: at most `burst` samples at once, then one per interval.

@@ -7,7 +7,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decode::{
-    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, LockSeed, ProcInfo,
+    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, IpvsCounts, LockSeed,
+    ProcInfo,
 };
 
 /// First 8 bytes of every capture.
@@ -48,6 +49,8 @@ pub const KIND_DROP_COUNTS: u8 = 7;
 pub const KIND_CONNTRACK: u8 = 8;
 /// A flock held on a watched lock when recording began (from `/proc/locks`).
 pub const KIND_LOCK_SEED: u8 = 9;
+/// Synthetic IPVS packet counts (skippable like the drop records).
+pub const KIND_IPVS_COUNTS: u8 = 10;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -414,6 +417,25 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_LOCK_SEED
         }
+        Event::IpvsCounts(c) => {
+            put_varint(out, c.ts_ns);
+            put_varint(out, c.interval_ns);
+            put_varint(out, c.overflow);
+            put_varint(out, c.counts.len() as u64);
+            for d in &c.counts {
+                let (af, vaddr, vport) = inet_parts(&d.service);
+                let (_, daddr, dport) = inet_parts(&d.backend);
+                put_varint(out, u64::from(af));
+                put_varint(out, u64::from(d.protocol));
+                put_varint(out, d.state as u64);
+                put_bytes(out, &vaddr[..addr_len(af)]);
+                put_varint(out, u64::from(vport));
+                put_bytes(out, &daddr[..addr_len(af)]);
+                put_varint(out, u64::from(dport));
+                put_varint(out, d.count);
+            }
+            KIND_IPVS_COUNTS
+        }
         _ => return None,
     })
 }
@@ -494,6 +516,48 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 chaintoolong: r.varint("chaintoolong")?,
             },
         }),
+        KIND_IPVS_COUNTS => {
+            let ts_ns = r.varint("ts_ns")?;
+            let interval_ns = r.varint("interval_ns")?;
+            let overflow = r.varint("overflow")?;
+            let n = r.varint("counts")?;
+            // Each count takes at least 16 bytes.
+            if n > r.remaining() as u64 / 16 {
+                return Err(format!(
+                    "{n} counts exceed the {} bytes left",
+                    r.remaining()
+                ));
+            }
+            let mut counts = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                let af = r.u32("af")? as u16;
+                let protocol = r.u32("protocol")? as u8;
+                let state = r.u32("state")? as u8;
+                let vaddr = addr_from(af, r.bytes("vaddr")?)?;
+                let vport = r.u32("vport")? as u16;
+                let daddr = addr_from(af, r.bytes("daddr")?)?;
+                let dport = r.u32("dport")? as u16;
+                let count = r.varint("count")?;
+                counts.push(crate::decode::ipvs_count(
+                    &xtlock_common::IpvsKey {
+                        vaddr,
+                        daddr,
+                        vport,
+                        dport,
+                        af,
+                        protocol,
+                        state,
+                    },
+                    count,
+                ));
+            }
+            Event::IpvsCounts(IpvsCounts {
+                ts_ns,
+                interval_ns,
+                counts,
+                overflow,
+            })
+        }
         KIND_LOCK_SEED => Event::LockSeed(LockSeed {
             ts_ns: r.varint("ts_ns")?,
             pid: r.u32("pid")?,
@@ -503,6 +567,38 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
         }),
         k => return Err(format!("kind {k} is not a synthetic record")),
     })
+}
+
+const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
+
+fn addr_len(af: u16) -> usize {
+    if af == AF_INET6 {
+        16
+    } else {
+        4
+    }
+}
+
+/// (af, `union nf_inet_addr` bytes, port) of a socket address.
+fn inet_parts(a: &std::net::SocketAddr) -> (u16, [u8; 16], u16) {
+    let mut b = [0u8; 16];
+    match a.ip() {
+        std::net::IpAddr::V4(v) => {
+            b[..4].copy_from_slice(&v.octets());
+            (AF_INET, b, a.port())
+        }
+        std::net::IpAddr::V6(v) => (AF_INET6, v.octets(), a.port()),
+    }
+}
+
+fn addr_from(af: u16, bytes: &[u8]) -> Result<[u8; 16], String> {
+    let mut b = [0u8; 16];
+    if bytes.len() != addr_len(af) {
+        return Err(format!("address of {} bytes for family {af}", bytes.len()));
+    }
+    b[..bytes.len()].copy_from_slice(bytes);
+    Ok(b)
 }
 
 /// Kind 4: the `Trailer` fields as varints, in declaration order.
@@ -638,6 +734,27 @@ mod tests {
                     count: 1_000_000,
                 }],
                 overflow: 3,
+            }),
+            Event::IpvsCounts(IpvsCounts {
+                ts_ns: 9,
+                interval_ns: 1_000_000_000,
+                counts: vec![
+                    crate::decode::IpvsCount {
+                        protocol: 17,
+                        service: "10.96.0.10:53".parse().unwrap(),
+                        backend: "10.0.1.5:53".parse().unwrap(),
+                        state: crate::decode::DestState::Removed,
+                        count: 25,
+                    },
+                    crate::decode::IpvsCount {
+                        protocol: 6,
+                        service: "[fd00::a]:443".parse().unwrap(),
+                        backend: "[fd00::1:5]:8443".parse().unwrap(),
+                        state: crate::decode::DestState::Ok,
+                        count: 1 << 40,
+                    },
+                ],
+                overflow: 2,
             }),
             Event::Conntrack(ConntrackStats {
                 ts_ns: 8,

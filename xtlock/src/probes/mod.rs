@@ -5,6 +5,7 @@
 pub mod btf;
 pub mod conntrack;
 pub mod dropreason;
+pub mod ipvs;
 pub mod kfunc;
 pub mod nft_commit;
 pub mod preflight;
@@ -20,7 +21,7 @@ use aya::{
     programs::TracePoint,
     Ebpf, EbpfLoader,
 };
-use xtlock_common::{DropKey, LockKey, ProbeConfig};
+use xtlock_common::{DropKey, IpvsKey, LockKey, ProbeConfig};
 
 use crate::lockfiles::LockFile;
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
@@ -156,6 +157,17 @@ pub const KFUNC_HOOKS: &[&KfuncHook] = &[
     &conntrack::INSERT_FAILED,
     &conntrack::TABLE_FULL,
     &xt_replace::HOOK,
+    &ipvs::CONN_NEW,
+    &ipvs::NAT_XMIT,
+    &ipvs::NAT_XMIT_V6,
+    &ipvs::CONN_IN_GET,
+    &ipvs::CONN_EXPIRE,
+    &ipvs::ADD_DEST,
+    &ipvs::DEL_DEST,
+    &ipvs::EDIT_DEST,
+    &ipvs::ADD_SERVICE,
+    &ipvs::EDIT_SERVICE,
+    &ipvs::UNLINK_SERVICE,
 ];
 
 pub const HOOKS: &[Hook] = &[
@@ -750,12 +762,12 @@ impl Probes {
         for hook in KFUNC_HOOKS {
             let (attach, error) =
                 match kfunc::setup_and_attach(&mut ebpf, hook, &disc.kfunc, disc.btf.as_ref()) {
-                    Ok(a) => (a.describe, None),
+                    Ok(a) => (module_note(hook, a.describe), None),
                     Err(why) => {
                         if kfunc::plan(hook, &disc.kfunc).is_err() {
                             pending.push(*hook);
                         }
-                        (kfunc::candidates_text(hook), Some(why))
+                        (module_note(hook, kfunc::candidates_text(hook)), Some(why))
                     }
                 };
             status.push(HookStatus {
@@ -834,8 +846,8 @@ impl Probes {
             self.pending.retain(|h| h.name != hook.name);
             let (attach, error) =
                 match kfunc::setup_and_attach(&mut self.ebpf, hook, &self.kfunc, btf.as_ref()) {
-                    Ok(a) => (a.describe, None),
-                    Err(why) => (kfunc::candidates_text(hook), Some(why)),
+                    Ok(a) => (module_note(hook, a.describe), None),
+                    Err(why) => (module_note(hook, kfunc::candidates_text(hook)), Some(why)),
                 };
             if let Some(s) = self.status.iter_mut().find(|s| s.program == hook.name) {
                 s.attach = attach;
@@ -857,30 +869,52 @@ impl Probes {
     /// In-kernel drop counts since load, summed over CPUs, and the drops counted in the
     /// overflow slot because the key map was full.
     pub fn drop_totals(&self) -> Result<(DropTotals, u64), ProbeError> {
+        self.counter_totals("DROP_COUNTS", "DROP_OVERFLOW")
+    }
+
+    /// A per-CPU counter map summed over CPUs, and its per-CPU overflow counter summed.
+    fn counter_totals<K: aya::Pod>(
+        &self,
+        counts: &str,
+        overflow: &str,
+    ) -> Result<(Vec<(K, u64)>, u64), ProbeError> {
         let map = self
             .ebpf
-            .map("DROP_COUNTS")
-            .ok_or_else(|| ProbeError::Load("map DROP_COUNTS missing".into()))?;
-        let counts: PerCpuHashMap<&MapData, DropKey, u64> =
+            .map(counts)
+            .ok_or_else(|| ProbeError::Load(format!("map {counts} missing")))?;
+        let per_cpu: PerCpuHashMap<&MapData, K, u64> =
             PerCpuHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
         let mut out = Vec::new();
-        for item in counts.iter() {
+        for item in per_cpu.iter() {
             // A key can vanish between listing and lookup only if deleted; we never delete.
-            let (k, v) = item.map_err(|e| ProbeError::Load(format!("reading DROP_COUNTS: {e}")))?;
+            let (k, v) = item.map_err(|e| ProbeError::Load(format!("reading {counts}: {e}")))?;
             out.push((k, v.iter().sum()));
         }
         let map = self
             .ebpf
-            .map("DROP_OVERFLOW")
-            .ok_or_else(|| ProbeError::Load("map DROP_OVERFLOW missing".into()))?;
+            .map(overflow)
+            .ok_or_else(|| ProbeError::Load(format!("map {overflow} missing")))?;
         let ovf: PerCpuArray<&MapData, u64> =
             PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
         let overflow = ovf
             .get(&0, 0)
-            .map_err(|e| ProbeError::Load(format!("reading DROP_OVERFLOW: {e}")))?
+            .map_err(|e| ProbeError::Load(format!("reading {overflow}: {e}")))?
             .iter()
             .sum();
         Ok((out, overflow))
+    }
+
+    /// Whether the IPVS hooks are attached.
+    pub fn ipvs_attached(&self) -> bool {
+        self.status
+            .iter()
+            .any(|s| ipvs::COUNTING_HOOKS.contains(&s.program) && s.attached())
+    }
+
+    /// In-kernel IPVS packet counts since load, summed over CPUs, and the packets counted in
+    /// the overflow slot because the key map was full.
+    pub fn ipvs_totals(&self) -> Result<(Vec<(IpvsKey, u64)>, u64), ProbeError> {
+        self.counter_totals("IPVS_COUNTS", "IPVS_OVERFLOW")
     }
 
     /// The event ring buffer; call once.
@@ -917,6 +951,17 @@ impl Probes {
         watched
             .insert(lock.key(), index, 0)
             .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))
+    }
+}
+
+/// A module's hook without fentry programs says why: aya 0.14 cannot attach fentry there.
+fn module_note(hook: &KfuncHook, attach: String) -> String {
+    match hook.module {
+        Some(m) if hook.fentry.is_none() && hook.fexit.is_none() => format!(
+            "{attach} (no fentry: aya 0.14 attaches fentry only to vmlinux functions, and \
+             this one is in module {m})"
+        ),
+        _ => attach,
     }
 }
 

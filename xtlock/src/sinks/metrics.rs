@@ -24,6 +24,8 @@ use crate::analysis::{Output, Summary};
 pub const MAX_AGENTS: usize = 64;
 /// Distinct (reason, location, class) drop series; more go to one `(other)` series.
 pub const MAX_DROP_KINDS: usize = 256;
+/// Distinct (protocol, service, backend) IPVS series; more go to one `(other)` series.
+pub const MAX_IPVS_SERIES: usize = 4096;
 /// The label value of everything past a cap.
 pub const OTHER: &str = "(other)";
 
@@ -69,6 +71,33 @@ pub struct DropLabels {
     pub reason: String,
     pub location: String,
     pub class: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpvsLabels {
+    pub protocol: String,
+    /// Virtual service, `ip:port`.
+    pub service: String,
+    /// Real server, `ip:port`.
+    pub backend: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpvsStaleLabels {
+    pub protocol: String,
+    pub service: String,
+    pub backend: String,
+    /// `weight_0` (still forwarded) or `removed` (dropped or expired by the kernel).
+    pub backend_state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IpvsChangeLabels {
+    /// `dest_added`, `dest_removed`, `dest_edited`, `service_added`, `service_edited`,
+    /// `service_removed`.
+    pub change: String,
+    /// comm of the process that made it (kube-proxy, ipvsadm).
+    pub comm: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -128,6 +157,10 @@ pub struct Metrics {
     pub probe_attached: Family<ProbeLabels, Gauge>,
     /// The open holds last published, to clear their `holder_info` series when they end.
     published: Mutex<Vec<HoldLabels>>,
+    ipvs_packets: Family<IpvsLabels, Counter>,
+    ipvs_stale_packets: Family<IpvsStaleLabels, Counter>,
+    ipvs_connections: Family<IpvsLabels, Counter>,
+    ipvs_changes: Family<IpvsChangeLabels, Counter>,
 }
 
 /// The conntrack statistics counters, in [`Metrics::conntrack`] order.
@@ -246,6 +279,33 @@ impl Metrics {
             "Size of the conntrack table (nf_conntrack_max)",
             conntrack_max.clone(),
         );
+        let ipvs_packets = Family::<IpvsLabels, Counter>::default();
+        r.register(
+            "ipvs_packets",
+            "Packets IPVS forwarded to a real server of a virtual service (exact, counted in \
+             the kernel)",
+            ipvs_packets.clone(),
+        );
+        let ipvs_stale_packets = Family::<IpvsStaleLabels, Counter>::default();
+        r.register(
+            "ipvs_stale_packets",
+            "Packets on IPVS connections whose real server was set to weight 0 (forwarded) or \
+             removed (dropped or expired)",
+            ipvs_stale_packets.clone(),
+        );
+        let ipvs_connections = Family::<IpvsLabels, Counter>::default();
+        r.register(
+            "ipvs_connections",
+            "New IPVS connections scheduled to a real server",
+            ipvs_connections.clone(),
+        );
+        let ipvs_changes = Family::<IpvsChangeLabels, Counter>::default();
+        r.register(
+            "ipvs_table_changes",
+            "IPVS virtual-service and real-server changes, by kind and by the process that made \
+             them",
+            ipvs_changes.clone(),
+        );
         let lost = Counter::default();
         r.register(
             "events_lost",
@@ -296,6 +356,10 @@ impl Metrics {
             events,
             probe_attached,
             published: Mutex::new(Vec::new()),
+            ipvs_packets,
+            ipvs_stale_packets,
+            ipvs_connections,
+            ipvs_changes,
         }
     }
 
@@ -399,6 +463,7 @@ pub struct MetricsSink {
     m: Arc<Metrics>,
     agents: Capped,
     drop_kinds: Capped,
+    ipvs_series: Capped,
     /// The daemon's own network namespace (inode), labelled `host`.
     host_netns: Option<u32>,
 }
@@ -409,6 +474,7 @@ impl MetricsSink {
             m,
             agents: Capped::new(MAX_AGENTS),
             drop_kinds: Capped::new(MAX_DROP_KINDS),
+            ipvs_series: Capped::new(MAX_IPVS_SERIES),
             host_netns,
         }
     }
@@ -416,6 +482,23 @@ impl MetricsSink {
     fn agent(&mut self, a: &str) -> String {
         let a = if a.is_empty() { "(unknown)" } else { a };
         self.agents.label(a)
+    }
+
+    /// IPVS labels, `(other)` past the series cap.
+    fn ipvs(&mut self, protocol: &str, service: &str, backend: &str) -> IpvsLabels {
+        let key = format!("{protocol}\0{service}\0{backend}");
+        if self.ipvs_series.label(&key) == OTHER {
+            return IpvsLabels {
+                protocol: OTHER.into(),
+                service: OTHER.into(),
+                backend: OTHER.into(),
+            };
+        }
+        IpvsLabels {
+            protocol: protocol.to_owned(),
+            service: service.to_owned(),
+            backend: backend.to_owned(),
+        }
     }
 
     fn netns(&self, ns: u32) -> NetnsLabels {
@@ -539,6 +622,38 @@ impl Sink for MetricsSink {
                     self.m.conntrack_max.get_or_create(&l).set(clamp(c.max));
                 }
             }
+            Output::IpvsCount(c) => {
+                let l = self.ipvs(c.protocol, &c.service, &c.backend);
+                if c.backend_state != "removed" {
+                    self.m.ipvs_packets.get_or_create(&l).inc_by(c.packets);
+                }
+                if c.backend_state != "ok" {
+                    let l = IpvsStaleLabels {
+                        protocol: l.protocol,
+                        service: l.service,
+                        backend: l.backend,
+                        backend_state: c.backend_state.to_owned(),
+                    };
+                    self.m
+                        .ipvs_stale_packets
+                        .get_or_create(&l)
+                        .inc_by(c.packets);
+                }
+            }
+            Output::Ipvs(i) if i.event == "scheduled" => {
+                let l = self.ipvs(i.protocol, &i.service, &i.backend);
+                self.m.ipvs_connections.get_or_create(&l).inc();
+            }
+            Output::Ipvs(i) if i.event.starts_with("dest_") || i.event.starts_with("service_") => {
+                let comm = self.agent(i.comm.as_deref().unwrap_or(""));
+                self.m
+                    .ipvs_changes
+                    .get_or_create(&IpvsChangeLabels {
+                        change: i.event.to_owned(),
+                        comm,
+                    })
+                    .inc();
+            }
             _ => {}
         }
         Ok(())
@@ -579,6 +694,44 @@ mod tests {
             open: false,
             incomplete: false,
         })
+    }
+
+    #[test]
+    fn ipvs_counts_and_changes() {
+        let m = Arc::new(Metrics::new("6.1.0"));
+        let mut s = MetricsSink::new(m.clone(), None);
+        let count = |state: &'static str, n: u64| {
+            Output::IpvsCount(crate::ipvs::IpvsCountFact {
+                ts_ns: 1,
+                interval_ns: 1,
+                protocol: "udp",
+                service: "10.96.0.10:53".into(),
+                backend: "10.0.1.5:53".into(),
+                backend_state: state,
+                packets: n,
+            })
+        };
+        s.output(&count("ok", 60)).unwrap();
+        s.output(&count("weight_0", 30)).unwrap();
+        s.output(&count("removed", 25)).unwrap();
+        let text = m.encode().unwrap();
+        let l = "protocol=\"udp\",service=\"10.96.0.10:53\",backend=\"10.0.1.5:53\"";
+        assert!(
+            text.contains(&format!("xtlock_ipvs_packets_total{{{l}}} 90")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "xtlock_ipvs_stale_packets_total{{{l},backend_state=\"removed\"}} 25"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "xtlock_ipvs_stale_packets_total{{{l},backend_state=\"weight_0\"}} 30"
+            )),
+            "{text}"
+        );
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub struct PerfettoSink<W: Write> {
 }
 
 /// The group that carries drop samples (not an agent).
+/// Track group of the IPVS instants.
+const IPVS_GROUP: &str = "ipvs";
 const DROPS_GROUP: &str = "(packet drops)";
 
 impl<W: Write> PerfettoSink<W> {
@@ -114,6 +116,21 @@ impl<W: Write> Sink for PerfettoSink<W> {
                     h.dropped, h.lock
                 ),
                 json!({ "by_class": h.by_class, "by_reason": h.by_reason }),
+            )),
+            Output::Ipvs(i) => self.instants.push((
+                i.ts_ns,
+                i.pid.unwrap_or(0),
+                IPVS_GROUP.to_owned(),
+                super::terminal::ipvs_text(i),
+                serde_json::to_value(i).unwrap_or(Value::Null),
+            )),
+            Output::IpvsCount(c) => self.counters.push((
+                c.ts_ns,
+                format!(
+                    "ipvs {} {} -> {} ({})",
+                    c.protocol, c.service, c.backend, c.backend_state
+                ),
+                c.packets as f64,
             )),
             _ => {}
         }

@@ -7,8 +7,8 @@ use std::time::Duration;
 use super::{human_ns, Sink};
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
-    FailedTryFact, HoldDropsFact, HoldFact, HolderRef, Output, Summary, TimeoutFact, WaitFact,
-    WaitMode, WaitOutcome,
+    FailedTryFact, HoldDropsFact, HoldFact, HolderRef, IpvsFact, Output, Summary, TimeoutFact,
+    WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
 use crate::drops::packet_text;
@@ -576,6 +576,9 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::Conntrack(c) => Some(conntrack_text(c)),
                 Output::HoldDrops(h) => Some(hold_drops_text(h)),
                 Output::ConntrackRefused(c) => Some(conntrack_refused_text(c)),
+                Output::Ipvs(i) => Some(ipvs_text(i)),
+                // Per second and per backend: too many lines; the summary has the totals.
+                Output::IpvsCount(_) => None,
             };
         if let Some(text) = text {
             self.flush_run()?;
@@ -702,7 +705,146 @@ fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io::Result<()
             s.lost_events
         )?;
     }
-    write_drops(w, s)
+    write_drops(w, s)?;
+    write_ipvs(w, s)
+}
+
+/// One IPVS fact, e.g. "ipvs udp 10.96.0.10:53: endpoint 10.0.1.5:53 removed at T by
+/// ipvsadm[812]; 37 packets from 10.0.0.9:40000 still sent there (dropped by the kernel)
+/// until T+4.20 s; entry expired at T+9.31 s".
+pub(crate) fn ipvs_text(f: &IpvsFact) -> String {
+    let head = format!("ipvs {} {}", f.protocol, f.service);
+    let who = |pid: Option<u32>, comm: &Option<String>| match (pid, comm) {
+        (Some(p), Some(c)) => format!("{c}[{p}]"),
+        _ => "?".into(),
+    };
+    let failed = match f.ret {
+        Some(r) if r != 0 => format!(" (failed: errno {})", -r),
+        _ => String::new(),
+    };
+    let client = f.client.as_deref().unwrap_or("?");
+    match f.event {
+        "scheduled" => format!(
+            "{head}: {client} scheduled to {} (weight {})",
+            f.backend, f.weight
+        ),
+        "dest_added" => format!(
+            "{head}: endpoint {} added (weight {}) by {}{failed}",
+            f.backend,
+            f.weight,
+            who(f.pid, &f.comm)
+        ),
+        "dest_removed" => format!(
+            "{head}: endpoint {} removed by {}{failed}",
+            f.backend,
+            who(f.pid, &f.comm)
+        ),
+        "dest_edited" => format!(
+            "{head}: endpoint {} weight set to {} by {}{failed}",
+            f.backend,
+            f.weight,
+            who(f.pid, &f.comm)
+        ),
+        "service_added" | "service_edited" | "service_removed" => format!(
+            "{head}: virtual service {} by {}{failed}",
+            &f.event[8..],
+            who(f.pid, &f.comm)
+        ),
+        "stale" => {
+            let what = match f.backend_state {
+                Some("removed") => "removed",
+                _ => "set to weight 0",
+            };
+            let mut s = format!(
+                "!! {head}: packets from {client} still go to endpoint {} ({what}{}), {}",
+                f.backend,
+                f.change
+                    .as_ref()
+                    .map(|c| format!(
+                        " {} ago by {}[{}]",
+                        human_ns(f.ts_ns.saturating_sub(c.ts_ns)),
+                        c.comm,
+                        c.pid
+                    ))
+                    .unwrap_or_default(),
+                action_text(f.action)
+            );
+            if let Some(left) = f.entry_left_ns {
+                let _ = write!(s, "; connection entry expires in {}", human_ns(left));
+            }
+            s
+        }
+        _ => {
+            // stale_end: told from the change (T) when it was seen.
+            let t0 = f.change.as_ref().map_or(f.ts_ns, |c| c.ts_ns);
+            let what = match f.backend_state {
+                Some("removed") => "removed",
+                _ => "set to weight 0",
+            };
+            let mut s = match &f.change {
+                Some(c) => format!(
+                    "{head}: endpoint {} {what} at T by {}[{}]; ",
+                    f.backend, c.comm, c.pid
+                ),
+                None => format!("{head}: endpoint {} {what}; ", f.backend),
+            };
+            let packets = f.packets.unwrap_or(0);
+            let _ = write!(
+                s,
+                "{} packet{} from {client} still sent there ({}) until T+{}",
+                thousands(packets),
+                if packets == 1 { "" } else { "s" },
+                action_text(f.action),
+                human_ns(f.last_packet_ns.unwrap_or(t0).saturating_sub(t0))
+            );
+            match f.expired_ns {
+                Some(x) => {
+                    let _ = write!(s, "; entry expired at T+{}", human_ns(x.saturating_sub(t0)));
+                }
+                None => s.push_str("; entry still there when tracing stopped"),
+            }
+            s
+        }
+    }
+}
+
+fn action_text(a: Option<crate::decode::StaleAction>) -> &'static str {
+    use crate::decode::StaleAction;
+    match a {
+        Some(StaleAction::Forwarded) => "forwarded by the kernel",
+        Some(StaleAction::Dropped) => "dropped by the kernel",
+        Some(StaleAction::Expired) => "entry expired by the kernel, packet rescheduled",
+        _ => "?",
+    }
+}
+
+fn write_ipvs(w: &mut impl Write, s: &Summary) -> io::Result<()> {
+    if s.ipvs.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        w,
+        "
+ipvs backends:"
+    )?;
+    writeln!(
+        w,
+        "  {:<5} {:<22} {:<22} {:>11} {:>11} {:>11}",
+        "proto", "service", "backend", "connections", "packets", "stale"
+    )?;
+    for r in &s.ipvs {
+        writeln!(
+            w,
+            "  {:<5} {:<22} {:<22} {:>11} {:>11} {:>11}",
+            r.protocol,
+            r.service,
+            r.backend,
+            thousands(r.counts.connections),
+            thousands(r.counts.packets),
+            thousands(r.counts.stale_packets)
+        )?;
+    }
+    Ok(())
 }
 
 fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {

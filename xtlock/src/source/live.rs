@@ -34,6 +34,8 @@ pub struct LiveSource {
     tap: Tap,
     /// Drop counters and conntrack statistics, once [`LiveSource::start_drops`] ran.
     drops: Option<super::drops::DropPoller>,
+    /// IPVS packet counters.
+    ipvs: super::ipvs::IpvsPoller,
 }
 
 /// What happens to each record besides the pipeline: recording and error counts. Apart from
@@ -62,6 +64,7 @@ impl LiveSource {
             lost_reported: 0,
             tap: Tap::default(),
             drops: None,
+            ipvs: super::ipvs::IpvsPoller::new(super::monotonic_ns()),
         })
     }
 
@@ -83,10 +86,12 @@ impl LiveSource {
 
     /// Once a second: conntrack deltas, names of new drop locations, drop counts.
     pub fn poll_drops(&mut self) -> Vec<Event> {
-        let Some(poller) = self.drops.as_mut() else {
-            return Vec::new();
+        let now = super::monotonic_ns();
+        let mut events = match self.drops.as_mut() {
+            Some(poller) => poller.poll(&self.probes, now),
+            None => Vec::new(),
         };
-        let events = poller.poll(&self.probes, super::monotonic_ns());
+        events.extend(self.ipvs.poll(&self.probes, now));
         for ev in &events {
             self.tap.synthetic(ev);
         }

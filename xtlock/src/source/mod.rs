@@ -3,6 +3,7 @@
 //! the analysis and sinks never know which one they are fed by.
 pub mod drops;
 pub mod file;
+pub mod ipvs;
 pub mod live;
 pub mod procfs;
 
