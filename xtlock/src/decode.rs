@@ -72,6 +72,11 @@ pub struct Argv {
 }
 
 impl Argv {
+    /// See [`SharedStr::prefetch`].
+    pub(crate) fn prefetch(&self) {
+        self.text.prefetch();
+    }
+
     pub fn new<S: AsRef<str>>(args: impl IntoIterator<Item = S>) -> Self {
         let mut text = String::new();
         let mut argc = 0u32;

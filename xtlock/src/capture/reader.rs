@@ -402,7 +402,7 @@ impl<R: Read> CaptureReader<R> {
             }));
         }
         if h.compression == format::COMPRESSION_LZ4 {
-            self.raw.clear();
+            // No clearing: every byte is overwritten, or the block is refused below.
             self.raw.resize(raw_len, 0);
             match lz4_flex::block::decompress_into(&self.stored, &mut self.raw) {
                 Ok(n) if n == raw_len => {}
