@@ -8,14 +8,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 use xtlock_tests::{
-    kube_proxy_ruleset, loaded_bpf_program_names, require_bpf, serial, type_counts, within_pct,
-    write_file, Agent, Scratch, Tracer,
+    in_vm, kube_proxy_ruleset, loaded_bpf_program_names, require_bpf, serial, type_counts,
+    within_pct, write_file, Agent, Scratch, Tracer,
 };
-
-/// Inside `cargo xtask vm-test`'s TCG guest, where emulation stretches every syscall.
-fn in_vm() -> bool {
-    std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")
-}
 
 const T: Duration = Duration::from_secs(20);
 

@@ -9,12 +9,12 @@ use xtlock_common::{EventHeader, EventKind, ProbeConfig};
 
 use crate::{CONFIG, EVENTS, LOST};
 
-/// Reads a `T` at `base + offset` of kernel memory (kernel-function hooks: struct members
-/// at offsets userspace found in BTF).
+/// Reads a `T` at `base + offset` of kernel memory: struct members at offsets userspace
+/// found in BTF (every offset in the configs is a `u32`).
 #[inline(always)]
-pub fn kread<T>(base: u64, offset: usize) -> Option<T> {
+pub fn kread<T>(base: u64, offset: u32) -> Option<T> {
     // SAFETY: bpf_probe_read_kernel checks the address; a bad one is an error, not a fault.
-    unsafe { aya_ebpf::helpers::bpf_probe_read_kernel((base + offset as u64) as *const T) }.ok()
+    unsafe { aya_ebpf::helpers::bpf_probe_read_kernel((base + u64::from(offset)) as *const T) }.ok()
 }
 
 /// Argument `n` (0-4) of a syscall whose user registers are at `regs` (the one argument of
@@ -27,7 +27,7 @@ pub fn syscall_arg(regs: u64, n: usize) -> Option<u64> {
     if regs == 0 || (off == 0 && n > 0) {
         return None;
     }
-    kread(regs, off as usize)
+    kread(regs, off)
 }
 
 /// Reads a field offset from `CONFIG`. Volatile: the value is patched in after compile.

@@ -46,9 +46,9 @@ fn config() -> Option<CtConfig> {
 
 #[inline(always)]
 fn emit(what: u8, tuple: u64, net: u64, c: &CtConfig) {
-    let l3num: u16 = kread(tuple, c.src_l3num as usize).unwrap_or(0);
-    let mut saddr: [u8; 16] = kread(tuple, c.src_u3 as usize).unwrap_or([0; 16]);
-    let mut daddr: [u8; 16] = kread(tuple, c.dst_u3 as usize).unwrap_or([0; 16]);
+    let l3num: u16 = kread(tuple, c.src_l3num).unwrap_or(0);
+    let mut saddr: [u8; 16] = kread(tuple, c.src_u3).unwrap_or([0; 16]);
+    let mut daddr: [u8; 16] = kread(tuple, c.dst_u3).unwrap_or([0; 16]);
     let family = match l3num {
         AF_INET => {
             saddr[4..].fill(0);
@@ -58,18 +58,18 @@ fn emit(what: u8, tuple: u64, net: u64, c: &CtConfig) {
         AF_INET6 => DROP_FAMILY_INET6,
         _ => DROP_FAMILY_NONE,
     };
-    let sport: u16 = kread(tuple, c.src_port as usize).unwrap_or(0);
-    let dport: u16 = kread(tuple, c.dst_port as usize).unwrap_or(0);
+    let sport: u16 = kread(tuple, c.src_port).unwrap_or(0);
+    let dport: u16 = kread(tuple, c.dst_port).unwrap_or(0);
     let netns = if net == 0 {
         0
     } else {
-        kread(net, c.net_inum as usize).unwrap_or(0)
+        kread(net, c.net_inum).unwrap_or(0)
     };
     let ev = ConntrackFailEvent {
         hdr: header(EventKind::ConntrackFail, now()),
         netns,
         what,
-        l4proto: kread(tuple, c.dst_protonum as usize).unwrap_or(0),
+        l4proto: kread(tuple, c.dst_protonum).unwrap_or(0),
         family,
         _pad0: 0,
         saddr,
@@ -88,12 +88,12 @@ fn confirm_returned(skb: u64, ret: i32) {
         return;
     }
     let Some(c) = config() else { return };
-    let nfct: u64 = kread(skb, c.skb_nfct as usize).unwrap_or(0);
+    let nfct: u64 = kread(skb, c.skb_nfct).unwrap_or(0);
     let ct = nfct & NFCT_PTRMASK;
     if ct == 0 {
         return;
     }
-    let net: u64 = kread(ct, c.ct_net as usize).unwrap_or(0);
+    let net: u64 = kread(ct, c.ct_net).unwrap_or(0);
     emit(CT_FAIL_INSERT, ct + u64::from(c.ct_tuple), net, &c);
 }
 

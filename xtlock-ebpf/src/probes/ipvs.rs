@@ -18,7 +18,7 @@
 //!
 //! Struct member offsets come from the module's BTF at run time (`IpvsConfig::conn_*` etc.).
 use aya_ebpf::{
-    helpers::{bpf_get_current_comm, bpf_jiffies64, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_comm, bpf_jiffies64},
     macros::{kprobe, kretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
@@ -30,7 +30,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{count_in, header, ids, now, output},
+    emit::{count_in, header, ids, kread, now, output},
     IPVS_CONFIG, IPVS_COUNTS, IPVS_OVERFLOW, IPVS_STALE, IPVS_TABLE_OPS,
 };
 
@@ -57,13 +57,6 @@ pub struct StaleConn {
 fn config() -> Option<IpvsConfig> {
     let c = *IPVS_CONFIG.get(0)?;
     (c.ok != 0).then_some(c)
-}
-
-/// Reads a `T` at `base + offset` of kernel memory.
-#[inline(always)]
-fn kread<T>(base: u64, offset: u32) -> Option<T> {
-    // SAFETY: bpf_probe_read_kernel checks the address; a bad one is an error, not a fault.
-    unsafe { bpf_probe_read_kernel((base + u64::from(offset)) as *const T) }.ok()
 }
 
 fn be16(base: u64, offset: u32) -> u16 {

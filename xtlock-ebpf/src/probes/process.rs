@@ -59,31 +59,28 @@ pub fn sys_enter_execveat(ctx: TracePointContext) -> u32 {
 
 #[fentry(function = "__x64_sys_execve")]
 pub fn execve_syscall_fentry(ctx: FEntryContext) -> u32 {
-    if let Some(argv) = syscall_arg(ctx.arg(0), 1) {
-        let _ = save_argv(argv);
-    }
-    0
+    save_argv_of(ctx.arg(0), 1)
 }
 
 #[kprobe]
 pub fn execve_syscall_kprobe(ctx: ProbeContext) -> u32 {
-    if let Some(argv) = syscall_arg(ctx.arg(0).unwrap_or(0), 1) {
-        let _ = save_argv(argv);
-    }
-    0
+    save_argv_of(ctx.arg(0).unwrap_or(0), 1)
 }
 
 #[fentry(function = "__x64_sys_execveat")]
 pub fn execveat_syscall_fentry(ctx: FEntryContext) -> u32 {
-    if let Some(argv) = syscall_arg(ctx.arg(0), 2) {
-        let _ = save_argv(argv);
-    }
-    0
+    save_argv_of(ctx.arg(0), 2)
 }
 
 #[kprobe]
 pub fn execveat_syscall_kprobe(ctx: ProbeContext) -> u32 {
-    if let Some(argv) = syscall_arg(ctx.arg(0).unwrap_or(0), 2) {
+    save_argv_of(ctx.arg(0).unwrap_or(0), 2)
+}
+
+/// Saves argv, syscall argument `n` of the user registers at `regs`.
+#[inline(always)]
+fn save_argv_of(regs: u64, n: usize) -> u32 {
+    if let Some(argv) = syscall_arg(regs, n) {
         let _ = save_argv(argv);
     }
     0

@@ -8,14 +8,14 @@
 //!
 //! Struct member offsets (`sk_buff`, `net_device`, `net`, `sock`) come from the kernel's BTF,
 //! read by userspace; every kernel pointer is read with `bpf_probe_read_kernel`.
-use aya_ebpf::{helpers::bpf_probe_read_kernel, macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
 use xtlock_common::{
     DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET, DROP_FAMILY_INET6,
     DROP_FAMILY_NONE, DROP_REASON_SLOTS,
 };
 
 use crate::{
-    emit::{cfg, count_in, field, header, now, reserve},
+    emit::{cfg, count_in, field, header, kread, now, reserve},
     CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS,
 };
 
@@ -39,13 +39,6 @@ fn config() -> ProbeConfig {
     // SAFETY: CONFIG is a static that lives for the program's lifetime; volatile because the
     // value is patched in after compile.
     unsafe { core::ptr::read_volatile(&CONFIG) }
-}
-
-/// Reads a `T` at `base + offset` of kernel memory.
-#[inline(always)]
-fn kread<T>(base: u64, offset: u32) -> Result<T, i32> {
-    // SAFETY: bpf_probe_read_kernel checks the address; a bad one is an error, not a fault.
-    unsafe { bpf_probe_read_kernel((base + u64::from(offset)) as *const T) }.map_err(|e| e as i32)
 }
 
 fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
@@ -164,11 +157,11 @@ fn take_token(c: &ProbeConfig) -> bool {
 
 /// Addresses, protocol and ports of an IPv4/IPv6 packet, from its network header.
 #[inline(always)]
-fn read_packet(c: &ProbeConfig, skb: u64, ev: &mut DropEvent) -> Result<(), i32> {
+fn read_packet(c: &ProbeConfig, skb: u64, ev: &mut DropEvent) -> Option<()> {
     let head: u64 = kread(skb, c.skb_head)?;
     let nh: u16 = kread(skb, c.skb_network_header)?;
     if head == 0 || nh == HEADER_UNSET {
-        return Ok(());
+        return Some(());
     }
     let ip = head + u64::from(nh);
     let first: u8 = kread(ip, 0)?;
@@ -183,7 +176,7 @@ fn read_packet(c: &ProbeConfig, skb: u64, ev: &mut DropEvent) -> Result<(), i32>
         // Only the first fragment carries the ports.
         let frag_off = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
         if frag_off != 0 {
-            return Ok(());
+            return Some(());
         }
         transport = ip + u64::from(first & 0x0f) * 4;
     } else if (ev.ethertype == ETH_P_IPV6 || ev.ethertype == 0) && version == 6 {
@@ -195,7 +188,7 @@ fn read_packet(c: &ProbeConfig, skb: u64, ev: &mut DropEvent) -> Result<(), i32>
         // Extension headers are not walked: past them the transport header is unknown.
         transport = ip + 40;
     } else {
-        return Ok(());
+        return Some(());
     }
     match ev.l4proto {
         IPPROTO_TCP | IPPROTO_UDP => {
@@ -210,5 +203,5 @@ fn read_packet(c: &ProbeConfig, skb: u64, ev: &mut DropEvent) -> Result<(), i32>
         }
         _ => {}
     }
-    Ok(())
+    Some(())
 }

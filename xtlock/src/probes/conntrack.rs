@@ -4,10 +4,13 @@
 //! attach, they replace the inference from `/proc/net/stat/nf_conntrack` deltas, which stay
 //! as the fallback and a cross-check.
 
-use aya::{maps::Array, Ebpf};
+use aya::Ebpf;
 use xtlock_common::CtConfig;
 
-use super::{btf::Btf, kfunc::KfuncHook};
+use super::{
+    btf::Btf,
+    kfunc::{fill_config_once, KfuncHook},
+};
 
 pub const INSERT_FAILED: KfuncHook = KfuncHook {
     name: "conntrack_insert_failed",
@@ -66,18 +69,17 @@ pub fn offsets_in(btf: &Btf) -> Result<CtConfig, String> {
 }
 
 fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>) -> Result<(), String> {
-    let map = ebpf
-        .map_mut("CT_CONFIG")
-        .ok_or("map CT_CONFIG missing from the BPF object")?;
-    let mut arr: Array<_, CtConfig> = Array::try_from(map).map_err(|e| e.to_string())?;
     // Both conntrack hooks share it: the module's BTF is read once.
-    if arr.get(&0, 0).is_ok_and(|c| c.ok != 0) {
-        return Ok(());
-    }
-    let vmlinux = vmlinux.ok_or("no kernel BTF: the connection's addresses cannot be read")?;
-    let c = offsets(vmlinux)?;
-    arr.set(0, c, 0)
-        .map_err(|e| format!("writing CT_CONFIG: {e}"))
+    fill_config_once(
+        ebpf,
+        "CT_CONFIG",
+        |c: &CtConfig| c.ok != 0,
+        || {
+            let vmlinux =
+                vmlinux.ok_or("no kernel BTF: the connection's addresses cannot be read")?;
+            offsets(vmlinux)
+        },
+    )
 }
 
 #[cfg(test)]

@@ -8,11 +8,11 @@
 //! fentry is not a candidate: aya 0.14 attaches it only to vmlinux functions, and these are
 //! all in the module.
 
-use aya::{maps::Array, Ebpf};
+use aya::Ebpf;
 use xtlock_common::IpvsConfig;
 
 use super::btf::Btf;
-use super::kfunc::KfuncHook;
+use super::kfunc::{fill_config_once, KfuncHook};
 
 /// Minimum spacing of stale-packet events per connection.
 pub const STALE_INTERVAL_NS: u64 = 1_000_000_000;
@@ -125,31 +125,31 @@ pub const COUNTING_HOOKS: &[&str] = &["ipvs_nat_xmit", "ipvs_nat_xmit_v6", "ipvs
 /// Writes `IPVS_CONFIG` (once: every IPVS hook calls it): offsets from the module's BTF and
 /// the kernel's HZ.
 fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>) -> Result<(), String> {
-    let map = ebpf
-        .map_mut("IPVS_CONFIG")
-        .ok_or("map IPVS_CONFIG missing from the BPF object")?;
-    let mut arr: Array<_, IpvsConfig> = Array::try_from(map).map_err(|e| e.to_string())?;
-    if arr.get(&0, 0).is_ok_and(|c| c.ok != 0) {
-        return Ok(());
-    }
-    // After start the vmlinux BTF was dropped; read it again (a module loaded later).
-    let owned;
-    let base = match vmlinux {
-        Some(b) => b,
-        None => {
-            owned = Btf::vmlinux().map_err(|e| format!("no kernel BTF ({e})"))?;
-            &owned
-        }
-    };
-    let btf = Btf::module(base, "ip_vs").map_err(|e| format!("no BTF for module ip_vs ({e})"))?;
-    let mut c = IpvsConfig::default();
-    fill_offsets(&mut c, &btf)?;
-    let hz = kernel_hz().map_err(|e| format!("HZ of this kernel unknown ({e})"))?;
-    c.ns_per_jiffy = 1_000_000_000 / hz;
-    c.stale_interval_ns = STALE_INTERVAL_NS;
-    c.ok = 1;
-    arr.set(0, c, 0)
-        .map_err(|e| format!("writing IPVS_CONFIG: {e}"))
+    fill_config_once(
+        ebpf,
+        "IPVS_CONFIG",
+        |c: &IpvsConfig| c.ok != 0,
+        || {
+            // After start the vmlinux BTF was dropped; read it again (a module loaded later).
+            let owned;
+            let base = match vmlinux {
+                Some(b) => b,
+                None => {
+                    owned = Btf::vmlinux().map_err(|e| format!("no kernel BTF ({e})"))?;
+                    &owned
+                }
+            };
+            let btf =
+                Btf::module(base, "ip_vs").map_err(|e| format!("no BTF for module ip_vs ({e})"))?;
+            let mut c = IpvsConfig::default();
+            fill_offsets(&mut c, &btf)?;
+            let hz = kernel_hz().map_err(|e| format!("HZ of this kernel unknown ({e})"))?;
+            c.ns_per_jiffy = 1_000_000_000 / hz;
+            c.stale_interval_ns = STALE_INTERVAL_NS;
+            c.ok = 1;
+            Ok(c)
+        },
+    )
 }
 
 /// Struct member offsets from the module's BTF.

@@ -151,6 +151,26 @@ pub struct KfuncHook {
 /// See [`KfuncHook::setup`].
 pub type SetupFn = fn(&mut Ebpf, Option<&super::btf::Btf>) -> Result<(), String>;
 
+/// For setups: fills entry 0 of the one-entry config map `name` unless `filled` says it
+/// already is (several hooks share one config); `make` runs only then.
+pub fn fill_config_once<T: aya::Pod>(
+    ebpf: &mut Ebpf,
+    name: &str,
+    filled: fn(&T) -> bool,
+    make: impl FnOnce() -> Result<T, String>,
+) -> Result<(), String> {
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| format!("map {name} missing from the BPF object"))?;
+    let mut arr: aya::maps::Array<_, T> =
+        aya::maps::Array::try_from(map).map_err(|e| e.to_string())?;
+    if arr.get(&0, 0).is_ok_and(|c| filled(&c)) {
+        return Ok(());
+    }
+    arr.set(0, make()?, 0)
+        .map_err(|e| format!("writing {name}: {e}"))
+}
+
 impl KfuncHook {
     fn has(&self, kind: AttachKind) -> bool {
         match kind {
