@@ -779,14 +779,27 @@ impl Probes {
             });
         }
         kfunc::forget_btf();
-        for s in status
+        // One line for the user (a kernel without kprobes misses a dozen hooks); each reason
+        // at debug level and in `xtlock probes`.
+        let missing: Vec<&HookStatus> = status
             .iter()
             .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
-        {
-            tracing::warn!(
+            .collect();
+        for s in &missing {
+            tracing::debug!(
                 hook = s.program,
                 why = s.error.as_deref().unwrap_or(""),
                 "hook not attached"
+            );
+        }
+        if !missing.is_empty() {
+            let names: Vec<&str> = missing.iter().map(|s| s.program).collect();
+            tracing::warn!(
+                "{} of {} hooks not attached ({}); xtlock runs without them. `xtlock probes` \
+                 says why for each and what it costs",
+                missing.len(),
+                status.len(),
+                names.join(", ")
             );
         }
         for f in disc.features.iter().filter(|f| !f.available) {
