@@ -98,6 +98,8 @@ pub struct Stopped {
     pub lines: u64,
     /// xtlock: the final summary.
     pub summary: Option<Value>,
+    /// xtlock: exact drops by (netns, reason name), summed over its `drop_count` objects.
+    pub drop_counts: std::collections::BTreeMap<(u64, String), u64>,
     /// bpftrace: the map lines printed at exit (`@name[key]: value`).
     pub maps: Vec<(String, u64)>,
     /// The tracer's CPU time over its whole life, ns.
@@ -345,6 +347,13 @@ fn read_xtlock(out: &Path) -> Result<Stopped> {
             let v: Value = serde_json::from_str(&line)?;
             s.lost_objects += 1;
             s.lost_object_sum += v["count"].as_u64().unwrap_or(0);
+        } else if line.starts_with("{\"type\":\"drop_count\"") {
+            let v: Value = serde_json::from_str(&line)?;
+            if let (Some(netns), Some(reason)) = (v["netns"].as_u64(), v["reason"].as_str()) {
+                *s.drop_counts
+                    .entry((netns, reason.to_string()))
+                    .or_default() += v["count"].as_u64().unwrap_or(0);
+            }
         } else if line.starts_with("{\"type\":\"summary\"") {
             let v: Value = serde_json::from_str(&line)?;
             s.lost_events = v["lost_events"].as_u64().unwrap_or(0);
