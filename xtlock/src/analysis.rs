@@ -181,7 +181,7 @@ impl Analyzer {
             if h.start_ns < t1
                 && !v
                     .iter()
-                    .any(|o| o.lock == h.lock && o.start_ns == h.start_ns)
+                    .any(|o| o.start_ns == h.start_ns && o.lock == h.lock)
             {
                 v.push(h.clone());
             }

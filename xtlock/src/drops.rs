@@ -428,7 +428,7 @@ impl DropTracker {
             if let Some(t) = self
                 .tallies
                 .iter_mut()
-                .find(|t| t.hold.lock == h.lock && t.hold.start_ns == h.start_ns)
+                .find(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
             {
                 t.samples += 1;
             } else if self.tallies.len() < MAX_TALLIES {
@@ -570,7 +570,7 @@ impl DropTracker {
         let i = match self
             .tallies
             .iter()
-            .position(|t| t.hold.lock == h.lock && t.hold.start_ns == h.start_ns)
+            .position(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
         {
             Some(i) => i,
             None if self.tallies.len() < MAX_TALLIES => {
@@ -595,7 +595,7 @@ impl DropTracker {
         if let Some(t) = self
             .tallies
             .iter_mut()
-            .find(|t| t.hold.lock == r.lock && t.hold.start_ns == r.start_ns)
+            .find(|t| t.hold.start_ns == r.start_ns && t.hold.lock == r.lock)
         {
             t.hold = r.clone();
             t.end_ns = Some(h.start_ns.saturating_add(h.hold_ns));
@@ -797,9 +797,12 @@ impl DropTracker {
 
 impl Tally {
     fn new(hold: HoldRef) -> Self {
+        // A hold that already ended (from `ended`) is complete once counts cover its end;
+        // without its end here its tally would wait for the end of tracing.
+        let end_ns = hold.hold_ns.map(|d| hold.start_ns.saturating_add(d));
         Tally {
             hold,
-            end_ns: None,
+            end_ns,
             dropped: 0,
             by_class: BTreeMap::new(),
             by_reason: BTreeMap::new(),
@@ -893,6 +896,15 @@ mod tests {
             op,
             nonblocking: false,
         })
+    }
+
+    fn hold_drops(out: &[Output]) -> Vec<&HoldDropsFact> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::HoldDrops(h) => Some(h),
+                _ => None,
+            })
+            .collect()
     }
 
     fn sample(ts: u64, location: u64, reason: u32) -> Event {
@@ -990,13 +1002,7 @@ mod tests {
         assert!(out.iter().any(|o| matches!(o, Output::Hold(_))));
         assert!(!out.iter().any(|o| matches!(o, Output::HoldDrops(_))));
         let out = a.process_collect(&counts(4 * S, &[(NF, 12, 6)]));
-        let hd: Vec<&HoldDropsFact> = out
-            .iter()
-            .filter_map(|o| match o {
-                Output::HoldDrops(h) => Some(h),
-                _ => None,
-            })
-            .collect();
+        let hd = hold_drops(&out);
         assert_eq!(hd.len(), 1);
         assert_eq!(hd[0].dropped, 1210);
         assert_eq!(hd[0].samples, 1);
@@ -1015,6 +1021,26 @@ mod tests {
             "!! 1,210 packets dropped (netfilter rule drop) during kube-proxy's \
              2.30 s hold of /run/xtables.lock (pid 100)"
         );
+    }
+
+    #[test]
+    fn short_holds_are_reported_at_the_tick_that_covers_them() {
+        let mut a = setup();
+        // Holds that begin and end between two ticks (the usual iptables run), many of them.
+        for i in 0..50 {
+            let t = S + S / 2 + i * 1_000_000;
+            a.process_collect(&lock(t, LockOp::Acquired { exclusive: true }));
+            a.process_collect(&lock(t + 500_000, LockOp::Released));
+        }
+        let out = a.process_collect(&counts(2 * S, &[(NF, 12, 7)]));
+        let hd = hold_drops(&out);
+        // Each overlapped the interval and is complete: reported now, not at the end.
+        assert_eq!(hd.len(), 50, "{out:?}");
+        assert!(hd.iter().all(|h| h.dropped == 7 && h.hold_ns == 500_000));
+        // Nothing left over for the end of tracing.
+        let mut rest = Vec::new();
+        a.finish(3 * S, &mut |o| rest.push(o));
+        assert!(!rest.iter().any(|o| matches!(o, Output::HoldDrops(_))));
     }
 
     #[test]
