@@ -176,7 +176,8 @@ pub struct TraceArgs {
     /// Stop after this long (e.g. 30s, 5m). Default: until Ctrl-C.
     #[arg(long, value_parser = parse_duration)]
     pub duration: Option<Duration>,
-    /// Print holds at least this long (waits are always printed). E.g. 10ms.
+    /// Print holds, and the drops during them, at least this long (waits are always
+    /// printed). E.g. 10ms.
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub min_hold: Duration,
     /// JSON Lines on stdout: one object per event, the summary last.

@@ -574,7 +574,12 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::Drop(d) => self.opts.show_drop_samples.then(|| drop_text(d)),
                 Output::DropCount(d) => Some(drop_count_text(d)),
                 Output::Conntrack(c) => Some(conntrack_text(c)),
-                Output::HoldDrops(h) => Some(hold_drops_text(h)),
+                // Like holds: a hold too short to be shown does not get its drops line
+                // either (its interval's drop count line has them); in a lock storm with
+                // drops that is a line per hold.
+                Output::HoldDrops(h) => {
+                    (h.hold_ns >= self.opts.min_hold.as_nanos() as u64).then(|| hold_drops_text(h))
+                }
                 Output::ConntrackRefused(c) => Some(conntrack_refused_text(c)),
                 Output::Ipvs(i) => Some(ipvs_text(i)),
                 // Per second and per backend: too many lines; the summary has the totals.
@@ -1043,15 +1048,34 @@ mod tests {
             time: TimeFormat::None,
             ..Default::default()
         };
+        let drops = |hold_ns| {
+            Output::HoldDrops(HoldDropsFact {
+                lock: DEFAULT_LOCK.into(),
+                pid: 1234,
+                agent: "kube-proxy".into(),
+                comm: "iptables-restor".into(),
+                start_ns: 2_000_000_000,
+                hold_ns,
+                dropped: 3,
+                by_class: [(DropClass::NetfilterRuleDrop, 3)].into(),
+                by_reason: [("NETFILTER_DROP".to_string(), 3)].into(),
+                samples: 0,
+                conntrack: Default::default(),
+                window_ns: 1_000_000_000,
+            })
+        };
         let text = render(
             &[
                 Output::Hold(hold(5_000_000)),
+                drops(5_000_000),
                 Output::Hold(hold(50_000_000)),
+                drops(50_000_000),
             ],
             opts,
         );
-        assert_eq!(text.lines().count(), 1, "{text}");
+        assert_eq!(text.lines().count(), 2, "{text}");
         assert!(text.starts_with("kube-proxy held /run/xtables.lock 50.0 ms"));
+        assert!(text.contains("during kube-proxy's 50.0 ms hold"), "{text}");
     }
 
     #[test]
