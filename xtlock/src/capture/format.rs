@@ -206,6 +206,17 @@ pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 /// Reads a varint at `*pos`, advancing it. `None` when it runs past `b` or past 64 bits.
 #[inline]
 pub fn get_varint(b: &[u8], pos: &mut usize) -> Option<u64> {
+    // One byte (record lengths, most fields): small enough to inline everywhere.
+    match b.get(*pos) {
+        Some(&v) if v < 0x80 => {
+            *pos += 1;
+            Some(u64::from(v))
+        }
+        _ => get_varint_long(b, pos),
+    }
+}
+
+fn get_varint_long(b: &[u8], pos: &mut usize) -> Option<u64> {
     let mut v: u64 = 0;
     let mut shift = 0u32;
     loop {
@@ -400,7 +411,7 @@ pub fn encode_sparse_kernel(raw: &[u8], out: &mut Vec<u8>) -> bool {
 }
 
 /// Expands a kind 128 body into `out[..n]` and returns `n`. `out` only grows (to at most
-/// [`MAX_SPARSE_KERNEL_LEN`]), so a reader reusing it writes each byte once per record.
+/// [`MAX_SPARSE_KERNEL_LEN`]), so a reader reusing it does not allocate per record.
 pub fn expand_sparse_kernel(b: &[u8], out: &mut Vec<u8>) -> Result<usize, String> {
     let mut r = Body::new(b);
     let total = r.varint("total length")?;
@@ -413,6 +424,8 @@ pub fn expand_sparse_kernel(b: &[u8], out: &mut Vec<u8>) -> Result<usize, String
     if out.len() < total {
         out.resize(total, 0);
     }
+    // One memset for all the runs beats one per run (an exec event has a dozen).
+    out[..total].fill(0);
     let mut at = 0;
     while at < total {
         let lit = r.varint("literal length")?;
@@ -433,7 +446,6 @@ pub fn expand_sparse_kernel(b: &[u8], out: &mut Vec<u8>) -> Result<usize, String
                 "zero run of {zeros} bytes at {at} runs past the total of {total}"
             ));
         }
-        out[at..at + zeros as usize].fill(0);
         at += zeros as usize;
     }
     if r.remaining() != 0 {
