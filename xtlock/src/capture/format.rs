@@ -54,6 +54,15 @@ pub const KIND_IPVS_COUNTS: u8 = 10;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
+/// A kernel event with its zero runs elided (see [`encode_sparse_kernel`]). Critical: a reader
+/// that skipped it would lose events without a word.
+pub const KIND_KERNEL_SPARSE: u8 = 0x80;
+
+/// Largest kernel event a sparse record may expand to (the largest `xtlock-common` struct is
+/// under 1 KiB); bounds what a reader allocates for one.
+pub const MAX_SPARSE_KERNEL_LEN: usize = 64 << 10;
+/// The writer elides zero runs only when they add up to at least this many bytes.
+pub const SPARSE_MIN_ELIDED: usize = 16;
 
 /// What the recorder knew when it started. JSON in the file, so fields can be added without a
 /// format version change: readers ignore fields they do not know and default missing ones.
@@ -197,6 +206,17 @@ pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 /// Reads a varint at `*pos`, advancing it. `None` when it runs past `b` or past 64 bits.
 #[inline]
 pub fn get_varint(b: &[u8], pos: &mut usize) -> Option<u64> {
+    // One byte (record lengths, most fields): small enough to inline everywhere.
+    match b.get(*pos) {
+        Some(&v) if v < 0x80 => {
+            *pos += 1;
+            Some(u64::from(v))
+        }
+        _ => get_varint_long(b, pos),
+    }
+}
+
+fn get_varint_long(b: &[u8], pos: &mut usize) -> Option<u64> {
     let mut v: u64 = 0;
     let mut shift = 0u32;
     loop {
@@ -243,6 +263,11 @@ impl<'a> Body<'a> {
 
     fn bytes(&mut self, what: &'static str) -> Result<&'a [u8], String> {
         let len = self.varint(what)?;
+        self.take(len, what)
+    }
+
+    /// The next `len` bytes.
+    fn take(&mut self, len: u64, what: &'static str) -> Result<&'a [u8], String> {
         let left = self.b.len() - self.pos;
         // Compared as u64 first: a damaged length must never become a huge slice or allocation.
         if len > left as u64 {
@@ -328,6 +353,108 @@ pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
         argv,
         cgroup,
     })
+}
+
+/// Kind 128 body of the kernel event `raw`, appended to `out`, when it pays: its zero runs
+/// (those holding an 8-byte word of zeros, aligned to the event's start) add up to at least
+/// [`SPARSE_MIN_ELIDED`] bytes and the body is shorter than `raw`. Returns `false` and leaves
+/// `out` as it was otherwise: the event goes in a plain kind 1 record.
+///
+/// Body: `total` varint, then segments until `total` bytes are made: `literal` varint and as
+/// many bytes, then (unless `total` is reached) `zeros` varint. LZ4 never sees the long NUL
+/// runs of an exec event: it copies overlapping matches byte by byte, slowly, when reading.
+pub fn encode_sparse_kernel(raw: &[u8], out: &mut Vec<u8>) -> bool {
+    if raw.len() > MAX_SPARSE_KERNEL_LEN || raw.len() < SPARSE_MIN_ELIDED {
+        return false;
+    }
+    // Only whether a word is zero matters, so the byte order does not.
+    let zero_word = |at: usize| raw.get(at..at + 8).is_some_and(|w| w == [0u8; 8]);
+    let start = out.len();
+    put_varint(out, raw.len() as u64);
+    // Start of the literal not written yet; next aligned word to look at.
+    let (mut lit, mut at) = (0, 0);
+    let mut elided = 0;
+    while at + 8 <= raw.len() {
+        if !zero_word(at) {
+            at += 8;
+            continue;
+        }
+        // Widen the run to its whole extent, bytes before and after the zero words.
+        let mut zs = at;
+        while zs > lit && raw[zs - 1] == 0 {
+            zs -= 1;
+        }
+        let mut ze = at + 8;
+        while zero_word(ze) {
+            ze += 8;
+        }
+        while ze < raw.len() && raw[ze] == 0 {
+            ze += 1;
+        }
+        put_varint(out, (zs - lit) as u64);
+        out.extend_from_slice(&raw[lit..zs]);
+        put_varint(out, (ze - zs) as u64);
+        elided += ze - zs;
+        lit = ze;
+        // The word holding `raw[ze]` is not zero.
+        at = (ze / 8 + 1) * 8;
+    }
+    if lit < raw.len() {
+        put_varint(out, (raw.len() - lit) as u64);
+        out.extend_from_slice(&raw[lit..]);
+    }
+    if elided < SPARSE_MIN_ELIDED || out.len() - start >= raw.len() {
+        out.truncate(start);
+        return false;
+    }
+    true
+}
+
+/// Expands a kind 128 body into `out[..n]` and returns `n`. `out` only grows (to at most
+/// [`MAX_SPARSE_KERNEL_LEN`]), so a reader reusing it does not allocate per record.
+pub fn expand_sparse_kernel(b: &[u8], out: &mut Vec<u8>) -> Result<usize, String> {
+    let mut r = Body::new(b);
+    let total = r.varint("total length")?;
+    if total > MAX_SPARSE_KERNEL_LEN as u64 {
+        return Err(format!(
+            "sparse kernel event of {total} bytes, at most {MAX_SPARSE_KERNEL_LEN}"
+        ));
+    }
+    let total = total as usize;
+    if out.len() < total {
+        out.resize(total, 0);
+    }
+    // One memset for all the runs beats one per run (an exec event has a dozen).
+    out[..total].fill(0);
+    let mut at = 0;
+    while at < total {
+        let lit = r.varint("literal length")?;
+        if lit > (total - at) as u64 {
+            return Err(format!(
+                "literal of {lit} bytes at {at} runs past the total of {total}"
+            ));
+        }
+        let bytes = r.take(lit, "literal")?;
+        out[at..at + bytes.len()].copy_from_slice(bytes);
+        at += bytes.len();
+        if at == total {
+            break;
+        }
+        let zeros = r.varint("zero run length")?;
+        if zeros > (total - at) as u64 {
+            return Err(format!(
+                "zero run of {zeros} bytes at {at} runs past the total of {total}"
+            ));
+        }
+        at += zeros as usize;
+    }
+    if r.remaining() != 0 {
+        return Err(format!(
+            "{} bytes after the last segment of a sparse kernel event",
+            r.remaining()
+        ));
+    }
+    Ok(total)
 }
 
 /// Kind 3: `ts_ns, count` varints.

@@ -1,7 +1,8 @@
 //! Reads a capture back, block by block, checking every checksum before trusting a byte.
 //!
-//! Nothing here panics or allocates more than `MAX_BLOCK_LEN` (twice) whatever the input:
-//! every length is checked against its bound and against the bytes actually there.
+//! Nothing here panics or allocates more than `MAX_BLOCK_LEN` (twice, plus
+//! `MAX_SPARSE_KERNEL_LEN` for sparse kernel events) whatever the input: every length is
+//! checked against its bound and against the bytes actually there.
 
 use std::{
     fs::File,
@@ -18,7 +19,8 @@ use crate::decode::{self, Event, ProcInfo};
 /// One record, borrowing the reader's block buffer (no allocation for kernel events).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Record<'a> {
-    /// Raw kernel event bytes, exactly as the ring buffer delivered them.
+    /// Raw kernel event bytes, exactly as the ring buffer delivered them (a sparse record
+    /// expanded back to them).
     Kernel(&'a [u8]),
     Proc(ProcInfo),
     Lost {
@@ -79,6 +81,8 @@ pub struct CaptureReader<R> {
     stored: Vec<u8>,
     /// Uncompressed records of the current block; reused.
     raw: Vec<u8>,
+    /// The last sparse kernel event, expanded; reused (at most `MAX_SPARSE_KERNEL_LEN`).
+    sparse: Vec<u8>,
     cursor: usize,
     block_records: u32,
     /// Records of the current block consumed, skipped ones included.
@@ -107,6 +111,7 @@ impl<R: Read> CaptureReader<R> {
             next_seq: 0,
             stored: Vec::new(),
             raw: Vec::new(),
+            sparse: Vec::new(),
             cursor: 0,
             block_records: 0,
             seen: 0,
@@ -162,6 +167,16 @@ impl<R: Read> CaptureReader<R> {
                 format::KIND_KERNEL => {
                     self.stats.kernel_events += 1;
                     return Some(Ok(Record::Kernel(&self.raw[start..end])));
+                }
+                format::KIND_KERNEL_SPARSE => {
+                    let body = &self.raw[start..end];
+                    return Some(match format::expand_sparse_kernel(body, &mut self.sparse) {
+                        Ok(n) => {
+                            self.stats.kernel_events += 1;
+                            Ok(Record::Kernel(&self.sparse[..n]))
+                        }
+                        Err(reason) => Err(self.record_error(reason)),
+                    });
                 }
                 format::KIND_PROC => {
                     return Some(match format::decode_proc(&self.raw[start..end]) {

@@ -565,33 +565,37 @@ fn file_header() -> Vec<u8> {
     format::encode_file_header(&CaptureHeader::default()).unwrap()
 }
 
-#[test]
-fn unknown_kinds_are_skipped_critical_ones_refused() {
+/// A one-block capture of `records` (kind, body), then an end record holding `trailer`.
+fn crafted_capture(records: &[(u8, &[u8])], trailer: Trailer) -> Vec<u8> {
+    let mut end = Vec::new();
+    format::encode_trailer(&trailer, &mut end);
     let mut payload = Vec::new();
-    for (kind, body) in [
-        (100u8, &b"from the future"[..]),
-        (format::KIND_LOST, &[5, 6][..]),
-        (0, &[][..]),
-    ] {
+    for &(kind, body) in records.iter().chain([(format::KIND_END, &end[..])].iter()) {
         payload.push(kind);
         format::put_varint(&mut payload, body.len() as u64);
         payload.extend_from_slice(body);
     }
-    let mut end = Vec::new();
-    format::encode_trailer(
-        &Trailer {
+    let n = records.len() as u32 + 1;
+    let mut file = file_header();
+    file.extend(craft_block(0, n, payload.len() as u32, 0, &payload));
+    file
+}
+
+#[test]
+fn unknown_kinds_are_skipped_critical_ones_refused() {
+    let file = crafted_capture(
+        &[
+            (100u8, &b"from the future"[..]),
+            (format::KIND_LOST, &[5, 6][..]),
+            (0, &[][..]),
+        ],
+        Trailer {
             lost_records: 1,
             lost_events: 6,
             blocks: 1,
             ..Default::default()
         },
-        &mut end,
     );
-    payload.push(format::KIND_END);
-    format::put_varint(&mut payload, end.len() as u64);
-    payload.extend_from_slice(&end);
-    let mut file = file_header();
-    file.extend(craft_block(0, 4, payload.len() as u32, 0, &payload));
     let (_, mut r) = CaptureReader::new(&file[..]).unwrap();
     assert_eq!(
         r.next_owned().unwrap().unwrap(),
@@ -649,20 +653,14 @@ fn impossible_lengths_are_errors_not_allocations() {
 
 #[test]
 fn trailer_mismatch_and_record_count_are_damage() {
-    let mut end = Vec::new();
-    format::encode_trailer(
-        &Trailer {
+    let file = crafted_capture(
+        &[],
+        Trailer {
             kernel_events: 5,
             blocks: 1,
             ..Default::default()
         },
-        &mut end,
     );
-    let mut payload = vec![format::KIND_END];
-    format::put_varint(&mut payload, end.len() as u64);
-    payload.extend_from_slice(&end);
-    let mut file = file_header();
-    file.extend(craft_block(0, 1, payload.len() as u32, 0, &payload));
     let e = read_all(&file).error.unwrap();
     assert!(e.to_string().contains("says kernel events 5"), "{e}");
 
@@ -890,6 +888,8 @@ fn kernel_strategy() -> BoxedStrategy<Vec<u8>> {
             b
         }),
         proptest::collection::vec(any::<u8>(), 0..300),
+        // Mostly zeros: stored sparse.
+        sparse_bytes().boxed(),
     ]
     .boxed()
 }
@@ -1118,4 +1118,291 @@ fn lock_seed_round_trips() {
             if h.before_start && h.pid == 4626 && h.open && h.hold_ns == 4_000)),
         "{out:?}"
     );
+}
+
+/// Record kinds of an undamaged capture, in order, the end record included.
+fn record_kinds(bytes: &[u8]) -> Vec<u8> {
+    let mut kinds = Vec::new();
+    for at in block_starts(bytes) {
+        let h = BlockHeader::decode(bytes[at..at + BLOCK_HEADER_LEN].try_into().unwrap());
+        let stored = &bytes[at + BLOCK_HEADER_LEN..][..h.stored_len as usize];
+        let raw = match h.compression {
+            format::COMPRESSION_LZ4 => {
+                lz4_flex::block::decompress(stored, h.raw_len as usize).unwrap()
+            }
+            _ => stored.to_vec(),
+        };
+        let mut pos = 0;
+        while pos < raw.len() {
+            kinds.push(raw[pos]);
+            pos += 1;
+            pos += format::get_varint(&raw, &mut pos).unwrap() as usize;
+        }
+    }
+    kinds
+}
+
+/// One raw event of each kind, with the given fill for everything after the header.
+fn every_kind(fill: u8) -> Vec<Vec<u8>> {
+    use common::sizes;
+    let sizes = [
+        sizes::LOCK,
+        sizes::FLOCK_CALL,
+        sizes::EXEC,
+        sizes::FORK,
+        sizes::EXIT,
+        sizes::TABLE_REPLACE,
+        sizes::DROP,
+        sizes::NFT_COMMIT,
+        sizes::CONNTRACK_FAIL,
+        sizes::XT_REPLACE,
+        sizes::IPVS,
+    ];
+    (1u32..)
+        .zip(sizes)
+        .map(|(kind, size)| {
+            let mut b = vec![fill; size];
+            b[..4].copy_from_slice(&kind.to_le_bytes());
+            b[4..8].copy_from_slice(&(1000 + kind).to_le_bytes());
+            b[16..24].copy_from_slice(&(7_000_000 + u64::from(kind)).to_le_bytes());
+            b
+        })
+        .collect()
+}
+
+/// Events with long zero runs are stored sparse, the others plain; both read back byte for
+/// byte, decode the same, and count as kernel events in the stats and the end record.
+#[test]
+fn sparse_kernel_records_round_trip() {
+    let exec = |filename: &[u8], fill: u8| {
+        let mut e = common::ExecEvent {
+            hdr: hdr(common::EventKind::Exec, 42, 9),
+            filename: [fill; common::FILENAME_LEN],
+            args: [[fill; common::ARG_LEN]; common::ARGV_SLOTS],
+            argc: 1,
+            args_truncated: 0,
+            comm: Comm::new("iptables").0,
+        };
+        e.filename[..filename.len()].copy_from_slice(filename);
+        e.args[0][..8].copy_from_slice(b"iptables");
+        as_bytes(&e)
+    };
+    // (event, stored sparse?)
+    let mut cases: Vec<(Vec<u8>, bool)> = vec![
+        (exec(b"/usr/sbin/iptables", 0), true),
+        (exec(b"/usr/sbin/iptables", b'x'), false),
+        (as_bytes(&lock_event(5, 7, common::F_WRLCK, 0)), false),
+        (vec![0; 100], true),
+        (vec![0; 16], true),
+        (vec![0; 15], false),
+        (Vec::new(), false),
+        (vec![1; 300], false),
+    ];
+    // Zero runs at every alignment and odd lengths, at the start, middle and end.
+    for shift in 0..9 {
+        let mut b = vec![7u8; 61 + shift];
+        b[shift..shift + 24].fill(0);
+        b[40..].fill(0);
+        cases.push((b, true));
+        // Runs of 7 bytes never make a zero word: plain.
+        let mut b = vec![7u8; 64 + shift];
+        for run in b.chunks_mut(8) {
+            run[1..].fill(0);
+        }
+        cases.push((b, false));
+    }
+    for e in every_kind(0) {
+        cases.push((e, true));
+    }
+    for e in every_kind(0x5a) {
+        cases.push((e, false));
+    }
+    let mut ops: Vec<Op> = cases.iter().map(|(b, _)| Op::Kernel(b.clone())).collect();
+    ops.insert(3, Op::Proc(proc_info(7)));
+    ops.insert(9, Op::Flush);
+    let (bytes, want) = write_ops(&sample_header(), &ops, true);
+    let got = read_all(&bytes);
+    assert!(got.error.is_none(), "{:?}", got.error);
+    assert_eq!(got.records, want);
+
+    let kinds: Vec<u8> = record_kinds(&bytes)
+        .into_iter()
+        .filter(|&k| k == format::KIND_KERNEL || k == format::KIND_KERNEL_SPARSE)
+        .collect();
+    let expected: Vec<u8> = cases
+        .iter()
+        .map(|&(_, sparse)| match sparse {
+            true => format::KIND_KERNEL_SPARSE,
+            false => format::KIND_KERNEL,
+        })
+        .collect();
+    assert_eq!(kinds, expected);
+
+    let (_, r) = CaptureReader::new(&bytes[..]).unwrap();
+    let mut events = r.events();
+    for (raw, _) in &cases {
+        let got = events.next().unwrap();
+        match decode::decode(raw) {
+            Ok(ev) => assert_eq!(got.unwrap(), ev),
+            Err(_) => assert!(matches!(got, Err(CaptureError::Decode { .. }))),
+        }
+        if raw == &cases[2].0 {
+            assert!(matches!(events.next(), Some(Ok(Event::Proc(_)))));
+        }
+    }
+    assert!(events.next().is_none());
+    let stats = events.reader().stats();
+    assert_eq!(stats.kernel_events, cases.len() as u64);
+    assert_eq!(stats.proc_records, 1);
+    assert_eq!(
+        events.reader().trailer().unwrap().kernel_events,
+        cases.len() as u64
+    );
+}
+
+/// The sparse record kind must be one old readers refuse, not one they skip.
+#[test]
+fn sparse_kind_is_critical() {
+    const { assert!(format::KIND_KERNEL_SPARSE >= format::KIND_CRITICAL_MIN) };
+}
+
+/// A capture of one record of `kind` with `body`, then the end record (one kernel event).
+fn one_record_capture(kind: u8, body: &[u8]) -> Vec<u8> {
+    let trailer = Trailer {
+        kernel_events: 1,
+        blocks: 1,
+        ..Default::default()
+    };
+    crafted_capture(&[(kind, body)], trailer)
+}
+
+fn varints(vs: &[u64]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for &v in vs {
+        format::put_varint(&mut b, v);
+    }
+    b
+}
+
+#[test]
+fn corrupt_sparse_bodies_are_damage() {
+    // A good one first: 3 literal bytes, 20 zeros, 1 literal byte.
+    let mut good = varints(&[24, 3]);
+    good.extend_from_slice(b"abc");
+    good.extend(varints(&[20, 1]));
+    good.push(b'z');
+    let got = read_all(&one_record_capture(format::KIND_KERNEL_SPARSE, &good));
+    assert!(got.error.is_none(), "{:?}", got.error);
+    let mut want = b"abc".to_vec();
+    want.extend_from_slice(&[0; 20]);
+    want.push(b'z');
+    assert_eq!(got.records[0], OwnedRecord::Kernel(want));
+
+    let with_literal = |vs: &[u64], lit: &[u8], rest: &[u64]| {
+        let mut b = varints(vs);
+        b.extend_from_slice(lit);
+        b.extend(varints(rest));
+        b
+    };
+    let max = format::MAX_SPARSE_KERNEL_LEN as u64;
+    for (body, why) in [
+        (Vec::new(), "total length"),
+        (vec![0x80], "total length"),
+        (varints(&[max + 1, 0, max + 1]), "at most"),
+        (varints(&[u64::MAX]), "at most"),
+        (varints(&[10, 11]), "runs past the total"),
+        (with_literal(&[10, 2], b"ab", &[9]), "runs past the total"),
+        (
+            with_literal(&[10, 2], b"ab", &[u64::MAX]),
+            "runs past the total",
+        ),
+        (varints(&[10, 5]), "runs past the record"),
+        (with_literal(&[10, 5], b"abc", &[]), "runs past the record"),
+        (with_literal(&[10, 2], b"ab", &[]), "zero run length"),
+        (with_literal(&[10, 2], b"ab", &[3]), "literal length"),
+        (
+            with_literal(&[10, 2], b"ab", &[3, 128])[..6].to_vec(),
+            "literal length",
+        ),
+        (with_literal(&[2, 2], b"ab", &[0]), "after the last segment"),
+        (varints(&[0, 0]), "after the last segment"),
+        (varints(&[8, 0, 8, 0]), "after the last segment"),
+    ] {
+        let file = one_record_capture(format::KIND_KERNEL_SPARSE, &body);
+        let got = read_all(&file);
+        let e = got.error.expect("a bad sparse body is an error");
+        assert!(
+            matches!(
+                e,
+                CaptureError::Damaged {
+                    problem: Damage::Record { record: 0, .. },
+                    events: 0,
+                    ..
+                }
+            ),
+            "{body:?}: {e}"
+        );
+        assert!(e.to_string().contains(why), "{body:?}: {e}");
+        assert!(got.records.is_empty());
+    }
+    // An empty event is well formed (and decodes as too short, like a plain one).
+    let got = read_all(&one_record_capture(format::KIND_KERNEL_SPARSE, &[0]));
+    assert!(got.error.is_none(), "{:?}", got.error);
+    assert_eq!(got.records[0], OwnedRecord::Kernel(Vec::new()));
+}
+
+/// Sparse bodies of a long event then a short one: the short one is not padded or mixed with
+/// what the long one left in the reader's buffer.
+#[test]
+fn sparse_buffer_reuse() {
+    let long: Vec<u8> = (0..600).map(|i| if i % 100 < 50 { 0 } else { 9 }).collect();
+    let mut short = vec![3u8; 40];
+    short[8..32].fill(0);
+    let ops = [long.clone(), short.clone(), long]
+        .into_iter()
+        .map(Op::Kernel)
+        .collect::<Vec<_>>();
+    let (bytes, want) = write_ops(&CaptureHeader::default(), &ops, true);
+    assert_eq!(read_all(&bytes).records, want);
+    assert_eq!(record_kinds(&bytes), [128, 128, 128, format::KIND_END]);
+}
+
+fn sparse_bytes() -> impl Strategy<Value = Vec<u8>> {
+    proptest::collection::vec(prop_oneof![3 => Just(0u8), 1 => any::<u8>()], 0..800)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// Whatever the bytes, the sparse body (when the writer picks it) expands back to them
+    /// and is shorter; when it does not, the output buffer is untouched.
+    #[test]
+    fn prop_sparse_encoding(raw in sparse_bytes(), prefix in proptest::collection::vec(any::<u8>(), 0..4)) {
+        let mut out = prefix.clone();
+        if format::encode_sparse_kernel(&raw, &mut out) {
+            prop_assert!(out.len() - prefix.len() < raw.len());
+            let mut buf = vec![0xee; 5];
+            let n = format::expand_sparse_kernel(&out[prefix.len()..], &mut buf).unwrap();
+            prop_assert_eq!(&buf[..n], &raw[..]);
+        } else {
+            prop_assert_eq!(out, prefix);
+        }
+    }
+
+    /// Random sparse bodies never panic: an event or a record error.
+    #[test]
+    fn prop_sparse_garbage(body in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let mut buf = Vec::new();
+        if let Ok(n) = format::expand_sparse_kernel(&body, &mut buf) {
+            prop_assert!(n <= buf.len() && n <= format::MAX_SPARSE_KERNEL_LEN);
+        }
+        let got = read_all(&one_record_capture(format::KIND_KERNEL_SPARSE, &body));
+        if let Some(e) = got.error {
+            let is_record_damage = matches!(
+                e,
+                CaptureError::Damaged { problem: Damage::Record { .. }, .. }
+            );
+            prop_assert!(is_record_damage, "{}", e);
+        }
+    }
 }

@@ -127,10 +127,19 @@ impl<W: Write> CaptureWriter<W> {
         })
     }
 
-    /// Appends one kernel event, `raw` being exactly the bytes the ring buffer delivered.
+    /// Appends one kernel event, `raw` being exactly the bytes the ring buffer delivered: with
+    /// its zero runs elided when that pays (exec events), as is otherwise.
     #[inline]
     pub fn write_kernel(&mut self, raw: &[u8]) -> Result<(), CaptureError> {
-        self.push(format::KIND_KERNEL, raw)?;
+        let mut b = std::mem::take(&mut self.scratch);
+        b.clear();
+        let pushed = if format::encode_sparse_kernel(raw, &mut b) {
+            self.push(format::KIND_KERNEL_SPARSE, &b)
+        } else {
+            self.push(format::KIND_KERNEL, raw)
+        };
+        self.scratch = b;
+        pushed?;
         self.stats.kernel_events += 1;
         self.block_kernel_events += 1;
         self.seal_if_full()
