@@ -383,14 +383,17 @@ impl Analyzer {
 }
 
 fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<ExecFact> {
-    if !is_xtables_comm(&e.comm) && !is_xtables_tool(basename(&e.filename)) {
+    // The table has just taken this exec: its entry knows where the file's name starts.
+    let p = procs.get(e.tgid);
+    let exe = p.map_or_else(|| basename(&e.filename), |p| p.exe_name());
+    if !is_xtables_comm(&e.comm) && !is_xtables_tool(exe) {
         return None;
     }
     let who = attr.get(procs, e.tgid, &e.comm);
     Some(ExecFact {
         ts_ns: e.ts_ns,
         pid: e.tgid,
-        ppid: procs.get(e.tgid).map_or(0, |p| p.ppid),
+        ppid: p.map_or(0, |p| p.ppid),
         comm: who.comm.clone(),
         filename: e.filename.clone(),
         argv: e.argv.clone(),
