@@ -263,8 +263,10 @@ impl Analyzer {
         };
         match ev {
             Event::Exit(e) => {
-                // Waits and timeouts first, while the process still looks alive.
-                let is_tool = is_locking_proc(&self.procs, e.tgid, &e.comm);
+                // Waits and timeouts first, while the process still looks alive. Whether it
+                // is an iptables matters only to an exit with status 4 (giving up).
+                let is_tool =
+                    e.exit_code == Some(4) && is_locking_proc(&self.procs, e.tgid, &e.comm);
                 let mut cx = Ctx {
                     procs: &self.procs,
                     attr: &mut self.attr,

@@ -1022,7 +1022,8 @@ impl LockMachine {
 
     /// Handles a task exit; returns true when it was an iptables lock timeout (a
     /// [`TimeoutFact`] was emitted). `is_tool`: the process is an iptables-family binary
-    /// by something the event's comm does not show (its exec'd filename).
+    /// by something the event's comm does not show (its exec'd filename); read only when
+    /// the exit status is 4.
     pub fn on_exit(
         &mut self,
         e: &ExitEvent,
