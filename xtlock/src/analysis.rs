@@ -263,8 +263,10 @@ impl Analyzer {
         };
         match ev {
             Event::Exit(e) => {
-                // Waits and timeouts first, while the process still looks alive.
-                let is_tool = is_locking_proc(&self.procs, e.tgid, &e.comm);
+                // Waits and timeouts first, while the process still looks alive. Whether it
+                // is an iptables matters only to an exit with status 4 (giving up).
+                let is_tool =
+                    e.exit_code == Some(4) && is_locking_proc(&self.procs, e.tgid, &e.comm);
                 let mut cx = Ctx {
                     procs: &self.procs,
                     attr: &mut self.attr,
@@ -383,14 +385,17 @@ impl Analyzer {
 }
 
 fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<ExecFact> {
-    if !is_xtables_comm(&e.comm) && !is_xtables_tool(basename(&e.filename)) {
+    // The table has just taken this exec: its entry knows where the file's name starts.
+    let p = procs.get(e.tgid);
+    let exe = p.map_or_else(|| basename(&e.filename), |p| p.exe_name());
+    if !is_xtables_comm(&e.comm) && !is_xtables_tool(exe) {
         return None;
     }
     let who = attr.get(procs, e.tgid, &e.comm);
     Some(ExecFact {
         ts_ns: e.ts_ns,
         pid: e.tgid,
-        ppid: procs.get(e.tgid).map_or(0, |p| p.ppid),
+        ppid: p.map_or(0, |p| p.ppid),
         comm: who.comm.clone(),
         filename: e.filename.clone(),
         argv: e.argv.clone(),

@@ -319,7 +319,7 @@ struct OpenWait {
     owner: u64,
     comm: Comm,
     start_ns: u64,
-    holders: Vec<Arc<Attribution>>,
+    holders: Holders,
     /// Got the lock then; reported at the syscall return (for its entry time).
     acquired_ns: Option<u64>,
     incomplete: bool,
@@ -333,7 +333,7 @@ struct PollStreak {
     first_ns: u64,
     last_ns: u64,
     tries: u32,
-    holders: Vec<Arc<Attribution>>,
+    holders: Holders,
 }
 
 #[derive(Debug)]
@@ -353,7 +353,7 @@ struct Trouble {
     first_ns: u64,
     waited_ns: u64,
     tries: u32,
-    holders: Vec<Arc<Attribution>>,
+    holders: Holders,
 }
 
 /// Everything the wait emitter needs, whatever kind of wait it was.
@@ -371,9 +371,40 @@ struct WaitEnd<'a> {
     incomplete: bool,
 }
 
-fn push_holder(v: &mut Vec<Arc<Attribution>>, who: &Arc<Attribution>) {
-    if !v.iter().any(|h| h.pid == who.pid) {
-        v.push(who.clone());
+/// Everyone who held the lock during a wait, first to last, one entry per pid. A Go
+/// daemon's poll run can last thousands of holds: the pids are kept apart, so the duplicate
+/// check on every acquire scans a dense array instead of dereferencing each holder.
+#[derive(Debug, Default)]
+struct Holders {
+    pids: Vec<u32>,
+    /// The highest of `pids`: a holder above it (a new process, the usual case while pids
+    /// grow) is new without a scan.
+    max_pid: u32,
+    who: Vec<Arc<Attribution>>,
+}
+
+impl Holders {
+    fn push(&mut self, who: &Arc<Attribution>) {
+        let pid = who.pid;
+        // In chunks without an early exit: the compiler vectorises the inner test.
+        let seen = || {
+            self.pids
+                .chunks(16)
+                .any(|c| c.iter().fold(false, |found, &p| found | (p == pid)))
+        };
+        if (self.pids.is_empty() || pid > self.max_pid) || !seen() {
+            self.max_pid = self.max_pid.max(pid);
+            self.pids.push(pid);
+            self.who.push(who.clone());
+        }
+    }
+}
+
+impl std::ops::Deref for Holders {
+    type Target = [Arc<Attribution>];
+
+    fn deref(&self) -> &[Arc<Attribution>] {
+        &self.who
     }
 }
 
@@ -578,12 +609,12 @@ impl LockMachine {
             // Whoever waits now waits behind this holder too.
             for w in st.waits.iter_mut() {
                 if w.acquired_ns.is_none() && w.owner != e.owner && w.pid != e.tgid {
-                    push_holder(&mut w.holders, &who);
+                    w.holders.push(&who);
                 }
             }
             for p in st.polls.iter_mut() {
                 if p.pid != e.tgid {
-                    push_holder(&mut p.holders, &who);
+                    p.holders.push(&who);
                 }
             }
             st.holds.push(OpenHold {
@@ -650,13 +681,13 @@ impl LockMachine {
         {
             return;
         }
-        let mut holders = Vec::new();
+        let mut holders = Holders::default();
         for h in st
             .holds
             .iter()
             .filter(|h| h.owner != e.owner && h.end.is_none())
         {
-            push_holder(&mut holders, &h.who);
+            holders.push(&h.who);
         }
         st.waits.push(OpenWait {
             tid: e.tid,
@@ -722,16 +753,16 @@ impl LockMachine {
                 p.tries += 1;
                 p.last_ns = e.ts_ns;
                 for h in &current {
-                    push_holder(&mut p.holders, h);
+                    p.holders.push(h);
                 }
             }
             found => {
                 if let Some(i) = found {
                     ended = Some(st.polls.swap_remove(i));
                 }
-                let mut holders = Vec::new();
+                let mut holders = Holders::default();
                 for h in &current {
-                    push_holder(&mut holders, h);
+                    holders.push(h);
                 }
                 st.polls.push(PollStreak {
                     pid: e.tgid,
@@ -752,7 +783,7 @@ impl LockMachine {
             t.tries += 1;
             t.waited_ns = t.waited_ns.max(e.ts_ns.saturating_sub(t.first_ns));
             for h in &current {
-                push_holder(&mut t.holders, h);
+                t.holders.push(h);
             }
         }
         self.deadline(e.ts_ns.saturating_add(POLL_GAP_NS));
@@ -894,8 +925,8 @@ impl LockMachine {
             let t = self.trouble_of(w.pid, li, w.start_ns);
             t.first_ns = t.first_ns.min(w.start_ns);
             t.waited_ns = t.waited_ns.max(end_ns.saturating_sub(w.start_ns));
-            for h in &w.holders {
-                push_holder(&mut t.holders, h);
+            for h in w.holders.iter() {
+                t.holders.push(h);
             }
         }
         emit_wait(
@@ -928,7 +959,7 @@ impl LockMachine {
             first_ns: ts,
             waited_ns: 0,
             tries: 0,
-            holders: Vec::new(),
+            holders: Holders::default(),
         });
         t.lock = li;
         t
@@ -991,7 +1022,8 @@ impl LockMachine {
 
     /// Handles a task exit; returns true when it was an iptables lock timeout (a
     /// [`TimeoutFact`] was emitted). `is_tool`: the process is an iptables-family binary
-    /// by something the event's comm does not show (its exec'd filename).
+    /// by something the event's comm does not show (its exec'd filename); read only when
+    /// the exit status is 4.
     pub fn on_exit(
         &mut self,
         e: &ExitEvent,

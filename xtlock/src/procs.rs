@@ -165,31 +165,145 @@ pub(crate) fn basename(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
 }
 
+/// pid → slot, open addressing with linear probing. A pid and its slot share one 8-byte
+/// cell, so a lookup touches one cache line (a `HashMap` touches two: control bytes, then
+/// the bucket), and the cell of a pid can be prefetched: the dead entry pruned on an exit
+/// was last used thousands of events ago (see [`ProcTable::prune`]).
+#[derive(Debug, Default)]
+struct PidIndex {
+    /// (pid, slot + 1); slot + 1 == 0 marks an empty cell. Length 0 or a power of two.
+    cells: Vec<(u32, u32)>,
+    len: usize,
+    hasher: foldhash::fast::RandomState,
+}
+
+impl PidIndex {
+    fn home(&self, pid: u32) -> usize {
+        use std::hash::BuildHasher;
+        (self.hasher.hash_one(pid) as usize) & (self.cells.len().wrapping_sub(1))
+    }
+
+    /// The cell holding `pid`.
+    fn find(&self, pid: u32) -> Option<usize> {
+        if self.cells.is_empty() {
+            return None;
+        }
+        let mask = self.cells.len() - 1;
+        let mut i = self.home(pid);
+        loop {
+            let (p, s) = self.cells[i];
+            if s == 0 {
+                return None;
+            }
+            if p == pid {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn get(&self, pid: u32) -> Option<u32> {
+        self.find(pid).map(|i| self.cells[i].1 - 1)
+    }
+
+    /// Maps `pid` to `slot` (`slot` < `u32::MAX`: slots are entries of a `Vec` of entries).
+    fn insert(&mut self, pid: u32, slot: u32) {
+        if let Some(i) = self.find(pid) {
+            self.cells[i].1 = slot + 1;
+            return;
+        }
+        // At most half full: probe runs stay short.
+        if (self.len + 1) * 2 > self.cells.len() {
+            self.grow();
+        }
+        let mask = self.cells.len() - 1;
+        let mut i = self.home(pid);
+        while self.cells[i].1 != 0 {
+            i = (i + 1) & mask;
+        }
+        self.cells[i] = (pid, slot + 1);
+        self.len += 1;
+    }
+
+    fn grow(&mut self) {
+        let cap = (self.cells.len() * 2).max(64);
+        let old = std::mem::replace(&mut self.cells, vec![(0, 0); cap]);
+        let mask = cap - 1;
+        for (pid, s) in old.into_iter().filter(|c| c.1 != 0) {
+            let mut i = self.home(pid);
+            while self.cells[i].1 != 0 {
+                i = (i + 1) & mask;
+            }
+            self.cells[i] = (pid, s);
+        }
+    }
+
+    fn remove(&mut self, pid: u32) -> Option<u32> {
+        let mut i = self.find(pid)?;
+        let slot = self.cells[i].1 - 1;
+        self.len -= 1;
+        // Backward shift: later cells of the run whose home is not in (i, j] move into the
+        // hole, so lookups never meet a gap before their pid (no tombstones).
+        let mask = self.cells.len() - 1;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let (p, s) = self.cells[j];
+            if s == 0 {
+                break;
+            }
+            let k = self.home(p);
+            let stays = if i <= j {
+                i < k && k <= j
+            } else {
+                i < k || k <= j
+            };
+            if !stays {
+                self.cells[i] = self.cells[j];
+                i = j;
+            }
+        }
+        self.cells[i] = (0, 0);
+        Some(slot)
+    }
+
+    /// Asks for the cell where a lookup of `pid` starts (see [`prefetch`]).
+    fn prefetch(&self, pid: u32) {
+        if !self.cells.is_empty() {
+            prefetch(self.cells[self.home(pid)..].as_ptr().cast::<u8>());
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
 /// Entries by pid: a small map from pid to a slot of a slab. Thousands of entries churn
 /// (every fork and every pruned exit): the map stays small enough for the cache, and slots
 /// are reused instead of moved when the map grows or rehashes.
 #[derive(Debug, Default)]
 struct Entries {
-    index: FastMap<u32, u32>,
+    index: PidIndex,
     slots: Vec<Option<Proc>>,
     free: Vec<u32>,
 }
 
 impl Entries {
     fn get(&self, pid: &u32) -> Option<&Proc> {
-        let i = *self.index.get(pid)?;
+        let i = self.index.get(*pid)?;
         self.slots.get(i as usize)?.as_ref()
     }
 
     fn get_mut(&mut self, pid: &u32) -> Option<&mut Proc> {
-        let i = *self.index.get(pid)?;
+        let i = self.index.get(*pid)?;
         self.slots.get_mut(i as usize)?.as_mut()
     }
 
     /// Puts `p` at its pid, replacing any entry there.
     fn insert(&mut self, p: Proc) -> &mut Proc {
-        let i = match self.index.get(&p.pid) {
-            Some(&i) => i,
+        let i = match self.index.get(p.pid) {
+            Some(i) => i,
             None => {
                 let i = self.free.pop().unwrap_or_else(|| {
                     self.slots.push(None);
@@ -205,7 +319,7 @@ impl Entries {
     }
 
     fn remove(&mut self, pid: &u32) {
-        if let Some(i) = self.index.remove(pid) {
+        if let Some(i) = self.index.remove(*pid) {
             if let Some(slot) = self.slots.get_mut(i as usize) {
                 *slot = None;
                 self.free.push(i);
@@ -223,7 +337,7 @@ impl Entries {
         if s.as_ref()
             .is_some_and(|p| p.pid == pid && p.generation == generation && !p.is_alive())
         {
-            self.index.remove(&pid);
+            self.index.remove(pid);
             *s = None;
             self.free.push(slot);
         }
@@ -457,7 +571,7 @@ impl ProcTable {
             }
             return;
         }
-        if let Some(&slot) = self.procs.index.get(&e.tgid) {
+        if let Some(slot) = self.procs.index.get(e.tgid) {
             if let Some(Some(p)) = self.procs.slots.get_mut(slot as usize) {
                 if p.is_alive() {
                     p.exited = Some(ExitInfo {
@@ -490,8 +604,9 @@ impl ProcTable {
             self.procs.remove_dead(pid, slot, generation);
         }
         if pruned {
-            if let Some(&(_, slot, _, _)) = self.dead.get(PREFETCH_AHEAD) {
+            if let Some(&(pid, slot, _, _)) = self.dead.get(PREFETCH_AHEAD) {
                 self.procs.prefetch_slot(slot);
+                self.procs.index.prefetch(pid);
             }
             if let Some(&(_, slot, _, _)) = self.dead.front() {
                 if let Some(Some(p)) = self.procs.slots.get(slot as usize) {
@@ -687,6 +802,32 @@ pub(crate) mod tests {
         t.prune(10_000);
         assert_eq!(t.dead_count(), 0);
         assert!(t.get(1).is_some());
+    }
+
+    #[test]
+    fn pid_index_agrees_with_a_hash_map() {
+        let mut idx = PidIndex::default();
+        let mut map = std::collections::HashMap::new();
+        let mut x: u64 = 12345;
+        for n in 0..200_000u32 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Few distinct pids, so that removals hit and probe runs collide.
+            let pid =
+                ((x >> 33) % 3000) as u32 | if n.is_multiple_of(7) { u32::MAX - 5 } else { 0 };
+            if (x >> 20).is_multiple_of(3) {
+                assert_eq!(idx.remove(pid), map.remove(&pid));
+            } else {
+                idx.insert(pid, n);
+                map.insert(pid, n);
+            }
+            assert_eq!(idx.get(pid), map.get(&pid).copied());
+            assert_eq!(idx.len(), map.len());
+        }
+        for pid in 0..3000 {
+            assert_eq!(idx.get(pid), map.get(&pid).copied());
+        }
     }
 
     #[test]

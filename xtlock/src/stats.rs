@@ -255,10 +255,25 @@ impl Stats {
                 if w.holders.is_empty() {
                     add(UNKNOWN_HOLDER);
                 }
+                // Once per distinct holder agent, in order of first appearance. A long poll
+                // wait has hundreds of holders and a handful of agents: the agents already
+                // counted are remembered (the first few on the stack), so the check is not
+                // quadratic in the holders.
+                let mut seen: [&str; 8] = [""; 8];
+                let mut n = 0;
                 for (i, h) in w.holders.iter().enumerate() {
-                    // Once per distinct holder agent.
-                    if !w.holders[..i].iter().any(|p| p.agent == h.agent) {
-                        add(&h.agent);
+                    let agent: &str = &h.agent;
+                    let counted = if n < seen.len() {
+                        seen[..n].contains(&agent)
+                    } else {
+                        w.holders[..i].iter().any(|p| p.agent == h.agent)
+                    };
+                    if !counted {
+                        if n < seen.len() {
+                            seen[n] = agent;
+                            n += 1;
+                        }
+                        add(agent);
                     }
                 }
             }
