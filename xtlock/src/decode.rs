@@ -46,8 +46,31 @@ impl fmt::Debug for Comm {
 
 /// Bytes up to the first NUL.
 fn cstr(b: &[u8]) -> &[u8] {
-    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
-    &b[..end]
+    &b[..nul_pos(b)]
+}
+
+/// Index of the first NUL in `b`, or its length. Eight bytes at a time: the fields are
+/// 16 to 128 bytes, and a byte-by-byte search showed in profiles.
+#[inline]
+fn nul_pos(b: &[u8]) -> usize {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    let mut chunks = b.chunks_exact(8);
+    let mut at = 0;
+    for c in &mut chunks {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(c);
+        let w = u64::from_le_bytes(w);
+        // High bit set in each zero byte's place (and maybe above one): the lowest set bit
+        // is the first zero byte.
+        let zero = w.wrapping_sub(LO) & !w & HI;
+        if zero != 0 {
+            return at + (zero.trailing_zeros() / 8) as usize;
+        }
+        at += 8;
+    }
+    let rest = chunks.remainder();
+    at + rest.iter().position(|&c| c == 0).unwrap_or(rest.len())
 }
 
 fn string(b: &[u8]) -> String {
@@ -56,9 +79,11 @@ fn string(b: &[u8]) -> String {
 
 /// Like [`string`], straight into a [`SharedStr`] (one allocation when the text is UTF-8).
 fn shared(b: &[u8]) -> SharedStr {
-    match String::from_utf8_lossy(cstr(b)) {
-        std::borrow::Cow::Borrowed(s) => SharedStr::from(s),
-        std::borrow::Cow::Owned(s) => SharedStr::from(s),
+    let b = cstr(b);
+    // `from_utf8` first: faster than the lossy scan for the usual, valid text.
+    match std::str::from_utf8(b) {
+        Ok(s) => SharedStr::from(s),
+        Err(_) => SharedStr::from(String::from_utf8_lossy(b).into_owned()),
     }
 }
 
@@ -93,29 +118,34 @@ impl Argv {
         }
     }
 
-    /// From the argument slots of an exec event.
-    fn from_slots(slots: &[[u8; common::ARG_LEN]]) -> Self {
+    /// From the first `argc` argument slots of an exec event (`args`: the slots' bytes).
+    fn from_slots(args: &[u8], argc: usize) -> Self {
         const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN;
+        let slots = || args.chunks_exact(common::ARG_LEN).take(argc);
         let mut buf = [0u8; MAX];
         let mut n = 0;
-        for (i, slot) in slots.iter().enumerate() {
-            let a = cstr(slot);
-            if std::str::from_utf8(a).is_err() || n + a.len() + 1 > MAX {
-                // Rare: the lossy conversion may grow the text.
-                return Argv::new(slots.iter().map(|a| string(a)));
+        let mut argc = 0u32;
+        for a in slots().map(cstr) {
+            if n + a.len() + 1 > MAX {
+                return Argv::new(slots().map(string));
             }
-            if i > 0 {
+            if argc > 0 {
                 buf[n] = 0;
                 n += 1;
             }
             buf[n..n + a.len()].copy_from_slice(a);
             n += a.len();
+            argc += 1;
         }
-        let text =
-            std::str::from_utf8(&buf[..n]).map_or_else(|_| SharedStr::empty(), SharedStr::from);
-        Argv {
-            text,
-            argc: slots.len() as u32,
+        // One check for all: NUL separators are ASCII, so the text is UTF-8 exactly when
+        // every argument is.
+        match std::str::from_utf8(&buf[..n]) {
+            Ok(text) => Argv {
+                text: SharedStr::from(text),
+                argc,
+            },
+            // Rare: the lossy conversion may grow the text.
+            Err(_) => Argv::new(slots().map(string)),
         }
     }
 
@@ -616,10 +646,12 @@ pub enum Event {
     LockSeed(LockSeed),
     /// Synthetic: exact drop counts of the last interval.
     DropCounts(DropCounts),
-    /// Synthetic: conntrack counter deltas of one netns.
-    Conntrack(ConntrackStats),
-    /// An IPVS kernel event.
-    Ipvs(IpvsEvent),
+    /// Synthetic: conntrack counter deltas of one netns. Boxed, like [`Event::Ipvs`]: rare
+    /// and big, it would make every event it (see `event_is_small`).
+    Conntrack(Box<ConntrackStats>),
+    /// An IPVS kernel event. Boxed: rare, and at 176 bytes it made every `Event` that big,
+    /// moved a few times per event on the hot path.
+    Ipvs(Box<IpvsEvent>),
     /// Synthetic: exact IPVS packet counts of the last interval.
     IpvsCounts(IpvsCounts),
     /// Synthetic, once at the start: the recording kernel's drop-reason names
@@ -684,7 +716,8 @@ pub enum DecodeError {
 fn read<T: Copy>(b: &[u8]) -> T {
     debug_assert!(b.len() >= std::mem::size_of::<T>());
     // SAFETY: the length was checked by the caller, `read_unaligned` has no alignment
-    // requirement, and every T used here is a plain-old-data `#[repr(C)]` struct of integers.
+    // requirement, and every T used here is a plain-old-data `#[repr(C)]` struct of integers,
+    // an integer or a byte array: any bits are a valid value.
     unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
 }
 
@@ -701,6 +734,9 @@ fn need(kind: common::EventKind, b: &[u8], want: usize) -> Result<(), DecodeErro
 }
 
 /// Decodes one raw event record.
+// Inline: lets the caller's instance build the event in its own return slot instead of
+// copying it out of this function's.
+#[inline]
 pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
     use common::{sizes, EventKind as K};
     if b.len() < std::mem::size_of::<common::EventHeader>() {
@@ -752,16 +788,21 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
         }
         K::Exec => {
             need(kind, b, sizes::EXEC)?;
-            let e: common::ExecEvent = read(b);
-            let argc = (e.argc as usize).min(common::ARGV_SLOTS);
+            // Field by field from the input: the struct is ~700 bytes, mostly unused slots.
+            use std::mem::offset_of;
+            type E = common::ExecEvent;
+            let field = |off: usize, len: usize| &b[off..off + len];
+            let argc: u32 = read(&b[offset_of!(E, argc)..]);
+            let truncated: u32 = read(&b[offset_of!(E, args_truncated)..]);
+            let args = field(offset_of!(E, args), common::ARGV_SLOTS * common::ARG_LEN);
             Event::Exec(ExecEvent {
                 ts_ns: hdr.ts_ns,
                 tgid: hdr.tgid,
                 tid: hdr.tid,
-                comm: Comm(e.comm),
-                filename: shared(&e.filename),
-                argv: Argv::from_slots(&e.args[..argc]),
-                argv_truncated: e.args_truncated != 0,
+                comm: Comm(read(&b[offset_of!(E, comm)..])),
+                filename: shared(field(offset_of!(E, filename), common::FILENAME_LEN)),
+                argv: Argv::from_slots(args, (argc as usize).min(common::ARGV_SLOTS)),
+                argv_truncated: truncated != 0,
             })
         }
         K::Fork => {
@@ -878,7 +919,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 _ => return Err(DecodeError::UnknownKind { kind: hdr.kind }),
             };
             let is_conn = e.conn != 0;
-            Event::Ipvs(IpvsEvent {
+            Event::Ipvs(Box::new(IpvsEvent {
                 ts_ns: hdr.ts_ns,
                 tgid: hdr.tgid,
                 tid: hdr.tid,
@@ -896,7 +937,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 packets: e.packets,
                 last_packet_ns: e.last_packet_ns,
                 timer_left_ns: e.timer_left_ns,
-            })
+            }))
         }
     })
 }
@@ -1076,19 +1117,24 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn exec_argv() {
-        let mut e = common::ExecEvent {
+    /// An exec event with empty strings.
+    fn exec(argc: u32, comm: &str) -> common::ExecEvent {
+        common::ExecEvent {
             hdr: common::EventHeader {
                 kind: common::EventKind::Exec as u32,
                 ..Default::default()
             },
             filename: [0; common::FILENAME_LEN],
             args: [[0; common::ARG_LEN]; common::ARGV_SLOTS],
-            argc: 3,
+            argc,
             args_truncated: 0,
-            comm: Comm::new("iptables-restor").0,
-        };
+            comm: Comm::new(comm).0,
+        }
+    }
+
+    #[test]
+    fn exec_argv() {
+        let mut e = exec(3, "iptables-restor");
         e.filename[..15].copy_from_slice(b"/usr/sbin/ipt-r");
         e.args[0][..16].copy_from_slice(b"iptables-restore");
         e.args[1][..2].copy_from_slice(b"-w");
@@ -1103,6 +1149,64 @@ mod tests {
             serde_json::to_string(&d.argv).unwrap(),
             r#"["iptables-restore","-w","5"]"#
         );
+    }
+
+    #[test]
+    fn nul_pos_matches_a_plain_search() {
+        let mut b = [b'a'; 40];
+        for len in 0..=b.len() {
+            for nul in 0..=len {
+                b.fill(b'a');
+                // 0x80 bytes: not taken for zeros by the word trick.
+                b[1] = 0x80;
+                if nul < len {
+                    b[nul] = 0;
+                }
+                let want = b[..len].iter().position(|&c| c == 0).unwrap_or(len);
+                assert_eq!(nul_pos(&b[..len]), want, "len {len}, nul {nul}");
+            }
+        }
+        assert_eq!(nul_pos(&[1, 0, 0, 0, 0, 0, 0, 0, 0]), 1);
+    }
+
+    #[test]
+    fn exec_strings_not_utf8_are_lossy() {
+        let mut e = exec(9, "sh");
+        e.args_truncated = 1;
+        e.filename[..4].copy_from_slice(&[b'/', b'a', 0xff, b'b']);
+        e.args[0][..3].copy_from_slice(&[b'x', 0xc3, b'y']);
+        e.args[1] = [b'z'; common::ARG_LEN];
+        e.args[7][..2].copy_from_slice("é".as_bytes());
+        let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.filename, "/a\u{fffd}b");
+        let z = "z".repeat(common::ARG_LEN);
+        let want = ["x\u{fffd}y", &z, "", "", "", "", "", "é"];
+        assert!(d.argv.iter().eq(want), "{:?}", d.argv);
+        assert_eq!(d.argv.len(), common::ARGV_SLOTS);
+        assert!(d.argv_truncated);
+        assert_eq!(d.comm.as_str(), "sh");
+        // All slots full, no NUL: longer than the joining buffer, same text.
+        e.args = [[b'q'; common::ARG_LEN]; common::ARGV_SLOTS];
+        let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert!(d.argv.iter().all(|a| a == "q".repeat(common::ARG_LEN)));
+        assert_eq!(d.argv.len(), common::ARGV_SLOTS);
+        e.argc = 2;
+        let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(d.argv.len(), 2);
+    }
+
+    #[test]
+    fn hot_events_stay_small() {
+        // Every event is moved through a few layers (reader, iterator, analysis): rare big
+        // kinds are boxed so the common ones move cheaply.
+        assert!(std::mem::size_of::<Event>() <= 88);
+        assert!(std::mem::size_of::<Option<Result<Event, crate::capture::CaptureError>>>() <= 88);
     }
 
     #[test]

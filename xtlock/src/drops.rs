@@ -853,7 +853,7 @@ mod tests {
     }
 
     fn ct(ts: u64, drop: u64, insert_failed: u64, count: u64) -> Event {
-        Event::Conntrack(ConntrackStats {
+        Event::Conntrack(Box::new(ConntrackStats {
             ts_ns: ts,
             interval_ns: S,
             netns: NS_B,
@@ -864,7 +864,7 @@ mod tests {
             },
             count,
             max: 100,
-        })
+        }))
     }
 
     fn counts(ts: u64, c: &[(u64, u32, u64)]) -> Event {

@@ -627,7 +627,7 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 overflow,
             })
         }
-        KIND_CONNTRACK => Event::Conntrack(ConntrackStats {
+        KIND_CONNTRACK => Event::Conntrack(Box::new(ConntrackStats {
             ts_ns: r.varint("ts_ns")?,
             interval_ns: r.varint("interval_ns")?,
             netns: r.u32("netns")?,
@@ -642,7 +642,7 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 clash_resolve: r.varint("clash_resolve")?,
                 chaintoolong: r.varint("chaintoolong")?,
             },
-        }),
+        })),
         KIND_IPVS_COUNTS => {
             let ts_ns = r.varint("ts_ns")?;
             let interval_ns = r.varint("interval_ns")?;
@@ -883,7 +883,7 @@ mod tests {
                 ],
                 overflow: 2,
             }),
-            Event::Conntrack(ConntrackStats {
+            Event::Conntrack(Box::new(ConntrackStats {
                 ts_ns: 8,
                 interval_ns: 999,
                 netns: 1,
@@ -898,7 +898,7 @@ mod tests {
                 },
                 count: 100,
                 max: 128,
-            }),
+            })),
         ];
         for ev in &evs {
             let mut b = Vec::new();

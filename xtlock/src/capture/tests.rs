@@ -1027,7 +1027,7 @@ fn drop_records_replay_to_the_same_facts() {
             host_netns: 1,
             names: vec![(12, "NETFILTER_DROP".into())],
         },
-        Event::Conntrack(ConntrackStats {
+        Event::Conntrack(Box::new(ConntrackStats {
             ts_ns: 2 * S,
             interval_ns: S,
             netns: 77,
@@ -1037,7 +1037,7 @@ fn drop_records_replay_to_the_same_facts() {
             },
             count: 64,
             max: 64,
-        }),
+        })),
         Event::KernelSymbol {
             ts_ns: 2 * S,
             addr: nf,

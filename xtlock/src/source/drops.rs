@@ -436,14 +436,14 @@ impl DropPoller {
                 continue;
             };
             let deltas = now.saturating_sub(&prev);
-            out.push(Event::Conntrack(ConntrackStats {
+            out.push(Event::Conntrack(Box::new(ConntrackStats {
                 ts_ns: now_ns,
                 interval_ns,
                 netns: n.inode,
                 deltas,
                 count,
                 max,
-            }));
+            })));
         }
         self.buf = buf;
         if let Some((totals, overflow)) = totals {
