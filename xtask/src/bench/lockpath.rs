@@ -298,21 +298,25 @@ pub fn run(env: &Env) -> Result<Value> {
         "bpftrace".into(),
     ]];
     for (li, l) in loads.iter().enumerate() {
-        let base = cells[0][li].cpu.median();
-        let pct = |ti: usize| {
+        let base = &cells[0][li].cpu;
+        // Half the untraced runs' range: an added cost smaller than that is not a number.
+        let noise = (base.max() - base.min()) / 2.0;
+        let pct = |ns: f64| ns * 1000.0 / 1e9 * 100.0;
+        let cell = |ti: usize| {
             let c = &cells[ti][li];
             let t = if c.tracer.is_empty() {
                 0.0
             } else {
                 c.tracer.median()
             };
-            ((c.cpu.median() - base) + t) * 1000.0 / 1e9 * 100.0
+            let added = c.cpu.median() - base.median();
+            if added.abs() < noise {
+                format!("{:.3}% + caller in the noise (±{:.3}%)", pct(t), pct(noise))
+            } else {
+                format!("{:.3}%", pct(added + t))
+            }
         };
-        rows.push(vec![
-            l.label.into(),
-            format!("{:.3}%", pct(1)),
-            format!("{:.3}%", pct(2)),
-        ]);
+        rows.push(vec![l.label.into(), cell(1), cell(2)]);
     }
     table(&rows);
     println!(
