@@ -266,7 +266,9 @@ pub struct DropPoller {
     last_ts: u64,
     symbols_sent: HashSet<u64>,
     kallsyms: Option<Kallsyms>,
-    kallsyms_tried: bool,
+    /// Reading and parsing /proc/kallsyms takes ~100 ms: done on a thread from the start, so
+    /// the first drop of a storm does not stall the event loop while the ring buffer fills.
+    kallsyms_loader: Option<std::thread::JoinHandle<std::io::Result<Kallsyms>>>,
     netns: Vec<NetnsWatch>,
     opts: NetnsOptions,
     polls: u64,
@@ -290,7 +292,11 @@ impl DropPoller {
             last_ts: now_ns,
             symbols_sent: HashSet::new(),
             kallsyms: None,
-            kallsyms_tried: false,
+            kallsyms_loader: std::thread::Builder::new()
+                .name("xtlock-kallsyms".into())
+                .spawn(Kallsyms::read)
+                .map_err(|e| tracing::warn!(error = %e, "cannot start the kallsyms reader"))
+                .ok(),
             netns: Vec::new(),
             opts: opts.clone(),
             polls: 0,
@@ -494,9 +500,12 @@ impl DropPoller {
     }
 
     fn symbol(&mut self, addr: u64, now_ns: u64) -> Option<Event> {
-        if !self.kallsyms_tried {
-            self.kallsyms_tried = true;
-            match Kallsyms::read() {
+        if let Some(loader) = self.kallsyms_loader.take() {
+            // Usually done long before the first drop; else waits for the rest of it, once.
+            let read = loader.join().unwrap_or_else(|_| {
+                Err(std::io::Error::other("the kallsyms reader thread panicked"))
+            });
+            match read {
                 Ok(k) if !k.is_empty() => self.kallsyms = Some(k),
                 Ok(_) => tracing::warn!(
                     "/proc/kallsyms shows no addresses (kptr_restrict): drop locations are \
