@@ -333,6 +333,12 @@ fn restore_holds_and_lock_timeout() {
         .collect();
     assert_eq!(timed_out.len(), 1, "{dump}");
     assert_eq!(timed_out[0]["outcome"], "timed_out", "{dump}");
+    // Ended by the flock() return (-EINTR or -ERESTARTSYS from alarm()), not only inferred
+    // from the exit status 4 that follows: the syscall-exit hook saw the interrupted call.
+    assert!(
+        timed_out[0]["ret"].as_i64().is_some_and(|r| r < 0),
+        "the timed-out wait has no flock() return:\n{dump}"
+    );
     // alarm(1) just before flock(): the wait ends after about a second, and within iptables'
     // life as its parent timed it. The lower bound leaves 100 ms between alarm() and flock()
     // for a descheduled iptables (emulation, a loaded host).
@@ -599,6 +605,14 @@ fn bad_input_gets_a_clear_error() {
     let (code, err) = run(&["trace", "--no-such-flag"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("--no-such-flag"), "{err}");
+    // A misspelt or retired hook name would otherwise rule out nothing, silently.
+    let (code, err) = run(&["probes", "--no-attach", "sys_enter_flock:tracepoint"]);
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains("no hook named `sys_enter_flock`") && err.contains("sys_exit_flock"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
     let dir = Scratch::new("badinput");
     let (code, err) = run(&["trace", "--lock-file", dir.dir.to_str().unwrap()]);
     assert_ne!(code, Some(0));

@@ -135,19 +135,22 @@ pub struct LockEvent {
     pub comm: [u8; COMM_LEN],
 }
 
-/// A `flock()` syscall on a watched lock, seen at its return.
+/// A blocking `flock()` on a watched lock that was deferred (had to wait), seen at its
+/// return. Calls that did not wait send no such event: their [`LockEvent`] says it all.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlockCallEvent {
     /// `ts_ns` is the syscall exit.
     pub hdr: EventHeader,
-    /// Syscall entry, or the first lock attempt when the entry was not seen.
+    /// The first deferral: when the wait began (captures of earlier builds hold the
+    /// syscall entry here, under a microsecond earlier).
     pub enter_ns: u64,
     pub owner: u64,
     pub ino: u64,
     /// Raw syscall return (negative errno on failure).
     pub ret: i64,
-    /// The `flock()` operation (`LOCK_EX | LOCK_NB`, ...); `u32::MAX` when unknown.
+    /// The `flock()` operation (`LOCK_EX | LOCK_NB`, ...), from the lock request's type and
+    /// `FL_SLEEP`; `u32::MAX` when unknown.
     pub cmd: u32,
     pub dev: u32,
 }
@@ -491,8 +494,6 @@ pub struct ProbeConfig {
     pub fl_flags: u32,
     pub fl_type: u32,
     pub fl_ret: u32,
-    // syscalls:sys_enter_flock
-    pub flock_cmd: u32,
     // syscalls:sys_exit_* (the `ret` field: same place for every syscall)
     pub sys_exit_ret: u32,
     // syscalls:sys_enter_setsockopt
@@ -511,7 +512,6 @@ pub struct ProbeConfig {
     pub fork_child_pid: u32,
     // syscalls:sys_enter_exit_group / sys_enter_exit: `int error_code`
     pub exit_code: u32,
-    pub _pad: u32,
     // skb:kfree_skb
     pub kd_skbaddr: u32,
     pub kd_location: u32,
@@ -596,7 +596,7 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        assert_eq!(size_of::<ProbeConfig>(), 184);
+        assert_eq!(size_of::<ProbeConfig>(), 176);
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);

@@ -24,7 +24,6 @@ static CONFIG: ProbeConfig = ProbeConfig {
     fl_flags: 0,
     fl_type: 0,
     fl_ret: 0,
-    flock_cmd: 0,
     sys_exit_ret: 0,
     sso_level: 0,
     sso_optname: 0,
@@ -35,7 +34,6 @@ static CONFIG: ProbeConfig = ProbeConfig {
     exec_old_pid: 0,
     fork_child_pid: 0,
     exit_code: 0,
-    _pad: 0,
     kd_skbaddr: 0,
     kd_location: 0,
     kd_protocol: 0,
@@ -72,11 +70,8 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static WATCHED: HashMap<LockKey, u32> = HashMap::with_max_entries(MAX_WATCHED_LOCKS, 0);
 
-/// The `flock()` call in progress on this CPU (entry time and operation).
-#[map]
-static FLOCK_ENTER: PerCpuArray<probes::flock::FlockEnter> = PerCpuArray::with_max_entries(1, 0);
-
-/// `flock()` calls that touched a watched lock and have not returned yet, by thread id.
+/// Blocking `flock()` calls deferred on a watched lock that have not returned yet, by
+/// thread id.
 #[map]
 static FLOCK_INFLIGHT: LruHashMap<u32, probes::flock::FlockInflight> =
     LruHashMap::with_max_entries(4096, 0);

@@ -156,7 +156,7 @@ pub struct LockArgs {
     #[arg(long = "lock-file", value_name = "PATH")]
     pub lock_files: Vec<PathBuf>,
     /// Attach types not to use, everywhere (`fentry`) or for one hook
-    /// (`sys_enter_flock:tracepoint`), comma-separated or repeated: hooks then take their
+    /// (`sys_exit_flock:tracepoint`), comma-separated or repeated: hooks then take their
     /// next candidate (tracepoint, fentry/fexit, kprobe/kretprobe). Also $XTLOCK_NO_ATTACH.
     #[arg(long = "no-attach", value_name = "[HOOK:]KIND")]
     pub no_attach: Vec<crate::probes::kfunc::AttachFilter>,
@@ -165,9 +165,24 @@ pub struct LockArgs {
 impl LockArgs {
     /// The flag's rules and the environment's.
     pub fn attach_filter(&self) -> anyhow::Result<crate::probes::kfunc::AttachFilter> {
-        crate::probes::kfunc::AttachFilter::merge(&self.no_attach)
+        let f = crate::probes::kfunc::AttachFilter::merge(&self.no_attach)
             .with_env()
-            .map_err(anyhow::Error::msg)
+            .map_err(anyhow::Error::msg)?;
+        let known = crate::probes::hook_names();
+        if let Some(bad) = f.unknown_hooks(&known).first() {
+            let hint = if *bad == "sys_enter_flock" {
+                " (xtlock no longer hooks the flock() entry: the flock syscall hook is \
+                 sys_exit_flock)"
+            } else {
+                ""
+            };
+            anyhow::bail!(
+                "--no-attach / ${}: no hook named `{bad}`{hint}; hook names are {}",
+                crate::probes::kfunc::NO_ATTACH_ENV,
+                known.join(", ")
+            );
+        }
+        Ok(f)
     }
 }
 

@@ -14,8 +14,9 @@ use super::{
     Env,
 };
 
-/// Kernel events per lock cycle: the take, its `flock()` return, the release, its return.
-const EVENTS_PER_CYCLE: u64 = 4;
+/// Kernel events per uncontended lock cycle: the take and the release (a `flock()` return
+/// is an event only after a wait).
+const EVENTS_PER_CYCLE: u64 = 2;
 
 #[derive(Default)]
 struct Step {
@@ -44,7 +45,7 @@ pub fn run(env: &Env) -> Result<Value> {
         fs::write(l, b"")?;
     }
     let lock_refs: Vec<&std::path::Path> = locks.iter().map(PathBuf::as_path).collect();
-    // Offered lock cycles/s in total (x4 kernel events), then unlimited.
+    // Offered lock cycles/s in total (x2 kernel events), then unlimited.
     let mut steps: Vec<Step> = [25_000.0, 50_000.0, 100_000.0, 200_000.0, 400_000.0]
         .iter()
         .map(|&r| Step {
@@ -175,7 +176,7 @@ pub fn run(env: &Env) -> Result<Value> {
         num(knee)
     );
     Ok(json!({
-        "what": "kernel lock events (4 per flock cycle) generated vs delivered to xtlock trace --json with a small ring buffer; lost from the summary's lost_events",
+        "what": "kernel lock events (2 per flock cycle) generated vs delivered to xtlock trace --json with a small ring buffer; lost from the summary's lost_events",
         "processes": procs,
         "secs_per_run": secs,
         "reps": reps,

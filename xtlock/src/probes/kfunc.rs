@@ -52,7 +52,7 @@ impl AttachKind {
     }
 }
 
-/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_enter_flock:tracepoint`).
+/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_exit_flock:tracepoint`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AttachFilter {
     rules: BTreeSet<(Option<String>, AttachKind)>,
@@ -76,7 +76,7 @@ impl AttachFilter {
                 format!(
                     "`{item}`: the attach type must be tracepoint, fentry or kprobe, \
                      optionally after a hook name from `xtlock probes` (e.g. \
-                     sys_enter_flock:tracepoint)"
+                     sys_exit_flock:tracepoint)"
                 )
             })?;
             self.rules.insert((hook, kind));
@@ -118,6 +118,19 @@ impl AttachFilter {
 
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
+    }
+
+    /// The hook names the rules give that are not in `known` (a typo would otherwise rule
+    /// out nothing, silently).
+    pub fn unknown_hooks(&self, known: &[&str]) -> Vec<&str> {
+        let mut out: Vec<&str> = self
+            .rules
+            .iter()
+            .filter_map(|(h, _)| h.as_deref())
+            .filter(|h| !known.contains(h))
+            .collect();
+        out.dedup();
+        out
     }
 }
 
@@ -613,7 +626,7 @@ mod tests {
 
     #[test]
     fn filter_rules_per_hook_and_everywhere() {
-        let f = AttachFilter::parse("fentry, sys_enter_flock:tracepoint").unwrap();
+        let f = AttachFilter::parse("fentry, sys_exit_flock:tracepoint").unwrap();
         assert_eq!(
             f.blocks("nft_commit", AttachKind::FEntry).as_deref(),
             Some("ruled out by --no-attach fentry")
@@ -621,9 +634,15 @@ mod tests {
         assert_eq!(f.blocks("nft_commit", AttachKind::KProbe), None);
         assert_eq!(f.blocks("flock_lock_inode", AttachKind::Tracepoint), None);
         assert_eq!(
-            f.blocks("sys_enter_flock", AttachKind::Tracepoint)
+            f.blocks("sys_exit_flock", AttachKind::Tracepoint)
                 .as_deref(),
-            Some("ruled out by --no-attach sys_enter_flock:tracepoint")
+            Some("ruled out by --no-attach sys_exit_flock:tracepoint")
+        );
+        assert!(f.unknown_hooks(&["sys_exit_flock"]).is_empty());
+        let typo = AttachFilter::parse("sys_exit_flok:tracepoint,kprobe").unwrap();
+        assert_eq!(
+            typo.unknown_hooks(&["sys_exit_flock"]),
+            vec!["sys_exit_flok"]
         );
         let e = AttachFilter::parse("uprobe").unwrap_err();
         assert!(e.contains("tracepoint, fentry or kprobe"), "{e}");

@@ -81,15 +81,15 @@ pub struct Hook {
     pub paired_with: Option<&'static str>,
 }
 
-/// `flock()` by its syscall function: the fallback of the flock syscall tracepoints.
+/// `flock()`'s return by its syscall function: the fallback of `sys_exit_flock`.
 pub const FLOCK_SYSCALL: KfuncHook = KfuncHook {
     name: "flock_syscall",
-    purpose: "when each flock() call started and how it ended",
+    purpose: "how each blocking flock() call on the lock ended",
     functions: &["__x64_sys_flock", "__arm64_sys_flock"],
     module: None,
-    fentry: Some("flock_syscall_fentry"),
+    fentry: None,
     fexit: Some("flock_syscall_fexit"),
-    kprobe: Some("flock_syscall_kprobe"),
+    kprobe: None,
     kretprobe: Some("flock_syscall_kretprobe"),
     setup: None,
 };
@@ -151,6 +151,20 @@ pub const SETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
     Some(("setsockopt_syscall_fexit", "setsockopt_syscall_kretprobe")),
 );
 
+/// Every name `--no-attach HOOK:KIND` accepts: tracepoint hooks and their categories,
+/// kernel-function hooks and fallbacks.
+pub fn hook_names() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for h in HOOKS {
+        names.extend([h.program, h.category]);
+        names.extend(h.fallback.map(|f| f.name));
+    }
+    names.extend(KFUNC_HOOKS.iter().map(|k| k.name));
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
 /// Hooks that exist only on kernel functions, attached after the tracepoints.
 pub const KFUNC_HOOKS: &[&KfuncHook] = &[
     &nft_commit::HOOK,
@@ -181,22 +195,14 @@ pub const HOOKS: &[Hook] = &[
         paired_with: None,
     },
     Hook {
-        program: "sys_enter_flock",
-        category: "syscalls",
-        tracepoint: "sys_enter_flock",
-        required: false,
-        purpose: "when each flock() call started, and its flags (LOCK_NB)",
-        fallback: Some(&FLOCK_SYSCALL),
-        paired_with: None,
-    },
-    Hook {
         program: "sys_exit_flock",
         category: "syscalls",
         tracepoint: "sys_exit_flock",
         required: false,
-        purpose: "how each flock() call ended (granted, EAGAIN, EINTR when `iptables -w` gave up)",
-        fallback: None,
-        paired_with: Some("sys_enter_flock"),
+        purpose: "how each blocking flock() on the lock ended (granted, or EINTR when \
+                  `iptables -w N` gave up)",
+        fallback: Some(&FLOCK_SYSCALL),
+        paired_with: None,
     },
     Hook {
         program: "sys_enter_execve",
@@ -530,7 +536,6 @@ fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> 
             c.fl_type = off(fmt, &["type", "fl_type"], 1)?;
             c.fl_ret = off(fmt, &["ret"], 4)?;
         }
-        "sys_enter_flock" => c.flock_cmd = off(fmt, &["cmd"], 8)?,
         "sys_exit_flock" | "sys_exit_setsockopt" => {
             let ret = off(fmt, &["ret"], 8)?;
             // One offset serves every sys_exit tracepoint (they share a layout).
@@ -998,16 +1003,16 @@ mod tests {
     #[test]
     fn fill_rejects_wrong_sizes_and_missing_fields() {
         let mut c = ProbeConfig::default();
-        let fmt = Format::parse("\tfield:int cmd;\toffset:16;\tsize:4;\tsigned:0;\n");
-        let err = fill(&mut c, "sys_enter_flock", &fmt).unwrap_err();
+        let fmt = Format::parse("\tfield:int ret;\toffset:16;\tsize:4;\tsigned:1;\n");
+        let err = fill(&mut c, "sys_exit_flock", &fmt).unwrap_err();
         assert!(err.contains("4 bytes"), "{err}");
         let fmt = Format::parse("\tfield:long x;\toffset:16;\tsize:8;\tsigned:0;\n");
-        assert!(fill(&mut c, "sys_enter_flock", &fmt)
+        assert!(fill(&mut c, "sys_exit_flock", &fmt)
             .unwrap_err()
-            .contains("no field cmd"));
-        let fmt = Format::parse("\tfield:unsigned int cmd;\toffset:24;\tsize:8;\tsigned:0;\n");
-        fill(&mut c, "sys_enter_flock", &fmt).unwrap();
-        assert_eq!(c.flock_cmd, 24);
+            .contains("no field ret"));
+        let fmt = Format::parse("\tfield:long ret;\toffset:16;\tsize:8;\tsigned:1;\n");
+        fill(&mut c, "sys_exit_flock", &fmt).unwrap();
+        assert_eq!(c.sys_exit_ret, 16);
     }
 
     #[test]
