@@ -29,6 +29,7 @@ use crate::decode::{
     ConntrackCounters, ConntrackFail, ConntrackStats, CtFailKind, DropCounts, DropSample,
 };
 use crate::lock::HoldFact;
+use crate::procs::FastMap;
 use crate::shared::SharedStr;
 
 /// Default `--conntrack-warn`: warn when the table is this full (percent).
@@ -287,7 +288,12 @@ pub struct DropTracker {
     ct_above: HashMap<u32, bool>,
     pending: Vec<(DropSample, Option<HoldRef>)>,
     ended: VecDeque<HoldRef>,
+    /// In the order they were opened (the order they are reported in).
     tallies: Vec<Tally>,
+    /// Position in `tallies` by (hold start, lock). Every ended hold looks its tally up, and
+    /// in a lock storm the list is full: holds that end after the tick's counts were read
+    /// wait a tick (a linear search there took 40 % of the collector's CPU).
+    tally_at: FastMap<(u64, SharedStr), usize>,
     stats: DropSummary,
     worst: Vec<HoldDropsFact>,
 }
@@ -425,16 +431,8 @@ impl DropTracker {
     ) {
         self.stats.samples += 1;
         if let Some(h) = &hold {
-            if let Some(t) = self
-                .tallies
-                .iter_mut()
-                .find(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
-            {
+            if let Some(t) = self.tally(h) {
                 t.samples += 1;
-            } else if self.tallies.len() < MAX_TALLIES {
-                let mut t = Tally::new(h.clone());
-                t.samples = 1;
-                self.tallies.push(t);
             }
         }
         if self.pending.len() >= MAX_PENDING_SAMPLES {
@@ -566,20 +564,29 @@ impl DropTracker {
         }));
     }
 
+    /// The tally of `h`, opened if there is room.
     fn tally(&mut self, h: &HoldRef) -> Option<&mut Tally> {
-        let i = match self
-            .tallies
-            .iter()
-            .position(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
-        {
-            Some(i) => i,
+        let key = (h.start_ns, h.lock.clone());
+        let i = match self.tally_at.get(&key) {
+            Some(&i) => i,
             None if self.tallies.len() < MAX_TALLIES => {
                 self.tallies.push(Tally::new(h.clone()));
+                self.tally_at.insert(key, self.tallies.len() - 1);
                 self.tallies.len() - 1
             }
             None => return None,
         };
         Some(&mut self.tallies[i])
+    }
+
+    /// Replaces the tallies (after some were reported) and their index.
+    fn set_tallies(&mut self, tallies: Vec<Tally>) {
+        self.tally_at.clear();
+        for (i, t) in tallies.iter().enumerate() {
+            self.tally_at
+                .insert((t.hold.start_ns, t.hold.lock.clone()), i);
+        }
+        self.tallies = tallies;
     }
 
     /// A hold ended: remembered for counts that cover its end.
@@ -593,9 +600,9 @@ impl DropTracker {
             hold_ns: Some(h.hold_ns),
         };
         if let Some(t) = self
-            .tallies
-            .iter_mut()
-            .find(|t| t.hold.start_ns == r.start_ns && t.hold.lock == r.lock)
+            .tally_at
+            .get(&(r.start_ns, r.lock.clone()))
+            .and_then(|&i| self.tallies.get_mut(i))
         {
             t.hold = r.clone();
             t.end_ns = Some(h.start_ns.saturating_add(h.hold_ns));
@@ -725,7 +732,7 @@ impl DropTracker {
         let (done, keep): (Vec<Tally>, Vec<Tally>) = std::mem::take(&mut self.tallies)
             .into_iter()
             .partition(|t| t.end_ns.is_some_and(|e| e <= c.ts_ns));
-        self.tallies = keep;
+        self.set_tallies(keep);
         for t in done {
             self.report(t, out);
         }
@@ -780,6 +787,7 @@ impl DropTracker {
             let f = self.sample_fact(&s, hold);
             out(Output::Drop(f));
         }
+        self.tally_at.clear();
         for mut t in std::mem::take(&mut self.tallies) {
             if t.hold.hold_ns.is_none() {
                 t.hold.hold_ns = Some(ts_ns.saturating_sub(t.hold.start_ns));
