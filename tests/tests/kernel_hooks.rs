@@ -11,8 +11,8 @@ use std::{path::Path, process::Command, time::Duration};
 
 use serde_json::Value;
 use xtlock_tests::{
-    conntrack_stat, hook_status, in_vm, kernel_has_kprobes, require_bpf, send_udp, serial,
-    xtlock_bin, Agent, NetnsPair, Scratch, Sysctl, Tracer,
+    conntrack_stat, hook_status, hook_statuses, in_vm, kernel_has_kprobes, require_bpf, send_udp,
+    serial, xtlock_bin, Agent, NetnsPair, Scratch, Sysctl, Tracer,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -183,8 +183,7 @@ fn nft_batch_is_an_nf_tables_commit_hold() {
     }
 }
 
-/// What one run of the flock scenario showed: the attach line of the flock syscall hook, and
-/// per agent what the analysis made of it.
+/// What one run of the flock scenario showed, per agent.
 #[derive(Debug, PartialEq, Eq)]
 struct FlockSeen {
     failed_tries: u64,
@@ -194,8 +193,7 @@ struct FlockSeen {
 }
 
 /// firewalld holds the lock 1.5 s; portmap polls it Go-style (LOCK_NB every 50 ms) and
-/// calico-node blocks in flock(). Which calls were LOCK_NB, and how each ended, come from
-/// the flock syscall hook: tracepoints, or its fallbacks on the syscall's function.
+/// calico-node blocks in flock().
 fn flock_scenario(extra: &[&str], name: &str) -> (FlockSeen, u64, String) {
     let s = Scratch::new(name);
     let lock = s.lock_file("xtables.lock");
@@ -248,66 +246,32 @@ fn flock_scenario(extra: &[&str], name: &str) -> (FlockSeen, u64, String) {
     )
 }
 
-/// The flock syscall hook's candidates (its return: there is no entry hook): the tracepoint
-/// first; with it ruled out, fexit on the syscall's function; with fentry ruled out too,
-/// kretprobe. Each gives the same
-/// analysis of the same scenario. Where the kernel has neither (this host), the hook says why
-/// and the lock is still traced.
+/// The lock needs no syscall hook: the scenario gives the same analysis with every
+/// `syscalls:` tracepoint ruled out (on this host the other syscall hooks then attach
+/// nowhere; in the VM they move to their functions). How a blocking wait ends comes from the
+/// lock tracepoint (the retry that takes the lock) and `signal:signal_deliver`.
 #[test]
-fn flock_syscall_fallbacks_give_the_same_results() {
-    if !require_bpf("flock_syscall_fallbacks_give_the_same_results") {
+fn flock_is_traced_without_any_syscall_hook() {
+    if !require_bpf("flock_is_traced_without_any_syscall_hook") {
         return;
     }
     let _g = serial();
-    let no_tp: &[&str] = &["--no-attach", "sys_exit_flock:tracepoint"];
-    let no_tp_fentry: &[&str] = &["--no-attach", "sys_exit_flock:tracepoint,fentry"];
-
-    let h = hook_status("sys_exit_flock", &[]);
+    let hooks = hook_statuses(&[]);
+    let on_flock: Vec<&str> = hooks
+        .iter()
+        .filter_map(|h| h["program"].as_str())
+        .filter(|p| p.contains("flock"))
+        .collect();
+    assert_eq!(on_flock, ["flock_lock_inode"], "{hooks:?}");
+    let h = hook_status("signal_deliver", &[]);
     assert!(h["error"].is_null(), "{h}");
-    assert!(
-        h["attach"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("tracepoint "),
-        "{h}"
-    );
+    assert_eq!(h["attach"], "tracepoint signal:signal_deliver", "{h}");
 
-    let fentry = hook_status("sys_exit_flock", no_tp);
-    eprintln!("sys_exit_flock without its tracepoint: {fentry}");
-    if !in_vm() && fentry["error"].is_string() {
-        // This host: fentry refused, no kprobes. Said plainly, and the lock is still traced.
-        let why = fentry["error"].as_str().unwrap_or("");
-        assert!(
-            why.contains("tracepoint: ruled out by --no-attach"),
-            "{why}"
-        );
-        assert!(why.contains("fentry: "), "{why}");
-        let (seen, _, dump) = flock_scenario(no_tp, "flock-nofallback");
-        assert_eq!(seen.holds, 3, "{dump}");
-        return;
-    }
-    let attach = fentry["attach"].as_str().unwrap_or("");
-    assert!(attach.starts_with("fexit __x64_sys_flock"), "{fentry}");
-    assert!(
-        attach.contains("(fallback; tracepoint: ruled out by --no-attach"),
-        "{attach}"
-    );
-    let kprobe = hook_status("sys_exit_flock", no_tp_fentry);
-    let attach = kprobe["attach"].as_str().unwrap_or("");
-    assert!(attach.starts_with("kretprobe __x64_sys_flock"), "{kprobe}");
-    assert!(
-        attach.contains("fentry: ruled out by --no-attach fentry"),
-        "{attach}"
-    );
-
-    for (name, extra) in [
-        ("tracepoint", &[][..]),
-        ("fentry", no_tp),
-        ("kprobe", no_tp_fentry),
-    ] {
+    let no_syscalls: &[&str] = &["--no-attach", "syscalls:tracepoint"];
+    for (name, extra) in [("default", &[][..]), ("no-syscalls", no_syscalls)] {
         let (seen, tries, dump) = flock_scenario(extra, &format!("flock-{name}"));
         eprintln!("{name}: {seen:?} (portmap counted {tries} failed tries)");
-        // Exact against the poller's own count, whatever the attach type.
+        // Exact against the poller's own count.
         assert_eq!(seen.failed_tries, tries, "{name}:\n{dump}");
         assert_eq!(
             seen.poll_waits,

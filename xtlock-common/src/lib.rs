@@ -54,7 +54,7 @@ pub const EBT_SO_SET_COUNTERS: u32 = 129;
 pub enum EventKind {
     /// `filelock:flock_lock_inode` on a watched lock file.
     Lock = 1,
-    /// A `flock()` syscall that touched a watched lock file has returned.
+    /// A blocking `flock()` on a watched lock file has stopped waiting.
     FlockCall = 2,
     /// `sched:sched_process_exec`, with argv read at `execve` entry.
     Exec = 3,
@@ -135,19 +135,20 @@ pub struct LockEvent {
     pub comm: [u8; COMM_LEN],
 }
 
-/// A blocking `flock()` on a watched lock that was deferred (had to wait), seen at its
-/// return. Calls that did not wait send no such event: their [`LockEvent`] says it all.
+/// How a blocking `flock()` on a watched lock that was deferred (had to wait) ended: the
+/// retry that took the lock (or failed), or the signal that interrupted it (`-EINTR`).
+/// Calls that did not wait send no such event: their [`LockEvent`] says it all.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FlockCallEvent {
-    /// `ts_ns` is the syscall exit.
+    /// `ts_ns`: the end of the wait (the syscall exit in captures of earlier builds).
     pub hdr: EventHeader,
     /// The first deferral: when the wait began (captures of earlier builds hold the
     /// syscall entry here, under a microsecond earlier).
     pub enter_ns: u64,
     pub owner: u64,
     pub ino: u64,
-    /// Raw syscall return (negative errno on failure).
+    /// What `flock()` returns: 0, or a negative errno (`-EINTR` when a signal ended it).
     pub ret: i64,
     /// The `flock()` operation (`LOCK_EX | LOCK_NB`, ...), from the lock request's type and
     /// `FL_SLEEP`; `u32::MAX` when unknown.
@@ -496,6 +497,9 @@ pub struct ProbeConfig {
     pub fl_ret: u32,
     // syscalls:sys_exit_* (the `ret` field: same place for every syscall)
     pub sys_exit_ret: u32,
+    // signal:signal_deliver: `unsigned long sa_handler`, `unsigned long sa_flags`
+    pub sig_handler: u32,
+    pub sig_flags: u32,
     // syscalls:sys_enter_setsockopt
     pub sso_level: u32,
     pub sso_optname: u32,
@@ -596,7 +600,7 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        assert_eq!(size_of::<ProbeConfig>(), 176);
+        assert_eq!(size_of::<ProbeConfig>(), 184);
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);

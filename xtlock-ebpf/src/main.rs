@@ -25,6 +25,8 @@ static CONFIG: ProbeConfig = ProbeConfig {
     fl_type: 0,
     fl_ret: 0,
     sys_exit_ret: 0,
+    sig_handler: 0,
+    sig_flags: 0,
     sso_level: 0,
     sso_optname: 0,
     sso_optlen: 0,
@@ -70,8 +72,8 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static WATCHED: HashMap<LockKey, u32> = HashMap::with_max_entries(MAX_WATCHED_LOCKS, 0);
 
-/// Blocking `flock()` calls deferred on a watched lock that have not returned yet, by
-/// thread id.
+/// Blocking `flock()` calls deferred on a watched lock that have not ended yet, by thread
+/// id.
 #[map]
 static FLOCK_INFLIGHT: LruHashMap<u32, probes::flock::FlockInflight> =
     LruHashMap::with_max_entries(4096, 0);

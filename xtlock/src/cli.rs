@@ -156,7 +156,7 @@ pub struct LockArgs {
     #[arg(long = "lock-file", value_name = "PATH")]
     pub lock_files: Vec<PathBuf>,
     /// Attach types not to use, everywhere (`fentry`) or for one hook
-    /// (`sys_exit_flock:tracepoint`), comma-separated or repeated: hooks then take their
+    /// (`sys_enter_execve:tracepoint`), comma-separated or repeated: hooks then take their
     /// next candidate (tracepoint, fentry/fexit, kprobe/kretprobe). Also $XTLOCK_NO_ATTACH.
     #[arg(long = "no-attach", value_name = "[HOOK:]KIND")]
     pub no_attach: Vec<crate::probes::kfunc::AttachFilter>,
@@ -170,9 +170,9 @@ impl LockArgs {
             .map_err(anyhow::Error::msg)?;
         let known = crate::probes::hook_names();
         if let Some(bad) = f.unknown_hooks(&known).first() {
-            let hint = if *bad == "sys_enter_flock" {
-                " (xtlock no longer hooks the flock() entry: the flock syscall hook is \
-                 sys_exit_flock)"
+            let hint = if bad.ends_with("_flock") || *bad == "flock_syscall" {
+                " (xtlock no longer hooks the flock() syscall: the lock tracepoint and \
+                 signal_deliver see what it told)"
             } else {
                 ""
             };

@@ -1,7 +1,9 @@
 //! The lock state machine: `flock` events in, holds, waits, failed tries and timeouts out.
 //!
 //! Pure: no clock (event time only), no I/O. What the kernel tells us (`filelock:
-//! flock_lock_inode` and the `flock()` syscall return), and how it is read here:
+//! flock_lock_inode`, and how a blocking `flock()` ended: `FlockCall`, sent by the BPF side
+//! when the retry after a wait takes the lock or a signal interrupts it), and how it is read
+//! here:
 //!
 //! * Holds are keyed by **owner** (`fl_owner`, the open file description), not by pid:
 //!   forked children share it, and the release comes from whoever drops the last
@@ -9,8 +11,9 @@
 //!   owner with no hold is ignored: closing *any* descriptor of the file emits `F_UNLCK`
 //!   while someone holds a flock on it.
 //! * A blocking `flock(LOCK_EX)` behind a holder: `Deferred`, later `Acquired` from the
-//!   same thread, then the syscall return. A timeout (`alarm()`, iptables `-w N`): `Deferred`
-//!   then a negative return (`-EINTR`, `-ERESTARTSYS`) and no `Acquired`.
+//!   same thread, then its `FlockCall`. A timeout (`alarm()`, iptables `-w N`): `Deferred`
+//!   then a `FlockCall` with a negative return (`-EINTR`; `-ERESTARTSYS` in captures of
+//!   builds that hooked the syscall exit) and no `Acquired`.
 //! * `LOCK_NB`: `Failed { errno: EAGAIN }`. A run of failures by one pid ended by a success
 //!   is a *poll* wait (Go daemons retry every 200 ms; old iptables polled every `-W` µs).
 //! * The tracepoint fires after the kernel drops its spinlock, so a waiter's `Acquired` can

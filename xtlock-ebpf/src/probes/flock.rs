@@ -1,23 +1,19 @@
 //! The xtables lock: `filelock:flock_lock_inode` (takes, failed tries, deferrals and
-//! releases on the watched inodes) and `syscalls:sys_exit_flock` (how a blocking wait
-//! ended: granted, or `-EINTR` from iptables' `alarm()`).
+//! releases on the watched inodes, and the end of a blocking wait when the kernel's retry
+//! grants the lock) and `signal:signal_deliver` (a blocking wait cut short by a signal:
+//! iptables' `alarm()` behind `-w N`).
 //!
-//! Where the exit tracepoint cannot be used, the same step hangs off the syscall's function
-//! (`__x64_sys_flock` or its arch's name, picked by userspace): fexit, else kretprobe.
-//!
-//! Cost on unwatched files, which every `flock()` on the node pays: one hash miss in the
-//! lock tracepoint and one at syscall exit, nothing else (the exit reads its record only
-//! for a thread that waited). There is no syscall-entry hook: the lock request itself says
-//! everything the entry did (`LOCK_NB` is `FL_SLEEP`, the type is the operation), and a
-//! wait starts at its first deferral, within a microsecond of the entry.
+//! No syscall hook: a `syscalls:` tracepoint on `flock()` costs every `flock()` on the node
+//! ~400 ns even with an empty program (the syscall record is built before any program
+//! runs), and everything it told is in the lock request itself (`LOCK_NB` is `FL_SLEEP`,
+//! the type is the operation) or in how a deferred call ends: the retry that takes the lock,
+//! or the signal that interrupts the sleep. So an unwatched file costs one hash miss in the
+//! lock tracepoint; a delivered signal (rare) one LRU miss.
 use aya_ebpf::helpers::bpf_get_current_comm;
-use aya_ebpf::{
-    macros::{fexit, kretprobe, tracepoint},
-    programs::{FExitContext, RetProbeContext, TracePointContext},
-};
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
 use xtlock_common::{
-    EventKind, FlockCallEvent, LockEvent, LockKey, FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_WRLCK,
-    LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN,
+    EventKind, FlockCallEvent, LockEvent, LockKey, FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_UNLCK,
+    F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN,
 };
 
 use crate::{
@@ -25,7 +21,11 @@ use crate::{
     FLOCK_INFLIGHT, WATCHED,
 };
 
-/// A blocking `flock()` on a watched lock that was deferred and has not returned yet.
+/// `sa_flags` bit: the interrupted syscall restarts instead of failing with `EINTR`.
+const SA_RESTART: u64 = 0x1000_0000;
+const EINTR: i64 = 4;
+
+/// A blocking `flock()` on a watched lock that was deferred and has not ended yet.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct FlockInflight {
@@ -72,9 +72,13 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
     let fl_type: u8 = field(ctx, cfg(|c| c.fl_type))?;
     let (_, tid) = ids();
 
-    // Only a deferred call waits, and only its return is news (granted after the wait, or
-    // interrupted); every other call's outcome is in this event already.
-    if ret == FILE_LOCK_DEFERRED {
+    // This thread's deferred call on this lock, if it is one (an entry left by a thread
+    // that died waiting, whose tid was reused, is another owner).
+    // SAFETY: read of our own entry.
+    let waiting = unsafe { FLOCK_INFLIGHT.get(&tid) }
+        .copied()
+        .filter(|w| w.owner == owner && w.ino == ino && w.dev == dev);
+    if ret == FILE_LOCK_DEFERRED && waiting.is_none() {
         let inflight = FlockInflight {
             enter_ns: ts,
             owner,
@@ -82,8 +86,7 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
             dev,
             cmd: flock_cmd(fl_type, fl_flags),
         };
-        // BPF_NOEXIST: a thread woken and beaten to the lock again keeps its first deferral.
-        let _ = FLOCK_INFLIGHT.insert(&tid, &inflight, 1);
+        let _ = FLOCK_INFLIGHT.insert(&tid, &inflight, 0);
     }
 
     let ev = LockEvent {
@@ -98,47 +101,51 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
         comm: bpf_get_current_comm().unwrap_or([0; 16]),
     };
     output(&ev);
+
+    // A retry after the wait that did not defer again ends the call: granted, or an error.
+    if let Some(w) = waiting {
+        if ret != FILE_LOCK_DEFERRED {
+            let _ = FLOCK_INFLIGHT.remove(&tid);
+            // A release by this owner means the waiter died and its files are closing.
+            if fl_type != F_UNLCK {
+                flock_return(&w, ts, i64::from(ret));
+            }
+        }
+    }
     Ok(())
 }
 
 #[tracepoint]
-pub fn sys_exit_flock(ctx: TracePointContext) -> u32 {
-    // The record is read only for a thread that waited: this runs at the end of every
-    // flock() on the node.
-    flock_exit(|| field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0));
-    0
-}
-
-#[fexit(function = "__x64_sys_flock")]
-pub fn flock_syscall_fexit(ctx: FExitContext) -> u32 {
-    // The return value follows the one argument (no bpf_get_func_ret before 5.17).
-    flock_exit(|| ctx.arg(1));
-    0
-}
-
-#[kretprobe]
-pub fn flock_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
-    flock_exit(|| ctx.ret());
-    0
-}
-
-#[inline(always)]
-fn flock_exit(ret: impl FnOnce() -> i64) {
+pub fn signal_deliver(ctx: TracePointContext) -> u32 {
     let (_, tid) = ids();
-    // SAFETY: read of our own entry; removed right after.
-    let Some(inflight) = (unsafe { FLOCK_INFLIGHT.get(&tid) }).copied() else {
-        return;
+    // SAFETY: read of our own entry; removed below.
+    let Some(w) = (unsafe { FLOCK_INFLIGHT.get(&tid) }).copied() else {
+        return 0;
     };
+    let handler: u64 = field(&ctx, cfg(|c| c.sig_handler)).unwrap_or(0);
+    let flags: u64 = field(&ctx, cfg(|c| c.sig_flags)).unwrap_or(0);
+    // SIG_DFL (0) and SIG_IGN (1): a stop or an ignored signal restarts the call, a fatal
+    // one ends the process (its exit ends the wait). A handler with SA_RESTART restarts it
+    // too. Any other handler runs with flock() failed: -EINTR.
+    if handler <= 1 || flags & SA_RESTART != 0 {
+        return 0;
+    }
     let _ = FLOCK_INFLIGHT.remove(&tid);
-    let ret = ret();
+    flock_return(&w, now(), -EINTR);
+    0
+}
+
+/// How a deferred `flock()` ended, as its return value.
+#[inline(always)]
+fn flock_return(w: &FlockInflight, ts: u64, ret: i64) {
     let ev = FlockCallEvent {
-        hdr: header(EventKind::FlockCall, now()),
-        enter_ns: inflight.enter_ns,
-        owner: inflight.owner,
-        ino: inflight.ino,
+        hdr: header(EventKind::FlockCall, ts),
+        enter_ns: w.enter_ns,
+        owner: w.owner,
+        ino: w.ino,
         ret,
-        cmd: inflight.cmd,
-        dev: inflight.dev,
+        cmd: w.cmd,
+        dev: w.dev,
     };
     output(&ev);
 }

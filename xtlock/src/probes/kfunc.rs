@@ -52,7 +52,7 @@ impl AttachKind {
     }
 }
 
-/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_exit_flock:tracepoint`).
+/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_exit_setsockopt:tracepoint`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AttachFilter {
     rules: BTreeSet<(Option<String>, AttachKind)>,
@@ -76,7 +76,7 @@ impl AttachFilter {
                 format!(
                     "`{item}`: the attach type must be tracepoint, fentry or kprobe, \
                      optionally after a hook name from `xtlock probes` (e.g. \
-                     sys_exit_flock:tracepoint)"
+                     sys_exit_setsockopt:tracepoint)"
                 )
             })?;
             self.rules.insert((hook, kind));
@@ -626,7 +626,7 @@ mod tests {
 
     #[test]
     fn filter_rules_per_hook_and_everywhere() {
-        let f = AttachFilter::parse("fentry, sys_exit_flock:tracepoint").unwrap();
+        let f = AttachFilter::parse("fentry, sys_exit_setsockopt:tracepoint").unwrap();
         assert_eq!(
             f.blocks("nft_commit", AttachKind::FEntry).as_deref(),
             Some("ruled out by --no-attach fentry")
@@ -634,15 +634,15 @@ mod tests {
         assert_eq!(f.blocks("nft_commit", AttachKind::KProbe), None);
         assert_eq!(f.blocks("flock_lock_inode", AttachKind::Tracepoint), None);
         assert_eq!(
-            f.blocks("sys_exit_flock", AttachKind::Tracepoint)
+            f.blocks("sys_exit_setsockopt", AttachKind::Tracepoint)
                 .as_deref(),
-            Some("ruled out by --no-attach sys_exit_flock:tracepoint")
+            Some("ruled out by --no-attach sys_exit_setsockopt:tracepoint")
         );
-        assert!(f.unknown_hooks(&["sys_exit_flock"]).is_empty());
-        let typo = AttachFilter::parse("sys_exit_flok:tracepoint,kprobe").unwrap();
+        assert!(f.unknown_hooks(&["sys_exit_setsockopt"]).is_empty());
+        let typo = AttachFilter::parse("sys_exit_setsockop:tracepoint,kprobe").unwrap();
         assert_eq!(
-            typo.unknown_hooks(&["sys_exit_flock"]),
-            vec!["sys_exit_flok"]
+            typo.unknown_hooks(&["sys_exit_setsockopt"]),
+            vec!["sys_exit_setsockop"]
         );
         let e = AttachFilter::parse("uprobe").unwrap_err();
         assert!(e.contains("tracepoint, fentry or kprobe"), "{e}");

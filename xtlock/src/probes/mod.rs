@@ -81,19 +81,6 @@ pub struct Hook {
     pub paired_with: Option<&'static str>,
 }
 
-/// `flock()`'s return by its syscall function: the fallback of `sys_exit_flock`.
-pub const FLOCK_SYSCALL: KfuncHook = KfuncHook {
-    name: "flock_syscall",
-    purpose: "how each blocking flock() call on the lock ended",
-    functions: &["__x64_sys_flock", "__arm64_sys_flock"],
-    module: None,
-    fentry: None,
-    fexit: Some("flock_syscall_fexit"),
-    kprobe: None,
-    kretprobe: Some("flock_syscall_kretprobe"),
-    setup: None,
-};
-
 /// A syscall's function (`__x64_sys_NAME`, `__arm64_sys_NAME`) as the fallback of its
 /// tracepoints.
 const fn syscall_fn(
@@ -195,13 +182,13 @@ pub const HOOKS: &[Hook] = &[
         paired_with: None,
     },
     Hook {
-        program: "sys_exit_flock",
-        category: "syscalls",
-        tracepoint: "sys_exit_flock",
+        program: "signal_deliver",
+        category: "signal",
+        tracepoint: "signal_deliver",
         required: false,
-        purpose: "how each blocking flock() on the lock ended (granted, or EINTR when \
-                  `iptables -w N` gave up)",
-        fallback: Some(&FLOCK_SYSCALL),
+        purpose: "blocking flock() waits on the lock cut short by a signal (`iptables -w N` \
+                  giving up through alarm())",
+        fallback: None,
         paired_with: None,
     },
     Hook {
@@ -536,13 +523,17 @@ fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> 
             c.fl_type = off(fmt, &["type", "fl_type"], 1)?;
             c.fl_ret = off(fmt, &["ret"], 4)?;
         }
-        "sys_exit_flock" | "sys_exit_setsockopt" => {
+        "sys_exit_setsockopt" => {
             let ret = off(fmt, &["ret"], 8)?;
             // One offset serves every sys_exit tracepoint (they share a layout).
             if c.sys_exit_ret != 0 && c.sys_exit_ret != ret {
                 return Err("sys_exit `ret` offsets differ between syscalls".into());
             }
             c.sys_exit_ret = ret;
+        }
+        "signal_deliver" => {
+            c.sig_handler = off(fmt, &["sa_handler"], 8)?;
+            c.sig_flags = off(fmt, &["sa_flags"], 8)?;
         }
         "sys_enter_setsockopt" => {
             c.sso_level = off(fmt, &["level"], 8)?;
@@ -1004,14 +995,14 @@ mod tests {
     fn fill_rejects_wrong_sizes_and_missing_fields() {
         let mut c = ProbeConfig::default();
         let fmt = Format::parse("\tfield:int ret;\toffset:16;\tsize:4;\tsigned:1;\n");
-        let err = fill(&mut c, "sys_exit_flock", &fmt).unwrap_err();
+        let err = fill(&mut c, "sys_exit_setsockopt", &fmt).unwrap_err();
         assert!(err.contains("4 bytes"), "{err}");
         let fmt = Format::parse("\tfield:long x;\toffset:16;\tsize:8;\tsigned:0;\n");
-        assert!(fill(&mut c, "sys_exit_flock", &fmt)
+        assert!(fill(&mut c, "sys_exit_setsockopt", &fmt)
             .unwrap_err()
             .contains("no field ret"));
         let fmt = Format::parse("\tfield:long ret;\toffset:16;\tsize:8;\tsigned:1;\n");
-        fill(&mut c, "sys_exit_flock", &fmt).unwrap();
+        fill(&mut c, "sys_exit_setsockopt", &fmt).unwrap();
         assert_eq!(c.sys_exit_ret, 16);
     }
 
