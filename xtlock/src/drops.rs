@@ -1051,6 +1051,47 @@ mod tests {
         assert!(!rest.iter().any(|o| matches!(o, Output::HoldDrops(_))));
     }
 
+    /// A shared hold by process `pid` (its own open file).
+    fn shared(ts: u64, pid: u32, op: LockOp) -> Event {
+        let Event::Lock(mut e) = lock(ts, op) else {
+            unreachable!()
+        };
+        (e.tgid, e.tid, e.owner) = (pid, pid, 0x1000 + u64::from(pid));
+        Event::Lock(e)
+    }
+
+    #[test]
+    fn many_open_holds_each_get_their_own_end() {
+        let mut a = setup();
+        // 300 shared holds open when the counts of 1.65 s arrive: 300 tallies, each found
+        // again when its hold ends, in another order than they were opened.
+        for i in 0..300u32 {
+            let t = S + S / 2 + u64::from(i) * 1_000;
+            a.process_collect(&shared(t, 1000 + i, LockOp::Acquired { exclusive: false }));
+        }
+        let out = a.process_collect(&counts(S + 650_000_000, &[(NF, 12, 7)]));
+        assert!(hold_drops(&out).is_empty(), "none has ended");
+        for i in (0..300u32).rev() {
+            let t = S + 700_000_000 + u64::from(i) * 2_000;
+            a.process_collect(&shared(t, 1000 + i, LockOp::Released));
+        }
+        let out = a.process_collect(&counts(2 * S + 650_000_000, &[(NF, 12, 3)]));
+        let hd = hold_drops(&out);
+        assert_eq!(hd.len(), 300);
+        let mut pids: Vec<u32> = hd.iter().map(|h| h.pid).collect();
+        pids.sort_unstable();
+        pids.dedup();
+        assert_eq!(pids.len(), 300, "each hold once");
+        for h in &hd {
+            let i = u64::from(h.pid - 1000);
+            assert_eq!(h.hold_ns, 200_000_000 + i * 1_000, "{h:?}");
+            assert_eq!(h.dropped, 10, "{h:?}");
+        }
+        let mut rest = Vec::new();
+        a.finish(3 * S, &mut |o| rest.push(o));
+        assert!(!rest.iter().any(|o| matches!(o, Output::HoldDrops(_))));
+    }
+
     #[test]
     fn finish_reports_open_holds_and_waiting_samples() {
         let mut a = setup();
