@@ -470,6 +470,31 @@ fn hold_taken_before_tracing_is_reported() {
     assert_eq!(waits[0]["outcome"], "acquired", "{dump}");
 }
 
+/// A lock file replaced while tracing (a new inode at the same path) is watched too: the
+/// collector notices at its 5 s check and adds the new inode to the in-kernel filter.
+#[test]
+fn replaced_lock_file_is_watched() {
+    if !require_bpf("replaced_lock_file_is_watched") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("replaced");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let kube_proxy = s.agent("kube-proxy");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(10), &["--no-drops"]);
+    // Renamed over the old one, so the inode number cannot be reused.
+    let fresh = s.dir.join("xtables.lock.new");
+    std::fs::write(&fresh, b"").unwrap();
+    std::fs::rename(&fresh, &lock).unwrap();
+    std::thread::sleep(Duration::from_millis(6500));
+    let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "50"], &[], None);
+    assert_eq!(kp.wait(), 0);
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    assert_eq!(holds_by(&trace, "kube-proxy").len(), 1, "{dump}");
+}
+
 /// A forked child inherits the locked open file description: the hold is one hold, owned by
 /// the file, and ends when the child closes it, not when the parent does.
 #[test]

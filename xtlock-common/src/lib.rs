@@ -16,6 +16,9 @@ pub const ARGV_SLOTS: usize = 8;
 pub const ARG_LEN: usize = 64;
 /// Most lock files one tracer can watch at once.
 pub const MAX_WATCHED_LOCKS: u32 = 16;
+/// Slots of the inode pre-filter: slot `ino % WATCHED_INO_SLOTS` is set for each watched
+/// inode (a power of two).
+pub const WATCHED_INO_SLOTS: u32 = 4096;
 /// Slots of the drop-reason filter: reason `r` uses slot `min(r, DROP_REASON_SLOTS - 1)`, so
 /// the last slot stands for every larger reason (other subsystems' reasons carry high bits).
 pub const DROP_REASON_SLOTS: u32 = 1024;

@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use xtlock_common::{
     DropKey, IpvsEvent, IpvsKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS,
-    MAX_IPVS_KEYS, MAX_WATCHED_LOCKS,
+    MAX_IPVS_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
 };
 
 mod emit;
@@ -71,6 +71,12 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 /// The lock files to report, filled by userspace: (dev, inode) -> index.
 #[map]
 static WATCHED: HashMap<LockKey, u32> = HashMap::with_max_entries(MAX_WATCHED_LOCKS, 0);
+
+/// Non-zero at `ino % WATCHED_INO_SLOTS` for each key of `WATCHED` (set after the key, never
+/// cleared): every `flock()` on the node checks it first, an array read the verifier inlines,
+/// and hashes its key only on a hit.
+#[map]
+static WATCHED_INO: Array<u8> = Array::with_max_entries(WATCHED_INO_SLOTS, 0);
 
 /// Blocking `flock()` calls deferred on a watched lock that have not ended yet, by thread
 /// id.

@@ -7,18 +7,19 @@
 //! ~400 ns even with an empty program (the syscall record is built before any program
 //! runs), and everything it told is in the lock request itself (`LOCK_NB` is `FL_SLEEP`,
 //! the type is the operation) or in how a deferred call ends: the retry that takes the lock,
-//! or the signal that interrupts the sleep. So an unwatched file costs one hash miss in the
-//! lock tracepoint; a delivered signal (rare) one LRU miss.
+//! or the signal that interrupts the sleep. So an unwatched file costs one array read in the
+//! lock tracepoint (a hash lookup when its inode shares a pre-filter slot with a lock's); a
+//! delivered signal (rare) one LRU miss.
 use aya_ebpf::helpers::bpf_get_current_comm;
 use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
 use xtlock_common::{
     EventKind, FlockCallEvent, LockEvent, LockKey, FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_UNLCK,
-    F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN,
+    F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, WATCHED_INO_SLOTS,
 };
 
 use crate::{
     emit::{cfg, field, field_fast, header, ids, now, output},
-    FLOCK_INFLIGHT, WATCHED,
+    FLOCK_INFLIGHT, WATCHED, WATCHED_INO,
 };
 
 /// `sa_flags` bit: the interrupted syscall restarts instead of failing with `EINTR`.
@@ -60,8 +61,15 @@ pub fn flock_lock_inode(ctx: TracePointContext) -> u32 {
 fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
     let ino: u64 = field_fast::<u64, 16>(ctx, cfg(|c| c.fl_ino))?;
     let dev: u32 = field_fast::<u32, 24>(ctx, cfg(|c| c.fl_dev))?;
+    // The mask keeps the index in bounds for the verifier.
+    if WATCHED_INO
+        .get((ino as u32) & (WATCHED_INO_SLOTS - 1))
+        .is_none_or(|&b| b == 0)
+    {
+        return Ok(());
+    }
     let key = LockKey { ino, dev, _pad: 0 };
-    // SAFETY: read-only lookup; userspace only writes this map before attaching.
+    // SAFETY: read-only lookup; userspace only adds keys.
     if unsafe { WATCHED.get(&key) }.is_none() {
         return Ok(());
     }

@@ -675,6 +675,9 @@ impl Probes {
                     .map_err(|e| ProbeError::Load(format!("watching {}: {e}", l.path.display())))?;
             }
         }
+        for l in &opts.locks {
+            mark_watched_ino(&mut ebpf, l)?;
+        }
 
         if let Some(slots) = &drop_slots {
             let map = ebpf
@@ -959,8 +962,23 @@ impl Probes {
             BpfHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
         watched
             .insert(lock.key(), index, 0)
-            .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))
+            .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))?;
+        // After the key: the probe checks this slot first.
+        mark_watched_ino(&mut self.ebpf, lock)
     }
+}
+
+/// Sets the inode pre-filter slot of `lock` (`WATCHED_INO`).
+fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile) -> Result<(), ProbeError> {
+    let map = ebpf
+        .map_mut("WATCHED_INO")
+        .ok_or_else(|| ProbeError::Load("map WATCHED_INO missing".into()))?;
+    let mut slots: BpfArray<&mut MapData, u8> =
+        BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+    let slot = (lock.key().ino % u64::from(xtlock_common::WATCHED_INO_SLOTS)) as u32;
+    slots
+        .set(slot, 1u8, 0)
+        .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))
 }
 
 /// A module's hook without fentry programs says why: aya 0.14 cannot attach fentry there.
