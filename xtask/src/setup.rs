@@ -34,7 +34,15 @@ const APT_PACKAGES: &[&str] = &[
 /// `cargo xtask vm-test`: QEMU, the guest's busybox, and xz to unpack the guest kernel's
 /// image. Installed without their recommendations (qemu-system-x86's would bring a GUI).
 /// nftables: `nft`, run by the nf_tables commit tests (on the host and, through its root, in the VM).
-const APT_VM_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "xz-utils", "nftables"];
+/// ipvsadm: the IPVS tests build kube-proxy-style virtual services with it, in the VM (the
+/// guest runs the host's binaries), where the kernel has IPVS.
+const APT_VM_PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "busybox-static",
+    "xz-utils",
+    "nftables",
+    "ipvsadm",
+];
 /// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
 const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
 
@@ -55,7 +63,7 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
   - iptables (with iptables-legacy), iproute2, conntrack, bpftool, bpftrace, procps,
     util-linux (flock), strace (optional)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
-  - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz
+  - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm
 and a kernel with BTF (5.8 or newer).";
 
 /// Runs every step; fails on the first one that cannot be done.
