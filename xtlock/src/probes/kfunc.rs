@@ -52,7 +52,7 @@ impl AttachKind {
     }
 }
 
-/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_exit_setsockopt:tracepoint`).
+/// Attach types ruled out: everywhere (`fentry`) or for one hook (`sys_enter_execve:tracepoint`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct AttachFilter {
     rules: BTreeSet<(Option<String>, AttachKind)>,
@@ -76,7 +76,7 @@ impl AttachFilter {
                 format!(
                     "`{item}`: the attach type must be tracepoint, fentry or kprobe, \
                      optionally after a hook name from `xtlock probes` (e.g. \
-                     sys_exit_setsockopt:tracepoint)"
+                     sys_enter_execve:tracepoint)"
                 )
             })?;
             self.rules.insert((hook, kind));
