@@ -312,9 +312,10 @@ fn link_fd(pid: u32, tp: &str) -> Option<u32> {
         .filter_map(Result::ok)
         .find_map(|e| {
             let text = std::fs::read_to_string(e.path()).ok()?;
-            let perf = text
-                .lines()
-                .any(|l| l.split_whitespace().eq(["link_type:", "perf"]));
+            let perf = text.lines().any(|l| {
+                let w: Vec<&str> = l.split_whitespace().collect();
+                w == ["link_type:", "perf"] || w == ["link_type:", "raw_tracepoint"]
+            });
             let named = text
                 .lines()
                 .any(|l| l.split_whitespace().eq(["tp_name:", tp]));

@@ -248,8 +248,9 @@ fn flock_scenario(extra: &[&str], name: &str) -> (FlockSeen, u64, String) {
 
 /// The lock needs no syscall hook: the scenario gives the same analysis with every
 /// `syscalls:` tracepoint ruled out (on this host the other syscall hooks then attach
-/// nowhere; in the VM they move to their functions). How a blocking wait ends comes from the
-/// lock tracepoint (the retry that takes the lock) and `signal:signal_deliver`.
+/// nowhere; in the VM they are on their functions anyway). How a blocking wait ends comes
+/// from the lock tracepoint (the retry that takes the lock) and `signal:signal_deliver`. The
+/// same again with the lock tracepoint as a plain tracepoint instead of tp_btf.
 #[test]
 fn flock_is_traced_without_any_syscall_hook() {
     if !require_bpf("flock_is_traced_without_any_syscall_hook") {
@@ -267,8 +268,32 @@ fn flock_is_traced_without_any_syscall_hook() {
     assert!(h["error"].is_null(), "{h}");
     assert_eq!(h["attach"], "tracepoint signal:signal_deliver", "{h}");
 
+    // The lock hook is the tracepoint as tp_btf where the kernel has BTF, and the plain
+    // tracepoint when that is ruled out: the scenario runs on both.
+    let lock_hook = hook_status("flock_lock_inode", &[]);
+    if std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        assert_eq!(
+            lock_hook["attach"], "tp_btf filelock:flock_lock_inode",
+            "{lock_hook}"
+        );
+    }
+    let no_btf: &[&str] = &["--no-attach", "tp_btf"];
+    let h = hook_status("flock_lock_inode", no_btf);
+    assert_eq!(h["attach"], "tracepoint filelock:flock_lock_inode", "{h}");
+    // Syscall hooks take their function first where the kernel lets them (in the VM):
+    // a syscall tracepoint taxes every syscall on the node.
+    let h = hook_status("sys_enter_execve", &[]);
+    if in_vm() || kernel_has_kprobes() {
+        let a = h["attach"].as_str().unwrap_or("");
+        assert!(a.starts_with("fentry") || a.starts_with("kprobe"), "{h}");
+    }
+
     let no_syscalls: &[&str] = &["--no-attach", "syscalls:tracepoint"];
-    for (name, extra) in [("default", &[][..]), ("no-syscalls", no_syscalls)] {
+    for (name, extra) in [
+        ("default", &[][..]),
+        ("no-syscalls", no_syscalls),
+        ("plain-tracepoint", no_btf),
+    ] {
         let (seen, tries, dump) = flock_scenario(extra, &format!("flock-{name}"));
         eprintln!("{name}: {seen:?} (portmap counted {tries} failed tries)");
         // Exact against the poller's own count.

@@ -17,25 +17,36 @@ pub fn kread<T>(base: u64, offset: u32) -> Option<T> {
     unsafe { aya_ebpf::helpers::bpf_probe_read_kernel((base + u64::from(offset)) as *const T) }.ok()
 }
 
+/// Reads a `T` at `base + offset` of a BTF-typed kernel pointer (a `tp_btf` argument, or a
+/// pointer read through one) with a plain load, no helper call. `offset` must be a value of
+/// the frozen read-only `CONFIG`: the verifier then knows it and checks the load against the
+/// kernel's BTF (member and size). The JIT turns a fault into a read of 0.
+#[inline(always)]
+pub fn btf_read<T: Copy>(base: *const u8, offset: usize) -> T {
+    // SAFETY: see above; the kernel guards the load, it never faults.
+    unsafe { core::ptr::read_volatile(base.wrapping_add(offset) as *const T) }
+}
+
 /// Argument `n` (0-4) of a syscall whose user registers are at `regs` (the one argument of
 /// `__x64_sys_*` and its arch twins); `None` when it cannot be read.
 #[inline(always)]
 pub fn syscall_arg(regs: u64, n: usize) -> Option<u64> {
-    // SAFETY: CONFIG is a static that lives for the program's lifetime.
-    let c = unsafe { core::ptr::read_volatile(&CONFIG) };
-    let off = *c.regs_args.get(n)?;
+    // SAFETY: CONFIG is a static that lives for the program's lifetime; volatile as in
+    // `cfg`.
+    let off = unsafe { core::ptr::read_volatile(CONFIG.regs_args.get(n)?) };
     if regs == 0 || (off == 0 && n > 0) {
         return None;
     }
     kread(regs, off)
 }
 
-/// Reads a field offset from `CONFIG`. Volatile: the value is patched in after compile.
+/// Reads a field offset from `CONFIG`. Volatile, because the value is patched in after
+/// compile; one load of that field (a volatile read of the whole struct is a load per field,
+/// some 50 instructions per call).
 #[inline(always)]
-pub fn cfg<F: Fn(&ProbeConfig) -> u32>(f: F) -> usize {
+pub fn cfg<F: Fn(&ProbeConfig) -> &u32>(f: F) -> usize {
     // SAFETY: CONFIG is a static that lives for the program's lifetime.
-    let c = unsafe { core::ptr::read_volatile(&CONFIG) };
-    f(&c) as usize
+    unsafe { core::ptr::read_volatile(f(&CONFIG)) as usize }
 }
 
 /// Ring buffer flags for a new record: no wakeup unless a quarter of the ring is waiting

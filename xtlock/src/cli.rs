@@ -157,7 +157,8 @@ pub struct LockArgs {
     pub lock_files: Vec<PathBuf>,
     /// Attach types not to use, everywhere (`fentry`) or for one hook
     /// (`sys_enter_execve:tracepoint`), comma-separated or repeated: hooks then take their
-    /// next candidate (tracepoint, fentry/fexit, kprobe/kretprobe). Also $XTLOCK_NO_ATTACH.
+    /// next candidate (tp_btf, tracepoint, fentry/fexit, kprobe/kretprobe; syscall hooks try
+    /// their function before their tracepoint). Also $XTLOCK_NO_ATTACH.
     #[arg(long = "no-attach", value_name = "[HOOK:]KIND")]
     pub no_attach: Vec<crate::probes::kfunc::AttachFilter>,
 }

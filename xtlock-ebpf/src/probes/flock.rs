@@ -11,14 +11,17 @@
 //! lock tracepoint (a hash lookup when its inode shares a pre-filter slot with a lock's); a
 //! delivered signal (rare) one LRU miss.
 use aya_ebpf::helpers::bpf_get_current_comm;
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{btf_tracepoint, tracepoint},
+    programs::{BtfTracePointContext, TracePointContext},
+};
 use xtlock_common::{
     EventKind, FlockCallEvent, LockEvent, LockKey, FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_UNLCK,
     F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, WATCHED_INO_SLOTS,
 };
 
 use crate::{
-    emit::{cfg, field, field_fast, header, ids, now, output},
+    emit::{btf_read, cfg, field, field_fast, header, ids, now, output},
     FLOCK_INFLIGHT, WATCHED, WATCHED_INO,
 };
 
@@ -52,6 +55,34 @@ fn flock_cmd(fl_type: u8, fl_flags: u32) -> u32 {
     }
 }
 
+/// The pre-filter: whether `ino` may be a watched lock's (one array byte at `ino % slots`).
+#[inline(always)]
+fn maybe_watched(ino: u64) -> bool {
+    // The mask keeps the index in bounds for the verifier.
+    WATCHED_INO
+        .get((ino as u32) & (WATCHED_INO_SLOTS - 1))
+        .is_some_and(|&b| b != 0)
+}
+
+#[inline(always)]
+fn watched(ino: u64, dev: u32) -> bool {
+    let key = LockKey { ino, dev, _pad: 0 };
+    // SAFETY: read-only lookup; userspace only adds keys.
+    unsafe { WATCHED.get(&key) }.is_some()
+}
+
+/// The lock request as the hooks see it.
+struct Request {
+    ino: u64,
+    dev: u32,
+    owner: u64,
+    ret: i32,
+    fl_flags: u32,
+    fl_type: u8,
+}
+
+/// The perf tracepoint: the kernel copies the request into a record before the program
+/// runs. Used where the raw tracepoint below cannot be (no BTF for the struct offsets).
 #[tracepoint]
 pub fn flock_lock_inode(ctx: TracePointContext) -> u32 {
     let _ = try_flock_lock_inode(&ctx);
@@ -59,25 +90,71 @@ pub fn flock_lock_inode(ctx: TracePointContext) -> u32 {
 }
 
 fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
-    let ino: u64 = field_fast::<u64, 16>(ctx, cfg(|c| c.fl_ino))?;
-    let dev: u32 = field_fast::<u32, 24>(ctx, cfg(|c| c.fl_dev))?;
-    // The mask keeps the index in bounds for the verifier.
-    if WATCHED_INO
-        .get((ino as u32) & (WATCHED_INO_SLOTS - 1))
-        .is_none_or(|&b| b == 0)
-    {
+    let ino: u64 = field_fast::<u64, 16>(ctx, cfg(|c| &c.fl_ino))?;
+    if !maybe_watched(ino) {
         return Ok(());
     }
-    let key = LockKey { ino, dev, _pad: 0 };
-    // SAFETY: read-only lookup; userspace only adds keys.
-    if unsafe { WATCHED.get(&key) }.is_none() {
+    let dev: u32 = field_fast::<u32, 24>(ctx, cfg(|c| &c.fl_dev))?;
+    if !watched(ino, dev) {
         return Ok(());
     }
+    on_request(&Request {
+        ino,
+        dev,
+        owner: field(ctx, cfg(|c| &c.fl_owner))?,
+        ret: field(ctx, cfg(|c| &c.fl_ret))?,
+        fl_flags: field(ctx, cfg(|c| &c.fl_flags))?,
+        fl_type: field(ctx, cfg(|c| &c.fl_type))?,
+    });
+    Ok(())
+}
+
+/// The same tracepoint as a BTF raw tracepoint (`tp_btf`): the program gets the
+/// tracepoint's arguments `(struct inode *, struct file_lock *, int ret)` and no record is
+/// built, so a `flock()` on an unwatched file costs one load of `inode->i_ino` and the
+/// pre-filter. The loads are plain loads at offsets userspace found in BTF (`CONFIG.rfl_*`):
+/// constants to the verifier, which checks each against the kernel's types.
+#[btf_tracepoint(function = "flock_lock_inode")]
+pub fn flock_lock_inode_btf(ctx: BtfTracePointContext) -> u32 {
+    let inode: *const u8 = ctx.arg(0);
+    let ino: u64 = btf_read(inode, cfg(|c| &c.rfl_inode_ino));
+    if !maybe_watched(ino) {
+        return 0;
+    }
+    let sb: *const u8 = btf_read(inode, cfg(|c| &c.rfl_inode_sb));
+    let dev: u32 = btf_read(sb, cfg(|c| &c.rfl_sb_dev));
+    if !watched(ino, dev) {
+        return 0;
+    }
+    let fl: *const u8 = ctx.arg(1);
+    // The verifier wants it checked (tracepoint arguments may be NULL), never NULL here.
+    if fl.is_null() {
+        return 0;
+    }
+    let ret: u64 = ctx.arg(2);
+    on_request(&Request {
+        ino,
+        dev,
+        owner: btf_read(fl, cfg(|c| &c.rfl_owner)),
+        ret: ret as i32,
+        fl_flags: btf_read(fl, cfg(|c| &c.rfl_flags)),
+        fl_type: btf_read(fl, cfg(|c| &c.rfl_type)),
+    });
+    0
+}
+
+/// A lock request on a watched lock: its event, and the start or end of a blocking wait.
+#[inline(always)]
+fn on_request(r: &Request) {
+    let &Request {
+        ino,
+        dev,
+        owner,
+        ret,
+        fl_flags,
+        fl_type,
+    } = r;
     let ts = now();
-    let owner: u64 = field(ctx, cfg(|c| c.fl_owner))?;
-    let ret: i32 = field(ctx, cfg(|c| c.fl_ret))?;
-    let fl_flags: u32 = field(ctx, cfg(|c| c.fl_flags))?;
-    let fl_type: u8 = field(ctx, cfg(|c| c.fl_type))?;
     let (_, tid) = ids();
 
     // This thread's deferred call on this lock, if it is one (an entry left by a thread
@@ -120,7 +197,6 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
             }
         }
     }
-    Ok(())
 }
 
 #[tracepoint]
@@ -130,8 +206,8 @@ pub fn signal_deliver(ctx: TracePointContext) -> u32 {
     let Some(w) = (unsafe { FLOCK_INFLIGHT.get(&tid) }).copied() else {
         return 0;
     };
-    let handler: u64 = field(&ctx, cfg(|c| c.sig_handler)).unwrap_or(0);
-    let flags: u64 = field(&ctx, cfg(|c| c.sig_flags)).unwrap_or(0);
+    let handler: u64 = field(&ctx, cfg(|c| &c.sig_handler)).unwrap_or(0);
+    let flags: u64 = field(&ctx, cfg(|c| &c.sig_flags)).unwrap_or(0);
     // SIG_DFL (0) and SIG_IGN (1): a stop or an ignored signal restarts the call, a fatal
     // one ends the process (its exit ends the wait). A handler with SA_RESTART restarts it
     // too. Any other handler runs with flock() failed: -EINTR.

@@ -30,20 +30,20 @@ pub struct NftEnter {
 /// Inode of the current task's network namespace; 0 when the offsets are unknown.
 #[inline(always)]
 fn current_netns() -> u32 {
-    if cfg(|c| c.task_ok) == 0 {
+    if cfg(|c| &c.task_ok) == 0 {
         return 0;
     }
     // SAFETY: plain helper call.
     let task = unsafe { bpf_get_current_task() };
-    let nsproxy: u64 = kread(task, cfg(|c| c.task_nsproxy) as u32).unwrap_or(0);
+    let nsproxy: u64 = kread(task, cfg(|c| &c.task_nsproxy) as u32).unwrap_or(0);
     if nsproxy == 0 {
         return 0;
     }
-    let net: u64 = kread(nsproxy, cfg(|c| c.nsproxy_net_ns) as u32).unwrap_or(0);
+    let net: u64 = kread(nsproxy, cfg(|c| &c.nsproxy_net_ns) as u32).unwrap_or(0);
     if net == 0 {
         return 0;
     }
-    kread(net, cfg(|c| c.net_ns_inum) as u32).unwrap_or(0)
+    kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
 }
 
 #[inline(always)]

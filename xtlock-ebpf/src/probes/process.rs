@@ -40,7 +40,7 @@ pub struct ExecArgs {
 
 #[tracepoint]
 pub fn sys_enter_execve(ctx: TracePointContext) -> u32 {
-    if let Ok(argv) = field(&ctx, cfg(|c| c.execve_argv)) {
+    if let Ok(argv) = field(&ctx, cfg(|c| &c.execve_argv)) {
         let _ = save_argv(argv);
     }
     0
@@ -48,7 +48,7 @@ pub fn sys_enter_execve(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_execveat(ctx: TracePointContext) -> u32 {
-    if let Ok(argv) = field(&ctx, cfg(|c| c.execveat_argv)) {
+    if let Ok(argv) = field(&ctx, cfg(|c| &c.execveat_argv)) {
         let _ = save_argv(argv);
     }
     0
@@ -123,9 +123,9 @@ pub fn sched_process_exec(ctx: TracePointContext) -> u32 {
 
 fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
     // The thread that called execve: a non-leader thread becomes the leader on exec.
-    let old_pid: i32 = field(ctx, cfg(|c| c.exec_old_pid))?;
+    let old_pid: i32 = field(ctx, cfg(|c| &c.exec_old_pid))?;
     let old_pid = old_pid as u32;
-    let loc: u32 = field(ctx, cfg(|c| c.exec_filename))?;
+    let loc: u32 = field(ctx, cfg(|c| &c.exec_filename))?;
     let mut entry = reserve::<ExecEvent>().ok_or(0)?;
     let ev = entry.as_mut_ptr();
     // SAFETY: `ev` points at a reserved, writable ring buffer entry of the right size;
@@ -171,7 +171,7 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
 
 #[tracepoint]
 pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
-    let child: i32 = field(&ctx, cfg(|c| c.fork_child_pid)).unwrap_or(0);
+    let child: i32 = field(&ctx, cfg(|c| &c.fork_child_pid)).unwrap_or(0);
     let ev = ForkEvent {
         hdr: header(EventKind::Fork, now()),
         child_tid: child as u32,
@@ -184,7 +184,7 @@ pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_enter_exit_group(ctx: TracePointContext) -> u32 {
-    save_exit_code(field(&ctx, cfg(|c| c.exit_code)).unwrap_or(0));
+    save_exit_code(field(&ctx, cfg(|c| &c.exit_code)).unwrap_or(0));
     0
 }
 

@@ -33,17 +33,17 @@ fn is_xtables(level: u32, optname: u32) -> bool {
 
 #[tracepoint]
 pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
-    let level: u64 = field(&ctx, cfg(|c| c.sso_level)).unwrap_or(u64::MAX);
-    let optname: u64 = field(&ctx, cfg(|c| c.sso_optname)).unwrap_or(u64::MAX);
+    let level: u64 = field(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
+    let optname: u64 = field(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
     enter(level, optname, || {
-        field(&ctx, cfg(|c| c.sso_optlen)).unwrap_or(0)
+        field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0)
     });
     0
 }
 
 #[tracepoint]
 pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
-    exit(field(&ctx, cfg(|c| c.sys_exit_ret)).unwrap_or(0));
+    exit(field(&ctx, cfg(|c| &c.sys_exit_ret)).unwrap_or(0));
     0
 }
 

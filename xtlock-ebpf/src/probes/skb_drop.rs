@@ -42,8 +42,8 @@ fn config() -> ProbeConfig {
 }
 
 fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
-    let reason: u32 = if cfg(|c| c.kd_has_reason) != 0 {
-        field(ctx, cfg(|c| c.kd_reason))?
+    let reason: u32 = if cfg(|c| &c.kd_has_reason) != 0 {
+        field(ctx, cfg(|c| &c.kd_reason))?
     } else {
         0
     };

@@ -420,21 +420,21 @@ mod links {
             let Ok(text) = std::fs::read_to_string(e?.path()) else {
                 continue;
             };
-            if let Some(tp) = perf_link_tracepoint(&text) {
+            if let Some(tp) = link_tracepoint(&text) {
                 v.push(tp.to_owned());
             }
         }
         Ok(v)
     }
 
-    /// `tp_name` of a perf link's fdinfo.
-    pub fn perf_link_tracepoint(fdinfo: &str) -> Option<&str> {
+    /// `tp_name` of a tracepoint link's fdinfo (a perf link, or a raw tracepoint's).
+    pub fn link_tracepoint(fdinfo: &str) -> Option<&str> {
         let mut perf = false;
         let mut tp = None;
         for line in fdinfo.lines() {
             let (k, v) = line.split_once(':')?;
             match k {
-                "link_type" => perf = v.trim() == "perf",
+                "link_type" => perf = matches!(v.trim(), "perf" | "raw_tracepoint"),
                 "tp_name" => tp = Some(v.trim()),
                 _ => {}
             }
@@ -452,8 +452,14 @@ mod tests {
         let t = "pos:\t0\nflags:\t02000000\nmnt_id:\t17\nino:\t1038\nlink_type:\tperf\n\
                  link_id:\t2070\nprog_tag:\ta008d8c614118a60\nprog_id:\t2986\n\
                  tp_name:\tflock_lock_inode\nevent_type:\ttracepoint\ncookie:\t0\n";
-        assert_eq!(links::perf_link_tracepoint(t), Some("flock_lock_inode"));
-        assert_eq!(links::perf_link_tracepoint("pos:\t0\nflags:\t0\n"), None);
+        assert_eq!(links::link_tracepoint(t), Some("flock_lock_inode"));
+        assert_eq!(links::link_tracepoint("pos:\t0\nflags:\t0\n"), None);
+        // The lock hook's tp_btf link.
+        let t = "pos:\t0\nflags:\t02000000\nlink_type:\traw_tracepoint\nlink_id:\t7\n\
+                 prog_tag:\tb1e6d8c614118a61\nprog_id:\t31\ntp_name:\tflock_lock_inode\n";
+        assert_eq!(links::link_tracepoint(t), Some("flock_lock_inode"));
+        let t = "link_type:\tcgroup\nprog_id:\t31\n";
+        assert_eq!(links::link_tracepoint(t), None);
     }
 
     #[test]

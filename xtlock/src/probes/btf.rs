@@ -286,6 +286,12 @@ impl Btf {
     /// Byte offset of `path` (members separated by `.`, e.g. `nd_net.net`) inside
     /// `struct strukt`. Anonymous structs and unions on the way are looked through.
     pub fn member_offset(&self, strukt: &str, path: &str) -> Result<u32, BtfError> {
+        self.member(strukt, path).map(|(off, _)| off)
+    }
+
+    /// [`member_offset`](Self::member_offset) and the member's size in bytes (0 when BTF
+    /// does not give one: arrays, functions).
+    pub fn member(&self, strukt: &str, path: &str) -> Result<(u32, u32), BtfError> {
         let mut id = self
             .struct_id(strukt)
             .ok_or_else(|| BtfError::NoStruct(strukt.to_string()))?;
@@ -306,7 +312,59 @@ impl Btf {
         if !bits.is_multiple_of(8) {
             return Err(BtfError::Bitfield(format!("{strukt}.{path}")));
         }
-        Ok(bits / 8)
+        Ok((bits / 8, self.size_of(id)))
+    }
+
+    /// Size in bytes of type `id` (pointers: 8, the kernels xtlock runs on are 64-bit).
+    fn size_of(&self, id: u32) -> u32 {
+        match self.get(self.resolve(id)) {
+            Some(t) if t.kind == KIND_PTR => 8,
+            Some(t)
+                if matches!(
+                    t.kind,
+                    KIND_INT | KIND_STRUCT | KIND_UNION | KIND_ENUM | KIND_ENUM64 | KIND_FLOAT
+                ) =>
+            {
+                t.size_or_type
+            }
+            _ => 0,
+        }
+    }
+
+    /// The parameter types of the function pointer typedef `name`, in C words (`struct
+    /// inode *`, `int`): how a raw tracepoint's arguments are laid out is its
+    /// `btf_trace_<name>` typedef (a `void *` context first, then the `TP_PROTO` arguments).
+    pub fn fn_typedef_params(&self, name: &str) -> Option<Vec<String>> {
+        let td = self
+            .types
+            .iter()
+            .find(|t| t.kind == KIND_TYPEDEF && self.name(t.name_off) == name)?;
+        let ptr = self.get(td.size_or_type).filter(|t| t.kind == KIND_PTR)?;
+        let proto = self
+            .get(self.resolve(ptr.size_or_type))
+            .filter(|t| t.kind == KIND_FUNC_PROTO)?;
+        let mut out = Vec::with_capacity(proto.vlen as usize);
+        for i in 0..proto.vlen as usize {
+            let ty = u32_at(&self.data, proto.extra + 8 * i + 4)?;
+            out.push(self.c_name(ty));
+        }
+        Some(out)
+    }
+
+    /// A type as C spells it, through typedefs and qualifiers: `struct inode *`, `int`.
+    fn c_name(&self, id: u32) -> String {
+        match self.get(self.resolve(id)) {
+            None => "void".into(),
+            Some(t) if t.kind == KIND_PTR => format!("{} *", self.c_name(t.size_or_type)),
+            Some(t) => {
+                let n = self.name(t.name_off);
+                match t.kind {
+                    KIND_STRUCT => format!("struct {n}"),
+                    KIND_UNION => format!("union {n}"),
+                    _ => n.to_string(),
+                }
+            }
+        }
     }
 
     /// Values of `enum name` (32- or 64-bit enums), in declaration order.
@@ -393,6 +451,13 @@ pub(crate) mod tests {
                 self.push(&[mn, *ty, *off]);
             }
         }
+        /// A function prototype of these parameter types (returning void).
+        pub fn func_proto(&mut self, params: &[u32]) {
+            self.push(&[0, (KIND_FUNC_PROTO << 24) | params.len() as u32, 0]);
+            for p in params {
+                self.push(&[0, *p]);
+            }
+        }
         pub fn enumeration(&mut self, name: &str, values: &[(&str, i32)]) {
             let n = self.s(name);
             self.push(&[n, (KIND_ENUM << 24) | values.len() as u32, 4]);
@@ -469,6 +534,11 @@ pub(crate) mod tests {
         assert_eq!(btf.member_offset("sk_buff", "network_header"), Ok(178));
         assert_eq!(btf.member_offset("net_device", "ifindex"), Ok(224));
         assert_eq!(btf.member_offset("net_device", "nd_net.net"), Ok(256));
+        // Sizes through typedefs, of pointers and of nested members.
+        assert_eq!(btf.member("sk_buff", "network_header"), Ok((178, 2)));
+        assert_eq!(btf.member("sk_buff", "dev"), Ok((16, 8)));
+        assert_eq!(btf.member("net_device", "ifindex"), Ok((224, 4)));
+        assert_eq!(btf.member("net_device", "nd_net"), Ok((256, 8)));
         assert!(matches!(
             btf.member_offset("sk_buff", "nope"),
             Err(BtfError::NoMember { .. })
@@ -488,6 +558,26 @@ pub(crate) mod tests {
                 ("SKB_DROP_REASON_NO_SOCKET".to_string(), 3)
             ]
         );
+    }
+
+    #[test]
+    fn raw_tracepoint_prototype() {
+        let mut b = Builder::new();
+        b.int("int", 4); // 1
+        b.strukt(KIND_STRUCT, "inode", 8, &[("i_ino", 1, 0)]); // 2
+        b.ptr(2); // 3
+        b.ptr(0); // 4: void *
+        b.func_proto(&[4, 3, 1]); // 5
+        b.ptr(5); // 6
+        b.typedef("btf_trace_flock_lock_inode", 6); // 7
+        b.typedef("not_a_fn", 1); // 8
+        let btf = Btf::parse(b.build()).unwrap();
+        assert_eq!(
+            btf.fn_typedef_params("btf_trace_flock_lock_inode").unwrap(),
+            ["void *", "struct inode *", "int"]
+        );
+        assert_eq!(btf.fn_typedef_params("not_a_fn"), None);
+        assert_eq!(btf.fn_typedef_params("nope"), None);
     }
 
     #[test]

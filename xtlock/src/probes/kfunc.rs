@@ -27,6 +27,9 @@ pub const DISABLE_FENTRY_ENV: &str = "XTLOCK_DISABLE_FENTRY";
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum AttachKind {
     Tracepoint,
+    /// The same tracepoint as a BTF raw tracepoint: its arguments, no record built. The lock
+    /// hook prefers it where the kernel's BTF gives the struct offsets.
+    BtfTracepoint,
     FEntry,
     KProbe,
 }
@@ -35,6 +38,7 @@ impl fmt::Display for AttachKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             AttachKind::Tracepoint => "tracepoint",
+            AttachKind::BtfTracepoint => "tp_btf",
             AttachKind::FEntry => "fentry",
             AttachKind::KProbe => "kprobe",
         })
@@ -45,6 +49,7 @@ impl AttachKind {
     fn parse(s: &str) -> Option<Self> {
         match s {
             "tracepoint" | "tp" => Some(AttachKind::Tracepoint),
+            "tp_btf" | "raw_tracepoint" => Some(AttachKind::BtfTracepoint),
             "fentry" | "fexit" => Some(AttachKind::FEntry),
             "kprobe" | "kretprobe" => Some(AttachKind::KProbe),
             _ => None,
@@ -74,7 +79,7 @@ impl AttachFilter {
             };
             let kind = AttachKind::parse(kind).ok_or_else(|| {
                 format!(
-                    "`{item}`: the attach type must be tracepoint, fentry or kprobe, \
+                    "`{item}`: the attach type must be tracepoint, tp_btf, fentry or kprobe, \
                      optionally after a hook name from `xtlock probes` (e.g. \
                      sys_enter_execve:tracepoint)"
                 )
@@ -187,7 +192,7 @@ pub fn fill_config_once<T: aya::Pod>(
 impl KfuncHook {
     fn has(&self, kind: AttachKind) -> bool {
         match kind {
-            AttachKind::Tracepoint => false,
+            AttachKind::Tracepoint | AttachKind::BtfTracepoint => false,
             AttachKind::FEntry => self.fentry.is_some() || self.fexit.is_some(),
             AttachKind::KProbe => self.kprobe.is_some() || self.kretprobe.is_some(),
         }
@@ -196,7 +201,7 @@ impl KfuncHook {
     /// `"fentry/fexit"`, `"kretprobe"`, ...: the programs this hook has of `kind`.
     fn describe(&self, kind: AttachKind) -> String {
         let (a, b) = match kind {
-            AttachKind::Tracepoint => (None, None),
+            AttachKind::Tracepoint | AttachKind::BtfTracepoint => (None, None),
             AttachKind::FEntry => (self.fentry.map(|_| "fentry"), self.fexit.map(|_| "fexit")),
             AttachKind::KProbe => (
                 self.kprobe.map(|_| "kprobe"),
@@ -452,7 +457,9 @@ fn explain(e: &dyn std::error::Error) -> String {
 /// 0.1 s on a fast machine and seconds on a slow one. [`forget_btf`] frees it after load.
 static AYA_BTF: std::sync::Mutex<Option<std::sync::Arc<aya::Btf>>> = std::sync::Mutex::new(None);
 
-fn aya_btf() -> Result<std::sync::Arc<aya::Btf>, String> {
+/// aya's parse of the kernel's BTF (what fentry and tp_btf programs load against), kept
+/// until [`forget_btf`].
+pub fn aya_btf() -> Result<std::sync::Arc<aya::Btf>, String> {
     let mut cached = AYA_BTF.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(b) = cached.as_ref() {
         return Ok(b.clone());
@@ -645,7 +652,14 @@ mod tests {
             vec!["sys_exit_setsockop"]
         );
         let e = AttachFilter::parse("uprobe").unwrap_err();
-        assert!(e.contains("tracepoint, fentry or kprobe"), "{e}");
+        assert!(e.contains("tracepoint, tp_btf, fentry or kprobe"), "{e}");
+        let b = AttachFilter::parse("flock_lock_inode:tp_btf").unwrap();
+        assert_eq!(
+            b.blocks("flock_lock_inode", AttachKind::BtfTracepoint)
+                .as_deref(),
+            Some("ruled out by --no-attach flock_lock_inode:tp_btf")
+        );
+        assert_eq!(b.blocks("flock_lock_inode", AttachKind::Tracepoint), None);
         let mut fa = facts(&[("nfnetlink_rcv_batch", None)]);
         fa.filter = f;
         let p = plan(&HOOK, &fa).unwrap();

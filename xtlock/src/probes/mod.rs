@@ -18,7 +18,7 @@ use aya::{
     maps::{
         Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf,
     },
-    programs::TracePoint,
+    programs::{BtfTracePoint, TracePoint},
     Ebpf, EbpfLoader,
 };
 use xtlock_common::{DropKey, IpvsKey, LockKey, ProbeConfig};
@@ -79,6 +79,9 @@ pub struct Hook {
     pub fallback: Option<&'static KfuncHook>,
     /// Attached together with this hook (its fallback covers both).
     pub paired_with: Option<&'static str>,
+    /// A `tp_btf` program on the same tracepoint, tried first: it gets the tracepoint's
+    /// arguments and no record is built before it runs (see [`discover_raw_lock`]).
+    pub raw_program: Option<&'static str>,
 }
 
 /// A syscall's function (`__x64_sys_NAME`, `__arm64_sys_NAME`) as the fallback of its
@@ -180,6 +183,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "takes, failed tries, waits and releases of the watched lock files",
         fallback: None,
         paired_with: None,
+        raw_program: Some("flock_lock_inode_btf"),
     },
     Hook {
         program: "signal_deliver",
@@ -190,6 +194,7 @@ pub const HOOKS: &[Hook] = &[
                   giving up through alarm())",
         fallback: None,
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sys_enter_execve",
@@ -199,6 +204,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "command lines of new programs (execve)",
         fallback: Some(&EXECVE_SYSCALL),
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sys_enter_execveat",
@@ -208,6 +214,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "command lines of new programs (execveat)",
         fallback: Some(&EXECVEAT_SYSCALL),
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sched_process_exec",
@@ -217,6 +224,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "iptables and iptables-restore runs, and the programs that started them",
         fallback: None,
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sched_process_fork",
@@ -226,6 +234,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "the parent of each new process (who called iptables)",
         fallback: None,
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sys_enter_exit_group",
@@ -235,6 +244,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "exit status (iptables exits 4 when it gave up waiting for the lock)",
         fallback: Some(&EXIT_GROUP_SYSCALL),
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sched_process_exit",
@@ -244,6 +254,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "process exits",
         fallback: None,
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sys_enter_setsockopt",
@@ -253,6 +264,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "start of a legacy table replace (IPT_SO_SET_REPLACE) inside a hold",
         fallback: Some(&SETSOCKOPT_SYSCALL),
         paired_with: None,
+        raw_program: None,
     },
     Hook {
         program: "sys_exit_setsockopt",
@@ -262,6 +274,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "end of a legacy table replace: the kernel's share of a hold",
         fallback: None,
         paired_with: Some("sys_enter_setsockopt"),
+        raw_program: None,
     },
     Hook {
         program: DROP_PROGRAM,
@@ -271,6 +284,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "packet drops (reason, where, which netns, samples with addresses)",
         fallback: None,
         paired_with: None,
+        raw_program: None,
     },
 ];
 
@@ -310,6 +324,8 @@ pub struct Discovery {
     pub kfunc: kfunc::KernelFacts,
     /// vmlinux BTF, for the hooks' setup (dropped after load).
     pub btf: Option<btf::Btf>,
+    /// Whether the lock hook's raw tracepoint can be used, and if not, why.
+    pub raw_lock: Result<(), String>,
 }
 
 /// Reads the format files of every hook and fills the probe configuration.
@@ -348,6 +364,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         discover_drops(&mut config, &mut reasons, &mut features, &btf);
     }
     discover_syscall_regs(&mut config, &btf);
+    let raw_lock = discover_raw_lock(&mut config, &btf);
     let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
     wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
     let kfunc = kfunc::discover(
@@ -363,7 +380,61 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         features,
         kfunc,
         btf: btf.ok(),
+        raw_lock,
     })
+}
+
+/// What the lock hook's raw tracepoint reads, from BTF: its arguments (`struct inode *`,
+/// `struct file_lock *`, `int ret`, checked against the tracepoint's prototype) and the
+/// members it reads through them. The lock request's fields moved into `file_lock.c` (a
+/// `struct file_lock_core`) in Linux 6.9. Without BTF the perf tracepoint is used: its
+/// record has the same fields, at offsets from its format file.
+fn discover_raw_lock(
+    c: &mut ProbeConfig,
+    btf: &Result<btf::Btf, btf::BtfError>,
+) -> Result<(), String> {
+    let b = btf.as_ref().map_err(|e| format!("no kernel BTF: {e}"))?;
+    const PROTO: [&str; 4] = ["void *", "struct inode *", "struct file_lock *", "int"];
+    match b.fn_typedef_params("btf_trace_flock_lock_inode") {
+        Some(p) if p == PROTO => {}
+        Some(p) => {
+            return Err(format!(
+                "its arguments are ({}), expected ({})",
+                p[1.min(p.len())..].join(", "),
+                PROTO[1..].join(", ")
+            ))
+        }
+        None => return Err("no btf_trace_flock_lock_inode prototype in BTF".into()),
+    }
+    let m = |strukt: &str, paths: &[&str], size: u32| -> Result<u32, String> {
+        let mut why = String::new();
+        for p in paths {
+            match b.member(strukt, p) {
+                Ok((off, sz)) if sz == size => return Ok(off),
+                Ok((_, sz)) => {
+                    return Err(format!("{strukt}.{p} is {sz} bytes, expected {size}"));
+                }
+                Err(e) => why = e.to_string(),
+            }
+        }
+        Err(why)
+    };
+    let [ino, sb, dev, owner, flags, ty] = [
+        m("inode", &["i_ino"], 8)?,
+        m("inode", &["i_sb"], 8)?,
+        m("super_block", &["s_dev"], 4)?,
+        m("file_lock", &["c.flc_owner", "fl_owner"], 8)?,
+        m("file_lock", &["c.flc_flags", "fl_flags"], 4)?,
+        m("file_lock", &["c.flc_type", "fl_type"], 1)?,
+    ];
+    c.rfl_inode_ino = ino;
+    c.rfl_inode_sb = sb;
+    c.rfl_sb_dev = dev;
+    c.rfl_owner = owner;
+    c.rfl_flags = flags;
+    c.rfl_type = ty;
+    c.rfl_ok = 1;
+    Ok(())
 }
 
 /// Where a syscall's first five arguments live in the user `pt_regs`, for hooks on syscall
@@ -703,24 +774,52 @@ impl Probes {
                     attach = p.attach.clone();
                     p.error.clone()
                 }
+                // A syscall tracepoint turns on the syscall-tracing path of every syscall on
+                // the node (~50 ns each, *Findings* 3); the syscall's function, hooked by
+                // fentry or kprobe, costs only that syscall. So syscall hooks try it first.
+                _ if hook.category == "syscalls" && hook.fallback.is_some() => {
+                    let fb = hook.fallback.expect("checked just above");
+                    match kfunc::attach_after(&mut ebpf, fb, &disc.kfunc, Vec::new()) {
+                        Ok(a) => {
+                            attach = a.describe;
+                            None
+                        }
+                        Err(fn_why) => {
+                            tracing::debug!(hook = hook.program, why = %fn_why, "syscall function not hooked: its tracepoint is tried");
+                            match tracepoint_unless_ruled_out(&mut ebpf, hook, &disc) {
+                                Ok(()) => None,
+                                Err(why) => {
+                                    attach.push_str(&format!(
+                                        ", else {}",
+                                        kfunc::candidates_text(fb)
+                                    ));
+                                    Some(format!("tracepoint: {why}; {fn_why}"))
+                                }
+                            }
+                        }
+                    }
+                }
                 _ => {
+                    let raw = hook
+                        .raw_program
+                        .map(|raw| attach_raw(&mut ebpf, hook, raw, &disc));
+                    if let Some(Err(why)) = &raw {
+                        tracing::debug!(
+                            hook = hook.program,
+                            %why,
+                            "tp_btf not used: the perf tracepoint is tried"
+                        );
+                    }
                     let tp = match disc.unusable.iter().find(|(p, _)| *p == hook.program) {
+                        _ if matches!(raw, Some(Ok(()))) => {
+                            attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
+                            Ok(())
+                        }
                         Some((_, why)) => Err(why.clone()),
                         None if hook.program == DROP_PROGRAM && drops.is_none() => {
                             Err("not asked for (--no-drops)".to_string())
                         }
-                        None => match disc
-                            .kfunc
-                            .filter
-                            .blocks(hook.program, AttachKind::Tracepoint)
-                            .or_else(|| {
-                                disc.kfunc
-                                    .filter
-                                    .blocks(hook.category, AttachKind::Tracepoint)
-                            }) {
-                            Some(why) => Err(why),
-                            None => attach_tracepoint(&mut ebpf, hook),
-                        },
+                        None => tracepoint_unless_ruled_out(&mut ebpf, hook, &disc),
                     };
                     match (tp, hook.fallback) {
                         (Ok(()), _) => None,
@@ -740,7 +839,10 @@ impl Probes {
                                 }
                             }
                         }
-                        (Err(why), _) => Some(why),
+                        (Err(why), _) => Some(match raw {
+                            Some(Err(r)) => format!("{why}; tp_btf: {r}"),
+                            _ => why,
+                        }),
                     }
                 }
             };
@@ -1001,6 +1103,49 @@ fn attach_tracepoint(ebpf: &mut Ebpf, hook: &Hook) -> Result<(), String> {
     prog.load()
         .map_err(|e| format!("load: {}", preflight::error_chain(&e)))?;
     prog.attach(hook.category, hook.tracepoint)
+        .map_err(|e| format!("attach: {}", preflight::error_chain(&e)))?;
+    Ok(())
+}
+
+/// The hook's tracepoint, unless its format file was unusable or `--no-attach` rules it out.
+fn tracepoint_unless_ruled_out(
+    ebpf: &mut Ebpf,
+    hook: &Hook,
+    disc: &Discovery,
+) -> Result<(), String> {
+    if let Some((_, why)) = disc.unusable.iter().find(|(p, _)| *p == hook.program) {
+        return Err(why.clone());
+    }
+    let filter = &disc.kfunc.filter;
+    if let Some(why) = filter
+        .blocks(hook.program, AttachKind::Tracepoint)
+        .or_else(|| filter.blocks(hook.category, AttachKind::Tracepoint))
+    {
+        return Err(why);
+    }
+    attach_tracepoint(ebpf, hook)
+}
+
+/// The hook's `tp_btf` program, unless BTF lacks what it reads or `--no-attach` rules it
+/// out.
+fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> Result<(), String> {
+    disc.raw_lock.clone()?;
+    let filter = &disc.kfunc.filter;
+    if let Some(why) = filter
+        .blocks(hook.program, AttachKind::BtfTracepoint)
+        .or_else(|| filter.blocks(hook.category, AttachKind::BtfTracepoint))
+    {
+        return Err(why);
+    }
+    let btf = kfunc::aya_btf()?;
+    let prog: &mut BtfTracePoint = ebpf
+        .program_mut(program)
+        .ok_or_else(|| format!("program {program} missing from the BPF object"))?
+        .try_into()
+        .map_err(|e| format!("{e}"))?;
+    prog.load(hook.tracepoint, &btf)
+        .map_err(|e| format!("load: {}", preflight::error_chain(&e)))?;
+    prog.attach()
         .map_err(|e| format!("attach: {}", preflight::error_chain(&e)))?;
     Ok(())
 }
