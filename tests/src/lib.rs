@@ -26,7 +26,7 @@ pub fn serial() -> MutexGuard<'static, ()> {
 
 /// Extra `xtlock` arguments for every traced run, from `XTLOCK_TEST_TRACER_ARGS`: how the
 /// VM suite runs the lock tests a second time with other attach types (e.g.
-/// `--no-attach syscalls:tracepoint`).
+/// `--no-attach fentry --no-attach tp_btf`).
 pub fn tracer_extra_args() -> Vec<String> {
     std::env::var("XTLOCK_TEST_TRACER_ARGS")
         .map(|v| v.split_whitespace().map(str::to_string).collect())

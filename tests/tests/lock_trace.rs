@@ -548,20 +548,28 @@ fn probes_reports_every_hook() {
         .unwrap();
     assert!(lock_hook["error"].is_null(), "{v}");
     assert!(hooks.len() >= 10);
-    if extra.join(" ").contains("syscalls:tracepoint") {
-        // This run traces syscalls on their functions: every syscall hook must be there.
+    let extra_args = extra.join(" ");
+    if extra_args.contains("syscalls:tracepoint") || extra_args.contains("fentry") {
+        // This run traces syscalls on their functions (kprobes when fentry is ruled out):
+        // every syscall hook must be there.
+        let want = if extra_args.contains("fentry") {
+            &["kprobe"][..]
+        } else {
+            &["fentry", "kprobe"][..]
+        };
         for h in hooks
             .iter()
             .filter(|h| h["program"].as_str().is_some_and(|p| p.starts_with("sys_")))
         {
             let attach = h["attach"].as_str().unwrap_or("");
             assert!(h["error"].is_null(), "{h}");
-            assert!(
-                attach.starts_with("fentry") || attach.starts_with("kprobe"),
-                "{h}"
-            );
+            assert!(want.iter().any(|w| attach.starts_with(w)), "{h}");
             eprintln!("{}: {attach}", h["program"]);
         }
+    }
+    if extra_args.contains("tp_btf") {
+        let attach = lock_hook["attach"].as_str().unwrap_or("");
+        assert!(attach.starts_with("tracepoint "), "{lock_hook}");
     }
     assert_eq!(v["locks"][0]["path"], lock.to_str().unwrap());
 }
