@@ -552,9 +552,8 @@ pub struct ProbeConfig {
     /// `r10`, `r8` on x86-64; `regs[0..5]` on arm64), for hooks on a syscall's function
     /// (`__x64_sys_flock`, ...) instead of its tracepoint.
     pub regs_args: [u32; 5],
-    /// Non-zero when the offsets below were found in BTF: the lock hook can then be the raw
-    /// tracepoint (its arguments `struct inode *`, `struct file_lock *`, `int ret`).
-    pub rfl_ok: u32,
+    /// For the lock hook's raw tracepoint (its arguments `struct inode *`, `struct
+    /// file_lock *`, `int ret`), from BTF; userspace attaches it only when all were found.
     /// `inode.i_ino`, `inode.i_sb`, `super_block.s_dev`.
     pub rfl_inode_ino: u32,
     pub rfl_inode_sb: u32,
@@ -563,7 +562,7 @@ pub struct ProbeConfig {
     pub rfl_owner: u32,
     pub rfl_flags: u32,
     pub rfl_type: u32,
-    pub _pad3: u32,
+    pub _pad3: [u32; 2],
 }
 
 #[cfg(feature = "user")]
@@ -614,7 +613,7 @@ mod tests {
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        // 50 u32 and one u64: no implicit padding (the whole struct is copied into the
+        // 48 u32, 2 of explicit padding and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
         assert_eq!(size_of::<ProbeConfig>(), 50 * 4 + 8);
         assert_eq!(size_of::<IpvsConfig>(), 136);

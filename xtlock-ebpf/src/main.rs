@@ -57,14 +57,13 @@ static CONFIG: ProbeConfig = ProbeConfig {
     task_nsproxy: 0,
     nsproxy_net_ns: 0,
     regs_args: [0; 5],
-    rfl_ok: 0,
     rfl_inode_ino: 0,
     rfl_inode_sb: 0,
     rfl_sb_dev: 0,
     rfl_owner: 0,
     rfl_flags: 0,
     rfl_type: 0,
-    _pad3: 0,
+    _pad3: [0; 2],
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.

@@ -75,7 +75,10 @@ pub struct Hook {
     /// Without it xtlock cannot do its job at all.
     pub required: bool,
     pub purpose: &'static str,
-    /// Kernel functions to hook instead when the tracepoint cannot be used.
+    /// The syscall's function, hooked (fentry, else kprobe) in preference to the
+    /// tracepoint: an enabled syscall tracepoint puts every syscall on the node on the
+    /// syscall-tracing path (~50 ns each, *Findings* 3), a hooked function costs only its
+    /// own calls. The tracepoint is then the fallback.
     pub fallback: Option<&'static KfuncHook>,
     /// Attached together with this hook (its fallback covers both).
     pub paired_with: Option<&'static str>,
@@ -328,6 +331,16 @@ pub struct Discovery {
     pub raw_lock: Result<(), String>,
 }
 
+impl Discovery {
+    /// Why the hook's tracepoint cannot be used (its format file lacks what it reads).
+    fn unusable_why(&self, program: &str) -> Option<String> {
+        self.unusable
+            .iter()
+            .find(|(p, _)| *p == program)
+            .map(|(_, why)| why.clone())
+    }
+}
+
 /// Reads the format files of every hook and fills the probe configuration.
 pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Discovery, ProbeError> {
     let mut config = ProbeConfig::default();
@@ -433,7 +446,6 @@ fn discover_raw_lock(
     c.rfl_owner = owner;
     c.rfl_flags = flags;
     c.rfl_type = ty;
-    c.rfl_ok = 1;
     Ok(())
 }
 
@@ -768,17 +780,14 @@ impl Probes {
             let partner = hook
                 .paired_with
                 .and_then(|p| status.iter().find(|s| s.program == p));
-            let error = match partner {
-                // The partner's fallback hooks the function for both of them.
-                Some(p) if !p.attach.starts_with("tracepoint") => {
+            let error = match (partner, hook.fallback) {
+                // The partner's function hooks cover both of them.
+                (Some(p), _) if !p.attach.starts_with("tracepoint") => {
                     attach = p.attach.clone();
                     p.error.clone()
                 }
-                // A syscall tracepoint turns on the syscall-tracing path of every syscall on
-                // the node (~50 ns each, *Findings* 3); the syscall's function, hooked by
-                // fentry or kprobe, costs only that syscall. So syscall hooks try it first.
-                _ if hook.category == "syscalls" && hook.fallback.is_some() => {
-                    let fb = hook.fallback.expect("checked just above");
+                // The syscall's function first, its tracepoint only when that fails.
+                (_, Some(fb)) => {
                     match kfunc::attach_after(&mut ebpf, fb, &disc.kfunc, Vec::new()) {
                         Ok(a) => {
                             attach = a.describe;
@@ -810,40 +819,22 @@ impl Probes {
                             "tp_btf not used: the perf tracepoint is tried"
                         );
                     }
-                    let tp = match disc.unusable.iter().find(|(p, _)| *p == hook.program) {
-                        _ if matches!(raw, Some(Ok(()))) => {
-                            attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
-                            Ok(())
-                        }
-                        Some((_, why)) => Err(why.clone()),
-                        None if hook.program == DROP_PROGRAM && drops.is_none() => {
-                            Err("not asked for (--no-drops)".to_string())
-                        }
-                        None => tracepoint_unless_ruled_out(&mut ebpf, hook, &disc),
+                    let tp = if matches!(raw, Some(Ok(()))) {
+                        attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
+                        Ok(())
+                    } else if hook.program == DROP_PROGRAM
+                        && drops.is_none()
+                        // An unusable format file says why first.
+                        && disc.unusable_why(hook.program).is_none()
+                    {
+                        Err("not asked for (--no-drops)".to_string())
+                    } else {
+                        tracepoint_unless_ruled_out(&mut ebpf, hook, &disc)
                     };
-                    match (tp, hook.fallback) {
-                        (Ok(()), _) => None,
-                        (Err(why), Some(fb)) if !why.starts_with("not asked") => {
-                            let earlier = vec![format!("tracepoint: {why}")];
-                            match kfunc::attach_after(&mut ebpf, fb, &disc.kfunc, earlier) {
-                                Ok(a) => {
-                                    attach = a.describe;
-                                    None
-                                }
-                                Err(all) => {
-                                    attach.push_str(&format!(
-                                        ", else {}",
-                                        kfunc::candidates_text(fb)
-                                    ));
-                                    Some(all)
-                                }
-                            }
-                        }
-                        (Err(why), _) => Some(match raw {
-                            Some(Err(r)) => format!("{why}; tp_btf: {r}"),
-                            _ => why,
-                        }),
-                    }
+                    tp.err().map(|why| match raw {
+                        Some(Err(r)) => format!("{why}; tp_btf: {r}"),
+                        _ => why,
+                    })
                 }
             };
             if hook.required {
@@ -1113,28 +1104,28 @@ fn tracepoint_unless_ruled_out(
     hook: &Hook,
     disc: &Discovery,
 ) -> Result<(), String> {
-    if let Some((_, why)) = disc.unusable.iter().find(|(p, _)| *p == hook.program) {
-        return Err(why.clone());
+    if let Some(why) = disc.unusable_why(hook.program) {
+        return Err(why);
     }
-    let filter = &disc.kfunc.filter;
-    if let Some(why) = filter
-        .blocks(hook.program, AttachKind::Tracepoint)
-        .or_else(|| filter.blocks(hook.category, AttachKind::Tracepoint))
-    {
+    if let Some(why) = ruled_out(hook, AttachKind::Tracepoint, disc) {
         return Err(why);
     }
     attach_tracepoint(ebpf, hook)
+}
+
+/// Why `--no-attach` rules out `kind` for this hook, by its name or its category.
+fn ruled_out(hook: &Hook, kind: AttachKind, disc: &Discovery) -> Option<String> {
+    let filter = &disc.kfunc.filter;
+    filter
+        .blocks(hook.program, kind)
+        .or_else(|| filter.blocks(hook.category, kind))
 }
 
 /// The hook's `tp_btf` program, unless BTF lacks what it reads or `--no-attach` rules it
 /// out.
 fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> Result<(), String> {
     disc.raw_lock.clone()?;
-    let filter = &disc.kfunc.filter;
-    if let Some(why) = filter
-        .blocks(hook.program, AttachKind::BtfTracepoint)
-        .or_else(|| filter.blocks(hook.category, AttachKind::BtfTracepoint))
-    {
+    if let Some(why) = ruled_out(hook, AttachKind::BtfTracepoint, disc) {
         return Err(why);
     }
     let btf = kfunc::aya_btf()?;
