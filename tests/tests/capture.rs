@@ -241,40 +241,31 @@ fn same_within(a: &Value, b: &Value, path: &str) {
     }
 }
 
-/// Structural checks of a Chrome JSON trace: every B has its E on its track, timestamps do
-/// not go back on a track, every flow start and end lies inside a slice of its track, async
-/// slices are balanced.
+/// Structural checks of a Chrome JSON trace (events in any order, as the format allows):
+/// complete slices on one track nest (no partial overlap), every flow start and end lies
+/// inside a slice of its track, async slices are balanced, every track is named.
 fn check_perfetto(v: &Value) {
     let evs = v["traceEvents"].as_array().expect("traceEvents");
-    let mut stacks: HashMap<(u64, u64), Vec<f64>> = HashMap::new();
-    let mut last_ts: HashMap<(u64, u64), f64> = HashMap::new();
     let mut slices: HashMap<(u64, u64), Vec<(f64, f64)>> = HashMap::new();
     let mut asyncs: HashMap<u64, i32> = HashMap::new();
     let mut flows: Vec<(&str, u64, (u64, u64), f64)> = Vec::new();
+    let mut named: std::collections::HashSet<(u64, u64)> = Default::default();
     for e in evs {
         let ph = e["ph"].as_str().expect("ph");
-        if ph == "M" {
-            continue;
-        }
         let track = (
             e["pid"].as_u64().expect("pid"),
             e["tid"].as_u64().expect("tid"),
         );
+        if ph == "M" {
+            named.insert(track);
+            continue;
+        }
         let ts = e["ts"].as_f64().expect("ts");
-        let last = last_ts.entry(track).or_insert(f64::MIN);
-        assert!(
-            ts >= *last,
-            "time goes back on track {track:?}: {last} then {ts}"
-        );
-        *last = ts;
         match ph {
-            "B" => stacks.entry(track).or_default().push(ts),
-            "E" => {
-                let start = stacks
-                    .get_mut(&track)
-                    .and_then(Vec::pop)
-                    .unwrap_or_else(|| panic!("E without B on {track:?} at {ts}"));
-                slices.entry(track).or_default().push((start, ts));
+            "X" => {
+                let dur = e["dur"].as_f64().expect("dur");
+                assert!(dur >= 0.0, "negative duration: {e}");
+                slices.entry(track).or_default().push((ts, ts + dur));
             }
             "b" => *asyncs.entry(e["id"].as_u64().unwrap()).or_default() += 1,
             "e" => *asyncs.entry(e["id"].as_u64().unwrap()).or_default() -= 1,
@@ -288,8 +279,23 @@ fn check_perfetto(v: &Value) {
             other => panic!("unexpected phase {other}"),
         }
     }
-    for (track, st) in &stacks {
-        assert!(st.is_empty(), "B without E on {track:?}");
+    for (track, v) in &mut slices {
+        assert!(named.contains(track), "track {track:?} has no name");
+        // Sorted by start, longest first: each slice must end within the one enclosing it.
+        v.sort_by(|a, b| a.0.total_cmp(&b.0).then(b.1.total_cmp(&a.1)));
+        let mut stack: Vec<(f64, f64)> = Vec::new();
+        for &(a, b) in v.iter() {
+            while stack.last().is_some_and(|&(_, e)| e <= a) {
+                stack.pop();
+            }
+            if let Some(&(pa, pb)) = stack.last() {
+                assert!(
+                    b <= pb + 1e-3,
+                    "slice [{a}, {b}] overlaps [{pa}, {pb}] on {track:?} without nesting"
+                );
+            }
+            stack.push((a, b));
+        }
     }
     assert!(
         asyncs.values().all(|&n| n == 0),

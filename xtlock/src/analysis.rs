@@ -18,6 +18,7 @@ pub use crate::drops::{
 };
 use crate::ipvs::IpvsTracker;
 pub use crate::ipvs::{IpvsCountFact, IpvsFact};
+use crate::kube::PodName;
 use crate::lock::{is_locking_proc, Ctx, LockMachine};
 pub use crate::lock::{
     FailedTryFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome, WatchedLock,
@@ -98,6 +99,9 @@ pub struct ExecFact {
     pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
 }
 
 /// An iptables-family process ended.
@@ -117,13 +121,17 @@ pub struct ExitFact {
     pub lock_timeout: bool,
 }
 
-/// The kernel dropped events (ring buffer full).
+/// The kernel dropped events (ring buffer full), or the analysis reached one of its bounds
+/// (`bound`, e.g. `open_waits`): what went past it is not tracked. A bound is reported at
+/// its first hit; the summary counts every hit (`over_bounds`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct LostFact {
     pub ts_ns: u64,
     pub count: u64,
     /// Lost since tracing began.
     pub total: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<&'static str>,
 }
 
 /// `out`, with every fact counted in the statistics on its way.
@@ -250,6 +258,12 @@ impl Analyzer {
                 self.drops.on_symbol(*addr, name, *offset);
                 return;
             }
+            Event::Pod(_) => {
+                // Names for processes already attributed, perhaps: attribute them again.
+                self.procs.apply(ev);
+                self.attr.clear();
+                return;
+            }
             _ => {}
         }
         let stats = &mut self.stats;
@@ -293,6 +307,7 @@ impl Analyzer {
                     ts_ns: *ts_ns,
                     count: *count,
                     total,
+                    bound: None,
                 }));
                 let mut cx = Ctx {
                     procs: &self.procs,
@@ -344,6 +359,11 @@ impl Analyzer {
         let mut s = self.stats.summary(self.locks.locks());
         s.drops = self.drops.summary();
         s.host_netns = self.drops.host_netns();
+        s.over_bounds = self
+            .locks
+            .over_bounds()
+            .map(|(b, n)| (b.to_owned(), n))
+            .collect();
         s.ipvs = self
             .ipvs
             .summary()
@@ -407,6 +427,7 @@ fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<
         chain: who.chain.clone(),
         pod_uid: who.pod_uid.clone(),
         container_id: who.container_id.clone(),
+        pod: who.pod.clone(),
     })
 }
 
@@ -962,6 +983,190 @@ mod tests {
         assert_eq!((h[2].pid, h[2].hold_ns, h[2].incomplete), (200, S, true));
     }
 
+    /// A plain iptables never unlocks: the kernel releases the lock when it closes the
+    /// exited process's files, after the exit event. A blocking take and a LOCK_NB try that
+    /// land in that window are behind that iptables, and its hold ends at the release.
+    #[test]
+    fn exited_holder_holds_until_its_release() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 60, 300, "firewalld", &["iptables", "-A", "X"]))
+            .feed(&spawn(10, 40, 400, "calico-node", &["iptables", "-w"]))
+            .feed(&[seed(0, 500, 1, "portmap", None)])
+            .feed(&[
+                acq(100, 300, "iptables", 0xB),
+                exit(1_000, 300, "iptables", Some(0)),
+                // In the window: after the exit, before the release.
+                defer(1_010, 400, "iptables", 0xC),
+                fail(1_020, 500, "portmap", 0xD),
+                rel(60 * MS, 300, "iptables", 0xB),
+                acq(60 * MS + 5, 400, "iptables", 0xC),
+                call(60 * MS + 9, 1_010, 400, 0xC, 0),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1, "{:?}", r.out);
+        assert_eq!(h[0].hold_ns, 60 * MS - 100, "the release, not the exit");
+        assert!(!h[0].incomplete);
+        let w = r.waits();
+        assert_eq!(w.len(), 1, "{:?}", r.out);
+        assert_eq!(w[0].holders.len(), 1);
+        assert_eq!(
+            (w[0].holders[0].pid, w[0].holders[0].agent.as_str()),
+            (300, "firewalld")
+        );
+        assert_eq!(w[0].holders[0].behind_ns, Some(60 * MS + 5 - 1_010));
+        assert_eq!(w[0].unknown_ns, 0);
+        let f: Vec<&FailedTryFact> = r
+            .out
+            .iter()
+            .filter_map(|o| match o {
+                Output::FailedTry(f) => Some(f),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].holder.as_ref().map(|h| h.pid), Some(300));
+        assert!(!r
+            .a
+            .summary()
+            .contention
+            .iter()
+            .any(|c| c.holder == "(unknown)"));
+    }
+
+    /// Ring order is not time order: the next taker's acquire reaches us before the old
+    /// holder's release. The hold ends at its real release, bounded above by that acquire,
+    /// never at its exit.
+    #[test]
+    fn late_release_is_the_end_bounded_by_the_next_acquire() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 60, 300, "firewalld", &["iptables", "-A", "X"]))
+            .feed(&spawn(10, 40, 400, "calico-node", &["iptables", "-w"]))
+            .feed(&[
+                acq(100, 300, "iptables", 0xB),
+                exit(1_000, 300, "iptables", Some(0)),
+                acq(1_300, 400, "iptables", 0xC),
+                // Released at 1_200, seen after the acquire.
+                rel(1_200, 300, "iptables", 0xB),
+            ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 1, "{:?}", r.out);
+        assert_eq!((h[0].pid, h[0].hold_ns), (300, 1_100));
+        // The release's time can even be after the acquire's: then the acquire bounds it.
+        r.feed(&[
+            exit(2_000, 400, "iptables", Some(0)),
+            acq(2_300, 100, "kube-proxy", 0xE),
+            rel(2_310, 400, "iptables", 0xC),
+        ]);
+        let h = r.holds();
+        assert_eq!(h.len(), 2, "{:?}", r.out);
+        assert_eq!((h[1].pid, h[1].hold_ns), (400, 1_000));
+        assert!(!h[1].incomplete);
+    }
+
+    /// A deferral that reaches us after the release it waited for (ring order) still names
+    /// the holder it waited behind.
+    #[test]
+    fn deferral_seen_after_the_release_names_the_holder() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&spawn(10, 40, 400, "calico-node", &["iptables", "-w"]))
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                rel(1_000, 200, "iptables-restor", 0xA),
+                defer(990, 400, "iptables", 0xC),
+                acq(1_005, 400, "iptables", 0xC),
+                call(1_010, 990, 400, 0xC, 0),
+            ]);
+        let w = r.waits();
+        assert_eq!(w.len(), 1, "{:?}", r.out);
+        assert_eq!(w[0].holders.len(), 1, "{:?}", w[0]);
+        assert_eq!(w[0].holders[0].pid, 200);
+        assert_eq!(w[0].unknown_ns, 0);
+    }
+
+    /// A wait behind kube-proxy then calico-node: the time behind each, adding up to the
+    /// wait; the metrics and the contention matrix take those shares.
+    #[test]
+    fn wait_split_between_successive_holders() {
+        let mut r = Run::new();
+        r.feed(&node())
+            .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+            .feed(&spawn(10, 40, 300, "calico-node", &["iptables", "-w"]))
+            .feed(&[seed(0, 500, 1, "portmap", None)])
+            .feed(&[
+                acq(100, 200, "iptables-restor", 0xA),
+                defer(S, 300, "iptables", 0xB),
+                defer(S + 10, 500, "portmap", 0xD),
+                rel(2 * S, 200, "iptables-restor", 0xA),
+                acq(2 * S + 5, 300, "iptables", 0xB),
+                call(2 * S + 6, S, 300, 0xB, 0),
+                rel(2 * S + 70 * MS, 300, "iptables", 0xB),
+                acq(2 * S + 70 * MS + 5, 500, "portmap", 0xD),
+                call(2 * S + 70 * MS + 6, S + 10, 500, 0xD, 0),
+            ]);
+        let w = r.waits();
+        let pm = w.iter().find(|w| w.pid == 500).unwrap();
+        let shares: Vec<(&str, Option<u64>)> = pm
+            .holders
+            .iter()
+            .map(|h| (h.agent.as_str(), h.behind_ns))
+            .collect();
+        assert_eq!(
+            shares,
+            [("kube-proxy", Some(S - 5)), ("calico-node", Some(70 * MS))]
+        );
+        assert_eq!(pm.wait_ns, S - 5 + 70 * MS);
+        assert_eq!(pm.holders[1].from_ns, Some(2 * S + 5));
+    }
+
+    /// Hostile input: thousands of waits and shared holds open at once (distinct pids),
+    /// each acquire a new holder for every open wait. Open holds and waits are capped and
+    /// the excess reported; holders per wait are capped and counted.
+    #[test]
+    fn open_holds_and_waits_are_bounded() {
+        use crate::lock::{MAX_HOLDERS, MAX_OPEN_HOLDS, MAX_OPEN_WAITS};
+        let mut r = Run::new();
+        r.feed(&node());
+        let n = 4 * MAX_OPEN_WAITS as u64;
+        for i in 0..n {
+            let pid = 10_000 + i as u32;
+            r.feed(&[
+                defer(S + 2 * i, pid, "w", 0x1_0000 + i),
+                lock_ev(
+                    S + 2 * i + 1,
+                    pid + 100_000,
+                    "r",
+                    0x9_0000 + i,
+                    LockOp::Acquired { exclusive: false },
+                    false,
+                ),
+            ]);
+        }
+        let s = r.a.summary();
+        assert_eq!(s.over_bounds["open_waits"], n - MAX_OPEN_WAITS as u64);
+        assert_eq!(s.over_bounds["open_holds"], n - MAX_OPEN_HOLDS as u64);
+        r.finish(10 * S);
+        let w = r.waits();
+        assert_eq!(w.len(), MAX_OPEN_WAITS);
+        assert!(w.iter().all(|w| w.holders.len() <= MAX_HOLDERS));
+        assert!(w.iter().any(|w| w.other_holders > 0));
+        for w in &w {
+            let named: u64 = w.holders.iter().filter_map(|h| h.behind_ns).sum();
+            assert_eq!(
+                named + w.unknown_ns + w.other_holders_ns,
+                w.wait_ns,
+                "the shares add up to the wait"
+            );
+        }
+        assert!(r
+            .out
+            .iter()
+            .any(|o| matches!(o, Output::Lost(l) if l.bound == Some("open_waits"))));
+    }
+
     #[test]
     fn iptables_wait_timeout() {
         let mut r = Run::new();
@@ -1220,12 +1425,27 @@ mod tests {
         assert_eq!(s.waits["calico-node"].count, 1);
         assert_eq!(s.waits["calico-node"].max_ns, 700 * MS + 1);
         assert_eq!(s.contention.len(), 2);
-        for c in &s.contention {
-            assert_eq!((c.waiter.as_str(), c.count), ("calico-node", 1));
-            assert_eq!(c.total_wait_ns, 700 * MS + 1);
-        }
-        assert_eq!(s.contention[0].holder, "firewalld");
-        assert_eq!(s.contention[1].holder, "kube-proxy");
+        // The wait's time is split between its holders: behind firewalld until kube-proxy
+        // took the lock, behind kube-proxy after.
+        let cells: Vec<(&str, &str, u64, u64)> = s
+            .contention
+            .iter()
+            .map(|c| {
+                (
+                    c.waiter.as_str(),
+                    c.holder.as_str(),
+                    c.count,
+                    c.total_wait_ns,
+                )
+            })
+            .collect();
+        assert_eq!(
+            cells,
+            [
+                ("calico-node", "firewalld", 1, 500 * MS + 1),
+                ("calico-node", "kube-proxy", 1, 200 * MS)
+            ]
+        );
         assert_eq!(s.locks.len(), 1);
         assert_eq!(s.locks[0].holds, 103);
         assert_eq!((s.locks[0].dev, s.locks[0].ino), (DEV, INO));

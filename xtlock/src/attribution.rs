@@ -10,6 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::decode::Comm;
+use crate::kube::PodName;
 use crate::procs::{FastMap, ProcTable};
 use crate::shared::SharedStr;
 
@@ -110,6 +111,8 @@ pub struct Attribution {
     pub chain: Arc<[ChainLink]>,
     pub pod_uid: Option<SharedStr>,
     pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    pub pod: Option<Arc<PodName>>,
 }
 
 /// Attributes `pid`. `comm` names the process when the table does not know it.
@@ -159,8 +162,12 @@ fn attribute_into(
         }
     };
     let (agent_pid, agent) = agent.unwrap_or_else(|| (pid, own_comm.clone()));
-    let (pod_uid, container_id) = cgroup.map_or((None, None), |c| {
-        (c.identity.pod_uid.clone(), c.identity.container_id.clone())
+    let (pod_uid, container_id, pod) = cgroup.map_or((None, None, None), |c| {
+        (
+            c.identity.pod_uid.clone(),
+            c.identity.container_id.clone(),
+            procs.pod_of(&c.identity),
+        )
     });
     Attribution {
         pid,
@@ -173,74 +180,8 @@ fn attribute_into(
         chain: chain.drain(..).collect(),
         pod_uid,
         container_id,
+        pod,
     }
-}
-
-/// Pod and container named by a cgroup path.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct CgroupIdentity {
-    pub pod_uid: Option<SharedStr>,
-    pub container_id: Option<SharedStr>,
-}
-
-/// Reads pod UID and container ID out of a cgroup path (or a `/proc/PID/cgroup` line).
-///
-/// Handles the systemd driver (`kubepods-burstable-pod<uid_with_underscores>.slice`,
-/// `cri-containerd-<id>.scope`, `docker-<id>.scope`, `crio-<id>.scope`), the cgroupfs driver
-/// (`/kubepods/burstable/pod<uid>/<id>`) and plain docker (`/docker/<id>`).
-pub fn parse_cgroup(line: &str) -> CgroupIdentity {
-    // "0::/kubepods..." or "4:pids:/kubepods...": the path starts at the first '/'.
-    let path = line.find('/').map_or(line, |i| &line[i..]);
-    let mut id = CgroupIdentity::default();
-    for comp in path.split('/').filter(|c| !c.is_empty()) {
-        if let Some(uid) = pod_uid_of(comp) {
-            id.pod_uid = Some(SharedStr::from(uid));
-        } else if let Some(cid) = container_id_of(comp) {
-            id.container_id = Some(SharedStr::from(cid));
-        }
-    }
-    id
-}
-
-fn is_hex(s: &str) -> bool {
-    !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-fn looks_like_uid(s: &str) -> bool {
-    s.len() >= 32 && s.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
-}
-
-fn pod_uid_of(comp: &str) -> Option<String> {
-    if let Some(slice) = comp.strip_suffix(".slice") {
-        // kubepods-pod<uid>.slice, kubepods-burstable-pod<uid>.slice
-        if !slice.starts_with("kubepods") {
-            return None;
-        }
-        let uid = slice.rsplit_once("-pod")?.1.replace('_', "-");
-        return looks_like_uid(&uid).then_some(uid);
-    }
-    let uid = comp.strip_prefix("pod")?;
-    looks_like_uid(uid).then(|| uid.to_string())
-}
-
-fn container_id_of(comp: &str) -> Option<&str> {
-    if let Some(scope) = comp.strip_suffix(".scope") {
-        for prefix in [
-            "cri-containerd-",
-            "docker-",
-            "crio-conmon-",
-            "crio-",
-            "libpod-",
-        ] {
-            if let Some(cid) = scope.strip_prefix(prefix) {
-                if cid.len() >= 12 && is_hex(cid) {
-                    return Some(cid);
-                }
-            }
-        }
-        return None;
-    }
-    (comp.len() == 64 && is_hex(comp)).then_some(comp)
 }
 
 /// Remembers attributions per pid, so a daemon locking a million times does not walk and
@@ -314,6 +255,11 @@ impl Attributor {
             },
         );
         attr
+    }
+
+    /// Forgets every cached attribution (pod names arrived: they may name cached ones).
+    pub fn clear(&mut self) {
+        self.cache.clear();
     }
 
     /// Drops what is cached for `pid` (its process exited: nothing asks for it again, and
@@ -412,55 +358,6 @@ mod tests {
     }
 
     const CID: &str = "3f6e4b0c2a1d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f";
-
-    #[test]
-    fn cgroup_systemd_driver_containerd() {
-        let p = format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/\
-             kubepods-burstable-pod5f3c1e2a_8b7d_4c6e_9a1f_0d2b3c4e5f6a.slice/\
-             cri-containerd-{CID}.scope"
-        );
-        let id = parse_cgroup(&p);
-        assert_eq!(
-            id.pod_uid.as_deref(),
-            Some("5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a")
-        );
-        assert_eq!(id.container_id.as_deref(), Some(CID));
-        // Guaranteed QoS pods sit right under kubepods.slice.
-        let p = format!(
-            "/kubepods.slice/kubepods-pod5f3c1e2a_8b7d_4c6e_9a1f_0d2b3c4e5f6a.slice/crio-{CID}.scope"
-        );
-        let id = parse_cgroup(&p);
-        assert_eq!(
-            id.pod_uid.as_deref(),
-            Some("5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a")
-        );
-        assert_eq!(id.container_id.as_deref(), Some(CID));
-    }
-
-    #[test]
-    fn cgroup_cgroupfs_driver_and_docker() {
-        let p =
-            format!("11:pids:/kubepods/burstable/pod5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a/{CID}");
-        let id = parse_cgroup(&p);
-        assert_eq!(
-            id.pod_uid.as_deref(),
-            Some("5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a")
-        );
-        assert_eq!(id.container_id.as_deref(), Some(CID));
-        let id = parse_cgroup(&format!("0::/system.slice/docker-{CID}.scope"));
-        assert_eq!(id.pod_uid, None);
-        assert_eq!(id.container_id.as_deref(), Some(CID));
-        let id = parse_cgroup(&format!("/docker/{CID}"));
-        assert_eq!(id.container_id.as_deref(), Some(CID));
-        // Host processes have neither.
-        assert_eq!(
-            parse_cgroup("0::/system.slice/kubelet.service"),
-            CgroupIdentity::default()
-        );
-        assert_eq!(parse_cgroup("0::/"), CgroupIdentity::default());
-        assert_eq!(parse_cgroup(""), CgroupIdentity::default());
-    }
 
     #[test]
     fn pod_identity_flows_into_attribution() {

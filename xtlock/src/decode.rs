@@ -360,6 +360,21 @@ pub struct ProcInfo {
     pub cgroup: Option<String>,
 }
 
+/// Synthetic: the kubelet's names of a container (or, `container_id` empty, of a pod), read
+/// by the source from the node's `/var/log/containers` and `/var/log/pods` (see
+/// [`crate::kube`]). Sent before the first fact that could name a process of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodInfo {
+    pub ts_ns: u64,
+    /// Empty for a pod known by UID only.
+    pub container_id: String,
+    pub pod_uid: String,
+    pub namespace: String,
+    pub pod: String,
+    /// Empty when only the pod is known.
+    pub container: String,
+}
+
 /// One packet drop sampled in the kernel at `skb:kfree_skb` (rate limited: exact numbers
 /// come from [`DropCounts`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -663,6 +678,8 @@ pub enum Event {
         host_netns: u32,
         names: Vec<(u32, String)>,
     },
+    /// Synthetic: the names of a container or pod (see [`PodInfo`]).
+    Pod(Box<PodInfo>),
     /// Synthetic, before the first event that carries `addr`: the kernel function it is in
     /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
     KernelSymbol {
@@ -693,6 +710,7 @@ impl Event {
             Event::Conntrack(e) => e.ts_ns,
             Event::Ipvs(e) => e.ts_ns,
             Event::IpvsCounts(e) => e.ts_ns,
+            Event::Pod(e) => e.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }

@@ -11,6 +11,7 @@ pub mod commands;
 pub mod decode;
 pub mod drops;
 pub mod ipvs;
+pub mod kube;
 pub mod lock;
 pub mod lockfiles;
 pub mod pipeline;

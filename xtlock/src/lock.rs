@@ -16,20 +16,38 @@
 //!   builds that hooked the syscall exit) and no `Acquired`.
 //! * `LOCK_NB`: `Failed { errno: EAGAIN }`. A run of failures by one pid ended by a success
 //!   is a *poll* wait (Go daemons retry every 200 ms; old iptables polled every `-W` µs).
-//! * The tracepoint fires after the kernel drops its spinlock, so a waiter's `Acquired` can
-//!   reach us just before the old holder's release. A conflicting acquire therefore marks
-//!   the old hold as ending, and its release is awaited for a grace period.
+//!
+//! Two rules make the holder exact (docs/lock-analysis.md):
+//!
+//! * **The release window.** A plain `iptables` never unlocks: the kernel releases the lock
+//!   when it closes the exiting process's files, 50 µs to tens of ms *after* the exit event
+//!   (tearing down a large address space comes first). A hold whose users all exited is
+//!   still held until its release: waits, failed tries and metrics name it as the holder.
+//! * **Ring order is not time order.** The tracepoint fires after the kernel drops its
+//!   spinlock, and CPUs write to the ring in turn: the next taker's acquire can reach us
+//!   before the old holder's release, even with an earlier time. A conflicting acquire
+//!   proves the old hold ended by then: its end is its real release, bounded above by that
+//!   acquire; it is inferred only if the release never comes within a grace period.
+//!
+//! Every structure is bounded: open holds and waits per lock ([`MAX_OPEN_HOLDS`],
+//! [`MAX_OPEN_WAITS`], excess counted and reported as a [`Bound`]), holders named per wait
+//! ([`MAX_HOLDERS`], more counted), users per hold, and lookups go through indexes (owner,
+//! tid, pid) instead of scans.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
+use indexmap::IndexMap;
 use serde::{Serialize, Serializer};
+use smallvec::SmallVec;
 
-use crate::analysis::Output;
+use crate::analysis::{LostFact, Output};
 use crate::attribution::{is_locking_comm, Attribution, Attributor};
 use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
     TableReplaceEvent, XtReplaceEvent,
 };
+use crate::kube::PodName;
 use crate::procs::{FastMap, ProcTable};
 use crate::shared::SharedStr;
 
@@ -44,6 +62,17 @@ const MAX_LOCKS: usize = 64;
 const MAX_USERS: usize = 64;
 /// Bound on the per-pid memory of lock trouble (against lost exits).
 const MAX_TROUBLE: usize = 4096;
+/// Holds of one lock open at once. Exclusive holds come one at a time; shared ones (a
+/// `LOCK_SH` per reader) are the only way past a few.
+pub const MAX_OPEN_HOLDS: usize = 1024;
+/// Waits, and poll runs, on one lock open at once.
+pub const MAX_OPEN_WAITS: usize = 1024;
+/// Holders named per wait; more are counted (`other_holders`).
+pub const MAX_HOLDERS: usize = 64;
+/// Holder changes kept for the waits open on one lock.
+const MAX_TIMELINE: usize = 4096;
+/// Ended holds kept for events that reach us late.
+const RECENT_HOLDS: usize = 8;
 
 /// A lock file to watch. `dev` is in the kernel's encoding (`major << 20 | minor`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -111,6 +140,15 @@ pub struct HolderRef {
     pub role: &'static str,
     pub comm: SharedStr,
     pub cmdline: SharedStr,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+    /// In a wait: how long it waited behind this holder, from when this holder took the
+    /// lock (or the wait began) to when the next one did (or the wait ended).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub behind_ns: Option<u64>,
+    /// In a wait: when this holder first held the lock during it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_ns: Option<u64>,
 }
 
 impl From<&Attribution> for HolderRef {
@@ -121,6 +159,9 @@ impl From<&Attribution> for HolderRef {
             role: a.role,
             comm: a.comm.clone(),
             cmdline: a.cmdline.clone(),
+            pod: a.pod.clone(),
+            behind_ns: None,
+            from_ns: None,
         }
     }
 }
@@ -160,6 +201,9 @@ pub struct HoldFact {
     pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
     /// Still held when tracing ended: `hold_ns` is a lower bound.
     pub open: bool,
     /// The end was inferred (release lost or late): `hold_ns` is approximate.
@@ -178,8 +222,18 @@ pub struct WaitFact {
     pub cmdline: SharedStr,
     pub start_ns: u64,
     pub wait_ns: u64,
-    /// Everyone who held the lock during the wait, first to last, one entry per pid.
+    /// Everyone who held the lock during the wait, first to last, one entry per pid (at
+    /// most 64), each with the time the wait spent behind it (`behind_ns`).
     pub holders: Vec<HolderRef>,
+    /// Time at the start of the wait before any holder was known (its acquire was lost,
+    /// or came before tracing began and was not in /proc/locks).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub unknown_ns: u64,
+    /// Holders past the 64 named, counted per hand-over, and the time behind them.
+    #[serde(skip_serializing_if = "is_zero_u32")]
+    pub other_holders: u32,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub other_holders_ns: u64,
     pub outcome: WaitOutcome,
     pub mode: WaitMode,
     /// Failed tries of a poll wait (0 for a blocking wait).
@@ -192,8 +246,34 @@ pub struct WaitFact {
     pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
     /// Part of it was inferred (an event was lost).
     pub incomplete: bool,
+}
+
+impl WaitFact {
+    /// Time behind each holder agent, in the order they held the lock; time with no known
+    /// holder under `unknown` (first), holders past the cap under `others` (last). The
+    /// times add up to the wait.
+    pub fn behind_by_agent<'a>(&'a self, unknown: &'a str, others: &'a str) -> Vec<(&'a str, u64)> {
+        let mut v: Vec<(&str, u64)> = Vec::new();
+        if self.unknown_ns > 0 || self.holders.is_empty() {
+            v.push((unknown, self.unknown_ns));
+        }
+        for h in &self.holders {
+            let ns = h.behind_ns.unwrap_or(0);
+            match v.iter_mut().find(|b| b.0 == h.agent.as_str()) {
+                Some(b) => b.1 += ns,
+                None => v.push((&h.agent, ns)),
+            }
+        }
+        if self.other_holders > 0 {
+            v.push((others, self.other_holders_ns));
+        }
+        v
+    }
 }
 
 /// One failed non-blocking try.
@@ -207,6 +287,8 @@ pub struct FailedTryFact {
     pub role: &'static str,
     pub ts_ns: u64,
     pub errno: i32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
     /// Who held the lock then, when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub holder: Option<HolderRef>,
@@ -236,6 +318,9 @@ pub struct TimeoutFact {
     pub pod_uid: Option<SharedStr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
 }
 
 /// Where the machine looks things up. Borrowed per event.
@@ -250,14 +335,29 @@ impl Ctx<'_> {
     }
 }
 
-/// An inferred end of a hold, waiting for the real release.
+/// An insertion-ordered map: facts still open at the end come out in the order they began,
+/// whatever the hasher, so a replay is byte-identical.
+type OrderedMap<K, V> = IndexMap<K, V, foldhash::fast::RandomState>;
+
+/// A hold's key: its owner (the open file description), or for a hold seen in /proc/locks
+/// at start, whose owner is unknown, the pid that held it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum HoldKey {
+    Owner(u64),
+    Seed(u32),
+}
+
+/// What is known of the end of a hold whose release has not been seen.
 #[derive(Clone, Copy, Debug)]
-struct PendingEnd {
-    at_ns: u64,
+struct Ending {
+    /// Every process using it had exited by then. The kernel releases the lock when it
+    /// closes their files, shortly *after* the exit event: until then it is still held.
+    exited_ns: Option<u64>,
+    /// Another owner took the lock in a conflicting mode then, so it was released by then
+    /// (its release event is late or lost).
+    superseded_ns: Option<u64>,
+    /// When to stop waiting for the release and report the end as inferred.
     deadline_ns: u64,
-    /// The end is certain to be no later than `at_ns` (another owner got the lock then):
-    /// a late release is clamped to it.
-    clamp: bool,
 }
 
 #[derive(Debug)]
@@ -277,9 +377,43 @@ struct OpenHold {
     incomplete: bool,
     /// Held when tracing began (from /proc/locks): start and owner unknown.
     before_start: bool,
-    end: Option<PendingEnd>,
+    ending: Option<Ending>,
     /// [`LockMachine::losses`] when it began.
     losses: u64,
+}
+
+impl OpenHold {
+    /// Still held as far as the kernel is concerned. A holder that exited holds the lock
+    /// until its files are closed; only a conflicting acquire proves it released.
+    fn holding(&self) -> bool {
+        self.ending.is_none_or(|e| e.superseded_ns.is_none())
+    }
+
+    /// End of a hold released at `ts`: the real release, bounded above by the next
+    /// conflicting acquire (whose event may come first, with an earlier time). Never the
+    /// exit time when a release follows.
+    fn release_end(&self, ts: u64) -> u64 {
+        match self.ending.and_then(|e| e.superseded_ns) {
+            Some(s) => ts.min(s),
+            None => ts,
+        }
+    }
+
+    /// Best guess of the end when the release never came: the conflicting acquire, else
+    /// the exit of its last user, else `fallback`.
+    fn inferred_end(&self, fallback: u64) -> u64 {
+        self.ending
+            .and_then(|e| e.superseded_ns.or(e.exited_ns))
+            .unwrap_or(fallback)
+    }
+
+    fn ending_mut(&mut self) -> &mut Ending {
+        self.ending.get_or_insert(Ending {
+            exited_ns: None,
+            superseded_ns: None,
+            deadline_ns: u64::MAX,
+        })
+    }
 }
 
 /// Pids/tids sharing a hold's owner, and whether each exited. Nearly always just the one
@@ -306,6 +440,10 @@ impl Users {
         self.rest.push(u);
     }
 
+    fn contains(&self, pid: u32) -> bool {
+        self.iter().any(|u| u.0 == pid)
+    }
+
     fn iter(&self) -> impl Iterator<Item = &(u32, bool)> {
         std::iter::once(&self.first).chain(self.rest.iter())
     }
@@ -315,6 +453,9 @@ impl Users {
     }
 }
 
+/// The holders when a wait began; nearly always one.
+type Current = SmallVec<[Arc<Attribution>; 1]>;
+
 #[derive(Debug)]
 struct OpenWait {
     tid: u32,
@@ -322,9 +463,15 @@ struct OpenWait {
     owner: u64,
     comm: Comm,
     start_ns: u64,
-    holders: Holders,
+    /// Who held the lock when it began.
+    initial: Current,
+    /// Holder changes of the lock from this one on happened during the wait (see
+    /// [`Timeline`]).
+    from_seq: u64,
     /// Got the lock then; reported at the syscall return (for its entry time).
     acquired_ns: Option<u64>,
+    /// Holder changes up to this one (exclusive) happened during the wait.
+    to_seq: u64,
     incomplete: bool,
 }
 
@@ -336,7 +483,122 @@ struct PollStreak {
     first_ns: u64,
     last_ns: u64,
     tries: u32,
-    holders: Holders,
+    initial: Current,
+    from_seq: u64,
+}
+
+/// A change of holder: `who` took the lock at `ts_ns` through `owner`.
+#[derive(Debug)]
+struct Change {
+    ts_ns: u64,
+    owner: u64,
+    who: Arc<Attribution>,
+}
+
+/// The lock's holder changes while anyone waits, numbered. A wait keeps only the number of
+/// the first change after it began, and builds its holders when it ends: an acquire costs
+/// one push, however many wait. Bounded: the oldest changes go first, and a wait that
+/// outlived them counts them as holders not named.
+#[derive(Debug, Default)]
+struct Timeline {
+    /// Number of `changes[0]`.
+    base: u64,
+    changes: VecDeque<Change>,
+}
+
+impl Timeline {
+    /// Number the next change will get.
+    fn end_seq(&self) -> u64 {
+        self.base + self.changes.len() as u64
+    }
+
+    fn push(&mut self, c: Change) {
+        if self.changes.len() >= MAX_TIMELINE {
+            self.changes.pop_front();
+            self.base += 1;
+        }
+        self.changes.push_back(c);
+    }
+
+    /// Forgets every change (nobody waits).
+    fn clear(&mut self) {
+        self.base = self.end_seq();
+        self.changes.clear();
+    }
+
+    /// Changes numbered `from..to`, and how many of those were forgotten.
+    fn range(&self, from: u64, to: u64) -> (u64, impl Iterator<Item = &Change>) {
+        let to = to.min(self.end_seq());
+        let lost = self.base.saturating_sub(from).min(to.saturating_sub(from));
+        let start = from.saturating_sub(self.base) as usize;
+        let end = to.saturating_sub(self.base) as usize;
+        let n = end.saturating_sub(start);
+        (lost, self.changes.iter().skip(start).take(n))
+    }
+}
+
+/// A hold that ended lately, kept for events that reach us after its release although
+/// they happened before it (ring order is not time order).
+#[derive(Debug)]
+struct Ended {
+    owner: u64,
+    start_ns: u64,
+    end_ns: u64,
+    who: Arc<Attribution>,
+}
+
+/// Open waits by tid, with the tids of each pid (a process exit ends its threads' waits).
+#[derive(Debug, Default)]
+struct Waits {
+    by_tid: OrderedMap<u32, OpenWait>,
+    tids_of: FastMap<u32, SmallVec<[u32; 1]>>,
+}
+
+impl Waits {
+    fn len(&self) -> usize {
+        self.by_tid.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.by_tid.is_empty()
+    }
+
+    fn get(&self, tid: u32) -> Option<&OpenWait> {
+        self.by_tid.get(&tid)
+    }
+
+    fn get_mut(&mut self, tid: u32) -> Option<&mut OpenWait> {
+        self.by_tid.get_mut(&tid)
+    }
+
+    fn insert(&mut self, w: OpenWait) {
+        self.tids_of.entry(w.pid).or_default().push(w.tid);
+        self.by_tid.insert(w.tid, w);
+    }
+
+    fn remove(&mut self, tid: u32) -> Option<OpenWait> {
+        let w = self.by_tid.swap_remove(&tid)?;
+        if let Some(tids) = self.tids_of.get_mut(&w.pid) {
+            tids.retain(|t| *t != tid);
+            if tids.is_empty() {
+                self.tids_of.remove(&w.pid);
+            }
+        }
+        Some(w)
+    }
+
+    /// Removes every wait of process `pid`.
+    fn remove_pid(&mut self, pid: u32) -> SmallVec<[OpenWait; 1]> {
+        let tids = self.tids_of.remove(&pid).unwrap_or_default();
+        tids.into_iter()
+            .filter_map(|t| self.by_tid.swap_remove(&t))
+            .collect()
+    }
+
+    fn take_all(&mut self) -> Vec<OpenWait> {
+        self.tids_of.clear();
+        self.by_tid.drain(..).map(|(_, w)| w).collect()
+    }
 }
 
 #[derive(Debug)]
@@ -344,9 +606,167 @@ struct LockState {
     lock: WatchedLock,
     /// `lock.path`, shared by the facts.
     name: SharedStr,
-    holds: Vec<OpenHold>,
-    waits: Vec<OpenWait>,
-    polls: Vec<PollStreak>,
+    holds: OrderedMap<HoldKey, OpenHold>,
+    /// pid/tid → the holds it uses (forks, exits and table replaces find them by pid).
+    users: FastMap<u32, SmallVec<[HoldKey; 1]>>,
+    waits: Waits,
+    /// Poll runs by pid.
+    polls: OrderedMap<u32, PollStreak>,
+    timeline: Timeline,
+    recent: VecDeque<Ended>,
+}
+
+impl LockState {
+    fn new(lock: WatchedLock) -> Self {
+        LockState {
+            name: SharedStr::from(lock.path.as_str()),
+            lock,
+            holds: OrderedMap::default(),
+            users: FastMap::default(),
+            waits: Waits::default(),
+            polls: OrderedMap::default(),
+            timeline: Timeline::default(),
+            recent: VecDeque::new(),
+        }
+    }
+
+    /// Adds a hold; false (and nothing added) past [`MAX_OPEN_HOLDS`].
+    fn insert_hold(&mut self, key: HoldKey, h: OpenHold) -> bool {
+        if self.holds.len() >= MAX_OPEN_HOLDS && !self.holds.contains_key(&key) {
+            return false;
+        }
+        for &(u, _) in h.users.iter() {
+            index_user(&mut self.users, u, key);
+        }
+        self.holds.insert(key, h);
+        true
+    }
+
+    fn add_user(&mut self, key: HoldKey, pid: u32) {
+        let Some(h) = self.holds.get_mut(&key) else {
+            return;
+        };
+        if h.users.contains(pid) {
+            return;
+        }
+        if h.users.len() < MAX_USERS {
+            h.users.push((pid, false));
+            index_user(&mut self.users, pid, key);
+        } else {
+            h.users_overflow = true;
+        }
+    }
+
+    /// Removes a hold, in place (the others keep their order).
+    fn remove_hold(&mut self, key: HoldKey) -> Option<OpenHold> {
+        let h = self.holds.shift_remove(&key)?;
+        for &(u, _) in h.users.iter() {
+            if let Some(keys) = self.users.get_mut(&u) {
+                keys.retain(|k| *k != key);
+                if keys.is_empty() {
+                    self.users.remove(&u);
+                }
+            }
+        }
+        Some(h)
+    }
+
+    /// Reports a hold that ended at `end_ns`.
+    fn emit_hold(
+        &mut self,
+        h: OpenHold,
+        end_ns: u64,
+        open: bool,
+        incomplete: bool,
+        released_by: Option<u32>,
+        out: &mut dyn FnMut(Output),
+    ) {
+        if !open {
+            if self.recent.len() >= RECENT_HOLDS {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(Ended {
+                owner: h.owner,
+                start_ns: h.start_ns,
+                end_ns,
+                who: h.who.clone(),
+            });
+        }
+        out(Output::Hold(hold_fact(
+            &self.name,
+            &h,
+            end_ns,
+            open,
+            incomplete,
+            released_by,
+        )));
+    }
+
+    /// Who holds the lock at `ts` for a requester through `owner`: every open hold still
+    /// held (an exited holder until its release), and a hold whose release we have seen
+    /// but that was still held at `ts` (the requester's event came late).
+    fn current_holders(&self, ts: u64, owner: u64) -> Current {
+        let mut v: Current = self
+            .holds
+            .values()
+            .filter(|h| h.holding() && h.owner != owner)
+            .take(MAX_HOLDERS)
+            .map(|h| h.who.clone())
+            .collect();
+        for r in &self.recent {
+            if r.owner != owner
+                && r.start_ns <= ts
+                && ts < r.end_ns
+                && !v.iter().any(|w| w.pid == r.who.pid)
+            {
+                v.push(r.who.clone());
+            }
+        }
+        v
+    }
+
+    /// The holders of a wait that began at `start_ns` with `initial` holders, whose holder
+    /// changes are numbered `from..to`, ending at `end_ns`; `pid` is the waiter.
+    fn holders_of(&self, span: HolderSpan<'_>) -> Holders {
+        let mut hs = Holders::starting(span.start_ns);
+        for who in span.initial {
+            hs.push(who, span.start_ns);
+        }
+        let (lost, changes) = self.timeline.range(span.from_seq, span.to_seq);
+        hs.others = hs.others.saturating_add(lost as u32);
+        for c in changes {
+            if c.owner != span.owner && c.who.pid != span.pid {
+                hs.push(&c.who, c.ts_ns);
+            }
+        }
+        hs.end(span.end_ns);
+        hs
+    }
+
+    /// Nobody waits any more: the holder changes kept for waits can go.
+    fn settle_timeline(&mut self) {
+        if self.waits.is_empty() && self.polls.is_empty() {
+            self.timeline.clear();
+        }
+    }
+}
+
+fn index_user(users: &mut FastMap<u32, SmallVec<[HoldKey; 1]>>, pid: u32, key: HoldKey) {
+    let keys = users.entry(pid).or_default();
+    if !keys.contains(&key) {
+        keys.push(key);
+    }
+}
+
+/// What [`LockState::holders_of`] needs of a wait or a poll run.
+struct HolderSpan<'a> {
+    pid: u32,
+    owner: u64,
+    start_ns: u64,
+    end_ns: u64,
+    initial: &'a [Arc<Attribution>],
+    from_seq: u64,
+    to_seq: u64,
 }
 
 /// Lock trouble of an iptables-family pid, kept until it exits (for [`TimeoutFact`]).
@@ -366,7 +786,7 @@ struct WaitEnd<'a> {
     comm: &'a Comm,
     start_ns: u64,
     end_ns: u64,
-    holders: &'a [Arc<Attribution>],
+    holders: &'a Holders,
     outcome: WaitOutcome,
     mode: WaitMode,
     tries: u32,
@@ -374,32 +794,130 @@ struct WaitEnd<'a> {
     incomplete: bool,
 }
 
-/// Everyone who held the lock during a wait, first to last, one entry per pid. A Go
-/// daemon's poll run can last thousands of holds: the pids are kept apart, so the duplicate
-/// check on every acquire scans a dense array instead of dereferencing each holder.
-#[derive(Debug, Default)]
+/// [`Holders::current`] before any holder is known.
+const NO_HOLDER: usize = usize::MAX;
+/// [`Holders::current`] for a holder past [`MAX_HOLDERS`].
+const OTHER_HOLDER: usize = usize::MAX - 1;
+
+/// Everyone who held the lock during a wait, first to last, one entry per pid (at most
+/// [`MAX_HOLDERS`]; more are counted), and how long the wait lasted behind each: a holder's
+/// stretch runs from when it took the lock (or the wait began) to when the next one did (or
+/// the wait ended), so the stretches add up to the wait. The pids are kept apart, so the
+/// duplicate check scans a dense array.
+#[derive(Debug)]
 struct Holders {
     pids: Vec<u32>,
     /// The highest of `pids`: a holder above it (a new process, the usual case while pids
     /// grow) is new without a scan.
     max_pid: u32,
     who: Vec<Arc<Attribution>>,
+    /// Time behind each, and when each first held the lock during the wait.
+    behind_ns: Vec<u64>,
+    from_ns: Vec<u64>,
+    /// Index of the holder now, or [`NO_HOLDER`] / [`OTHER_HOLDER`].
+    current: usize,
+    /// Start of the current stretch.
+    mark_ns: u64,
+    /// Time before any holder was known.
+    unknown_ns: u64,
+    /// Holders past the cap (counted per hand-over) and the time behind them.
+    others: u32,
+    others_ns: u64,
+}
+
+impl Default for Holders {
+    fn default() -> Self {
+        Holders::starting(0)
+    }
 }
 
 impl Holders {
-    fn push(&mut self, who: &Arc<Attribution>) {
-        let pid = who.pid;
-        // In chunks without an early exit: the compiler vectorises the inner test.
-        let seen = || {
-            self.pids
-                .chunks(16)
-                .any(|c| c.iter().fold(false, |found, &p| found | (p == pid)))
-        };
-        if (self.pids.is_empty() || pid > self.max_pid) || !seen() {
-            self.max_pid = self.max_pid.max(pid);
-            self.pids.push(pid);
-            self.who.push(who.clone());
+    fn starting(ts: u64) -> Self {
+        Holders {
+            pids: Vec::new(),
+            max_pid: 0,
+            who: Vec::new(),
+            behind_ns: Vec::new(),
+            from_ns: Vec::new(),
+            current: NO_HOLDER,
+            mark_ns: ts,
+            unknown_ns: 0,
+            others: 0,
+            others_ns: 0,
         }
+    }
+
+    fn index_of(&self, pid: u32) -> Option<usize> {
+        if pid > self.max_pid {
+            return None;
+        }
+        self.pids.iter().position(|&p| p == pid)
+    }
+
+    /// `who` holds the lock from `ts` on. A time before the current stretch began counts
+    /// from its start: the acquire's event can reach us after the wait's, with an earlier
+    /// time.
+    fn push(&mut self, who: &Arc<Attribution>, ts: u64) {
+        let ts = ts.max(self.mark_ns);
+        let i = match self.index_of(who.pid) {
+            Some(i) => i,
+            None if self.pids.len() < MAX_HOLDERS => {
+                self.max_pid = self.max_pid.max(who.pid);
+                self.pids.push(who.pid);
+                self.who.push(who.clone());
+                self.behind_ns.push(0);
+                self.from_ns.push(ts);
+                self.pids.len() - 1
+            }
+            None => {
+                if self.current != OTHER_HOLDER {
+                    self.others = self.others.saturating_add(1);
+                }
+                OTHER_HOLDER
+            }
+        };
+        if i != self.current {
+            self.close_stretch(ts);
+            self.current = i;
+        }
+    }
+
+    fn close_stretch(&mut self, ts: u64) {
+        let d = ts.saturating_sub(self.mark_ns);
+        match self.current {
+            NO_HOLDER => self.unknown_ns += d,
+            OTHER_HOLDER => self.others_ns += d,
+            i => self.behind_ns[i] += d,
+        }
+        self.mark_ns = self.mark_ns.max(ts);
+    }
+
+    /// The wait ended at `ts`.
+    fn end(&mut self, ts: u64) {
+        self.close_stretch(ts);
+    }
+
+    /// Adds every holder of `other` (no times: for the holders of a pid's lock trouble).
+    fn extend(&mut self, other: &Holders) {
+        for w in &other.who {
+            self.push(w, self.mark_ns);
+        }
+        self.others = self.others.saturating_add(other.others);
+    }
+
+    fn refs(&self, timed: bool) -> Vec<HolderRef> {
+        self.who
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let mut r = HolderRef::from(&**w);
+                if timed {
+                    r.behind_ns = Some(self.behind_ns[i]);
+                    r.from_ns = Some(self.from_ns[i]);
+                }
+                r
+            })
+            .collect()
     }
 }
 
@@ -408,6 +926,24 @@ impl std::ops::Deref for Holders {
 
     fn deref(&self) -> &[Arc<Attribution>] {
         &self.who
+    }
+}
+
+/// A bound of the analysis was hit: what went past it is not tracked, and said so.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Bound {
+    /// More than [`MAX_OPEN_HOLDS`] holds of one lock open at once.
+    OpenHolds,
+    /// More than [`MAX_OPEN_WAITS`] waits (or poll runs) on one lock open at once.
+    OpenWaits,
+}
+
+impl Bound {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bound::OpenHolds => "open_holds",
+            Bound::OpenWaits => "open_waits",
+        }
     }
 }
 
@@ -422,25 +958,19 @@ pub struct LockMachine {
     losses: u64,
     /// The last nf_tables commit lock named, by netns: commits come in runs from one netns.
     nft_name: Option<(u32, SharedStr)>,
+    /// How often each bound was hit; the first hit of each is reported as a fact.
+    over_bounds: std::collections::BTreeMap<Bound, u64>,
 }
 
 impl LockMachine {
     pub fn new(locks: Vec<WatchedLock>) -> Self {
         LockMachine {
-            locks: locks
-                .into_iter()
-                .map(|lock| LockState {
-                    name: SharedStr::from(lock.path.as_str()),
-                    lock,
-                    holds: Vec::new(),
-                    waits: Vec::new(),
-                    polls: Vec::new(),
-                })
-                .collect(),
+            locks: locks.into_iter().map(LockState::new).collect(),
             trouble: FastMap::default(),
             next_deadline: u64::MAX,
             losses: 0,
             nft_name: None,
+            over_bounds: Default::default(),
         }
     }
 
@@ -449,20 +979,29 @@ impl LockMachine {
         self.locks.iter().map(|l| &l.lock)
     }
 
-    /// Open holds right now, as (lock path, holder pid, start).
+    /// How often each bound was hit (see [`Bound`]).
+    pub fn over_bounds(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        self.over_bounds.iter().map(|(b, n)| (b.as_str(), *n))
+    }
+
+    /// Holds that still hold the lock right now, as (lock path, holder pid, start).
     pub fn open_holds(&self) -> impl Iterator<Item = (&str, u32, u64)> {
         self.locks.iter().flat_map(|l| {
             l.holds
-                .iter()
+                .values()
+                .filter(|h| h.holding())
                 .map(move |h| (l.lock.path.as_str(), h.pid, h.start_ns))
         })
     }
 
-    /// Open holds right now, as (lock path, start, holder).
+    /// Holds that still hold the lock right now, as (lock path, start, holder).
     pub fn open_holders(&self) -> impl Iterator<Item = (&SharedStr, u64, &Attribution)> {
-        self.locks
-            .iter()
-            .flat_map(|l| l.holds.iter().map(move |h| (&l.name, h.start_ns, &*h.who)))
+        self.locks.iter().flat_map(|l| {
+            l.holds
+                .values()
+                .filter(|h| h.holding())
+                .map(move |h| (&l.name, h.start_ns, &*h.who))
+        })
     }
 
     fn lock_index(&mut self, dev: u32, ino: u64) -> Option<usize> {
@@ -480,18 +1019,32 @@ impl LockMachine {
         // to be tracked and named.
         let path = format!("dev {}:{} ino {}", dev >> 20, dev & 0xf_ffff, ino);
         tracing::info!(%path, "lock events for an inode that was not configured");
-        self.locks.push(LockState {
-            name: SharedStr::from(path.as_str()),
-            lock: WatchedLock { path, dev, ino },
-            holds: Vec::new(),
-            waits: Vec::new(),
-            polls: Vec::new(),
-        });
+        self.locks
+            .push(LockState::new(WatchedLock { path, dev, ino }));
         Some(self.locks.len() - 1)
     }
 
     fn deadline(&mut self, at: u64) {
         self.next_deadline = self.next_deadline.min(at);
+    }
+
+    /// Counts a hit of `bound`; the first one is reported.
+    fn over_bound(&mut self, li: usize, bound: Bound, ts: u64, out: &mut dyn FnMut(Output)) {
+        let n = self.over_bounds.entry(bound).or_default();
+        *n += 1;
+        if *n == 1 {
+            tracing::warn!(
+                lock = %self.locks[li].lock.path,
+                bound = bound.as_str(),
+                "analysis bound reached: what goes past it is not tracked (counted in the summary)"
+            );
+            out(Output::Lost(LostFact {
+                ts_ns: ts,
+                count: 1,
+                total: 1,
+                bound: Some(bound.as_str()),
+            }));
+        }
     }
 
     /// Feeds one event. `Exit` is handled by [`LockMachine::on_exit`], which the caller
@@ -507,7 +1060,7 @@ impl LockMachine {
             Event::Fork(f) => self.on_fork(f),
             Event::TableReplace(t) => self.on_table_replace(t),
             Event::XtReplace(x) => self.on_xt_replace(x),
-            Event::LockSeed(l) => self.on_seed(l, cx),
+            Event::LockSeed(l) => self.on_seed(l, cx, out),
             Event::NftCommit(c) => {
                 let lock = match &self.nft_name {
                     Some((netns, name)) if *netns == c.netns => name.clone(),
@@ -532,7 +1085,8 @@ impl LockMachine {
             | Event::DropSetup { .. }
             | Event::KernelSymbol { .. }
             | Event::Ipvs(_)
-            | Event::IpvsCounts(_) => {}
+            | Event::IpvsCounts(_)
+            | Event::Pod(_) => {}
         }
     }
 
@@ -545,7 +1099,7 @@ impl LockMachine {
         };
         match e.op {
             LockOp::Acquired { exclusive } => self.on_acquired(li, e, exclusive, cx, out),
-            LockOp::Deferred => self.on_deferred(li, e),
+            LockOp::Deferred => self.on_deferred(li, e, out),
             LockOp::Failed { errno } => self.on_failed(li, e, errno, cx, out),
             LockOp::Released => self.on_released(li, e, out),
         }
@@ -561,95 +1115,89 @@ impl LockMachine {
     ) {
         let losses = self.losses;
         let st = &mut self.locks[li];
+        let key = HoldKey::Owner(e.owner);
         let mut new_deadline = None;
+        let mut overflow = false;
         // Same owner, still held: a repeated flock() or a conversion, not a new hold.
         // Unless events were lost since it began: then its release was likely lost.
-        if let Some(i) = st
+        if st
             .holds
-            .iter()
-            .position(|h| h.owner == e.owner && h.end.is_none() && h.losses != losses)
+            .get(&key)
+            .is_some_and(|h| h.holding() && h.losses != losses)
         {
-            let h = st.holds.remove(i);
-            out(Output::Hold(hold_fact(
-                &st.name, &h, e.ts_ns, false, true, None,
-            )));
-        }
-        if let Some(h) = st
-            .holds
-            .iter_mut()
-            .find(|h| h.owner == e.owner && h.end.is_none())
-        {
-            h.exclusive = exclusive;
-            if !h.users.iter().any(|u| u.0 == e.tgid) && h.users.len() < MAX_USERS {
-                h.users.push((e.tgid, false));
+            if let Some(h) = st.remove_hold(key) {
+                st.emit_hold(h, e.ts_ns, false, true, None, out);
             }
+        }
+        if let Some(h) = st.holds.get_mut(&key).filter(|h| h.holding()) {
+            h.exclusive = exclusive;
+            // Someone still uses the description: its users did not all exit after all.
+            h.ending = None;
+            st.add_user(key, e.tgid);
         } else {
             // Same owner whose end we inferred: that end was real after all.
-            let mut i = 0;
-            while i < st.holds.len() {
-                if st.holds[i].owner == e.owner {
-                    let h = st.holds.remove(i);
-                    let at = h.end.map_or(e.ts_ns, |p| p.at_ns);
-                    out(Output::Hold(hold_fact(&st.name, &h, at, false, true, None)));
-                } else {
-                    i += 1;
-                }
+            if let Some(h) = st.remove_hold(key) {
+                let at = h.inferred_end(e.ts_ns);
+                st.emit_hold(h, at, false, true, None, out);
             }
-            // A conflicting holder must be gone: its release is late or lost.
-            for h in st.holds.iter_mut() {
-                if exclusive || h.exclusive {
-                    let at = h.end.map_or(e.ts_ns, |p| p.at_ns.min(e.ts_ns));
-                    let deadline_ns = e.ts_ns.saturating_add(GRACE_NS);
-                    h.end = Some(PendingEnd {
-                        at_ns: at,
-                        deadline_ns,
-                        clamp: true,
-                    });
-                    new_deadline = Some(deadline_ns);
+            // A conflicting holder has released by now: its release is late or lost.
+            for h in st.holds.values_mut() {
+                if (exclusive || h.exclusive) && h.holding() {
+                    let end = h.ending_mut();
+                    end.superseded_ns = Some(e.ts_ns);
+                    end.deadline_ns = e.ts_ns.saturating_add(GRACE_NS);
+                    new_deadline = Some(end.deadline_ns);
                 }
             }
             let who = cx.who(e.tgid, &e.comm);
             // Whoever waits now waits behind this holder too.
-            for w in st.waits.iter_mut() {
-                if w.acquired_ns.is_none() && w.owner != e.owner && w.pid != e.tgid {
-                    w.holders.push(&who);
-                }
+            if !st.waits.is_empty() || !st.polls.is_empty() {
+                st.timeline.push(Change {
+                    ts_ns: e.ts_ns,
+                    owner: e.owner,
+                    who: who.clone(),
+                });
             }
-            for p in st.polls.iter_mut() {
-                if p.pid != e.tgid {
-                    p.holders.push(&who);
-                }
-            }
-            st.holds.push(OpenHold {
-                owner: e.owner,
-                pid: e.tgid,
-                tid: e.tid,
-                start_ns: e.ts_ns,
-                exclusive,
-                who,
-                users: Users::new(e.tgid),
-                users_overflow: false,
-                kernel_ns: 0,
-                replaces: 0,
-                swap_ns: 0,
-                incomplete: false,
-                before_start: false,
-                end: None,
-                losses,
-            });
+            overflow = !st.insert_hold(
+                key,
+                OpenHold {
+                    owner: e.owner,
+                    pid: e.tgid,
+                    tid: e.tid,
+                    start_ns: e.ts_ns,
+                    exclusive,
+                    who,
+                    users: Users::new(e.tgid),
+                    users_overflow: false,
+                    kernel_ns: 0,
+                    replaces: 0,
+                    swap_ns: 0,
+                    incomplete: false,
+                    before_start: false,
+                    ending: None,
+                    losses,
+                },
+            );
         }
         // The thread's own blocking wait is over; reported at the syscall return.
-        if let Some(w) = st
-            .waits
-            .iter_mut()
-            .find(|w| w.tid == e.tid && w.acquired_ns.is_none())
-        {
+        let to_seq = st.timeline.end_seq();
+        if let Some(w) = st.waits.get_mut(e.tid).filter(|w| w.acquired_ns.is_none()) {
             w.acquired_ns = Some(e.ts_ns);
+            w.to_seq = to_seq;
             new_deadline = Some(e.ts_ns.saturating_add(GRACE_NS));
         }
         // A poller got it.
-        if let Some(i) = st.polls.iter().position(|p| p.pid == e.tgid) {
-            let p = st.polls.swap_remove(i);
+        if let Some(p) = st.polls.swap_remove(&e.tgid) {
+            let holders = st.holders_of(HolderSpan {
+                pid: p.pid,
+                owner: e.owner,
+                start_ns: p.first_ns,
+                end_ns: e.ts_ns,
+                initial: &p.initial,
+                from_seq: p.from_seq,
+                to_seq,
+            });
+            st.settle_timeline();
             emit_wait(
                 &st.name,
                 WaitEnd {
@@ -658,7 +1206,7 @@ impl LockMachine {
                     comm: &p.comm,
                     start_ns: p.first_ns,
                     end_ns: e.ts_ns,
-                    holders: &p.holders,
+                    holders: &holders,
                     outcome: WaitOutcome::Acquired,
                     mode: WaitMode::Poll,
                     tries: p.tries,
@@ -672,34 +1220,33 @@ impl LockMachine {
         if let Some(d) = new_deadline {
             self.deadline(d);
         }
+        if overflow {
+            self.over_bound(li, Bound::OpenHolds, e.ts_ns, out);
+        }
     }
 
-    fn on_deferred(&mut self, li: usize, e: &LockEvent) {
+    fn on_deferred(&mut self, li: usize, e: &LockEvent, out: &mut dyn FnMut(Output)) {
         let st = &mut self.locks[li];
         // Woken up and beaten to it again: same wait.
-        if st
-            .waits
-            .iter()
-            .any(|w| w.tid == e.tid && w.acquired_ns.is_none())
-        {
+        if st.waits.get(e.tid).is_some() {
             return;
         }
-        let mut holders = Holders::default();
-        for h in st
-            .holds
-            .iter()
-            .filter(|h| h.owner != e.owner && h.end.is_none())
-        {
-            holders.push(&h.who);
+        if st.waits.len() >= MAX_OPEN_WAITS {
+            self.over_bound(li, Bound::OpenWaits, e.ts_ns, out);
+            return;
         }
-        st.waits.push(OpenWait {
+        let initial = st.current_holders(e.ts_ns, e.owner);
+        let from_seq = st.timeline.end_seq();
+        st.waits.insert(OpenWait {
             tid: e.tid,
             pid: e.tgid,
             owner: e.owner,
             comm: e.comm,
             start_ns: e.ts_ns,
-            holders,
+            initial,
+            from_seq,
             acquired_ns: None,
+            to_seq: u64::MAX,
             incomplete: false,
         });
     }
@@ -713,30 +1260,26 @@ impl LockMachine {
         out: &mut dyn FnMut(Output),
     ) {
         // A failure after a deferral ends that wait.
-        if let Some(i) = self.locks[li]
+        if self.locks[li]
             .waits
-            .iter()
-            .position(|w| w.tid == e.tid && w.acquired_ns.is_none())
+            .get(e.tid)
+            .is_some_and(|w| w.acquired_ns.is_none())
         {
-            let w = self.locks[li].waits.swap_remove(i);
-            self.end_wait(
-                li,
-                w,
-                e.ts_ns,
-                WaitOutcome::TimedOut,
-                Some(-i64::from(errno)),
-                cx,
-                out,
-            );
+            if let Some(w) = self.locks[li].waits.remove(e.tid) {
+                self.end_wait(
+                    li,
+                    w,
+                    e.ts_ns,
+                    WaitOutcome::TimedOut,
+                    Some(-i64::from(errno)),
+                    cx,
+                    out,
+                );
+            }
         }
         let st = &mut self.locks[li];
         let who = cx.who(e.tgid, &e.comm);
-        let current: Vec<Arc<Attribution>> = st
-            .holds
-            .iter()
-            .filter(|h| h.owner != e.owner && h.end.is_none())
-            .map(|h| h.who.clone())
-            .collect();
+        let current = st.current_holders(e.ts_ns, e.owner);
         out(Output::FailedTry(FailedTryFact {
             lock: st.name.clone(),
             pid: e.tgid,
@@ -746,133 +1289,129 @@ impl LockMachine {
             role: who.role,
             ts_ns: e.ts_ns,
             errno,
+            pod: who.pod.clone(),
             holder: current.first().map(|h| HolderRef::from(&**h)),
         }));
         // Extend the pid's poll run, or start one.
         let mut ended = None;
-        match st.polls.iter().position(|p| p.pid == e.tgid) {
-            Some(i) if e.ts_ns.saturating_sub(st.polls[i].last_ns) <= POLL_GAP_NS => {
-                let p = &mut st.polls[i];
+        let mut overflow = false;
+        match st.polls.get_mut(&e.tgid) {
+            Some(p) if e.ts_ns.saturating_sub(p.last_ns) <= POLL_GAP_NS => {
                 p.tries += 1;
                 p.last_ns = e.ts_ns;
-                for h in &current {
-                    p.holders.push(h);
-                }
             }
             found => {
-                if let Some(i) = found {
-                    ended = Some(st.polls.swap_remove(i));
+                if found.is_some() {
+                    ended = st.polls.swap_remove(&e.tgid);
                 }
-                let mut holders = Holders::default();
-                for h in &current {
-                    holders.push(h);
+                if st.polls.len() >= MAX_OPEN_WAITS {
+                    overflow = true;
+                } else {
+                    let from_seq = st.timeline.end_seq();
+                    st.polls.insert(
+                        e.tgid,
+                        PollStreak {
+                            pid: e.tgid,
+                            tid: e.tid,
+                            comm: e.comm,
+                            first_ns: e.ts_ns,
+                            last_ns: e.ts_ns,
+                            tries: 1,
+                            initial: current.clone(),
+                            from_seq,
+                        },
+                    );
                 }
-                st.polls.push(PollStreak {
-                    pid: e.tgid,
-                    tid: e.tid,
-                    comm: e.comm,
-                    first_ns: e.ts_ns,
-                    last_ns: e.ts_ns,
-                    tries: 1,
-                    holders,
-                });
             }
         }
         if let Some(p) = ended {
-            end_poll(&self.locks[li].name, p, WaitOutcome::TimedOut, cx, out);
+            self.end_poll(li, p, WaitOutcome::TimedOut, cx, out);
         }
         if is_locking_comm(&e.comm) {
             let t = self.trouble_of(e.tgid, li, e.ts_ns);
             t.tries += 1;
             t.waited_ns = t.waited_ns.max(e.ts_ns.saturating_sub(t.first_ns));
             for h in &current {
-                t.holders.push(h);
+                t.holders.push(h, e.ts_ns);
             }
+        }
+        if overflow {
+            self.over_bound(li, Bound::OpenWaits, e.ts_ns, out);
         }
         self.deadline(e.ts_ns.saturating_add(POLL_GAP_NS));
     }
 
     /// A hold in place when tracing began: its holder's pid is known, not its owner; its
     /// release is the first one from that process.
-    fn on_seed(&mut self, s: &LockSeed, cx: &mut Ctx<'_>) {
+    fn on_seed(&mut self, s: &LockSeed, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
         let Some(li) = self.lock_index(s.dev, s.ino) else {
             return;
         };
         let who = cx.who(s.pid, &Comm::default());
-        self.locks[li].holds.push(OpenHold {
-            owner: 0,
-            pid: s.pid,
-            tid: s.pid,
-            start_ns: s.ts_ns,
-            exclusive: s.exclusive,
-            who,
-            users: Users::new(s.pid),
-            users_overflow: false,
-            kernel_ns: 0,
-            replaces: 0,
-            swap_ns: 0,
-            incomplete: false,
-            before_start: true,
-            end: None,
-            losses: self.losses,
-        });
+        let losses = self.losses;
+        let added = self.locks[li].insert_hold(
+            HoldKey::Seed(s.pid),
+            OpenHold {
+                owner: 0,
+                pid: s.pid,
+                tid: s.pid,
+                start_ns: s.ts_ns,
+                exclusive: s.exclusive,
+                who,
+                users: Users::new(s.pid),
+                users_overflow: false,
+                kernel_ns: 0,
+                replaces: 0,
+                swap_ns: 0,
+                incomplete: false,
+                before_start: true,
+                ending: None,
+                losses,
+            },
+        );
+        if !added {
+            self.over_bound(li, Bound::OpenHolds, s.ts_ns, out);
+        }
     }
 
     fn on_released(&mut self, li: usize, e: &LockEvent, out: &mut dyn FnMut(Output)) {
         let st = &mut self.locks[li];
-        let found = st
-            .holds
-            .iter()
-            .position(|h| h.owner == e.owner)
-            .or_else(|| {
-                st.holds
-                    .iter()
-                    .position(|h| h.before_start && h.users.iter().any(|u| u.0 == e.tgid))
-            });
-        let Some(i) = found else {
+        let key = HoldKey::Owner(e.owner);
+        let found = if st.holds.contains_key(&key) {
+            Some(key)
+        } else {
+            // A hold from before tracing: released by its process (or a child).
+            st.users.get(&e.tgid).and_then(|keys| {
+                keys.iter()
+                    .copied()
+                    .find(|k| st.holds.get(k).is_some_and(|h| h.before_start))
+            })
+        };
+        let Some(h) = found.and_then(|k| st.remove_hold(k)) else {
             // close() of any descriptor of the file while someone holds it, or the hold
             // began before tracing, or its acquire was lost.
             tracing::trace!(pid = e.tgid, owner = e.owner, "release without a hold");
             return;
         };
-        let h = st.holds.remove(i);
-        let end = match h.end {
-            Some(p) if p.clamp => e.ts_ns.min(p.at_ns),
-            _ => e.ts_ns,
-        };
-        out(Output::Hold(hold_fact(
-            &st.name,
-            &h,
-            end,
-            false,
-            h.incomplete,
-            Some(e.tgid),
-        )));
+        let end = h.release_end(e.ts_ns);
+        let incomplete = h.incomplete;
+        st.emit_hold(h, end, false, incomplete, Some(e.tgid), out);
     }
 
     fn on_flock_call(&mut self, e: &FlockCallEvent, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
         // Find the thread's wait: on the call's lock, or anywhere if the inode is unknown.
-        let found = self.locks.iter().enumerate().find_map(|(li, st)| {
-            if st.lock.dev != e.dev || st.lock.ino != e.ino {
-                return None;
-            }
-            st.waits
-                .iter()
-                .position(|w| w.tid == e.tid)
-                .map(|wi| (li, wi))
-        });
-        let found = found.or_else(|| {
-            self.locks.iter().enumerate().find_map(|(li, st)| {
-                st.waits
-                    .iter()
-                    .position(|w| w.tid == e.tid)
-                    .map(|wi| (li, wi))
-            })
-        });
-        let Some((li, wi)) = found else {
+        let has = |st: &LockState| st.waits.get(e.tid).is_some();
+        let li = self
+            .locks
+            .iter()
+            .position(|st| st.lock.dev == e.dev && st.lock.ino == e.ino && has(st))
+            .or_else(|| self.locks.iter().position(has));
+        let Some(li) = li else {
             return;
         };
-        let mut w = self.locks[li].waits.swap_remove(wi);
+        let Some(mut w) = self.locks[li].waits.remove(e.tid) else {
+            return;
+        };
         // The syscall began before the first deferral: that is when the wait began.
         if e.enter_ns != 0 && e.enter_ns < w.start_ns {
             w.start_ns = e.enter_ns;
@@ -886,33 +1425,42 @@ impl LockMachine {
                 // Success without the `Acquired` event: it was lost. The thread holds the
                 // lock now; start the hold here so its release is not ignored.
                 w.incomplete = true;
-                let st = &mut self.locks[li];
-                if !st.holds.iter().any(|h| h.owner == e.owner) {
+                w.to_seq = self.locks[li].timeline.end_seq();
+                let key = HoldKey::Owner(e.owner);
+                let mut overflow = false;
+                if !self.locks[li].holds.contains_key(&key) {
                     let who = cx.who(w.pid, &w.comm);
-                    st.holds.push(OpenHold {
-                        owner: e.owner,
-                        pid: w.pid,
-                        tid: w.tid,
-                        start_ns: e.ts_ns,
-                        exclusive: true,
-                        who,
-                        users: Users::new(w.pid),
-                        users_overflow: false,
-                        kernel_ns: 0,
-                        replaces: 0,
-                        swap_ns: 0,
-                        incomplete: true,
-                        before_start: false,
-                        end: None,
-                        losses: self.losses,
-                    });
+                    overflow = !self.locks[li].insert_hold(
+                        key,
+                        OpenHold {
+                            owner: e.owner,
+                            pid: w.pid,
+                            tid: w.tid,
+                            start_ns: e.ts_ns,
+                            exclusive: true,
+                            who,
+                            users: Users::new(w.pid),
+                            users_overflow: false,
+                            kernel_ns: 0,
+                            replaces: 0,
+                            swap_ns: 0,
+                            incomplete: true,
+                            before_start: false,
+                            ending: None,
+                            losses: self.losses,
+                        },
+                    );
                 }
                 self.end_wait(li, w, e.ts_ns, WaitOutcome::Acquired, None, cx, out);
+                if overflow {
+                    self.over_bound(li, Bound::OpenHolds, e.ts_ns, out);
+                }
             }
         }
     }
 
-    /// Reports a finished blocking wait; a timed-out one is remembered for the exit.
+    /// Reports a finished blocking wait (already out of the open waits); a timed-out one is
+    /// remembered for the exit.
     #[allow(clippy::too_many_arguments)]
     fn end_wait(
         &mut self,
@@ -924,13 +1472,22 @@ impl LockMachine {
         cx: &mut Ctx<'_>,
         out: &mut dyn FnMut(Output),
     ) {
+        let st = &mut self.locks[li];
+        let holders = st.holders_of(HolderSpan {
+            pid: w.pid,
+            owner: w.owner,
+            start_ns: w.start_ns,
+            end_ns,
+            initial: &w.initial,
+            from_seq: w.from_seq,
+            to_seq: w.to_seq,
+        });
+        st.settle_timeline();
         if outcome == WaitOutcome::TimedOut && is_locking_comm(&w.comm) {
             let t = self.trouble_of(w.pid, li, w.start_ns);
             t.first_ns = t.first_ns.min(w.start_ns);
             t.waited_ns = t.waited_ns.max(end_ns.saturating_sub(w.start_ns));
-            for h in w.holders.iter() {
-                t.holders.push(h);
-            }
+            t.holders.extend(&holders);
         }
         emit_wait(
             &self.locks[li].name,
@@ -940,7 +1497,7 @@ impl LockMachine {
                 comm: &w.comm,
                 start_ns: w.start_ns,
                 end_ns,
-                holders: &w.holders,
+                holders: &holders,
                 outcome,
                 mode: WaitMode::Blocking,
                 tries: 0,
@@ -950,6 +1507,49 @@ impl LockMachine {
             cx,
             out,
         );
+    }
+
+    /// Reports a poll run (already out of the open ones) that did not end in success; a
+    /// single try is not a wait.
+    fn end_poll(
+        &mut self,
+        li: usize,
+        p: PollStreak,
+        outcome: WaitOutcome,
+        cx: &mut Ctx<'_>,
+        out: &mut dyn FnMut(Output),
+    ) {
+        let st = &mut self.locks[li];
+        if p.tries >= 2 {
+            let holders = st.holders_of(HolderSpan {
+                pid: p.pid,
+                owner: 0,
+                start_ns: p.first_ns,
+                end_ns: p.last_ns,
+                initial: &p.initial,
+                from_seq: p.from_seq,
+                to_seq: u64::MAX,
+            });
+            emit_wait(
+                &st.name,
+                WaitEnd {
+                    pid: p.pid,
+                    tid: p.tid,
+                    comm: &p.comm,
+                    start_ns: p.first_ns,
+                    end_ns: p.last_ns,
+                    holders: &holders,
+                    outcome,
+                    mode: WaitMode::Poll,
+                    tries: p.tries,
+                    ret: None,
+                    incomplete: false,
+                },
+                cx,
+                out,
+            );
+        }
+        st.settle_timeline();
     }
 
     fn trouble_of(&mut self, pid: u32, li: usize, ts: u64) -> &mut Trouble {
@@ -971,55 +1571,52 @@ impl LockMachine {
     /// Settles waits of `tid` that got the lock but whose syscall return never came.
     fn flush_acquired_of(&mut self, tid: u32, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
         for li in 0..self.locks.len() {
-            while let Some(i) = self.locks[li]
-                .waits
-                .iter()
-                .position(|w| w.tid == tid && w.acquired_ns.is_some())
-            {
-                let w = self.locks[li].waits.swap_remove(i);
-                let at = w.acquired_ns.unwrap_or(w.start_ns);
+            let Some(at) = self.locks[li].waits.get(tid).and_then(|w| w.acquired_ns) else {
+                continue;
+            };
+            if let Some(w) = self.locks[li].waits.remove(tid) {
                 self.end_wait(li, w, at, WaitOutcome::Acquired, None, cx, out);
             }
         }
     }
 
     fn on_fork(&mut self, f: &ForkEvent) {
-        // The child shares the parent's open files, hence the owners of its holds.
+        // The child shares the parent's open files, hence the owners of its holds. The
+        // index holds live users only (an exit removes its entry).
         for st in self.locks.iter_mut() {
-            for h in st.holds.iter_mut() {
-                if h.users
-                    .iter()
-                    .any(|&(p, exited)| p == f.parent_tgid && !exited)
-                    && !h.users.iter().any(|u| u.0 == f.child_tid)
-                {
-                    if h.users.len() < MAX_USERS {
-                        h.users.push((f.child_tid, false));
-                    } else {
-                        h.users_overflow = true;
-                    }
-                }
+            let Some(keys) = st.users.get(&f.parent_tgid) else {
+                continue;
+            };
+            for key in keys.clone() {
+                st.add_user(key, f.child_tid);
             }
         }
     }
 
+    /// Holds of `tgid` that still hold the lock and began by `ts`.
+    fn holds_of_pid(&mut self, tgid: u32, ts: u64) -> impl Iterator<Item = &mut OpenHold> {
+        self.locks.iter_mut().flat_map(move |st| {
+            let keys = st.users.get(&tgid).cloned().unwrap_or_default();
+            let holds = &mut st.holds;
+            holds
+                .iter_mut()
+                .filter(move |(k, h)| {
+                    keys.contains(k) && h.pid == tgid && h.holding() && ts >= h.start_ns
+                })
+                .map(|(_, h)| h)
+        })
+    }
+
     fn on_xt_replace(&mut self, x: &XtReplaceEvent) {
-        for st in self.locks.iter_mut() {
-            for h in st.holds.iter_mut() {
-                if h.pid == x.tgid && h.end.is_none() && x.ts_ns >= h.start_ns {
-                    h.swap_ns += x.ts_ns.saturating_sub(x.enter_ns);
-                }
-            }
+        for h in self.holds_of_pid(x.tgid, x.ts_ns) {
+            h.swap_ns += x.ts_ns.saturating_sub(x.enter_ns);
         }
     }
 
     fn on_table_replace(&mut self, t: &TableReplaceEvent) {
-        for st in self.locks.iter_mut() {
-            for h in st.holds.iter_mut() {
-                if h.pid == t.tgid && h.end.is_none() && t.ts_ns >= h.start_ns {
-                    h.kernel_ns += t.ts_ns.saturating_sub(t.enter_ns);
-                    h.replaces += 1;
-                }
-            }
+        for h in self.holds_of_pid(t.tgid, t.ts_ns) {
+            h.kernel_ns += t.ts_ns.saturating_sub(t.enter_ns);
+            h.replaces += 1;
         }
     }
 
@@ -1044,12 +1641,12 @@ impl LockMachine {
         let mut new_deadline = None;
         for li in 0..self.locks.len() {
             // Waits of the thread (or of the whole process) that exits.
-            while let Some(i) = self.locks[li]
-                .waits
-                .iter()
-                .position(|w| w.tid == e.tid || (leader && w.pid == e.tgid))
-            {
-                let w = self.locks[li].waits.swap_remove(i);
+            let mut ended: SmallVec<[OpenWait; 1]> = SmallVec::new();
+            if leader {
+                ended = self.locks[li].waits.remove_pid(e.tgid);
+            }
+            ended.extend(self.locks[li].waits.remove(e.tid));
+            for w in ended {
                 match w.acquired_ns {
                     Some(at) => self.end_wait(li, w, at, WaitOutcome::Acquired, None, cx, out),
                     None => {
@@ -1062,33 +1659,34 @@ impl LockMachine {
                     }
                 }
             }
-            let st = &mut self.locks[li];
             if leader {
-                if let Some(i) = st.polls.iter().position(|p| p.pid == e.tgid) {
-                    let p = st.polls.swap_remove(i);
+                if let Some(p) = self.locks[li].polls.swap_remove(&e.tgid) {
                     let outcome = if gave_up {
                         WaitOutcome::TimedOut
                     } else {
                         WaitOutcome::Abandoned
                     };
-                    end_poll(&st.name, p, outcome, cx, out);
+                    self.end_poll(li, p, outcome, cx, out);
                 }
             }
-            // A hold whose every user is gone ends at the latest when the last one exits;
-            // the real release (the kernel closes files after this event) should follow.
-            for h in st.holds.iter_mut() {
-                let mut touched = false;
+            // A hold whose every user is gone is still held: the kernel releases it when
+            // it closes their files, after this event. Its release should follow.
+            let st = &mut self.locks[li];
+            let Some(keys) = st.users.remove(&e.tid) else {
+                continue;
+            };
+            for key in keys {
+                let Some(h) = st.holds.get_mut(&key) else {
+                    continue;
+                };
                 for u in h.users.iter_mut().filter(|u| u.0 == e.tid) {
                     u.1 = true;
-                    touched = true;
                 }
-                if touched && h.end.is_none() && !h.users_overflow && h.users.iter().all(|u| u.1) {
+                if h.ending.is_none() && !h.users_overflow && h.users.iter().all(|u| u.1) {
                     let deadline_ns = ts.saturating_add(GRACE_NS);
-                    h.end = Some(PendingEnd {
-                        at_ns: ts,
-                        deadline_ns,
-                        clamp: false,
-                    });
+                    let end = h.ending_mut();
+                    end.exited_ns = Some(ts);
+                    end.deadline_ns = deadline_ns;
                     new_deadline = Some(deadline_ns);
                 }
             }
@@ -1125,9 +1723,10 @@ impl LockMachine {
             exit_code: 4,
             waited_ns,
             tries: t.tries,
-            holders: t.holders.iter().map(|h| HolderRef::from(&**h)).collect(),
+            holders: t.holders.refs(false),
             pod_uid: who.pod_uid.clone(),
             container_id: who.container_id.clone(),
+            pod: who.pod.clone(),
         }));
         true
     }
@@ -1138,47 +1737,46 @@ impl LockMachine {
         let mut next = u64::MAX;
         for li in 0..self.locks.len() {
             let st = &mut self.locks[li];
-            let mut i = 0;
-            while i < st.holds.len() {
-                match st.holds[i].end {
-                    Some(p) if p.deadline_ns <= now => {
-                        let h = st.holds.remove(i);
-                        tracing::debug!(lock = %st.lock.path, pid = h.pid, "release not seen; hold end inferred");
-                        out(Output::Hold(hold_fact(
-                            &st.name, &h, p.at_ns, false, true, None,
-                        )));
-                    }
-                    Some(p) => {
-                        next = next.min(p.deadline_ns);
-                        i += 1;
-                    }
-                    None => i += 1,
+            let mut due = Vec::new();
+            for (k, h) in &st.holds {
+                match h.ending {
+                    Some(end) if end.deadline_ns <= now => due.push(*k),
+                    Some(end) => next = next.min(end.deadline_ns),
+                    None => {}
                 }
             }
-            let mut i = 0;
-            while i < st.polls.len() {
-                let gap_end = st.polls[i].last_ns.saturating_add(POLL_GAP_NS);
+            for k in due {
+                if let Some(h) = st.remove_hold(k) {
+                    tracing::debug!(lock = %st.lock.path, pid = h.pid, "release not seen; hold end inferred");
+                    let at = h.inferred_end(now);
+                    st.emit_hold(h, at, false, true, None, out);
+                }
+            }
+            let mut due = Vec::new();
+            for (pid, p) in &st.polls {
+                let gap_end = p.last_ns.saturating_add(POLL_GAP_NS);
                 if gap_end <= now {
-                    let p = st.polls.swap_remove(i);
-                    end_poll(&st.name, p, WaitOutcome::TimedOut, cx, out);
+                    due.push(*pid);
                 } else {
                     next = next.min(gap_end);
-                    i += 1;
                 }
             }
-            let mut i = 0;
-            while i < self.locks[li].waits.len() {
-                let w = &self.locks[li].waits[i];
+            for pid in due {
+                if let Some(p) = self.locks[li].polls.swap_remove(&pid) {
+                    self.end_poll(li, p, WaitOutcome::TimedOut, cx, out);
+                }
+            }
+            let mut due = Vec::new();
+            for w in self.locks[li].waits.by_tid.values() {
                 match w.acquired_ns {
-                    Some(at) if at.saturating_add(GRACE_NS) <= now => {
-                        let w = self.locks[li].waits.swap_remove(i);
-                        self.end_wait(li, w, at, WaitOutcome::Acquired, None, cx, out);
-                    }
-                    Some(at) => {
-                        next = next.min(at.saturating_add(GRACE_NS));
-                        i += 1;
-                    }
-                    None => i += 1,
+                    Some(at) if at.saturating_add(GRACE_NS) <= now => due.push((w.tid, at)),
+                    Some(at) => next = next.min(at.saturating_add(GRACE_NS)),
+                    None => {}
+                }
+            }
+            for (tid, at) in due {
+                if let Some(w) = self.locks[li].waits.remove(tid) {
+                    self.end_wait(li, w, at, WaitOutcome::Acquired, None, cx, out);
                 }
             }
         }
@@ -1190,15 +1788,30 @@ impl LockMachine {
     pub fn finish(&mut self, ts: u64, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
         for li in 0..self.locks.len() {
             let st = &mut self.locks[li];
-            for h in std::mem::take(&mut st.holds) {
-                let fact = match h.end {
-                    Some(p) => hold_fact(&st.name, &h, p.at_ns, false, true, None),
-                    None => hold_fact(&st.name, &h, ts, true, h.incomplete, None),
-                };
-                out(Output::Hold(fact));
+            st.users.clear();
+            for (_, h) in std::mem::take(&mut st.holds) {
+                match h.ending {
+                    Some(_) => {
+                        let at = h.inferred_end(ts);
+                        st.emit_hold(h, at, false, true, None, out);
+                    }
+                    None => {
+                        let incomplete = h.incomplete;
+                        st.emit_hold(h, ts, true, incomplete, None, out);
+                    }
+                }
             }
-            for p in std::mem::take(&mut st.polls) {
+            for (_, p) in std::mem::take(&mut st.polls) {
                 // A single failed try just before the end is a wait in progress too.
+                let holders = st.holders_of(HolderSpan {
+                    pid: p.pid,
+                    owner: 0,
+                    start_ns: p.first_ns,
+                    end_ns: ts,
+                    initial: &p.initial,
+                    from_seq: p.from_seq,
+                    to_seq: u64::MAX,
+                });
                 emit_wait(
                     &st.name,
                     WaitEnd {
@@ -1207,7 +1820,7 @@ impl LockMachine {
                         comm: &p.comm,
                         start_ns: p.first_ns,
                         end_ns: ts,
-                        holders: &p.holders,
+                        holders: &holders,
                         outcome: WaitOutcome::Open,
                         mode: WaitMode::Poll,
                         tries: p.tries,
@@ -1218,47 +1831,17 @@ impl LockMachine {
                     out,
                 );
             }
-            for w in std::mem::take(&mut self.locks[li].waits) {
+            for w in self.locks[li].waits.take_all() {
                 match w.acquired_ns {
                     Some(at) => self.end_wait(li, w, at, WaitOutcome::Acquired, None, cx, out),
                     None => self.end_wait(li, w, ts, WaitOutcome::Open, None, cx, out),
                 }
             }
+            self.locks[li].timeline.clear();
         }
         self.trouble.clear();
         self.next_deadline = u64::MAX;
     }
-}
-
-/// Reports a poll run that did not end in success; a single try is not a wait.
-fn end_poll(
-    lock: &SharedStr,
-    p: PollStreak,
-    outcome: WaitOutcome,
-    cx: &mut Ctx<'_>,
-    out: &mut dyn FnMut(Output),
-) {
-    if p.tries < 2 {
-        return;
-    }
-    emit_wait(
-        lock,
-        WaitEnd {
-            pid: p.pid,
-            tid: p.tid,
-            comm: &p.comm,
-            start_ns: p.first_ns,
-            end_ns: p.last_ns,
-            holders: &p.holders,
-            outcome,
-            mode: WaitMode::Poll,
-            tries: p.tries,
-            ret: None,
-            incomplete: false,
-        },
-        cx,
-        out,
-    );
 }
 
 fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
@@ -1273,7 +1856,10 @@ fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn F
         cmdline: who.cmdline.clone(),
         start_ns: w.start_ns,
         wait_ns: w.end_ns.saturating_sub(w.start_ns),
-        holders: w.holders.iter().map(|h| HolderRef::from(&**h)).collect(),
+        holders: w.holders.refs(true),
+        unknown_ns: w.holders.unknown_ns,
+        other_holders: w.holders.others,
+        other_holders_ns: w.holders.others_ns,
         outcome: w.outcome,
         mode: w.mode,
         tries: w.tries,
@@ -1281,6 +1867,7 @@ fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn F
         agent_pid: who.agent_pid,
         pod_uid: who.pod_uid.clone(),
         container_id: who.container_id.clone(),
+        pod: who.pod.clone(),
         incomplete: w.incomplete,
     }));
 }
@@ -1314,6 +1901,7 @@ fn hold_fact(
         released_by,
         pod_uid: who.pod_uid.clone(),
         container_id: who.container_id.clone(),
+        pod: who.pod.clone(),
         open,
         incomplete,
     }
@@ -1352,6 +1940,7 @@ fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> Hol
         released_by: None,
         pod_uid: who.pod_uid.clone(),
         container_id: who.container_id.clone(),
+        pod: who.pod.clone(),
         open: false,
         incomplete: false,
     }
@@ -1368,6 +1957,10 @@ pub fn is_locking_proc(procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
 }
 
 fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_u32(v: &u32) -> bool {
     *v == 0
 }
 

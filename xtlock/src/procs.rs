@@ -11,8 +11,8 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
-use crate::attribution::{parse_cgroup, CgroupIdentity};
-use crate::decode::{Argv, Comm, Event, ExecEvent, ExitEvent, ForkEvent, ProcInfo};
+use crate::decode::{Argv, Comm, Event, ExecEvent, ExitEvent, ForkEvent, PodInfo, ProcInfo};
+use crate::kube::{parse_cgroup, CgroupIdentity, PodName};
 use crate::shared::{prefetch, SharedStr};
 
 /// A `HashMap` with a fast, seeded hash: keys are pids and comms, hashed on every event.
@@ -362,6 +362,56 @@ impl Entries {
     }
 }
 
+/// Pods and containers by the ids their processes' cgroups carry, from [`Event::Pod`].
+#[derive(Debug, Default)]
+struct PodNames {
+    by_container: FastMap<String, Arc<PodName>>,
+    by_uid: FastMap<String, Arc<PodName>>,
+}
+
+/// Containers and pods named; beyond, the names start over (a node runs a few hundred).
+const MAX_PODS: usize = 16384;
+
+impl PodNames {
+    fn learn(&mut self, p: &PodInfo) {
+        if self.by_container.len() + self.by_uid.len() >= MAX_PODS {
+            self.by_container.clear();
+            self.by_uid.clear();
+        }
+        let name = Arc::new(PodName {
+            namespace: p.namespace.as_str().into(),
+            pod: p.pod.as_str().into(),
+            container: p.container.as_str().into(),
+        });
+        if !p.container_id.is_empty() {
+            self.by_container
+                .insert(p.container_id.clone(), name.clone());
+        }
+        if !p.pod_uid.is_empty()
+            && (p.container_id.is_empty() || !self.by_uid.contains_key(&p.pod_uid))
+        {
+            // The pod by UID, for its processes outside any named container.
+            let pod = Arc::new(PodName {
+                container: SharedStr::empty(),
+                ..(*name).clone()
+            });
+            self.by_uid.insert(p.pod_uid.clone(), pod);
+        }
+    }
+
+    fn get(&self, id: &CgroupIdentity) -> Option<Arc<PodName>> {
+        id.container_id
+            .as_ref()
+            .and_then(|c| self.by_container.get(c.as_str()))
+            .or_else(|| {
+                id.pod_uid
+                    .as_ref()
+                    .and_then(|u| self.by_uid.get(u.as_str()))
+            })
+            .cloned()
+    }
+}
+
 /// The process table. Keyed by pid (tgid).
 #[derive(Debug)]
 pub struct ProcTable {
@@ -374,6 +424,7 @@ pub struct ProcTable {
     names: FastMap<Comm, SharedStr>,
     /// The last cgroup parsed (processes come in runs from the same cgroup).
     last_cgroup: Option<Arc<Cgroup>>,
+    pods: PodNames,
     max_dead: usize,
     dead_ttl_ns: u64,
 }
@@ -396,6 +447,7 @@ impl ProcTable {
             next_generation: 1,
             names: FastMap::default(),
             last_cgroup: None,
+            pods: PodNames::default(),
             max_dead,
             dead_ttl_ns,
         }
@@ -425,8 +477,14 @@ impl ProcTable {
             Event::Exec(e) => self.on_exec(e),
             Event::Fork(f) => self.on_fork(f),
             Event::Exit(e) => self.on_exit(e),
+            Event::Pod(p) => self.pods.learn(p),
             _ => {}
         }
+    }
+
+    /// The pod and container a cgroup belongs to, when the kubelet named them.
+    pub fn pod_of(&self, id: &CgroupIdentity) -> Option<Arc<PodName>> {
+        self.pods.get(id)
     }
 
     fn next_stamp(&mut self) -> u64 {

@@ -93,8 +93,11 @@ pub struct DurationSummary {
 pub struct ContentionSummary {
     pub waiter: String,
     pub holder: String,
+    /// Waits that were behind this holder agent at some point.
     pub count: u64,
+    /// Time those waits spent behind it (not their whole length).
     pub total_wait_ns: u64,
+    /// The longest time one wait spent behind it.
     pub max_wait_ns: u64,
 }
 
@@ -121,7 +124,8 @@ pub struct Summary {
     pub holds: BTreeMap<String, DurationSummary>,
     /// Per agent of the waiter.
     pub waits: BTreeMap<String, DurationSummary>,
-    /// Waiter agent x holder agent; a wait behind several holder agents counts once for each.
+    /// Waiter agent x holder agent; a wait behind several holder agents counts once for
+    /// each, with the time it spent behind that agent's holds.
     pub contention: Vec<ContentionSummary>,
     pub lost_events: u64,
     /// Failed non-blocking tries per agent.
@@ -148,6 +152,10 @@ pub struct Summary {
     /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
     /// `drops` equal to it are the host's.
     pub host_netns: u32,
+    /// How often each bound of the analysis was hit (`open_holds`, `open_waits`): what went
+    /// past it was not tracked. Absent when none was.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub over_bounds: BTreeMap<String, u64>,
     /// IPVS per (protocol, service, backend): connections, packets, stale packets.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ipvs: Vec<IpvsBackendRow>,
@@ -245,36 +253,15 @@ impl Stats {
                 slot(&mut self.waits, &w.agent).record(w.wait_ns);
                 slot(&mut self.per_lock, &w.lock).waits += 1;
                 *self.wait_outcomes.entry(w.outcome.as_str()).or_default() += 1;
+                // Once per distinct holder agent, with the time the wait spent behind
+                // that agent's holds (the holders' stretches add up to the wait).
+                let behind = w.behind_by_agent(UNKNOWN_HOLDER, OTHER_AGENTS);
                 let row = slot(&mut self.contention, &w.agent);
-                let mut add = |holder: &str| {
+                for (holder, ns) in behind {
                     let c = slot(row, holder);
                     c.count += 1;
-                    c.total_ns = c.total_ns.saturating_add(w.wait_ns);
-                    c.max_ns = c.max_ns.max(w.wait_ns);
-                };
-                if w.holders.is_empty() {
-                    add(UNKNOWN_HOLDER);
-                }
-                // Once per distinct holder agent, in order of first appearance. A long poll
-                // wait has hundreds of holders and a handful of agents: the agents already
-                // counted are remembered (the first few on the stack), so the check is not
-                // quadratic in the holders.
-                let mut seen: [&str; 8] = [""; 8];
-                let mut n = 0;
-                for (i, h) in w.holders.iter().enumerate() {
-                    let agent: &str = &h.agent;
-                    let counted = if n < seen.len() {
-                        seen[..n].contains(&agent)
-                    } else {
-                        w.holders[..i].iter().any(|p| p.agent == h.agent)
-                    };
-                    if !counted {
-                        if n < seen.len() {
-                            seen[n] = agent;
-                            n += 1;
-                        }
-                        add(agent);
-                    }
+                    c.total_ns = c.total_ns.saturating_add(ns);
+                    c.max_ns = c.max_ns.max(ns);
                 }
             }
             Output::FailedTry(f) => *slot(&mut self.failed_tries, &f.agent) += 1,
@@ -285,6 +272,8 @@ impl Stats {
                     *slot(&mut self.exit4_without_lock, &e.agent) += 1;
                 }
             }
+            // A bound of the analysis is counted by the lock machine (`over_bounds`).
+            Output::Lost(l) if l.bound.is_some() => {}
             Output::Lost(l) => self.lost = self.lost.saturating_add(l.count),
             // Counted by the drop tracker (`drops`), which sees them first.
             Output::Drop(_)
@@ -373,6 +362,7 @@ impl Stats {
             },
             drops: Default::default(),
             host_netns: 0,
+            over_bounds: BTreeMap::new(),
             ipvs: Vec::new(),
         }
     }

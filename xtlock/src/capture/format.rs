@@ -51,6 +51,9 @@ pub const KIND_CONNTRACK: u8 = 8;
 pub const KIND_LOCK_SEED: u8 = 9;
 /// Synthetic IPVS packet counts (skippable like the drop records).
 pub const KIND_IPVS_COUNTS: u8 = 10;
+/// Synthetic: the kubelet's names of a container or pod (skippable: a reader that does not
+/// know it loses only pod names).
+pub const KIND_POD: u8 = 11;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -563,11 +566,24 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_IPVS_COUNTS
         }
+        Event::Pod(p) => {
+            put_varint(out, p.ts_ns);
+            for s in [
+                &p.container_id,
+                &p.pod_uid,
+                &p.namespace,
+                &p.pod,
+                &p.container,
+            ] {
+                put_bytes(out, s.as_bytes());
+            }
+            KIND_POD
+        }
         _ => return None,
     })
 }
 
-/// Decodes a body of kind 5..=9 into its event; trailing fields are ignored.
+/// Decodes a body of kind 5..=11 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
@@ -692,6 +708,14 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
             ino: r.varint("ino")?,
             exclusive: r.varint("exclusive")? != 0,
         }),
+        KIND_POD => Event::Pod(Box::new(crate::decode::PodInfo {
+            ts_ns: r.varint("ts_ns")?,
+            container_id: r.string("container_id")?,
+            pod_uid: r.string("pod_uid")?,
+            namespace: r.string("namespace")?,
+            pod: r.string("pod")?,
+            container: r.string("container")?,
+        })),
         k => return Err(format!("kind {k} is not a synthetic record")),
     })
 }
@@ -883,6 +907,14 @@ mod tests {
                 ],
                 overflow: 2,
             }),
+            Event::Pod(Box::new(crate::decode::PodInfo {
+                ts_ns: 9,
+                container_id: "3f6e4b0c2a1d".into(),
+                pod_uid: "0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d".into(),
+                namespace: "kube-system".into(),
+                pod: "kube-proxy-x7k2p".into(),
+                container: "kube-proxy".into(),
+            })),
             Event::Conntrack(Box::new(ConntrackStats {
                 ts_ns: 8,
                 interval_ns: 999,

@@ -216,7 +216,8 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_DROP_COUNTS
                 | format::KIND_CONNTRACK
                 | format::KIND_LOCK_SEED
-                | format::KIND_IPVS_COUNTS => {
+                | format::KIND_IPVS_COUNTS
+                | format::KIND_POD => {
                     return Some(
                         match format::decode_drop_event(kind, &self.raw[start..end]) {
                             Ok(ev) => {

@@ -269,7 +269,7 @@ impl Sink for CountingSink {
             Output::Hold(_) => &self.0.holds,
             Output::Wait(_) => &self.0.waits,
             Output::Timeout(_) => &self.0.timeouts,
-            Output::Lost(l) => {
+            Output::Lost(l) if l.bound.is_none() => {
                 self.0.lost.fetch_add(l.count, Ordering::Relaxed);
                 return Ok(());
             }

@@ -208,8 +208,8 @@ impl Metrics {
         let wait = hist::<WaitLabels>();
         r.register_with_unit(
             "lock_wait",
-            "How long an agent waited for the xtables lock, by the agent that held it when \
-             the wait began",
+            "How long an agent waited for the xtables lock behind each holding agent: one \
+             observation per holder agent a wait was behind, of the time spent behind it",
             Unit::Seconds,
             wait.clone(),
         );
@@ -531,13 +531,18 @@ impl Sink for MetricsSink {
                 self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
             }
             Output::Wait(w) => {
-                let holder = w.holders.first().map_or("(none)", |h| h.agent.as_str());
-                let l = WaitLabels {
-                    lock: w.lock.to_string(),
-                    agent: self.agent(&w.agent),
-                    holder_agent: self.agent(holder),
-                };
-                self.m.wait.get_or_create(&l).observe(secs(w.wait_ns));
+                // One observation per holder agent the wait was behind, of the time it
+                // spent behind that agent: `_sum` by holder_agent adds up to the wait time.
+                let behind = w.behind_by_agent("(none)", OTHER);
+                let agent = self.agent(&w.agent);
+                for (holder, ns) in behind {
+                    let l = WaitLabels {
+                        lock: w.lock.to_string(),
+                        agent: agent.clone(),
+                        holder_agent: self.agent(holder),
+                    };
+                    self.m.wait.get_or_create(&l).observe(secs(ns));
+                }
             }
             Output::FailedTry(f) => {
                 let l = LockAgentLabels {
@@ -567,7 +572,7 @@ impl Sink for MetricsSink {
                     self.m.restore.get_or_create(&l).observe(secs(ns));
                 }
             }
-            Output::Lost(l) => {
+            Output::Lost(l) if l.bound.is_none() => {
                 self.m.lost.inc_by(l.count);
             }
             Output::DropCount(d) => {
@@ -691,6 +696,7 @@ mod tests {
             released_by: None,
             pod_uid: None,
             container_id: None,
+            pod: None,
             open: false,
             incomplete: false,
         })
@@ -750,13 +756,31 @@ mod tests {
             cmdline: SharedStr::empty(),
             start_ns: 1,
             wait_ns: 1_500_000_000,
-            holders: vec![HolderRef {
-                pid: 10,
-                agent: "kube-proxy".into(),
-                role: "proxy",
-                comm: "kube-proxy".into(),
-                cmdline: SharedStr::empty(),
-            }],
+            holders: vec![
+                HolderRef {
+                    pid: 10,
+                    agent: "kube-proxy".into(),
+                    role: "proxy",
+                    comm: "kube-proxy".into(),
+                    cmdline: SharedStr::empty(),
+                    pod: None,
+                    behind_ns: Some(1_000_000_000),
+                    from_ns: Some(1),
+                },
+                HolderRef {
+                    pid: 12,
+                    agent: "firewalld".into(),
+                    role: "firewall",
+                    comm: "iptables".into(),
+                    cmdline: SharedStr::empty(),
+                    pod: None,
+                    behind_ns: Some(500_000_000),
+                    from_ns: Some(1_000_000_001),
+                },
+            ],
+            unknown_ns: 0,
+            other_holders: 0,
+            other_holders_ns: 0,
             outcome: WaitOutcome::Acquired,
             mode: WaitMode::Blocking,
             tries: 0,
@@ -764,6 +788,7 @@ mod tests {
             agent_pid: 11,
             pod_uid: None,
             container_id: None,
+            pod: None,
             incomplete: false,
         }))
         .unwrap();
@@ -779,10 +804,20 @@ mod tests {
                 || text.contains("le=\"0.0001\""),
             "{text}"
         );
-        assert!(
-            text.contains("xtlock_lock_wait_seconds_count{lock=\"/run/xtables.lock\",agent=\"calico-node\",holder_agent=\"kube-proxy\"} 1"),
-            "{text}"
-        );
+        // The wait's seconds go to each holder agent by the time spent behind it.
+        for (holder, secs) in [("kube-proxy", "1.0"), ("firewalld", "0.5")] {
+            let l = format!(
+                "{{lock=\"/run/xtables.lock\",agent=\"calico-node\",holder_agent=\"{holder}\"}}"
+            );
+            assert!(
+                text.contains(&format!("xtlock_lock_wait_seconds_count{l} 1")),
+                "{text}"
+            );
+            assert!(
+                text.contains(&format!("xtlock_lock_wait_seconds_sum{l} {secs}")),
+                "{text}"
+            );
+        }
         assert!(text.contains("xtlock_build_info{version=\""), "{text}");
     }
 

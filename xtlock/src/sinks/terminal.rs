@@ -7,8 +7,8 @@ use std::time::Duration;
 use super::{human_ns, Sink};
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
-    FailedTryFact, HoldDropsFact, HoldFact, HolderRef, IpvsFact, Output, Summary, TimeoutFact,
-    WaitFact, WaitMode, WaitOutcome,
+    FailedTryFact, HoldDropsFact, HoldFact, HolderRef, IpvsFact, LostFact, Output, Summary,
+    TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
 use crate::drops::packet_text;
@@ -235,8 +235,14 @@ impl<W: Write> TerminalSink<W> {
             None => String::new(),
         };
         let text = format!(
-            "{} failed to take {} (pid {} {}, errno {}){}",
-            f.agent, f.lock, f.pid, f.comm, f.errno, held
+            "{} failed to take {} (pid {} {}{}, errno {}){}",
+            f.agent,
+            f.lock,
+            f.pid,
+            f.comm,
+            in_pod(&f.pod),
+            f.errno,
+            held
         );
         self.line(f.ts_ns, &text)?;
         self.run = Some(FailedRun {
@@ -266,20 +272,16 @@ fn holder_text(h: &HolderRef) -> String {
         &h.cmdline
     };
     if what.is_empty() || *what == h.agent {
-        format!("{} (pid {})", h.agent, h.pid)
+        format!("{} (pid {}{})", h.agent, h.pid, in_pod(&h.pod))
     } else {
-        format!("{} ({})", h.agent, what)
+        format!("{} ({}{})", h.agent, what, in_pod(&h.pod))
     }
 }
 
-fn holders_text(hs: &[HolderRef]) -> String {
-    if hs.is_empty() {
-        return "an unknown holder".to_string();
-    }
-    hs.iter()
-        .map(holder_text)
-        .collect::<Vec<_>>()
-        .join(", then ")
+/// `, in pod NAMESPACE/POD/CONTAINER` for a process in a pod the kubelet named.
+fn in_pod(pod: &Option<std::sync::Arc<crate::kube::PodName>>) -> String {
+    pod.as_ref()
+        .map_or_else(String::new, |p| format!(", in pod {p}"))
 }
 
 fn hold_text(h: &HoldFact) -> String {
@@ -289,13 +291,14 @@ fn hold_text(h: &HoldFact) -> String {
         &h.cmdline
     };
     let mut s = format!(
-        "{} held {} {}{} (pid {} {})",
+        "{} held {} {}{} (pid {} {}{})",
         h.agent,
         h.lock,
         if h.before_start { "at least " } else { "" },
         human_ns(h.hold_ns),
         h.pid,
-        what
+        what,
+        in_pod(&h.pod)
     );
     if h.before_start {
         s.push_str(", held already when tracing began");
@@ -324,19 +327,64 @@ fn hold_text(h: &HoldFact) -> String {
     s
 }
 
+/// Whom a wait was behind, and for how long: ` behind X (...)` when one holder accounts
+/// for all of it, else `: 1.00 s behind X (...), 70 ms behind Y (...)`, holders grouped by
+/// agent in the order they held the lock.
+fn behind_text(w: &WaitFact) -> String {
+    // (agent, time behind it, its first holder, processes)
+    let mut groups: Vec<(&str, u64, &HolderRef, usize)> = Vec::new();
+    for h in &w.holders {
+        let ns = h.behind_ns.unwrap_or(0);
+        match groups.iter_mut().find(|g| g.0 == h.agent.as_str()) {
+            Some(g) => {
+                g.1 += ns;
+                g.3 += 1;
+            }
+            None => groups.push((&h.agent, ns, h, 1)),
+        }
+    }
+    let mut parts: Vec<String> = Vec::new();
+    if w.unknown_ns > 0 || groups.is_empty() {
+        parts.push(format!(
+            "{} behind an unknown holder",
+            human_ns(w.unknown_ns)
+        ));
+    }
+    for (agent, ns, first, n) in &groups {
+        let who = if *n == 1 {
+            holder_text(first)
+        } else {
+            format!("{agent} ({n} processes)")
+        };
+        parts.push(format!("{} behind {who}", human_ns(*ns)));
+    }
+    if w.other_holders > 0 {
+        parts.push(format!(
+            "{} behind {} more",
+            human_ns(w.other_holders_ns),
+            w.other_holders
+        ));
+    }
+    match (parts.len(), groups.first()) {
+        // One holder for the whole wait: its time is the wait's.
+        (1, Some((_, _, first, 1))) => format!(" behind {}", holder_text(first)),
+        (1, Some((agent, _, _, n))) => format!(" behind {agent} ({n} processes)"),
+        (1, None) => " behind an unknown holder".to_string(),
+        _ => format!(": {}", parts.join(", ")),
+    }
+}
+
 fn wait_text(w: &WaitFact) -> String {
-    let behind = holders_text(&w.holders);
+    let behind = behind_text(w);
     let d = human_ns(w.wait_ns);
     let mut s = match w.outcome {
-        WaitOutcome::Acquired => format!("{} waited {d} behind {behind}", w.agent),
-        WaitOutcome::TimedOut => format!("{} gave up after {d} waiting behind {behind}", w.agent),
-        WaitOutcome::Abandoned => {
-            format!("{} exited after waiting {d} behind {behind}", w.agent)
-        }
-        WaitOutcome::Open => format!("{} still waiting after {d} behind {behind}", w.agent),
+        WaitOutcome::Acquired => format!("{} waited {d}{behind}", w.agent),
+        WaitOutcome::TimedOut => format!("{} gave up after {d} waiting{behind}", w.agent),
+        WaitOutcome::Abandoned => format!("{} exited after waiting {d}{behind}", w.agent),
+        WaitOutcome::Open => format!("{} still waiting after {d}{behind}", w.agent),
     };
     s.push_str(&on_lock(&w.lock));
-    let _ = write!(s, " [pid {} {}", w.pid, w.comm);
+    let _ = write!(s, " [pid {} {}{}", w.pid, w.comm, in_pod(&w.pod));
     if w.mode == WaitMode::Poll {
         let _ = write!(s, ", polled: {} failed tries", w.tries);
     }
@@ -367,10 +415,11 @@ fn timeout_text(t: &TimeoutFact) -> String {
         )
     };
     format!(
-        "{}: {} (pid {}) {how} (exit {}){}, {held}",
+        "{}: {} (pid {}{}) {how} (exit {}){}, {held}",
         t.agent,
         t.comm,
         t.pid,
+        in_pod(&t.pod),
         t.exit_code,
         on_lock(&t.lock)
     )
@@ -566,6 +615,11 @@ impl<W: Write> Sink for TerminalSink<W> {
                 // A lock timeout was already told by its own line.
                 Output::Exit(e) => (self.opts.show_exits && e.code != Some(0) && !e.lock_timeout)
                     .then(|| exit_text(e)),
+                Output::Lost(LostFact {
+                    bound: Some(b), ..
+                }) => Some(format!(
+                    "!! analysis bound reached ({b}): what goes past it is not tracked; the summary counts every hit"
+                )),
                 Output::Lost(l) => Some(format!(
                     "!! {} events lost (ring buffer full); counts are lower bounds",
                     l.count
@@ -960,6 +1014,9 @@ mod tests {
             role: "proxy",
             comm: "iptables-restor".into(),
             cmdline: cmdline.into(),
+            pod: None,
+            behind_ns: None,
+            from_ns: None,
         }
     }
 
@@ -984,6 +1041,7 @@ mod tests {
             released_by: Some(1234),
             pod_uid: None,
             container_id: None,
+            pod: None,
             open: false,
             incomplete: false,
         }
@@ -1010,10 +1068,17 @@ mod tests {
             cmdline: "iptables -w 5 -A X".into(),
             start_ns: 1_000_000_000,
             wait_ns: 1_420_000_000,
-            holders: vec![holder(
-                "kube-proxy",
-                "iptables-legacy-restore -w 5 -W 100000 --noflush --counters",
-            )],
+            holders: vec![HolderRef {
+                behind_ns: Some(1_420_000_000),
+                from_ns: Some(1_000_000_000),
+                ..holder(
+                    "kube-proxy",
+                    "iptables-legacy-restore -w 5 -W 100000 --noflush --counters",
+                )
+            }],
+            unknown_ns: 0,
+            other_holders: 0,
+            other_holders_ns: 0,
             outcome: WaitOutcome::Acquired,
             mode: WaitMode::Blocking,
             tries: 0,
@@ -1021,6 +1086,7 @@ mod tests {
             agent_pid: 40,
             pod_uid: None,
             container_id: None,
+            pod: None,
             incomplete: false,
         };
         let opts = TerminalOptions {
@@ -1038,6 +1104,67 @@ mod tests {
             lines[1],
             "   1.000 calico-node waited 1.42 s behind kube-proxy \
              (iptables-legacy-restore -w 5 -W 100000 --noflush --counters) [pid 77 iptables]"
+        );
+    }
+
+    /// A wait behind kube-proxy then calico-node says how long it was behind each, grouped
+    /// by agent; a stretch with no known holder comes first.
+    #[test]
+    fn wait_split_by_holder() {
+        let behind = |agent: &str, pid: u32, ns: u64| HolderRef {
+            pid,
+            behind_ns: Some(ns),
+            from_ns: Some(0),
+            ..holder(agent, "")
+        };
+        let mut wait = WaitFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 77,
+            tid: 77,
+            comm: "iptables".into(),
+            agent: "portmap".into(),
+            role: "cni",
+            cmdline: "".into(),
+            start_ns: 0,
+            wait_ns: 1_070_000_000,
+            holders: vec![
+                behind("kube-proxy", 10, 600_000_000),
+                behind("calico-node", 11, 70_000_000),
+                behind("kube-proxy", 12, 400_000_000),
+            ],
+            unknown_ns: 0,
+            other_holders: 0,
+            other_holders_ns: 0,
+            outcome: WaitOutcome::Acquired,
+            mode: WaitMode::Blocking,
+            tries: 0,
+            ret: None,
+            agent_pid: 40,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+            incomplete: false,
+        };
+        let opts = || TerminalOptions {
+            time: TimeFormat::None,
+            ..Default::default()
+        };
+        let text = render(&[Output::Wait(wait.clone())], opts());
+        assert_eq!(
+            text.trim_end(),
+            "portmap waited 1.07 s: 1.00 s behind kube-proxy (2 processes), \
+             70.0 ms behind calico-node (iptables-restor) [pid 77 iptables]"
+        );
+        wait.holders.truncate(1);
+        wait.holders[0].behind_ns = Some(1_000_000_000);
+        wait.unknown_ns = 70_000_000;
+        wait.other_holders = 3;
+        wait.other_holders_ns = 0;
+        let text = render(&[Output::Wait(wait)], opts());
+        assert_eq!(
+            text.trim_end(),
+            "portmap waited 1.07 s: 70.0 ms behind an unknown holder, \
+             1.00 s behind kube-proxy (iptables-restor), 0 ns behind 3 more [pid 77 iptables]"
         );
     }
 
@@ -1089,6 +1216,7 @@ mod tests {
                 agent: "portmap".into(),
                 role: "cni",
                 ts_ns: ts,
+                pod: None,
                 errno: 11,
                 holder: Some(holder("kube-proxy", "")),
             })
@@ -1124,6 +1252,7 @@ mod tests {
             holders: vec![holder("kube-proxy", "")],
             pod_uid: None,
             container_id: None,
+            pod: None,
         };
         let opts = TerminalOptions {
             time: TimeFormat::wall_clock(0, 0),
