@@ -17,6 +17,9 @@ use std::{
 
 use serde_json::Value;
 
+mod pods;
+pub use pods::{cgroup2_root, kubelet_logs, PodCgroup};
+
 /// BPF tests share CPU time and the kernel's tracepoints: run them one at a time so
 /// timings stay honest.
 pub fn serial() -> MutexGuard<'static, ()> {

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use xtlock_tests::{
-    in_vm, kube_proxy_ruleset, loaded_bpf_program_names, require_bpf, serial, type_counts,
-    within_pct, write_file, Agent, Scratch, Tracer,
+    in_vm, kube_proxy_ruleset, kubelet_logs, loaded_bpf_program_names, require_bpf, serial,
+    type_counts, within_pct, write_file, Agent, PodCgroup, Scratch, Tracer,
 };
 
 const T: Duration = Duration::from_secs(20);
@@ -676,4 +676,109 @@ fn unprivileged_user_is_told_to_use_root() {
     }
     assert!(!out.status.success());
     assert!(err.contains("needs root") && err.contains("sudo"), "{err}");
+}
+
+/// kube-proxy and calico-node run in pods (cgroups laid out by the kubelet's systemd driver
+/// with containerd, and the kubelet's log files naming them under `--host-root`): the hold,
+/// the wait and its holder are named by namespace, pod and container, and so are the
+/// metrics' labels' sources.
+#[test]
+fn holders_and_waiters_in_pods_are_named() {
+    if !require_bpf("holders_and_waiters_in_pods_are_named") {
+        return;
+    }
+    let _g = serial();
+    const KP_UID: &str = "5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a";
+    const CN_UID: &str = "0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d";
+    let kp_cid = format!("{:064x}", 0xabc1u32 + std::process::id());
+    let cn_cid = format!("{:064x}", 0xdef2u32 + std::process::id());
+    let s = Scratch::new("pods");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let root = s.dir.join("host");
+    kubelet_logs(
+        &root,
+        "kube-system",
+        "kube-proxy-x7k2p",
+        KP_UID,
+        "kube-proxy",
+        &kp_cid,
+    );
+    kubelet_logs(
+        &root,
+        "calico-system",
+        "calico-node-4hk8z",
+        CN_UID,
+        "calico-node",
+        &cn_cid,
+    );
+    let kp_cg = PodCgroup::new(KP_UID, &kp_cid);
+    let cn_cg = PodCgroup::new(CN_UID, &cn_cid);
+    let tracer = Tracer::start(
+        &[&lock],
+        Duration::from_secs(5),
+        &["--host-root", root.to_str().unwrap()],
+    );
+    let (sh, args) = kp_cg.command(&s.agent("kube-proxy"), &["hold", lock_s, "1500"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut kp = Agent::spawn(&sh, &args, &[], None);
+    kp.ts("acquired", T);
+    let (sh, args) = cn_cg.command(
+        &s.agent("calico-node"),
+        &[
+            "run",
+            "--netns",
+            "iptables-legacy",
+            "-w",
+            "-A",
+            "INPUT",
+            "-j",
+            "ACCEPT",
+        ],
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut cn = Agent::spawn(&sh, &args, &[("XTABLES_LOCKFILE", lock_s)], None);
+    assert_eq!(cn.wait(), 0);
+    kp.wait();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    let pod = |v: &Value| {
+        format!(
+            "{}/{}/{}",
+            v["pod"]["namespace"].as_str().unwrap_or("?"),
+            v["pod"]["name"].as_str().unwrap_or("?"),
+            v["pod"]["container"].as_str().unwrap_or("?")
+        )
+    };
+    let kp_holds = holds_by(&trace, "kube-proxy");
+    assert_eq!(kp_holds.len(), 1, "{dump}");
+    assert_eq!(
+        pod(kp_holds[0]),
+        "kube-system/kube-proxy-x7k2p/kube-proxy",
+        "{dump}"
+    );
+    assert_eq!(kp_holds[0]["container_id"], kp_cid.as_str(), "{dump}");
+    let cn_holds = holds_by(&trace, "calico-node");
+    assert_eq!(cn_holds.len(), 1, "{dump}");
+    assert_eq!(
+        pod(cn_holds[0]),
+        "calico-system/calico-node-4hk8z/calico-node",
+        "{dump}"
+    );
+    let waits: Vec<&Value> = trace
+        .of_type("wait")
+        .into_iter()
+        .filter(|w| w["agent"] == "calico-node")
+        .collect();
+    assert_eq!(waits.len(), 1, "{dump}");
+    assert_eq!(
+        pod(waits[0]),
+        "calico-system/calico-node-4hk8z/calico-node",
+        "{dump}"
+    );
+    assert_eq!(
+        pod(&waits[0]["holders"][0]),
+        "kube-system/kube-proxy-x7k2p/kube-proxy",
+        "{dump}"
+    );
 }

@@ -1014,7 +1014,9 @@ mod tests {
             (w[0].holders[0].pid, w[0].holders[0].agent.as_str()),
             (300, "firewalld")
         );
-        assert_eq!(w[0].holders[0].behind_ns, Some(60 * MS + 5 - 1_010));
+        assert_eq!(w[0].holders[0].behind_ns, Some(60 * MS - 1_010));
+        // From the release to the waiter's acquire the lock was free.
+        assert_eq!(w[0].free_ns, 5);
         assert_eq!(w[0].unknown_ns, 0);
         let f: Vec<&FailedTryFact> = r
             .out
@@ -1116,8 +1118,13 @@ mod tests {
             .collect();
         assert_eq!(
             shares,
-            [("kube-proxy", Some(S - 5)), ("calico-node", Some(70 * MS))]
+            [
+                ("kube-proxy", Some(S - 10)),
+                ("calico-node", Some(70 * MS - 5))
+            ]
         );
+        // The two hand-overs left the lock free 5 ns each.
+        assert_eq!(pm.free_ns, 10);
         assert_eq!(pm.wait_ns, S - 5 + 70 * MS);
         assert_eq!(pm.holders[1].from_ns, Some(2 * S + 5));
     }
@@ -1156,7 +1163,7 @@ mod tests {
         for w in &w {
             let named: u64 = w.holders.iter().filter_map(|h| h.behind_ns).sum();
             assert_eq!(
-                named + w.unknown_ns + w.other_holders_ns,
+                named + w.unknown_ns + w.other_holders_ns + w.free_ns,
                 w.wait_ns,
                 "the shares add up to the wait"
             );
@@ -1165,6 +1172,76 @@ mod tests {
             .out
             .iter()
             .any(|o| matches!(o, Output::Lost(l) if l.bound == Some("open_waits"))));
+    }
+
+    /// The kubelet's names reach every fact of a process in that container, also when they
+    /// arrive after the process was first attributed.
+    #[test]
+    fn pod_names_reach_the_facts() {
+        const CID: &str = "3f6e4b0c2a1d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f";
+        const UID: &str = "5f3c1e2a-8b7d-4c6e-9a1f-0d2b3c4e5f6a";
+        let cg = format!("0::/kubepods/besteffort/pod{UID}/{CID}");
+        let pod = |container_id: &str, container: &str| {
+            Event::Pod(Box::new(crate::decode::PodInfo {
+                ts_ns: 5,
+                container_id: container_id.into(),
+                pod_uid: UID.into(),
+                namespace: "kube-system".into(),
+                pod: "kube-proxy-x7k2p".into(),
+                container: container.into(),
+            }))
+        };
+        let mut r = Run::new();
+        r.feed(&[
+            seed(0, 1, 0, "systemd", Some("0::/init.scope")),
+            seed(0, 100, 1, "kube-proxy", Some(&cg)),
+            acq(10, 100, "kube-proxy", 0xA),
+            rel(20, 100, "kube-proxy", 0xA),
+            // Only the pod is known at first, then the container.
+            pod("", ""),
+            acq(30, 100, "kube-proxy", 0xB),
+            rel(40, 100, "kube-proxy", 0xB),
+            pod(CID, "kube-proxy"),
+            acq(50, 100, "kube-proxy", 0xC),
+            defer(60, 40, "calico-node", 0xD),
+            rel(70, 100, "kube-proxy", 0xC),
+        ])
+        .finish(100);
+        let names: Vec<Option<String>> = r
+            .holds()
+            .iter()
+            .map(|h| h.pod.as_ref().map(|p| p.to_string()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                None,
+                Some("kube-system/kube-proxy-x7k2p".into()),
+                Some("kube-system/kube-proxy-x7k2p/kube-proxy".into())
+            ]
+        );
+        let w = r.waits();
+        assert_eq!(
+            w[0].holders[0]
+                .pod
+                .as_ref()
+                .map(|p| p.to_string())
+                .as_deref(),
+            Some("kube-system/kube-proxy-x7k2p/kube-proxy")
+        );
+        let json = serde_json::to_value(&r.out[r.out.len() - 1]).unwrap();
+        assert_eq!(
+            json["holders"][0]["pod"]["namespace"], "kube-system",
+            "{json}"
+        );
+        assert_eq!(
+            json["holders"][0]["pod"]["name"], "kube-proxy-x7k2p",
+            "{json}"
+        );
+        assert_eq!(
+            json["holders"][0]["pod"]["container"], "kube-proxy",
+            "{json}"
+        );
     }
 
     #[test]
@@ -1442,8 +1519,8 @@ mod tests {
         assert_eq!(
             cells,
             [
-                ("calico-node", "firewalld", 1, 500 * MS + 1),
-                ("calico-node", "kube-proxy", 1, 200 * MS)
+                ("calico-node", "firewalld", 1, 500 * MS),
+                ("calico-node", "kube-proxy", 1, 200 * MS - 1)
             ]
         );
         assert_eq!(s.locks.len(), 1);
@@ -1517,7 +1594,9 @@ mod tests {
         assert_eq!(c["waiter"], "calico-node");
         assert_eq!(c["holder"], "kube-proxy");
         assert_eq!(c["count"], 1);
-        assert_eq!(c["total_wait_ns"], 250);
+        // Behind kube-proxy until its release; the lock was free for the last 100 ns.
+        assert_eq!(c["total_wait_ns"], 150);
+        assert_eq!(wait["free_ns"], 100);
         assert_eq!(summary["lost_events"], 0);
         // The JSON sink: one object per line, the summary last.
         use crate::sinks::{JsonSink, Sink};

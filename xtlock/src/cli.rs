@@ -161,6 +161,11 @@ pub struct LockArgs {
     /// their function before their tracepoint). Also $XTLOCK_NO_ATTACH.
     #[arg(long = "no-attach", value_name = "[HOOK:]KIND")]
     pub no_attach: Vec<crate::probes::kfunc::AttachFilter>,
+    /// Where the node's root filesystem is: processes in pods are named by namespace, pod
+    /// and container from the kubelet's log directories under it (var/log/containers,
+    /// var/log/pods).
+    #[arg(long = "host-root", value_name = "DIR", default_value = "/")]
+    pub host_root: PathBuf,
 }
 
 impl LockArgs {

@@ -229,6 +229,10 @@ pub struct WaitFact {
     /// or came before tracing began and was not in /proc/locks).
     #[serde(skip_serializing_if = "is_zero")]
     pub unknown_ns: u64,
+    /// Time the lock was free while the wait went on: a poller's interval after a release,
+    /// a woken waiter's way back to the lock.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub free_ns: u64,
     /// Holders past the 64 named, counted per hand-over, and the time behind them.
     #[serde(skip_serializing_if = "is_zero_u32")]
     pub other_holders: u32,
@@ -255,8 +259,8 @@ pub struct WaitFact {
 
 impl WaitFact {
     /// Time behind each holder agent, in the order they held the lock; time with no known
-    /// holder under `unknown` (first), holders past the cap under `others` (last). The
-    /// times add up to the wait.
+    /// holder under `unknown` (first), holders past the cap under `others` (last). With
+    /// `free_ns`, the times add up to the wait.
     pub fn behind_by_agent<'a>(&'a self, unknown: &'a str, others: &'a str) -> Vec<(&'a str, u64)> {
         let mut v: Vec<(&str, u64)> = Vec::new();
         if self.unknown_ns > 0 || self.holders.is_empty() {
@@ -453,8 +457,17 @@ impl Users {
     }
 }
 
+/// A holder when a wait began: its owner, who, and when its hold ended if it had by the
+/// time the wait's event reached us (see [`LockState::current_holders`]).
+#[derive(Clone, Debug)]
+struct Holding {
+    owner: u64,
+    who: Arc<Attribution>,
+    ended_ns: Option<u64>,
+}
+
 /// The holders when a wait began; nearly always one.
-type Current = SmallVec<[Arc<Attribution>; 1]>;
+type Current = SmallVec<[Holding; 1]>;
 
 #[derive(Debug)]
 struct OpenWait {
@@ -487,12 +500,13 @@ struct PollStreak {
     from_seq: u64,
 }
 
-/// A change of holder: `who` took the lock at `ts_ns` through `owner`.
+/// A change of holder: `who` took the lock at `ts_ns` through `owner`, or (`who` None) the
+/// hold of `owner` was released then.
 #[derive(Debug)]
 struct Change {
     ts_ns: u64,
     owner: u64,
-    who: Arc<Attribution>,
+    who: Option<Arc<Attribution>>,
 }
 
 /// The lock's holder changes while anyone waits, numbered. A wait keeps only the number of
@@ -711,15 +725,23 @@ impl LockState {
             .values()
             .filter(|h| h.holding() && h.owner != owner)
             .take(MAX_HOLDERS)
-            .map(|h| h.who.clone())
+            .map(|h| Holding {
+                owner: h.owner,
+                who: h.who.clone(),
+                ended_ns: None,
+            })
             .collect();
         for r in &self.recent {
             if r.owner != owner
                 && r.start_ns <= ts
                 && ts < r.end_ns
-                && !v.iter().any(|w| w.pid == r.who.pid)
+                && !v.iter().any(|w| w.who.pid == r.who.pid)
             {
-                v.push(r.who.clone());
+                v.push(Holding {
+                    owner: r.owner,
+                    who: r.who.clone(),
+                    ended_ns: Some(r.end_ns),
+                });
             }
         }
         v
@@ -729,14 +751,23 @@ impl LockState {
     /// changes are numbered `from..to`, ending at `end_ns`; `pid` is the waiter.
     fn holders_of(&self, span: HolderSpan<'_>) -> Holders {
         let mut hs = Holders::starting(span.start_ns);
-        for who in span.initial {
-            hs.push(who, span.start_ns);
+        for h in span.initial {
+            hs.push(h.owner, &h.who, span.start_ns);
+        }
+        for h in span.initial {
+            if let Some(end) = h.ended_ns {
+                hs.release(h.owner, end);
+            }
         }
         let (lost, changes) = self.timeline.range(span.from_seq, span.to_seq);
         hs.others = hs.others.saturating_add(lost as u32);
         for c in changes {
-            if c.owner != span.owner && c.who.pid != span.pid {
-                hs.push(&c.who, c.ts_ns);
+            match &c.who {
+                Some(who) if c.owner != span.owner && who.pid != span.pid => {
+                    hs.push(c.owner, who, c.ts_ns)
+                }
+                Some(_) => {}
+                None => hs.release(c.owner, c.ts_ns),
             }
         }
         hs.end(span.end_ns);
@@ -764,7 +795,7 @@ struct HolderSpan<'a> {
     owner: u64,
     start_ns: u64,
     end_ns: u64,
-    initial: &'a [Arc<Attribution>],
+    initial: &'a [Holding],
     from_seq: u64,
     to_seq: u64,
 }
@@ -798,11 +829,15 @@ struct WaitEnd<'a> {
 const NO_HOLDER: usize = usize::MAX;
 /// [`Holders::current`] for a holder past [`MAX_HOLDERS`].
 const OTHER_HOLDER: usize = usize::MAX - 1;
+/// [`Holders::current`] once the holder released and before the next took the lock.
+const FREE: usize = usize::MAX - 2;
 
 /// Everyone who held the lock during a wait, first to last, one entry per pid (at most
 /// [`MAX_HOLDERS`]; more are counted), and how long the wait lasted behind each: a holder's
-/// stretch runs from when it took the lock (or the wait began) to when the next one did (or
-/// the wait ended), so the stretches add up to the wait. The pids are kept apart, so the
+/// stretch runs from when it took the lock (or the wait began) to its release (or to when
+/// the next one took the lock, if the release comes later, or the wait's end). The time the
+/// lock was free while the waiter still waited (a poller's interval, a wake-up) is apart:
+/// the stretches, that and the unknown add up to the wait. The pids are kept apart, so the
 /// duplicate check scans a dense array.
 #[derive(Debug)]
 struct Holders {
@@ -814,8 +849,12 @@ struct Holders {
     /// Time behind each, and when each first held the lock during the wait.
     behind_ns: Vec<u64>,
     from_ns: Vec<u64>,
-    /// Index of the holder now, or [`NO_HOLDER`] / [`OTHER_HOLDER`].
+    /// Index of the holder now, or [`NO_HOLDER`] / [`OTHER_HOLDER`] / [`FREE`].
     current: usize,
+    /// The owner of the current holder's hold (whose release ends its stretch).
+    current_owner: u64,
+    /// Time the lock was free while the wait went on.
+    free_ns: u64,
     /// Start of the current stretch.
     mark_ns: u64,
     /// Time before any holder was known.
@@ -840,6 +879,8 @@ impl Holders {
             behind_ns: Vec::new(),
             from_ns: Vec::new(),
             current: NO_HOLDER,
+            current_owner: 0,
+            free_ns: 0,
             mark_ns: ts,
             unknown_ns: 0,
             others: 0,
@@ -857,7 +898,7 @@ impl Holders {
     /// `who` holds the lock from `ts` on. A time before the current stretch began counts
     /// from its start: the acquire's event can reach us after the wait's, with an earlier
     /// time.
-    fn push(&mut self, who: &Arc<Attribution>, ts: u64) {
+    fn push(&mut self, owner: u64, who: &Arc<Attribution>, ts: u64) {
         let ts = ts.max(self.mark_ns);
         let i = match self.index_of(who.pid) {
             Some(i) => i,
@@ -880,6 +921,16 @@ impl Holders {
             self.close_stretch(ts);
             self.current = i;
         }
+        self.current_owner = owner;
+    }
+
+    /// The hold of `owner` was released at `ts`: if it is the current holder's, the lock is
+    /// free from then (a release that reaches us after the next acquire changes nothing).
+    fn release(&mut self, owner: u64, ts: u64) {
+        if self.current_owner == owner && self.current < FREE {
+            self.close_stretch(ts.max(self.mark_ns));
+            self.current = FREE;
+        }
     }
 
     fn close_stretch(&mut self, ts: u64) {
@@ -887,6 +938,7 @@ impl Holders {
         match self.current {
             NO_HOLDER => self.unknown_ns += d,
             OTHER_HOLDER => self.others_ns += d,
+            FREE => self.free_ns += d,
             i => self.behind_ns[i] += d,
         }
         self.mark_ns = self.mark_ns.max(ts);
@@ -900,7 +952,7 @@ impl Holders {
     /// Adds every holder of `other` (no times: for the holders of a pid's lock trouble).
     fn extend(&mut self, other: &Holders) {
         for w in &other.who {
-            self.push(w, self.mark_ns);
+            self.push(0, w, self.mark_ns);
         }
         self.others = self.others.saturating_add(other.others);
     }
@@ -1155,7 +1207,7 @@ impl LockMachine {
                 st.timeline.push(Change {
                     ts_ns: e.ts_ns,
                     owner: e.owner,
-                    who: who.clone(),
+                    who: Some(who.clone()),
                 });
             }
             overflow = !st.insert_hold(
@@ -1290,7 +1342,7 @@ impl LockMachine {
             ts_ns: e.ts_ns,
             errno,
             pod: who.pod.clone(),
-            holder: current.first().map(|h| HolderRef::from(&**h)),
+            holder: current.first().map(|h| HolderRef::from(&*h.who)),
         }));
         // Extend the pid's poll run, or start one.
         let mut ended = None;
@@ -1332,7 +1384,7 @@ impl LockMachine {
             t.tries += 1;
             t.waited_ns = t.waited_ns.max(e.ts_ns.saturating_sub(t.first_ns));
             for h in &current {
-                t.holders.push(h, e.ts_ns);
+                t.holders.push(h.owner, &h.who, e.ts_ns);
             }
         }
         if overflow {
@@ -1395,6 +1447,13 @@ impl LockMachine {
         };
         let end = h.release_end(e.ts_ns);
         let incomplete = h.incomplete;
+        if !st.waits.is_empty() || !st.polls.is_empty() {
+            st.timeline.push(Change {
+                ts_ns: end,
+                owner: h.owner,
+                who: None,
+            });
+        }
         st.emit_hold(h, end, false, incomplete, Some(e.tgid), out);
     }
 
@@ -1858,6 +1917,7 @@ fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn F
         wait_ns: w.end_ns.saturating_sub(w.start_ns),
         holders: w.holders.refs(true),
         unknown_ns: w.holders.unknown_ns,
+        free_ns: w.holders.free_ns,
         other_holders: w.holders.others,
         other_holders_ns: w.holders.others_ns,
         outcome: w.outcome,

@@ -18,7 +18,7 @@ use crate::{
     pipeline::Pipeline,
     probes::{preflight, HookStatus},
     serve::{self, State},
-    sinks::metrics::{HoldLabels, Metrics, MetricsSink, ProbeLabels},
+    sinks::metrics::{Capped, HoldLabels, Metrics, MetricsSink, PodLabels, ProbeLabels, MAX_PODS},
     source::{self, live::LiveSource, live::Recorder},
 };
 
@@ -51,7 +51,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     if let Some(r) = rolling.as_mut() {
         src.set_recorder(r.open(&locks, &src.probes.status)?);
     }
-    let (start, drop_setup) = live::begin(&mut src, &locks, &args.drops)?;
+    let (start, drop_setup) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
 
     let host_netns = netns_inode(Path::new("/proc/self/ns/net"));
     let sink = MetricsSink::new(metrics.clone(), host_netns);
@@ -72,6 +72,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
         seeded: pipe.events(),
         counted: pipe.events(),
         last_tick: Instant::now(),
+        pods: Capped::new(MAX_PODS),
     };
     let summary = live::run(
         &mut src,
@@ -103,11 +104,13 @@ struct DaemonHooks {
     seeded: u64,
     counted: u64,
     last_tick: Instant,
+    /// Pod label values of `lock_holder_info`, capped like the sink's.
+    pods: Capped,
 }
 
 impl live::LiveHooks for DaemonHooks {
     fn after_batch(&mut self, pipe: &mut Pipeline) -> anyhow::Result<()> {
-        publish_open_holds(pipe, &self.metrics);
+        publish_open_holds(pipe, &self.metrics, &mut self.pods);
         Ok(())
     }
 
@@ -117,7 +120,7 @@ impl live::LiveHooks for DaemonHooks {
         pipe: &mut Pipeline,
         locks: &[LockFile],
     ) -> anyhow::Result<()> {
-        publish_open_holds(pipe, &self.metrics);
+        publish_open_holds(pipe, &self.metrics, &mut self.pods);
         self.metrics.events.inc_by(pipe.events() - self.counted);
         self.counted = pipe.events();
         if let Some(r) = self.rolling.as_mut() {
@@ -178,7 +181,7 @@ fn readiness(
     None
 }
 
-fn publish_open_holds(pipe: &Pipeline, metrics: &Metrics) {
+fn publish_open_holds(pipe: &Pipeline, metrics: &Metrics, pods: &mut Capped) {
     let a = pipe.analyzer();
     let locks = a.locks();
     metrics.set_open_holds(
@@ -187,6 +190,7 @@ fn publish_open_holds(pipe: &Pipeline, metrics: &Metrics) {
             lock: lock.to_owned(),
             agent: who.agent.to_string(),
             role: who.role.to_owned(),
+            pod: PodLabels::of(pods, who.pod.as_deref()),
         }),
     );
 }

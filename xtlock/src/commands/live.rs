@@ -84,8 +84,10 @@ pub fn begin(
     src: &mut LiveSource,
     locks: &[LockFile],
     drops: &DropArgs,
+    lock_args: &LockArgs,
 ) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
     let keys: Vec<(u32, u64)> = locks.iter().map(|l| (l.dev, l.ino)).collect();
+    src.name_pods(&lock_args.host_root);
     let mut start = src.seed(&keys);
     let mut drop_setup = Vec::new();
     if !drops.no_drops {

@@ -37,7 +37,7 @@ pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
     let recorder = start_capture(file, &args.output, &locks, &probes.status, progress.clone())?;
     let mut src = LiveSource::new(probes)?;
     src.set_recorder(recorder);
-    let (start, _) = live::begin(&mut src, &locks, &args.drops)?;
+    let (start, _) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
 
     let counts = Arc::new(Counts::default());
     let mut pipe = Pipeline::new(

@@ -34,7 +34,7 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     if let Some(r) = recorder {
         src.set_recorder(r);
     }
-    let (start, _) = live::begin(&mut src, &locks, &args.drops)?;
+    let (start, _) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
 
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {

@@ -41,6 +41,9 @@ pub struct HoldLabels {
     pub lock: String,
     pub agent: String,
     pub role: String,
+    /// The holder's pod namespace and workload (see [`PodLabels`]); none outside pods.
+    #[prometheus(flatten)]
+    pub pod: PodLabels,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,6 +51,62 @@ pub struct WaitLabels {
     pub lock: String,
     pub agent: String,
     pub holder_agent: String,
+    /// The waiter's pod namespace and workload; none outside pods.
+    #[prometheus(flatten)]
+    pub pod: PodLabels,
+}
+
+/// Pod labels of a process: `namespace` and `pod`, its pod's name without the suffix its
+/// controller added (the workload: `kube-proxy`, not `kube-proxy-x7k2p`), so a replaced pod
+/// keeps its series. At most [`MAX_PODS`] (namespace, workload) pairs, the rest `(other)`;
+/// no labels at all for a process outside pods (or not named by the kubelet).
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
+pub struct PodLabels {
+    pub namespace: String,
+    pub pod: String,
+}
+
+/// Distinct (namespace, workload) pairs kept as label values.
+pub const MAX_PODS: usize = 64;
+
+impl PodLabels {
+    pub fn of(cap: &mut Capped, pod: Option<&crate::kube::PodName>) -> Self {
+        let Some(p) = pod else {
+            return Self::default();
+        };
+        let (ns, w) = (p.namespace.as_str(), p.workload());
+        if cap.label(&format!("{ns}/{w}")) == OTHER {
+            return PodLabels {
+                namespace: OTHER.to_owned(),
+                pod: OTHER.to_owned(),
+            };
+        }
+        PodLabels {
+            namespace: ns.to_owned(),
+            pod: w.to_owned(),
+        }
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelSet for PodLabels {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::{EncodeLabelKey, EncodeLabelValue};
+        if self.namespace.is_empty() && self.pod.is_empty() {
+            return Ok(());
+        }
+        for (k, v) in [("namespace", &self.namespace), ("pod", &self.pod)] {
+            let mut label = encoder.encode_label();
+            let mut key = label.encode_label_key()?;
+            EncodeLabelKey::encode(&k, &mut key)?;
+            let mut value = key.encode_label_value()?;
+            EncodeLabelValue::encode(v, &mut value)?;
+            value.finish()?;
+        }
+        Ok(())
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -462,6 +521,7 @@ impl Capped {
 pub struct MetricsSink {
     m: Arc<Metrics>,
     agents: Capped,
+    pods: Capped,
     drop_kinds: Capped,
     ipvs_series: Capped,
     /// The daemon's own network namespace (inode), labelled `host`.
@@ -473,6 +533,7 @@ impl MetricsSink {
         Self {
             m,
             agents: Capped::new(MAX_AGENTS),
+            pods: Capped::new(MAX_PODS),
             drop_kinds: Capped::new(MAX_DROP_KINDS),
             ipvs_series: Capped::new(MAX_IPVS_SERIES),
             host_netns,
@@ -527,6 +588,7 @@ impl Sink for MetricsSink {
                     lock: h.lock.to_string(),
                     agent: self.agent(&h.agent),
                     role: h.role.to_owned(),
+                    pod: PodLabels::of(&mut self.pods, h.pod.as_deref()),
                 };
                 self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
             }
@@ -535,11 +597,13 @@ impl Sink for MetricsSink {
                 // spent behind that agent: `_sum` by holder_agent adds up to the wait time.
                 let behind = w.behind_by_agent("(none)", OTHER);
                 let agent = self.agent(&w.agent);
+                let pod = PodLabels::of(&mut self.pods, w.pod.as_deref());
                 for (holder, ns) in behind {
                     let l = WaitLabels {
                         lock: w.lock.to_string(),
                         agent: agent.clone(),
                         holder_agent: self.agent(holder),
+                        pod: pod.clone(),
                     };
                     self.m.wait.get_or_create(&l).observe(secs(ns));
                 }
@@ -702,6 +766,46 @@ mod tests {
         })
     }
 
+    /// A holder in a pod gets its namespace and workload as labels; past the cap, `(other)`.
+    #[test]
+    fn pod_labels_are_the_workload_and_capped() {
+        let m = Arc::new(Metrics::new("k"));
+        let mut s = MetricsSink::new(m.clone(), None);
+        let in_pod = |pod: &str| {
+            let Output::Hold(mut h) = hold("kube-proxy", 1_000) else {
+                unreachable!()
+            };
+            h.pod = Some(Arc::new(crate::kube::PodName {
+                namespace: "kube-system".into(),
+                pod: pod.into(),
+                container: "kube-proxy".into(),
+            }));
+            Output::Hold(h)
+        };
+        s.output(&in_pod("kube-proxy-x7k2p")).unwrap();
+        s.output(&in_pod("kube-proxy-q8w4z")).unwrap();
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("xtlock_lock_hold_seconds_count{lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\",namespace=\"kube-system\",pod=\"kube-proxy\"} 2"),
+            "{text}"
+        );
+        // Outside a pod: no pod labels at all.
+        s.output(&hold("kube-proxy", 1_000)).unwrap();
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("xtlock_lock_hold_seconds_count{lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\"} 1"),
+            "{text}"
+        );
+        for i in 0..MAX_PODS + 5 {
+            s.output(&in_pod(&format!("w{i}-bbbbb"))).unwrap();
+        }
+        let text = m.encode().unwrap();
+        assert!(
+            text.contains("namespace=\"(other)\",pod=\"(other)\"} 6"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn ipvs_counts_and_changes() {
         let m = Arc::new(Metrics::new("6.1.0"));
@@ -779,6 +883,7 @@ mod tests {
                 },
             ],
             unknown_ns: 0,
+            free_ns: 0,
             other_holders: 0,
             other_holders_ns: 0,
             outcome: WaitOutcome::Acquired,
@@ -844,6 +949,7 @@ mod tests {
             lock: "/l".into(),
             agent: "kube-proxy".into(),
             role: "proxy".into(),
+            pod: PodLabels::default(),
         };
         m.set_open_holds(["/l"], [kp.clone()]);
         let t = m.encode().unwrap();

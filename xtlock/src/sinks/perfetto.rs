@@ -193,32 +193,28 @@ impl<W: Write> PerfettoSink<W> {
             "holders": holders, "cmdline": w.cmdline,
         });
         self.slice(pid, wtid, w.start_ns, end, &name, "wait", args.clone())?;
-        // Where the time went, one nested slice per holder, in the order they held the lock
-        // (exact when each held it in one stretch, as a hand-over chain does).
+        // Where the time went: one nested slice per holder, from when it first held the
+        // lock during the wait, as long as the wait was behind it (exact when it held the
+        // lock in one stretch, as a hand-over chain does); gaps are time the lock was free.
         let mut at = w.start_ns;
         if w.unknown_ns > 0 {
-            let to = at + w.unknown_ns;
-            self.slice(
-                pid,
-                wtid,
-                at,
-                to,
-                "behind an unknown holder",
-                "wait",
-                json!({}),
-            )?;
+            let to = (at + w.unknown_ns).min(end);
+            let name = "behind an unknown holder";
+            self.slice(pid, wtid, at, to, name, "wait", json!({}))?;
             at = to;
         }
         for h in &w.holders {
             let ns = h.behind_ns.unwrap_or(0);
+            let from = h.from_ns.unwrap_or(at).clamp(at, end);
+            let to = (from + ns).min(end);
             let name = format!("behind {}", h.agent);
             let args = json!({"pid": h.pid, "cmdline": h.cmdline, "behind_ns": ns});
-            self.slice(pid, wtid, at, at + ns, &name, "wait", args)?;
-            at += ns;
+            self.slice(pid, wtid, from, to, &name, "wait", args)?;
+            at = to;
         }
         if w.other_holders > 0 {
             let name = format!("behind {} more", w.other_holders);
-            let to = at + w.other_holders_ns;
+            let to = (at + w.other_holders_ns).min(end);
             self.slice(pid, wtid, at, to, &name, "wait", json!({}))?;
         }
         // The async slice, as the spec asks: a wait is not a thread's activity but a span.

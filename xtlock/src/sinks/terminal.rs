@@ -365,6 +365,10 @@ fn behind_text(w: &WaitFact) -> String {
             w.other_holders
         ));
     }
+    // A poller's interval after a release; a woken waiter's few µs are not worth a word.
+    if w.free_ns >= 1_000_000 || w.free_ns * 20 > w.wait_ns {
+        parts.push(format!("{} with the lock free", human_ns(w.free_ns)));
+    }
     match (parts.len(), groups.first()) {
         // One holder for the whole wait: its time is the wait's.
         (1, Some((_, _, first, 1))) => format!(" behind {}", holder_text(first)),
@@ -1077,6 +1081,7 @@ mod tests {
                 )
             }],
             unknown_ns: 0,
+            free_ns: 0,
             other_holders: 0,
             other_holders_ns: 0,
             outcome: WaitOutcome::Acquired,
@@ -1133,6 +1138,7 @@ mod tests {
                 behind("kube-proxy", 12, 400_000_000),
             ],
             unknown_ns: 0,
+            free_ns: 0,
             other_holders: 0,
             other_holders_ns: 0,
             outcome: WaitOutcome::Acquired,

@@ -43,6 +43,8 @@ pub struct LiveSource {
 #[derive(Default)]
 struct Tap {
     decode_errors: u64,
+    /// The kubelet's names of pods and containers, on a Kubernetes node.
+    pods: Option<super::pods::PodDirectory>,
     recorder: Option<Box<dyn Recorder>>,
     /// The first recording error; recording stops there, tracing goes on.
     recorder_error: Option<anyhow::Error>,
@@ -92,10 +94,29 @@ impl LiveSource {
             None => Vec::new(),
         };
         events.extend(self.ipvs.poll(&self.probes, now));
+        if let Some(pods) = self.tap.pods.as_mut() {
+            let mut named = Vec::new();
+            pods.tick(now, &mut named);
+            events.extend(named.into_iter().map(|p| Event::Pod(Box::new(p))));
+        }
         for ev in &events {
             self.tap.synthetic(ev);
         }
         events
+    }
+
+    /// Names the pods and containers of the processes seen, from the kubelet's log
+    /// directories under `host_root` (`/` on the node); nothing when there are none.
+    pub fn name_pods(&mut self, host_root: &Path) {
+        self.tap.pods = super::pods::PodDirectory::new(host_root);
+        match &self.tap.pods {
+            Some(_) => {
+                tracing::debug!(root = %host_root.display(), "naming pods from the kubelet's log directories")
+            }
+            None => {
+                tracing::debug!(root = %host_root.display(), "no kubelet log directory: processes in pods are named by container id only")
+            }
+        }
     }
 
     pub fn set_recorder(&mut self, r: Box<dyn Recorder>) {
@@ -122,10 +143,18 @@ impl LiveSource {
     /// The processes that exist now, as events: the analysis starts from them.
     pub fn seed(&mut self, locks: &[(u32, u64)]) -> Vec<Event> {
         let now = super::monotonic_ns();
-        let mut events: Vec<Event> = super::procfs::snapshot(Path::new("/proc"), now)
-            .into_iter()
-            .map(Event::Proc)
-            .collect();
+        let procs = super::procfs::snapshot(Path::new("/proc"), now);
+        let mut events: Vec<Event> = Vec::with_capacity(procs.len() + 16);
+        if let Some(pods) = self.tap.pods.as_mut() {
+            let mut named = Vec::new();
+            for p in &procs {
+                if let Some(cg) = &p.cgroup {
+                    pods.see(&crate::kube::parse_cgroup(cg), now, &mut named);
+                }
+            }
+            events.extend(named.into_iter().map(|p| Event::Pod(Box::new(p))));
+        }
+        events.extend(procs.into_iter().map(Event::Proc));
         // Holds already in place: during an incident, the lock is likely held right now.
         if let Ok(text) = std::fs::read_to_string("/proc/locks") {
             events.extend(
@@ -213,6 +242,15 @@ impl Tap {
                 // a new program. A container's process is moved to its cgroup by the
                 // runtime after fork, so the parent's would name the runtime.
                 if let Some(info) = exec.and_then(|(pid, ts)| exec_cgroup(pid, ts)) {
+                    if let (Some(pods), Some(cg)) = (self.pods.as_mut(), &info.cgroup) {
+                        let mut named = Vec::new();
+                        pods.see(&crate::kube::parse_cgroup(cg), info.ts_ns, &mut named);
+                        for p in named {
+                            let ev = Event::Pod(Box::new(p));
+                            self.synthetic(&ev);
+                            out.push(ev);
+                        }
+                    }
                     let ev = Event::Proc(info);
                     self.synthetic(&ev);
                     out.push(ev);

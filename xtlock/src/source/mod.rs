@@ -5,6 +5,7 @@ pub mod drops;
 pub mod file;
 pub mod ipvs;
 pub mod live;
+pub mod pods;
 pub mod procfs;
 
 /// `CLOCK_MONOTONIC` now, in ns: the clock of `bpf_ktime_get_ns()` and so of every event.

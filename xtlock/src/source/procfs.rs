@@ -57,22 +57,32 @@ pub fn parse_cmdline(b: &[u8]) -> Vec<String> {
         .collect()
 }
 
-/// The cgroup path: the v2 entry (`0::/path`), else the first v1 entry with a path.
+/// The cgroup path: the first entry that names a pod or a container (on a cgroup v1 or
+/// hybrid node, the v2 entry is `0::/` and the v1 controllers hold the container's path),
+/// else the v2 entry (`0::/path`) when it is not the root, else the first v1 entry with a
+/// path.
 pub fn parse_cgroup(text: &str) -> Option<String> {
+    let mut v2 = None;
     let mut first = None;
     for line in text.lines() {
         let mut parts = line.splitn(3, ':');
         let (Some(id), Some(_ctrl), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
             continue;
         };
-        if id == "0" {
+        let who = crate::kube::parse_cgroup(path);
+        if who.pod_uid.is_some() || who.container_id.is_some() {
             return Some(path.to_owned());
         }
-        if first.is_none() && path != "/" {
+        if id == "0" {
+            v2 = Some(path.to_owned());
+        } else if first.is_none() && path != "/" {
             first = Some(path.to_owned());
         }
     }
-    first
+    match v2 {
+        Some(p) if p != "/" => Some(p),
+        root => first.or(root),
+    }
 }
 
 #[cfg(test)]
@@ -97,6 +107,16 @@ mod tests {
             Some("/kubepods/burstable/podX/abc".into())
         );
         assert_eq!(parse_cgroup(""), None);
+        // Hybrid: the unified hierarchy is the root, a v1 controller holds the container.
+        assert_eq!(
+            parse_cgroup("8:pids:/kubepods/besteffort/pod0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d/3f6e4b0c2a1d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f\n4:memory:/x\n0::/\n")
+                .as_deref(),
+            Some("/kubepods/besteffort/pod0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d/3f6e4b0c2a1d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f")
+        );
+        assert_eq!(
+            parse_cgroup("4:memory:/process_api/774dc\n0::/\n").as_deref(),
+            Some("/process_api/774dc")
+        );
     }
 
     #[test]
