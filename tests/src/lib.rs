@@ -18,7 +18,9 @@ use std::{
 use serde_json::Value;
 
 mod pods;
+mod smallfs;
 pub use pods::{cgroup2_root, kubelet_logs, PodCgroup};
+pub use smallfs::SmallFs;
 
 /// BPF tests share CPU time and the kernel's tracepoints: run them one at a time so
 /// timings stay honest.

@@ -474,6 +474,102 @@ fn record_dir_keeps_n_files_under_b_bytes() {
     }
 }
 
+/// The value of an unlabelled metric in an exposition.
+fn metric(body: &str, name: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.split_whitespace().next() == Some(name))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The disk under --record-dir fills up, then frees: recording stops without stopping the
+/// daemon, says so (/readyz 503 with the reason, `xtlock_recording_up` 0, an error count),
+/// leaves no empty file, and resumes by itself; the files before and after replay.
+#[test]
+fn recording_survives_a_full_disk() {
+    if !require_bpf("recording_survives_a_full_disk") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("daemon-full");
+    let lock = s.lock_file("xtables.lock");
+    let fs = xtlock_tests::SmallFs::mount(&s.dir.join("small"), 1024);
+    let dir = fs.dir.join("captures");
+    let dir_s = dir.to_str().unwrap_or_default().to_owned();
+    let port = free_port();
+    let d = daemon(port, &lock, &["--no-drops", "--record-dir", &dir_s]);
+    wait_ready(port);
+    let scrape = || get(port, "/metrics").map(|r| r.1).unwrap_or_default();
+    assert_eq!(metric(&scrape(), "xtlock_recording_up"), Some(1.0));
+    let filler = fs.fill();
+    // Events to write, so the next flush meets the full disk.
+    let why = until(T, "/readyz to say recording failed", || {
+        for _ in 0..20 {
+            let _ = Command::new("true").status();
+        }
+        match get(port, "/readyz") {
+            Ok((503, body)) if body.contains("recording") => Some(body),
+            _ => None,
+        }
+    });
+    eprintln!("/readyz while the disk is full: {why}");
+    assert!(why.contains("No space left on device"), "{why}");
+    let m = scrape();
+    assert_eq!(metric(&m, "xtlock_recording_up"), Some(0.0), "{m}");
+    assert!(
+        metric(&m, "xtlock_recording_errors_total").unwrap_or(0.0) >= 1.0,
+        "{m}"
+    );
+    // The daemon still serves and still traces.
+    contention(&s, &lock);
+    std::fs::remove_file(&filler).expect("remove filler");
+    until(Duration::from_secs(45), "recording to resume", || {
+        let _ = Command::new("true").status();
+        (metric(&scrape(), "xtlock_recording_up") == Some(1.0)).then_some(())
+    });
+    wait_ready(port);
+    contention(&s, &lock);
+    sigterm(d.pid());
+    let _ = d.finish();
+    let files = capture_files(&dir);
+    eprintln!("capture files: {files:?}");
+    assert!(
+        files.len() >= 2,
+        "a file before the failure and one after: {files:?}"
+    );
+    for (f, size) in &files {
+        assert!(*size > 0, "an empty capture file was left: {}", f.display());
+        let out = Command::new(xtlock_bin())
+            .args(["report", "--json"])
+            .arg(f)
+            .output()
+            .expect("xtlock report");
+        assert!(
+            out.status.success(),
+            "report {}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The file written after the recovery saw the second contention.
+    let (last, _) = files.last().expect("a file");
+    let out = Command::new(xtlock_bin())
+        .args(["report", "--json"])
+        .arg(last)
+        .output()
+        .expect("xtlock report");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary: Value = text
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_default();
+    assert_eq!(
+        summary["holds"]["kube-proxy"]["count"], 1,
+        "the resumed file has the hold made after recovery: {summary}"
+    );
+}
+
 /// deploy/daemonset.yaml parses and has what a node needs (no cluster here: the shape only).
 #[test]
 fn daemonset_yaml_has_the_required_fields() {

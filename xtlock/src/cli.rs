@@ -46,10 +46,21 @@ pub enum Command {
     Daemon(DaemonArgs),
 }
 
+/// `--listen`: an IP address and a port; a host name would need a resolver and could
+/// bind somewhere unexpected, so it is refused with what to write instead.
+fn parse_listen(s: &str) -> Result<std::net::SocketAddr, String> {
+    s.parse().map_err(|_| {
+        format!(
+            "`{s}` is not an IP:PORT; write an IP address and a port, e.g. 0.0.0.0:9655, \
+             127.0.0.1:9655 or [::]:9655 (host names are not accepted)"
+        )
+    })
+}
+
 #[derive(Debug, clap::Args)]
 pub struct DaemonArgs {
     /// Address for /metrics, /healthz and /readyz.
-    #[arg(long, value_name = "ADDR:PORT", default_value = "127.0.0.1:9655")]
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:9655", value_parser = parse_listen)]
     pub listen: std::net::SocketAddr,
     /// Keep rolling capture files here (`xtlock report` replays any of them).
     #[arg(long, value_name = "DIR")]
@@ -375,6 +386,14 @@ mod tests {
             panic!()
         };
         assert_eq!(d.listen.to_string(), "127.0.0.1:9655");
+        let e = Cli::try_parse_from(["xtlock", "daemon", "--listen", "localhost:9655"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("is not an IP:PORT") && e.contains("0.0.0.0:9655"),
+            "{e}"
+        );
         assert!(Cli::try_parse_from(["xtlock", "daemon", "--record-keep", "3"]).is_err());
         assert_eq!(parse_bytes("1000000"), Ok(1_000_000));
         assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));

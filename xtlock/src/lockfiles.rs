@@ -46,12 +46,8 @@ pub enum LockFileError {
     Directory { path: String },
     #[error("{path} is not a regular file")]
     NotRegular { path: String },
-    #[error("cannot inspect lock file {path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: io::Error,
-    },
+    #[error("cannot inspect lock file {path}: {error}")]
+    Io { path: String, error: io::Error },
     #[error("at most {max} lock files can be watched, got {got}")]
     TooMany { max: u32, got: usize },
 }
@@ -97,12 +93,12 @@ pub fn resolve(path: &Path, create_default: bool) -> Result<LockFile, LockFileEr
                 .open(path)
                 .map_err(|source| LockFileError::Io {
                     path: shown.clone(),
-                    source,
+                    error: source,
                 })?;
             tracing::info!(path = %shown, "created the lock file (mode 0600), as iptables does on first use");
             fs::metadata(path).map_err(|source| LockFileError::Io {
                 path: shown.clone(),
-                source,
+                error: source,
             })?
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -111,7 +107,7 @@ pub fn resolve(path: &Path, create_default: bool) -> Result<LockFile, LockFileEr
         Err(source) => {
             return Err(LockFileError::Io {
                 path: shown,
-                source,
+                error: source,
             })
         }
     };

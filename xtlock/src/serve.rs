@@ -70,12 +70,26 @@ pub async fn start(addr: SocketAddr, state: Arc<State>) -> Result<SocketAddr, Se
 }
 
 async fn accept_loop(listener: TcpListener, state: Arc<State>) {
+    // Out of fds, a failure repeats at every retry: one warning per period, with a count.
+    const WARN_EVERY: Duration = Duration::from_secs(30);
+    let mut warned: Option<tokio::time::Instant> = None;
+    let mut since_warned = 0u64;
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                // Out of fds and the like: back off instead of spinning.
-                tracing::warn!(error = %e, "accepting an HTTP connection failed");
+                since_warned += 1;
+                if warned.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                    tracing::warn!(
+                        error = %e,
+                        failures = since_warned,
+                        "accepting an HTTP connection failed (at most one warning per {} s)",
+                        WARN_EVERY.as_secs()
+                    );
+                    warned = Some(tokio::time::Instant::now());
+                    since_warned = 0;
+                }
+                // Back off instead of spinning.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }

@@ -24,12 +24,8 @@ use crate::decode::DecodeError;
 /// file where the problem starts.
 #[derive(Debug, thiserror::Error)]
 pub enum CaptureError {
-    #[error("offset {offset}: I/O error: {source}")]
-    Io {
-        offset: u64,
-        #[source]
-        source: io::Error,
-    },
+    #[error("offset {offset}: I/O error: {error}")]
+    Io { offset: u64, error: io::Error },
     #[error("not an xtlock capture (no XTLKCAP magic at offset 0)")]
     NotACapture,
     #[error(
@@ -79,15 +75,14 @@ pub enum CaptureError {
     },
     /// A kernel record that `decode` rejects (often an event kind from a newer xtlock). Not
     /// fatal: the next record can still be read.
-    #[error("offset {offset} (block record {record}): kernel event not decoded: {source}")]
+    #[error("offset {offset} (block record {record}): kernel event not decoded: {error}")]
     Decode {
         offset: u64,
         record: u32,
-        #[source]
-        source: DecodeError,
+        error: DecodeError,
     },
     #[error("capture header: {0}")]
-    HeaderJson(#[source] serde_json::Error),
+    HeaderJson(serde_json::Error),
     #[error("record of {len} bytes is larger than the {max} bytes a capture record may hold")]
     RecordTooLarge { len: usize, max: usize },
     #[error("an earlier write to the capture failed; the writer stopped")]

@@ -95,8 +95,10 @@ pub struct CaptureReader<R> {
 
 impl CaptureReader<File> {
     pub fn open(path: impl AsRef<Path>) -> Result<(CaptureHeader, Self), CaptureError> {
-        let file =
-            File::open(path.as_ref()).map_err(|source| CaptureError::Io { offset: 0, source })?;
+        let file = File::open(path.as_ref()).map_err(|source| CaptureError::Io {
+            offset: 0,
+            error: source,
+        })?;
         Self::new(file)
     }
 }
@@ -352,7 +354,10 @@ impl<R: Read> CaptureReader<R> {
     fn load_block(&mut self) -> Result<bool, CaptureError> {
         let offset = self.stats.bytes;
         self.block_offset = offset;
-        let io = |source| CaptureError::Io { offset, source };
+        let io = |source| CaptureError::Io {
+            offset,
+            error: source,
+        };
         let mut hb = [0u8; BLOCK_HEADER_LEN];
         let n = read_full(&mut self.inner, &mut hb).map_err(io)?;
         if n == 0 {
@@ -479,14 +484,17 @@ impl<R: Read> Iterator for Events<R> {
         Some(decoded.map_err(|source| CaptureError::Decode {
             offset: self.reader.block_offset,
             record: self.reader.seen.saturating_sub(1),
-            source,
+            error: source,
         }))
     }
 }
 
 /// Reads and checks the file header; returns it and its length in bytes.
 fn read_file_header<R: Read>(r: &mut R) -> Result<(CaptureHeader, u64), CaptureError> {
-    let io = |source| CaptureError::Io { offset: 0, source };
+    let io = |source| CaptureError::Io {
+        offset: 0,
+        error: source,
+    };
     let mut prefix = [0u8; FILE_PREFIX_LEN];
     let n = read_full(r, &mut prefix).map_err(io)?;
     let magic_len = n.min(format::MAGIC.len());
@@ -534,7 +542,7 @@ fn read_file_header<R: Read>(r: &mut R) -> Result<(CaptureHeader, u64), CaptureE
     let mut rest = vec![0u8; json_len + 4];
     let m = read_full(r, &mut rest).map_err(|source| CaptureError::Io {
         offset: FILE_PREFIX_LEN as u64,
-        source,
+        error: source,
     })?;
     if m < rest.len() {
         return Err(cut(FILE_PREFIX_LEN + m, total));

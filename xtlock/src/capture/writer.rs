@@ -82,8 +82,10 @@ pub struct CaptureWriter<W: Write> {
 impl CaptureWriter<File> {
     /// Creates (or truncates) `path` and writes the file header to it.
     pub fn create(path: impl AsRef<Path>, header: &CaptureHeader) -> Result<Self, CaptureError> {
-        let file =
-            File::create(path.as_ref()).map_err(|source| CaptureError::Io { offset: 0, source })?;
+        let file = File::create(path.as_ref()).map_err(|source| CaptureError::Io {
+            offset: 0,
+            error: source,
+        })?;
         let mut w = Self::new(file, header)?;
         w.sync = Some(|f: &mut File| f.sync_data());
         Ok(w)
@@ -101,7 +103,10 @@ impl<W: Write> CaptureWriter<W> {
                 max: format::MAX_HEADER_JSON,
             });
         }
-        let io = |source| CaptureError::Io { offset: 0, source };
+        let io = |source| CaptureError::Io {
+            offset: 0,
+            error: source,
+        };
         out.write_all(&bytes).map_err(io)?;
         out.flush().map_err(io)?;
         let header_bytes = bytes.len() as u64;
@@ -210,7 +215,7 @@ impl<W: Write> CaptureWriter<W> {
         if let Some(sync) = self.sync {
             sync(&mut self.out).map_err(|source| CaptureError::Io {
                 offset: self.stats.bytes_on_disk,
-                source,
+                error: source,
             })?;
         }
         Ok(())
@@ -236,7 +241,7 @@ impl<W: Write> CaptureWriter<W> {
         if let Some(sync) = self.sync {
             sync(&mut self.out).map_err(|source| CaptureError::Io {
                 offset: self.stats.bytes_on_disk,
-                source,
+                error: source,
             })?;
         }
         Ok(self.stats)
@@ -317,7 +322,10 @@ impl<W: Write> CaptureWriter<W> {
         // One write per block: a crash leaves this block whole or cut, never interleaved.
         self.state = State::Failed;
         let offset = self.stats.bytes_on_disk;
-        let io = |source| CaptureError::Io { offset, source };
+        let io = |source| CaptureError::Io {
+            offset,
+            error: source,
+        };
         self.out.write_all(&self.block).map_err(io)?;
         self.out.flush().map_err(io)?;
         self.state = State::Open;

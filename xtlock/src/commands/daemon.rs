@@ -2,24 +2,21 @@
 //! become Prometheus metrics served over HTTP, and optionally a rolling set of capture files.
 
 use std::{
-    fs::File,
-    path::{Path, PathBuf},
+    path::Path,
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use anyhow::Context as _;
-
 use crate::{
     cli::DaemonArgs,
-    commands::{live, record, resolve_locks},
+    commands::{live, record, resolve_locks, rolling::Rolling},
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
     probes::{preflight, HookStatus},
     serve::{self, State},
     sinks::metrics::{Capped, HoldLabels, Metrics, MetricsSink, PodLabels, ProbeLabels, MAX_PODS},
-    source::{self, live::LiveSource, live::Recorder},
+    source::live::LiveSource,
 };
 
 /// The event loop must tick within this long, or `/readyz` says it is stuck.
@@ -49,7 +46,7 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     let mut src = LiveSource::new(probes)?;
     let links = links::Watch::new(&src.probes.status);
     if let Some(r) = rolling.as_mut() {
-        src.set_recorder(r.open(&locks, &src.probes.status)?);
+        r.start(&mut src, &locks, &metrics);
     }
     let (start, drop_setup) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
 
@@ -85,8 +82,8 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     .await?;
     // SIGTERM: detach, complete the capture, exit 0 within the kubelet's grace period.
     match hooks.rolling {
-        Some(r) => record::finish_capture(src, &r.current, &summary)?,
-        None => drop(src),
+        Some(r) if src.recording() => record::finish_capture(src, &r.current, &summary)?,
+        _ => drop(src),
     }
     tracing::info!("stopped");
     Ok(())
@@ -124,7 +121,7 @@ impl live::LiveHooks for DaemonHooks {
         self.metrics.events.inc_by(pipe.events() - self.counted);
         self.counted = pipe.events();
         if let Some(r) = self.rolling.as_mut() {
-            r.maybe_rotate(src, locks, &self.drop_setup);
+            r.tick(src, locks, &self.drop_setup, &self.metrics);
         }
         let now = Instant::now();
         let stalled = now.duration_since(self.last_tick) > STALL;
@@ -134,7 +131,8 @@ impl live::LiveHooks for DaemonHooks {
             &self.metrics,
             pipe.events() - self.seeded,
             stalled,
-        );
+        )
+        .or_else(|| self.rolling.as_ref().and_then(Rolling::trouble));
         if why != self.state.not_ready() {
             match &why {
                 Some(w) => tracing::warn!(why = %w, "not ready"),
@@ -200,169 +198,6 @@ fn netns_inode(p: &Path) -> Option<u32> {
     std::fs::metadata(p)
         .ok()
         .and_then(|m| u32::try_from(m.ino()).ok())
-}
-
-/// The last N capture files of bounded size in one directory.
-struct Rolling {
-    dir: PathBuf,
-    keep: usize,
-    max_bytes: u64,
-    period: Option<Duration>,
-    current: PathBuf,
-    opened: Instant,
-    seq: u64,
-    /// Size of the current file at the previous check.
-    last_size: u64,
-}
-
-/// Capture files the daemon writes: `xtlock-<unix ms>-<seq>.xtlock`, so names sort by age.
-const ROLL_PREFIX: &str = "xtlock-";
-const ROLL_SUFFIX: &str = ".xtlock";
-
-impl Rolling {
-    fn new(
-        dir: &Path,
-        keep: usize,
-        max_bytes: u64,
-        period: Option<Duration>,
-    ) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create the record directory {}", dir.display()))?;
-        Ok(Self {
-            dir: dir.to_owned(),
-            keep: keep.max(1),
-            max_bytes,
-            period,
-            current: PathBuf::new(),
-            opened: Instant::now(),
-            seq: 0,
-            last_size: 0,
-        })
-    }
-
-    /// Rotate when the current file is past its share of the budget.
-    fn file_limit(&self) -> u64 {
-        self.max_bytes / self.keep as u64
-    }
-
-    fn open(
-        &mut self,
-        locks: &[LockFile],
-        hooks: &[HookStatus],
-    ) -> anyhow::Result<Box<dyn Recorder>> {
-        let ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis());
-        self.seq += 1;
-        let path = self.dir.join(format!(
-            "{ROLL_PREFIX}{ms:013}-{:06}{ROLL_SUFFIX}",
-            self.seq
-        ));
-        let file: File = record::create_capture_file(&path)?;
-        let r = record::start_capture(file, &path, locks, hooks, Default::default())?;
-        self.current = path;
-        self.opened = Instant::now();
-        self.last_size = 0;
-        self.prune();
-        Ok(r)
-    }
-
-    fn maybe_rotate(&mut self, src: &mut LiveSource, locks: &[LockFile], drop_setup: &[Event]) {
-        let size = std::fs::metadata(&self.current).map_or(0, |m| m.len());
-        // Checked once a second: rotate while two more seconds at the last rate still fit,
-        // so no file outgrows its share and all of them stay under --record-max-bytes.
-        let growth = size.saturating_sub(self.last_size);
-        self.last_size = size;
-        let due = size.saturating_add(2 * growth) >= self.file_limit()
-            || self.period.is_some_and(|p| self.opened.elapsed() >= p);
-        if !due || !src.recording() {
-            self.prune();
-            return;
-        }
-        let (old, error) = src.take_recorder();
-        if let Some(e) = error {
-            tracing::warn!(error = %format!("{e:#}"), "the previous capture file stopped early");
-        }
-        if let Some(old) = old {
-            match old.finish() {
-                Ok(what) => {
-                    tracing::debug!(file = %self.current.display(), what, "capture file rotated")
-                }
-                Err(e) => tracing::warn!(error = %format!("{e:#}"), "finishing a capture file"),
-            }
-        }
-        let mut next = match self.open(locks, &src.probes.status) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %format!("{e:#}"), "cannot open the next capture file; recording stopped");
-                return;
-            }
-        };
-        // Each file replays on its own: it starts with the processes alive now and the
-        // drop-reason names, as the first one did.
-        let now = source::monotonic_ns();
-        let seed = source::procfs::snapshot(Path::new("/proc"), now)
-            .into_iter()
-            .map(Event::Proc);
-        let setup = drop_setup.iter().cloned().map(|mut ev| {
-            if let Event::DropSetup { ts_ns, .. } = &mut ev {
-                *ts_ns = now;
-            }
-            ev
-        });
-        for ev in seed.chain(setup) {
-            if let Err(e) = next.synthetic(&ev) {
-                tracing::error!(error = %format!("{e:#}"), "writing the next capture file; recording stopped");
-                return;
-            }
-        }
-        src.set_recorder(next);
-    }
-
-    /// Deletes the oldest files beyond `keep`, and while all of them exceed `max_bytes`.
-    /// The current file is never deleted.
-    fn prune(&self) {
-        let mut files = match rolled_files(&self.dir) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the record directory");
-                return;
-            }
-        };
-        let mut total: u64 = files.iter().map(|f| f.1).sum();
-        let mut count = files.len();
-        files.retain(|f| f.0 != self.current);
-        for (path, size) in files {
-            if count <= self.keep && total <= self.max_bytes {
-                break;
-            }
-            match std::fs::remove_file(&path) {
-                Ok(()) => {
-                    count -= 1;
-                    total -= size;
-                }
-                Err(e) => {
-                    tracing::warn!(file = %path.display(), error = %e, "cannot delete an old capture file")
-                }
-            }
-        }
-    }
-}
-
-/// The daemon's capture files in `dir`, oldest first, with their sizes.
-fn rolled_files(dir: &Path) -> std::io::Result<Vec<(PathBuf, u64)>> {
-    let mut v = Vec::new();
-    for e in std::fs::read_dir(dir)? {
-        let e = e?;
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with(ROLL_PREFIX) && name.ends_with(ROLL_SUFFIX) {
-            let size = e.metadata().map_or(0, |m| m.len());
-            v.push((e.path(), size));
-        }
-    }
-    v.sort();
-    Ok(v)
 }
 
 /// Are the daemon's BPF links still attached? Each attached hook is a perf-event link owned
@@ -464,32 +299,5 @@ mod tests {
         assert_eq!(links::link_tracepoint(t), Some("flock_lock_inode"));
         let t = "link_type:\tcgroup\nprog_id:\t31\n";
         assert_eq!(links::link_tracepoint(t), None);
-    }
-
-    #[test]
-    fn rolling_prunes_oldest_by_count_and_bytes() {
-        let dir = std::env::temp_dir().join(format!("xtlock-roll-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let mut r = Rolling::new(&dir, 3, 1000, None).unwrap();
-        for i in 0..5 {
-            std::fs::write(
-                dir.join(format!("xtlock-{i:013}-000001.xtlock")),
-                [0u8; 300],
-            )
-            .unwrap();
-        }
-        std::fs::write(dir.join("unrelated.txt"), b"x").unwrap();
-        r.current = dir.join("xtlock-0000000000004-000001.xtlock");
-        r.prune();
-        let left = rolled_files(&dir).unwrap();
-        // 3 files of 300 bytes: within both the count and the byte budget.
-        assert_eq!(left.len(), 3, "{left:?}");
-        assert!(left.iter().any(|f| f.0 == r.current));
-        r.max_bytes = 650;
-        r.prune();
-        let left = rolled_files(&dir).unwrap();
-        assert_eq!(left.len(), 2, "{left:?}");
-        assert!(dir.join("unrelated.txt").exists());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

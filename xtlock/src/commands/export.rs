@@ -1,6 +1,6 @@
 //! `xtlock export FILE --format perfetto -o trace.json`: capture file -> timeline.
 
-use std::{fs::File, io::BufWriter};
+use std::{fs::File, io::BufWriter, path::Path};
 
 use anyhow::Context as _;
 
@@ -14,6 +14,7 @@ use crate::{
 pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
     let mut src = FileSource::open(&args.file)
         .with_context(|| format!("cannot read the capture {}", args.file.display()))?;
+    refuse_same_file(&args.file, &args.output)?;
     let out = File::create(&args.output)
         .with_context(|| format!("cannot create {}", args.output.display()))?;
     let sink = match args.format {
@@ -36,6 +37,22 @@ pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
             "{} is damaged; the timeline covers the part before the damage",
             args.file.display()
         )));
+    }
+    Ok(())
+}
+
+/// Writing the timeline over the capture it is read from would destroy the capture: the
+/// same file under another name (a link, `./x`, a bind mount) is caught by device and inode.
+fn refuse_same_file(input: &Path, output: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(i), Ok(o)) = (std::fs::metadata(input), std::fs::metadata(output)) else {
+        return Ok(());
+    };
+    if i.dev() == o.dev() && i.ino() == o.ino() {
+        anyhow::bail!(
+            "{} is the capture being exported: write the timeline to another file (-o)",
+            output.display()
+        );
     }
     Ok(())
 }

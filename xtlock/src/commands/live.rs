@@ -50,6 +50,11 @@ pub trait LiveHooks {
         Ok(())
     }
 
+    /// Checked once a second: end the run now (as a signal would).
+    fn should_stop(&self, _src: &LiveSource) -> bool {
+        false
+    }
+
     /// The loop is stopping (signal or deadline); the final drain follows.
     fn stopping(&mut self) {}
 }
@@ -174,6 +179,9 @@ pub async fn run(
                     }
                 }
                 hooks.each_second(src, pipe, locks)?;
+                if hooks.should_stop(src) {
+                    break;
+                }
             }
             _ = summaries.tick() => pipe.periodic_summary()?,
             _ = &mut deadline => break,

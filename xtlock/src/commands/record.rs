@@ -4,7 +4,7 @@
 use std::{
     fs::File,
     io::{self, IsTerminal, Write},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -30,14 +30,16 @@ use crate::{
 pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
     preflight::check()?;
     let mut locks = resolve_locks(&args.locks)?;
-    // Fail on an unwritable path before loading anything.
-    let file = create_capture_file(&args.output)?;
+    // Fail on an unwritable path before loading anything; an existing file is replaced
+    // only once the probes are attached.
+    let (file, pending) = PendingCapture::create(&args.output)?;
     let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
     let progress = Arc::new(Progress::default());
     let recorder = start_capture(file, &args.output, &locks, &probes.status, progress.clone())?;
     let mut src = LiveSource::new(probes)?;
     src.set_recorder(recorder);
     let (start, _) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
+    pending.commit()?;
 
     let counts = Arc::new(Counts::default());
     let mut pipe = Pipeline::new(
@@ -84,6 +86,61 @@ pub async fn run(args: &RecordArgs) -> anyhow::Result<()> {
 /// Creates (or truncates) the capture file, with a clear error.
 pub fn create_capture_file(path: &Path) -> anyhow::Result<File> {
     File::create(path).with_context(|| format!("cannot create the capture file {}", path.display()))
+}
+
+/// A capture written under a temporary name beside its own and renamed once tracing has
+/// started: a start that fails (a hook that cannot attach, a wrong `--netns`) leaves an
+/// existing file at that path as it was. Dropped without [`PendingCapture::commit`], the
+/// temporary file is removed.
+pub struct PendingCapture {
+    tmp: PathBuf,
+    path: PathBuf,
+    committed: bool,
+}
+
+impl PendingCapture {
+    pub fn create(path: &Path) -> anyhow::Result<(File, Self)> {
+        // A FIFO or a device (`-o /dev/stdout`) is written in place: it cannot be renamed onto.
+        let special = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+        let tmp = match name {
+            Some(n) if !special => path.with_file_name(format!(".{n}.{}.tmp", std::process::id())),
+            _ => path.to_owned(),
+        };
+        let file = create_capture_file(&tmp)
+            .with_context(|| format!("cannot create the capture file {}", path.display()))?;
+        Ok((
+            file,
+            Self {
+                committed: tmp == path,
+                tmp,
+                path: path.to_owned(),
+            },
+        ))
+    }
+
+    /// Gives the capture its name (replacing a file of that name).
+    pub fn commit(mut self) -> anyhow::Result<()> {
+        if !self.committed {
+            std::fs::rename(&self.tmp, &self.path).with_context(|| {
+                format!(
+                    "cannot rename {} to {}",
+                    self.tmp.display(),
+                    self.path.display()
+                )
+            })?;
+            self.committed = true;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PendingCapture {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 /// A recorder writing to `file`, its header describing this run.
@@ -302,6 +359,12 @@ impl live::LiveHooks for StatusLine {
     ) -> anyhow::Result<()> {
         self.show(src.recording());
         Ok(())
+    }
+
+    /// A capture that can no longer be written ends the run: `finish_capture` reports the
+    /// error (recording on with nothing saved would only look like it works).
+    fn should_stop(&self, src: &LiveSource) -> bool {
+        !src.recording()
     }
 }
 

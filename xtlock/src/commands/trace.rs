@@ -16,25 +16,31 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
     let mut locks = resolve_locks(&args.locks)?;
     // An unwritable capture path fails before anything is loaded.
     let capture = match &args.record {
-        Some(path) => Some(record::create_capture_file(path)?),
+        Some(path) => Some(record::PendingCapture::create(path)?),
         None => None,
     };
     let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
-    let recorder = match (capture, &args.record) {
-        (Some(file), Some(path)) => Some(record::start_capture(
-            file,
-            path,
-            &locks,
-            &probes.status,
-            Default::default(),
-        )?),
-        _ => None,
+    let (recorder, pending) = match (capture, &args.record) {
+        (Some((file, pending)), Some(path)) => (
+            Some(record::start_capture(
+                file,
+                path,
+                &locks,
+                &probes.status,
+                Default::default(),
+            )?),
+            Some(pending),
+        ),
+        _ => (None, None),
     };
     let mut src = LiveSource::new(probes)?;
     if let Some(r) = recorder {
         src.set_recorder(r);
     }
     let (start, _) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
+    if let Some(p) = pending {
+        p.commit()?;
+    }
 
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {

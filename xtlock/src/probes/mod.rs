@@ -48,12 +48,8 @@ pub enum ProbeError {
          `mount -t tracefs tracefs /sys/kernel/tracing` (needs root) and try again"
     )]
     NoTracefs { why: String },
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("{what}: {error}")]
+    Io { what: String, error: std::io::Error },
     #[error("loading the BPF programs failed: {0}")]
     Load(String),
     #[error(
@@ -62,7 +58,15 @@ pub enum ProbeError {
     )]
     Required { why: String },
     #[error("--drop-reasons: {0}")]
-    DropReasons(#[from] ReasonError),
+    DropReasons(ReasonError),
+}
+
+// By hand, not `#[from]`: the message already says the cause, which a `source` would
+// repeat in an error chain.
+impl From<ReasonError> for ProbeError {
+    fn from(e: ReasonError) -> Self {
+        ProbeError::DropReasons(e)
+    }
 }
 
 /// One kernel hook and what it gives the user, in plain words.

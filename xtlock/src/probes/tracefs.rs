@@ -14,8 +14,19 @@ const CANDIDATES: &[&str] = &["/sys/kernel/tracing", "/sys/kernel/debug/tracing"
 pub fn locate() -> Result<PathBuf, ProbeError> {
     for c in CANDIDATES {
         let p = Path::new(c);
-        if p.join("events").is_dir() {
-            return Ok(p.to_path_buf());
+        match fs::metadata(p.join("events")) {
+            Ok(m) if m.is_dir() => return Ok(p.to_path_buf()),
+            // Mounted (tracefs is 0700 on recent kernels) but closed to this process:
+            // mounting it again would not help, a capability would.
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(ProbeError::Permission(format!(
+                    "tracefs is mounted at {c} but this process may not read it \
+                         ({e}); its mode is 0700 on recent kernels, so reading it needs \
+                         CAP_DAC_OVERRIDE (or CAP_DAC_READ_SEARCH) besides CAP_BPF and \
+                         CAP_PERFMON: add it, or run as root"
+                )))
+            }
+            _ => {}
         }
     }
     let target = Path::new(CANDIDATES[0]);
@@ -91,7 +102,7 @@ impl Format {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(ProbeError::Io {
                 what: format!("reading {}", path.display()),
-                source: e,
+                error: e,
             }),
         }
     }

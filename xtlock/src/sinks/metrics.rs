@@ -214,6 +214,9 @@ pub struct Metrics {
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
+    /// 1 while the daemon's rolling capture is being written.
+    pub recording_up: Gauge,
+    pub recording_errors: Counter,
     /// The open holds last published, to clear their `holder_info` series when they end.
     published: Mutex<Vec<HoldLabels>>,
     ipvs_packets: Family<IpvsLabels, Counter>,
@@ -383,6 +386,19 @@ impl Metrics {
             "1 when the kernel hook is attached and still linked, 0 otherwise",
             probe_attached.clone(),
         );
+        let recording_up = Gauge::default();
+        r.register(
+            "recording_up",
+            "1 while the daemon writes its rolling capture (--record-dir), 0 while it cannot \
+             (it retries by itself)",
+            recording_up.clone(),
+        );
+        let recording_errors = Counter::default();
+        r.register(
+            "recording_errors",
+            "Failures to open or write a capture file of the rolling capture",
+            recording_errors.clone(),
+        );
         // A gauge, not an OpenMetrics info: Prometheus' text format has no info type.
         let build = Family::<BuildLabels, Gauge>::default();
         build
@@ -414,6 +430,8 @@ impl Metrics {
             lost,
             events,
             probe_attached,
+            recording_up,
+            recording_errors,
             published: Mutex::new(Vec::new()),
             ipvs_packets,
             ipvs_stale_packets,

@@ -31,7 +31,10 @@ pub struct FileSource {
 
 impl FileSource {
     pub fn open(path: &Path) -> Result<Self, CaptureError> {
-        let file = File::open(path).map_err(|source| CaptureError::Io { offset: 0, source })?;
+        let file = File::open(path).map_err(|source| CaptureError::Io {
+            offset: 0,
+            error: source,
+        })?;
         let (header, reader) = CaptureReader::new(BufReader::with_capacity(1 << 16, file))?;
         Ok(Self {
             header,

@@ -58,7 +58,7 @@ impl LiveSource {
         let ring = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) }
             .map_err(|e| ProbeError::Io {
                 what: "registering the ring buffer with the event loop".into(),
-                source: std::io::Error::other(e.to_string()),
+                error: std::io::Error::other(e.to_string()),
             })?;
         Ok(Self {
             probes,
@@ -275,7 +275,7 @@ impl Tap {
 
     fn check(&mut self, res: anyhow::Result<()>) {
         if let Err(e) = res {
-            tracing::error!(error = %format!("{e:#}"), "recording stopped; tracing goes on");
+            tracing::error!(error = %format!("{e:#}"), "recording stopped");
             self.recorder = None;
             self.recorder_error = Some(e);
         }
