@@ -794,3 +794,34 @@ fn holders_and_waiters_in_pods_are_named() {
         "{dump}"
     );
 }
+
+/// CAP_BPF and CAP_PERFMON without root: tracefs (mode 0700) is mounted but closed to the
+/// process; the error names the missing capability instead of calling tracefs unmounted.
+#[test]
+fn bpf_caps_without_root_name_the_missing_one() {
+    let mode = std::fs::metadata("/sys/kernel/tracing")
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o777)
+        .unwrap_or(0);
+    if mode != 0o700 {
+        eprintln!("skipped: tracefs is not mode 0700 here ({mode:o})");
+        return;
+    }
+    let out = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all,+bpf,+perfmon",
+            "--ambient-caps=+bpf,+perfmon",
+        ])
+        .arg(xtlock_tests::xtlock_bin())
+        .args(["trace", "--duration", "1s"])
+        .output()
+        .expect("setpriv (util-linux)");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("CAP_DAC_OVERRIDE") && !err.contains("mount -t tracefs"),
+        "{err}"
+    );
+}
