@@ -25,6 +25,10 @@ pub const DROP_REASON_SLOTS: u32 = 1024;
 /// Distinct (reason, location, netns) keys the in-kernel drop counters hold; drops of keys
 /// beyond it are still counted, in one overflow counter.
 pub const MAX_DROP_KEYS: u32 = 16384;
+/// Slots of the per-CPU drop counters of holds (`HOLD_DROPS`): hold number `seq` counts in
+/// slot `seq % HOLD_DROP_SLOTS`, which is reused that many holds later, long after userspace
+/// (reading every second) took its count.
+pub const HOLD_DROP_SLOTS: u32 = 1024;
 
 /// `fl_type` values of the `filelock` tracepoints.
 pub const F_RDLCK: u8 = 0;
@@ -381,6 +385,28 @@ pub struct DropKey {
     pub netns: u32,
 }
 
+/// The exclusive hold of a watched lock in progress (`HOLD_NOW`), written by the lock hook
+/// and read by the drop hook: drops are counted for the hold while `start_ns` is non-zero.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HoldNow {
+    /// The acquire's timestamp (its `LockEvent`'s): userspace finds the hold by it.
+    pub start_ns: u64,
+    /// `fl_owner` of the hold: only its release ends it.
+    pub owner: u64,
+    /// Holds counted so far; picks the hold's counter slot.
+    pub seq: u64,
+}
+
+/// Drops counted during one hold on one CPU (`HOLD_DROPS`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HoldDropSlot {
+    /// The hold's `HoldNow::start_ns`; a different value means the slot holds another hold.
+    pub start_ns: u64,
+    pub count: u64,
+}
+
 /// `IpvsEvent::op`: a new connection scheduled to a real server (`ip_vs_conn_new`).
 pub const IPVS_OP_SCHEDULED: u8 = 1;
 /// A packet on a connection whose real server is no longer usable (removed, or weight 0);
@@ -573,6 +599,7 @@ mod pod {
     unsafe impl aya::Pod for LockKey {}
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
+    unsafe impl aya::Pod for HoldDropSlot {}
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}

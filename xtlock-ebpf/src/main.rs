@@ -8,8 +8,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xtlock_common::{
-    DropKey, IpvsEvent, IpvsKey, LockKey, ProbeConfig, DROP_REASON_SLOTS, MAX_DROP_KEYS,
-    MAX_IPVS_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
+    DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, LockKey, ProbeConfig, DROP_REASON_SLOTS,
+    HOLD_DROP_SLOTS, MAX_DROP_KEYS, MAX_IPVS_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
 };
 
 mod emit;
@@ -140,6 +140,16 @@ static DROP_COUNTS: PerCpuHashMap<DropKey, u64> = PerCpuHashMap::with_max_entrie
 /// Drops not counted under their key because `DROP_COUNTS` was full, per CPU.
 #[map]
 static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// The exclusive hold of a watched lock in progress (one entry): the lock hook sets it at an
+/// acquire and clears it at the holder's release; the drop hook counts into its slot.
+#[map]
+static HOLD_NOW: Array<HoldNow> = Array::with_max_entries(1, 0);
+
+/// Watched drops during holds, per CPU, in slot `seq % HOLD_DROP_SLOTS` of the hold. Exact per
+/// hold: a drop counts for the hold in progress when it happens, not for a whole interval.
+#[map]
+static HOLD_DROPS: PerCpuArray<HoldDropSlot> = PerCpuArray::with_max_entries(HOLD_DROP_SLOTS, 0);
 
 /// Drop-sample rate limiter per CPU: the theoretical arrival time of the next sample (GCRA).
 #[map]

@@ -421,6 +421,18 @@ pub struct DropCounts {
     pub counts: Vec<DropCount>,
     /// Drops the kernel could not file under their key (its key map was full).
     pub overflow: u64,
+    /// Drops counted in the kernel during each hold of a watched lock seen by this read, so
+    /// far (a hold still going on is counted again at the next read). Only those whose
+    /// count changed. Empty in captures made before xtlock counted per hold.
+    pub holds: Vec<HoldDropCount>,
+}
+
+/// Drops during one hold, counted in the kernel while it went on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HoldDropCount {
+    /// The hold's acquire time (its lock event's).
+    pub start_ns: u64,
+    pub count: u64,
 }
 
 /// Conntrack statistics counters (`/proc/net/stat/nf_conntrack`, summed over CPUs).

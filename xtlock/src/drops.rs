@@ -209,18 +209,12 @@ pub struct HoldDropsFact {
     pub comm: SharedStr,
     pub start_ns: u64,
     pub hold_ns: u64,
-    /// Drops in the intervals that overlapped the hold.
+    /// Watched drops while the hold went on, counted in the kernel: exact.
     pub dropped: u64,
+    /// Sampled drops inside the hold, by class and by reason name: what the drops were.
     pub by_class: BTreeMap<DropClass, u64>,
-    /// Drops by reason name.
     pub by_reason: BTreeMap<String, u64>,
-    /// Sampled drops inside the hold itself.
     pub samples: u64,
-    /// Conntrack deltas of the overlapping intervals (all netns).
-    pub conntrack: ConntrackCounters,
-    /// Counts are per interval: the drops are those of the intervals overlapping the hold,
-    /// `window_ns` in all, which can be longer than the hold.
-    pub window_ns: u64,
 }
 
 /// The `drops` block of the summary.
@@ -234,7 +228,7 @@ pub struct DropSummary {
     pub by_location: BTreeMap<String, u64>,
     pub by_netns: BTreeMap<u32, u64>,
     pub samples: u64,
-    /// Drops in intervals that overlapped a hold of a watched lock.
+    /// Drops while a watched lock was held, counted in the kernel per hold.
     pub during_holds: u64,
     /// Drops the kernel counted without a key (its key map was full).
     pub overflow: u64,
@@ -261,9 +255,6 @@ struct Tally {
     by_class: BTreeMap<DropClass, u64>,
     by_reason: BTreeMap<String, u64>,
     samples: u64,
-    conntrack: ConntrackCounters,
-    window_start: u64,
-    window_end: u64,
 }
 
 #[derive(Debug, Default)]
@@ -436,9 +427,7 @@ impl DropTracker {
             }
         }
         if self.pending.len() >= MAX_PENDING_SAMPLES {
-            let (s, hold) = (*s, hold);
-            let f = self.sample_fact(&s, hold);
-            out(Output::Drop(f));
+            self.emit_sample(s, hold, out);
             return;
         }
         self.pending.push((*s, hold));
@@ -462,6 +451,27 @@ impl DropTracker {
         } else {
             DropClass::NetfilterRuleDrop
         }
+    }
+
+    /// Classifies a sample, adds it to its hold's kinds of drops, and emits it; returns its
+    /// packet.
+    fn emit_sample(
+        &mut self,
+        s: &DropSample,
+        hold: Option<HoldRef>,
+        out: &mut impl FnMut(Output),
+    ) -> Option<PacketInfo> {
+        let f = self.sample_fact(s, hold);
+        if let Some(h) = &f.hold {
+            let (class, reason) = (f.class, f.reason.clone());
+            if let Some(t) = self.tally(h) {
+                *t.by_class.entry(class).or_default() += 1;
+                *t.by_reason.entry(reason).or_default() += 1;
+            }
+        }
+        let packet = f.packet.clone();
+        out(Output::Drop(f));
+        packet
     }
 
     fn sample_fact(&self, s: &DropSample, hold: Option<HoldRef>) -> DropFact {
@@ -541,13 +551,6 @@ impl DropTracker {
             _ => None,
         };
         let start = c.ts_ns.saturating_sub(c.interval_ns);
-        if !holds.is_empty() {
-            for h in &holds {
-                if let Some(t) = self.tally(h) {
-                    t.conntrack = t.conntrack.saturating_add(&c.deltas);
-                }
-            }
-        }
         if c.deltas.is_zero() && warning.is_none() {
             return;
         }
@@ -629,13 +632,9 @@ impl DropTracker {
         let pending = std::mem::take(&mut self.pending);
         let mut examples: HashMap<(u32, u32, u64), PacketInfo> = HashMap::new();
         for (s, hold) in pending {
-            let f = self.sample_fact(&s, hold);
-            if let Some(p) = &f.packet {
-                examples
-                    .entry((s.netns, s.reason, s.location))
-                    .or_insert_with(|| p.clone());
+            if let Some(p) = self.emit_sample(&s, hold, out) {
+                examples.entry((s.netns, s.reason, s.location)).or_insert(p);
             }
-            out(Output::Drop(f));
         }
         let mut facts = Vec::new();
         for dc in &c.counts {
@@ -680,16 +679,6 @@ impl DropTracker {
                 } else if self.stats.by_netns.len() < MAX_KEYS {
                     self.stats.by_netns.insert(dc.netns, n);
                 }
-                if !holds.is_empty() {
-                    self.stats.during_holds += n;
-                }
-                for h in &holds {
-                    if let Some(t) = self.tally(h) {
-                        t.dropped += n;
-                        *t.by_class.entry(class).or_default() += n;
-                        *t.by_reason.entry(reason.clone()).or_default() += n;
-                    }
-                }
                 facts.push(DropCountFact {
                     ts_ns: start,
                     interval_ns: c.interval_ns,
@@ -717,14 +706,17 @@ impl DropTracker {
         for f in facts {
             out(Output::DropCount(f));
         }
-        for h in &holds {
-            if let Some(t) = self.tally(h) {
-                t.window_start = if t.window_start == 0 {
-                    start
-                } else {
-                    t.window_start.min(start)
-                };
-                t.window_end = t.window_end.max(c.ts_ns);
+        // The kernel's count for each hold so far; a count of a hold still going on grows at
+        // later reads, and a read can miss a CPU's share only by coming later, so the
+        // largest is the truest.
+        if !c.holds.is_empty() {
+            let by_start: FastMap<u64, &HoldRef> = holds.iter().map(|h| (h.start_ns, h)).collect();
+            for hc in &c.holds {
+                if let Some(h) = by_start.get(&hc.start_ns) {
+                    if let Some(t) = self.tally(h) {
+                        t.dropped = t.dropped.max(hc.count);
+                    }
+                }
             }
         }
         self.end_tick();
@@ -772,9 +764,8 @@ impl DropTracker {
             by_class: t.by_class,
             by_reason: t.by_reason,
             samples: t.samples,
-            conntrack: t.conntrack,
-            window_ns: t.window_end.saturating_sub(t.window_start),
         };
+        self.stats.during_holds += f.dropped;
         self.worst.push(f.clone());
         self.worst.sort_by_key(|h| std::cmp::Reverse(h.dropped));
         self.worst.truncate(5);
@@ -784,8 +775,7 @@ impl DropTracker {
     /// End of the stream: samples still waiting and holds not reported yet.
     pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
         for (s, hold) in std::mem::take(&mut self.pending) {
-            let f = self.sample_fact(&s, hold);
-            out(Output::Drop(f));
+            self.emit_sample(&s, hold, out);
         }
         self.tally_at.clear();
         for mut t in std::mem::take(&mut self.tallies) {
@@ -815,9 +805,6 @@ impl Tally {
             by_class: BTreeMap::new(),
             by_reason: BTreeMap::new(),
             samples: 0,
-            conntrack: ConntrackCounters::default(),
-            window_start: 0,
-            window_end: 0,
         }
     }
 }
@@ -876,6 +863,11 @@ mod tests {
     }
 
     fn counts(ts: u64, c: &[(u64, u32, u64)]) -> Event {
+        counts_in_holds(ts, c, &[])
+    }
+
+    /// Drop counts with the kernel's per-hold counts: (hold start, drops so far).
+    fn counts_in_holds(ts: u64, c: &[(u64, u32, u64)], holds: &[(u64, u64)]) -> Event {
         Event::DropCounts(DropCounts {
             ts_ns: ts,
             interval_ns: S,
@@ -889,6 +881,10 @@ mod tests {
                 })
                 .collect(),
             overflow: 0,
+            holds: holds
+                .iter()
+                .map(|&(start_ns, count)| crate::decode::HoldDropCount { start_ns, count })
+                .collect(),
         })
     }
 
@@ -988,7 +984,12 @@ mod tests {
         a.process_collect(&ct(2 * S, 0, 0, 1));
         let out = a.process_collect(&sample(2 * S + 1, NF, 12));
         assert!(out.is_empty(), "samples wait for their tick");
-        let out = a.process_collect(&counts(3 * S, &[(NF, 12, 1204)]));
+        // 1,204 drops in the second, 1,200 of them while the hold went on.
+        let out = a.process_collect(&counts_in_holds(
+            3 * S,
+            &[(NF, 12, 1204)],
+            &[(S + S / 2, 1200)],
+        ));
         let Some(Output::Drop(d)) = out.first() else {
             panic!("{out:?}")
         };
@@ -1009,10 +1010,15 @@ mod tests {
         let out = a.process_collect(&lock(3 * S + 800_000_000, LockOp::Released));
         assert!(out.iter().any(|o| matches!(o, Output::Hold(_))));
         assert!(!out.iter().any(|o| matches!(o, Output::HoldDrops(_))));
-        let out = a.process_collect(&counts(4 * S, &[(NF, 12, 6)]));
+        let out = a.process_collect(&counts_in_holds(
+            4 * S,
+            &[(NF, 12, 6)],
+            &[(S + S / 2, 1206)],
+        ));
         let hd = hold_drops(&out);
         assert_eq!(hd.len(), 1);
-        assert_eq!(hd[0].dropped, 1210);
+        // The kernel's count, not the 1,210 of the seconds the hold overlapped.
+        assert_eq!(hd[0].dropped, 1206);
         assert_eq!(hd[0].samples, 1);
         assert_eq!(hd[0].hold_ns, 2_300_000_000);
         assert_eq!(hd[0].agent, "kube-proxy");
@@ -1020,13 +1026,13 @@ mod tests {
         let out = a.process_collect(&counts(5 * S, &[(NF, 12, 99)]));
         assert!(matches!(&out[0], Output::DropCount(c) if c.holds.is_empty()));
         let s = a.summary().drops;
-        assert_eq!(s.during_holds, 1210);
-        assert_eq!(s.worst_holds[0].dropped, 1210);
-        // For people.
+        assert_eq!(s.during_holds, 1206);
+        assert_eq!(s.worst_holds[0].dropped, 1206);
+        // For people: the kind of drop comes from the sample inside the hold.
         let text = crate::sinks::terminal::hold_drops_text(hd[0]);
         assert_eq!(
             text,
-            "!! 1,210 packets dropped (netfilter rule drop) during kube-proxy's \
+            "!! 1,206 packets dropped (netfilter rule drop) during kube-proxy's \
              2.30 s hold of /run/xtables.lock (pid 100)"
         );
     }
@@ -1040,11 +1046,15 @@ mod tests {
             a.process_collect(&lock(t, LockOp::Acquired { exclusive: true }));
             a.process_collect(&lock(t + 500_000, LockOp::Released));
         }
-        let out = a.process_collect(&counts(2 * S, &[(NF, 12, 7)]));
+        // 7 drops in the second: the kernel saw them during the first 7 holds, one each.
+        let in_holds: Vec<(u64, u64)> = (0..7).map(|i| (S + S / 2 + i * 1_000_000, 1)).collect();
+        let out = a.process_collect(&counts_in_holds(2 * S, &[(NF, 12, 7)], &in_holds));
         let hd = hold_drops(&out);
-        // Each overlapped the interval and is complete: reported now, not at the end.
-        assert_eq!(hd.len(), 50, "{out:?}");
-        assert!(hd.iter().all(|h| h.dropped == 7 && h.hold_ns == 500_000));
+        // Complete: reported now, not at the end; holds without a drop are not reported,
+        // although the second they are in had drops.
+        assert_eq!(hd.len(), 7, "{out:?}");
+        assert!(hd.iter().all(|h| h.dropped == 1 && h.hold_ns == 500_000));
+        assert_eq!(a.summary().drops.during_holds, 7);
         // Nothing left over for the end of tracing.
         let mut rest = Vec::new();
         a.finish(3 * S, &mut |o| rest.push(o));
@@ -1069,13 +1079,20 @@ mod tests {
             let t = S + S / 2 + u64::from(i) * 1_000;
             a.process_collect(&shared(t, 1000 + i, LockOp::Acquired { exclusive: false }));
         }
-        let out = a.process_collect(&counts(S + 650_000_000, &[(NF, 12, 7)]));
+        let start = |i: u32| S + S / 2 + u64::from(i) * 1_000;
+        let so_far: Vec<(u64, u64)> = (0..300).map(|i| (start(i), 7)).collect();
+        let out = a.process_collect(&counts_in_holds(S + 650_000_000, &[(NF, 12, 7)], &so_far));
         assert!(hold_drops(&out).is_empty(), "none has ended");
         for i in (0..300u32).rev() {
             let t = S + 700_000_000 + u64::from(i) * 2_000;
             a.process_collect(&shared(t, 1000 + i, LockOp::Released));
         }
-        let out = a.process_collect(&counts(2 * S + 650_000_000, &[(NF, 12, 3)]));
+        let at_end: Vec<(u64, u64)> = (0..300).map(|i| (start(i), 10)).collect();
+        let out = a.process_collect(&counts_in_holds(
+            2 * S + 650_000_000,
+            &[(NF, 12, 3)],
+            &at_end,
+        ));
         let hd = hold_drops(&out);
         assert_eq!(hd.len(), 300);
         let mut pids: Vec<u32> = hd.iter().map(|h| h.pid).collect();
@@ -1096,7 +1113,7 @@ mod tests {
     fn finish_reports_open_holds_and_waiting_samples() {
         let mut a = setup();
         a.process_collect(&lock(S, LockOp::Acquired { exclusive: true }));
-        a.process_collect(&counts(2 * S, &[(UDP, 3, 2)]));
+        a.process_collect(&counts_in_holds(2 * S, &[(UDP, 3, 2)], &[(S, 2)]));
         a.process_collect(&sample(2 * S + 5, UDP, 3));
         let mut out = Vec::new();
         a.finish(3 * S, &mut |o| out.push(o));

@@ -22,7 +22,7 @@ use xtlock_common::{
 
 use crate::{
     emit::{btf_read, cfg, field, field_fast, header, ids, now, output},
-    FLOCK_INFLIGHT, WATCHED, WATCHED_INO,
+    FLOCK_INFLIGHT, HOLD_NOW, WATCHED, WATCHED_INO,
 };
 
 /// `sa_flags` bit: the interrupted syscall restarts instead of failing with `EINTR`.
@@ -186,6 +186,7 @@ fn on_request(r: &Request) {
         comm: bpf_get_current_comm().unwrap_or([0; 16]),
     };
     output(&ev);
+    note_hold(owner, fl_type, ret, ts);
 
     // A retry after the wait that did not defer again ends the call: granted, or an error.
     if let Some(w) = waiting {
@@ -195,6 +196,30 @@ fn on_request(r: &Request) {
             if fl_type != F_UNLCK {
                 flock_return(&w, ts, i64::from(ret));
             }
+        }
+    }
+}
+
+/// Keeps `HOLD_NOW` for the drop hook: an exclusive take starts a hold (with this event's
+/// time, which userspace knows it by), the holder's release ends it. Others' releases (a
+/// close of the lock file by a process that did not hold it) leave it alone.
+#[inline(always)]
+fn note_hold(owner: u64, fl_type: u8, ret: i32, ts: u64) {
+    if ret != 0 {
+        return;
+    }
+    let Some(h) = HOLD_NOW.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: the map's one entry; a racing take on another watched lock can only make the
+    // drop hook credit the newer hold, never read out of bounds.
+    unsafe {
+        if fl_type == F_WRLCK {
+            (*h).seq += 1;
+            (*h).owner = owner;
+            (*h).start_ns = ts;
+        } else if fl_type == F_UNLCK && (*h).owner == owner {
+            (*h).start_ns = 0;
         }
     }
 }

@@ -11,12 +11,12 @@
 use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
 use xtlock_common::{
     DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET, DROP_FAMILY_INET6,
-    DROP_FAMILY_NONE, DROP_REASON_SLOTS,
+    DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
 };
 
 use crate::{
     emit::{cfg, count_in, field, header, kread, now, reserve},
-    CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS,
+    CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
 
 const ETH_P_IP: u16 = 0x0800;
@@ -79,6 +79,7 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
             netns,
         },
     );
+    count_for_hold();
     if !take_token(&c) {
         return Ok(());
     }
@@ -110,6 +111,30 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
     entry.write(ev);
     entry.submit(crate::emit::wake_flags());
     Ok(())
+}
+
+/// Adds the drop to the hold of a watched lock in progress, if one is.
+#[inline(always)]
+fn count_for_hold() {
+    let Some(h) = HOLD_NOW.get(0) else {
+        return;
+    };
+    let start_ns = h.start_ns;
+    if start_ns == 0 {
+        return;
+    }
+    let Some(slot) = HOLD_DROPS.get_ptr_mut((h.seq % u64::from(HOLD_DROP_SLOTS)) as u32) else {
+        return;
+    };
+    // SAFETY: per-CPU slot; this CPU is the only writer.
+    unsafe {
+        if (*slot).start_ns == start_ns {
+            (*slot).count += 1;
+        } else {
+            (*slot).start_ns = start_ns;
+            (*slot).count = 1;
+        }
+    }
 }
 
 /// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.

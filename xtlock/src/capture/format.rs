@@ -7,8 +7,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::decode::{
-    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, IpvsCounts, LockSeed,
-    ProcInfo,
+    Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, HoldDropCount,
+    IpvsCounts, LockSeed, ProcInfo,
 };
 
 /// First 8 bytes of every capture.
@@ -514,6 +514,12 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
                 put_varint(out, u64::from(d.netns));
                 put_varint(out, d.count);
             }
+            // Appended in format 1 as it was: older readers stop before it.
+            put_varint(out, c.holds.len() as u64);
+            for h in &c.holds {
+                put_varint(out, h.start_ns);
+                put_varint(out, h.count);
+            }
             KIND_DROP_COUNTS
         }
         Event::Conntrack(c) => {
@@ -636,11 +642,30 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                     count: r.varint("count")?,
                 });
             }
+            // Per-hold counts, absent in captures from before they existed.
+            let mut holds = Vec::new();
+            if r.remaining() > 0 {
+                let n = r.varint("holds")?;
+                if n > r.remaining() as u64 / 2 {
+                    return Err(format!(
+                        "{n} hold counts exceed the {} bytes left",
+                        r.remaining()
+                    ));
+                }
+                holds.reserve(n as usize);
+                for _ in 0..n {
+                    holds.push(HoldDropCount {
+                        start_ns: r.varint("start_ns")?,
+                        count: r.varint("count")?,
+                    });
+                }
+            }
             Event::DropCounts(DropCounts {
                 ts_ns,
                 interval_ns,
                 counts,
                 overflow,
+                holds,
             })
         }
         KIND_CONNTRACK => Event::Conntrack(Box::new(ConntrackStats {
@@ -885,6 +910,16 @@ mod tests {
                     count: 1_000_000,
                 }],
                 overflow: 3,
+                holds: vec![
+                    HoldDropCount {
+                        start_ns: 6,
+                        count: 88,
+                    },
+                    HoldDropCount {
+                        start_ns: 1 << 40,
+                        count: 1,
+                    },
+                ],
             }),
             Event::IpvsCounts(IpvsCounts {
                 ts_ns: 9,
@@ -940,7 +975,16 @@ mod tests {
             b.extend_from_slice(&[1, 2, 3]);
             assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
             for n in 0..b.len() - 3 {
-                assert!(decode_drop_event(kind, &b[..n]).is_err());
+                match (decode_drop_event(kind, &b[..n]), ev) {
+                    (Err(_), _) => {}
+                    // Cut just before the per-hold counts: a record from before they
+                    // existed, read with none.
+                    (Ok(Event::DropCounts(c)), Event::DropCounts(full)) => {
+                        assert!(c.holds.is_empty());
+                        assert_eq!(c.counts, full.counts);
+                    }
+                    (Ok(other), _) => panic!("{other:?} decoded from {n} bytes of {ev:?}"),
+                }
             }
         }
         assert!(encode_drop_event(&Event::Lost { ts_ns: 1, count: 1 }, &mut Vec::new()).is_none());

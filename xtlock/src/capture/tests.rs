@@ -1054,6 +1054,7 @@ fn drop_records_replay_to_the_same_facts() {
                 count: 40,
             }],
             overflow: 0,
+            holds: vec![],
         }),
     ];
     let mut live = Analyzer::new(vec![]);

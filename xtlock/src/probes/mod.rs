@@ -981,6 +981,27 @@ impl Probes {
         self.counter_totals("DROP_COUNTS", "DROP_OVERFLOW")
     }
 
+    /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of
+    /// a CPU that still holds an older hold's count adds to that hold.
+    pub fn hold_drop_counts(&self) -> Result<Vec<(u64, u64)>, ProbeError> {
+        let map = self
+            .ebpf
+            .map("HOLD_DROPS")
+            .ok_or_else(|| ProbeError::Load("map HOLD_DROPS missing".into()))?;
+        let arr: PerCpuArray<&MapData, xtlock_common::HoldDropSlot> =
+            PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let mut by_hold: std::collections::BTreeMap<u64, u64> = Default::default();
+        for i in 0..xtlock_common::HOLD_DROP_SLOTS {
+            let per_cpu = arr
+                .get(&i, 0)
+                .map_err(|e| ProbeError::Load(format!("reading HOLD_DROPS: {e}")))?;
+            for slot in per_cpu.iter().filter(|s| s.start_ns != 0) {
+                *by_hold.entry(slot.start_ns).or_default() += slot.count;
+            }
+        }
+        Ok(by_hold.into_iter().collect())
+    }
+
     /// A per-CPU counter map summed over CPUs, and its per-CPU overflow counter summed.
     fn counter_totals<K: aya::Pod>(
         &self,

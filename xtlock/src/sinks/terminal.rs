@@ -567,6 +567,8 @@ fn conntrack_text(c: &ConntrackFact) -> String {
 }
 
 pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
+    // What the drops were, from the samples inside the hold: one kind is named, several are
+    // counted as sampled.
     let classes: Vec<String> = h
         .by_class
         .iter()
@@ -589,11 +591,15 @@ pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
             }
         })
         .collect();
+    let kinds = match classes.len() {
+        0 => String::new(),
+        1 => format!(" ({})", classes[0]),
+        _ => format!(" (sampled: {})", classes.join(", ")),
+    };
     format!(
-        "!! {} packet{} dropped ({}) during {}'s {} hold of {} (pid {})",
+        "!! {} packet{} dropped{kinds} during {}'s {} hold of {} (pid {})",
         thousands(h.dropped),
         if h.dropped == 1 { "" } else { "s" },
-        classes.join(", "),
         h.agent,
         human_ns(h.hold_ns),
         h.lock,
@@ -1192,9 +1198,7 @@ mod tests {
                 dropped: 3,
                 by_class: [(DropClass::NetfilterRuleDrop, 3)].into(),
                 by_reason: [("NETFILTER_DROP".to_string(), 3)].into(),
-                samples: 0,
-                conntrack: Default::default(),
-                window_ns: 1_000_000_000,
+                samples: 3,
             })
         };
         let text = render(

@@ -16,7 +16,9 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use crate::decode::{ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event};
+use crate::decode::{
+    ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, HoldDropCount,
+};
 use crate::probes::{DropTotals, Probes};
 
 /// Most network namespaces whose conntrack counters are read.
@@ -263,6 +265,8 @@ fn scan_namespaces() -> Vec<(u32, PathBuf, String)> {
 pub struct DropPoller {
     prev_totals: HashMap<xtlock_common::DropKey, u64>,
     prev_overflow: u64,
+    /// Per-hold drop counts at the last read, by hold start.
+    prev_holds: HashMap<u64, u64>,
     last_ts: u64,
     symbols_sent: HashSet<u64>,
     kallsyms: Option<Kallsyms>,
@@ -289,6 +293,7 @@ impl DropPoller {
         let mut p = DropPoller {
             prev_totals: HashMap::new(),
             prev_overflow: 0,
+            prev_holds: HashMap::new(),
             last_ts: now_ns,
             symbols_sent: HashSet::new(),
             kallsyms: None,
@@ -453,7 +458,19 @@ impl DropPoller {
         }
         self.buf = buf;
         if let Some((totals, overflow)) = totals {
-            self.count_events(totals, overflow, now_ns, interval_ns, &mut out);
+            // Per-hold counts change only when drops were counted.
+            let any = totals
+                .iter()
+                .any(|(k, t)| self.prev_totals.get(k).is_none_or(|p| p != t));
+            let holds = if any {
+                probes.hold_drop_counts().unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot read the per-hold drop counters");
+                    Vec::new()
+                })
+            } else {
+                Vec::new()
+            };
+            self.count_events(totals, overflow, holds, now_ns, interval_ns, &mut out);
         }
         out
     }
@@ -462,6 +479,7 @@ impl DropPoller {
         &mut self,
         totals: DropTotals,
         overflow: u64,
+        hold_totals: Vec<(u64, u64)>,
         now_ns: u64,
         interval_ns: u64,
         out: &mut Vec<Event>,
@@ -487,7 +505,20 @@ impl DropPoller {
         }
         let ovf = overflow.saturating_sub(self.prev_overflow);
         self.prev_overflow = overflow;
-        if counts.is_empty() && ovf == 0 {
+        // Only the holds whose count moved; the map of the last counts keeps just the holds
+        // the kernel still has, so it stays as small as the kernel's.
+        let mut holds = Vec::new();
+        let mut seen = HashMap::with_capacity(hold_totals.len());
+        for (start_ns, count) in hold_totals {
+            if self.prev_holds.get(&start_ns) != Some(&count) {
+                holds.push(HoldDropCount { start_ns, count });
+            }
+            seen.insert(start_ns, count);
+        }
+        if !seen.is_empty() {
+            self.prev_holds = seen;
+        }
+        if counts.is_empty() && ovf == 0 && holds.is_empty() {
             return;
         }
         counts.sort_unstable_by_key(|c| (c.netns, c.reason, c.location));
@@ -496,6 +527,7 @@ impl DropPoller {
             interval_ns,
             counts,
             overflow: ovf,
+            holds,
         }));
     }
 
