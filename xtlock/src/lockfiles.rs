@@ -142,6 +142,24 @@ pub fn resolve_all(paths: &[PathBuf]) -> Result<Vec<LockFile>, LockFileError> {
         .collect()
 }
 
+/// A lock file to watch. `dev` is in the kernel's encoding (`major << 20 | minor`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct WatchedLock {
+    pub path: String,
+    pub dev: u32,
+    pub ino: u64,
+}
+
+impl WatchedLock {
+    pub fn new(path: impl Into<String>, dev: u32, ino: u64) -> Self {
+        WatchedLock {
+            path: path.into(),
+            dev,
+            ino,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

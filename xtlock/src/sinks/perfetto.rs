@@ -22,8 +22,8 @@ use std::{
 use serde_json::{json, Value};
 
 use super::Sink;
+use crate::analysis::procs::FastMap;
 use crate::analysis::{HoldFact, Output, Summary, WaitFact};
-use crate::procs::FastMap;
 
 /// `tid` bit for a process's wait track.
 const WAIT_TRACK: u64 = 1 << 31;

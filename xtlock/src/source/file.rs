@@ -4,9 +4,9 @@
 use std::{fs::File, io::BufReader, path::Path};
 
 use crate::{
-    analysis::WatchedLock,
     capture::{CaptureError, CaptureHeader, CaptureReader},
     decode::Event,
+    lockfiles::WatchedLock,
 };
 
 /// How reading a capture ended.

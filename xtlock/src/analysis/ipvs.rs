@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 
 use serde::Serialize;
 
+use super::facts::{DestChange, IpvsCountFact, IpvsFact};
 use crate::decode::{DestState, IpvsCounts, IpvsEvent, IpvsOp, StaleAction};
 
 /// Protocol name as ipvsadm writes it (lower case).
@@ -18,82 +19,6 @@ pub fn proto_name(p: u8) -> &'static str {
         132 => "sctp",
         _ => "ip",
     }
-}
-
-/// A real-server table change that made a backend stale, as remembered for later facts.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct DestChange {
-    pub ts_ns: u64,
-    /// `removed` or `weight_0`.
-    pub what: &'static str,
-    pub pid: u32,
-    pub comm: String,
-}
-
-/// One IPVS fact, `{"type":"ipvs","event":...}` in JSON.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct IpvsFact {
-    /// When it happened; for `stale_end`, when the backend went stale (the change, else the
-    /// first stale packet), so the line reads "removed at T ... until T+x".
-    pub ts_ns: u64,
-    /// `scheduled`, `dest_added`, `dest_removed`, `dest_edited`, `service_added`,
-    /// `service_edited`, `service_removed`, `stale` (the first stale packets of a
-    /// connection), `stale_end` (its entry expired).
-    pub event: &'static str,
-    pub protocol: &'static str,
-    /// Virtual service, `ip:port`.
-    pub service: String,
-    /// Real server, `ip:port` (empty for service changes).
-    #[serde(skip_serializing_if = "String::is_empty")]
-    pub backend: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub client: Option<String>,
-    pub weight: i32,
-    /// The process that made a table change, or that was running (scheduled).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pid: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub comm: Option<String>,
-    /// Table changes: 0 or a negative errno.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ret: Option<i32>,
-    /// Stale facts: `weight_0` or `removed`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub backend_state: Option<&'static str>,
-    /// Stale facts: what the kernel did with the packets (`forwarded`, `dropped`, `expired`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub action: Option<StaleAction>,
-    /// Stale facts: stale packets of this connection so far.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub packets: Option<u64>,
-    /// Stale facts: first and last stale packet.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub first_packet_ns: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub last_packet_ns: Option<u64>,
-    /// `stale`: time left on the connection entry when its stale packet came.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub entry_left_ns: Option<u64>,
-    /// `stale_end`: when the entry expired.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub expired_ns: Option<u64>,
-    /// Stale facts: the change that made the backend stale, when it was seen.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub change: Option<DestChange>,
-}
-
-/// Exact packets of one (service, backend, state) in one interval,
-/// `{"type":"ipvs_count",...}` in JSON.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct IpvsCountFact {
-    pub ts_ns: u64,
-    pub interval_ns: u64,
-    pub protocol: &'static str,
-    pub service: String,
-    pub backend: String,
-    /// `ok`, `weight_0` (forwarded to a weight-0 backend) or `removed` (dropped or expired).
-    pub backend_state: &'static str,
-    pub packets: u64,
 }
 
 /// Per (protocol, service, backend): what the summary shows.

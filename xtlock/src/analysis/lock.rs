@@ -38,17 +38,19 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use indexmap::IndexMap;
-use serde::{Serialize, Serializer};
 use smallvec::SmallVec;
 
-use crate::analysis::{LostFact, Output};
-use crate::attribution::{is_locking_comm, Attribution, Attributor};
+use super::attribution::{is_locking_comm, Attribution, Attributor};
+use super::facts::{
+    FailedTryFact, HoldFact, HolderRef, LostFact, Output, TimeoutFact, WaitFact, WaitMode,
+    WaitOutcome,
+};
+use super::procs::{FastMap, ProcTable};
 use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
     TableReplaceEvent, XtReplaceEvent,
 };
-use crate::kube::PodName;
-use crate::procs::{FastMap, ProcTable};
+pub use crate::lockfiles::WatchedLock;
 use crate::shared::SharedStr;
 
 /// How long a hold whose end we inferred waits for its real release (event time).
@@ -73,259 +75,6 @@ pub const MAX_HOLDERS: usize = 64;
 const MAX_TIMELINE: usize = 4096;
 /// Ended holds kept for events that reach us late.
 const RECENT_HOLDS: usize = 8;
-
-/// A lock file to watch. `dev` is in the kernel's encoding (`major << 20 | minor`).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
-pub struct WatchedLock {
-    pub path: String,
-    pub dev: u32,
-    pub ino: u64,
-}
-
-impl WatchedLock {
-    pub fn new(path: impl Into<String>, dev: u32, ino: u64) -> Self {
-        WatchedLock {
-            path: path.into(),
-            dev,
-            ino,
-        }
-    }
-}
-
-/// How a wait ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WaitOutcome {
-    Acquired,
-    /// Gave up: `-EINTR`/`-ERESTARTSYS`, another failure after a deferral, an iptables that
-    /// exited with status 4 while waiting, or a poller that stopped trying.
-    TimedOut,
-    /// The process exited while waiting.
-    Abandoned,
-    /// Still waiting when tracing ended.
-    Open,
-}
-
-impl WaitOutcome {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WaitOutcome::Acquired => "acquired",
-            WaitOutcome::TimedOut => "timed_out",
-            WaitOutcome::Abandoned => "abandoned",
-            WaitOutcome::Open => "open",
-        }
-    }
-}
-
-/// How a waiter waited.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WaitMode {
-    /// Slept in the kernel (`flock(LOCK_EX)`).
-    Blocking,
-    /// Retried `LOCK_NB` from userspace.
-    Poll,
-}
-
-fn hex<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
-    // Kernel pointers do not fit a JSON double: a string keeps them exact.
-    s.collect_str(&format_args!("{v:#x}"))
-}
-
-/// A process that held the lock while someone waited.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct HolderRef {
-    pub pid: u32,
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub comm: SharedStr,
-    pub cmdline: SharedStr,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
-    /// In a wait: how long it waited behind this holder, from when this holder took the
-    /// lock (or the wait began) to when the next one did (or the wait ended).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub behind_ns: Option<u64>,
-    /// In a wait: when this holder first held the lock during it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub from_ns: Option<u64>,
-}
-
-impl From<&Attribution> for HolderRef {
-    fn from(a: &Attribution) -> Self {
-        HolderRef {
-            pid: a.pid,
-            agent: a.agent.clone(),
-            role: a.role,
-            comm: a.comm.clone(),
-            cmdline: a.cmdline.clone(),
-            pod: a.pod.clone(),
-            behind_ns: None,
-            from_ns: None,
-        }
-    }
-}
-
-/// The lock was held from `start_ns` for `hold_ns`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct HoldFact {
-    pub lock: SharedStr,
-    pub pid: u32,
-    pub tid: u32,
-    pub comm: SharedStr,
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub cmdline: SharedStr,
-    pub start_ns: u64,
-    pub hold_ns: u64,
-    #[serde(serialize_with = "hex")]
-    pub owner: u64,
-    pub exclusive: bool,
-    /// Time the holder spent in xtables table replaces (`setsockopt`) during the hold.
-    pub kernel_ns: u64,
-    /// Number of those replaces.
-    pub replaces: u32,
-    /// Of `kernel_ns`, the time in `xt_replace_table`: swapping the new table in and waiting
-    /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
-    #[serde(skip_serializing_if = "is_zero")]
-    pub swap_ns: u64,
-    /// Held already when tracing began (seen in /proc/locks): `start_ns` is when tracing
-    /// began, so `hold_ns` is a lower bound.
-    #[serde(skip_serializing_if = "is_false")]
-    pub before_start: bool,
-    pub agent_pid: u32,
-    /// Pid whose close released it, when that was seen.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub released_by: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<SharedStr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<SharedStr>,
-    /// Namespace, pod and container, when the kubelet named them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
-    /// Still held when tracing ended: `hold_ns` is a lower bound.
-    pub open: bool,
-    /// The end was inferred (release lost or late): `hold_ns` is approximate.
-    pub incomplete: bool,
-}
-
-/// Someone waited for the lock.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct WaitFact {
-    pub lock: SharedStr,
-    pub pid: u32,
-    pub tid: u32,
-    pub comm: SharedStr,
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub cmdline: SharedStr,
-    pub start_ns: u64,
-    pub wait_ns: u64,
-    /// Everyone who held the lock during the wait, first to last, one entry per pid (at
-    /// most 64), each with the time the wait spent behind it (`behind_ns`).
-    pub holders: Vec<HolderRef>,
-    /// Time at the start of the wait before any holder was known (its acquire was lost,
-    /// or came before tracing began and was not in /proc/locks).
-    #[serde(skip_serializing_if = "is_zero")]
-    pub unknown_ns: u64,
-    /// Time the lock was free while the wait went on: a poller's interval after a release,
-    /// a woken waiter's way back to the lock.
-    #[serde(skip_serializing_if = "is_zero")]
-    pub free_ns: u64,
-    /// Holders past the 64 named, counted per hand-over, and the time behind them.
-    #[serde(skip_serializing_if = "is_zero_u32")]
-    pub other_holders: u32,
-    #[serde(skip_serializing_if = "is_zero")]
-    pub other_holders_ns: u64,
-    pub outcome: WaitOutcome,
-    pub mode: WaitMode,
-    /// Failed tries of a poll wait (0 for a blocking wait).
-    pub tries: u32,
-    /// Syscall return that ended a timed-out blocking wait.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ret: Option<i64>,
-    pub agent_pid: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<SharedStr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<SharedStr>,
-    /// Namespace, pod and container, when the kubelet named them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
-    /// Part of it was inferred (an event was lost).
-    pub incomplete: bool,
-}
-
-impl WaitFact {
-    /// Time behind each holder agent, in the order they held the lock; time with no known
-    /// holder under `unknown` (first), holders past the cap under `others` (last). With
-    /// `free_ns`, the times add up to the wait.
-    pub fn behind_by_agent<'a>(&'a self, unknown: &'a str, others: &'a str) -> Vec<(&'a str, u64)> {
-        let mut v: Vec<(&str, u64)> = Vec::new();
-        if self.unknown_ns > 0 || self.holders.is_empty() {
-            v.push((unknown, self.unknown_ns));
-        }
-        for h in &self.holders {
-            let ns = h.behind_ns.unwrap_or(0);
-            match v.iter_mut().find(|b| b.0 == h.agent.as_str()) {
-                Some(b) => b.1 += ns,
-                None => v.push((&h.agent, ns)),
-            }
-        }
-        if self.other_holders > 0 {
-            v.push((others, self.other_holders_ns));
-        }
-        v
-    }
-}
-
-/// One failed non-blocking try.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct FailedTryFact {
-    pub lock: SharedStr,
-    pub pid: u32,
-    pub tid: u32,
-    pub comm: SharedStr,
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub ts_ns: u64,
-    pub errno: i32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
-    /// Who held the lock then, when known.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub holder: Option<HolderRef>,
-}
-
-/// An iptables-family process gave up on the lock: exit status 4 after failed tries or a
-/// timed-out wait on a watched lock.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct TimeoutFact {
-    pub lock: SharedStr,
-    pub pid: u32,
-    pub comm: SharedStr,
-    pub cmdline: SharedStr,
-    /// The caller (the iptables' nearest non-tool ancestor).
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub agent_pid: u32,
-    pub ts_ns: u64,
-    pub exit_code: i32,
-    /// How long it tried.
-    pub waited_ns: u64,
-    /// Failed non-blocking tries.
-    pub tries: u32,
-    /// Who held the lock while it tried.
-    pub holders: Vec<HolderRef>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<SharedStr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<SharedStr>,
-    /// Namespace, pod and container, when the kubelet named them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
-}
 
 /// Where the machine looks things up. Borrowed per event.
 pub struct Ctx<'a> {
@@ -2012,18 +1761,6 @@ pub fn is_locking_proc(procs: &ProcTable, pid: u32, comm: &Comm) -> bool {
         return true;
     }
     procs.get(pid).is_some_and(|p| {
-        is_locking_comm(&p.comm) || crate::attribution::is_locking_tool(p.exe_name())
+        is_locking_comm(&p.comm) || crate::analysis::attribution::is_locking_tool(p.exe_name())
     })
-}
-
-fn is_zero(v: &u64) -> bool {
-    *v == 0
-}
-
-fn is_zero_u32(v: &u32) -> bool {
-    *v == 0
-}
-
-fn is_false(v: &bool) -> bool {
-    !*v
 }

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::analysis::Output;
-use crate::lock::WatchedLock;
+use super::facts::Output;
+use super::lock::WatchedLock;
 
 /// Histogram range: 1 µs resolution up to 1 hour, 3 significant figures.
 const HIST_LOW_NS: u64 = 1_000;
@@ -148,7 +148,7 @@ pub struct Summary {
     pub last_ts_ns: Option<u64>,
     pub duration_ns: u64,
     /// Packet drops and conntrack (empty when drops were not traced).
-    pub drops: crate::drops::DropSummary,
+    pub drops: crate::analysis::drops::DropSummary,
     /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
     /// `drops` equal to it are the host's.
     pub host_netns: u32,
@@ -168,7 +168,7 @@ pub struct IpvsBackendRow {
     pub service: String,
     pub backend: String,
     #[serde(flatten)]
-    pub counts: crate::ipvs::IpvsBackendSummary,
+    pub counts: crate::analysis::ipvs::IpvsBackendSummary,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::analysis::procs::{FastMap, ProcTable};
 use crate::decode::Comm;
 use crate::kube::PodName;
-use crate::procs::{FastMap, ProcTable};
 use crate::shared::SharedStr;
 
 /// Binaries of the xtables/nftables family (comm prefixes; comm is cut to 15 bytes).
@@ -190,7 +190,7 @@ fn attribute_into(
 /// so forks, execs and exits elsewhere on the node do not invalidate it. Bounded: cleared
 /// when it grows too big.
 ///
-/// [`Proc::stamp`]: crate::procs::Proc::stamp
+/// [`Proc::stamp`]: crate::analysis::procs::Proc::stamp
 #[derive(Debug, Default)]
 pub struct Attributor {
     cache: FastMap<u32, Cached>,
@@ -272,7 +272,7 @@ impl Attributor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::procs::tests::{exec, fork, seed};
+    use crate::analysis::procs::tests::{exec, fork, seed};
 
     #[test]
     fn agent_through_shell() {
@@ -390,7 +390,12 @@ mod tests {
         assert_eq!(a.get(&t, 200, &c).agent, "kube-proxy");
         let first = a.get(&t, 200, &c);
         assert!(Arc::ptr_eq(&first, &a.get(&t, 200, &c)), "cached");
-        t.apply(&crate::procs::tests::exit(5, 200, "kube-proxy", Some(0)));
+        t.apply(&crate::analysis::procs::tests::exit(
+            5,
+            200,
+            "kube-proxy",
+            Some(0),
+        ));
         t.apply(&fork(6, 300, 200, "flanneld"));
         assert_eq!(a.get(&t, 200, &c).agent, "flanneld");
     }

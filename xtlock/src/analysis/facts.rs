@@ -1,0 +1,623 @@
+//! Every fact the analysis emits, in one place: what a sink may show and what JSON Lines
+//! carry (`{"type": ...}`). The state machines that make them (`lock`, `drops`, `ipvs`) and
+//! the sinks that show them both import this module; it imports neither.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Serialize, Serializer};
+
+use super::attribution::{Attribution, ChainLink};
+use crate::decode::{Argv, ConntrackCounters, StaleAction};
+use crate::kube::PodName;
+use crate::shared::SharedStr;
+
+// ---- from analysis/mod.rs
+
+/// One fact, serialised as one JSON Lines object tagged by `"type"`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Output {
+    Hold(HoldFact),
+    Wait(WaitFact),
+    FailedTry(FailedTryFact),
+    Timeout(TimeoutFact),
+    Exec(ExecFact),
+    Exit(ExitFact),
+    Lost(LostFact),
+    /// A sampled packet drop.
+    Drop(DropFact),
+    /// Exact drops of one kind in one interval.
+    DropCount(DropCountFact),
+    /// Conntrack counter deltas of one netns.
+    Conntrack(ConntrackFact),
+    /// The drops that happened while one hold lasted.
+    HoldDrops(HoldDropsFact),
+    /// IPVS: a connection scheduled, a real-server change, stale forwarding.
+    Ipvs(IpvsFact),
+    /// IPVS: exact packets per (service, backend, state) in one interval.
+    IpvsCount(IpvsCountFact),
+    /// A connection conntrack refused, seen in its own function.
+    ConntrackRefused(ConntrackRefusedFact),
+}
+
+impl Output {
+    /// When it happened (the start, for holds and waits).
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Output::Hold(h) => h.start_ns,
+            Output::Wait(w) => w.start_ns,
+            Output::FailedTry(f) => f.ts_ns,
+            Output::Timeout(t) => t.ts_ns,
+            Output::Exec(e) => e.ts_ns,
+            Output::Exit(e) => e.ts_ns,
+            Output::Lost(l) => l.ts_ns,
+            Output::Drop(d) => d.ts_ns,
+            Output::ConntrackRefused(c) => c.ts_ns,
+            Output::DropCount(d) => d.ts_ns,
+            Output::Conntrack(c) => c.ts_ns,
+            Output::HoldDrops(h) => h.start_ns,
+            Output::Ipvs(i) => i.ts_ns,
+            Output::IpvsCount(c) => c.ts_ns,
+        }
+    }
+}
+
+/// An iptables-family binary was started.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExecFact {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub ppid: u32,
+    pub comm: SharedStr,
+    pub filename: SharedStr,
+    pub argv: Argv,
+    pub argv_truncated: bool,
+    /// argv joined by spaces (`" ..."` appended when truncated).
+    pub cmdline: SharedStr,
+    /// The caller.
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub agent_pid: u32,
+    /// From the new process up to the oldest known ancestor.
+    pub chain: Arc<[ChainLink]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<SharedStr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+}
+
+/// An iptables-family process ended.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExitFact {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub comm: SharedStr,
+    /// Exit status; `None` (JSON null) when killed by a signal.
+    pub code: Option<i32>,
+    pub agent: SharedStr,
+    pub role: &'static str,
+    /// Since its exec, when that was seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtime_ns: Option<u64>,
+    /// Status 4 after lock trouble: a [`TimeoutFact`] was emitted just before.
+    pub lock_timeout: bool,
+}
+
+/// The kernel dropped events (ring buffer full), or the analysis reached one of its bounds
+/// (`bound`, e.g. `open_waits`): what went past it is not tracked. A bound is reported at
+/// its first hit; the summary counts every hit (`over_bounds`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LostFact {
+    pub ts_ns: u64,
+    pub count: u64,
+    /// Lost since tracing began.
+    pub total: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<&'static str>,
+}
+
+// ---- from lock.rs
+
+/// How a wait ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitOutcome {
+    Acquired,
+    /// Gave up: `-EINTR`/`-ERESTARTSYS`, another failure after a deferral, an iptables that
+    /// exited with status 4 while waiting, or a poller that stopped trying.
+    TimedOut,
+    /// The process exited while waiting.
+    Abandoned,
+    /// Still waiting when tracing ended.
+    Open,
+}
+
+impl WaitOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitOutcome::Acquired => "acquired",
+            WaitOutcome::TimedOut => "timed_out",
+            WaitOutcome::Abandoned => "abandoned",
+            WaitOutcome::Open => "open",
+        }
+    }
+}
+
+/// How a waiter waited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WaitMode {
+    /// Slept in the kernel (`flock(LOCK_EX)`).
+    Blocking,
+    /// Retried `LOCK_NB` from userspace.
+    Poll,
+}
+
+fn hex<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    // Kernel pointers do not fit a JSON double: a string keeps them exact.
+    s.collect_str(&format_args!("{v:#x}"))
+}
+
+/// A process that held the lock while someone waited.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HolderRef {
+    pub pid: u32,
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub comm: SharedStr,
+    pub cmdline: SharedStr,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+    /// In a wait: how long it waited behind this holder, from when this holder took the
+    /// lock (or the wait began) to when the next one did (or the wait ended).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub behind_ns: Option<u64>,
+    /// In a wait: when this holder first held the lock during it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_ns: Option<u64>,
+}
+
+impl From<&Attribution> for HolderRef {
+    fn from(a: &Attribution) -> Self {
+        HolderRef {
+            pid: a.pid,
+            agent: a.agent.clone(),
+            role: a.role,
+            comm: a.comm.clone(),
+            cmdline: a.cmdline.clone(),
+            pod: a.pod.clone(),
+            behind_ns: None,
+            from_ns: None,
+        }
+    }
+}
+
+/// The lock was held from `start_ns` for `hold_ns`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HoldFact {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub cmdline: SharedStr,
+    pub start_ns: u64,
+    pub hold_ns: u64,
+    #[serde(serialize_with = "hex")]
+    pub owner: u64,
+    pub exclusive: bool,
+    /// Time the holder spent in xtables table replaces (`setsockopt`) during the hold.
+    pub kernel_ns: u64,
+    /// Number of those replaces.
+    pub replaces: u32,
+    /// Of `kernel_ns`, the time in `xt_replace_table`: swapping the new table in and waiting
+    /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub swap_ns: u64,
+    /// Held already when tracing began (seen in /proc/locks): `start_ns` is when tracing
+    /// began, so `hold_ns` is a lower bound.
+    #[serde(skip_serializing_if = "is_false")]
+    pub before_start: bool,
+    pub agent_pid: u32,
+    /// Pid whose close released it, when that was seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released_by: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<SharedStr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+    /// Still held when tracing ended: `hold_ns` is a lower bound.
+    pub open: bool,
+    /// The end was inferred (release lost or late): `hold_ns` is approximate.
+    pub incomplete: bool,
+}
+
+/// Someone waited for the lock.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct WaitFact {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub cmdline: SharedStr,
+    pub start_ns: u64,
+    pub wait_ns: u64,
+    /// Everyone who held the lock during the wait, first to last, one entry per pid (at
+    /// most 64), each with the time the wait spent behind it (`behind_ns`).
+    pub holders: Vec<HolderRef>,
+    /// Time at the start of the wait before any holder was known (its acquire was lost,
+    /// or came before tracing began and was not in /proc/locks).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub unknown_ns: u64,
+    /// Time the lock was free while the wait went on: a poller's interval after a release,
+    /// a woken waiter's way back to the lock.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub free_ns: u64,
+    /// Holders past the 64 named, counted per hand-over, and the time behind them.
+    #[serde(skip_serializing_if = "is_zero_u32")]
+    pub other_holders: u32,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub other_holders_ns: u64,
+    pub outcome: WaitOutcome,
+    pub mode: WaitMode,
+    /// Failed tries of a poll wait (0 for a blocking wait).
+    pub tries: u32,
+    /// Syscall return that ended a timed-out blocking wait.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ret: Option<i64>,
+    pub agent_pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<SharedStr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+    /// Part of it was inferred (an event was lost).
+    pub incomplete: bool,
+}
+
+impl WaitFact {
+    /// Time behind each holder agent, in the order they held the lock; time with no known
+    /// holder under `unknown` (first), holders past the cap under `others` (last). With
+    /// `free_ns`, the times add up to the wait.
+    pub fn behind_by_agent<'a>(&'a self, unknown: &'a str, others: &'a str) -> Vec<(&'a str, u64)> {
+        let mut v: Vec<(&str, u64)> = Vec::new();
+        if self.unknown_ns > 0 || self.holders.is_empty() {
+            v.push((unknown, self.unknown_ns));
+        }
+        for h in &self.holders {
+            let ns = h.behind_ns.unwrap_or(0);
+            match v.iter_mut().find(|b| b.0 == h.agent.as_str()) {
+                Some(b) => b.1 += ns,
+                None => v.push((&h.agent, ns)),
+            }
+        }
+        if self.other_holders > 0 {
+            v.push((others, self.other_holders_ns));
+        }
+        v
+    }
+}
+
+/// One failed non-blocking try.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FailedTryFact {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: SharedStr,
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub ts_ns: u64,
+    pub errno: i32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+    /// Who held the lock then, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub holder: Option<HolderRef>,
+}
+
+/// An iptables-family process gave up on the lock: exit status 4 after failed tries or a
+/// timed-out wait on a watched lock.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TimeoutFact {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub comm: SharedStr,
+    pub cmdline: SharedStr,
+    /// The caller (the iptables' nearest non-tool ancestor).
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub agent_pid: u32,
+    pub ts_ns: u64,
+    pub exit_code: i32,
+    /// How long it tried.
+    pub waited_ns: u64,
+    /// Failed non-blocking tries.
+    pub tries: u32,
+    /// Who held the lock while it tried.
+    pub holders: Vec<HolderRef>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<SharedStr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+// ---- from drops.rs
+
+/// What a drop was, as far as xtlock can tell.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DropClass {
+    /// NETFILTER_DROP while conntrack's `drop` counter rose: a new connection found the
+    /// table full.
+    ConntrackTableFull,
+    /// NETFILTER_DROP while conntrack's `insert_failed` rose: lost an insert race.
+    ConntrackInsertFailed,
+    /// NETFILTER_DROP that conntrack does not explain: a rule's DROP/REJECT, a policy.
+    NetfilterRuleDrop,
+    /// NETFILTER_DROP in a netns whose conntrack counters are not read: rule or conntrack.
+    NetfilterDrop,
+    /// Any other reason (its name says what).
+    Other,
+}
+
+impl DropClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropClass::ConntrackTableFull => "conntrack_table_full",
+            DropClass::ConntrackInsertFailed => "conntrack_insert_failed",
+            DropClass::NetfilterRuleDrop => "netfilter_rule_drop",
+            DropClass::NetfilterDrop => "netfilter_drop",
+            DropClass::Other => "other",
+        }
+    }
+
+    /// For people.
+    pub fn describe(self) -> &'static str {
+        match self {
+            DropClass::ConntrackTableFull => "conntrack table full",
+            DropClass::ConntrackInsertFailed => "conntrack insert failed (race)",
+            DropClass::NetfilterRuleDrop => "netfilter rule drop",
+            DropClass::NetfilterDrop => "netfilter drop, rule or conntrack",
+            DropClass::Other => "other",
+        }
+    }
+}
+
+/// A lock hold a drop happened in.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HoldRef {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
+    pub start_ns: u64,
+    /// `None` while the hold is still open.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_ns: Option<u64>,
+}
+
+/// Addresses of a sampled packet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PacketInfo {
+    /// `tcp`, `udp`, `icmp`, `icmpv6`, or the protocol number.
+    pub proto: String,
+    pub saddr: String,
+    pub daddr: String,
+    /// Ports for TCP/UDP; `None` for others.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sport: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dport: Option<u16>,
+    /// ICMP type and code.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icmp_type: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub icmp_code: Option<u8>,
+}
+
+/// One sampled drop: `{"type":"drop",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DropFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    pub ifindex: u32,
+    /// The kernel's name (`NETFILTER_DROP`), or `reason N` when unnamed, or `unknown` when
+    /// the kernel reports none.
+    pub reason: String,
+    pub reason_code: u32,
+    /// `function+0xoff`, or the address when it could not be named.
+    pub location: String,
+    pub class: DropClass,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketInfo>,
+    /// The task that was running (often unrelated: softirq).
+    pub pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
+/// A connection conntrack refused, seen in the kernel function that refused it:
+/// `{"type":"conntrack_refused",...}`. Exact: one per refusal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ConntrackRefusedFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    /// `conntrack_insert_failed` or `conntrack_table_full`.
+    pub class: DropClass,
+    /// The kernel function that refused it.
+    pub function: &'static str,
+    /// The connection's original direction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketInfo>,
+    /// The task that was running (the sender for locally sent packets; else unrelated).
+    pub pid: u32,
+    pub comm: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
+/// Exact drops of one (netns, reason, location, class) in one interval:
+/// `{"type":"drop_count",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DropCountFact {
+    /// Start of the interval.
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    pub reason: String,
+    pub reason_code: u32,
+    pub location: String,
+    pub class: DropClass,
+    pub count: u64,
+    /// Holds that overlapped the interval.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holds: Vec<HoldRef>,
+    /// One sampled packet of this kind in the interval, when there was one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<PacketInfo>,
+}
+
+/// Conntrack counter deltas of one netns in one interval: `{"type":"conntrack",...}`.
+/// Emitted when a counter moved or the table crossed the warning threshold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ConntrackFact {
+    /// Start of the interval.
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    #[serde(flatten)]
+    pub deltas: ConntrackCounters,
+    /// Entries in the table now, and its size.
+    pub entries: u64,
+    pub max: u64,
+    /// `entries * 100 / max` (0 when the size is unknown).
+    pub fill_pct: u32,
+    /// Set when the fill crossed the warning threshold, either way.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub holds: Vec<HoldRef>,
+}
+
+/// The drops that happened while one hold lasted: `{"type":"hold_drops",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HoldDropsFact {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
+    pub start_ns: u64,
+    pub hold_ns: u64,
+    /// Watched drops while the hold went on, counted in the kernel: exact.
+    pub dropped: u64,
+    /// Sampled drops inside the hold, by class and by reason name: what the drops were.
+    pub by_class: BTreeMap<DropClass, u64>,
+    pub by_reason: BTreeMap<String, u64>,
+    pub samples: u64,
+}
+
+// ---- from ipvs.rs
+
+/// A real-server table change that made a backend stale, as remembered for later facts.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DestChange {
+    pub ts_ns: u64,
+    /// `removed` or `weight_0`.
+    pub what: &'static str,
+    pub pid: u32,
+    pub comm: String,
+}
+
+/// One IPVS fact, `{"type":"ipvs","event":...}` in JSON.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct IpvsFact {
+    /// When it happened; for `stale_end`, when the backend went stale (the change, else the
+    /// first stale packet), so the line reads "removed at T ... until T+x".
+    pub ts_ns: u64,
+    /// `scheduled`, `dest_added`, `dest_removed`, `dest_edited`, `service_added`,
+    /// `service_edited`, `service_removed`, `stale` (the first stale packets of a
+    /// connection), `stale_end` (its entry expired).
+    pub event: &'static str,
+    pub protocol: &'static str,
+    /// Virtual service, `ip:port`.
+    pub service: String,
+    /// Real server, `ip:port` (empty for service changes).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub backend: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
+    pub weight: i32,
+    /// The process that made a table change, or that was running (scheduled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub comm: Option<String>,
+    /// Table changes: 0 or a negative errno.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ret: Option<i32>,
+    /// Stale facts: `weight_0` or `removed`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_state: Option<&'static str>,
+    /// Stale facts: what the kernel did with the packets (`forwarded`, `dropped`, `expired`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub action: Option<StaleAction>,
+    /// Stale facts: stale packets of this connection so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packets: Option<u64>,
+    /// Stale facts: first and last stale packet.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_packet_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_packet_ns: Option<u64>,
+    /// `stale`: time left on the connection entry when its stale packet came.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry_left_ns: Option<u64>,
+    /// `stale_end`: when the entry expired.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expired_ns: Option<u64>,
+    /// Stale facts: the change that made the backend stale, when it was seen.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub change: Option<DestChange>,
+}
+
+/// Exact packets of one (service, backend, state) in one interval,
+/// `{"type":"ipvs_count",...}` in JSON.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct IpvsCountFact {
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub protocol: &'static str,
+    pub service: String,
+    pub backend: String,
+    /// `ok`, `weight_0` (forwarded to a weight-0 backend) or `removed` (dropped or expired).
+    pub backend_state: &'static str,
+    pub packets: u64,
+}

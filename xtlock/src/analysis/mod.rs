@@ -1,0 +1,356 @@
+//! The analysis facade: decoded events in, [`Output`] facts out, plus the running
+//! [`Summary`]. Pure (no I/O, no clock): live tracing and replay of a capture go through
+//! the very same code.
+//!
+//! Hot path: lock events arrive at more than a million per second under load, so an event
+//! that produces no fact allocates nothing; strings are built only for emitted facts.
+
+pub mod attribution;
+pub mod drops;
+pub mod facts;
+pub mod ipvs;
+pub mod lock;
+pub mod procs;
+pub mod stats;
+
+use attribution::{is_xtables_comm, is_xtables_tool, Attributor};
+pub use drops::DropSummary;
+use drops::DropTracker;
+pub use facts::{
+    ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
+    ExitFact, FailedTryFact, HoldDropsFact, HoldFact, HoldRef, HolderRef, IpvsCountFact, IpvsFact,
+    LostFact, Output, PacketInfo, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+};
+use ipvs::IpvsTracker;
+pub use lock::WatchedLock;
+use lock::{is_locking_proc, Ctx, LockMachine};
+use procs::{basename, ProcTable};
+use stats::Stats;
+pub use stats::Summary;
+
+use crate::decode::{Event, ExecEvent, ExitEvent};
+
+/// `out`, with every fact counted in the statistics on its way.
+fn counted<'a>(stats: &'a mut Stats, out: &'a mut impl FnMut(Output)) -> impl FnMut(Output) + 'a {
+    move |o: Output| {
+        stats.record(&o);
+        out(o);
+    }
+}
+
+/// Process table, attribution, lock state machine and statistics behind one call.
+#[derive(Debug)]
+pub struct Analyzer {
+    procs: ProcTable,
+    attr: Attributor,
+    locks: LockMachine,
+    stats: Stats,
+    drops: DropTracker,
+    ipvs: IpvsTracker,
+}
+
+impl Analyzer {
+    pub fn new(locks: Vec<WatchedLock>) -> Self {
+        Analyzer {
+            procs: ProcTable::new(),
+            attr: Attributor::new(),
+            locks: LockMachine::new(locks),
+            stats: Stats::new(),
+            drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
+            ipvs: IpvsTracker::new(),
+        }
+    }
+
+    /// Conntrack table fill (percent) above which a warning is emitted; 0: never.
+    pub fn set_conntrack_warn_pct(&mut self, pct: u32) {
+        self.drops.set_warn_pct(pct);
+    }
+
+    /// Holds of watched locks overlapping `(t0, t1]`: open ones, and ones that ended in it.
+    fn holds_overlapping(&self, t0: u64, t1: u64) -> Vec<HoldRef> {
+        let mut v: Vec<HoldRef> = self
+            .locks
+            .open_holders()
+            .filter(|(_, start, _)| *start < t1)
+            .map(|(lock, start, who)| HoldRef {
+                lock: lock.clone(),
+                pid: who.pid,
+                agent: who.agent.clone(),
+                comm: who.comm.clone(),
+                start_ns: start,
+                hold_ns: None,
+            })
+            .collect();
+        for h in self.drops.ended_since(t0) {
+            if h.start_ns < t1
+                && !v
+                    .iter()
+                    .any(|o| o.start_ns == h.start_ns && o.lock == h.lock)
+            {
+                v.push(h.clone());
+            }
+        }
+        v
+    }
+
+    /// The hold open at `ts`, if any (the first one, when several locks are held).
+    fn hold_at(&self, ts: u64) -> Option<HoldRef> {
+        let mut v = self.holds_overlapping(ts.saturating_sub(1), ts.saturating_add(1));
+        v.retain(|h| h.start_ns <= ts && h.hold_ns.is_none_or(|d| h.start_ns + d >= ts));
+        v.into_iter().next()
+    }
+
+    /// Feeds one event; facts it settles go to `out`, in order.
+    pub fn process(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
+        self.stats.observe(ev.ts_ns());
+        let lost_before = self.stats.lost_events();
+        match ev {
+            Event::Drop(s) => {
+                let hold = self.hold_at(s.ts_ns);
+                self.drops
+                    .on_sample(s, hold, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::ConntrackFail(c) => {
+                let hold = self.hold_at(c.ts_ns);
+                self.drops
+                    .on_conntrack_fail(c, hold, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::DropCounts(c) => {
+                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
+                self.drops
+                    .on_counts(c, holds, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::Conntrack(c) => {
+                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
+                self.drops
+                    .on_conntrack(c, holds, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::Ipvs(e) => {
+                let mut out = counted(&mut self.stats, out);
+                self.ipvs.on_event(e, &mut |f| out(Output::Ipvs(f)));
+                return;
+            }
+            Event::IpvsCounts(c) => {
+                let mut out = counted(&mut self.stats, out);
+                self.ipvs.on_counts(c, &mut |f| out(Output::IpvsCount(f)));
+                return;
+            }
+            Event::DropSetup {
+                has_reason,
+                host_netns,
+                names,
+                ..
+            } => {
+                self.drops.on_setup(*has_reason, names, *host_netns);
+                return;
+            }
+            Event::KernelSymbol {
+                addr, name, offset, ..
+            } => {
+                self.drops.on_symbol(*addr, name, *offset);
+                return;
+            }
+            Event::Pod(_) => {
+                // Names for processes already attributed, perhaps: attribute them again.
+                self.procs.apply(ev);
+                self.attr.clear();
+                return;
+            }
+            _ => {}
+        }
+        let stats = &mut self.stats;
+        let drops = &mut self.drops;
+        let mut emit = |o: Output| {
+            if let Output::Hold(h) = &o {
+                drops.on_hold(h);
+            }
+            stats.record(&o);
+            out(o);
+        };
+        match ev {
+            Event::Exit(e) => {
+                // Waits and timeouts first, while the process still looks alive. Whether it
+                // is an iptables matters only to an exit with status 4 (giving up).
+                let is_tool =
+                    e.exit_code == Some(4) && is_locking_proc(&self.procs, e.tgid, &e.comm);
+                let mut cx = Ctx {
+                    procs: &self.procs,
+                    attr: &mut self.attr,
+                };
+                let timeout = self.locks.on_exit(e, is_tool, &mut cx, &mut emit);
+                if e.tid == e.tgid {
+                    if let Some(f) = exit_fact(&self.procs, &mut self.attr, e, timeout) {
+                        emit(Output::Exit(f));
+                    }
+                    self.attr.forget(e.tgid);
+                }
+                self.procs.apply(ev);
+            }
+            Event::Exec(e) => {
+                self.procs.apply(ev);
+                if let Some(f) = exec_fact(&self.procs, &mut self.attr, e) {
+                    emit(Output::Exec(f));
+                }
+            }
+            Event::Lost { ts_ns, count } => {
+                tracing::debug!(count, "kernel lost events: ring buffer full");
+                let total = lost_before.saturating_add(*count);
+                emit(Output::Lost(LostFact {
+                    ts_ns: *ts_ns,
+                    count: *count,
+                    total,
+                    bound: None,
+                }));
+                let mut cx = Ctx {
+                    procs: &self.procs,
+                    attr: &mut self.attr,
+                };
+                self.locks.handle(ev, &mut cx, &mut emit);
+            }
+            _ => {
+                self.procs.apply(ev);
+                let mut cx = Ctx {
+                    procs: &self.procs,
+                    attr: &mut self.attr,
+                };
+                self.locks.handle(ev, &mut cx, &mut emit);
+            }
+        }
+    }
+
+    /// Convenience for tests and small tools: the facts of one event.
+    pub fn process_collect(&mut self, ev: &Event) -> Vec<Output> {
+        let mut v = Vec::new();
+        self.process(ev, &mut |o| v.push(o));
+        v
+    }
+
+    /// End of tracing at `ts_ns`: reports what is still open (holds still held, waits
+    /// still waiting) instead of dropping it.
+    pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        let stats = &mut self.stats;
+        let drops = &mut self.drops;
+        let mut emit = |o: Output| {
+            if let Output::Hold(h) = &o {
+                drops.on_hold(h);
+            }
+            stats.record(&o);
+            out(o);
+        };
+        let mut cx = Ctx {
+            procs: &self.procs,
+            attr: &mut self.attr,
+        };
+        self.locks.finish(ts_ns, &mut cx, &mut emit);
+        self.drops.finish(ts_ns, &mut counted(&mut self.stats, out));
+        let mut out = counted(&mut self.stats, out);
+        self.ipvs.finish(&mut |f| out(Output::Ipvs(f)));
+    }
+
+    pub fn summary(&self) -> Summary {
+        let mut s = self.stats.summary(self.locks.locks());
+        s.drops = self.drops.summary();
+        s.host_netns = self.drops.host_netns();
+        s.over_bounds = self
+            .locks
+            .over_bounds()
+            .map(|(b, n)| (b.to_owned(), n))
+            .collect();
+        s.ipvs = self
+            .ipvs
+            .summary()
+            .into_iter()
+            .map(
+                |(protocol, service, backend, counts)| crate::analysis::stats::IpvsBackendRow {
+                    protocol,
+                    service,
+                    backend,
+                    counts,
+                },
+            )
+            .collect();
+        s
+    }
+
+    /// Watched locks, configured ones first, then any first seen in events.
+    pub fn locks(&self) -> Vec<WatchedLock> {
+        self.locks.locks().cloned().collect()
+    }
+
+    /// Open holds right now, as (lock path, start, holder).
+    pub fn open_holders(
+        &self,
+    ) -> impl Iterator<Item = (&str, u64, &crate::analysis::attribution::Attribution)> {
+        self.locks
+            .open_holders()
+            .map(|(lock, start, who)| (lock.as_str(), start, who))
+    }
+
+    pub fn procs(&self) -> &ProcTable {
+        &self.procs
+    }
+
+    /// Time of the earliest event seen.
+    pub fn first_ts_ns(&self) -> Option<u64> {
+        self.stats.first_ts_ns()
+    }
+}
+
+fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<ExecFact> {
+    // The table has just taken this exec: its entry knows where the file's name starts.
+    let p = procs.get(e.tgid);
+    let exe = p.map_or_else(|| basename(&e.filename), |p| p.exe_name());
+    if !is_xtables_comm(&e.comm) && !is_xtables_tool(exe) {
+        return None;
+    }
+    let who = attr.get(procs, e.tgid, &e.comm);
+    Some(ExecFact {
+        ts_ns: e.ts_ns,
+        pid: e.tgid,
+        ppid: p.map_or(0, |p| p.ppid),
+        comm: who.comm.clone(),
+        filename: e.filename.clone(),
+        argv: e.argv.clone(),
+        argv_truncated: e.argv_truncated,
+        cmdline: who.cmdline.clone(),
+        agent: who.agent.clone(),
+        role: who.role,
+        agent_pid: who.agent_pid,
+        chain: who.chain.clone(),
+        pod_uid: who.pod_uid.clone(),
+        container_id: who.container_id.clone(),
+        pod: who.pod.clone(),
+    })
+}
+
+fn exit_fact(
+    procs: &ProcTable,
+    attr: &mut Attributor,
+    e: &ExitEvent,
+    lock_timeout: bool,
+) -> Option<ExitFact> {
+    let p = procs.get(e.tgid).filter(|p| p.is_alive());
+    let tool = is_xtables_comm(&e.comm)
+        || p.is_some_and(|p| is_xtables_comm(&p.comm) || is_xtables_tool(p.exe_name()));
+    if !tool {
+        return None;
+    }
+    let who = attr.get(procs, e.tgid, &e.comm);
+    Some(ExitFact {
+        ts_ns: e.ts_ns,
+        pid: e.tgid,
+        comm: who.comm.clone(),
+        code: e.exit_code,
+        agent: who.agent.clone(),
+        role: who.role,
+        runtime_ns: p.and_then(|p| p.exec_ns).map(|x| e.ts_ns.saturating_sub(x)),
+        lock_timeout,
+    })
+}
+
+#[cfg(test)]
+mod tests;

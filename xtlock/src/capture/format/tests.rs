@@ -1,0 +1,213 @@
+use super::*;
+
+#[test]
+fn varints() {
+    for v in [
+        0,
+        1,
+        127,
+        128,
+        300,
+        u64::from(u32::MAX),
+        u64::MAX - 1,
+        u64::MAX,
+    ] {
+        let mut b = Vec::new();
+        put_varint(&mut b, v);
+        let mut pos = 0;
+        assert_eq!(get_varint(&b, &mut pos), Some(v));
+        assert_eq!(pos, b.len());
+        // Every strict prefix is incomplete.
+        for n in 0..b.len() {
+            let mut pos = 0;
+            assert_eq!(get_varint(&b[..n], &mut pos), None);
+        }
+    }
+    // Past 64 bits.
+    let mut pos = 0;
+    assert_eq!(get_varint(&[0xff; 10], &mut pos), None);
+    let mut pos = 0;
+    assert_eq!(
+        get_varint(
+            &[0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x02],
+            &mut pos
+        ),
+        None
+    );
+}
+
+#[test]
+fn block_header_layout() {
+    let h = BlockHeader {
+        seq: 7,
+        records: 3,
+        raw_len: 100,
+        stored_len: 60,
+        compression: COMPRESSION_LZ4,
+        payload_crc: 0xdead_beef,
+    };
+    let b = h.encode();
+    assert_eq!(&b[..4], b"XTLB");
+    assert_eq!(&b[4..8], &7u32.to_le_bytes());
+    assert_eq!(b[20], 1);
+    assert_eq!(&b[21..24], &[0, 0, 0]);
+    let (stored, computed) = BlockHeader::checksums(&b);
+    assert_eq!(stored, computed);
+    assert_eq!(BlockHeader::decode(&b), h);
+}
+
+#[test]
+fn proc_encoding() {
+    let p = ProcInfo {
+        ts_ns: 123_456_789,
+        pid: 4242,
+        ppid: 1,
+        comm: Comm::new("iptables"),
+        argv: vec!["iptables".into(), "-w".into(), "".into()],
+        cgroup: Some("/kubepods.slice/x".into()),
+    };
+    let mut b = Vec::new();
+    encode_proc(&p, &mut b);
+    assert_eq!(decode_proc(&b), Ok(p.clone()));
+    // Trailing fields from a newer writer are ignored.
+    b.extend_from_slice(&[1, 2, 3]);
+    assert_eq!(decode_proc(&b), Ok(p));
+    // A huge argc does not allocate.
+    let mut b = Vec::new();
+    for v in [1, 2, 3, 0, u64::MAX] {
+        put_varint(&mut b, v);
+    }
+    assert!(decode_proc(&b).is_err());
+}
+
+#[test]
+fn drop_records_round_trip() {
+    let evs = [
+        Event::DropSetup {
+            ts_ns: 5,
+            has_reason: true,
+            host_netns: 4026531840,
+            names: vec![(2, "NOT_SPECIFIED".into()), (12, "NETFILTER_DROP".into())],
+        },
+        Event::KernelSymbol {
+            ts_ns: 6,
+            addr: 0xffff_ffff_81a0_009c,
+            name: "nf_hook_slow".into(),
+            offset: 0x9c,
+        },
+        Event::DropCounts(DropCounts {
+            ts_ns: 7,
+            interval_ns: 1_000_000_000,
+            counts: vec![DropCount {
+                location: 0xffff_ffff_81a0_009c,
+                reason: 12,
+                netns: 4026532000,
+                count: 1_000_000,
+            }],
+            overflow: 3,
+            holds: vec![
+                HoldDropCount {
+                    start_ns: 6,
+                    count: 88,
+                },
+                HoldDropCount {
+                    start_ns: 1 << 40,
+                    count: 1,
+                },
+            ],
+        }),
+        Event::IpvsCounts(IpvsCounts {
+            ts_ns: 9,
+            interval_ns: 1_000_000_000,
+            counts: vec![
+                crate::decode::IpvsCount {
+                    protocol: 17,
+                    service: "10.96.0.10:53".parse().unwrap(),
+                    backend: "10.0.1.5:53".parse().unwrap(),
+                    state: crate::decode::DestState::Removed,
+                    count: 25,
+                },
+                crate::decode::IpvsCount {
+                    protocol: 6,
+                    service: "[fd00::a]:443".parse().unwrap(),
+                    backend: "[fd00::1:5]:8443".parse().unwrap(),
+                    state: crate::decode::DestState::Ok,
+                    count: 1 << 40,
+                },
+            ],
+            overflow: 2,
+        }),
+        Event::Pod(Box::new(crate::decode::PodInfo {
+            ts_ns: 9,
+            container_id: "3f6e4b0c2a1d".into(),
+            pod_uid: "0d2b3c4e-5f6a-4c6e-9a1f-5f3c1e2a8b7d".into(),
+            namespace: "kube-system".into(),
+            pod: "kube-proxy-x7k2p".into(),
+            container: "kube-proxy".into(),
+        })),
+        Event::Conntrack(Box::new(ConntrackStats {
+            ts_ns: 8,
+            interval_ns: 999,
+            netns: 1,
+            deltas: ConntrackCounters {
+                drop: 1,
+                early_drop: 2,
+                insert_failed: 3,
+                invalid: 4,
+                search_restart: 5,
+                clash_resolve: 6,
+                chaintoolong: 7,
+            },
+            count: 100,
+            max: 128,
+        })),
+    ];
+    for ev in &evs {
+        let mut b = Vec::new();
+        let kind = encode_drop_event(ev, &mut b).unwrap();
+        assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
+        // Fields appended by a newer writer are ignored.
+        b.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
+        for n in 0..b.len() - 3 {
+            match (decode_drop_event(kind, &b[..n]), ev) {
+                (Err(_), _) => {}
+                // Cut just before the per-hold counts: a record from before they
+                // existed, read with none.
+                (Ok(Event::DropCounts(c)), Event::DropCounts(full)) => {
+                    assert!(c.holds.is_empty());
+                    assert_eq!(c.counts, full.counts);
+                }
+                (Ok(other), _) => panic!("{other:?} decoded from {n} bytes of {ev:?}"),
+            }
+        }
+    }
+    assert!(encode_drop_event(&Event::Lost { ts_ns: 1, count: 1 }, &mut Vec::new()).is_none());
+    // A huge count does not allocate.
+    let mut b = Vec::new();
+    for v in [1, 1, 0, u64::MAX] {
+        put_varint(&mut b, v);
+    }
+    assert!(decode_drop_event(KIND_DROP_COUNTS, &b).is_err());
+}
+
+#[test]
+fn file_header_layout() {
+    let h = CaptureHeader {
+        hostname: "node-1".into(),
+        ..Default::default()
+    };
+    let b = encode_file_header(&h).unwrap();
+    assert_eq!(&b[..8], b"XTLKCAP\0");
+    assert_eq!(&b[8..10], &[1, 0]);
+    let n = u32::from_le_bytes(b[10..14].try_into().unwrap()) as usize;
+    assert_eq!(b.len(), FILE_PREFIX_LEN + n + 4);
+    let crc = crc32fast::hash(&b[..FILE_PREFIX_LEN + n]);
+    assert_eq!(&b[FILE_PREFIX_LEN + n..], &crc.to_le_bytes());
+    let back: CaptureHeader = serde_json::from_slice(&b[14..14 + n]).unwrap();
+    assert_eq!(back, h);
+    // Unknown fields are ignored, missing ones defaulted.
+    let back: CaptureHeader =
+        serde_json::from_str(r#"{"hostname":"a","from_the_future":[1]}"#).unwrap();
+    assert_eq!(back.hostname, "a");
+}

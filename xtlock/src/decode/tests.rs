@@ -1,0 +1,268 @@
+use super::*;
+
+#[test]
+fn conntrack_fail_decodes() {
+    let mut saddr = [0u8; 16];
+    saddr[..4].copy_from_slice(&[10, 0, 0, 9]);
+    let mut daddr = [0u8; 16];
+    daddr[..4].copy_from_slice(&[10, 96, 0, 10]);
+    let e = common::ConntrackFailEvent {
+        hdr: common::EventHeader {
+            kind: common::EventKind::ConntrackFail as u32,
+            tgid: 5,
+            tid: 5,
+            _pad: 0,
+            ts_ns: 1000,
+        },
+        netns: 7,
+        what: common::CT_FAIL_TABLE_FULL,
+        l4proto: 17,
+        family: common::DROP_FAMILY_INET,
+        _pad0: 0,
+        saddr,
+        daddr,
+        sport: 40000,
+        dport: 53,
+        _pad: 0,
+        comm: *b"dig\0\0\0\0\0\0\0\0\0\0\0\0\0",
+    };
+    let Event::ConntrackFail(c) = decode(&bytes(&e)).unwrap() else {
+        panic!("not a conntrack failure");
+    };
+    assert_eq!(c.what, CtFailKind::TableFull);
+    assert_eq!(c.saddr, Some("10.0.0.9".parse().unwrap()));
+    assert_eq!(c.daddr, Some("10.96.0.10".parse().unwrap()));
+    assert_eq!((c.sport, c.dport, c.netns, c.l4proto), (40000, 53, 7, 17));
+    assert_eq!(c.comm.as_str(), "dig");
+    // Cut short: an error, not a panic.
+    assert!(decode(&bytes(&e)[..60]).is_err());
+}
+
+fn bytes<T: Copy>(v: &T) -> Vec<u8> {
+    // SAFETY: T is a POD repr(C) event struct; we only read its bytes.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
+        .to_vec()
+}
+
+fn lock(fl_type: u8, ret: i32, flags: u32) -> common::LockEvent {
+    common::LockEvent {
+        hdr: common::EventHeader {
+            kind: common::EventKind::Lock as u32,
+            tgid: 10,
+            tid: 11,
+            _pad: 0,
+            ts_ns: 1234,
+        },
+        owner: 0xffff_8888_0000_1000,
+        ino: 77,
+        dev: 5,
+        ret,
+        fl_flags: flags,
+        fl_type,
+        _pad: [0; 3],
+        comm: Comm::new("iptables").0,
+    }
+}
+
+#[test]
+fn lock_ops() {
+    let cases = [
+        (
+            lock(common::F_WRLCK, 0, 130),
+            LockOp::Acquired { exclusive: true },
+        ),
+        (
+            lock(common::F_RDLCK, 0, 130),
+            LockOp::Acquired { exclusive: false },
+        ),
+        (lock(common::F_WRLCK, 1, 130), LockOp::Deferred),
+        (lock(common::F_WRLCK, -11, 2), LockOp::Failed { errno: 11 }),
+        (lock(common::F_UNLCK, 0, 2), LockOp::Released),
+    ];
+    for (raw, op) in cases {
+        let Event::Lock(e) = decode(&bytes(&raw)).unwrap() else {
+            panic!("not a lock event")
+        };
+        assert_eq!(e.op, op);
+        assert_eq!(e.comm.as_str(), "iptables");
+        assert_eq!(
+            (e.tgid, e.tid, e.ts_ns, e.ino, e.dev),
+            (10, 11, 1234, 77, 5)
+        );
+    }
+    let Event::Lock(e) = decode(&bytes(&lock(common::F_WRLCK, -11, 2))).unwrap() else {
+        panic!()
+    };
+    assert!(e.nonblocking);
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    assert_eq!(decode(&[]), Err(DecodeError::TooShort { len: 0 }));
+    let mut b = bytes(&lock(common::F_WRLCK, 0, 0));
+    b.truncate(40);
+    assert!(matches!(decode(&b), Err(DecodeError::Truncated { .. })));
+    let mut b = bytes(&lock(common::F_WRLCK, 0, 0));
+    b[0] = 200;
+    assert_eq!(decode(&b), Err(DecodeError::UnknownKind { kind: 200 }));
+    for n in 0..b.len() {
+        let _ = decode(&b[..n]);
+    }
+}
+
+#[test]
+fn drop_samples() {
+    let mut e = common::DropEvent {
+        hdr: common::EventHeader {
+            kind: common::EventKind::Drop as u32,
+            tgid: 7,
+            tid: 8,
+            _pad: 0,
+            ts_ns: 99,
+        },
+        location: 0xffff_ffff_8100_0000,
+        netns: 4026531840,
+        ifindex: 3,
+        reason: 12,
+        ethertype: 0x0800,
+        l4proto: 17,
+        family: common::DROP_FAMILY_INET,
+        saddr: [0; 16],
+        daddr: [0; 16],
+        sport: 40000,
+        dport: 53,
+        _pad: 0,
+    };
+    e.saddr[..4].copy_from_slice(&[10, 0, 0, 1]);
+    e.daddr[..4].copy_from_slice(&[10, 0, 0, 2]);
+    let Event::Drop(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert_eq!(d.saddr, Some("10.0.0.1".parse().unwrap()));
+    assert_eq!(d.daddr, Some("10.0.0.2".parse().unwrap()));
+    assert_eq!((d.sport, d.dport, d.l4proto, d.reason), (40000, 53, 17, 12));
+    assert_eq!((d.netns, d.ifindex, d.ts_ns), (4026531840, 3, 99));
+    e.family = common::DROP_FAMILY_INET6;
+    e.daddr = [0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+    let Event::Drop(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert_eq!(d.daddr, Some("fd00::2".parse().unwrap()));
+    e.family = common::DROP_FAMILY_NONE;
+    let Event::Drop(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert_eq!((d.saddr, d.daddr), (None, None));
+    let b = bytes(&e);
+    assert!(matches!(
+        decode(&b[..60]),
+        Err(DecodeError::Truncated { .. })
+    ));
+}
+
+/// An exec event with empty strings.
+fn exec(argc: u32, comm: &str) -> common::ExecEvent {
+    common::ExecEvent {
+        hdr: common::EventHeader {
+            kind: common::EventKind::Exec as u32,
+            ..Default::default()
+        },
+        filename: [0; common::FILENAME_LEN],
+        args: [[0; common::ARG_LEN]; common::ARGV_SLOTS],
+        argc,
+        args_truncated: 0,
+        comm: Comm::new(comm).0,
+    }
+}
+
+#[test]
+fn exec_argv() {
+    let mut e = exec(3, "iptables-restor");
+    e.filename[..15].copy_from_slice(b"/usr/sbin/ipt-r");
+    e.args[0][..16].copy_from_slice(b"iptables-restore");
+    e.args[1][..2].copy_from_slice(b"-w");
+    e.args[2][..1].copy_from_slice(b"5");
+    let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert!(d.argv.iter().eq(["iptables-restore", "-w", "5"]));
+    assert_eq!(d.filename, "/usr/sbin/ipt-r");
+    assert_eq!(d.argv.join_shared(" ..."), "iptables-restore -w 5 ...");
+    assert_eq!(
+        serde_json::to_string(&d.argv).unwrap(),
+        r#"["iptables-restore","-w","5"]"#
+    );
+}
+
+#[test]
+fn nul_pos_matches_a_plain_search() {
+    let mut b = [b'a'; 40];
+    for len in 0..=b.len() {
+        for nul in 0..=len {
+            b.fill(b'a');
+            // 0x80 bytes: not taken for zeros by the word trick.
+            b[1] = 0x80;
+            if nul < len {
+                b[nul] = 0;
+            }
+            let want = b[..len].iter().position(|&c| c == 0).unwrap_or(len);
+            assert_eq!(nul_pos(&b[..len]), want, "len {len}, nul {nul}");
+        }
+    }
+    assert_eq!(nul_pos(&[1, 0, 0, 0, 0, 0, 0, 0, 0]), 1);
+}
+
+#[test]
+fn exec_strings_not_utf8_are_lossy() {
+    let mut e = exec(9, "sh");
+    e.args_truncated = 1;
+    e.filename[..4].copy_from_slice(&[b'/', b'a', 0xff, b'b']);
+    e.args[0][..3].copy_from_slice(&[b'x', 0xc3, b'y']);
+    e.args[1] = [b'z'; common::ARG_LEN];
+    e.args[7][..2].copy_from_slice("é".as_bytes());
+    let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert_eq!(d.filename, "/a\u{fffd}b");
+    let z = "z".repeat(common::ARG_LEN);
+    let want = ["x\u{fffd}y", &z, "", "", "", "", "", "é"];
+    assert!(d.argv.iter().eq(want), "{:?}", d.argv);
+    assert_eq!(d.argv.len(), common::ARGV_SLOTS);
+    assert!(d.argv_truncated);
+    assert_eq!(d.comm.as_str(), "sh");
+    // All slots full, no NUL: longer than the joining buffer, same text.
+    e.args = [[b'q'; common::ARG_LEN]; common::ARGV_SLOTS];
+    let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert!(d.argv.iter().all(|a| a == "q".repeat(common::ARG_LEN)));
+    assert_eq!(d.argv.len(), common::ARGV_SLOTS);
+    e.argc = 2;
+    let Event::Exec(d) = decode(&bytes(&e)).unwrap() else {
+        panic!()
+    };
+    assert_eq!(d.argv.len(), 2);
+}
+
+#[test]
+fn hot_events_stay_small() {
+    // Every event is moved through a few layers (reader, iterator, analysis): rare big
+    // kinds are boxed so the common ones move cheaply.
+    assert!(std::mem::size_of::<Event>() <= 88);
+    assert!(std::mem::size_of::<Option<Result<Event, crate::capture::CaptureError>>>() <= 88);
+}
+
+#[test]
+fn argv_edges() {
+    let none = Argv::default();
+    assert_eq!((none.len(), none.iter().count()), (0, 0));
+    assert_eq!(none.join_shared(" ..."), "");
+    let one_empty = Argv::new([""]);
+    assert!(one_empty.iter().eq([""]));
+    assert_eq!(one_empty.join_shared(" ..."), "");
+    let two_empty = Argv::new(["", ""]);
+    assert_eq!(two_empty.join(), " ");
+    assert_eq!(two_empty.join_shared(" ..."), "  ...");
+    let long = Argv::new(std::iter::repeat_n("x".repeat(100), 20));
+    assert_eq!(long.join_shared("").len(), 20 * 101 - 1);
+}

@@ -1,0 +1,249 @@
+use super::*;
+use crate::analysis::{HoldFact, HolderRef, WaitFact, WaitMode, WaitOutcome};
+use crate::shared::SharedStr;
+
+fn hold(agent: &str, ns: u64) -> Output {
+    Output::Hold(HoldFact {
+        lock: "/run/xtables.lock".into(),
+        pid: 10,
+        tid: 10,
+        comm: agent.into(),
+        agent: agent.into(),
+        role: "proxy",
+        cmdline: SharedStr::empty(),
+        start_ns: 1,
+        hold_ns: ns,
+        owner: 0,
+        exclusive: true,
+        kernel_ns: 0,
+        replaces: 0,
+        swap_ns: 0,
+        before_start: false,
+        agent_pid: 10,
+        released_by: None,
+        pod_uid: None,
+        container_id: None,
+        pod: None,
+        open: false,
+        incomplete: false,
+    })
+}
+
+/// A holder in a pod gets its namespace and workload as labels; past the cap, `(other)`.
+#[test]
+fn pod_labels_are_the_workload_and_capped() {
+    let m = Arc::new(Metrics::new("k"));
+    let mut s = MetricsSink::new(m.clone(), None);
+    let in_pod = |pod: &str| {
+        let Output::Hold(mut h) = hold("kube-proxy", 1_000) else {
+            unreachable!()
+        };
+        h.pod = Some(Arc::new(crate::kube::PodName {
+            namespace: "kube-system".into(),
+            pod: pod.into(),
+            container: "kube-proxy".into(),
+        }));
+        Output::Hold(h)
+    };
+    s.output(&in_pod("kube-proxy-x7k2p")).unwrap();
+    s.output(&in_pod("kube-proxy-q8w4z")).unwrap();
+    let text = m.encode().unwrap();
+    assert!(
+        text.contains("xtlock_lock_hold_seconds_count{lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\",namespace=\"kube-system\",pod=\"kube-proxy\"} 2"),
+        "{text}"
+    );
+    // Outside a pod: no pod labels at all.
+    s.output(&hold("kube-proxy", 1_000)).unwrap();
+    let text = m.encode().unwrap();
+    assert!(
+        text.contains("xtlock_lock_hold_seconds_count{lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\"} 1"),
+        "{text}"
+    );
+    for i in 0..MAX_PODS + 5 {
+        s.output(&in_pod(&format!("w{i}-bbbbb"))).unwrap();
+    }
+    let text = m.encode().unwrap();
+    assert!(
+        text.contains("namespace=\"(other)\",pod=\"(other)\"} 6"),
+        "{text}"
+    );
+}
+
+#[test]
+fn ipvs_counts_and_changes() {
+    let m = Arc::new(Metrics::new("6.1.0"));
+    let mut s = MetricsSink::new(m.clone(), None);
+    let count = |state: &'static str, n: u64| {
+        Output::IpvsCount(crate::analysis::IpvsCountFact {
+            ts_ns: 1,
+            interval_ns: 1,
+            protocol: "udp",
+            service: "10.96.0.10:53".into(),
+            backend: "10.0.1.5:53".into(),
+            backend_state: state,
+            packets: n,
+        })
+    };
+    s.output(&count("ok", 60)).unwrap();
+    s.output(&count("weight_0", 30)).unwrap();
+    s.output(&count("removed", 25)).unwrap();
+    let text = m.encode().unwrap();
+    let l = "protocol=\"udp\",service=\"10.96.0.10:53\",backend=\"10.0.1.5:53\"";
+    assert!(
+        text.contains(&format!("xtlock_ipvs_packets_total{{{l}}} 90")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "xtlock_ipvs_stale_packets_total{{{l},backend_state=\"removed\"}} 25"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "xtlock_ipvs_stale_packets_total{{{l},backend_state=\"weight_0\"}} 30"
+        )),
+        "{text}"
+    );
+}
+
+#[test]
+fn holds_and_waits_become_histograms() {
+    let m = Arc::new(Metrics::new("6.1.0"));
+    let mut s = MetricsSink::new(m.clone(), None);
+    s.output(&hold("kube-proxy", 2_000_000_000)).unwrap();
+    s.output(&hold("kube-proxy", 50_000)).unwrap();
+    s.output(&Output::Wait(WaitFact {
+        lock: "/run/xtables.lock".into(),
+        pid: 11,
+        tid: 11,
+        comm: "iptables".into(),
+        agent: "calico-node".into(),
+        role: "cni",
+        cmdline: SharedStr::empty(),
+        start_ns: 1,
+        wait_ns: 1_500_000_000,
+        holders: vec![
+            HolderRef {
+                pid: 10,
+                agent: "kube-proxy".into(),
+                role: "proxy",
+                comm: "kube-proxy".into(),
+                cmdline: SharedStr::empty(),
+                pod: None,
+                behind_ns: Some(1_000_000_000),
+                from_ns: Some(1),
+            },
+            HolderRef {
+                pid: 12,
+                agent: "firewalld".into(),
+                role: "firewall",
+                comm: "iptables".into(),
+                cmdline: SharedStr::empty(),
+                pod: None,
+                behind_ns: Some(500_000_000),
+                from_ns: Some(1_000_000_001),
+            },
+        ],
+        unknown_ns: 0,
+        free_ns: 0,
+        other_holders: 0,
+        other_holders_ns: 0,
+        outcome: WaitOutcome::Acquired,
+        mode: WaitMode::Blocking,
+        tries: 0,
+        ret: None,
+        agent_pid: 11,
+        pod_uid: None,
+        container_id: None,
+        pod: None,
+        incomplete: false,
+    }))
+    .unwrap();
+    let text = m.encode().unwrap();
+    assert!(
+        text.contains(
+            "xtlock_lock_hold_seconds_count{lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\"} 2"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("xtlock_lock_hold_seconds_bucket{le=\"0.0001\",lock=\"/run/xtables.lock\",agent=\"kube-proxy\",role=\"proxy\"} 1")
+            || text.contains("le=\"0.0001\""),
+        "{text}"
+    );
+    // The wait's seconds go to each holder agent by the time spent behind it.
+    for (holder, secs) in [("kube-proxy", "1.0"), ("firewalld", "0.5")] {
+        let l = format!(
+            "{{lock=\"/run/xtables.lock\",agent=\"calico-node\",holder_agent=\"{holder}\"}}"
+        );
+        assert!(
+            text.contains(&format!("xtlock_lock_wait_seconds_count{l} 1")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("xtlock_lock_wait_seconds_sum{l} {secs}")),
+            "{text}"
+        );
+    }
+    assert!(text.contains("xtlock_build_info{version=\""), "{text}");
+}
+
+#[test]
+fn agents_are_capped() {
+    let m = Arc::new(Metrics::new("k"));
+    let mut s = MetricsSink::new(m.clone(), None);
+    for i in 0..(MAX_AGENTS + 10) {
+        s.output(&hold(&format!("agent{i}"), 1000)).unwrap();
+    }
+    let text = m.encode().unwrap();
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("xtlock_lock_hold_seconds_count{"))
+        .count();
+    assert_eq!(series, MAX_AGENTS + 1, "{text}");
+    assert!(text.contains("agent=\"(other)\""), "{text}");
+}
+
+#[test]
+fn holder_info_follows_open_holds() {
+    let m = Metrics::new("k");
+    let kp = HoldLabels {
+        lock: "/l".into(),
+        agent: "kube-proxy".into(),
+        role: "proxy".into(),
+        pod: PodLabels::default(),
+    };
+    m.set_open_holds(["/l"], [kp.clone()]);
+    let t = m.encode().unwrap();
+    assert!(t.contains("xtlock_lock_held{lock=\"/l\"} 1"), "{t}");
+    assert!(
+        t.contains("xtlock_lock_holder_info{lock=\"/l\",agent=\"kube-proxy\""),
+        "{t}"
+    );
+    m.set_open_holds(["/l"], []);
+    let t = m.encode().unwrap();
+    assert!(t.contains("xtlock_lock_held{lock=\"/l\"} 0"), "{t}");
+    assert!(!t.contains("xtlock_lock_holder_info{"), "{t}");
+}
+
+#[test]
+fn counters_are_described_by_their_sample_names() {
+    let om = "# HELP x_drops Drops.\n# TYPE x_drops counter\nx_drops_total{a=\"1\"} 2\n\
+              # HELP x_hold_seconds Hold.\n# TYPE x_hold_seconds histogram\n\
+              # UNIT x_hold_seconds seconds\nx_hold_seconds_count 1\n# EOF\n";
+    assert_eq!(
+        to_prometheus_text(om),
+        "# HELP x_drops_total Drops.\n# TYPE x_drops_total counter\nx_drops_total{a=\"1\"} 2\n\
+         # HELP x_hold_seconds Hold.\n# TYPE x_hold_seconds histogram\nx_hold_seconds_count 1\n"
+    );
+}
+
+#[test]
+fn drop_locations_lose_their_offsets() {
+    assert_eq!(location_function("nf_hook_slow+0x9c/0x120"), "nf_hook_slow");
+    assert_eq!(
+        location_function("0xffffffff81000000"),
+        "0xffffffff81000000"
+    );
+}

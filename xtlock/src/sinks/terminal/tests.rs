@@ -1,0 +1,301 @@
+use super::*;
+use crate::analysis::{HolderRef, WaitMode, WaitOutcome};
+
+fn holder(agent: &str, cmdline: &str) -> HolderRef {
+    HolderRef {
+        pid: 1234,
+        agent: agent.into(),
+        role: "proxy",
+        comm: "iptables-restor".into(),
+        cmdline: cmdline.into(),
+        pod: None,
+        behind_ns: None,
+        from_ns: None,
+    }
+}
+
+fn hold(ns: u64) -> HoldFact {
+    HoldFact {
+        lock: DEFAULT_LOCK.into(),
+        pid: 1234,
+        tid: 1234,
+        comm: "iptables-restor".into(),
+        agent: "kube-proxy".into(),
+        role: "proxy",
+        cmdline: "iptables-restore -w 5 --noflush".into(),
+        start_ns: 2_000_000_000,
+        hold_ns: ns,
+        owner: 1,
+        exclusive: true,
+        kernel_ns: 0,
+        replaces: 0,
+        swap_ns: 0,
+        before_start: false,
+        agent_pid: 100,
+        released_by: Some(1234),
+        pod_uid: None,
+        container_id: None,
+        pod: None,
+        open: false,
+        incomplete: false,
+    }
+}
+
+fn render(outputs: &[Output], opts: TerminalOptions) -> String {
+    let mut sink = TerminalSink::with_options(Vec::new(), opts);
+    for o in outputs {
+        sink.output(o).unwrap();
+    }
+    sink.flush().unwrap();
+    String::from_utf8(sink.into_inner()).unwrap()
+}
+
+#[test]
+fn lines() {
+    let wait = WaitFact {
+        lock: DEFAULT_LOCK.into(),
+        pid: 77,
+        tid: 77,
+        comm: "iptables".into(),
+        agent: "calico-node".into(),
+        role: "cni",
+        cmdline: "iptables -w 5 -A X".into(),
+        start_ns: 1_000_000_000,
+        wait_ns: 1_420_000_000,
+        holders: vec![HolderRef {
+            behind_ns: Some(1_420_000_000),
+            from_ns: Some(1_000_000_000),
+            ..holder(
+                "kube-proxy",
+                "iptables-legacy-restore -w 5 -W 100000 --noflush --counters",
+            )
+        }],
+        unknown_ns: 0,
+        free_ns: 0,
+        other_holders: 0,
+        other_holders_ns: 0,
+        outcome: WaitOutcome::Acquired,
+        mode: WaitMode::Blocking,
+        tries: 0,
+        ret: None,
+        agent_pid: 40,
+        pod_uid: None,
+        container_id: None,
+        pod: None,
+        incomplete: false,
+    };
+    let opts = TerminalOptions {
+        time: TimeFormat::Relative { origin_ns: Some(0) },
+        ..Default::default()
+    };
+    let text = render(&[Output::Hold(hold(312_400_000)), Output::Wait(wait)], opts);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        lines[0],
+        "   2.000 kube-proxy held /run/xtables.lock 312 ms \
+         (pid 1234 iptables-restore -w 5 --noflush)"
+    );
+    assert_eq!(
+        lines[1],
+        "   1.000 calico-node waited 1.42 s behind kube-proxy \
+         (iptables-legacy-restore -w 5 -W 100000 --noflush --counters) [pid 77 iptables]"
+    );
+}
+
+/// A wait behind kube-proxy then calico-node says how long it was behind each, grouped
+/// by agent; a stretch with no known holder comes first.
+#[test]
+fn wait_split_by_holder() {
+    let behind = |agent: &str, pid: u32, ns: u64| HolderRef {
+        pid,
+        behind_ns: Some(ns),
+        from_ns: Some(0),
+        ..holder(agent, "")
+    };
+    let mut wait = WaitFact {
+        lock: DEFAULT_LOCK.into(),
+        pid: 77,
+        tid: 77,
+        comm: "iptables".into(),
+        agent: "portmap".into(),
+        role: "cni",
+        cmdline: "".into(),
+        start_ns: 0,
+        wait_ns: 1_070_000_000,
+        holders: vec![
+            behind("kube-proxy", 10, 600_000_000),
+            behind("calico-node", 11, 70_000_000),
+            behind("kube-proxy", 12, 400_000_000),
+        ],
+        unknown_ns: 0,
+        free_ns: 0,
+        other_holders: 0,
+        other_holders_ns: 0,
+        outcome: WaitOutcome::Acquired,
+        mode: WaitMode::Blocking,
+        tries: 0,
+        ret: None,
+        agent_pid: 40,
+        pod_uid: None,
+        container_id: None,
+        pod: None,
+        incomplete: false,
+    };
+    let opts = || TerminalOptions {
+        time: TimeFormat::None,
+        ..Default::default()
+    };
+    let text = render(&[Output::Wait(wait.clone())], opts());
+    assert_eq!(
+        text.trim_end(),
+        "portmap waited 1.07 s: 1.00 s behind kube-proxy (2 processes), \
+         70.0 ms behind calico-node (iptables-restor) [pid 77 iptables]"
+    );
+    wait.holders.truncate(1);
+    wait.holders[0].behind_ns = Some(1_000_000_000);
+    wait.unknown_ns = 70_000_000;
+    wait.other_holders = 3;
+    wait.other_holders_ns = 0;
+    let text = render(&[Output::Wait(wait)], opts());
+    assert_eq!(
+        text.trim_end(),
+        "portmap waited 1.07 s: 70.0 ms behind an unknown holder, \
+         1.00 s behind kube-proxy (iptables-restor), 0 ns behind 3 more [pid 77 iptables]"
+    );
+}
+
+#[test]
+fn min_hold_filters_short_holds() {
+    let opts = TerminalOptions {
+        min_hold: Duration::from_millis(10),
+        time: TimeFormat::None,
+        ..Default::default()
+    };
+    let drops = |hold_ns| {
+        Output::HoldDrops(HoldDropsFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 1234,
+            agent: "kube-proxy".into(),
+            comm: "iptables-restor".into(),
+            start_ns: 2_000_000_000,
+            hold_ns,
+            dropped: 3,
+            by_class: [(DropClass::NetfilterRuleDrop, 3)].into(),
+            by_reason: [("NETFILTER_DROP".to_string(), 3)].into(),
+            samples: 3,
+        })
+    };
+    let text = render(
+        &[
+            Output::Hold(hold(5_000_000)),
+            drops(5_000_000),
+            Output::Hold(hold(50_000_000)),
+            drops(50_000_000),
+        ],
+        opts,
+    );
+    assert_eq!(text.lines().count(), 2, "{text}");
+    assert!(text.starts_with("kube-proxy held /run/xtables.lock 50.0 ms"));
+    assert!(text.contains("during kube-proxy's 50.0 ms hold"), "{text}");
+}
+
+#[test]
+fn failed_tries_collapse() {
+    let f = |ts| {
+        Output::FailedTry(FailedTryFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 9,
+            tid: 9,
+            comm: "portmap".into(),
+            agent: "portmap".into(),
+            role: "cni",
+            ts_ns: ts,
+            pod: None,
+            errno: 11,
+            holder: Some(holder("kube-proxy", "")),
+        })
+    };
+    let outs: Vec<Output> = (0..5).map(|i| f(i * 200_000_000)).collect();
+    let opts = TerminalOptions {
+        time: TimeFormat::None,
+        ..Default::default()
+    };
+    let text = render(&outs, opts);
+    assert_eq!(
+        text,
+        "portmap failed to take /run/xtables.lock (pid 9 portmap, errno 11), \
+         held by kube-proxy (iptables-restor)\n\
+         portmap: 4 more failed tries by pid 9 in 800 ms\n"
+    );
+}
+
+#[test]
+fn timeout_line() {
+    let t = TimeoutFact {
+        lock: DEFAULT_LOCK.into(),
+        pid: 4242,
+        comm: "iptables".into(),
+        cmdline: "iptables -w 5 -A FOO".into(),
+        agent: "calico-node".into(),
+        role: "cni",
+        agent_pid: 40,
+        ts_ns: 0,
+        exit_code: 4,
+        waited_ns: 5_000_000_000,
+        tries: 0,
+        holders: vec![holder("kube-proxy", "")],
+        pod_uid: None,
+        container_id: None,
+        pod: None,
+    };
+    let opts = TerminalOptions {
+        time: TimeFormat::wall_clock(0, 0),
+        ..Default::default()
+    };
+    let text = render(&[Output::Timeout(t)], opts);
+    assert_eq!(
+        text,
+        "00:00:00.000 calico-node: iptables (pid 4242) gave up waiting for the lock \
+         after 5.00 s (exit 4), held by kube-proxy\n"
+    );
+}
+
+#[test]
+fn wall_clock() {
+    // 1 h 2 min 3.456 s after midnight, plus a day, from a monotonic clock offset.
+    let ts = 1_000_000_000;
+    let off = (86_400 + 3_723) * 1_000_000_000 + 456_000_000 - 1_000_000_000;
+    assert_eq!(wall_clock_label(ts, off, 0), "01:02:03.456");
+    assert_eq!(wall_clock_label(ts, off, 3600), "02:02:03.456");
+    assert_eq!(wall_clock_label(ts, off, -7200), "23:02:03.456");
+}
+
+#[test]
+fn summary_mentions_lost_events() {
+    let mut a = crate::analysis::Analyzer::new(vec![]);
+    a.process_collect(&crate::decode::Event::Lost {
+        ts_ns: 5,
+        count: 12,
+    });
+    let mut sink = TerminalSink::new(Vec::new());
+    sink.summary(&a.summary(), true).unwrap();
+    let text = String::from_utf8(sink.into_inner()).unwrap();
+    assert!(
+        text.contains("12 events lost: the ring buffer was full; counts are lower bounds"),
+        "{text}"
+    );
+}
+
+#[test]
+fn dates() {
+    assert_eq!(wall_clock_date(0), "1970-01-01 00:00:00 UTC");
+    // 2026-11-22 00:30:05 UTC
+    assert_eq!(
+        wall_clock_date(1_795_307_405 * 1_000_000_000),
+        "2026-11-22 00:30:05 UTC"
+    );
+    assert_eq!(
+        wall_clock_date(951_782_400 * 1_000_000_000),
+        "2000-02-29 00:00:00 UTC"
+    );
+}
