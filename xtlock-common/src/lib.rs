@@ -603,6 +603,18 @@ mod pod {
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}
+    // The event records the decoder reads from the ring buffer and from captures.
+    unsafe impl aya::Pod for EventHeader {}
+    unsafe impl aya::Pod for LockEvent {}
+    unsafe impl aya::Pod for FlockCallEvent {}
+    unsafe impl aya::Pod for ForkEvent {}
+    unsafe impl aya::Pod for ExitEvent {}
+    unsafe impl aya::Pod for TableReplaceEvent {}
+    unsafe impl aya::Pod for NftCommitEvent {}
+    unsafe impl aya::Pod for XtReplaceEvent {}
+    unsafe impl aya::Pod for ConntrackFailEvent {}
+    unsafe impl aya::Pod for DropEvent {}
+    unsafe impl aya::Pod for IpvsEvent {}
 }
 
 /// Size in bytes of each event type, for the decoder's bounds checks.

@@ -9,6 +9,7 @@ pub mod capture;
 pub mod cli;
 pub mod commands;
 pub mod decode;
+pub mod event;
 pub mod kube;
 pub mod lockfiles;
 pub mod pipeline;

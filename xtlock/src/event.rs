@@ -1,0 +1,706 @@
+//! The typed events every source yields and the analysis consumes: kernel records decoded
+//! (`decode`), and the synthetic ones sources make themselves (process snapshots, counters,
+//! pod names). No bytes here: `decode` reads the kernel's layouts.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+
+use xtlock_common as common;
+
+use crate::shared::SharedStr;
+
+/// A task's `comm`: 16 bytes, NUL-padded. Kept inline so lock events do not allocate.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct Comm(pub [u8; common::COMM_LEN]);
+
+impl Comm {
+    pub fn new(s: &str) -> Self {
+        let mut b = [0u8; common::COMM_LEN];
+        // The kernel keeps at most 15 bytes and a NUL.
+        let n = s.len().min(common::COMM_LEN - 1);
+        b[..n].copy_from_slice(&s.as_bytes()[..n]);
+        Comm(b)
+    }
+
+    pub fn as_str(&self) -> std::borrow::Cow<'_, str> {
+        String::from_utf8_lossy(cstr(&self.0))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0[0] == 0
+    }
+}
+
+impl fmt::Display for Comm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.as_str())
+    }
+}
+
+impl fmt::Debug for Comm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+/// Bytes up to the first NUL.
+pub(crate) fn cstr(b: &[u8]) -> &[u8] {
+    &b[..nul_pos(b)]
+}
+
+/// Index of the first NUL in `b`, or its length. Eight bytes at a time: the fields are
+/// 16 to 128 bytes, and a byte-by-byte search showed in profiles.
+#[inline]
+pub(crate) fn nul_pos(b: &[u8]) -> usize {
+    const LO: u64 = 0x0101_0101_0101_0101;
+    const HI: u64 = 0x8080_8080_8080_8080;
+    let mut chunks = b.chunks_exact(8);
+    let mut at = 0;
+    for c in &mut chunks {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(c);
+        let w = u64::from_le_bytes(w);
+        // High bit set in each zero byte's place (and maybe above one): the lowest set bit
+        // is the first zero byte.
+        let zero = w.wrapping_sub(LO) & !w & HI;
+        if zero != 0 {
+            return at + (zero.trailing_zeros() / 8) as usize;
+        }
+        at += 8;
+    }
+    let rest = chunks.remainder();
+    at + rest.iter().position(|&c| c == 0).unwrap_or(rest.len())
+}
+
+pub(crate) fn string(b: &[u8]) -> String {
+    String::from_utf8_lossy(cstr(b)).into_owned()
+}
+
+/// Like [`string`], straight into a [`SharedStr`] (one allocation when the text is UTF-8).
+pub(crate) fn shared(b: &[u8]) -> SharedStr {
+    let b = cstr(b);
+    // `from_utf8` first: faster than the lossy scan for the usual, valid text.
+    match std::str::from_utf8(b) {
+        Ok(s) => SharedStr::from(s),
+        Err(_) => SharedStr::from(String::from_utf8_lossy(b).into_owned()),
+    }
+}
+
+/// The arguments of an exec, NUL-separated in one shared allocation: one allocation to
+/// decode, none to hand to the process table, forked children and facts. Arguments are C
+/// strings: they contain no NUL. Serialises as a JSON array of strings.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Argv {
+    text: SharedStr,
+    argc: u32,
+}
+
+impl Argv {
+    /// See [`SharedStr::prefetch`].
+    pub(crate) fn prefetch(&self) {
+        self.text.prefetch();
+    }
+
+    pub fn new<S: AsRef<str>>(args: impl IntoIterator<Item = S>) -> Self {
+        let mut text = String::new();
+        let mut argc = 0u32;
+        for a in args {
+            if argc > 0 {
+                text.push('\0');
+            }
+            text.push_str(a.as_ref());
+            argc += 1;
+        }
+        Argv {
+            text: SharedStr::from(text),
+            argc,
+        }
+    }
+
+    /// From the first `argc` argument slots of an exec event (`args`: the slots' bytes).
+    pub(crate) fn from_slots(args: &[u8], argc: usize) -> Self {
+        const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN;
+        let slots = || args.chunks_exact(common::ARG_LEN).take(argc);
+        let mut buf = [0u8; MAX];
+        let mut n = 0;
+        let mut argc = 0u32;
+        for a in slots().map(cstr) {
+            if n + a.len() + 1 > MAX {
+                return Argv::new(slots().map(string));
+            }
+            if argc > 0 {
+                buf[n] = 0;
+                n += 1;
+            }
+            buf[n..n + a.len()].copy_from_slice(a);
+            n += a.len();
+            argc += 1;
+        }
+        // One check for all: NUL separators are ASCII, so the text is UTF-8 exactly when
+        // every argument is.
+        match std::str::from_utf8(&buf[..n]) {
+            Ok(text) => Argv {
+                text: SharedStr::from(text),
+                argc,
+            },
+            // Rare: the lossy conversion may grow the text.
+            Err(_) => Argv::new(slots().map(string)),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.argc as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.argc == 0
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.text.split('\0').take(self.argc as usize)
+    }
+
+    /// The arguments joined by spaces.
+    pub fn join(&self) -> String {
+        self.text.replace('\0', " ")
+    }
+
+    /// [`Argv::join`], then `suffix` unless that is empty, as a [`SharedStr`]: one
+    /// allocation for the argv of an exec event.
+    pub fn join_shared(&self, suffix: &str) -> SharedStr {
+        const MAX: usize = common::ARGV_SLOTS * common::ARG_LEN + 16;
+        let text = self.text.as_bytes();
+        let suffix = if text.is_empty() { "" } else { suffix };
+        let n = text.len() + suffix.len();
+        if n > MAX {
+            let mut s = self.join();
+            s.push_str(suffix);
+            return SharedStr::from(s);
+        }
+        let mut buf = [0u8; MAX];
+        for (d, &c) in buf.iter_mut().zip(text) {
+            *d = if c == 0 { b' ' } else { c };
+        }
+        buf[text.len()..n].copy_from_slice(suffix.as_bytes());
+        // NULs (ASCII) became spaces (ASCII) in UTF-8 text: still UTF-8.
+        std::str::from_utf8(&buf[..n])
+            .map_or_else(|_| SharedStr::from(self.join()), SharedStr::from)
+    }
+}
+
+impl fmt::Debug for Argv {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl serde::Serialize for Argv {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
+    }
+}
+
+/// What a `flock_lock_inode` call on a watched lock did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockOp {
+    /// Lock granted (`F_WRLCK`/`F_RDLCK`, ret 0).
+    Acquired { exclusive: bool },
+    /// Conflict; the caller sleeps and retries (`FILE_LOCK_DEFERRED`).
+    Deferred,
+    /// Conflict and the caller does not sleep (`LOCK_NB`: ret `-EAGAIN`), or another error.
+    Failed { errno: i32 },
+    /// `F_UNLCK`: `LOCK_UN`, `close()` of the owning file, or exit.
+    Released,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockEvent {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// The open file description owning the lock.
+    pub owner: u64,
+    pub dev: u32,
+    pub ino: u64,
+    pub op: LockOp,
+    /// `LOCK_NB` was given (the kernel's `FL_SLEEP` was not set).
+    pub nonblocking: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FlockCallEvent {
+    /// Syscall return.
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub owner: u64,
+    pub dev: u32,
+    pub ino: u64,
+    /// Raw return: 0, or a negative errno (`-EINTR` when an `alarm()` ended the wait).
+    pub ret: i64,
+    /// `flock()` operation, `None` when the entry was not seen.
+    pub cmd: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExecEvent {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    pub filename: SharedStr,
+    /// Shared with the process table and the exec fact.
+    pub argv: Argv,
+    pub argv_truncated: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkEvent {
+    pub ts_ns: u64,
+    pub parent_tgid: u32,
+    pub parent_tid: u32,
+    pub child_tid: u32,
+    pub comm: Comm,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExitEvent {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// Process exit status (the low byte of the `exit_group()` argument), `None` when the
+    /// task did not call exit (killed by a signal).
+    pub exit_code: Option<i32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableReplaceEvent {
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub level: u32,
+    pub optname: u32,
+    pub optlen: u32,
+    pub ret: i64,
+}
+
+/// One `xt_replace_table` call: a legacy table swapped in, every CPU waited out of the old.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct XtReplaceEvent {
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+}
+
+/// One nf_tables commit (netlink batch): the second lock, held for `ts_ns - enter_ns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftCommitEvent {
+    /// The commit function's return.
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    /// Inode of the sender's network namespace; 0 when unknown.
+    pub netns: u32,
+    pub comm: Comm,
+}
+
+/// What conntrack refused, seen in the refusing kernel function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CtFailKind {
+    /// `__nf_conntrack_confirm` returned `NF_DROP`: the kernel's `insert_failed` path.
+    InsertFailed,
+    /// `__nf_conntrack_alloc` failed: the table was full.
+    TableFull,
+}
+
+/// A connection conntrack refused (kernel event).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackFail {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    pub what: CtFailKind,
+    pub netns: u32,
+    pub l4proto: u8,
+    pub saddr: Option<IpAddr>,
+    pub daddr: Option<IpAddr>,
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Synthetic, at the start: a flock already held on a watched lock when tracing began, from
+/// `/proc/locks` (the hold's start and owner are unknown; its holder's pid is not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LockSeed {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub dev: u32,
+    pub ino: u64,
+    pub exclusive: bool,
+}
+
+/// A process that existed when tracing started (from /proc), or that userspace looked up
+/// later. Not a kernel event: the source produces it so the analysis never reads /proc.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct ProcInfo {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub ppid: u32,
+    pub comm: Comm,
+    pub argv: Vec<String>,
+    /// First line of `/proc/PID/cgroup` that names a path (cgroup v2 `0::/...`, or v1).
+    pub cgroup: Option<String>,
+}
+
+/// Synthetic: the kubelet's names of a container (or, `container_id` empty, of a pod), read
+/// by the source from the node's `/var/log/containers` and `/var/log/pods` (see
+/// [`crate::kube`]). Sent before the first fact that could name a process of it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PodInfo {
+    pub ts_ns: u64,
+    /// Empty for a pod known by UID only.
+    pub container_id: String,
+    pub pod_uid: String,
+    pub namespace: String,
+    pub pod: String,
+    /// Empty when only the pod is known.
+    pub container: String,
+}
+
+/// One packet drop sampled in the kernel at `skb:kfree_skb` (rate limited: exact numbers
+/// come from [`DropCounts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropSample {
+    pub ts_ns: u64,
+    /// The task that was running; often unrelated to the packet (softirq).
+    pub tgid: u32,
+    pub tid: u32,
+    /// Kernel text address that freed the packet; see [`Event::KernelSymbol`].
+    pub location: u64,
+    /// Network namespace inode; 0 when unknown.
+    pub netns: u32,
+    pub ifindex: u32,
+    /// `enum skb_drop_reason` of the recording kernel; see [`Event::DropReasons`].
+    pub reason: u32,
+    pub ethertype: u16,
+    /// IP protocol; 0 when the packet was not IP or its header was not readable.
+    pub l4proto: u8,
+    pub saddr: Option<IpAddr>,
+    pub daddr: Option<IpAddr>,
+    /// Ports for TCP/UDP, ICMP type/code for ICMP.
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Drops of one (location, reason, netns) in one interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropCount {
+    pub location: u64,
+    pub reason: u32,
+    pub netns: u32,
+    pub count: u64,
+}
+
+/// Synthetic: the kernel's exact per-CPU drop counters, read by the source every second,
+/// as deltas since the previous read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DropCounts {
+    /// When the counters were read (end of the interval).
+    pub ts_ns: u64,
+    /// Length of the interval (since the previous read).
+    pub interval_ns: u64,
+    /// Non-zero deltas only.
+    pub counts: Vec<DropCount>,
+    /// Drops the kernel could not file under their key (its key map was full).
+    pub overflow: u64,
+    /// Drops counted in the kernel during each hold of a watched lock seen by this read, so
+    /// far (a hold still going on is counted again at the next read). Only those whose
+    /// count changed. Empty in captures made before xtlock counted per hold.
+    pub holds: Vec<HoldDropCount>,
+}
+
+/// Drops during one hold, counted in the kernel while it went on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HoldDropCount {
+    /// The hold's acquire time (its lock event's).
+    pub start_ns: u64,
+    pub count: u64,
+}
+
+/// Conntrack statistics counters (`/proc/net/stat/nf_conntrack`, summed over CPUs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ConntrackCounters {
+    /// Packets dropped because a new connection could not be tracked (table full).
+    pub drop: u64,
+    pub early_drop: u64,
+    /// Entries that lost an insert race (the DNS 5-second-timeout race); packet dropped.
+    pub insert_failed: u64,
+    pub invalid: u64,
+    pub search_restart: u64,
+    pub clash_resolve: u64,
+    pub chaintoolong: u64,
+}
+
+impl ConntrackCounters {
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+
+    pub fn saturating_sub(&self, o: &Self) -> Self {
+        ConntrackCounters {
+            drop: self.drop.saturating_sub(o.drop),
+            early_drop: self.early_drop.saturating_sub(o.early_drop),
+            insert_failed: self.insert_failed.saturating_sub(o.insert_failed),
+            invalid: self.invalid.saturating_sub(o.invalid),
+            search_restart: self.search_restart.saturating_sub(o.search_restart),
+            clash_resolve: self.clash_resolve.saturating_sub(o.clash_resolve),
+            chaintoolong: self.chaintoolong.saturating_sub(o.chaintoolong),
+        }
+    }
+
+    pub fn saturating_add(&self, o: &Self) -> Self {
+        ConntrackCounters {
+            drop: self.drop.saturating_add(o.drop),
+            early_drop: self.early_drop.saturating_add(o.early_drop),
+            insert_failed: self.insert_failed.saturating_add(o.insert_failed),
+            invalid: self.invalid.saturating_add(o.invalid),
+            search_restart: self.search_restart.saturating_add(o.search_restart),
+            clash_resolve: self.clash_resolve.saturating_add(o.clash_resolve),
+            chaintoolong: self.chaintoolong.saturating_add(o.chaintoolong),
+        }
+    }
+}
+
+/// Synthetic: conntrack counters of one network namespace, read by the source every
+/// second (deltas since the previous read) with the table's fill.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackStats {
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    pub deltas: ConntrackCounters,
+    /// `nf_conntrack_count` and `nf_conntrack_max` now.
+    pub count: u64,
+    pub max: u64,
+}
+
+/// What an IPVS event reports (`xtlock_common::IPVS_OP_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IpvsOp {
+    /// A new connection scheduled to a real server.
+    Scheduled,
+    /// Packets on a connection whose real server was removed or set to weight 0.
+    Stale,
+    /// The entry of a connection reported stale expired.
+    Expired,
+    /// Real server added to a virtual service.
+    DestAdded,
+    /// Real server removed from a virtual service.
+    DestRemoved,
+    /// Real server edited (weight).
+    DestEdited,
+    /// Virtual service added, edited, removed (deleted or flushed).
+    ServiceAdded,
+    ServiceEdited,
+    ServiceRemoved,
+}
+
+/// State of a connection's real server (`xtlock_common::IPVS_DEST_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DestState {
+    /// In its service with a weight above 0.
+    Ok,
+    /// Weight 0 (graceful termination): existing connections are still forwarded to it.
+    Quiescent,
+    /// Removed from its service: packets of its connections are dropped or the entries
+    /// expired.
+    Removed,
+}
+
+impl DestState {
+    pub(crate) fn from_u8(v: u8) -> Self {
+        match v {
+            common::IPVS_DEST_QUIESCENT => DestState::Quiescent,
+            common::IPVS_DEST_GONE => DestState::Removed,
+            _ => DestState::Ok,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DestState::Ok => "ok",
+            DestState::Quiescent => "weight_0",
+            DestState::Removed => "removed",
+        }
+    }
+}
+
+/// What the kernel did with a packet on a stale connection (`xtlock_common::IPVS_ACTION_*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StaleAction {
+    None,
+    /// Forwarded to the stale real server (weight 0).
+    Forwarded,
+    /// Dropped; the entry's timer not restarted (`expire_nodest_conn=0`).
+    Dropped,
+    /// Entry expired at once (`expire_nodest_conn=1`); the packet rescheduled or dropped.
+    Expired,
+}
+
+impl StaleAction {
+    pub(crate) fn from_u8(v: u8) -> Self {
+        match v {
+            common::IPVS_ACTION_FORWARDED => StaleAction::Forwarded,
+            common::IPVS_ACTION_DROPPED => StaleAction::Dropped,
+            common::IPVS_ACTION_EXPIRED => StaleAction::Expired,
+            _ => StaleAction::None,
+        }
+    }
+}
+
+/// One IPVS kernel event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpvsEvent {
+    pub ts_ns: u64,
+    /// The running task: the process that made a table change; often unrelated otherwise
+    /// (softirq).
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    pub op: IpvsOp,
+    /// Kernel address of the connection; 0 for table changes.
+    pub conn: u64,
+    /// IP protocol (17 UDP, 6 TCP, 132 SCTP).
+    pub protocol: u8,
+    /// Virtual service.
+    pub service: SocketAddr,
+    /// Client; `None` for table changes.
+    pub client: Option<SocketAddr>,
+    /// Real server.
+    pub backend: SocketAddr,
+    pub dest_state: DestState,
+    pub action: StaleAction,
+    /// The real server's weight (table changes: the requested one).
+    pub weight: i32,
+    /// Table changes: 0 or a negative errno.
+    pub ret: i32,
+    /// Stale packets since this connection's previous event.
+    pub packets: u64,
+    /// When the connection's last stale packet came; 0 when none.
+    pub last_packet_ns: u64,
+    /// Time left on the connection entry's timer.
+    pub timer_left_ns: u64,
+}
+
+/// Packets of one (virtual service, real server, state) in one interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpvsCount {
+    pub protocol: u8,
+    pub service: SocketAddr,
+    pub backend: SocketAddr,
+    pub state: DestState,
+    pub count: u64,
+}
+
+/// Synthetic: the kernel's exact per-CPU IPVS packet counters, read by the source every
+/// second, as deltas since the previous read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpvsCounts {
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    /// Non-zero deltas only.
+    pub counts: Vec<IpvsCount>,
+    /// Packets the kernel could not file under their key (its key map was full).
+    pub overflow: u64,
+}
+
+/// Everything the analysis consumes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Lock(LockEvent),
+    FlockCall(FlockCallEvent),
+    Exec(ExecEvent),
+    Fork(ForkEvent),
+    Exit(ExitEvent),
+    TableReplace(TableReplaceEvent),
+    NftCommit(NftCommitEvent),
+    Proc(ProcInfo),
+    /// The kernel dropped `count` events because the ring buffer was full (since the last
+    /// such report).
+    Lost {
+        ts_ns: u64,
+        count: u64,
+    },
+    /// A sampled packet drop (kernel event).
+    Drop(DropSample),
+    /// A connection conntrack refused (kernel event).
+    ConntrackFail(ConntrackFail),
+    XtReplace(XtReplaceEvent),
+    /// Synthetic: a hold that began before tracing did.
+    LockSeed(LockSeed),
+    /// Synthetic: exact drop counts of the last interval.
+    DropCounts(DropCounts),
+    /// Synthetic: conntrack counter deltas of one netns. Boxed, like [`Event::Ipvs`]: rare
+    /// and big, it would make every event it (see `event_is_small`).
+    Conntrack(Box<ConntrackStats>),
+    /// An IPVS kernel event. Boxed: rare, and at 176 bytes it made every `Event` that big,
+    /// moved a few times per event on the hot path.
+    Ipvs(Box<IpvsEvent>),
+    /// Synthetic: exact IPVS packet counts of the last interval.
+    IpvsCounts(IpvsCounts),
+    /// Synthetic, once at the start: the recording kernel's drop-reason names
+    /// (`has_reason` false: the kernel reports no reasons, every drop has reason 0) and the
+    /// inode of the tracer's own (host) network namespace.
+    DropSetup {
+        ts_ns: u64,
+        has_reason: bool,
+        host_netns: u32,
+        names: Vec<(u32, String)>,
+    },
+    /// Synthetic: the names of a container or pod (see [`PodInfo`]).
+    Pod(Box<PodInfo>),
+    /// Synthetic, before the first event that carries `addr`: the kernel function it is in
+    /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
+    KernelSymbol {
+        ts_ns: u64,
+        addr: u64,
+        name: String,
+        offset: u64,
+    },
+}
+
+impl Event {
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Event::Lock(e) => e.ts_ns,
+            Event::FlockCall(e) => e.ts_ns,
+            Event::Exec(e) => e.ts_ns,
+            Event::Fork(e) => e.ts_ns,
+            Event::Exit(e) => e.ts_ns,
+            Event::TableReplace(e) => e.ts_ns,
+            Event::NftCommit(e) => e.ts_ns,
+            Event::Proc(e) => e.ts_ns,
+            Event::Lost { ts_ns, .. } => *ts_ns,
+            Event::Drop(e) => e.ts_ns,
+            Event::ConntrackFail(e) => e.ts_ns,
+            Event::XtReplace(e) => e.ts_ns,
+            Event::LockSeed(e) => e.ts_ns,
+            Event::DropCounts(e) => e.ts_ns,
+            Event::Conntrack(e) => e.ts_ns,
+            Event::Ipvs(e) => e.ts_ns,
+            Event::IpvsCounts(e) => e.ts_ns,
+            Event::Pod(e) => e.ts_ns,
+            Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
+        }
+    }
+}
