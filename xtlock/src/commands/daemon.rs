@@ -9,23 +9,24 @@ use std::{
 
 use crate::{
     cli::DaemonArgs,
-    commands::{live, record, resolve_locks, rolling::Rolling},
+    commands::{
+        live, record,
+        session::{self, Recording, Session},
+    },
     decode::Event,
     lockfiles::LockFile,
     pipeline::Pipeline,
-    probes::{preflight, HookStatus},
+    probes::HookStatus,
     serve::{self, State},
     sinks::metrics::{Capped, HoldLabels, Metrics, MetricsSink, PodLabels, ProbeLabels, MAX_PODS},
-    source::live::LiveSource,
+    source::{live::LiveSource, recorder, rolling::Rolling},
 };
 
 /// The event loop must tick within this long, or `/readyz` says it is stuck.
 const STALL: Duration = Duration::from_secs(5);
 
 pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
-    preflight::check()?;
-    let mut locks = resolve_locks(&args.locks)?;
-    let kernel = record::kernel_release();
+    let kernel = recorder::kernel_release();
     let metrics = Arc::new(Metrics::new(&kernel));
     let state = Arc::new(State::new(metrics.clone()));
     // Listen before loading the probes: a taken port fails fast, and /healthz answers while
@@ -42,13 +43,17 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
         )?),
         None => None,
     };
-    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
-    let mut src = LiveSource::new(probes)?;
+    let recording = match rolling.as_mut() {
+        Some(r) => Recording::Rolling(r),
+        None => Recording::None,
+    };
+    let Session {
+        mut locks,
+        mut src,
+        start,
+        drop_setup,
+    } = session::open(&args.locks, args.ring_buffer_mib, &args.drops, recording)?;
     let links = links::Watch::new(&src.probes.status);
-    if let Some(r) = rolling.as_mut() {
-        r.start(&mut src, &locks, &metrics);
-    }
-    let (start, drop_setup) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
 
     let host_netns = netns_inode(Path::new("/proc/self/ns/net"));
     let sink = MetricsSink::new(metrics.clone(), host_netns);
@@ -70,7 +75,11 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
         counted: pipe.events(),
         last_tick: Instant::now(),
         pods: Capped::new(MAX_PODS),
+        recording_errors: 0,
     };
+    if let Some(r) = hooks.rolling.as_ref() {
+        metrics.recording_up.set(i64::from(r.up()));
+    }
     let summary = live::run(
         &mut src,
         &mut pipe,
@@ -103,6 +112,8 @@ struct DaemonHooks {
     last_tick: Instant,
     /// Pod label values of `lock_holder_info`, capped like the sink's.
     pods: Capped,
+    /// Recording errors already counted in the metric.
+    recording_errors: u64,
 }
 
 impl live::LiveHooks for DaemonHooks {
@@ -121,7 +132,13 @@ impl live::LiveHooks for DaemonHooks {
         self.metrics.events.inc_by(pipe.events() - self.counted);
         self.counted = pipe.events();
         if let Some(r) = self.rolling.as_mut() {
-            r.tick(src, locks, &self.drop_setup, &self.metrics);
+            r.tick(src, locks, &self.drop_setup);
+            self.metrics.recording_up.set(i64::from(r.up()));
+            let errors = r.errors();
+            self.metrics
+                .recording_errors
+                .inc_by(errors.saturating_sub(self.recording_errors));
+            self.recording_errors = errors;
         }
         let now = Instant::now();
         let stalled = now.duration_since(self.last_tick) > STALL;

@@ -5,7 +5,7 @@ pub mod live;
 pub mod probes;
 pub mod record;
 pub mod report;
-pub mod rolling;
+pub mod session;
 pub mod trace;
 use crate::{
     cli::LockArgs,

@@ -4,43 +4,26 @@ use std::io;
 
 use crate::{
     cli::TraceArgs,
-    commands::{live, record, resolve_locks},
+    commands::{
+        live, record,
+        session::{self, Recording, Session},
+    },
     pipeline::Pipeline,
-    probes::preflight,
     sinks::{JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
-    source::{self, live::LiveSource},
+    source,
 };
 
 pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
-    preflight::check()?;
-    let mut locks = resolve_locks(&args.locks)?;
-    // An unwritable capture path fails before anything is loaded.
-    let capture = match &args.record {
-        Some(path) => Some(record::PendingCapture::create(path)?),
-        None => None,
+    let recording = match &args.record {
+        Some(path) => Recording::File(path, Default::default()),
+        None => Recording::None,
     };
-    let probes = live::load(&locks, args.ring_buffer_mib, &args.drops, &args.locks)?;
-    let (recorder, pending) = match (capture, &args.record) {
-        (Some((file, pending)), Some(path)) => (
-            Some(record::start_capture(
-                file,
-                path,
-                &locks,
-                &probes.status,
-                Default::default(),
-            )?),
-            Some(pending),
-        ),
-        _ => (None, None),
-    };
-    let mut src = LiveSource::new(probes)?;
-    if let Some(r) = recorder {
-        src.set_recorder(r);
-    }
-    let (start, _) = live::begin(&mut src, &locks, &args.drops, &args.locks)?;
-    if let Some(p) = pending {
-        p.commit()?;
-    }
+    let Session {
+        mut locks,
+        mut src,
+        start,
+        ..
+    } = session::open(&args.locks, args.ring_buffer_mib, &args.drops, recording)?;
 
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {

@@ -1,12 +1,16 @@
 //! Where events come from. `live`: the kernel's ring buffer (plus /proc for processes that
-//! existed before tracing started). Every source yields decoded [`crate::decode::Event`]s, so
-//! the analysis and sinks never know which one they are fed by.
+//! existed before tracing started, and the kubelet's files for pod names); `file`: a capture.
+//! Every source yields decoded [`crate::decode::Event`]s, so the analysis and sinks never
+//! know which one they are fed by. The file side of a live source is here too: `recorder`
+//! writes a capture as the source yields it, `rolling` keeps the daemon's set of them.
 pub mod drops;
 pub mod file;
 pub mod ipvs;
 pub mod live;
 pub mod pods;
 pub mod procfs;
+pub mod recorder;
+pub mod rolling;
 
 /// `CLOCK_MONOTONIC` now, in ns: the clock of `bpf_ktime_get_ns()` and so of every event.
 pub fn monotonic_ns() -> u64 {

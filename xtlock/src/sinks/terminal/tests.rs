@@ -1,5 +1,7 @@
 use super::*;
-use crate::analysis::{HolderRef, WaitMode, WaitOutcome};
+use crate::analysis::{
+    DropClass, HoldDropsFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+};
 
 fn holder(agent: &str, cmdline: &str) -> HolderRef {
     HolderRef {

@@ -1,8 +1,8 @@
 //! The daemon's rolling capture: the last N files of bounded size in one directory, kept
 //! going through failures. A file that cannot be opened or written (disk full, fd limit)
-//! stops recording, not the daemon: recording is retried with a growing pause (1 s to 30 s),
-//! resumes by itself once the cause is gone, and its state is shown by `/readyz` and the
-//! `xtlock_recording_up` / `xtlock_recording_errors_total` metrics.
+//! stops recording, not the daemon: recording is retried with a growing pause (1 s to 30 s)
+//! and resumes by itself once the cause is gone. [`Rolling::trouble`] and
+//! [`Rolling::errors`] say how it goes (the daemon shows them on `/readyz` and as metrics).
 
 use std::{
     fs::File,
@@ -13,12 +13,10 @@ use std::{
 use anyhow::Context as _;
 
 use crate::{
-    commands::record,
     decode::Event,
     lockfiles::LockFile,
     probes::HookStatus,
-    sinks::metrics::Metrics,
-    source::{self, live::LiveSource, live::Recorder},
+    source::{self, live::LiveSource, live::Recorder, recorder},
 };
 
 /// Capture files the daemon writes: `xtlock-<unix ms>-<seq>.xtlock`, so names sort by age.
@@ -39,6 +37,8 @@ pub struct Rolling {
     /// Size of the current file at the previous check.
     last_size: u64,
     broken: Option<Broken>,
+    /// Failures to open or write a file, since start.
+    errors: u64,
 }
 
 /// Recording has stopped on an error and is being retried.
@@ -67,19 +67,27 @@ impl Rolling {
             seq: 0,
             last_size: 0,
             broken: None,
+            errors: 0,
         })
     }
 
     /// Starts recording into the first file (seeded by the caller, as `live::begin` does);
     /// a failure is not fatal: it is retried like any other.
-    pub fn start(&mut self, src: &mut LiveSource, locks: &[LockFile], metrics: &Metrics) {
+    pub fn start(&mut self, src: &mut LiveSource, locks: &[LockFile]) {
         match self.open(locks, &src.probes.status) {
-            Ok(r) => {
-                src.set_recorder(r);
-                metrics.recording_up.set(1);
-            }
-            Err(e) => self.failed(e, metrics),
+            Ok(r) => src.set_recorder(r),
+            Err(e) => self.failed(e),
         }
+    }
+
+    /// Whether a file is being written now.
+    pub fn up(&self) -> bool {
+        self.broken.is_none()
+    }
+
+    /// Failures to open or write a file, since start.
+    pub fn errors(&self) -> u64 {
+        self.errors
     }
 
     /// Why recording is not going on, for `/readyz`; `None` while it is.
@@ -113,8 +121,8 @@ impl Rolling {
             "{ROLL_PREFIX}{ms:013}-{:06}{ROLL_SUFFIX}",
             self.seq
         ));
-        let file: File = record::create_capture_file(&path)?;
-        let r = record::start_capture(file, &path, locks, hooks, Default::default())
+        let file: File = recorder::create_capture_file(&path)?;
+        let r = recorder::start_capture(file, &path, locks, hooks, Default::default())
             .and_then(|mut r| r.flush().map(|()| r));
         let r = match r {
             Ok(r) => r,
@@ -161,9 +169,8 @@ impl Rolling {
         Ok(next)
     }
 
-    fn failed(&mut self, e: anyhow::Error, metrics: &Metrics) {
-        metrics.recording_errors.inc();
-        metrics.recording_up.set(0);
+    fn failed(&mut self, e: anyhow::Error) {
+        self.errors += 1;
         let error = format!("{e:#}");
         match &mut self.broken {
             Some(b) => {
@@ -190,20 +197,14 @@ impl Rolling {
     }
 
     /// Once a second: notices a recording that broke, retries a broken one, and rotates.
-    pub fn tick(
-        &mut self,
-        src: &mut LiveSource,
-        locks: &[LockFile],
-        drop_setup: &[Event],
-        metrics: &Metrics,
-    ) {
+    pub fn tick(&mut self, src: &mut LiveSource, locks: &[LockFile], drop_setup: &[Event]) {
         if !src.recording() {
             if let (_, Some(e)) = src.take_recorder() {
                 // A write failed: the file keeps what was written before, unless nothing was.
                 if std::fs::metadata(&self.current).is_ok_and(|m| m.len() == 0) {
                     let _ = std::fs::remove_file(&self.current);
                 }
-                self.failed(e, metrics);
+                self.failed(e);
             }
             if self
                 .broken
@@ -214,11 +215,10 @@ impl Rolling {
                 match self.open_seeded(locks, &src.probes.status, drop_setup) {
                     Ok(r) => {
                         src.set_recorder(r);
-                        metrics.recording_up.set(1);
                         self.broken = None;
                         tracing::info!(file = %self.current.display(), "recording resumed");
                     }
-                    Err(e) => self.failed(e, metrics),
+                    Err(e) => self.failed(e),
                 }
             }
             return;
@@ -244,7 +244,7 @@ impl Rolling {
         }
         match self.open_seeded(locks, &src.probes.status, drop_setup) {
             Ok(r) => src.set_recorder(r),
-            Err(e) => self.failed(e, metrics),
+            Err(e) => self.failed(e),
         }
     }
 

@@ -1,0 +1,470 @@
+//! One fact, one line: the text each fact is shown as.
+
+use std::fmt::Write as _;
+
+use super::{human_ns, DEFAULT_LOCK};
+use crate::analysis::drops::packet_text;
+use crate::analysis::{
+    ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
+    HoldDropsFact, HoldFact, HolderRef, IpvsFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+};
+use crate::capture::thousands;
+
+pub(crate) fn on_lock(lock: &str) -> String {
+    if lock == DEFAULT_LOCK {
+        String::new()
+    } else {
+        format!(" on {lock}")
+    }
+}
+
+pub(crate) fn holder_text(h: &HolderRef) -> String {
+    let what = if h.cmdline.is_empty() {
+        &h.comm
+    } else {
+        &h.cmdline
+    };
+    if what.is_empty() || *what == h.agent {
+        format!("{} (pid {}{})", h.agent, h.pid, in_pod(&h.pod))
+    } else {
+        format!("{} ({}{})", h.agent, what, in_pod(&h.pod))
+    }
+}
+
+/// `, in pod NAMESPACE/POD/CONTAINER` for a process in a pod the kubelet named.
+pub(crate) fn in_pod(pod: &Option<std::sync::Arc<crate::kube::PodName>>) -> String {
+    pod.as_ref()
+        .map_or_else(String::new, |p| format!(", in pod {p}"))
+}
+
+pub(crate) fn hold_text(h: &HoldFact) -> String {
+    let what = if h.cmdline.is_empty() {
+        &h.comm
+    } else {
+        &h.cmdline
+    };
+    let mut s = format!(
+        "{} held {} {}{} (pid {} {}{})",
+        h.agent,
+        h.lock,
+        if h.before_start { "at least " } else { "" },
+        human_ns(h.hold_ns),
+        h.pid,
+        what,
+        in_pod(&h.pod)
+    );
+    if h.before_start {
+        s.push_str(", held already when tracing began");
+    }
+    if h.replaces > 0 {
+        let _ = write!(
+            s,
+            ", {} in {} table replace{}",
+            human_ns(h.kernel_ns),
+            h.replaces,
+            if h.replaces == 1 { "" } else { "s" }
+        );
+        if h.swap_ns > 0 {
+            let _ = write!(
+                s,
+                " ({} swapping tables, waiting for every CPU)",
+                human_ns(h.swap_ns)
+            );
+        }
+    }
+    if h.open {
+        s.push_str(" [still held when tracing ended]");
+    } else if h.incomplete {
+        s.push_str(" [release not seen; end inferred]");
+    }
+    s
+}
+
+/// Whom a wait was behind, and for how long: ` behind X (...)` when one holder accounts
+/// for all of it, else `: 1.00 s behind X (...), 70 ms behind Y (...)`, holders grouped by
+/// agent in the order they held the lock.
+pub(crate) fn behind_text(w: &WaitFact) -> String {
+    // (agent, time behind it, its first holder, processes)
+    let mut groups: Vec<(&str, u64, &HolderRef, usize)> = Vec::new();
+    for h in &w.holders {
+        let ns = h.behind_ns.unwrap_or(0);
+        match groups.iter_mut().find(|g| g.0 == h.agent.as_str()) {
+            Some(g) => {
+                g.1 += ns;
+                g.3 += 1;
+            }
+            None => groups.push((&h.agent, ns, h, 1)),
+        }
+    }
+    let mut parts: Vec<String> = Vec::new();
+    if w.unknown_ns > 0 || groups.is_empty() {
+        parts.push(format!(
+            "{} behind an unknown holder",
+            human_ns(w.unknown_ns)
+        ));
+    }
+    for (agent, ns, first, n) in &groups {
+        let who = if *n == 1 {
+            holder_text(first)
+        } else {
+            format!("{agent} ({n} processes)")
+        };
+        parts.push(format!("{} behind {who}", human_ns(*ns)));
+    }
+    if w.other_holders > 0 {
+        parts.push(format!(
+            "{} behind {} more",
+            human_ns(w.other_holders_ns),
+            w.other_holders
+        ));
+    }
+    // A poller's interval after a release; a woken waiter's few µs are not worth a word.
+    if w.free_ns >= 1_000_000 || w.free_ns * 20 > w.wait_ns {
+        parts.push(format!("{} with the lock free", human_ns(w.free_ns)));
+    }
+    match (parts.len(), groups.first()) {
+        // One holder for the whole wait: its time is the wait's.
+        (1, Some((_, _, first, 1))) => format!(" behind {}", holder_text(first)),
+        (1, Some((agent, _, _, n))) => format!(" behind {agent} ({n} processes)"),
+        (1, None) => " behind an unknown holder".to_string(),
+        _ => format!(": {}", parts.join(", ")),
+    }
+}
+
+pub(crate) fn wait_text(w: &WaitFact) -> String {
+    let behind = behind_text(w);
+    let d = human_ns(w.wait_ns);
+    let mut s = match w.outcome {
+        WaitOutcome::Acquired => format!("{} waited {d}{behind}", w.agent),
+        WaitOutcome::TimedOut => format!("{} gave up after {d} waiting{behind}", w.agent),
+        WaitOutcome::Abandoned => format!("{} exited after waiting {d}{behind}", w.agent),
+        WaitOutcome::Open => format!("{} still waiting after {d}{behind}", w.agent),
+    };
+    s.push_str(&on_lock(&w.lock));
+    let _ = write!(s, " [pid {} {}{}", w.pid, w.comm, in_pod(&w.pod));
+    if w.mode == WaitMode::Poll {
+        let _ = write!(s, ", polled: {} failed tries", w.tries);
+    }
+    s.push(']');
+    s
+}
+
+pub(crate) fn timeout_text(t: &TimeoutFact) -> String {
+    let held = if t.holders.is_empty() {
+        "holder unknown".to_string()
+    } else {
+        format!(
+            "held by {}",
+            t.holders
+                .iter()
+                .map(|h| h.agent.as_str())
+                .collect::<Vec<_>>()
+                .join(", then ")
+        )
+    };
+    let how = if t.tries <= 1 && t.waited_ns < 1_000_000 {
+        // One LOCK_NB try: iptables without -w.
+        "found the lock taken and gave up".to_string()
+    } else {
+        format!(
+            "gave up waiting for the lock after {}",
+            human_ns(t.waited_ns)
+        )
+    };
+    format!(
+        "{}: {} (pid {}{}) {how} (exit {}){}, {held}",
+        t.agent,
+        t.comm,
+        t.pid,
+        in_pod(&t.pod),
+        t.exit_code,
+        on_lock(&t.lock)
+    )
+}
+
+pub(crate) fn exec_text(e: &ExecFact) -> String {
+    let what = if e.cmdline.is_empty() {
+        &e.filename
+    } else {
+        &e.cmdline
+    };
+    format!(
+        "exec {what} (pid {}) by {} (pid {})",
+        e.pid, e.agent, e.agent_pid
+    )
+}
+
+pub(crate) fn exit_text(e: &ExitFact) -> String {
+    let status = match e.code {
+        Some(c) => format!("status {c}"),
+        None => "killed by a signal".to_string(),
+    };
+    let after = match e.runtime_ns {
+        Some(r) => format!(" after {}", human_ns(r)),
+        None => String::new(),
+    };
+    format!(
+        "exit {} (pid {}) {status}{after}, run by {}",
+        e.comm, e.pid, e.agent
+    )
+}
+
+pub(crate) fn class_text(class: DropClass, reason: &str) -> String {
+    match class {
+        DropClass::Other => reason.to_string(),
+        c => c.describe().to_string(),
+    }
+}
+
+pub(crate) fn during(holds: &[crate::analysis::HoldRef]) -> String {
+    match holds.first() {
+        None => String::new(),
+        Some(h) => {
+            let more = if holds.len() > 1 {
+                format!(" (and {} more)", holds.len() - 1)
+            } else {
+                String::new()
+            };
+            format!(", while {} held {}{more}", h.agent, h.lock)
+        }
+    }
+}
+
+pub(crate) fn drop_count_text(d: &DropCountFact) -> String {
+    let what = match d.class {
+        DropClass::Other => format!("{} at {}", d.reason, d.location),
+        c => format!("{} ({} at {})", c.describe(), d.reason, d.location),
+    };
+    let mut s = format!(
+        "{} packet{} dropped in {}: {what}, netns {}",
+        thousands(d.count),
+        if d.count == 1 { "" } else { "s" },
+        human_ns(d.interval_ns),
+        d.netns
+    );
+    if let Some(p) = &d.example {
+        let _ = write!(s, ", e.g. {}", packet_text(p));
+    }
+    s.push_str(&during(&d.holds));
+    s
+}
+
+pub(crate) fn drop_text(d: &DropFact) -> String {
+    let mut s = format!(
+        "drop {} at {} ({}), netns {}",
+        d.reason,
+        d.location,
+        class_text(d.class, &d.reason),
+        d.netns
+    );
+    if let Some(p) = &d.packet {
+        let _ = write!(s, ": {}", packet_text(p));
+    }
+    if let Some(h) = &d.hold {
+        let _ = write!(s, ", while {} held {}", h.agent, h.lock);
+    }
+    s
+}
+
+pub(crate) fn conntrack_refused_text(c: &ConntrackRefusedFact) -> String {
+    let mut s = format!(
+        "{} in {}, netns {}",
+        c.class.describe(),
+        c.function,
+        c.netns
+    );
+    if let Some(p) = &c.packet {
+        let _ = write!(s, ": {}", packet_text(p));
+    }
+    if !c.comm.is_empty() {
+        let _ = write!(s, " (running: {}[{}])", c.comm, c.pid);
+    }
+    if let Some(h) = &c.hold {
+        let _ = write!(s, ", while {} held {}", h.agent, h.lock);
+    }
+    s
+}
+
+pub(crate) fn conntrack_text(c: &ConntrackFact) -> String {
+    let d = &c.deltas;
+    let mut parts = Vec::new();
+    for (n, what) in [
+        (d.drop, "dropped (table full)"),
+        (d.insert_failed, "insert failed (race)"),
+        (d.early_drop, "early drops"),
+        (d.invalid, "invalid"),
+        (d.search_restart, "search restarts"),
+        (d.clash_resolve, "clashes resolved"),
+        (d.chaintoolong, "chains too long"),
+    ] {
+        if n > 0 {
+            parts.push(format!("{} {what}", thousands(n)));
+        }
+    }
+    let mut s = match &c.warning {
+        Some(w) => format!("!! {w} in netns {}", c.netns),
+        None => format!("conntrack in netns {}", c.netns),
+    };
+    if !parts.is_empty() {
+        let _ = write!(s, ": {} in {}", parts.join(", "), human_ns(c.interval_ns));
+    }
+    if c.max > 0 && c.warning.is_none() {
+        let _ = write!(
+            s,
+            "; table {}% full ({} of {})",
+            c.fill_pct, c.entries, c.max
+        );
+    }
+    s.push_str(&during(&c.holds));
+    s
+}
+
+pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
+    // What the drops were, from the samples inside the hold: one kind is named, several are
+    // counted as sampled.
+    let classes: Vec<String> = h
+        .by_class
+        .iter()
+        .map(|(c, n)| {
+            let what = if *c == DropClass::Other {
+                let reasons: Vec<&str> = h
+                    .by_reason
+                    .keys()
+                    .filter(|r| *r != "NETFILTER_DROP")
+                    .map(String::as_str)
+                    .collect();
+                format!("other: {}", reasons.join(", "))
+            } else {
+                c.describe().to_string()
+            };
+            if h.by_class.len() == 1 {
+                what
+            } else {
+                format!("{} {what}", thousands(*n))
+            }
+        })
+        .collect();
+    let kinds = match classes.len() {
+        0 => String::new(),
+        1 => format!(" ({})", classes[0]),
+        _ => format!(" (sampled: {})", classes.join(", ")),
+    };
+    format!(
+        "!! {} packet{} dropped{kinds} during {}'s {} hold of {} (pid {})",
+        thousands(h.dropped),
+        if h.dropped == 1 { "" } else { "s" },
+        h.agent,
+        human_ns(h.hold_ns),
+        h.lock,
+        h.pid
+    )
+}
+
+/// One IPVS fact, e.g. "ipvs udp 10.96.0.10:53: endpoint 10.0.1.5:53 removed at T by
+/// ipvsadm[812]; 37 packets from 10.0.0.9:40000 still sent there (dropped by the kernel)
+/// until T+4.20 s; entry expired at T+9.31 s".
+pub(crate) fn ipvs_text(f: &IpvsFact) -> String {
+    let head = format!("ipvs {} {}", f.protocol, f.service);
+    let who = |pid: Option<u32>, comm: &Option<String>| match (pid, comm) {
+        (Some(p), Some(c)) => format!("{c}[{p}]"),
+        _ => "?".into(),
+    };
+    let failed = match f.ret {
+        Some(r) if r != 0 => format!(" (failed: errno {})", -r),
+        _ => String::new(),
+    };
+    let client = f.client.as_deref().unwrap_or("?");
+    match f.event {
+        "scheduled" => format!(
+            "{head}: {client} scheduled to {} (weight {})",
+            f.backend, f.weight
+        ),
+        "dest_added" => format!(
+            "{head}: endpoint {} added (weight {}) by {}{failed}",
+            f.backend,
+            f.weight,
+            who(f.pid, &f.comm)
+        ),
+        "dest_removed" => format!(
+            "{head}: endpoint {} removed by {}{failed}",
+            f.backend,
+            who(f.pid, &f.comm)
+        ),
+        "dest_edited" => format!(
+            "{head}: endpoint {} weight set to {} by {}{failed}",
+            f.backend,
+            f.weight,
+            who(f.pid, &f.comm)
+        ),
+        "service_added" | "service_edited" | "service_removed" => format!(
+            "{head}: virtual service {} by {}{failed}",
+            &f.event[8..],
+            who(f.pid, &f.comm)
+        ),
+        "stale" => {
+            let what = match f.backend_state {
+                Some("removed") => "removed",
+                _ => "set to weight 0",
+            };
+            let mut s = format!(
+                "!! {head}: packets from {client} still go to endpoint {} ({what}{}), {}",
+                f.backend,
+                f.change
+                    .as_ref()
+                    .map(|c| format!(
+                        " {} ago by {}[{}]",
+                        human_ns(f.ts_ns.saturating_sub(c.ts_ns)),
+                        c.comm,
+                        c.pid
+                    ))
+                    .unwrap_or_default(),
+                action_text(f.action)
+            );
+            if let Some(left) = f.entry_left_ns {
+                let _ = write!(s, "; connection entry expires in {}", human_ns(left));
+            }
+            s
+        }
+        _ => {
+            // stale_end: told from the change (T) when it was seen.
+            let t0 = f.change.as_ref().map_or(f.ts_ns, |c| c.ts_ns);
+            let what = match f.backend_state {
+                Some("removed") => "removed",
+                _ => "set to weight 0",
+            };
+            let mut s = match &f.change {
+                Some(c) => format!(
+                    "{head}: endpoint {} {what} at T by {}[{}]; ",
+                    f.backend, c.comm, c.pid
+                ),
+                None => format!("{head}: endpoint {} {what}; ", f.backend),
+            };
+            let packets = f.packets.unwrap_or(0);
+            let _ = write!(
+                s,
+                "{} packet{} from {client} still sent there ({}) until T+{}",
+                thousands(packets),
+                if packets == 1 { "" } else { "s" },
+                action_text(f.action),
+                human_ns(f.last_packet_ns.unwrap_or(t0).saturating_sub(t0))
+            );
+            match f.expired_ns {
+                Some(x) => {
+                    let _ = write!(s, "; entry expired at T+{}", human_ns(x.saturating_sub(t0)));
+                }
+                None => s.push_str("; entry still there when tracing stopped"),
+            }
+            s
+        }
+    }
+}
+
+pub(crate) fn action_text(a: Option<crate::decode::StaleAction>) -> &'static str {
+    use crate::decode::StaleAction;
+    match a {
+        Some(StaleAction::Forwarded) => "forwarded by the kernel",
+        Some(StaleAction::Dropped) => "dropped by the kernel",
+        Some(StaleAction::Expired) => "entry expired by the kernel, packet rescheduled",
+        _ => "?",
+    }
+}

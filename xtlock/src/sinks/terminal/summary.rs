@@ -1,0 +1,243 @@
+//! The summary: tables of holds, waits, contention, drops and IPVS, every 10 s and at exit.
+
+use std::io::{self, Write};
+
+use super::human_ns;
+use super::lines::hold_drops_text;
+use crate::analysis::Summary;
+use crate::capture::thousands;
+
+pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io::Result<()> {
+    writeln!(w)?;
+    writeln!(
+        w,
+        "== {} ({} traced, {} events) ==",
+        if final_ { "summary" } else { "summary so far" },
+        human_ns(s.duration_ns),
+        s.events
+    )?;
+    for l in &s.locks {
+        // A lock file has a device and inode; the nf_tables commit lock has neither.
+        let file = if l.dev == 0 && l.ino == 0 {
+            String::new()
+        } else {
+            format!(" (dev {}:{} ino {})", l.dev >> 20, l.dev & 0xf_ffff, l.ino)
+        };
+        writeln!(
+            w,
+            "lock {}{file}: {} holds, {} held in all, longest {}; {} waits",
+            l.path,
+            l.holds,
+            human_ns(l.held_ns),
+            human_ns(l.max_hold_ns),
+            l.waits
+        )?;
+    }
+    for (title, table) in [("holds by agent", &s.holds), ("waits by agent", &s.waits)] {
+        if table.is_empty() {
+            continue;
+        }
+        writeln!(w, "\n{title}:")?;
+        let width = table
+            .keys()
+            .map(|k| k.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(5);
+        writeln!(
+            w,
+            "  {:<width$} {:>7} {:>9} {:>9} {:>9} {:>9}",
+            "agent", "count", "p50", "p99", "max", "total"
+        )?;
+        for (agent, d) in table {
+            writeln!(
+                w,
+                "  {:<width$} {:>7} {:>9} {:>9} {:>9} {:>9}",
+                agent,
+                d.count,
+                human_ns(d.p50_ns),
+                human_ns(d.p99_ns),
+                human_ns(d.max_ns),
+                human_ns(d.total_ns)
+            )?;
+        }
+    }
+    if !s.contention.is_empty() {
+        writeln!(w, "\nwho waited behind whom:")?;
+        let pairs: Vec<String> = s
+            .contention
+            .iter()
+            .map(|c| format!("{} <- {}", c.waiter, c.holder))
+            .collect();
+        let width = pairs
+            .iter()
+            .map(|p| p.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(15);
+        writeln!(
+            w,
+            "  {:<width$} {:>7} {:>9} {:>9}",
+            "waiter <- holder", "waits", "total", "max"
+        )?;
+        for (c, pair) in s.contention.iter().zip(&pairs) {
+            writeln!(
+                w,
+                "  {:<width$} {:>7} {:>9} {:>9}",
+                pair,
+                c.count,
+                human_ns(c.total_wait_ns),
+                human_ns(c.max_wait_ns)
+            )?;
+        }
+    }
+    for (title, m) in [
+        ("failed tries", &s.failed_tries),
+        ("lock timeouts (exit 4)", &s.timeouts),
+        ("exit 4 without lock trouble", &s.exit4_without_lock),
+        ("iptables execs", &s.execs),
+    ] {
+        if m.is_empty() {
+            continue;
+        }
+        let list: Vec<String> = m.iter().map(|(a, n)| format!("{a} {n}")).collect();
+        writeln!(w, "{title}: {}", list.join(", "))?;
+    }
+    if s.holds.is_empty() && s.waits.is_empty() {
+        writeln!(w, "no lock activity seen")?;
+    }
+    if s.lost_events > 0 {
+        writeln!(
+            w,
+            "!! {} events lost: the ring buffer was full; counts are lower bounds",
+            s.lost_events
+        )?;
+    }
+    write_drops(w, s)?;
+    write_ipvs(w, s)
+}
+
+fn write_ipvs(w: &mut impl Write, s: &Summary) -> io::Result<()> {
+    if s.ipvs.is_empty() {
+        return Ok(());
+    }
+    writeln!(
+        w,
+        "
+ipvs backends:"
+    )?;
+    writeln!(
+        w,
+        "  {:<5} {:<22} {:<22} {:>11} {:>11} {:>11}",
+        "proto", "service", "backend", "connections", "packets", "stale"
+    )?;
+    for r in &s.ipvs {
+        writeln!(
+            w,
+            "  {:<5} {:<22} {:<22} {:>11} {:>11} {:>11}",
+            r.protocol,
+            r.service,
+            r.backend,
+            thousands(r.counts.connections),
+            thousands(r.counts.packets),
+            thousands(r.counts.stale_packets)
+        )?;
+    }
+    Ok(())
+}
+
+fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {
+    let d = &s.drops;
+    let ct = &d.conntrack;
+    if d.total == 0 && ct.is_zero() && d.conntrack_max_fill_pct == 0 {
+        return Ok(());
+    }
+    writeln!(w, "\npacket drops: {} in all", thousands(d.total))?;
+    let netns = |n: u32| {
+        if n != 0 && n == s.host_netns {
+            "host".to_string()
+        } else {
+            n.to_string()
+        }
+    };
+    let list = |m: Vec<(String, u64)>| -> String {
+        let mut m = m;
+        m.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        m.iter()
+            .take(8)
+            .map(|(k, n)| format!("{k} {}", thousands(*n)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (title, items) in [
+        (
+            "by cause",
+            d.by_class
+                .iter()
+                .map(|(c, n)| (c.describe().to_string(), *n))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "by reason",
+            d.by_reason.iter().map(|(k, n)| (k.clone(), *n)).collect(),
+        ),
+        (
+            "by location",
+            d.by_location.iter().map(|(k, n)| (k.clone(), *n)).collect(),
+        ),
+        (
+            "by netns",
+            d.by_netns.iter().map(|(k, n)| (netns(*k), *n)).collect(),
+        ),
+    ] {
+        if !items.is_empty() {
+            writeln!(w, "  {title}: {}", list(items))?;
+        }
+    }
+    writeln!(
+        w,
+        "  {} during lock holds; {} sampled",
+        thousands(d.during_holds),
+        thousands(d.samples)
+    )?;
+    for h in &d.worst_holds {
+        writeln!(w, "  {}", hold_drops_text(h).trim_start_matches("!! "))?;
+    }
+    if d.overflow > 0 {
+        writeln!(
+            w,
+            "  !! {} drops counted without reason or place (the kernel's key map was full)",
+            thousands(d.overflow)
+        )?;
+    }
+    if !ct.is_zero() || d.conntrack_max_fill_pct > 0 {
+        writeln!(
+            w,
+            "conntrack: {} dropped (table full), {} insert failed, {} early drops, {} invalid; \
+             fullest table {}%{}",
+            thousands(ct.drop),
+            thousands(ct.insert_failed),
+            thousands(ct.early_drop),
+            thousands(ct.invalid),
+            d.conntrack_max_fill_pct,
+            if d.conntrack_warnings > 0 {
+                format!(" ({} warnings)", d.conntrack_warnings)
+            } else {
+                String::new()
+            }
+        )?;
+    }
+    if !d.conntrack_refused.is_empty() {
+        let parts: Vec<String> = d
+            .conntrack_refused
+            .iter()
+            .map(|(c, n)| format!("{} {}", thousands(*n), c.describe()))
+            .collect();
+        writeln!(
+            w,
+            "conntrack refused (seen in its own functions): {}",
+            parts.join(", ")
+        )?;
+    }
+    Ok(())
+}
