@@ -174,9 +174,10 @@ pub struct LockArgs {
     pub no_attach: Vec<crate::probes::kfunc::AttachFilter>,
     /// Where the node's root filesystem is: processes in pods are named by namespace, pod
     /// and container from the kubelet's log directories under it (var/log/containers,
-    /// var/log/pods).
-    #[arg(long = "host-root", value_name = "DIR", default_value = "/")]
-    pub host_root: PathBuf,
+    /// var/log/pods). Default: `/`, or the host's root seen through `/proc/1/root` (or
+    /// `/host`) from a container that shares the host's PID namespace.
+    #[arg(long = "host-root", value_name = "DIR")]
+    pub host_root: Option<PathBuf>,
 }
 
 impl LockArgs {

@@ -59,8 +59,49 @@ pub fn kernel_dev(st_dev: u64) -> u32 {
     (major << 20) | (minor & 0xfffff)
 }
 
-/// The lock paths the user asked for, in order, without duplicates.
-pub fn requested_paths(cli: &[PathBuf], env_lockfile: Option<&str>) -> Vec<PathBuf> {
+/// The host's root filesystem as this process reaches it, when it is not `/`: a container
+/// that shares the host's PID namespace (`kubectl debug node`, a DaemonSet with `hostPID`)
+/// sees the host's files under `/proc/1/root` (PID 1 is then the host's init, in another
+/// mount namespace), or under `/host` when that is the same directory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostRoot {
+    pub path: PathBuf,
+    /// Why, for the first line of output.
+    pub why: &'static str,
+}
+
+/// Where the host's root is ([`HostRoot`]); `None` when it is `/` or cannot be reached.
+pub fn host_root() -> Option<HostRoot> {
+    host_root_in(Path::new("/proc"), Path::new("/host"))
+}
+
+fn host_root_in(proc: &Path, host: &Path) -> Option<HostRoot> {
+    let ns = |pid: &str, kind: &str| fs::read_link(proc.join(pid).join("ns").join(kind)).ok();
+    let (my_mnt, init_mnt) = (ns("self", "mnt")?, ns("1", "mnt")?);
+    let (my_pid, init_pid) = (ns("self", "pid")?, ns("1", "pid")?);
+    // Same mount namespace as PID 1: `/` is its root already. Another PID namespace: PID 1
+    // is a container's own init, not the host's.
+    if my_mnt == init_mnt || my_pid != init_pid {
+        return None;
+    }
+    let root = proc.join("1").join("root");
+    let root_meta = fs::metadata(&root).ok()?;
+    let same =
+        fs::metadata(host).is_ok_and(|h| h.dev() == root_meta.dev() && h.ino() == root_meta.ino());
+    Some(HostRoot {
+        path: if same { host.to_owned() } else { root },
+        why: "this process runs in a container that shares the host's PID namespace: the \
+              host's files are under its init's root",
+    })
+}
+
+/// The lock paths the user asked for, in order, without duplicates. `host`: where the
+/// host's root is, when not `/` (the default lock file is then the host's).
+pub fn requested_paths(
+    cli: &[PathBuf],
+    env_lockfile: Option<&str>,
+    host: Option<&Path>,
+) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = Vec::new();
     let from_env = env_lockfile.filter(|s| !s.is_empty()).map(PathBuf::from);
     let chosen: Vec<PathBuf> = if !cli.is_empty() {
@@ -68,7 +109,7 @@ pub fn requested_paths(cli: &[PathBuf], env_lockfile: Option<&str>) -> Vec<PathB
     } else if let Some(p) = from_env {
         vec![p]
     } else {
-        vec![PathBuf::from(DEFAULT_LOCK_FILE)]
+        vec![default_lock_file(host)]
     };
     for p in chosen {
         if !out.contains(&p) {
@@ -127,8 +168,17 @@ pub fn resolve(path: &Path, create_default: bool) -> Result<LockFile, LockFileEr
     })
 }
 
-/// Resolves every requested path; only iptables' default path is created when missing.
-pub fn resolve_all(paths: &[PathBuf]) -> Result<Vec<LockFile>, LockFileError> {
+/// iptables' default lock file, under the host's root when given.
+pub fn default_lock_file(host: Option<&Path>) -> PathBuf {
+    match host {
+        Some(h) => h.join(DEFAULT_LOCK_FILE.trim_start_matches('/')),
+        None => PathBuf::from(DEFAULT_LOCK_FILE),
+    }
+}
+
+/// Resolves every requested path; only iptables' default lock file (`default`) is created
+/// when missing.
+pub fn resolve_all(paths: &[PathBuf], default: &Path) -> Result<Vec<LockFile>, LockFileError> {
     let max = xtlock_common::MAX_WATCHED_LOCKS;
     if paths.len() > max as usize {
         return Err(LockFileError::TooMany {
@@ -136,10 +186,7 @@ pub fn resolve_all(paths: &[PathBuf]) -> Result<Vec<LockFile>, LockFileError> {
             got: paths.len(),
         });
     }
-    paths
-        .iter()
-        .map(|p| resolve(p, p == Path::new(DEFAULT_LOCK_FILE)))
-        .collect()
+    paths.iter().map(|p| resolve(p, p == default)).collect()
 }
 
 /// A lock file to watch. `dev` is in the kernel's encoding (`major << 20 | minor`).
@@ -172,21 +219,69 @@ mod tests {
             PathBuf::from("/a"),
         ];
         assert_eq!(
-            requested_paths(&cli, Some("/env")),
+            requested_paths(&cli, Some("/env"), None),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
         assert_eq!(
-            requested_paths(&[], Some("/env")),
+            requested_paths(&[], Some("/env"), None),
             vec![PathBuf::from("/env")]
         );
         assert_eq!(
-            requested_paths(&[], Some("")),
+            requested_paths(&[], Some(""), None),
             vec![PathBuf::from(DEFAULT_LOCK_FILE)]
         );
         assert_eq!(
-            requested_paths(&[], None),
+            requested_paths(&[], None, None),
             vec![PathBuf::from(DEFAULT_LOCK_FILE)]
         );
+    }
+
+    /// A /proc as a container with the host's PID namespace sees it, and as the host does.
+    #[test]
+    fn host_root_through_init() {
+        let dir = std::env::temp_dir().join(format!("xtlock-hostroot-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let proc = dir.join("proc");
+        let link = |pid: &str, kind: &str, to: &str| {
+            let d = proc.join(pid).join("ns");
+            fs::create_dir_all(&d).unwrap();
+            std::os::unix::fs::symlink(to, d.join(kind)).unwrap();
+        };
+        link("self", "mnt", "mnt:[4026532500]");
+        link("self", "pid", "pid:[4026531836]");
+        link("1", "mnt", "mnt:[4026531841]");
+        link("1", "pid", "pid:[4026531836]");
+        fs::create_dir_all(proc.join("1").join("root").join("run")).unwrap();
+        let host = dir.join("host");
+        let h = host_root_in(&proc, &host).unwrap();
+        assert_eq!(h.path, proc.join("1").join("root"));
+        assert_eq!(
+            default_lock_file(Some(&h.path)),
+            proc.join("1/root/run/xtables.lock")
+        );
+        // `/host` bind-mounted from the same root: the friendlier path.
+        std::os::unix::fs::symlink(proc.join("1").join("root"), &host).unwrap();
+        assert_eq!(host_root_in(&proc, &host).unwrap().path, host);
+        assert_eq!(
+            requested_paths(&[], None, Some(&host)),
+            vec![host.join("run/xtables.lock")]
+        );
+        // --lock-file and $XTABLES_LOCKFILE still win.
+        assert_eq!(
+            requested_paths(&[PathBuf::from("/x")], None, Some(&host)),
+            vec![PathBuf::from("/x")]
+        );
+        // Its own PID namespace: PID 1 is the container's init, not the host's.
+        fs::remove_file(proc.join("self/ns/pid")).unwrap();
+        std::os::unix::fs::symlink("pid:[4026532600]", proc.join("self/ns/pid")).unwrap();
+        assert_eq!(host_root_in(&proc, &host), None);
+        // On the host: the same mount namespace as init.
+        fs::remove_file(proc.join("self/ns/pid")).unwrap();
+        std::os::unix::fs::symlink("pid:[4026531836]", proc.join("self/ns/pid")).unwrap();
+        fs::remove_file(proc.join("self/ns/mnt")).unwrap();
+        std::os::unix::fs::symlink("mnt:[4026531841]", proc.join("self/ns/mnt")).unwrap();
+        assert_eq!(host_root_in(&proc, &host), None);
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

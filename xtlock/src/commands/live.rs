@@ -92,7 +92,7 @@ pub fn begin(
     lock_args: &LockArgs,
 ) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
     let keys: Vec<(u32, u64)> = locks.iter().map(|l| (l.dev, l.ino)).collect();
-    src.name_pods(&lock_args.host_root);
+    src.name_pods(&super::host_root(lock_args));
     let mut start = src.seed(&keys);
     let mut drop_setup = Vec::new();
     if !drops.no_drops {

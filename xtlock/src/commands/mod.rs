@@ -13,13 +13,37 @@ use crate::{
     probes::Probes,
 };
 
-/// The lock files named on the command line, by `$XTABLES_LOCKFILE`, or iptables' default.
+/// The lock files named on the command line, by `$XTABLES_LOCKFILE`, or iptables' default:
+/// the host's, also from a container that shares the host's PID namespace.
 pub fn resolve_locks(args: &LockArgs) -> anyhow::Result<Vec<LockFile>> {
+    let host = lockfiles::host_root();
+    let host_path = host.as_ref().map(|h| h.path.as_path());
     let paths = lockfiles::requested_paths(
         &args.lock_files,
         std::env::var("XTABLES_LOCKFILE").ok().as_deref(),
+        host_path,
     );
-    Ok(lockfiles::resolve_all(&paths)?)
+    let default = lockfiles::default_lock_file(host_path);
+    let locks = lockfiles::resolve_all(&paths, &default)?;
+    if let (Some(h), Some(l)) = (&host, locks.iter().find(|l| l.path == default)) {
+        tracing::info!(
+            "watching {} (inode {}), the host's {}: {}",
+            l.path.display(),
+            l.ino,
+            lockfiles::DEFAULT_LOCK_FILE,
+            h.why
+        );
+    }
+    Ok(locks)
+}
+
+/// Where the node's root filesystem is: `--host-root`, else the host's root as a container
+/// with the host's PID namespace sees it, else `/`.
+pub fn host_root(args: &LockArgs) -> std::path::PathBuf {
+    args.host_root
+        .clone()
+        .or_else(|| lockfiles::host_root().map(|h| h.path))
+        .unwrap_or_else(|| "/".into())
 }
 
 /// A lock file deleted and recreated is a new inode: start watching it too, so iptables
