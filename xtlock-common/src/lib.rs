@@ -214,7 +214,23 @@ pub struct TableReplaceEvent {
     pub optname: u32,
     pub optlen: u32,
     pub _pad: u32,
+    // Appended: records of older versions end here (`TABLE_REPLACE_V1_LEN` bytes).
+    /// The head of the caller's argument, read at entry: the table name, and for a replace
+    /// its entry count and size in bytes (`ipt_replace`, `ip6t_replace`, `arpt_replace` and
+    /// `ebt_replace` start alike); for `*_SO_SET_ADD_COUNTERS`, the counter count in
+    /// `num_entries`. All zero with `head_ok == 0` when the read failed (bad pointer,
+    /// paged-out memory) or the option has no such head.
+    pub table: [u8; XT_TABLE_MAXNAMELEN],
+    pub num_entries: u32,
+    pub size: u32,
+    pub head_ok: u32,
+    pub _pad2: u32,
 }
+
+/// Length of a [`TableReplaceEvent`] as versions before the table head wrote it.
+pub const TABLE_REPLACE_V1_LEN: usize = 56;
+/// `XT_TABLE_MAXNAMELEN` (and `EBT_TABLE_MAXNAMELEN`).
+pub const XT_TABLE_MAXNAMELEN: usize = 32;
 
 /// One nf_tables commit (a netlink batch), seen at its return. `hdr` is the sending task.
 #[repr(C)]
@@ -588,7 +604,10 @@ pub struct ProbeConfig {
     pub rfl_owner: u32,
     pub rfl_flags: u32,
     pub rfl_type: u32,
-    pub _pad3: [u32; 2],
+    /// `syscalls:sys_enter_setsockopt`'s `optval` (here to keep the layout free of
+    /// implicit padding).
+    pub sso_optval: u32,
+    pub _pad3: u32,
 }
 
 #[cfg(feature = "user")]
@@ -648,12 +667,18 @@ mod tests {
         assert_eq!(size_of::<ExecEvent>(), 24 + 128 + 512 + 8 + 16);
         assert_eq!(size_of::<ForkEvent>(), 48);
         assert_eq!(size_of::<ExitEvent>(), 48);
-        assert_eq!(size_of::<TableReplaceEvent>(), 56);
+        // Grown only at its end (the table head): a reader of either version reads the
+        // other's records (`TABLE_REPLACE_V1_LEN`).
+        assert_eq!(size_of::<TableReplaceEvent>(), 104);
+        assert_eq!(
+            core::mem::offset_of!(TableReplaceEvent, table),
+            TABLE_REPLACE_V1_LEN
+        );
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        // 48 u32, 2 of explicit padding and one u64: no implicit padding (the whole struct is copied into the
-        // programs as bytes).
+        // 49 u32, 1 of explicit padding and one u64: no implicit padding (the whole struct is
+        // copied into the programs as bytes).
         assert_eq!(size_of::<ProbeConfig>(), 50 * 4 + 8);
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);

@@ -63,7 +63,8 @@ static CONFIG: ProbeConfig = ProbeConfig {
     rfl_owner: 0,
     rfl_flags: 0,
     rfl_type: 0,
-    _pad3: [0; 2],
+    sso_optval: 0,
+    _pad3: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.

@@ -318,6 +318,15 @@ impl<W: io::Write> Gen<W> {
             optname: c::XT_SO_SET_REPLACE,
             optlen,
             _pad: 0,
+            table: {
+                let mut t = [0u8; c::XT_TABLE_MAXNAMELEN];
+                t[..3].copy_from_slice(b"nat");
+                t
+            },
+            num_entries: optlen / 150,
+            size: optlen,
+            head_ok: 1,
+            _pad2: 0,
         })
     }
 

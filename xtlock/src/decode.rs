@@ -165,17 +165,34 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
             })
         }
         K::TableReplace => {
-            need(kind, b, sizes::TABLE_REPLACE)?;
-            let e: common::TableReplaceEvent = read(b);
+            // Records of older versions end before the table head.
+            need(kind, b, common::TABLE_REPLACE_V1_LEN)?;
+            use std::mem::offset_of;
+            type E = common::TableReplaceEvent;
+            let head_recorded = b.len() >= sizes::TABLE_REPLACE;
+            let head = if head_recorded {
+                let e: E = read(b);
+                (e.head_ok != 0).then(|| {
+                    Box::new(TableHead {
+                        name: e.table,
+                        entries: e.num_entries,
+                        bytes: e.size,
+                    })
+                })
+            } else {
+                None
+            };
             Event::TableReplace(TableReplaceEvent {
                 ts_ns: hdr.ts_ns,
-                enter_ns: e.enter_ns,
+                enter_ns: read(&b[offset_of!(E, enter_ns)..]),
                 tgid: hdr.tgid,
                 tid: hdr.tid,
-                level: e.level,
-                optname: e.optname,
-                optlen: e.optlen,
-                ret: e.ret,
+                level: read(&b[offset_of!(E, level)..]),
+                optname: read(&b[offset_of!(E, optname)..]),
+                optlen: read(&b[offset_of!(E, optlen)..]),
+                ret: read(&b[offset_of!(E, ret)..]),
+                head,
+                head_recorded,
             })
         }
         K::NftCommit => {

@@ -276,7 +276,7 @@ pub struct ExitEvent {
     pub exit_code: Option<i32>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TableReplaceEvent {
     pub ts_ns: u64,
     pub enter_ns: u64,
@@ -286,6 +286,28 @@ pub struct TableReplaceEvent {
     pub optname: u32,
     pub optlen: u32,
     pub ret: i64,
+    /// The head of the caller's argument; `None` when it could not be read, or in captures
+    /// from before it was recorded. Boxed: rare, it would make every `Event` bigger.
+    pub head: Option<Box<TableHead>>,
+    /// Whether the record had room for a head: false in captures from before it existed.
+    pub head_recorded: bool,
+}
+
+/// Which table a replace (or counter update) was for, and how big the new table was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableHead {
+    /// NUL-padded, as in the kernel's struct.
+    pub name: [u8; xtlock_common::XT_TABLE_MAXNAMELEN],
+    /// Entries of the new table (counters, for a counter update).
+    pub entries: u32,
+    /// Bytes of the new table's entries (0 for a counter update).
+    pub bytes: u32,
+}
+
+impl TableHead {
+    pub fn name(&self) -> String {
+        string(&self.name)
+    }
 }
 
 /// One `xt_replace_table` call: a legacy table swapped in, every CPU waited out of the old.

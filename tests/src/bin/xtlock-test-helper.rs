@@ -101,6 +101,31 @@ fn run() -> anyhow::Result<u8> {
             say(format!("closed {closed}"));
             Ok(0)
         }
+        // Holds the lock and hands the kernel a table replace whose argument points at
+        // unmapped memory (in a new network namespace): it fails with EFAULT.
+        ["badreplace", lock] => {
+            let f = open(lock)?;
+            flock(&f, libc::LOCK_EX)?;
+            say(format!("acquired {}", now()));
+            // SAFETY: plain syscalls; the bad pointer is only handed to the kernel, which
+            // checks it.
+            let ret = unsafe {
+                if libc::unshare(libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error().into());
+                }
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error().into());
+                }
+                // IPT_SO_SET_REPLACE
+                libc::setsockopt(fd, libc::SOL_IP, 64, 8 as *const libc::c_void, 4096)
+            };
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            say(format!("setsockopt {ret} {errno}"));
+            drop(f);
+            say(format!("released {}", now()));
+            Ok(0)
+        }
         ["poll", lock, interval, hold] => {
             let f = open(lock)?;
             let mut tries = 0u32;

@@ -1,12 +1,13 @@
 //! Legacy xtables table swaps: `setsockopt(IPT_SO_SET_REPLACE / IPT_SO_SET_ADD_COUNTERS)`
 //! and their ip6t, arpt and ebt twins. Their duration is the kernel's part of a hold.
 use aya_ebpf::{
+    helpers::bpf_probe_read_user,
     macros::{fentry, fexit, kprobe, kretprobe, tracepoint},
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext, TracePointContext},
 };
 use xtlock_common::{
     EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IP, SOL_IPV6,
-    XT_SO_SET_ADD_COUNTERS, XT_SO_SET_REPLACE,
+    XT_SO_SET_ADD_COUNTERS, XT_SO_SET_REPLACE, XT_TABLE_MAXNAMELEN,
 };
 
 use crate::{
@@ -21,7 +22,20 @@ pub struct SockoptEnter {
     pub level: u32,
     pub optname: u32,
     pub optlen: u32,
-    pub _pad: u32,
+    pub head_ok: u32,
+    pub head: ReplaceHead,
+}
+
+/// The common head of `ipt_replace`, `ip6t_replace`, `arpt_replace` and `ebt_replace`
+/// (`nentries`, `entries_size` in ebtables'); `xt_counters_info` has `num_counters` where
+/// `valid_hooks` is.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct ReplaceHead {
+    pub name: [u8; XT_TABLE_MAXNAMELEN],
+    pub valid_hooks: u32,
+    pub num_entries: u32,
+    pub size: u32,
 }
 
 #[inline(always)]
@@ -35,9 +49,12 @@ fn is_xtables(level: u32, optname: u32) -> bool {
 pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
-    enter(level, optname, || {
-        field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0)
-    });
+    enter(
+        level,
+        optname,
+        || field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0),
+        || field(&ctx, cfg(|c| &c.sso_optval)).unwrap_or(0),
+    );
     0
 }
 
@@ -53,7 +70,12 @@ pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
 fn enter_regs(regs: u64) {
     let level = syscall_arg(regs, 1).unwrap_or(u64::MAX);
     let optname = syscall_arg(regs, 2).unwrap_or(u64::MAX);
-    enter(level, optname, || syscall_arg(regs, 4).unwrap_or(0));
+    enter(
+        level,
+        optname,
+        || syscall_arg(regs, 4).unwrap_or(0),
+        || syscall_arg(regs, 3).unwrap_or(0),
+    );
 }
 
 #[fentry(function = "__x64_sys_setsockopt")]
@@ -81,18 +103,34 @@ pub fn setsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
 }
 
 #[inline(always)]
-fn enter(level: u64, optname: u64, optlen: impl Fn() -> u64) {
+fn enter(level: u64, optname: u64, optlen: impl Fn() -> u64, optval: impl Fn() -> u64) {
     if !is_xtables(level as u32, optname as u32) {
         return;
     }
+    let enter_ns = now();
     let optlen = optlen();
+    // The head of what the caller hands the kernel (its table, entries and size), from
+    // its memory at entry: the kernel copies the same bytes right after.
+    let ptr = optval();
+    // SAFETY: a user pointer read with the helper that checks it; a bad one fails.
+    let head = if ptr != 0 {
+        unsafe { bpf_probe_read_user(ptr as *const ReplaceHead) }.ok()
+    } else {
+        None
+    };
     let (_, tid) = ids();
     let enter = SockoptEnter {
-        enter_ns: now(),
+        enter_ns,
         level: level as u32,
         optname: optname as u32,
         optlen: optlen as u32,
-        _pad: 0,
+        head_ok: u32::from(head.is_some()),
+        head: head.unwrap_or(ReplaceHead {
+            name: [0; XT_TABLE_MAXNAMELEN],
+            valid_hooks: 0,
+            num_entries: 0,
+            size: 0,
+        }),
     };
     let _ = SOCKOPT_INFLIGHT.insert(&tid, &enter, 0);
 }
@@ -105,6 +143,7 @@ fn exit(ret: i64) {
         return;
     };
     let _ = SOCKOPT_INFLIGHT.remove(&tid);
+    let counters = enter.optname == XT_SO_SET_ADD_COUNTERS;
     let ev = TableReplaceEvent {
         hdr: header(EventKind::TableReplace, now()),
         enter_ns: enter.enter_ns,
@@ -113,6 +152,16 @@ fn exit(ret: i64) {
         optname: enter.optname,
         optlen: enter.optlen,
         _pad: 0,
+        table: enter.head.name,
+        // `xt_counters_info`: `num_counters` follows the name.
+        num_entries: if counters {
+            enter.head.valid_hooks
+        } else {
+            enter.head.num_entries
+        },
+        size: if counters { 0 } else { enter.head.size },
+        head_ok: enter.head_ok,
+        _pad2: 0,
     };
     output(&ev);
 }

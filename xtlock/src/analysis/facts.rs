@@ -219,6 +219,10 @@ pub struct HoldFact {
     /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
     #[serde(skip_serializing_if = "is_zero")]
     pub swap_ns: u64,
+    /// The tables it replaced (or updated the counters of), in order: the head of each
+    /// call's argument and its time in the kernel. At most [`MAX_TABLES_PER_HOLD`].
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tables: Vec<TableTouch>,
     /// Held already when tracing began (seen in /proc/locks): `start_ns` is when tracing
     /// began, so `hold_ns` is a lower bound.
     #[serde(skip_serializing_if = "is_false")]
@@ -238,6 +242,38 @@ pub struct HoldFact {
     pub open: bool,
     /// The end was inferred (release lost or late): `hold_ns` is approximate.
     pub incomplete: bool,
+}
+
+/// Tables listed per hold; `replaces` and `kernel_ns` count every one.
+pub const MAX_TABLES_PER_HOLD: usize = 16;
+
+/// One table a holder replaced, or updated the counters of, while it held the lock.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TableTouch {
+    /// `filter`, `nat`, `mangle`, `raw`, `security`, `broute`...; empty when the head of the
+    /// call's argument could not be read.
+    pub table: String,
+    /// `ip`, `ip6` or `eb`.
+    pub family: &'static str,
+    /// `replace` or `counters`.
+    pub op: &'static str,
+    /// Entries of the new table, as the kernel counts them (rules, one policy per built-in
+    /// chain, a head and a return per user chain, one end); counters, for `counters`.
+    /// `None` when the head could not be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entries: Option<u32>,
+    /// Bytes of the new table's entries (`replace` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u32>,
+    /// The call's time in the kernel.
+    pub kernel_ns: u64,
+    /// 0, or the negative errno the call failed with.
+    #[serde(skip_serializing_if = "is_zero_i64")]
+    pub ret: i64,
+}
+
+fn is_zero_i64(v: &i64) -> bool {
+    *v == 0
 }
 
 /// Someone waited for the lock.

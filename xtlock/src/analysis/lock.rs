@@ -42,8 +42,8 @@ use smallvec::SmallVec;
 
 use super::attribution::{is_locking_comm, Attribution, Attributor};
 use super::facts::{
-    FailedTryFact, HoldFact, HolderRef, LostFact, Output, TimeoutFact, WaitFact, WaitMode,
-    WaitOutcome,
+    FailedTryFact, HoldFact, HolderRef, LostFact, Output, TableTouch, TimeoutFact, WaitFact,
+    WaitMode, WaitOutcome, MAX_TABLES_PER_HOLD,
 };
 use super::procs::{FastMap, ProcTable};
 use crate::decode::{
@@ -126,6 +126,7 @@ struct OpenHold {
     users_overflow: bool,
     kernel_ns: u64,
     replaces: u32,
+    tables: Vec<TableTouch>,
     swap_ns: u64,
     incomplete: bool,
     /// Held when tracing began (from /proc/locks): start and owner unknown.
@@ -972,6 +973,7 @@ impl LockMachine {
                     users_overflow: false,
                     kernel_ns: 0,
                     replaces: 0,
+                    tables: Vec::new(),
                     swap_ns: 0,
                     incomplete: false,
                     before_start: false,
@@ -1163,6 +1165,7 @@ impl LockMachine {
                 users_overflow: false,
                 kernel_ns: 0,
                 replaces: 0,
+                tables: Vec::new(),
                 swap_ns: 0,
                 incomplete: false,
                 before_start: true,
@@ -1251,6 +1254,7 @@ impl LockMachine {
                             users_overflow: false,
                             kernel_ns: 0,
                             replaces: 0,
+                            tables: Vec::new(),
                             swap_ns: 0,
                             incomplete: true,
                             before_start: false,
@@ -1422,9 +1426,14 @@ impl LockMachine {
     }
 
     fn on_table_replace(&mut self, t: &TableReplaceEvent) {
+        let kernel_ns = t.ts_ns.saturating_sub(t.enter_ns);
         for h in self.holds_of_pid(t.tgid, t.ts_ns) {
-            h.kernel_ns += t.ts_ns.saturating_sub(t.enter_ns);
+            h.kernel_ns += kernel_ns;
             h.replaces += 1;
+            // Captures from before the head was recorded say nothing of the table.
+            if t.head_recorded && h.tables.len() < MAX_TABLES_PER_HOLD {
+                h.tables.push(table_touch(t, kernel_ns));
+            }
         }
     }
 
@@ -1704,6 +1713,7 @@ fn hold_fact(
         exclusive: h.exclusive,
         kernel_ns: h.kernel_ns,
         replaces: h.replaces,
+        tables: h.tables.clone(),
         swap_ns: h.swap_ns,
         before_start: h.before_start,
         agent_pid: who.agent_pid,
@@ -1713,6 +1723,28 @@ fn hold_fact(
         pod: who.pod.clone(),
         open,
         incomplete,
+    }
+}
+
+/// What a table replace (or counter update) says of its table.
+fn table_touch(t: &TableReplaceEvent, kernel_ns: u64) -> TableTouch {
+    use xtlock_common::{EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IPV6, XT_SO_SET_REPLACE};
+    let ebt = t.optname == EBT_SO_SET_ENTRIES || t.optname == EBT_SO_SET_COUNTERS;
+    let replace = t.optname == XT_SO_SET_REPLACE || t.optname == EBT_SO_SET_ENTRIES;
+    TableTouch {
+        table: t.head.as_ref().map(|h| h.name()).unwrap_or_default(),
+        family: if ebt {
+            "eb"
+        } else if t.level == SOL_IPV6 {
+            "ip6"
+        } else {
+            "ip"
+        },
+        op: if replace { "replace" } else { "counters" },
+        entries: t.head.as_ref().map(|h| h.entries),
+        bytes: t.head.as_ref().filter(|_| replace).map(|h| h.bytes),
+        kernel_ns,
+        ret: t.ret,
     }
 }
 
@@ -1743,6 +1775,7 @@ fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> Hol
         // The whole hold is the kernel's; no legacy table replace in it.
         kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
         replaces: 0,
+        tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
         agent_pid: who.agent_pid,

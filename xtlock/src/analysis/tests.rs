@@ -73,6 +73,8 @@ fn replace(ts: u64, enter: u64, pid: u32) -> Event {
         optname: 64,
         optlen: 1000,
         ret: 0,
+        head: None,
+        head_recorded: true,
     })
 }
 
@@ -264,6 +266,71 @@ fn several_holds_per_restore_exec() {
     assert_eq!((h[1].kernel_ns, h[1].replaces), (0, 0));
     assert!(h.iter().all(|h| h.agent == "kube-proxy"));
     assert_eq!(r.a.summary().holds["kube-proxy"].count, 3);
+}
+
+/// A replace with the head of its argument: the hold lists the table, its entries and
+/// size, and the time in the kernel; one whose head could not be read says so.
+#[test]
+fn holds_list_the_tables_they_replaced() {
+    let named = |ts: u64, enter: u64, table: &str, entries: u32, bytes: u32, optname: u32| {
+        let Event::TableReplace(mut t) = replace(ts, enter, 200) else {
+            unreachable!()
+        };
+        let mut name = [0u8; xtlock_common::XT_TABLE_MAXNAMELEN];
+        name[..table.len()].copy_from_slice(table.as_bytes());
+        t.optname = optname;
+        t.head = Some(Box::new(crate::decode::TableHead {
+            name,
+            entries,
+            bytes,
+        }));
+        Event::TableReplace(t)
+    };
+    let mut r = Run::new();
+    r.feed(&node())
+        .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+        .feed(&[
+            acq(100, 200, "iptables-restor", 0xA),
+            named(100 + 30 * MS, 100 + 10 * MS, "nat", 84_112, 21 << 20, 64),
+            named(100 + 31 * MS, 100 + 30 * MS, "nat", 84_112, 0, 65),
+            replace(100 + 50 * MS, 100 + 45 * MS, 200),
+            rel(100 + 60 * MS, 200, "iptables-restor", 0xA),
+        ]);
+    let h = r.holds();
+    let t = &h[0].tables;
+    assert_eq!(t.len(), 3);
+    assert_eq!(
+        (
+            t[0].table.as_str(),
+            t[0].family,
+            t[0].op,
+            t[0].entries,
+            t[0].bytes,
+            t[0].kernel_ns
+        ),
+        (
+            "nat",
+            "ip",
+            "replace",
+            Some(84_112),
+            Some(21 << 20),
+            20 * MS
+        )
+    );
+    assert_eq!(
+        (t[1].op, t[1].entries, t[1].bytes),
+        ("counters", Some(84_112), None)
+    );
+    assert_eq!((t[2].table.as_str(), t[2].entries), ("", None));
+    assert_eq!(h[0].kernel_ns, 26 * MS);
+    let text = crate::sinks::terminal::hold_text_for_test(h[0]);
+    assert!(
+        text.contains(
+            "26.0 ms in 3 table replaces (nat 84,112 entries 21.0 MiB, table of unknown size); \
+             userspace 34.0 ms"
+        ),
+        "{text}"
+    );
 }
 
 #[test]

@@ -221,6 +221,11 @@ fn mixed_ops() -> Vec<Op> {
                 optname: common::XT_SO_SET_REPLACE,
                 optlen: 4096,
                 _pad: 0,
+                table: *b"nat\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0",
+                num_entries: 40 + i,
+                size: 4000,
+                head_ok: 1,
+                _pad2: 0,
             }),
         };
         ops.push(Op::Kernel(ev));

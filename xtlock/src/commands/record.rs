@@ -20,7 +20,7 @@ use crate::{
     },
     lockfiles::LockFile,
     pipeline::Pipeline,
-    sinks::Sink,
+    sinks::{human_bytes, Sink},
     source::{live::LiveSource, recorder::Progress},
 };
 
@@ -200,26 +200,5 @@ impl StatusLine {
         if self.tty {
             let _ = writeln!(io::stderr());
         }
-    }
-}
-
-fn human_bytes(b: u64) -> String {
-    match b {
-        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
-        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
-        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
-        b => format!("{b} B"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bytes_for_people() {
-        assert_eq!(human_bytes(0), "0 B");
-        assert_eq!(human_bytes(2048), "2.0 KiB");
-        assert_eq!(human_bytes(3 << 20), "3.0 MiB");
     }
 }

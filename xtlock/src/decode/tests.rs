@@ -266,3 +266,55 @@ fn argv_edges() {
     let long = Argv::new(std::iter::repeat_n("x".repeat(100), 20));
     assert_eq!(long.join_shared("").len(), 20 * 101 - 1);
 }
+
+/// A table replace with the head of its argument; the same record as versions before the
+/// head wrote it (56 bytes) still decodes, without one.
+#[test]
+fn table_replace_with_and_without_its_head() {
+    let mut table = [0u8; common::XT_TABLE_MAXNAMELEN];
+    table[..3].copy_from_slice(b"nat");
+    let e = common::TableReplaceEvent {
+        hdr: common::EventHeader {
+            kind: common::EventKind::TableReplace as u32,
+            tgid: 5,
+            tid: 6,
+            _pad: 0,
+            ts_ns: 2000,
+        },
+        enter_ns: 1000,
+        ret: 0,
+        level: common::SOL_IP,
+        optname: common::XT_SO_SET_REPLACE,
+        optlen: 4096,
+        _pad: 0,
+        table,
+        num_entries: 107,
+        size: 21112,
+        head_ok: 1,
+        _pad2: 0,
+    };
+    let b = bytes(&e);
+    let Event::TableReplace(t) = decode(&b).unwrap() else {
+        panic!("not a table replace");
+    };
+    let head = t.head.as_ref().expect("a head");
+    assert_eq!(
+        (head.name(), head.entries, head.bytes),
+        ("nat".into(), 107, 21112)
+    );
+    assert_eq!((t.enter_ns, t.optlen, t.tid), (1000, 4096, 6));
+    let Event::TableReplace(old) = decode(&b[..common::TABLE_REPLACE_V1_LEN]).unwrap() else {
+        panic!("not a table replace");
+    };
+    assert_eq!(
+        (old.head, old.head_recorded, old.enter_ns),
+        (None, false, 1000)
+    );
+    assert!(decode(&b[..common::TABLE_REPLACE_V1_LEN - 1]).is_err());
+    // Unread head: none.
+    let e = common::TableReplaceEvent { head_ok: 0, ..e };
+    let Event::TableReplace(t) = decode(&bytes(&e)).unwrap() else {
+        panic!("not a table replace");
+    };
+    assert_eq!(t.head, None);
+}

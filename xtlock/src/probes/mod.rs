@@ -626,6 +626,7 @@ fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> 
             c.sso_level = off(fmt, &["level"], 8)?;
             c.sso_optname = off(fmt, &["optname"], 8)?;
             c.sso_optlen = off(fmt, &["optlen"], 8)?;
+            c.sso_optval = off(fmt, &["optval"], 8)?;
         }
         "sys_enter_execve" => c.execve_argv = off(fmt, &["argv"], 8)?,
         "sys_enter_execveat" => c.execveat_argv = off(fmt, &["argv"], 8)?,

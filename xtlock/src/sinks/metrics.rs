@@ -66,6 +66,8 @@ pub struct PodLabels {
     pub pod: String,
 }
 
+/// Distinct table names in `table_entries` (the kernel has five per family).
+pub const MAX_TABLES: usize = 16;
 /// Distinct (namespace, workload) pairs kept as label values.
 pub const MAX_PODS: usize = 64;
 
@@ -118,6 +120,20 @@ pub struct LockAgentLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AgentLabels {
     pub agent: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    pub agent: String,
+    /// `kernel` (table reads and replaces) or `userspace` (the rest of the hold).
+    pub phase: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TableLabels {
+    pub agent: String,
+    pub family: &'static str,
+    pub table: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -206,6 +222,8 @@ pub struct Metrics {
     pub holder_info: Family<HoldLabels, Gauge>,
     pub execs: Family<AgentLabels, Counter>,
     pub restore: Hist<AgentLabels>,
+    pub hold_phase: Hist<PhaseLabels>,
+    pub table_entries: Family<TableLabels, Gauge>,
     pub drops: Family<DropLabels, Counter>,
     pub conntrack: [Family<NetnsLabels, Counter>; 7],
     pub conntrack_entries: Family<NetnsLabels, Gauge>,
@@ -311,6 +329,20 @@ impl Metrics {
             "Run time of iptables-restore processes (exec to exit), per calling agent",
             Unit::Seconds,
             restore.clone(),
+        );
+        let hold_phase = hist::<PhaseLabels>();
+        r.register_with_unit(
+            "lock_hold_phase",
+            "Of holds that replaced tables, the time in the kernel (the replaces) and in the \
+             holder's own userspace (the rest), per holding agent",
+            Unit::Seconds,
+            hold_phase.clone(),
+        );
+        let table_entries = Family::<TableLabels, Gauge>::default();
+        r.register(
+            "table_entries",
+            "Entries of an xtables table at its last replace, per replacing agent",
+            table_entries.clone(),
         );
         let conntrack_refused = Family::<RefusedLabels, Counter>::default();
         r.register(
@@ -422,6 +454,8 @@ impl Metrics {
             holder_info,
             execs,
             restore,
+            hold_phase,
+            table_entries,
             drops,
             conntrack,
             conntrack_entries,
@@ -542,6 +576,8 @@ pub struct MetricsSink {
     pods: Capped,
     drop_kinds: Capped,
     ipvs_series: Capped,
+    /// Table names come from the replacing process's memory: capped like agents.
+    tables: Capped,
     /// The daemon's own network namespace (inode), labelled `host`.
     host_netns: Option<u32>,
 }
@@ -554,6 +590,7 @@ impl MetricsSink {
             pods: Capped::new(MAX_PODS),
             drop_kinds: Capped::new(MAX_DROP_KINDS),
             ipvs_series: Capped::new(MAX_IPVS_SERIES),
+            tables: Capped::new(MAX_TABLES),
             host_netns,
         }
     }
@@ -609,6 +646,31 @@ impl Sink for MetricsSink {
                     pod: PodLabels::of(&mut self.pods, h.pod.as_deref()),
                 };
                 self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
+                if h.replaces > 0 {
+                    let user = h.hold_ns.saturating_sub(h.kernel_ns);
+                    for (phase, ns) in [("kernel", h.kernel_ns), ("userspace", user)] {
+                        self.m
+                            .hold_phase
+                            .get_or_create(&PhaseLabels {
+                                agent: l.agent.clone(),
+                                phase,
+                            })
+                            .observe(secs(ns));
+                    }
+                }
+                for t in h.tables.iter().filter(|t| t.op == "replace" && t.ret == 0) {
+                    if let (Some(entries), false) = (t.entries, t.table.is_empty()) {
+                        let table = self.tables.label(&t.table);
+                        self.m
+                            .table_entries
+                            .get_or_create(&TableLabels {
+                                agent: l.agent.clone(),
+                                family: t.family,
+                                table,
+                            })
+                            .set(i64::from(entries));
+                    }
+                }
             }
             Output::Wait(w) => {
                 // One observation per holder agent the wait was behind, of the time it

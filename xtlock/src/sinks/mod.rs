@@ -37,6 +37,16 @@ impl<S: Sink + ?Sized> Sink for Box<S> {
     }
 }
 
+/// A size for people: `0 B`, `2.0 KiB`, `3.0 MiB`, `1.2 GiB`.
+pub fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
+    }
+}
+
 /// A duration for people: three significant digits in ns, µs, ms or s
 /// (`812 ns`, `12.3 µs`, `312 ms`, `1.42 s`, `5.00 s`, `1234 s`).
 pub fn human_ns(ns: u64) -> String {

@@ -7,8 +7,10 @@ use std::time::Duration;
 mod lines;
 mod summary;
 
-use super::{human_ns, Sink};
+use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
+#[cfg(test)]
+pub(crate) use lines::hold_text as hold_text_for_test;
 use lines::*;
 pub(crate) use lines::{hold_drops_text, ipvs_text};
 use summary::write_summary;

@@ -17,6 +17,7 @@ fn hold(agent: &str, ns: u64) -> Output {
         exclusive: true,
         kernel_ns: 0,
         replaces: 0,
+        tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
         agent_pid: 10,

@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use super::{human_ns, DEFAULT_LOCK};
+use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
@@ -64,13 +64,24 @@ pub(crate) fn hold_text(h: &HoldFact) -> String {
             h.replaces,
             if h.replaces == 1 { "" } else { "s" }
         );
+        let tables = tables_text(h);
+        if !tables.is_empty() {
+            let _ = write!(s, " ({tables})");
+        }
         if h.swap_ns > 0 {
             let _ = write!(
                 s,
-                " ({} swapping tables, waiting for every CPU)",
+                ", {} of it swapping tables, waiting for every CPU",
                 human_ns(h.swap_ns)
             );
         }
+        // The rest of the hold: the holder's own work (parsing, computing the new tables,
+        // reading its input).
+        let _ = write!(
+            s,
+            "; userspace {}",
+            human_ns(h.hold_ns.saturating_sub(h.kernel_ns))
+        );
     }
     if h.open {
         s.push_str(" [still held when tracing ended]");
@@ -78,6 +89,34 @@ pub(crate) fn hold_text(h: &HoldFact) -> String {
         s.push_str(" [release not seen; end inferred]");
     }
     s
+}
+
+/// The tables a hold replaced: `nat 84,112 entries 21.0 MiB, filter 12,410 entries 3.1 MiB`
+/// (counter updates left out: they come with the replaces).
+fn tables_text(h: &HoldFact) -> String {
+    let parts: Vec<String> = h
+        .tables
+        .iter()
+        .filter(|t| t.op == "replace")
+        .map(|t| {
+            let name = match (t.table.is_empty(), t.family) {
+                (true, _) => "table".to_string(),
+                (false, "ip") => t.table.clone(),
+                (false, fam) => format!("{fam} {}", t.table),
+            };
+            match (t.entries, t.bytes) {
+                (Some(e), Some(b)) => {
+                    format!(
+                        "{name} {} entries {}",
+                        thousands(u64::from(e)),
+                        human_bytes(u64::from(b))
+                    )
+                }
+                _ => format!("{name} of unknown size"),
+            }
+        })
+        .collect();
+    parts.join(", ")
 }
 
 /// Whom a wait was behind, and for how long: ` behind X (...)` when one holder accounts

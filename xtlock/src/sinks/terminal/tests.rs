@@ -31,6 +31,7 @@ fn hold(ns: u64) -> HoldFact {
         exclusive: true,
         kernel_ns: 0,
         replaces: 0,
+        tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
         agent_pid: 100,
