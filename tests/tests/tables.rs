@@ -136,6 +136,11 @@ fn table_sizes_match_what_the_tables_hold() {
         let bytes = u(&t["bytes"]);
         bytes_per_entry.push(bytes / want);
         // The kernel's time is part of the hold; the rest is the holder's own.
+        let (start, end) = (
+            u(&holds[i]["start_ns"]),
+            u(&holds[i]["start_ns"]) + u(&holds[i]["hold_ns"]),
+        );
+        assert!((start..end).contains(&u(&t["start_ns"])), "{t}");
         assert!(u(&t["kernel_ns"]) <= u(&holds[i]["kernel_ns"]));
         assert!(u(&holds[i]["kernel_ns"]) <= u(&holds[i]["hold_ns"]));
         eprintln!(

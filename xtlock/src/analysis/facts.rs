@@ -265,7 +265,8 @@ pub struct TableTouch {
     /// Bytes of the new table's entries (`replace` only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u32>,
-    /// The call's time in the kernel.
+    /// When the call entered the kernel, and its time there.
+    pub start_ns: u64,
     pub kernel_ns: u64,
     /// 0, or the negative errno the call failed with.
     #[serde(skip_serializing_if = "is_zero_i64")]

@@ -1743,6 +1743,7 @@ fn table_touch(t: &TableReplaceEvent, kernel_ns: u64) -> TableTouch {
         op: if replace { "replace" } else { "counters" },
         entries: t.head.as_ref().map(|h| h.entries),
         bytes: t.head.as_ref().filter(|_| replace).map(|h| h.bytes),
+        start_ns: t.enter_ns,
         kernel_ns,
         ret: t.ret,
     }

@@ -170,15 +170,19 @@ impl<W: Write> PerfettoSink<W> {
             "role": h.role, "open": h.open, "incomplete": h.incomplete,
         });
         let name = format!("hold {}", h.lock);
-        self.slice(
-            pid,
-            tid,
-            h.start_ns,
-            h.start_ns + h.hold_ns,
-            &name,
-            "hold",
-            args,
-        )
+        let end = h.start_ns + h.hold_ns;
+        self.slice(pid, tid, h.start_ns, end, &name, "hold", args)?;
+        // Where the time went: each table replace, nested in the hold; the rest is the
+        // holder's own userspace work.
+        for t in &h.tables {
+            let from = t.start_ns.clamp(h.start_ns, end);
+            let to = (t.start_ns + t.kernel_ns).clamp(from, end);
+            let table = if t.table.is_empty() { "?" } else { &t.table };
+            let name = format!("{} {} {}", t.op, t.family, table);
+            let args = json!({ "entries": t.entries, "bytes": t.bytes, "ret": t.ret });
+            self.slice(pid, tid, from, to, &name, "kernel", args)?;
+        }
+        Ok(())
     }
 
     fn wait(&mut self, w: &WaitFact) -> io::Result<()> {
