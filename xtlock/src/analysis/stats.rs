@@ -159,6 +159,29 @@ pub struct Summary {
     /// IPVS per (protocol, service, backend): connections, packets, stale packets.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ipvs: Vec<IpvsBackendRow>,
+    /// Per agent whose holds replaced tables: where their time went, and the largest
+    /// table it replaced. Absent when no hold replaced a table whose head was read.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub tables: BTreeMap<String, AgentTables>,
+}
+
+/// What one agent's table replaces came to.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AgentTables {
+    /// Holds with a replace, and their time in the kernel and in the holder's userspace.
+    pub holds: u64,
+    pub kernel_ns: u64,
+    pub userspace_ns: u64,
+    /// The largest table it replaced (most entries).
+    pub largest: Option<TableSize>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct TableSize {
+    pub family: &'static str,
+    pub table: String,
+    pub entries: u32,
+    pub bytes: u32,
 }
 
 /// One row of the IPVS summary.
@@ -198,6 +221,7 @@ pub struct Stats {
     execs: BTreeMap<String, u64>,
     wait_outcomes: BTreeMap<&'static str, u64>,
     per_lock: BTreeMap<String, LockCounters>,
+    tables: BTreeMap<String, AgentTables>,
     lost: u64,
     events: u64,
     first_ts: Option<u64>,
@@ -244,6 +268,27 @@ impl Stats {
         match o {
             Output::Hold(h) => {
                 slot(&mut self.holds, &h.agent).record(h.hold_ns);
+                if h.tables.iter().any(|t| t.entries.is_some()) {
+                    let a = slot(&mut self.tables, &h.agent);
+                    a.holds += 1;
+                    a.kernel_ns = a.kernel_ns.saturating_add(h.kernel_ns);
+                    a.userspace_ns = a
+                        .userspace_ns
+                        .saturating_add(h.hold_ns.saturating_sub(h.kernel_ns));
+                    for t in h.tables.iter().filter(|t| t.op == "replace" && t.ret == 0) {
+                        let (Some(entries), Some(bytes)) = (t.entries, t.bytes) else {
+                            continue;
+                        };
+                        if a.largest.as_ref().is_none_or(|l| entries > l.entries) {
+                            a.largest = Some(TableSize {
+                                family: t.family,
+                                table: t.table.clone(),
+                                entries,
+                                bytes,
+                            });
+                        }
+                    }
+                }
                 let l = slot(&mut self.per_lock, &h.lock);
                 l.holds += 1;
                 l.held_ns = l.held_ns.saturating_add(h.hold_ns);
@@ -364,6 +409,7 @@ impl Stats {
             host_netns: 0,
             over_bounds: BTreeMap::new(),
             ipvs: Vec::new(),
+            tables: self.tables.clone(),
         }
     }
 }

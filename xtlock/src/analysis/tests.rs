@@ -331,6 +331,27 @@ fn holds_list_the_tables_they_replaced() {
         ),
         "{text}"
     );
+    // The summary: per agent, the largest table and where the hold time went.
+    let sum = r.a.summary();
+    let kp = &sum.tables["kube-proxy"];
+    assert_eq!((kp.holds, kp.kernel_ns, kp.userspace_ns), (1, 26 * MS, 34 * MS));
+    let l = kp.largest.as_ref().unwrap();
+    assert_eq!((l.table.as_str(), l.entries, l.bytes), ("nat", 84_112, 21 << 20));
+    let mut out = Vec::new();
+    crate::sinks::Sink::summary(
+        &mut crate::sinks::TerminalSink::new(&mut out),
+        &sum,
+        true,
+    )
+    .unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(
+        text.contains(
+            "kube-proxy: nat 84,112 entries 21.0 MiB; 1 holds: kernel 26.0 ms, userspace \
+             34.0 ms (mostly userspace)"
+        ),
+        "{text}"
+    );
 }
 
 #[test]

@@ -2,8 +2,8 @@
 
 use std::io::{self, Write};
 
-use super::human_ns;
 use super::lines::hold_drops_text;
+use super::{human_bytes, human_ns};
 use crate::analysis::Summary;
 use crate::capture::thousands;
 
@@ -102,6 +102,44 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
         }
         let list: Vec<String> = m.iter().map(|(a, n)| format!("{a} {n}")).collect();
         writeln!(w, "{title}: {}", list.join(", "))?;
+    }
+    if !s.tables.is_empty() {
+        // Why holds took long: big tables, or the kernel, or the holder's own work.
+        writeln!(
+            w,
+            "\ntable replaces by agent (largest table; where the hold time went):"
+        )?;
+        for (agent, t) in &s.tables {
+            let largest = t
+                .largest
+                .as_ref()
+                .map(|l| {
+                    let fam = if l.family == "ip" {
+                        String::new()
+                    } else {
+                        format!("{} ", l.family)
+                    };
+                    format!(
+                        "{fam}{} {} entries {}",
+                        l.table,
+                        thousands(u64::from(l.entries)),
+                        human_bytes(u64::from(l.bytes))
+                    )
+                })
+                .unwrap_or_else(|| "no table size read".into());
+            let slowest = if t.kernel_ns > t.userspace_ns {
+                "kernel"
+            } else {
+                "userspace"
+            };
+            writeln!(
+                w,
+                "  {agent}: {largest}; {} holds: kernel {}, userspace {} (mostly {slowest})",
+                t.holds,
+                human_ns(t.kernel_ns),
+                human_ns(t.userspace_ns)
+            )?;
+        }
     }
     if s.holds.is_empty() && s.waits.is_empty() {
         writeln!(w, "no lock activity seen")?;
