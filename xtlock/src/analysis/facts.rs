@@ -39,6 +39,8 @@ pub enum Output {
     IpvsCount(IpvsCountFact),
     /// A connection conntrack refused, seen in its own function.
     ConntrackRefused(ConntrackRefusedFact),
+    /// An agent's restores stopped completing (or completed again).
+    Stall(StallFact),
 }
 
 impl Output {
@@ -54,6 +56,7 @@ impl Output {
             Output::Lost(l) => l.ts_ns,
             Output::Drop(d) => d.ts_ns,
             Output::ConntrackRefused(c) => c.ts_ns,
+            Output::Stall(s) => s.ts_ns,
             Output::DropCount(d) => d.ts_ns,
             Output::Conntrack(c) => c.ts_ns,
             Output::HoldDrops(h) => h.start_ns,
@@ -242,6 +245,24 @@ pub struct HoldFact {
     pub open: bool,
     /// The end was inferred (release lost or late): `hold_ns` is approximate.
     pub incomplete: bool,
+}
+
+/// An agent's syncs stalled, or resumed: `{"type":"stall",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StallFact {
+    pub ts_ns: u64,
+    pub agent: SharedStr,
+    pub agent_pid: u32,
+    /// True when the stall begins, false when a completed restore ends it.
+    pub stalled: bool,
+    /// `no_sync` (no completed restore for over twice the usual period, the agent alive),
+    /// `restores_time_out` (restores in a row gave up on the lock), `synced` (the end).
+    pub reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since_last_sync_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usual_period_ns: Option<u64>,
+    pub timeouts_in_row: u32,
 }
 
 /// Tables listed per hold; `replaces` and `kernel_ns` count every one.

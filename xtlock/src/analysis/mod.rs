@@ -6,6 +6,7 @@
 //! that produces no fact allocates nothing; strings are built only for emitted facts.
 
 pub mod attribution;
+pub mod cadence;
 pub mod drops;
 pub mod facts;
 pub mod ipvs;
@@ -14,12 +15,14 @@ pub mod procs;
 pub mod stats;
 
 use attribution::{is_xtables_comm, is_xtables_tool, Attributor};
+use cadence::Cadence;
 pub use drops::DropSummary;
 use drops::DropTracker;
 pub use facts::{
     ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
     ExitFact, FailedTryFact, HoldDropsFact, HoldFact, HoldRef, HolderRef, IpvsCountFact, IpvsFact,
-    LostFact, Output, PacketInfo, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    LostFact, Output, PacketInfo, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode,
+    WaitOutcome,
 };
 use ipvs::IpvsTracker;
 pub use lock::WatchedLock;
@@ -45,6 +48,7 @@ pub struct Analyzer {
     attr: Attributor,
     locks: LockMachine,
     stats: Stats,
+    cadence: Cadence,
     drops: DropTracker,
     ipvs: IpvsTracker,
 }
@@ -56,6 +60,7 @@ impl Analyzer {
             attr: Attributor::new(),
             locks: LockMachine::new(locks),
             stats: Stats::new(),
+            cadence: Cadence::default(),
             drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
             ipvs: IpvsTracker::new(),
         }
@@ -103,6 +108,8 @@ impl Analyzer {
     /// Feeds one event; facts it settles go to `out`, in order.
     pub fn process(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
         self.stats.observe(ev.ts_ns());
+        self.cadence
+            .check(ev.ts_ns(), &self.procs, &mut counted(&mut self.stats, out));
         let lost_before = self.stats.lost_events();
         match ev {
             Event::Drop(s) => {
@@ -183,7 +190,9 @@ impl Analyzer {
                 };
                 let timeout = self.locks.on_exit(e, is_tool, &mut cx, &mut emit);
                 if e.tid == e.tgid {
-                    if let Some(f) = exit_fact(&self.procs, &mut self.attr, e, timeout) {
+                    if let Some((f, agent_pid)) = exit_fact(&self.procs, &mut self.attr, e, timeout)
+                    {
+                        self.cadence.on_exit(&f, agent_pid, &mut emit);
                         emit(Output::Exit(f));
                     }
                     self.attr.forget(e.tgid);
@@ -255,6 +264,7 @@ impl Analyzer {
         let mut s = self.stats.summary(self.locks.locks());
         s.drops = self.drops.summary();
         s.host_netns = self.drops.host_netns();
+        s.syncs = self.cadence.summary();
         s.over_bounds = self
             .locks
             .over_bounds()
@@ -332,7 +342,7 @@ fn exit_fact(
     attr: &mut Attributor,
     e: &ExitEvent,
     lock_timeout: bool,
-) -> Option<ExitFact> {
+) -> Option<(ExitFact, u32)> {
     let p = procs.get(e.tgid).filter(|p| p.is_alive());
     let tool = is_xtables_comm(&e.comm)
         || p.is_some_and(|p| is_xtables_comm(&p.comm) || is_xtables_tool(p.exe_name()));
@@ -340,7 +350,7 @@ fn exit_fact(
         return None;
     }
     let who = attr.get(procs, e.tgid, &e.comm);
-    Some(ExitFact {
+    let f = ExitFact {
         ts_ns: e.ts_ns,
         pid: e.tgid,
         comm: who.comm.clone(),
@@ -349,7 +359,8 @@ fn exit_fact(
         role: who.role,
         runtime_ns: p.and_then(|p| p.exec_ns).map(|x| e.ts_ns.saturating_sub(x)),
         lock_timeout,
-    })
+    };
+    Some((f, who.agent_pid))
 }
 
 #[cfg(test)]

@@ -163,6 +163,9 @@ pub struct Summary {
     /// table it replaced. Absent when no hold replaced a table whose head was read.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub tables: BTreeMap<String, AgentTables>,
+    /// Per agent that ran iptables-restore: its sync cadence. Absent when none did.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub syncs: BTreeMap<String, super::cadence::SyncSummary>,
 }
 
 /// What one agent's table replaces came to.
@@ -325,7 +328,8 @@ impl Stats {
             | Output::ConntrackRefused(_)
             | Output::DropCount(_)
             | Output::Conntrack(_)
-            | Output::HoldDrops(_) => {}
+            | Output::HoldDrops(_)
+            | Output::Stall(_) => {}
             // Counted by the IPVS tracker.
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
         }
@@ -410,6 +414,7 @@ impl Stats {
             over_bounds: BTreeMap::new(),
             ipvs: Vec::new(),
             tables: self.tables.clone(),
+            syncs: BTreeMap::new(),
         }
     }
 }

@@ -334,16 +334,18 @@ fn holds_list_the_tables_they_replaced() {
     // The summary: per agent, the largest table and where the hold time went.
     let sum = r.a.summary();
     let kp = &sum.tables["kube-proxy"];
-    assert_eq!((kp.holds, kp.kernel_ns, kp.userspace_ns), (1, 26 * MS, 34 * MS));
+    assert_eq!(
+        (kp.holds, kp.kernel_ns, kp.userspace_ns),
+        (1, 26 * MS, 34 * MS)
+    );
     let l = kp.largest.as_ref().unwrap();
-    assert_eq!((l.table.as_str(), l.entries, l.bytes), ("nat", 84_112, 21 << 20));
+    assert_eq!(
+        (l.table.as_str(), l.entries, l.bytes),
+        ("nat", 84_112, 21 << 20)
+    );
     let mut out = Vec::new();
-    crate::sinks::Sink::summary(
-        &mut crate::sinks::TerminalSink::new(&mut out),
-        &sum,
-        true,
-    )
-    .unwrap();
+    crate::sinks::Sink::summary(&mut crate::sinks::TerminalSink::new(&mut out), &sum, true)
+        .unwrap();
     let text = String::from_utf8(out).unwrap();
     assert!(
         text.contains(
@@ -1339,4 +1341,69 @@ mod alloc_count {
         f();
         COUNT.with(Cell::get) - start
     }
+}
+
+/// kube-proxy's restores every 10 s, then none for 31 s while it runs: a stall, ended by the
+/// next completed restore. Three restores in a row that time out are one too. A process
+/// that is gone does not stall.
+#[test]
+fn restores_that_stop_completing_are_a_stall() {
+    let mut r = Run::new();
+    r.feed(&node());
+    let restore = |r: &mut Run, ts: u64, pid: u32, code: i32| {
+        r.feed(&spawn(ts, 100, pid, "kube-proxy", RESTORE))
+            .feed(&[exit(ts + 50 * MS, pid, "iptables-restor", Some(code))]);
+    };
+    for i in 0..4u32 {
+        restore(&mut r, u64::from(i) * 10 * S, 1000 + i, 0);
+    }
+    let stalls = |r: &Run| -> Vec<StallFact> {
+        r.out
+            .iter()
+            .filter_map(|o| match o {
+                Output::Stall(s) => Some(s.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // 20 s after the last: twice the period, not more.
+    r.feed(&[exit(50 * S + 50 * MS, 5000, "sh", Some(0))]);
+    assert!(stalls(&r).is_empty(), "{:?}", stalls(&r));
+    r.feed(&[exit(61 * S, 5001, "sh", Some(0))]);
+    let s = stalls(&r);
+    assert_eq!(s.len(), 1, "{s:?}");
+    assert_eq!(
+        (s[0].agent.as_str(), s[0].stalled, s[0].reason),
+        ("kube-proxy", true, "no_sync")
+    );
+    assert_eq!(s[0].usual_period_ns, Some(10 * S));
+    assert_eq!(s[0].since_last_sync_ns, Some(31 * S - 50 * MS));
+    assert!(r.a.summary().syncs["kube-proxy"].stalled);
+    // Said once, then ended by the next completed restore.
+    r.feed(&[exit(70 * S, 5002, "sh", Some(0))]);
+    restore(&mut r, 75 * S, 2000, 0);
+    let s = stalls(&r);
+    assert_eq!(s.len(), 2, "{s:?}");
+    assert_eq!((s[1].stalled, s[1].reason), (false, "synced"));
+    let text = crate::sinks::terminal::stall_text_for_test(&s[0]);
+    assert!(
+        text.contains(
+            "kube-proxy stalled: no completed iptables-restore for 30.9 s (usually every 10.0 s)"
+        ),
+        "{text}"
+    );
+    // Restores that keep giving up on the lock.
+    for i in 0..3u32 {
+        restore(&mut r, 80 * S + u64::from(i) * S, 3000 + i, 4);
+    }
+    let s = stalls(&r);
+    assert_eq!(s.len(), 3, "{s:?}");
+    assert_eq!(
+        (s[2].reason, s[2].timeouts_in_row),
+        ("restores_time_out", 3)
+    );
+    // A stalled agent that is gone: nothing more.
+    r.feed(&[exit(85 * S, 100, "kube-proxy", Some(0))]);
+    r.feed(&[exit(200 * S, 5003, "sh", Some(0))]);
+    assert_eq!(stalls(&r).len(), 3);
 }

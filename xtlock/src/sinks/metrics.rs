@@ -223,6 +223,8 @@ pub struct Metrics {
     pub execs: Family<AgentLabels, Counter>,
     pub restore: Hist<AgentLabels>,
     pub hold_phase: Hist<PhaseLabels>,
+    pub sync_stalled: Family<AgentLabels, Gauge>,
+    pub syncs: Family<AgentLabels, Counter>,
     pub table_entries: Family<TableLabels, Gauge>,
     pub drops: Family<DropLabels, Counter>,
     pub conntrack: [Family<NetnsLabels, Counter>; 7],
@@ -337,6 +339,20 @@ impl Metrics {
              holder's own userspace (the rest), per holding agent",
             Unit::Seconds,
             hold_phase.clone(),
+        );
+        let sync_stalled = Family::<AgentLabels, Gauge>::default();
+        r.register(
+            "sync_stalled",
+            "1 while an agent's iptables-restore runs have stopped completing (none for over \
+             twice its usual period while it runs, or 3 in a row timed out on the lock), 0 once \
+             one completes again",
+            sync_stalled.clone(),
+        );
+        let syncs = Family::<AgentLabels, Counter>::default();
+        r.register(
+            "syncs",
+            "iptables-restore runs that completed (exit 0), per agent: its sync cadence",
+            syncs.clone(),
         );
         let table_entries = Family::<TableLabels, Gauge>::default();
         r.register(
@@ -455,6 +471,8 @@ impl Metrics {
             execs,
             restore,
             hold_phase,
+            sync_stalled,
+            syncs,
             table_entries,
             drops,
             conntrack,
@@ -709,12 +727,24 @@ impl Sink for MetricsSink {
             }
             // comm is cut to 15 bytes: `iptables-restor`, `ip6tables-resto`.
             Output::Exit(e) if e.comm.contains("-resto") => {
+                let l = AgentLabels {
+                    agent: self.agent(&e.agent),
+                };
                 if let Some(ns) = e.runtime_ns {
-                    let l = AgentLabels {
-                        agent: self.agent(&e.agent),
-                    };
                     self.m.restore.get_or_create(&l).observe(secs(ns));
                 }
+                if e.code == Some(0) {
+                    self.m.syncs.get_or_create(&l).inc();
+                }
+            }
+            Output::Stall(st) => {
+                let l = AgentLabels {
+                    agent: self.agent(&st.agent),
+                };
+                self.m
+                    .sync_stalled
+                    .get_or_create(&l)
+                    .set(i64::from(st.stalled));
             }
             Output::Lost(l) if l.bound.is_none() => {
                 self.m.lost.inc_by(l.count);

@@ -371,6 +371,17 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 ),
                 c.packets as f64,
             ),
+            Output::Stall(st) => self.instant(
+                st.ts_ns,
+                st.agent_pid,
+                &st.agent,
+                if st.stalled {
+                    format!("{} stalled ({})", st.agent, st.reason)
+                } else {
+                    format!("{} syncs again", st.agent)
+                },
+                serde_json::to_value(st).unwrap_or(Value::Null),
+            ),
             _ => Ok(()),
         }
     }

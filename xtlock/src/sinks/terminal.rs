@@ -9,10 +9,10 @@ mod summary;
 
 use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
-#[cfg(test)]
-pub(crate) use lines::hold_text as hold_text_for_test;
 use lines::*;
 pub(crate) use lines::{hold_drops_text, ipvs_text};
+#[cfg(test)]
+pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
 use summary::write_summary;
 
 /// The lock almost everyone watches; other paths are named in each line.
@@ -297,6 +297,7 @@ impl<W: Write> Sink for TerminalSink<W> {
                     (h.hold_ns >= self.opts.min_hold.as_nanos() as u64).then(|| hold_drops_text(h))
                 }
                 Output::ConntrackRefused(c) => Some(conntrack_refused_text(c)),
+                Output::Stall(s) => Some(stall_text(s)),
                 Output::Ipvs(i) => Some(ipvs_text(i)),
                 // Per second and per backend: too many lines; the summary has the totals.
                 Output::IpvsCount(_) => None,

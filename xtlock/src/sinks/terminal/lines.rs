@@ -6,7 +6,8 @@ use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
-    HoldDropsFact, HoldFact, HolderRef, IpvsFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    HoldDropsFact, HoldFact, HolderRef, IpvsFact, StallFact, TimeoutFact, WaitFact, WaitMode,
+    WaitOutcome,
 };
 use crate::capture::thousands;
 
@@ -505,5 +506,39 @@ pub(crate) fn action_text(a: Option<crate::decode::StaleAction>) -> &'static str
         Some(StaleAction::Dropped) => "dropped by the kernel",
         Some(StaleAction::Expired) => "entry expired by the kernel, packet rescheduled",
         _ => "?",
+    }
+}
+
+/// An agent's syncs stalled, or resumed.
+pub(crate) fn stall_text(s: &StallFact) -> String {
+    let usual = s
+        .usual_period_ns
+        .map(|u| format!(" (usually every {})", human_ns(u)))
+        .unwrap_or_default();
+    let since = s.since_last_sync_ns.map(human_ns);
+    match (s.stalled, s.reason) {
+        (true, "restores_time_out") => format!(
+            "!! {} stalled: its last {} iptables-restore runs gave up waiting for the lock (exit \
+             4){}",
+            s.agent,
+            s.timeouts_in_row,
+            since
+                .map(|x| format!("; last completed restore {x} ago"))
+                .unwrap_or_default()
+        ),
+        (true, _) => format!(
+            "!! {} stalled: no completed iptables-restore for {}{usual} while it runs (pid {}): \
+             its rules are falling behind",
+            s.agent,
+            since.unwrap_or_default(),
+            s.agent_pid
+        ),
+        (false, _) => format!(
+            "{} syncs again: an iptables-restore completed{}",
+            s.agent,
+            since
+                .map(|x| format!(" {x} after the last one"))
+                .unwrap_or_default()
+        ),
     }
 }
