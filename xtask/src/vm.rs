@@ -83,6 +83,18 @@ const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbi
 
 #[derive(Args, Debug, Default)]
 pub struct VmArgs {
+    /// Kernel series to boot, each in its own VM: 5.10, 6.1, 6.12 (comma-separated or
+    /// repeated; `all` for every one). Each is the newest `linux-image-<series>.*-amd64`
+    /// Debian has, fetched and cached on first use. Results go to `<results>/<series>/`.
+    #[arg(long = "kernel", value_name = "SERIES", value_delimiter = ',',
+          conflicts_with_all = ["kernel_version", "kernel_deb"])]
+    pub kernels: Vec<String>,
+    /// The CI matrix: every series, with the suites [`MATRIX`] gives each.
+    #[arg(long, conflicts_with_all = ["kernels", "kernel_version", "kernel_deb", "tests", "exec"])]
+    pub matrix: bool,
+    /// VMs run at once when several kernels are booted (default 1: TCG is CPU-bound).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub jobs: usize,
     /// Guest kernel, as in `linux-image-<V>-amd64` (default: the pinned one, or
     /// XTLOCK_VM_KERNEL).
     #[arg(long, value_name = "V")]
@@ -265,16 +277,35 @@ pub fn run(args: &VmArgs) -> Result<()> {
     result.map(|_| ())
 }
 
-/// The default suite as `cargo xtask test` runs it: the binaries of `target_dir` (already
-/// built by its build and test steps). Returns the summary line.
+/// The CI matrix as `cargo xtask test` runs it: every kernel of [`MATRIX`], the binaries of
+/// `target_dir` (already built by its build and test steps). Returns one summary line per
+/// kernel.
 pub fn run_default() -> Result<String> {
     run_args(&VmArgs {
-        // Under TCG the suite takes 5-10 min, more on a loaded machine.
+        matrix: true,
+        // Under TCG one kernel's suite takes 4-8 min, more on a loaded machine.
         timeout: 1500,
+        jobs: env::var("XTLOCK_VM_JOBS")
+            .ok()
+            .and_then(|j| j.parse().ok())
+            .unwrap_or(1),
         cpus: 2,
         memory: 2048,
         ..VmArgs::default()
     })
+}
+
+/// The CI matrix: each kernel series with whether it also runs [`DEFAULT_VARIANTS`]. Every
+/// kernel runs the whole default suite once on the attach types it takes first; the
+/// fallback run (kprobes for the syscall hooks, the perf tracepoint for the lock hook) runs
+/// once, on 5.10: the oldest layouts (`fl_*` tracepoint fields, no module BTF, the 5.10
+/// verifier), where a node is likeliest to be on the fallbacks anyway.
+pub const MATRIX: &[(&str, bool)] = &[("5.10", true), ("6.1", false), ("6.12", false)];
+
+/// One VM of a run: its label (`5.10`; empty for a single unnamed kernel) and its spec.
+struct Planned {
+    label: String,
+    spec: Spec,
 }
 
 fn run_args(args: &VmArgs) -> Result<String> {
@@ -285,13 +316,72 @@ fn run_args(args: &VmArgs) -> Result<String> {
     if default_suite {
         tests = DEFAULT_TESTS.iter().map(|s| s.to_string()).collect();
     }
-    let mut commands = Vec::new();
     if !args.no_build {
         build(&root, &target)?;
     }
-    if !tests.is_empty() {
-        let bins = test_binaries(&root, &target, &tests)?;
-        if default_suite {
+    let bins = if tests.is_empty() {
+        Vec::new()
+    } else {
+        test_binaries(&root, &target, &tests)?
+    };
+    // (label, kernel, with the variants)
+    let kernels: Vec<(String, kernel::Choice, bool)> = if args.matrix {
+        MATRIX
+            .iter()
+            .map(|(s, v)| (s.to_string(), kernel::Choice::Series(s.to_string()), *v))
+            .collect()
+    } else if !args.kernels.is_empty() {
+        let mut v: Vec<String> = Vec::new();
+        for k in &args.kernels {
+            let k = k.trim();
+            let all: Vec<String> = if k == "all" {
+                kernel::SERIES.iter().map(|(s, _)| s.to_string()).collect()
+            } else if kernel::SERIES.iter().any(|(s, _)| *s == k) {
+                vec![k.to_owned()]
+            } else {
+                bail!(
+                    "--kernel {k}: expected one of {} or all (--kernel-version takes an exact \
+                     version)",
+                    kernel::SERIES
+                        .iter()
+                        .map(|(s, _)| *s)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            };
+            for s in all {
+                if !v.contains(&s) {
+                    v.push(s);
+                }
+            }
+        }
+        v.into_iter()
+            .map(|s| (s.clone(), kernel::Choice::Series(s), true))
+            .collect()
+    } else {
+        vec![(String::new(), single_kernel(args), true)]
+    };
+    let xtlock = target.join("debug/xtlock");
+    let base_results = args
+        .results
+        .clone()
+        .unwrap_or_else(|| target.join("vm/results"));
+    let mut planned = Vec::new();
+    for (label, kernel, variants) in kernels {
+        let mut commands = Vec::new();
+        if !bins.is_empty() {
+            // What attached where, for docs/kernels.md (`cargo xtask kernels-doc`); first, so
+            // it is there even when a test fails.
+            commands.push(GuestCommand::shell(
+                "xtlock probes --json",
+                &root,
+                &format!(
+                    "{} probes --json >\"$XTLOCK_VM_RESULTS/probes.json\"",
+                    xtlock.display()
+                ),
+            ));
+        }
+        if default_suite && variants {
             for (test, extra) in DEFAULT_VARIANTS {
                 if let Some((_, exe)) = bins.iter().find(|(n, _)| n == test) {
                     let mut cmd = GuestCommand::shell(
@@ -304,9 +394,9 @@ fn run_args(args: &VmArgs) -> Result<String> {
                 }
             }
         }
-        for (name, exe) in bins {
+        for (name, exe) in &bins {
             commands.push(GuestCommand {
-                label: name,
+                label: name.clone(),
                 // cargo runs integration tests from their package folder.
                 cwd: root.join("tests"),
                 argv: std::iter::once(exe.display().to_string())
@@ -314,16 +404,113 @@ fn run_args(args: &VmArgs) -> Result<String> {
                     .collect(),
             });
         }
+        for (i, e) in args.exec.iter().enumerate() {
+            let short: String = e.chars().take(60).collect();
+            let more = if short.len() < e.len() { "..." } else { "" };
+            commands.push(GuestCommand::shell(
+                &format!("exec {}: {short}{more}", i + 1),
+                &root,
+                e,
+            ));
+        }
+        let (results, work) = if label.is_empty() {
+            (base_results.clone(), target.join("vm"))
+        } else {
+            (base_results.join(&label), target.join("vm").join(&label))
+        };
+        planned.push(Planned {
+            label,
+            spec: spec(args, kernel, commands, &root, &target, results, work)?,
+        });
     }
-    for (i, e) in args.exec.iter().enumerate() {
-        let short: String = e.chars().take(60).collect();
-        let more = if short.len() < e.len() { "..." } else { "" };
-        commands.push(GuestCommand::shell(
-            &format!("exec {}: {short}{more}", i + 1),
-            &root,
-            e,
-        ));
+
+    let start = Instant::now();
+    let jobs = args.jobs.max(1);
+    let mut reports: Vec<(usize, Result<Report>)> = Vec::new();
+    for (n, chunk) in planned.chunks(jobs).enumerate() {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    (
+                        n * jobs + i,
+                        scope.spawn(|| run_spec_labelled(&p.spec, &p.label)),
+                    )
+                })
+                .collect();
+            for (i, h) in handles {
+                let r = h
+                    .join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the VM thread panicked")));
+                reports.push((i, r));
+            }
+        });
     }
+    let mut lines = Vec::new();
+    let mut failures = Vec::new();
+    for (i, r) in reports {
+        let p = &planned[i];
+        let name = if p.label.is_empty() {
+            "vm-test".to_owned()
+        } else {
+            format!("vm-test {}", p.label)
+        };
+        match r.and_then(|report| {
+            report.print(&p.spec);
+            verdict(&report, &p.spec).map(|()| report)
+        }) {
+            Ok(report) => lines.push(report.short()),
+            Err(e) => failures.push(format!("{name}: {e:#}")),
+        }
+    }
+    if planned.len() > 1 {
+        println!(
+            "vm-test: {} kernels in {:.1}s ({} at a time)",
+            planned.len(),
+            start.elapsed().as_secs_f64(),
+            jobs
+        );
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    let summary = lines.join("; ");
+    println!("vm-test: ok ({summary})");
+    Ok(summary)
+}
+
+/// The kernel of a run without `--kernel`: `--kernel-deb`, `--kernel-version`,
+/// `XTLOCK_VM_KERNEL`, else the pin.
+fn single_kernel(args: &VmArgs) -> kernel::Choice {
+    match (&args.kernel_deb, &args.kernel_version) {
+        (Some(deb), _) => kernel::Choice::Deb(deb.clone()),
+        (None, Some(v)) => kernel::Choice::Apt {
+            version: normalize_version(v),
+            pinned: false,
+        },
+        (None, None) => match env::var("XTLOCK_VM_KERNEL") {
+            Ok(v) if !v.is_empty() => kernel::Choice::Apt {
+                version: normalize_version(&v),
+                pinned: false,
+            },
+            _ => kernel::Choice::Apt {
+                version: kernel::PINNED.to_owned(),
+                pinned: true,
+            },
+        },
+    }
+}
+
+fn spec(
+    args: &VmArgs,
+    kernel: kernel::Choice,
+    commands: Vec<GuestCommand>,
+    root: &Path,
+    target: &Path,
+    results: PathBuf,
+    work: PathBuf,
+) -> Result<Spec> {
     let mut env = Vec::new();
     for kv in &args.env {
         let (k, v) = kv
@@ -348,47 +535,40 @@ fn run_args(args: &VmArgs) -> Result<String> {
         Some("tcg") => Some(Accel::Tcg),
         Some(other) => bail!("--accel {other}: expected kvm, tcg or auto"),
     };
-    let kernel = match (&args.kernel_deb, &args.kernel_version) {
-        (Some(deb), _) => kernel::Choice::Deb(deb.clone()),
-        (None, Some(v)) => kernel::Choice::Apt {
-            version: normalize_version(v),
-            pinned: false,
-        },
-        (None, None) => match env::var("XTLOCK_VM_KERNEL") {
-            Ok(v) if !v.is_empty() => kernel::Choice::Apt {
-                version: normalize_version(&v),
-                pinned: false,
-            },
-            _ => kernel::Choice::Apt {
-                version: kernel::PINNED.to_owned(),
-                pinned: true,
-            },
-        },
-    };
-    let vm = target.join("vm");
-    let spec = Spec {
+    Ok(Spec {
         kernel,
         commands,
         env,
         modules,
-        keep: vec![target.clone(), root.clone()],
-        results: args.results.clone().unwrap_or_else(|| vm.join("results")),
-        work: vm,
+        keep: vec![target.to_path_buf(), root.to_path_buf()],
+        results,
+        work,
         timeout: Duration::from_secs(args.timeout),
         accel,
         cpus: args.cpus,
         memory_mb: args.memory,
+    })
+}
+
+/// [`run_spec`] with the console prefixed by the kernel's label (`vm 5.10| `).
+fn run_spec_labelled(spec: &Spec, label: &str) -> Result<Report> {
+    let prefix = if label.is_empty() {
+        qemu::PREFIX.to_owned()
+    } else {
+        format!("vm {label}| ")
     };
-    let report = run_spec(&spec)?;
-    report.print(&spec);
+    run_spec(spec, &prefix)
+}
+
+/// Ok when every guest command passed.
+fn verdict(report: &Report, spec: &Spec) -> Result<()> {
     if report.ok() {
-        println!("vm-test: ok ({})", report.short());
-        return Ok(report.short());
+        return Ok(());
     }
     let e = &report.ended;
     if e.timed_out {
         bail!(
-            "vm-test: the VM did not finish within {} s and was killed ({}); see {}/console.log",
+            "the VM did not finish within {} s and was killed ({}); see {}/console.log",
             spec.timeout.as_secs(),
             if e.boot.is_some() {
                 "the commands were running"
@@ -407,7 +587,8 @@ fn run_args(args: &VmArgs) -> Result<String> {
                 .map(|c| c.2.as_str())
                 .collect();
             bail!(
-                "vm-test: the guest exited {rc}; failed: {}",
+                "the guest on {} exited {rc}; failed: {}",
+                report.kernel.release,
                 if failed.is_empty() {
                     "the VM setup (see above)".to_owned()
                 } else {
@@ -416,7 +597,7 @@ fn run_args(args: &VmArgs) -> Result<String> {
             )
         }
         None => bail!(
-            "vm-test: the guest ended without an exit status (QEMU: {}); last lines:\n  {}",
+            "the guest ended without an exit status (QEMU: {}); last lines:\n  {}",
             e.qemu.map_or("?".into(), |s| s.to_string()),
             e.tail.join("\n  ")
         ),
@@ -539,8 +720,9 @@ fn json_str(text: &str, key: &str) -> Option<String> {
     None
 }
 
-/// Boots the VM of `spec` and runs its commands; Err only when the VM could not be started.
-pub fn run_spec(spec: &Spec) -> Result<Report> {
+/// Boots the VM of `spec` and runs its commands, its console shown with `prefix` before each
+/// line; Err only when the VM could not be started.
+pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
     let start = Instant::now();
     for t in ["qemu-system-x86_64", "busybox", "dpkg", "apt-get", "xz"] {
         if sh::which(t).is_none() {
@@ -556,7 +738,13 @@ pub fn run_spec(spec: &Spec) -> Result<Report> {
 
     let results = absolute(&spec.results)?;
     fs::create_dir_all(&results)?;
-    for f in ["exit-status", "commands", "console.log"] {
+    for f in [
+        "exit-status",
+        "commands",
+        "console.log",
+        "probes.json",
+        "kernel",
+    ] {
         let _ = fs::remove_file(results.join(f));
     }
     let conf = conf(spec, &kernel, &early, &preload, &results)?;
@@ -595,7 +783,13 @@ pub fn run_spec(spec: &Spec) -> Result<Report> {
         ],
         timeout: spec.timeout,
         console_log: &results.join("console.log"),
+        prefix,
     })?;
+    // Which kernel these results are of (`cargo xtask kernels-doc` names it).
+    fs::write(
+        results.join("kernel"),
+        format!("release={}\npackage={}\n", kernel.release, kernel.package),
+    )?;
     let from_file = fs::read_to_string(results.join("exit-status"))
         .ok()
         .and_then(|s| s.trim().parse().ok());

@@ -3,6 +3,10 @@
 //! runs, with `modules.dep` made by `busybox depmod` (the host has no kmod) and, when the
 //! kernel can boot that way, an uncompressed `vmlinux` for QEMU's PVH entry (decompressing the
 //! xz bzImage under TCG takes seconds at every boot).
+//!
+//! apt runs with a configuration of its own in the cache (`apt/`: a sources list with the
+//! suites of every series in [`SERIES`], its own lists and archives), never the machine's: a
+//! Debian 12 host fetches Debian 11's and 13's kernels without touching its own apt state.
 use std::{
     collections::{HashMap, HashSet},
     env, fs,
@@ -22,11 +26,21 @@ use crate::sh;
 /// `linux-image-amd64` depends on now, with a warning to update this pin.
 pub const PINNED: &str = "6.1.0-56";
 
+/// The kernel series `--kernel` takes, and the Debian suite that ships each (its
+/// `-security` suite has the newest builds).
+pub const SERIES: &[(&str, &str)] = &[
+    ("5.10", "bullseye"),
+    ("6.1", "bookworm"),
+    ("6.12", "trixie"),
+];
+
 /// Which kernel to boot.
 #[derive(Clone, Debug)]
 pub enum Choice {
     /// `linux-image-<V>-amd64` from apt; `pinned` when V is [`PINNED`] by default.
     Apt { version: String, pinned: bool },
+    /// The newest `linux-image-<series>.*-amd64` Debian has (one of [`SERIES`]).
+    Series(String),
     /// A local `linux-image-*.deb`.
     Deb(PathBuf),
 }
@@ -69,6 +83,20 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
             let p = format!("linux-image-{version}-amd64");
             (p.clone(), Some(p))
         }
+        Choice::Series(series) => {
+            let p = match newest_of_series(cache, series) {
+                Ok(p) => p,
+                Err(e) => match newest_cached(&kernels, series) {
+                    // Offline, or Debian unreachable: the newest this cache has.
+                    Some(p) => {
+                        println!("warning: vm: {e:#}; using {p} from the cache");
+                        p
+                    }
+                    None => return Err(e),
+                },
+            };
+            (p.clone(), Some(p))
+        }
         Choice::Deb(deb) => {
             let stem = deb
                 .file_stem()
@@ -82,7 +110,8 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
         return Ok(k);
     }
     let package = match (choice, package) {
-        (Choice::Apt { pinned, .. }, Some(p)) => Some(resolve(&p, *pinned)?),
+        (Choice::Apt { pinned, .. }, Some(p)) => Some(resolve(cache, &p, *pinned)?),
+        (Choice::Series(_), Some(p)) => Some(p),
         _ => None,
     };
     // A fallback package may be cached under its own name.
@@ -98,7 +127,7 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
     let tmp = kernels.join(format!(".new-{key}-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp)?;
-    let result = unpack(choice, package.as_deref(), &tmp);
+    let result = unpack(cache, choice, package.as_deref(), &tmp);
     if let Err(e) = result {
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
@@ -113,61 +142,193 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
 }
 
 /// The package to download for `wanted`: itself when apt knows it (after one `apt-get update`
-/// if needed); for the default pin, else what `linux-image-amd64` depends on now.
-fn resolve(wanted: &str, pinned: bool) -> Result<String> {
-    if apt_knows(wanted) {
+/// if needed); for the default pin, else the newest of its series.
+fn resolve(cache: &Path, wanted: &str, pinned: bool) -> Result<String> {
+    let apt = Apt::new(cache)?;
+    if !apt.fresh() {
+        apt.update()?;
+    }
+    if apt.knows(wanted) {
         return Ok(wanted.to_owned());
     }
-    println!("vm: apt does not know {wanted}; apt-get update");
-    sh::run(
-        Command::new("apt-get")
-            .args(["-q", "-o", "DPkg::Lock::Timeout=600", "update"])
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-    )?;
-    if apt_knows(wanted) {
-        return Ok(wanted.to_owned());
+    if apt.fresh() {
+        // Lists from today may still predate a package published since.
+        apt.update()?;
+        if apt.knows(wanted) {
+            return Ok(wanted.to_owned());
+        }
     }
     if !pinned {
         bail!(
-            "apt has no package {wanted}: pick a version `apt-cache search linux-image-6` lists \
-             (--kernel-version 6.1.0-N), or give a .deb with --kernel-deb"
+            "Debian has no package {wanted}: pick a series (--kernel 5.10, 6.1 or 6.12), an \
+             exact version `apt-cache search linux-image-6` lists (--kernel-version 6.1.0-N), \
+             or give a .deb with --kernel-deb"
         );
     }
-    let deps = sh::capture(Command::new("apt-cache").args(["depends", "linux-image-amd64"]))
-        .unwrap_or_default();
-    let current = deps
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("Depends: "))
-        .find(|p| p.starts_with("linux-image-") && p.ends_with("-amd64"))
-        .map(str::to_owned)
-        .with_context(|| {
-            format!("apt has neither {wanted} nor a linux-image-amd64 to fall back to")
-        })?;
+    let series = series_of(PINNED).context("the pin is of no known series")?;
+    let current = apt.newest(series)?;
     println!(
-        "warning: vm: Debian no longer has the pinned {wanted}; using {current}, which \
-         linux-image-amd64 depends on now (update PINNED in xtask/src/vm/kernel.rs)"
+        "warning: vm: Debian no longer has the pinned {wanted}; using {current}, the newest of \
+         the {series} series (update PINNED in xtask/src/vm/kernel.rs)"
     );
     Ok(current)
 }
 
-fn apt_knows(package: &str) -> bool {
-    // `apt-cache show` fails for unknown packages; for a purely virtual one it prints nothing.
-    sh::capture(Command::new("apt-cache").args(["show", "--no-all-versions", package]))
+/// The series of a version (`6.1.0-56` -> `6.1`), if it is one of [`SERIES`].
+pub fn series_of(version: &str) -> Option<&'static str> {
+    SERIES
+        .iter()
+        .map(|(s, _)| *s)
+        .find(|s| version.strip_prefix(s).is_some_and(|r| r.starts_with('.')))
+}
+
+/// The newest package of `series` apt knows, after refreshing lists older than a day.
+fn newest_of_series(cache: &Path, series: &str) -> Result<String> {
+    let apt = Apt::new(cache)?;
+    if !apt.fresh() {
+        apt.update()?;
+    }
+    apt.newest(series)
+}
+
+/// The newest kernel of `series` already unpacked in the cache.
+fn newest_cached(kernels: &Path, series: &str) -> Option<String> {
+    let names = fs::read_dir(kernels)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("info").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned());
+    newest_package(names, series)
+}
+
+/// The newest plain `linux-image-<series>.*-amd64` among `names` (no -rt, -cloud, -dbg or
+/// -unsigned flavour), by the numbers of its version: `5.10.0-46` -> 5, 10, 0, 46;
+/// `6.12.118+deb13` -> 6, 12, 118, 13.
+pub fn newest_package(names: impl IntoIterator<Item = String>, series: &str) -> Option<String> {
+    names
+        .into_iter()
+        .filter_map(|n| {
+            let v = n.strip_prefix("linux-image-")?.strip_suffix("-amd64")?;
+            let plain = v
+                .chars()
+                .all(|c| c.is_ascii_digit() || ".-+deb".contains(c));
+            (plain && series_of(v) == Some(series)).then(|| (version_numbers(v), n.clone()))
+        })
+        .max()
+        .map(|(_, n)| n)
+}
+
+fn version_numbers(v: &str) -> Vec<u64> {
+    v.split(|c: char| !c.is_ascii_digit())
+        .filter(|p| !p.is_empty())
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+/// apt with a configuration of its own under `<cache>/apt`.
+struct Apt {
+    dir: PathBuf,
+}
+
+impl Apt {
+    fn new(cache: &Path) -> Result<Self> {
+        let dir = cache.join("apt");
+        for d in ["lists/partial", "archives/partial"] {
+            fs::create_dir_all(dir.join(d))
+                .with_context(|| format!("creating {}", dir.join(d).display()))?;
+        }
+        let mut list = String::from("# Written by cargo xtask vm-test (xtask/src/vm/kernel.rs).\n");
+        for (_, suite) in SERIES {
+            for (uri, s) in [
+                ("http://deb.debian.org/debian", suite.to_string()),
+                (
+                    "http://deb.debian.org/debian-security",
+                    format!("{suite}-security"),
+                ),
+            ] {
+                list.push_str(&format!(
+                    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {uri} {s} main\n"
+                ));
+            }
+        }
+        let path = dir.join("sources.list");
+        if fs::read_to_string(&path).ok().as_deref() != Some(list.as_str()) {
+            fs::write(&path, list).with_context(|| format!("writing {}", path.display()))?;
+            // Lists of another sources list: fetch anew.
+            let _ = fs::remove_file(dir.join("updated"));
+        }
+        Ok(Self { dir })
+    }
+
+    fn cmd(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        let d = self.dir.display();
+        c.args(["-q", "-o", "Dir::Etc::SourceParts=/dev/null"])
+            .arg("-o")
+            .arg(format!("Dir::Etc::SourceList={d}/sources.list"))
+            .arg("-o")
+            .arg(format!("Dir::State::Lists={d}/lists"))
+            .arg("-o")
+            .arg(format!("Dir::Cache={d}"))
+            .arg("-o")
+            .arg(format!("Dir::Cache::Archives={d}/archives"))
+            // Files in a root-owned folder: no `_apt` sandbox warning.
+            .args(["-o", "APT::Sandbox::User=root"])
+            .args(["-o", "Acquire::Languages=none"])
+            .env("DEBIAN_FRONTEND", "noninteractive");
+        c
+    }
+
+    /// Lists fetched less than a day ago.
+    fn fresh(&self) -> bool {
+        fs::metadata(self.dir.join("updated"))
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().is_ok_and(|e| e.as_secs() < 86_400))
+    }
+
+    fn update(&self) -> Result<()> {
+        println!("vm: apt-get update (own lists in {})", self.dir.display());
+        sh::run(self.cmd("apt-get").arg("update"))?;
+        fs::write(self.dir.join("updated"), "")?;
+        Ok(())
+    }
+
+    fn knows(&self, package: &str) -> bool {
+        // `apt-cache show` fails for unknown packages; for a purely virtual one it prints nothing.
+        sh::capture(
+            self.cmd("apt-cache")
+                .args(["show", "--no-all-versions", package]),
+        )
         .is_some_and(|s| s.contains("Package:"))
+    }
+
+    fn newest(&self, series: &str) -> Result<String> {
+        let names = sh::capture(self.cmd("apt-cache").args(["pkgnames", "linux-image-"]))
+            .unwrap_or_default();
+        newest_package(names.lines().map(str::to_owned), series).with_context(|| {
+            format!(
+                "apt knows no linux-image-{series}.*-amd64 (sources: {}/sources.list)",
+                self.dir.display()
+            )
+        })
+    }
+
+    fn download(&self, package: &str, into: &Path) -> Result<()> {
+        println!("vm: apt-get download {package}");
+        sh::run(
+            self.cmd("apt-get")
+                .current_dir(into)
+                .args(["download", package]),
+        )
+    }
 }
 
 /// Fills `dir` with `root/` (the unpacked package), `modules.dep`, the boot image and `info`.
-fn unpack(choice: &Choice, package: Option<&str>, dir: &Path) -> Result<()> {
+fn unpack(cache: &Path, choice: &Choice, package: Option<&str>, dir: &Path) -> Result<()> {
     let deb = match (choice, package) {
         (Choice::Deb(deb), _) => deb.clone(),
         (_, Some(p)) => {
-            println!("vm: apt-get download {p}");
-            sh::run(
-                Command::new("apt-get")
-                    .current_dir(dir)
-                    // Downloading into a root-owned folder: no `_apt` sandbox warning.
-                    .args(["-q", "-o", "APT::Sandbox::User=root", "download", p]),
-            )?;
+            Apt::new(cache)?.download(p, dir)?;
             find_deb(dir)?
         }
         _ => unreachable!("an apt choice always has a package"),
@@ -181,10 +342,16 @@ fn unpack(choice: &Choice, package: Option<&str>, dir: &Path) -> Result<()> {
     let root = dir.join("root");
     println!("vm: unpacking {package} (dpkg -x)");
     sh::run(Command::new("dpkg").arg("-x").arg(&deb).arg(&root))?;
-    if matches!(choice, Choice::Apt { .. }) {
+    if !matches!(choice, Choice::Deb(_)) {
         fs::remove_file(&deb)?;
     }
     let mods = root.join("lib/modules");
+    let usr_mods = root.join("usr/lib/modules");
+    if !mods.exists() && usr_mods.exists() {
+        // Debian 13 ships modules under /usr (merged /usr): one place for the rest of xtask.
+        sh::run(Command::new("mv").arg(&usr_mods).arg(&mods))?;
+    }
+    decompress_modules(&mods)?;
     let mut releases: Vec<String> = fs::read_dir(&mods)
         .with_context(|| format!("{} has no lib/modules: not a kernel package", deb.display()))?
         .filter_map(|e| e.ok())
@@ -223,6 +390,41 @@ fn unpack(choice: &Choice, package: Option<&str>, dir: &Path) -> Result<()> {
         dir.join("info"),
         format!("release={release}\npackage={package}\nimage={image}\npvh={pvh}\n"),
     )?;
+    Ok(())
+}
+
+/// Debian 13 compresses modules (`.ko.xz`): busybox insmod in the guest and the tests'
+/// insmod take them uncompressed, so they are unpacked once here.
+fn decompress_modules(mods: &Path) -> Result<()> {
+    let mut found = Vec::new();
+    let mut dirs = vec![mods.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in fs::read_dir(&d).with_context(|| format!("reading {}", d.display()))? {
+            let e = e?;
+            let p = e.path();
+            if e.file_type()?.is_dir() {
+                dirs.push(p);
+            } else if p.to_string_lossy().ends_with(".ko.xz") {
+                found.push(p);
+            } else if p.to_string_lossy().ends_with(".ko.zst") {
+                bail!("{}: zstd-compressed modules are not supported", p.display());
+            }
+        }
+    }
+    if found.is_empty() {
+        return Ok(());
+    }
+    println!("vm: decompressing {} modules (xz -d)", found.len());
+    for chunk in found.chunks(500) {
+        let status = Command::new("xz")
+            .arg("-d")
+            .args(chunk)
+            .status()
+            .context("running xz (apt-get install xz-utils)")?;
+        if !status.success() {
+            bail!("xz -d of the kernel's modules failed ({status})");
+        }
+    }
     Ok(())
 }
 

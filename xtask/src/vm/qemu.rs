@@ -132,6 +132,8 @@ pub struct Boot<'a> {
     pub timeout: Duration,
     /// The guest's serial console is copied here as well.
     pub console_log: &'a Path,
+    /// Before each console line shown ([`PREFIX`], or one naming the kernel).
+    pub prefix: &'a str,
 }
 
 /// What a boot ended with.
@@ -221,12 +223,12 @@ pub fn boot(b: &Boot) -> Result<Ended> {
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left.min(Duration::from_millis(500))) {
             Ok(Line::Out(l)) => {
-                println!("{PREFIX}{l}");
+                println!("{}{l}", b.prefix);
                 let _ = writeln!(log, "{l}");
                 see(&l, start, &mut ended);
             }
             Ok(Line::Err(l)) => {
-                println!("{PREFIX}qemu: {l}");
+                println!("{}qemu: {l}", b.prefix);
                 let _ = writeln!(log, "qemu: {l}");
                 remember(&mut ended.tail, format!("qemu: {l}"));
             }
