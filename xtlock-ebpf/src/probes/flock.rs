@@ -158,12 +158,25 @@ fn on_request(r: &Request) {
     let (_, tid) = ids();
 
     // This thread's deferred call on this lock, if it is one (an entry left by a thread
-    // that died waiting, whose tid was reused, is another owner).
+    // that died waiting, whose tid was reused, is another owner). A zeroed copy and a flag
+    // rather than an Option: LLVM loads an Option's payload before testing it, and the
+    // verifiers before 5.12 refuse that read of stack the None path never wrote.
+    let mut w = FlockInflight {
+        enter_ns: 0,
+        owner: 0,
+        ino: 0,
+        dev: 0,
+        cmd: 0,
+    };
+    let mut waiting = false;
     // SAFETY: read of our own entry.
-    let waiting = unsafe { FLOCK_INFLIGHT.get(&tid) }
-        .copied()
-        .filter(|w| w.owner == owner && w.ino == ino && w.dev == dev);
-    if ret == FILE_LOCK_DEFERRED && waiting.is_none() {
+    if let Some(e) = unsafe { FLOCK_INFLIGHT.get(&tid) } {
+        if e.owner == owner && e.ino == ino && e.dev == dev {
+            w = *e;
+            waiting = true;
+        }
+    }
+    if ret == FILE_LOCK_DEFERRED && !waiting {
         let inflight = FlockInflight {
             enter_ns: ts,
             owner,
@@ -189,7 +202,7 @@ fn on_request(r: &Request) {
     note_hold(owner, fl_type, ret, ts);
 
     // A retry after the wait that did not defer again ends the call: granted, or an error.
-    if let Some(w) = waiting {
+    if waiting {
         if ret != FILE_LOCK_DEFERRED {
             let _ = FLOCK_INFLIGHT.remove(&tid);
             // A release by this owner means the waiter died and its files are closing.
