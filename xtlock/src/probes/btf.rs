@@ -47,6 +47,28 @@ pub enum BtfError {
     Bitfield(String),
 }
 
+/// A parameter or return type, as a prototype check compares it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ArgType {
+    /// A pointer to the struct or union of this name (empty: to anything else).
+    Ptr(String),
+    /// A pointer to a struct or union this BTF only declares (`struct pt_regs;`): kprobes
+    /// read it as well, the verifier refuses fentry reads through it (Linux 5.10).
+    FwdPtr(String),
+    /// An integer, enum or bool of this many bytes.
+    Int(u32),
+    Void,
+    /// Anything else, in C words.
+    Other(String),
+}
+
+/// A function's prototype from BTF: each parameter's type and C spelling, and the return's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FuncProto {
+    pub params: Vec<(ArgType, String)>,
+    pub ret: (ArgType, String),
+}
+
 /// One parsed type: where its record starts and its decoded header.
 #[derive(Clone, Copy, Debug)]
 struct Type {
@@ -361,10 +383,56 @@ impl Btf {
                 match t.kind {
                     KIND_STRUCT => format!("struct {n}"),
                     KIND_UNION => format!("union {n}"),
+                    // A forward declaration: kind_flag tells a union from a struct.
+                    KIND_FWD if t.kind_flag => format!("union {n}"),
+                    KIND_FWD => format!("struct {n}"),
+                    KIND_ENUM | KIND_ENUM64 => format!("enum {n}"),
                     _ => n.to_string(),
                 }
             }
         }
+    }
+
+    /// A type as a prototype check compares it: what a pointer points to (struct or union
+    /// name, or its C name), else the size of a scalar.
+    fn arg_type(&self, id: u32) -> ArgType {
+        match self.get(self.resolve(id)) {
+            None => ArgType::Void,
+            Some(t) if t.kind == KIND_PTR => match self.get(self.resolve(t.size_or_type)) {
+                Some(p) if matches!(p.kind, KIND_STRUCT | KIND_UNION) => {
+                    ArgType::Ptr(self.name(p.name_off).to_string())
+                }
+                Some(p) if p.kind == KIND_FWD => ArgType::FwdPtr(self.name(p.name_off).to_string()),
+                _ => ArgType::Ptr(String::new()),
+            },
+            Some(t) if matches!(t.kind, KIND_INT | KIND_ENUM | KIND_ENUM64) => {
+                ArgType::Int(t.size_or_type)
+            }
+            Some(_) => ArgType::Other(self.c_name(id)),
+        }
+    }
+
+    /// The prototype of function `name` (a `FUNC` and its `FUNC_PROTO`), if this BTF has it.
+    pub fn func_proto(&self, name: &str) -> Option<FuncProto> {
+        let func = self
+            .types
+            .iter()
+            .find(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)?;
+        let proto = self
+            .get(func.size_or_type)
+            .filter(|t| t.kind == KIND_FUNC_PROTO)?;
+        let mut params = Vec::with_capacity(proto.vlen as usize);
+        for i in 0..proto.vlen as usize {
+            let ty = u32_at(&self.data, proto.extra + 8 * i + 4)?;
+            params.push((self.arg_type(ty), self.c_name(ty)));
+        }
+        Some(FuncProto {
+            params,
+            ret: (
+                self.arg_type(proto.size_or_type),
+                self.c_name(proto.size_or_type),
+            ),
+        })
     }
 
     /// Values of `enum name` (32- or 64-bit enums), in declaration order.
@@ -453,10 +521,26 @@ pub(crate) mod tests {
         }
         /// A function prototype of these parameter types (returning void).
         pub fn func_proto(&mut self, params: &[u32]) {
-            self.push(&[0, (KIND_FUNC_PROTO << 24) | params.len() as u32, 0]);
+            self.func_proto_ret(params, 0);
+        }
+        /// A function prototype of these parameter types returning `ret`.
+        pub fn func_proto_ret(&mut self, params: &[u32], ret: u32) {
+            self.push(&[0, (KIND_FUNC_PROTO << 24) | params.len() as u32, ret]);
             for p in params {
                 self.push(&[0, *p]);
             }
+        }
+        /// A function named `name` of prototype `proto`.
+        pub fn func(&mut self, name: &str, proto: u32) {
+            let n = self.s(name);
+            self.push(&[n, KIND_FUNC << 24, proto]);
+        }
+        pub fn konst(&mut self, to: u32) {
+            self.push(&[0, KIND_CONST << 24, to]);
+        }
+        pub fn fwd(&mut self, name: &str) {
+            let n = self.s(name);
+            self.push(&[n, KIND_FWD << 24, 0]);
         }
         pub fn enumeration(&mut self, name: &str, values: &[(&str, i32)]) {
             let n = self.s(name);
@@ -578,6 +662,51 @@ pub(crate) mod tests {
         );
         assert_eq!(btf.fn_typedef_params("not_a_fn"), None);
         assert_eq!(btf.fn_typedef_params("nope"), None);
+    }
+
+    /// `struct nf_conn *__nf_conntrack_alloc(struct net *, const struct nf_conntrack_zone *,
+    /// const struct nf_conntrack_tuple *, ..., gfp_t, u32)`, and a function whose pointer
+    /// parameter is a forward declaration (5.10's `__x64_sys_execveat`).
+    #[test]
+    fn function_prototypes() {
+        let mut b = Builder::new();
+        b.int("unsigned int", 4); // 1
+        b.strukt(KIND_STRUCT, "net", 8, &[]); // 2
+        b.ptr(2); // 3: struct net *
+        b.strukt(KIND_STRUCT, "nf_conntrack_tuple", 40, &[]); // 4
+        b.konst(4); // 5
+        b.ptr(5); // 6: const struct nf_conntrack_tuple *
+        b.strukt(KIND_STRUCT, "nf_conn", 8, &[]); // 7
+        b.ptr(7); // 8
+        b.typedef("gfp_t", 1); // 9
+        b.func_proto_ret(&[3, 6, 6, 9], 8); // 10
+        b.func("__nf_conntrack_alloc", 10); // 11
+        b.fwd("pt_regs"); // 12
+        b.konst(12); // 13
+        b.ptr(13); // 14
+        b.int("long int", 8); // 15
+        b.func_proto_ret(&[14], 15); // 16
+        b.func("__x64_sys_execveat", 16); // 17
+        let btf = Btf::parse(b.build()).unwrap();
+        let p = btf.func_proto("__nf_conntrack_alloc").unwrap();
+        assert_eq!(p.params.len(), 4);
+        assert_eq!(p.params[0].0, ArgType::Ptr("net".into()));
+        assert_eq!(
+            p.params[2],
+            (
+                ArgType::Ptr("nf_conntrack_tuple".into()),
+                "struct nf_conntrack_tuple *".into()
+            )
+        );
+        assert_eq!(p.params[3], (ArgType::Int(4), "unsigned int".into()));
+        assert_eq!(p.ret.0, ArgType::Ptr("nf_conn".into()));
+        let p = btf.func_proto("__x64_sys_execveat").unwrap();
+        assert_eq!(
+            p.params,
+            [(ArgType::FwdPtr("pt_regs".into()), "struct pt_regs *".into())]
+        );
+        assert_eq!(p.ret.0, ArgType::Int(8));
+        assert_eq!(btf.func_proto("nope"), None);
     }
 
     #[test]

@@ -9,7 +9,7 @@ use xtlock_common::CtConfig;
 
 use super::{
     btf::Btf,
-    kfunc::{fill_config_once, KfuncHook},
+    kfunc::{fill_config_once, KfuncHook, Reads, Want},
 };
 
 pub const INSERT_FAILED: KfuncHook = KfuncHook {
@@ -23,6 +23,12 @@ pub const INSERT_FAILED: KfuncHook = KfuncHook {
     kprobe: Some("ct_confirm_kprobe"),
     kretprobe: Some("ct_confirm_kretprobe"),
     setup: Some(setup),
+    // `int __nf_conntrack_confirm(struct sk_buff *skb)`.
+    reads: Some(Reads {
+        args: &[Want::Ptr("sk_buff")],
+        fexit_params: Some(1),
+        ret: Want::Int,
+    }),
 };
 
 pub const TABLE_FULL: KfuncHook = KfuncHook {
@@ -35,6 +41,14 @@ pub const TABLE_FULL: KfuncHook = KfuncHook {
     kprobe: Some("ct_alloc_kprobe"),
     kretprobe: Some("ct_alloc_kretprobe"),
     setup: Some(setup),
+    // `struct nf_conn *__nf_conntrack_alloc(struct net *net, const struct nf_conntrack_zone
+    // *zone, const struct nf_conntrack_tuple *orig, const struct nf_conntrack_tuple *repl,
+    // gfp_t gfp, u32 hash)`.
+    reads: Some(Reads {
+        args: &[Want::Ptr("net"), Want::Any, Want::Ptr("nf_conntrack_tuple")],
+        fexit_params: Some(6),
+        ret: Want::Ptr("nf_conn"),
+    }),
 };
 
 /// The offsets of this kernel, from the module's BTF when nf_conntrack is a module, else

@@ -12,7 +12,7 @@ use aya::Ebpf;
 use xtlock_common::IpvsConfig;
 
 use super::btf::Btf;
-use super::kfunc::{fill_config_once, KfuncHook};
+use super::kfunc::{fill_config_once, KfuncHook, Reads, Want};
 
 /// Minimum spacing of stale-packet events per connection.
 pub const STALE_INTERVAL_NS: u64 = 1_000_000_000;
@@ -25,6 +25,7 @@ const fn hook(
     functions: &'static [&'static str],
     kprobe: Option<&'static str>,
     kretprobe: Option<&'static str>,
+    reads: Reads,
 ) -> KfuncHook {
     KfuncHook {
         name,
@@ -36,8 +37,30 @@ const fn hook(
         kprobe,
         kretprobe,
         setup: Some(setup),
+        reads: Some(reads),
     }
 }
+
+/// What a kprobe reads: the parameters up to the last one read, and the return value.
+const fn reads(args: &'static [Want], ret: Want) -> Reads {
+    Reads {
+        args,
+        fexit_params: None,
+        ret,
+    }
+}
+
+/// `int ip_vs_add_dest(struct ip_vs_service *svc, struct ip_vs_dest_user_kern *udest)`, and
+/// del/edit alike.
+const DEST_OP: Reads = reads(
+    &[
+        Want::Ptr("ip_vs_service"),
+        Want::Ptr("ip_vs_dest_user_kern"),
+    ],
+    Want::Int,
+);
+/// `int ip_vs_nat_xmit(struct sk_buff *skb, struct ip_vs_conn *cp, ...)`.
+const XMIT: Reads = reads(&[Want::Any, Want::Ptr("ip_vs_conn")], Want::Any);
 
 pub const CONN_NEW: KfuncHook = hook(
     "ipvs_conn_new",
@@ -45,6 +68,7 @@ pub const CONN_NEW: KfuncHook = hook(
     &["ip_vs_conn_new"],
     None,
     Some("ipvs_conn_new"),
+    reads(&[], Want::Ptr("ip_vs_conn")),
 );
 pub const NAT_XMIT: KfuncHook = hook(
     "ipvs_nat_xmit",
@@ -53,6 +77,7 @@ pub const NAT_XMIT: KfuncHook = hook(
     &["ip_vs_nat_xmit"],
     Some("ipvs_nat_xmit"),
     None,
+    XMIT,
 );
 pub const NAT_XMIT_V6: KfuncHook = hook(
     "ipvs_nat_xmit_v6",
@@ -60,6 +85,7 @@ pub const NAT_XMIT_V6: KfuncHook = hook(
     &["ip_vs_nat_xmit_v6"],
     Some("ipvs_nat_xmit_v6"),
     None,
+    XMIT,
 );
 pub const CONN_IN_GET: KfuncHook = hook(
     "ipvs_conn_in_get",
@@ -67,6 +93,7 @@ pub const CONN_IN_GET: KfuncHook = hook(
     &["ip_vs_conn_in_get_proto"],
     None,
     Some("ipvs_conn_in_get"),
+    reads(&[], Want::Ptr("ip_vs_conn")),
 );
 pub const CONN_EXPIRE: KfuncHook = hook(
     "ipvs_conn_expire",
@@ -74,6 +101,7 @@ pub const CONN_EXPIRE: KfuncHook = hook(
     &["ip_vs_conn_expire"],
     Some("ipvs_conn_expire"),
     None,
+    reads(&[Want::Ptr("timer_list")], Want::Any),
 );
 pub const ADD_DEST: KfuncHook = hook(
     "ipvs_add_dest",
@@ -81,6 +109,7 @@ pub const ADD_DEST: KfuncHook = hook(
     &["ip_vs_add_dest"],
     Some("ipvs_add_dest"),
     Some("ipvs_add_dest_ret"),
+    DEST_OP,
 );
 pub const DEL_DEST: KfuncHook = hook(
     "ipvs_del_dest",
@@ -88,6 +117,7 @@ pub const DEL_DEST: KfuncHook = hook(
     &["ip_vs_del_dest"],
     Some("ipvs_del_dest"),
     Some("ipvs_del_dest_ret"),
+    DEST_OP,
 );
 pub const EDIT_DEST: KfuncHook = hook(
     "ipvs_edit_dest",
@@ -95,6 +125,7 @@ pub const EDIT_DEST: KfuncHook = hook(
     &["ip_vs_edit_dest"],
     Some("ipvs_edit_dest"),
     Some("ipvs_edit_dest_ret"),
+    DEST_OP,
 );
 
 pub const ADD_SERVICE: KfuncHook = hook(
@@ -103,6 +134,10 @@ pub const ADD_SERVICE: KfuncHook = hook(
     &["ip_vs_add_service"],
     Some("ipvs_add_service"),
     Some("ipvs_add_service_ret"),
+    reads(
+        &[Want::Any, Want::Ptr("ip_vs_service_user_kern")],
+        Want::Int,
+    ),
 );
 pub const EDIT_SERVICE: KfuncHook = hook(
     "ipvs_edit_service",
@@ -110,6 +145,7 @@ pub const EDIT_SERVICE: KfuncHook = hook(
     &["ip_vs_edit_service"],
     Some("ipvs_edit_service"),
     Some("ipvs_edit_service_ret"),
+    reads(&[Want::Ptr("ip_vs_service")], Want::Int),
 );
 pub const UNLINK_SERVICE: KfuncHook = hook(
     "ipvs_unlink_service",
@@ -117,6 +153,7 @@ pub const UNLINK_SERVICE: KfuncHook = hook(
     &["ip_vs_unlink_service"],
     Some("ipvs_unlink_service"),
     None,
+    reads(&[Want::Ptr("ip_vs_service")], Want::Any),
 );
 
 /// The hooks whose maps hold the packet counters.

@@ -9,14 +9,21 @@
 //! `--no-attach` (or `XTLOCK_NO_ATTACH`) rules out attach types, per hook or everywhere:
 //! how the fallbacks are exercised on a kernel where the first choice works.
 
-use std::{collections::BTreeSet, fmt, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    path::Path,
+};
 
 use aya::{
     programs::{FEntry, FExit, KProbe},
     Ebpf,
 };
 
-use super::preflight::error_chain;
+use super::{
+    btf::{ArgType, Btf, FuncProto},
+    preflight::error_chain,
+};
 
 /// Environment variable with `--no-attach` rules, added to the flag's (for DaemonSets).
 pub const NO_ATTACH_ENV: &str = "XTLOCK_NO_ATTACH";
@@ -164,6 +171,127 @@ pub struct KfuncHook {
     /// before they attach; given vmlinux BTF when it could be read. Runs again when the
     /// module loads after start.
     pub setup: Option<SetupFn>,
+    /// What the programs read of the function's arguments and return value, checked
+    /// against its prototype in the running kernel's BTF before anything attaches (`None`:
+    /// they read nothing).
+    pub reads: Option<Reads>,
+}
+
+/// What a hook's programs read of its function's arguments, and how they find its return.
+#[derive(Clone, Copy, Debug)]
+pub struct Reads {
+    /// The parameters up to the last one read, each as the programs read it.
+    pub args: &'static [Want],
+    /// The exact parameter count the fexit program assumes: it finds the return value
+    /// after the arguments (`ctx.arg(N)`), so one parameter more or less reads garbage.
+    pub fexit_params: Option<usize>,
+    pub ret: Want,
+}
+
+/// One argument or return value as the programs read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    /// Not read.
+    Any,
+    /// A pointer to `struct NAME`, read through at offsets from BTF.
+    Ptr(&'static str),
+    /// An integer (any size: read as a register).
+    Int,
+}
+
+impl Want {
+    fn matches(self, t: &ArgType) -> bool {
+        match (self, t) {
+            (Want::Any, _) => true,
+            (Want::Ptr(n), ArgType::Ptr(m) | ArgType::FwdPtr(m)) => n == m,
+            (Want::Int, ArgType::Int(_)) => true,
+            _ => false,
+        }
+    }
+
+    fn text(self) -> String {
+        match self {
+            Want::Any => "_".into(),
+            Want::Ptr(n) => format!("struct {n} *"),
+            Want::Int => "an integer".into(),
+        }
+    }
+}
+
+/// Why `function`'s prototype in BTF does not fit what the hook reads: `Err((all, fentry))`
+/// with the reason every attach type is ruled out for (a wrong read either way), or the
+/// reason only fentry/fexit is (kprobes read registers, unaffected).
+pub fn check_proto(
+    function: &str,
+    reads: &Reads,
+    proto: &FuncProto,
+) -> Result<(), (Option<String>, Option<String>)> {
+    let shown = || {
+        let p: Vec<&str> = proto.params.iter().map(|(_, c)| c.as_str()).collect();
+        format!("{} {function}({})", proto.ret.1, p.join(", "))
+    };
+    if proto.params.len() < reads.args.len() {
+        return Err((
+            Some(format!(
+                "this kernel's {} has {} parameters, the hook reads {}",
+                shown(),
+                proto.params.len(),
+                reads.args.len()
+            )),
+            None,
+        ));
+    }
+    for (i, (want, (got, _))) in reads.args.iter().zip(&proto.params).enumerate() {
+        if !want.matches(got) {
+            return Err((
+                Some(format!(
+                    "this kernel's {}: parameter {} is not the {} the hook reads",
+                    shown(),
+                    i + 1,
+                    want.text()
+                )),
+                None,
+            ));
+        }
+    }
+    if !reads.ret.matches(&proto.ret.0) {
+        return Err((
+            Some(format!(
+                "this kernel's {} does not return the {} the hook reads",
+                shown(),
+                reads.ret.text()
+            )),
+            None,
+        ));
+    }
+    if let Some(n) = reads.fexit_params {
+        if proto.params.len() != n {
+            return Err((
+                None,
+                Some(format!(
+                    "this kernel's {} has {} parameters, the fexit program expects {n}",
+                    shown(),
+                    proto.params.len()
+                )),
+            ));
+        }
+    }
+    // The 5.10 verifier refuses fentry reads of a pointer to a declared-only struct.
+    for (i, (want, (got, c))) in reads.args.iter().zip(&proto.params).enumerate() {
+        if *want != Want::Any {
+            if let ArgType::FwdPtr(n) = got {
+                return Err((
+                    None,
+                    Some(format!(
+                        "parameter {} of {function} is a `{c}` whose struct {n} this kernel's \
+                         BTF only declares: fentry cannot read it",
+                        i + 1
+                    )),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// See [`KfuncHook::setup`].
@@ -225,6 +353,9 @@ pub struct KernelFacts {
     /// The kernel has kprobes (a kprobe PMU or tracefs `kprobe_events`).
     pub kprobes: bool,
     pub filter: AttachFilter,
+    /// Prototypes of the wanted functions whose hooks read arguments, from vmlinux BTF or
+    /// their module's; `Err`: why there is none to check against.
+    pub protos: BTreeMap<String, Result<FuncProto, String>>,
 }
 
 /// The function to hook and, per candidate, either `None` (try it) or why it is skipped.
@@ -232,6 +363,9 @@ pub struct KernelFacts {
 pub struct Plan {
     pub function: String,
     pub candidates: Vec<(AttachKind, Option<String>)>,
+    /// Why the function's prototype could not be checked, when it could not (kprobes then
+    /// read as built; fentry needs the BTF anyway).
+    pub unchecked: Option<String>,
 }
 
 /// Errors that stop the hook before any candidate is tried.
@@ -260,6 +394,10 @@ pub fn plan(hook: &KfuncHook, facts: &KernelFacts) -> Result<Plan, PlanError> {
             _ => PlanError::NoFunction(functions),
         });
     };
+    let (proto_all, proto_fentry) = match (&hook.reads, facts.protos.get(&function)) {
+        (Some(r), Some(Ok(p))) => check_proto(&function, r, p).err().unwrap_or_default(),
+        _ => (None, None),
+    };
     let mut candidates = Vec::new();
     for kind in [AttachKind::FEntry, AttachKind::KProbe] {
         if !hook.has(kind) {
@@ -267,6 +405,10 @@ pub fn plan(hook: &KfuncHook, facts: &KernelFacts) -> Result<Plan, PlanError> {
         }
         let skip = if let Some(why) = facts.filter.blocks(hook.name, kind) {
             Some(why)
+        } else if let Some(why) = &proto_all {
+            Some(why.clone())
+        } else if kind == AttachKind::FEntry && proto_fentry.is_some() {
+            proto_fentry.clone()
         } else if kind == AttachKind::FEntry {
             if let Some(e) = &facts.btf_error {
                 Some(format!("no kernel BTF ({e})"))
@@ -286,9 +428,15 @@ pub fn plan(hook: &KfuncHook, facts: &KernelFacts) -> Result<Plan, PlanError> {
         };
         candidates.push((kind, skip));
     }
+    let unchecked = match (&hook.reads, facts.protos.get(&function)) {
+        (Some(_), Some(Err(why))) => Some(why.clone()),
+        (Some(_), None) => Some("no prototype read".to_string()),
+        _ => None,
+    };
     Ok(Plan {
         function,
         candidates,
+        unchecked,
     })
 }
 
@@ -319,17 +467,67 @@ pub fn discover(
         filter,
         ..Default::default()
     };
+    // Only hooks that read arguments need a prototype (and only theirs a module's BTF).
+    let checked: Vec<&str> = hooks
+        .iter()
+        .filter(|h| h.reads.is_some())
+        .flat_map(|h| h.functions.iter().copied())
+        .collect();
     match btf {
         Ok(b) => {
             facts.btf_funcs = wanted
                 .iter()
                 .filter(|f| b.has_func(f))
                 .map(|f| f.to_string())
-                .collect()
+                .collect();
+            facts.protos = prototypes(b, &facts.symbols, &checked);
         }
-        Err(e) => facts.btf_error = Some(e),
+        Err(e) => {
+            for f in checked {
+                facts
+                    .protos
+                    .insert(f.to_string(), Err(format!("no kernel BTF ({e})")));
+            }
+            facts.btf_error = Some(e)
+        }
     }
     facts
+}
+
+/// The prototypes of `functions` found in kallsyms: from vmlinux BTF, or from their
+/// module's split BTF (`/sys/kernel/btf/<module>`, Linux >= 5.11 with
+/// CONFIG_DEBUG_INFO_BTF_MODULES), each module read once.
+fn prototypes(
+    vmlinux: &Btf,
+    symbols: &[(String, Option<String>)],
+    functions: &[&str],
+) -> BTreeMap<String, Result<FuncProto, String>> {
+    let mut modules: BTreeMap<&str, Result<Btf, String>> = BTreeMap::new();
+    let mut out = BTreeMap::new();
+    for (name, module) in symbols
+        .iter()
+        .filter(|(n, _)| functions.contains(&n.as_str()))
+    {
+        let proto = match module.as_deref() {
+            None => vmlinux
+                .func_proto(name)
+                .ok_or_else(|| format!("{name} is not in the kernel's BTF")),
+            Some(m) => match modules
+                .entry(m)
+                .or_insert_with(|| Btf::module(vmlinux, m).map_err(|e| e.to_string()))
+            {
+                Ok(b) => b
+                    .func_proto(name)
+                    .ok_or_else(|| format!("{name} is not in module {m}'s BTF")),
+                Err(e) => Err(format!(
+                    "no BTF for module {m} (Linux >= 5.11 with CONFIG_DEBUG_INFO_BTF_MODULES \
+                     has it): {e}"
+                )),
+            },
+        };
+        out.insert(name.clone(), proto);
+    }
+    out
 }
 
 /// `(name, module)` of the text symbols of `wanted` in a /proc/kallsyms listing.
@@ -409,6 +607,9 @@ pub fn attach_after(
                 let mut describe = format!("{} {}", hook.describe(*kind), plan.function);
                 if !why.is_empty() {
                     describe.push_str(&format!(" (fallback; {})", why.join("; ")));
+                }
+                if let Some(u) = &plan.unchecked {
+                    describe.push_str(&format!(" (prototype not checked: {u})"));
                 }
                 return Ok(Attached {
                     kind: *kind,

@@ -25,7 +25,7 @@ use xtlock_common::{DropKey, IpvsKey, LockKey, ProbeConfig};
 
 use crate::lockfiles::LockFile;
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
-use kfunc::{AttachFilter, AttachKind, KfuncHook};
+use kfunc::{AttachFilter, AttachKind, KfuncHook, Reads, Want};
 use tracefs::Format;
 
 /// Program name of the packet-drop hook.
@@ -116,6 +116,20 @@ const fn syscall_fn(
             None => None,
         },
         setup: None,
+        // `long __x64_sys_NAME(const struct pt_regs *regs)`: the user registers, read at
+        // offsets from BTF; the exit program finds the return after that one argument.
+        reads: Some(match exit {
+            Some(_) => Reads {
+                args: &[Want::Ptr("pt_regs")],
+                fexit_params: Some(1),
+                ret: Want::Int,
+            },
+            None => Reads {
+                args: &[Want::Ptr("pt_regs")],
+                fexit_params: None,
+                ret: Want::Any,
+            },
+        }),
     }
 }
 
@@ -836,6 +850,10 @@ impl Probes {
                     } else {
                         tracepoint_unless_ruled_out(&mut ebpf, hook, &disc)
                     };
+                    if let (Ok(()), Some(Err(r))) = (&tp, &raw) {
+                        // Why not tp_btf, as the function hooks say why not fentry.
+                        attach.push_str(&format!(" (fallback; tp_btf: {})", first_line(r)));
+                    }
                     tp.err().map(|why| match raw {
                         Some(Err(r)) => format!("{why}; tp_btf: {r}"),
                         _ => why,
@@ -933,20 +951,23 @@ impl Probes {
         }
         let mut wanted: Vec<&KfuncHook> = ready.clone();
         wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+        // Parsed only for hooks that need it (seconds on a slow machine): their setup, or
+        // the prototypes of what they read (in the module's BTF, split on vmlinux's).
+        let btf = ready
+            .iter()
+            .any(|h| h.setup.is_some() || h.reads.is_some())
+            .then(|| btf::Btf::vmlinux().ok())
+            .flatten();
         let fresh = kfunc::discover(
             &self.tracefs,
-            Err("not read again after start".into()),
+            btf.as_ref()
+                .ok_or_else(|| "not read again after start".to_string()),
             &wanted,
             self.kfunc.filter.clone(),
         );
-        // BTF facts stay those of start: a module's functions are never in vmlinux BTF.
+        // Other BTF facts stay those of start: a module's functions are never in vmlinux BTF.
         self.kfunc.symbols = fresh.symbols;
-        // Parsed only for hooks that need it (seconds on a slow machine).
-        let btf = ready
-            .iter()
-            .any(|h| h.setup.is_some())
-            .then(|| btf::Btf::vmlinux().ok())
-            .flatten();
+        self.kfunc.protos.extend(fresh.protos);
         let mut changed = Vec::new();
         for hook in ready {
             // Not yet in kallsyms (module still initialising): try again next time.
@@ -1147,13 +1168,21 @@ fn ruled_out(hook: &Hook, kind: AttachKind, disc: &Discovery) -> Option<String> 
         .or_else(|| filter.blocks(hook.category, kind))
 }
 
-/// The hook's `tp_btf` program, unless BTF lacks what it reads or `--no-attach` rules it
-/// out.
+/// The first line of a load error: its verifier log follows, thousands of lines.
+fn first_line(s: &str) -> &str {
+    match s.find(" Verifier output:") {
+        Some(i) => &s[..i],
+        None => s.lines().next().unwrap_or(s),
+    }
+}
+
+/// The hook's `tp_btf` program, unless `--no-attach` rules it out or BTF lacks what it
+/// reads.
 fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> Result<(), String> {
-    disc.raw_lock.clone()?;
     if let Some(why) = ruled_out(hook, AttachKind::BtfTracepoint, disc) {
         return Err(why);
     }
+    disc.raw_lock.clone()?;
     let btf = kfunc::aya_btf()?;
     let prog: &mut BtfTracePoint = ebpf
         .program_mut(program)

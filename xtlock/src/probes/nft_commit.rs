@@ -18,4 +18,6 @@ pub const HOOK: KfuncHook = KfuncHook {
     kprobe: Some("nft_commit_kprobe"),
     kretprobe: Some("nft_commit_kretprobe"),
     setup: None,
+    // Timed only: no argument or return value read.
+    reads: None,
 };

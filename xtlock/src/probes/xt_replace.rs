@@ -15,4 +15,6 @@ pub const HOOK: KfuncHook = KfuncHook {
     kprobe: Some("xt_replace_kprobe"),
     kretprobe: Some("xt_replace_kretprobe"),
     setup: None,
+    // Timed only: no argument or return value read.
+    reads: None,
 };

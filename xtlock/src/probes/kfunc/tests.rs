@@ -10,6 +10,7 @@ const HOOK: KfuncHook = KfuncHook {
     kprobe: Some("c"),
     kretprobe: Some("d"),
     setup: None,
+    reads: None,
 };
 
 fn facts(symbols: &[(&str, Option<&str>)]) -> KernelFacts {
@@ -160,4 +161,182 @@ fn kallsyms_text_symbols_with_modules() {
             ),
         ]
     );
+}
+
+/// What `__nf_conntrack_alloc`'s hooks read: `(struct net *, _, struct
+/// nf_conntrack_tuple *)`, six parameters for the fexit, a `struct nf_conn *` back.
+const ALLOC: Reads = Reads {
+    args: &[Want::Ptr("net"), Want::Any, Want::Ptr("nf_conntrack_tuple")],
+    fexit_params: Some(6),
+    ret: Want::Ptr("nf_conn"),
+};
+
+fn proto(params: &[ArgType], ret: ArgType) -> FuncProto {
+    let c = |t: &ArgType| match t {
+        ArgType::Ptr(n) | ArgType::FwdPtr(n) => format!("struct {n} *"),
+        ArgType::Int(_) => "int".to_string(),
+        _ => "void".to_string(),
+    };
+    FuncProto {
+        params: params.iter().map(|t| (t.clone(), c(t))).collect(),
+        ret: (ret.clone(), c(&ret)),
+    }
+}
+
+fn alloc_hook() -> KfuncHook {
+    KfuncHook {
+        functions: &["__nf_conntrack_alloc"],
+        reads: Some(ALLOC),
+        ..HOOK
+    }
+}
+
+fn alloc_facts(p: Result<FuncProto, String>) -> KernelFacts {
+    let mut f = facts(&[("__nf_conntrack_alloc", None)]);
+    f.protos.insert("__nf_conntrack_alloc".into(), p);
+    f
+}
+
+#[test]
+fn a_matching_prototype_attaches_as_usual() {
+    let ptr = |n: &str| ArgType::Ptr(n.into());
+    let good = proto(
+        &[
+            ptr("net"),
+            ptr("nf_conntrack_zone"),
+            ptr("nf_conntrack_tuple"),
+            ptr("nf_conntrack_tuple"),
+            ArgType::Int(4),
+            ArgType::Int(4),
+        ],
+        ptr("nf_conn"),
+    );
+    let p = plan(&alloc_hook(), &alloc_facts(Ok(good))).unwrap();
+    assert_eq!(
+        p.candidates,
+        vec![(AttachKind::FEntry, None), (AttachKind::KProbe, None)]
+    );
+    assert_eq!(p.unchecked, None);
+}
+
+/// A kernel whose function takes other arguments: neither attach type reads them
+/// (a kprobe would read the wrong register as well), and the reason names both sides.
+#[test]
+fn a_mismatching_prototype_is_refused_with_its_reason() {
+    let ptr = |n: &str| ArgType::Ptr(n.into());
+    // The tuple moved to the second parameter.
+    let moved = proto(
+        &[
+            ptr("net"),
+            ptr("nf_conntrack_tuple"),
+            ptr("nf_conntrack_zone"),
+        ],
+        ptr("nf_conn"),
+    );
+    let p = plan(&alloc_hook(), &alloc_facts(Ok(moved))).unwrap();
+    for (kind, skip) in &p.candidates {
+        let why = skip
+            .as_deref()
+            .unwrap_or_else(|| panic!("{kind} not refused"));
+        assert!(
+            why.contains("parameter 3 is not the struct nf_conntrack_tuple *"),
+            "{why}"
+        );
+        assert!(why.contains("__nf_conntrack_alloc(struct net *"), "{why}");
+    }
+    // Too few parameters.
+    let short = proto(&[ptr("net")], ptr("nf_conn"));
+    let p = plan(&alloc_hook(), &alloc_facts(Ok(short))).unwrap();
+    assert!(p.candidates.iter().all(|(_, s)| s
+        .as_deref()
+        .is_some_and(|s| s.contains("has 1 parameters, the hook reads 3"))));
+    // Another return type.
+    let ret = proto(
+        &[ptr("net"), ptr("x"), ptr("nf_conntrack_tuple")],
+        ArgType::Int(4),
+    );
+    let p = plan(&alloc_hook(), &alloc_facts(Ok(ret))).unwrap();
+    assert!(p.candidates.iter().all(|(_, s)| s
+        .as_deref()
+        .is_some_and(|s| s.contains("does not return the struct nf_conn *"))));
+}
+
+/// One parameter more: the kprobe still reads its three right, the fexit would take
+/// the last argument for the return value.
+#[test]
+fn another_parameter_count_rules_out_fexit_only() {
+    let ptr = |n: &str| ArgType::Ptr(n.into());
+    let seven = proto(
+        &[
+            ptr("net"),
+            ptr("nf_conntrack_zone"),
+            ptr("nf_conntrack_tuple"),
+            ptr("nf_conntrack_tuple"),
+            ArgType::Int(4),
+            ArgType::Int(4),
+            ArgType::Int(4),
+        ],
+        ptr("nf_conn"),
+    );
+    let p = plan(&alloc_hook(), &alloc_facts(Ok(seven))).unwrap();
+    let fe = p.candidates[0].1.as_deref().unwrap();
+    assert!(fe.contains("the fexit program expects 6"), "{fe}");
+    assert_eq!(p.candidates[1], (AttachKind::KProbe, None));
+}
+
+/// 5.10's `struct pt_regs *` parameters of syscall functions: kprobes fine, fentry not.
+#[test]
+fn a_declared_only_struct_rules_out_fentry() {
+    let h = KfuncHook {
+        functions: &["__x64_sys_execveat"],
+        reads: Some(Reads {
+            args: &[Want::Ptr("pt_regs")],
+            fexit_params: None,
+            ret: Want::Any,
+        }),
+        ..HOOK
+    };
+    let mut f = facts(&[("__x64_sys_execveat", None)]);
+    f.protos.insert(
+        "__x64_sys_execveat".into(),
+        Ok(proto(&[ArgType::FwdPtr("pt_regs".into())], ArgType::Int(8))),
+    );
+    let p = plan(&h, &f).unwrap();
+    let fe = p.candidates[0].1.as_deref().unwrap();
+    assert!(fe.contains("only declares: fentry cannot read it"), "{fe}");
+    assert_eq!(p.candidates[1], (AttachKind::KProbe, None));
+    // No BTF for it: attached as built, and said so.
+    f.protos.insert(
+        "__x64_sys_execveat".into(),
+        Err("no BTF for module x".into()),
+    );
+    let p = plan(&h, &f).unwrap();
+    assert_eq!(p.unchecked.as_deref(), Some("no BTF for module x"));
+}
+
+/// What the hooks say they read matches this kernel, for the functions in its vmlinux
+/// BTF (the module ones are checked in the VM runs).
+#[test]
+fn the_hooks_reads_fit_this_kernel() {
+    let Ok(b) = Btf::vmlinux() else {
+        eprintln!("skipped: no kernel BTF");
+        return;
+    };
+    let hooks = super::super::KFUNC_HOOKS
+        .iter()
+        .copied()
+        .chain(super::super::HOOKS.iter().filter_map(|h| h.fallback));
+    let mut checked = 0;
+    for h in hooks {
+        let Some(r) = &h.reads else { continue };
+        for f in h.functions {
+            if let Some(p) = b.func_proto(f) {
+                if let Err((all, _)) = check_proto(f, r, &p) {
+                    assert!(all.is_none(), "{}: {all:?}", h.name);
+                }
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("{checked} prototypes checked");
 }
