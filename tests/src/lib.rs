@@ -58,6 +58,25 @@ pub fn require_bpf(test: &str) -> bool {
     false
 }
 
+/// A test, or part of one, that this kernel cannot run for lack of `feature` (named so the
+/// skip says what a kernel needs): said on stderr and, in the VM, added to
+/// `$XTLOCK_VM_RESULTS/skips`, which `cargo xtask vm-test` prints per kernel and
+/// docs/kernels.md lists.
+pub fn skip_on_this_kernel(test: &str, feature: &str) {
+    eprintln!("skipped on this kernel: {test}: {feature}");
+    if let Some(dir) = std::env::var_os("XTLOCK_VM_RESULTS") {
+        let line = format!("{test}: {feature}\n");
+        let written = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(Path::new(&dir).join("skips"))
+            .and_then(|mut f| f.write_all(line.as_bytes()));
+        if let Err(e) = written {
+            panic!("recording the skip in {}: {e}", dir.to_string_lossy());
+        }
+    }
+}
+
 /// Running inside the VM of `cargo xtask vm-test`.
 pub fn in_vm() -> bool {
     std::env::var("XTLOCK_VM").is_ok_and(|v| v == "1")

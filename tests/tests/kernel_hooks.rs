@@ -12,7 +12,7 @@ use std::{path::Path, process::Command, time::Duration};
 use serde_json::Value;
 use xtlock_tests::{
     conntrack_stat, hook_status, hook_statuses, in_vm, kernel_has_kprobes, require_bpf, send_udp,
-    serial, xtlock_bin, Agent, NetnsPair, Scratch, Sysctl, Tracer,
+    serial, skip_on_this_kernel, xtlock_bin, Agent, NetnsPair, Scratch, Sysctl, Tracer,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -420,6 +420,22 @@ fn conntrack_refusals_come_with_their_flows() {
     );
     assert_flows(&facts, &ns, Some(7777), &dump);
     drop(ns);
+
+    // Confirm refuses over-long hash chains since Linux 5.16, which added the chaintoolong
+    // counter with it: without the counter, nothing to provoke.
+    let stats = std::process::Command::new("conntrack")
+        .arg("-S")
+        .output()
+        .expect("run conntrack -S");
+    assert!(stats.status.success(), "conntrack -S: {stats:?}");
+    if !String::from_utf8_lossy(&stats.stdout).contains("chaintoolong=") {
+        skip_on_this_kernel(
+            "conntrack_refusals_come_with_their_flows (chain too long)",
+            "conntrack never refuses an entry for an over-long hash chain (no chaintoolong \
+             counter in `conntrack -S`: Linux < 5.16)",
+        );
+        return;
+    }
 
     // Hash chains too long for confirm: the fewest buckets the kernel allows (it rounds up
     // to a page of them), and 40 flows per bucket, so the chains pass confirm's limit (50 to

@@ -197,6 +197,9 @@ pub struct Report {
     pub commands: Vec<(i32, u64, String)>,
     /// The guest's exit status: `results/exit-status`, else the serial marker.
     pub exit_status: Option<i32>,
+    /// Tests or parts skipped on this kernel, each with the feature it lacks
+    /// (`results/skips`, written by the tests' `skip_on_this_kernel`).
+    pub skips: Vec<String>,
 }
 
 impl Report {
@@ -207,8 +210,12 @@ impl Report {
     /// One line for `cargo xtask test`'s summary.
     pub fn short(&self) -> String {
         let ran: Vec<&str> = self.commands.iter().map(|c| c.2.as_str()).collect();
+        let skipped = match self.skips.len() {
+            0 => String::new(),
+            n => format!(" ({n} skipped for a missing kernel feature)"),
+        };
         format!(
-            "{} on {} under QEMU/{}, boot {}",
+            "{}{skipped} on {} under QEMU/{}, boot {}",
             ran.join(", "),
             self.kernel.release,
             self.accel.name(),
@@ -262,6 +269,9 @@ impl Report {
             if !ran.contains(&c.label.as_str()) {
                 println!("  unfinished {}", c.label);
             }
+        }
+        for s in &self.skips {
+            println!("  skipped   {s}");
         }
         println!("  vm        {:.1}s in QEMU", e.elapsed.as_secs_f64());
         println!("  results   {}", spec.results.display());
@@ -813,6 +823,11 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
         prepare,
         ended,
         commands,
+        skips: fs::read_to_string(results.join("skips"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect(),
     })
 }
 

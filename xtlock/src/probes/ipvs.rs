@@ -176,8 +176,12 @@ fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>) -> Result<(), String> {
                     &owned
                 }
             };
-            let btf =
-                Btf::module(base, "ip_vs").map_err(|e| format!("no BTF for module ip_vs ({e})"))?;
+            let btf = Btf::module(base, "ip_vs").map_err(|e| {
+                format!(
+                    "no BTF for module ip_vs, where the IPVS structs' offsets come from \
+                     (module BTF needs Linux >= 5.11 with CONFIG_DEBUG_INFO_BTF_MODULES): {e}"
+                )
+            })?;
             let mut c = IpvsConfig::default();
             fill_offsets(&mut c, &btf)?;
             let hz = kernel_hz().map_err(|e| format!("HZ of this kernel unknown ({e})"))?;
