@@ -8,6 +8,8 @@
 //!   to `cargo test`.
 //! - `vm-test [OPTIONS] [-- TEST ARGS]`: integration tests as root inside a QEMU VM that boots a
 //!   stock Debian kernel (see `vm.rs`).
+//! - `kernels-doc [--results DIR]`: rewrites the generated part of docs/kernels.md from the
+//!   VM runs' `xtlock probes --json` (vm-test does it after running every kernel series).
 //! - `bench [--only ...]`: overhead, throughput and loss, side by side with bpftrace; prints
 //!   tables and writes `target/bench/*.json` (see `bench/mod.rs` and `docs/performance.md`).
 use std::{ffi::OsString, process::ExitCode};
@@ -15,6 +17,7 @@ use std::{ffi::OsString, process::ExitCode};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod kernels_doc;
 mod setup;
 mod sh;
 mod test;
@@ -52,6 +55,14 @@ enum Cmd {
     /// Setup, build, and run integration tests (default: lock_trace) or commands as root in a
     /// QEMU VM booting a stock Debian kernel; `-- ARGS` go to each test binary.
     VmTest(Box<vm::VmArgs>),
+    /// Rewrite the generated part of docs/kernels.md from the VM runs' results (per series:
+    /// `xtlock probes --json`, the kernel, the tests skipped there).
+    KernelsDoc {
+        /// The VM results folder holding one folder per series (default:
+        /// <target-dir>/vm/results).
+        #[arg(long, value_name = "DIR")]
+        results: Option<std::path::PathBuf>,
+    },
     /// Overhead, throughput and loss of xtlock next to bpftrace (as root): prints tables and
     /// writes target/bench/*.json. Not a test.
     Bench(bench::BenchArgs),
@@ -65,6 +76,7 @@ fn main() -> ExitCode {
         Cmd::Trace { args } => trace::run(&args),
         Cmd::Test { no_vm, args } => test::run(&args, no_vm),
         Cmd::VmTest(args) => vm::run(&args),
+        Cmd::KernelsDoc { results } => vm::kernels_doc(results.as_deref()),
         Cmd::Bench(args) => bench::run(&args),
     };
     match result {
@@ -84,7 +96,7 @@ mod tests {
         let cli = Cli::try_parse_from(argv).expect("parses");
         let args = match cli.cmd {
             Cmd::Trace { args } | Cmd::Test { args, .. } => args,
-            Cmd::Setup | Cmd::Bench(_) | Cmd::VmTest(_) => Vec::new(),
+            Cmd::Setup | Cmd::Bench(_) | Cmd::VmTest(_) | Cmd::KernelsDoc { .. } => Vec::new(),
         };
         args.into_iter()
             .map(|a| a.to_string_lossy().into_owned())

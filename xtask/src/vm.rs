@@ -482,12 +482,38 @@ fn run_args(args: &VmArgs) -> Result<String> {
             jobs
         );
     }
+    // Every series ran: docs/kernels.md from what attached where (even after a failed test:
+    // `xtlock probes` ran first).
+    let ran: Vec<&str> = planned.iter().map(|p| p.label.as_str()).collect();
+    if kernel::SERIES.iter().all(|(s, _)| ran.contains(s)) {
+        if let Err(e) = crate::kernels_doc::write(&base_results, &root.join(KERNELS_DOC)) {
+            failures.push(format!("kernels-doc: {e:#}"));
+        }
+    }
     if !failures.is_empty() {
         bail!("{}", failures.join("\n"));
     }
     let summary = lines.join("; ");
     println!("vm-test: ok ({summary})");
     Ok(summary)
+}
+
+/// Written from the results of a run of every series.
+const KERNELS_DOC: &str = "docs/kernels.md";
+
+/// `cargo xtask kernels-doc`.
+pub fn kernels_doc(results: Option<&Path>) -> Result<()> {
+    let root = sh::workspace_root();
+    let results = results
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| target_dir(&root, None).join("vm/results"));
+    if !crate::kernels_doc::write(&results, &root.join(KERNELS_DOC))? {
+        bail!(
+            "no results in {} (run `cargo xtask vm-test --kernel all` first)",
+            results.display()
+        );
+    }
+    Ok(())
 }
 
 /// The kernel of a run without `--kernel`: `--kernel-deb`, `--kernel-version`,

@@ -52,6 +52,13 @@ pub enum ProbeError {
     Io { what: String, error: std::io::Error },
     #[error("loading the BPF programs failed: {0}")]
     Load(String),
+    /// A kernel older than what xtlock needs at the least (see docs/kernels.md).
+    #[error(
+        "this kernel ({release}) has no BPF ring buffer (BPF_MAP_TYPE_RINGBUF, Linux >= 5.8, \
+         or a distribution kernel that backports it), which carries every xtlock event; \
+         xtlock does not run on it. See docs/kernels.md for the kernels it supports."
+    )]
+    NoRingBuffer { release: String },
     #[error(
         "the lock hook could not be attached ({why}); xtlock cannot see the xtables lock on \
          this kernel. Run `xtlock probes` for details."

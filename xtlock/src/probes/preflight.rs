@@ -31,6 +31,20 @@ pub fn check() -> Result<(), ProbeError> {
                 .into(),
         ));
     }
+    // Every event goes through the ring buffer: on a kernel without it (4.19, 5.4...) the
+    // object's load would fail with a bare EINVAL from map creation.
+    match aya::sys::is_map_supported(aya::maps::MapType::RingBuf) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(ProbeError::NoRingBuffer {
+                release: fs::read_to_string("/proc/sys/kernel/osrelease")
+                    .map(|r| r.trim().to_string())
+                    .unwrap_or_else(|_| "unknown release".into()),
+            })
+        }
+        // An unexpected probe error: let the load say what it is.
+        Err(e) => tracing::debug!(error = %e, "probing for BPF ring buffers"),
+    }
     if let Ok(v) = fs::read_to_string("/proc/sys/kernel/unprivileged_bpf_disabled") {
         tracing::debug!(unprivileged_bpf_disabled = v.trim(), "sysctl");
     }

@@ -1,0 +1,285 @@
+//! `cargo xtask kernels-doc`: writes the generated part of docs/kernels.md from the VM runs'
+//! results (`<results>/<series>/probes.json`, written by `xtlock probes --json` first thing in
+//! each VM, with `kernel` and `skips` beside it): per kernel, which hook each feature used
+//! (fentry, kprobe, tp_btf, tracepoint), why not a better one, what was unavailable, and the
+//! tests skipped there. `vm-test` runs it after a run of every series.
+//!
+//! Only the text between the two markers is replaced; the rest of the file (the support
+//! floor, the introduction) is written by hand.
+use std::{fs, path::Path};
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::Value;
+
+use crate::vm::kernel::SERIES;
+
+const BEGIN: &str = "<!-- BEGIN GENERATED: `cargo xtask kernels-doc` writes this part from the \
+                     VM runs' `xtlock probes --json`; do not edit it by hand -->";
+const END: &str = "<!-- END GENERATED -->";
+
+/// One kernel's results.
+struct Run {
+    series: &'static str,
+    release: String,
+    package: String,
+    probes: Value,
+    skips: Vec<String>,
+}
+
+/// Regenerates `doc` from the per-series folders of `results`; Ok(false) when no series has
+/// results (nothing written).
+pub fn write(results: &Path, doc: &Path) -> Result<bool> {
+    let runs = read_runs(results)?;
+    if runs.is_empty() {
+        return Ok(false);
+    }
+    let old = fs::read_to_string(doc).with_context(|| format!("reading {}", doc.display()))?;
+    let new = splice(&old, &render(&runs))
+        .with_context(|| format!("{}: the generated part's markers", doc.display()))?;
+    if new != old {
+        fs::write(doc, new).with_context(|| format!("writing {}", doc.display()))?;
+        println!(
+            "kernels-doc: {} rewritten from {} ({})",
+            doc.display(),
+            results.display(),
+            runs.iter().map(|r| r.series).collect::<Vec<_>>().join(", ")
+        );
+    } else {
+        println!("kernels-doc: {} is up to date", doc.display());
+    }
+    Ok(true)
+}
+
+fn read_runs(results: &Path) -> Result<Vec<Run>> {
+    let mut runs = Vec::new();
+    for (series, _) in SERIES {
+        let dir = results.join(series);
+        let Ok(text) = fs::read_to_string(dir.join("probes.json")) else {
+            continue;
+        };
+        let probes: Value = serde_json::from_str(&text)
+            .with_context(|| format!("parsing {}/probes.json", dir.display()))?;
+        let info = fs::read_to_string(dir.join("kernel")).unwrap_or_default();
+        let field = |k: &str| {
+            info.lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                .unwrap_or("?")
+                .to_owned()
+        };
+        runs.push(Run {
+            series,
+            release: field("release"),
+            package: field("package"),
+            probes,
+            skips: fs::read_to_string(dir.join("skips"))
+                .unwrap_or_default()
+                .lines()
+                .map(str::to_owned)
+                .collect(),
+        });
+    }
+    Ok(runs)
+}
+
+/// `old` with the text between the markers replaced by `generated`.
+fn splice(old: &str, generated: &str) -> Result<String> {
+    let (Some(b), Some(e)) = (old.find(BEGIN), old.find(END)) else {
+        bail!("missing `{BEGIN}` or `{END}`");
+    };
+    if e < b {
+        bail!("the end marker comes before the begin marker");
+    }
+    Ok(format!(
+        "{}{BEGIN}\n\n{generated}\n{}",
+        &old[..b],
+        &old[e..]
+    ))
+}
+
+/// How a hook is attached, in one word: `tp_btf`, `fentry`, `kprobe`, `tracepoint`, or `-`.
+fn kind(h: &Value) -> &str {
+    if !h["error"].is_null() {
+        return "-";
+    }
+    let a = h["attach"].as_str().unwrap_or("");
+    let first = a.split(' ').next().unwrap_or("");
+    match first.split('/').next().unwrap_or("") {
+        "fentry" | "fexit" => "fentry",
+        "kprobe" | "kretprobe" => "kprobe",
+        "tp_btf" => "tp_btf",
+        "tracepoint" => "tracepoint",
+        _ => "?",
+    }
+}
+
+/// A reason for a table cell: verifier logs cut to their first line, pipes escaped.
+fn cell(s: &str) -> String {
+    let mut lines = s.lines();
+    let mut out = lines.next().unwrap_or("").to_owned();
+    let mut cut = false;
+    for l in lines {
+        // What follows a verifier log: `)` closing it, then the next reasons.
+        match l.strip_prefix(')') {
+            Some(rest) => {
+                if cut {
+                    out.push_str(" [verifier log cut]");
+                    cut = false;
+                }
+                out.push(')');
+                out.push_str(rest);
+            }
+            None => cut = true,
+        }
+    }
+    if cut {
+        out.push_str(" [verifier log cut]");
+    }
+    out.replace('|', "\\|")
+}
+
+/// The target of an attach text and its notes: `kprobe/kretprobe f (fallback; ...)` ->
+/// (`kprobe/kretprobe f`, `fallback; ...`).
+fn split_attach(a: &str) -> (&str, &str) {
+    match a.find(" (") {
+        Some(i) => {
+            let notes = a[i + 2..].trim_end();
+            (&a[..i], notes.strip_suffix(')').unwrap_or(notes))
+        }
+        None => (a, ""),
+    }
+}
+
+fn render(runs: &[Run]) -> String {
+    let mut o = String::new();
+    let hooks_of = |r: &Run| r.probes["hooks"].as_array().cloned().unwrap_or_default();
+    let first = hooks_of(&runs[0]);
+
+    o.push_str("## Which hook each feature used\n\n");
+    o.push_str("`-`: not attached (the kernel's table below says why).\n\n");
+    o.push_str("| Hook | What it gives |");
+    for r in runs {
+        o.push_str(&format!(" {} |", r.series));
+    }
+    o.push_str("\n|---|---|");
+    o.push_str(&"---|".repeat(runs.len()));
+    o.push('\n');
+    for h in &first {
+        let name = h["program"].as_str().unwrap_or("?");
+        o.push_str(&format!(
+            "| `{name}` | {} |",
+            cell(h["purpose"].as_str().unwrap_or(""))
+        ));
+        for r in runs {
+            let k = hooks_of(r)
+                .iter()
+                .find(|x| x["program"] == name)
+                .map_or("?".to_owned(), |x| kind(x).to_owned());
+            o.push_str(&format!(" {k} |"));
+        }
+        o.push('\n');
+    }
+
+    o.push_str("\n## Features that depend on the kernel\n\n| Feature |");
+    for r in runs {
+        o.push_str(&format!(" {} |", r.series));
+    }
+    o.push_str("\n|---|");
+    o.push_str(&"---|".repeat(runs.len()));
+    o.push('\n');
+    let features = |r: &Run| r.probes["features"].as_array().cloned().unwrap_or_default();
+    for f in features(&runs[0]) {
+        let name = f["name"].as_str().unwrap_or("?");
+        o.push_str(&format!("| {name} |"));
+        for r in runs {
+            let v = features(r)
+                .iter()
+                .find(|x| x["name"] == name)
+                .map_or("?", |x| {
+                    if x["available"] == true {
+                        "yes"
+                    } else {
+                        "**no**"
+                    }
+                });
+            o.push_str(&format!(" {v} |"));
+        }
+        o.push('\n');
+    }
+
+    for r in runs {
+        o.push_str(&format!(
+            "\n## Linux {}: `{}` (Debian's {})\n\n",
+            r.series, r.release, r.package
+        ));
+        o.push_str("| Hook | Attached as | Not used there, and why |\n|---|---|---|\n");
+        for h in hooks_of(r) {
+            let name = h["program"].as_str().unwrap_or("?");
+            let attach = h["attach"].as_str().unwrap_or("");
+            let (target, notes) = split_attach(attach);
+            let (shown, why) = match h["error"].as_str() {
+                Some(e) => (format!("not attached (would be {target})"), cell(e)),
+                None => (format!("`{target}`"), cell(notes)),
+            };
+            o.push_str(&format!("| `{name}` | {shown} | {why} |\n"));
+        }
+        o.push_str("\n| Feature | Available | Detail |\n|---|---|---|\n");
+        for f in features(r) {
+            o.push_str(&format!(
+                "| {} | {} | {} |\n",
+                f["name"].as_str().unwrap_or("?"),
+                if f["available"] == true {
+                    "yes"
+                } else {
+                    "**no**"
+                },
+                cell(f["detail"].as_str().unwrap_or(""))
+            ));
+        }
+        if r.skips.is_empty() {
+            o.push_str("\nNo test skipped on this kernel.\n");
+        } else {
+            o.push_str("\nTests skipped on this kernel, for the feature named:\n\n");
+            for s in &r.skips {
+                o.push_str(&format!("- {}\n", s.replace('|', "\\|")));
+            }
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splices_between_the_markers_only() {
+        let old = format!("intro\n{BEGIN}\nold table\n{END}\nfloor\n");
+        let new = splice(&old, "new table\n").unwrap();
+        assert_eq!(
+            new,
+            format!("intro\n{BEGIN}\n\nnew table\n\n{END}\nfloor\n")
+        );
+        assert!(splice("no markers", "x").is_err());
+    }
+
+    #[test]
+    fn attach_texts_become_kinds_and_reasons() {
+        let h: Value = serde_json::json!({
+            "attach": "kprobe/kretprobe f (fallback; fentry: refused. Verifier output: a\nb\n)",
+            "error": null
+        });
+        assert_eq!(kind(&h), "kprobe");
+        let (t, n) = split_attach(h["attach"].as_str().unwrap());
+        assert_eq!(t, "kprobe/kretprobe f");
+        assert_eq!(
+            cell(n),
+            "fallback; fentry: refused. Verifier output: a [verifier log cut]"
+        );
+        let off: Value = serde_json::json!({"attach": "kprobe", "error": "x | y"});
+        assert_eq!(kind(&off), "-");
+        assert_eq!(cell("x | y"), "x \\| y");
+        let tp: Value =
+            serde_json::json!({"attach": "tp_btf filelock:flock_lock_inode", "error": null});
+        assert_eq!(kind(&tp), "tp_btf");
+    }
+}
