@@ -348,8 +348,11 @@ fn unpack(cache: &Path, choice: &Choice, package: Option<&str>, dir: &Path) -> R
     let mods = root.join("lib/modules");
     let usr_mods = root.join("usr/lib/modules");
     if !mods.exists() && usr_mods.exists() {
-        // Debian 13 ships modules under /usr (merged /usr): one place for the rest of xtask.
-        sh::run(Command::new("mv").arg(&usr_mods).arg(&mods))?;
+        // Debian 13 ships modules under /usr (merged /usr), and no /lib: one place for the
+        // rest of xtask.
+        fs::create_dir_all(root.join("lib"))?;
+        fs::rename(&usr_mods, &mods)
+            .with_context(|| format!("moving {} to {}", usr_mods.display(), mods.display()))?;
     }
     decompress_modules(&mods)?;
     let mut releases: Vec<String> = fs::read_dir(&mods)
