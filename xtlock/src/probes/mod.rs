@@ -527,8 +527,9 @@ fn discover_drops(
         features.push(Feature {
             name: "drop reasons",
             available: false,
-            detail: "skb:kfree_skb has no `reason` field (Linux < 5.17): every drop is \
-                     reported with an unknown reason"
+            detail: "skb:kfree_skb has no `reason` field (Linux < 5.17): drops are counted \
+                     per location (the kernel function that freed the packet, `by_location`), \
+                     each with reason `unknown`"
                 .into(),
         });
     } else {
