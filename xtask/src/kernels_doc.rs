@@ -137,16 +137,39 @@ fn cell(s: &str) -> String {
     out.replace('|', "\\|")
 }
 
-/// The target of an attach text and its notes: `kprobe/kretprobe f (fallback; ...)` ->
-/// (`kprobe/kretprobe f`, `fallback; ...`).
-fn split_attach(a: &str) -> (&str, &str) {
-    match a.find(" (") {
-        Some(i) => {
-            let notes = a[i + 2..].trim_end();
-            (&a[..i], notes.strip_suffix(')').unwrap_or(notes))
+/// The target of an attach text and its notes, each parenthesised group one:
+/// `kprobe f (fallback; ...) (prototype not checked: ...)` -> (`kprobe f`, [`fallback; ...`,
+/// `prototype not checked: ...`]). Unbalanced text is kept whole.
+fn split_attach(a: &str) -> (&str, Vec<&str>) {
+    let Some(i) = a.find(" (") else {
+        return (a, Vec::new());
+    };
+    let rest = &a[i + 1..];
+    let mut groups = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (j, c) in rest.char_indices() {
+        match c {
+            '(' => {
+                if depth == 0 {
+                    start = j + 1;
+                }
+                depth += 1;
+            }
+            ')' if depth > 0 => {
+                depth -= 1;
+                if depth == 0 {
+                    groups.push(&rest[start..j]);
+                }
+            }
+            _ => {}
         }
-        None => (a, ""),
     }
+    if depth != 0 || groups.is_empty() {
+        let whole = rest.trim();
+        let whole = whole.strip_prefix('(').unwrap_or(whole);
+        return (&a[..i], vec![whole.strip_suffix(')').unwrap_or(whole)]);
+    }
+    (&a[..i], groups)
 }
 
 fn render(runs: &[Run]) -> String {
@@ -218,7 +241,10 @@ fn render(runs: &[Run]) -> String {
             let (target, notes) = split_attach(attach);
             let (shown, why) = match h["error"].as_str() {
                 Some(e) => (format!("not attached (would be {target})"), cell(e)),
-                None => (format!("`{target}`"), cell(notes)),
+                None => (
+                    format!("`{target}`"),
+                    notes.iter().map(|n| cell(n)).collect::<Vec<_>>().join("; "),
+                ),
             };
             o.push_str(&format!("| `{name}` | {shown} | {why} |\n"));
         }
@@ -271,10 +297,15 @@ mod tests {
         assert_eq!(kind(&h), "kprobe");
         let (t, n) = split_attach(h["attach"].as_str().unwrap());
         assert_eq!(t, "kprobe/kretprobe f");
+        assert_eq!(n.len(), 1);
         assert_eq!(
-            cell(n),
+            cell(n[0]),
             "fallback; fentry: refused. Verifier output: a [verifier log cut]"
         );
+        let (t, n) = split_attach("kprobe f (fallback; fentry: x (no BTF)) (unchecked: y (z))");
+        assert_eq!(t, "kprobe f");
+        assert_eq!(n, ["fallback; fentry: x (no BTF)", "unchecked: y (z)"]);
+        assert_eq!(split_attach("tracepoint a:b").1, Vec::<&str>::new());
         let off: Value = serde_json::json!({"attach": "kprobe", "error": "x | y"});
         assert_eq!(kind(&off), "-");
         assert_eq!(cell("x | y"), "x \\| y");

@@ -154,4 +154,26 @@ mod tests {
         };
         assert!(no_vm);
     }
+
+    #[test]
+    fn vm_test_kernel_series() {
+        let cli = Cli::try_parse_from(["xtask", "vm-test", "--kernel", "5.10,6.12", "--jobs", "2"])
+            .expect("parses");
+        let Cmd::VmTest(a) = cli.cmd else {
+            panic!("not vm-test")
+        };
+        assert_eq!(a.kernels, ["5.10", "6.12"]);
+        assert_eq!(a.jobs, 2);
+        // A series and an exact version contradict each other; the matrix is its own plan.
+        assert!(Cli::try_parse_from([
+            "xtask",
+            "vm-test",
+            "--kernel",
+            "6.1",
+            "--kernel-version",
+            "6.1.0-56"
+        ])
+        .is_err());
+        assert!(Cli::try_parse_from(["xtask", "vm-test", "--matrix", "--test", "ipvs"]).is_err());
+    }
 }

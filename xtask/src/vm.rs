@@ -780,6 +780,7 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
         "console.log",
         "probes.json",
         "kernel",
+        "skips",
     ] {
         let _ = fs::remove_file(results.join(f));
     }

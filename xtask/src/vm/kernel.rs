@@ -603,4 +603,35 @@ kernel/drivers/net/veth.ko:
         assert!(m.closure(&names(&["no_such_thing"])).is_err());
         assert_eq!(module_name("kernel/a/ip_vs-rr.ko.xz"), "ip_vs_rr");
     }
+
+    #[test]
+    fn newest_of_a_series_by_its_numbers() {
+        let names = [
+            "linux-image-5.10.0-9-amd64",
+            "linux-image-5.10.0-46-amd64",
+            "linux-image-5.10.0-46-rt-amd64",
+            "linux-image-5.10.0-46-cloud-amd64",
+            "linux-image-5.10.0-46-amd64-dbg",
+            "linux-image-6.1.0-56-amd64",
+            "linux-image-6.12.9+deb13-amd64",
+            "linux-image-6.12.118+deb13-amd64",
+            "linux-image-6.12.118+deb13-amd64-unsigned",
+            "linux-image-6.10.0-1-amd64",
+            "linux-image-amd64",
+        ]
+        .map(String::from);
+        let newest = |s| newest_package(names.clone(), s);
+        assert_eq!(
+            newest("5.10").as_deref(),
+            Some("linux-image-5.10.0-46-amd64")
+        );
+        assert_eq!(newest("6.1").as_deref(), Some("linux-image-6.1.0-56-amd64"));
+        assert_eq!(
+            newest("6.12").as_deref(),
+            Some("linux-image-6.12.118+deb13-amd64")
+        );
+        assert_eq!(newest("4.19"), None);
+        assert_eq!(series_of("6.12.118+deb13"), Some("6.12"));
+        assert_eq!(series_of("6.10.0-1"), None);
+    }
 }
