@@ -66,16 +66,20 @@ fn read_runs(results: &Path) -> Result<Vec<Run>> {
                 .unwrap_or("?")
                 .to_owned()
         };
+        // Sorted: tests run in parallel threads, and the file should change only with facts.
+        let mut skips: Vec<String> = fs::read_to_string(dir.join("skips"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        skips.sort();
+        skips.dedup();
         runs.push(Run {
             series,
             release: field("release"),
             package: field("package"),
             probes,
-            skips: fs::read_to_string(dir.join("skips"))
-                .unwrap_or_default()
-                .lines()
-                .map(str::to_owned)
-                .collect(),
+            skips,
         });
     }
     Ok(runs)
