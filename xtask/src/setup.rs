@@ -30,6 +30,9 @@ const APT_PACKAGES: &[&str] = &[
     // closes a probe's link fd inside it.
     "prometheus",
     "gdb",
+    // `tests/tests/real_agents.rs`: a real dockerd (with its containerd and runc) creating
+    // bridge networks, counted against bpftrace.
+    "docker.io",
 ];
 /// `cargo xtask vm-test`: QEMU, the guest's busybox, and xz to unpack the guest kernel's
 /// image. Installed without their recommendations (qemu-system-x86's would bring a GUI).
