@@ -17,8 +17,10 @@ use std::{
 
 use serde_json::Value;
 
+mod bpftrace;
 mod pods;
 mod smallfs;
+pub use bpftrace::Bpftrace;
 pub use pods::{cgroup2_root, kubelet_logs, PodCgroup};
 pub use smallfs::SmallFs;
 

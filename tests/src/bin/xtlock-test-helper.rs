@@ -126,6 +126,43 @@ fn run() -> anyhow::Result<u8> {
             say(format!("released {}", now()));
             Ok(0)
         }
+        // A holder with a large address space that exits without unlocking: the kernel
+        // tears its memory down before it closes its files, so the lock is released well
+        // after the exit.
+        ["bighold", lock, mib, hold] => {
+            let mib: usize = mib.parse()?;
+            // Written, so every page is really there.
+            let mut mem = vec![0u8; mib << 20];
+            for b in mem.iter_mut().step_by(4096) {
+                *b = 1;
+            }
+            let f = open(lock)?;
+            flock(&f, libc::LOCK_EX)?;
+            say(format!("acquired {}", now()));
+            sleep(ms(hold)?);
+            say(format!("exiting {}", now()));
+            std::hint::black_box(&mem);
+            std::mem::forget(f);
+            std::process::exit(0);
+        }
+        // `n` lock/unlock cycles on one open file, as fast as they come: two of these on
+        // different CPUs hand the lock back and forth.
+        ["pingpong", lock, n] => {
+            let n: u64 = n.parse()?;
+            let f = open(lock)?;
+            say(format!("start {}", now()));
+            for _ in 0..n {
+                flock(&f, libc::LOCK_EX)?;
+                // 20 µs inside, so the other side is waiting when this one lets go.
+                let t = now();
+                while now() - t < 20_000 {
+                    std::hint::spin_loop();
+                }
+                flock(&f, libc::LOCK_UN)?;
+            }
+            say(format!("done {}", now()));
+            Ok(0)
+        }
         ["poll", lock, interval, hold] => {
             let f = open(lock)?;
             let mut tries = 0u32;

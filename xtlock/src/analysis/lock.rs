@@ -73,6 +73,9 @@ pub const MAX_OPEN_WAITS: usize = 1024;
 pub const MAX_HOLDERS: usize = 64;
 /// Holder changes kept for the waits open on one lock.
 const MAX_TIMELINE: usize = 4096;
+/// How much later than a wait's start its first holder's acquire may be stamped and still
+/// count from the start: two CPUs' programs read the clock a few µs apart.
+const CLOCK_SKEW_NS: u64 = 100_000;
 /// Ended holds kept for events that reach us late.
 const RECENT_HOLDS: usize = 8;
 
@@ -649,7 +652,15 @@ impl Holders {
     /// from its start: the acquire's event can reach us after the wait's, with an earlier
     /// time.
     fn push(&mut self, owner: u64, who: &Arc<Attribution>, ts: u64) {
-        let ts = ts.max(self.mark_ns);
+        // The wait itself proves the lock was held when it began: a first holder whose
+        // acquire is stamped a little after that (its CPU read the clock later) held it
+        // from the start.
+        let first = self.current == NO_HOLDER && self.pids.is_empty();
+        let ts = if first && ts.saturating_sub(self.mark_ns) <= CLOCK_SKEW_NS {
+            self.mark_ns
+        } else {
+            ts.max(self.mark_ns)
+        };
         let i = match self.index_of(who.pid) {
             Some(i) => i,
             None if self.pids.len() < MAX_HOLDERS => {

@@ -1407,3 +1407,31 @@ fn restores_that_stop_completing_are_a_stall() {
     r.feed(&[exit(200 * S, 5003, "sh", Some(0))]);
     assert_eq!(stalls(&r).len(), 3);
 }
+
+/// Two CPUs read the clock a few µs apart: a deferral stamped just before the acquire of the
+/// holder it waited behind. The wait is behind that holder from its start, not "unknown";
+/// a holder much later than the wait's start is not taken back.
+#[test]
+fn first_holder_stamped_just_after_the_wait_holds_it_from_the_start() {
+    let mut r = Run::new();
+    r.feed(&node()).feed(&[
+        defer(1_000, 40, "calico-node", 0xC),
+        acq(2_200, 100, "kube-proxy", 0xA),
+        rel(90_000, 100, "kube-proxy", 0xA),
+        acq(90_100, 40, "calico-node", 0xC),
+        call(90_200, 1_000, 40, 0xC, 0),
+        rel(95_000, 40, "calico-node", 0xC),
+        // 200 µs of nobody known: that stays unknown.
+        defer(S, 60, "firewalld", 0xF),
+        acq(S + 200_000, 100, "kube-proxy", 0xB),
+        rel(S + 300_000, 100, "kube-proxy", 0xB),
+        acq(S + 300_100, 60, "firewalld", 0xF),
+        call(S + 300_200, S, 60, 0xF, 0),
+    ]);
+    let w = r.waits();
+    let cn = w.iter().find(|w| w.pid == 40).unwrap();
+    assert_eq!(cn.unknown_ns, 0, "{cn:?}");
+    assert_eq!(cn.holders[0].behind_ns, Some(89_000));
+    let fw = w.iter().find(|w| w.pid == 60).unwrap();
+    assert_eq!(fw.unknown_ns, 200_000, "{fw:?}");
+}

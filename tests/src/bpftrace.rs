@@ -1,0 +1,78 @@
+//! bpftrace as the independent count of a lock's holds.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+/// bpftrace counting the holds of one inode: successful exclusive takes, and the time from
+/// each to its owner's release.
+pub struct Bpftrace {
+    child: Child,
+    reader: std::thread::JoinHandle<String>,
+}
+
+impl Drop for Bpftrace {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Bpftrace {
+    pub fn start(ino: u64) -> Self {
+        let script = format!(
+            "tracepoint:filelock:flock_lock_inode /args->i_ino == {ino}/ {{
+               if (args->ret == 0 && args->type == 1) {{ @start[args->owner] = nsecs; @holds = count(); }}
+               if (args->ret == 0 && args->type == 2 && @start[args->owner] != 0) {{
+                 @total_ns = sum(nsecs - @start[args->owner]); @ended = count();
+                 delete(@start[args->owner]);
+               }}
+             }}
+             END {{ clear(@start); }}"
+        );
+        let mut child = Command::new("bpftrace")
+            .args(["-e", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn bpftrace");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut all = String::new();
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.contains("Attaching") {
+                    let _ = tx.send(());
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        });
+        // "Attaching 2 probes..." once the probes are in.
+        assert!(
+            rx.recv_timeout(Duration::from_secs(60)).is_ok(),
+            "bpftrace did not start within 60 s"
+        );
+        Self { child, reader }
+    }
+
+    /// Ends bpftrace; returns its maps: (holds taken, holds ended, total ns).
+    pub fn finish(mut self) -> (u64, u64, u64) {
+        // SAFETY: plain syscall on our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = self.child.wait();
+        let reader = std::mem::replace(&mut self.reader, std::thread::spawn(String::new));
+        let text = reader.join().unwrap_or_default();
+        let get = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("@{name}: ")))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        (get("holds"), get("ended"), get("total_ns"))
+    }
+}
