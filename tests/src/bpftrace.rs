@@ -64,7 +64,14 @@ impl Bpftrace {
     pub fn finish(mut self) -> (u64, u64, u64) {
         // SAFETY: plain syscall on our own child.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
-        let _ = self.child.wait();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !matches!(self.child.try_wait(), Ok(Some(_))) {
+            if std::time::Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("bpftrace did not end within 30 s of SIGINT");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let reader = std::mem::replace(&mut self.reader, std::thread::spawn(String::new));
         let text = reader.join().unwrap_or_default();
         let get = |name: &str| {

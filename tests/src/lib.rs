@@ -269,6 +269,23 @@ impl Agent {
             .unwrap_or_else(|| panic!("`{key}` line without a timestamp: {:?}", self.seen))
     }
 
+    /// [`wait`](Self::wait), killing the process and failing after `timeout`.
+    pub fn wait_within(&mut self, timeout: Duration) -> i32 {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return self.wait();
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        panic!(
+            "still running after {timeout:?}; its output: {:?}",
+            self.seen
+        );
+    }
+
     pub fn wait(&mut self) -> i32 {
         let st = self.child.wait().expect("wait");
         while let Ok(l) = self.lines.recv_timeout(Duration::from_millis(200)) {
