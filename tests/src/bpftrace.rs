@@ -72,8 +72,8 @@ impl Bpftrace {
         let text = reader.join().unwrap_or_default();
         let get = |name: &str| {
             text.lines()
-                .filter_map(|l| l.strip_prefix(&format!("@{name}: ")))
-                .last()
+                .rev()
+                .find_map(|l| l.strip_prefix(&format!("@{name}: ")))
                 .and_then(|v| v.trim().parse().ok())
                 .unwrap_or(0)
         };
