@@ -10,6 +10,11 @@
 //!   stock Debian kernel (see `vm.rs`).
 //! - `kernels-doc [--results DIR]`: rewrites the generated part of docs/kernels.md from the
 //!   VM runs' `xtlock probes --json` (vm-test does it after running every kernel series).
+//! - `image [--binary-only]`: the statically linked xtlock and a `scratch` image of it
+//!   (`target/image/xtlock-VERSION.tar`, docker-archive), with no registry pull (`image.rs`).
+//! - `deploy-test [--privileges] [--measure]`: the image run by a real container engine (podman) with exactly
+//!   what `deploy/daemonset.yaml` grants, checked against a real lock contention and real
+//!   drops; the manifest validated and linted; the alert rules tested (`deploy/`).
 //! - `bench [--only ...]`: overhead, throughput and loss, side by side with bpftrace; prints
 //!   tables and writes `target/bench/*.json` (see `bench/mod.rs` and `docs/performance.md`).
 use std::{ffi::OsString, process::ExitCode};
@@ -17,6 +22,8 @@ use std::{ffi::OsString, process::ExitCode};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod deploy;
+mod image;
 mod kernels_doc;
 mod setup;
 mod sh;
@@ -63,6 +70,14 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         results: Option<std::path::PathBuf>,
     },
+    /// Build the statically linked xtlock and a `scratch` image of it as a docker-archive
+    /// (target/image/xtlock-VERSION.tar), from the final stage of Containerfile, with no
+    /// registry pull.
+    Image(image::ImageArgs),
+    /// Run the image with a real container engine (podman) and exactly the privileges of deploy/daemonset.yaml
+    /// against real lock contention and drops; validate and lint the manifest; test the
+    /// alert rules (as root).
+    DeployTest(deploy::DeployArgs),
     /// Overhead, throughput and loss of xtlock next to bpftrace (as root): prints tables and
     /// writes target/bench/*.json. Not a test.
     Bench(bench::BenchArgs),
@@ -78,6 +93,8 @@ fn main() -> ExitCode {
         Cmd::VmTest(args) => vm::run(&args),
         Cmd::KernelsDoc { results } => vm::kernels_doc(results.as_deref()),
         Cmd::Bench(args) => bench::run(&args),
+        Cmd::Image(args) => image::run(&args),
+        Cmd::DeployTest(args) => deploy::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -96,7 +113,12 @@ mod tests {
         let cli = Cli::try_parse_from(argv).expect("parses");
         let args = match cli.cmd {
             Cmd::Trace { args } | Cmd::Test { args, .. } => args,
-            Cmd::Setup | Cmd::Bench(_) | Cmd::VmTest(_) | Cmd::KernelsDoc { .. } => Vec::new(),
+            Cmd::Setup
+            | Cmd::Bench(_)
+            | Cmd::VmTest(_)
+            | Cmd::KernelsDoc { .. }
+            | Cmd::Image(_)
+            | Cmd::DeployTest(_) => Vec::new(),
         };
         args.into_iter()
             .map(|a| a.to_string_lossy().into_owned())

@@ -33,7 +33,18 @@ const APT_PACKAGES: &[&str] = &[
     // `tests/tests/real_agents.rs`: a real dockerd (with its containerd and runc) creating
     // bridge networks, counted against bpftrace.
     "docker.io",
+    // `cargo xtask image` strips the static binary.
+    "binutils",
 ];
+/// `cargo xtask deploy-test`: a real container engine (dockerd, its containerd and runc),
+/// without its recommendations (apparmor, criu, needrestart: nothing the test uses). apt
+/// starts no service here (no systemd, or a policy-rc.d that says no); the test starts its
+/// own dockerd in a network namespace of its own.
+const APT_DEPLOY_PACKAGES: &[&str] = &["docker.io", "containerd", "runc"];
+/// PyPI tools of `deploy-test`, in a venv of their own: the Kubernetes schema validator and
+/// the policy linter. Pinned, so a new release cannot change the findings under CI.
+const PIP_DEPLOY_TOOLS: &[(&str, &str)] =
+    &[("kubernetes-validate", "1.37.0"), ("checkov", "3.3.30")];
 /// `cargo xtask vm-test`: QEMU, the guest's busybox, and xz to unpack the guest kernel's
 /// image. Installed without their recommendations (qemu-system-x86's would bring a GUI).
 /// nftables: `nft`, run by the nf_tables commit tests (on the host and, through its root, in the VM).
@@ -67,6 +78,8 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
     util-linux (flock), strace (optional)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
   - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm
+  - for `cargo xtask deploy-test`: dockerd (docker.io), and from PyPI kubernetes-validate
+    and checkov in ~/.cache/xtlock/deploy-tools (a venv)
 and a kernel with BTF (5.8 or newer).";
 
 /// Runs every step; fails on the first one that cannot be done.
@@ -81,11 +94,82 @@ pub fn run() -> Result<()> {
     let rustup = sh::which("rustup").is_some();
     apt_packages(rustup)?;
     apt_vm_packages()?;
+    apt_install(
+        "apt packages for deploy-test",
+        APT_DEPLOY_PACKAGES,
+        &["--no-install-recommends"],
+    )?;
+    pip_tools()?;
     toolchain(rustup)?;
     clippy_fmt(rustup)?;
     bpf_linker()?;
     tracefs()?;
     kernel();
+    Ok(())
+}
+
+/// What building xtlock with its BPF programs needs, and nothing to run or test it: the
+/// Containerfile's build stage (a container, where tracefs cannot be mounted) runs this.
+pub fn run_build() -> Result<()> {
+    if !sh::is_root() {
+        bail!("setup installs packages: run it as root (sudo ./xtask/run ...)");
+    }
+    check_debian()?;
+    let rustup = sh::which("rustup").is_some();
+    apt_packages(rustup)?;
+    toolchain(rustup)?;
+    bpf_linker()?;
+    Ok(())
+}
+
+/// The venv of the PyPI tools `deploy-test` runs (`~/.cache/xtlock/deploy-tools`).
+pub fn deploy_tools_dir() -> std::path::PathBuf {
+    let home = env::var_os("HOME").unwrap_or_else(|| "/root".into());
+    Path::new(&home).join(".cache/xtlock/deploy-tools")
+}
+
+fn pip_tools() -> Result<()> {
+    let venv = deploy_tools_dir();
+    let pip = venv.join("bin/pip");
+    let installed = |name: &str, version: &str| {
+        sh::capture(Command::new(&pip).args(["show", name])).is_some_and(|out| {
+            out.lines()
+                .any(|l| l.trim() == format!("Version: {version}"))
+        })
+    };
+    let wanted: Vec<String> = PIP_DEPLOY_TOOLS
+        .iter()
+        .map(|(n, v)| format!("{n}=={v}"))
+        .collect();
+    if PIP_DEPLOY_TOOLS.iter().all(|(n, v)| installed(n, v)) {
+        println!("ok: pip tools for deploy-test: {}", wanted.join(" "));
+        return Ok(());
+    }
+    println!(
+        "installing: pip tools for deploy-test into {}: {} (a minute)",
+        venv.display(),
+        wanted.join(" ")
+    );
+    let python = sh::which("python3").context("no python3 on PATH")?;
+    if !venv.join("bin/python").exists() {
+        let made = Command::new(&python)
+            .arg("-m")
+            .arg("venv")
+            .arg(&venv)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !made {
+            // Debian's python3 makes venvs only with python3-venv.
+            apt_install("python3-venv", &["python3-venv"], &[])?;
+            sh::run(Command::new(&python).arg("-m").arg("venv").arg(&venv))?;
+        }
+    }
+    sh::run(
+        Command::new(&pip)
+            .args(["install", "-q", "--disable-pip-version-check"])
+            .args(&wanted),
+    )?;
+    println!("ok: pip tools for deploy-test: {}", wanted.join(" "));
     Ok(())
 }
 

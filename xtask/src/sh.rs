@@ -18,6 +18,14 @@ pub fn workspace_root() -> PathBuf {
     manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
 }
 
+/// Cargo's target directory: `$CARGO_TARGET_DIR` (relative to `root`), else `root/target`.
+pub fn target_dir(root: &Path) -> PathBuf {
+    env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|t| if t.is_absolute() { t } else { root.join(t) })
+        .unwrap_or_else(|| root.join("target"))
+}
+
 /// `$CARGO_HOME/bin` (default `~/.cargo/bin`): where `cargo install` puts bpf-linker.
 pub fn cargo_bin_dir() -> PathBuf {
     if let Some(home) = env::var_os("CARGO_HOME") {

@@ -70,10 +70,30 @@ pub fn error_chain(e: &dyn Error) -> String {
     s
 }
 
+/// `Seccomp:` of /proc/self/status: 2 when a seccomp filter (a container runtime's
+/// profile) is applied.
+fn seccomp_filtered() -> bool {
+    fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .any(|l| l.split_whitespace().eq(["Seccomp:", "2"]))
+    })
+}
+
 /// Turns an object-load failure into advice.
 pub fn explain_load_error(e: &aya::EbpfError) -> ProbeError {
     let chain = error_chain(e);
     if chain.contains("Operation not permitted") || chain.contains("EPERM") {
+        let caps = effective_caps().unwrap_or(0);
+        // Container runtimes' default seccomp profiles allow bpf() only with CAP_SYS_ADMIN
+        // (newer ones also with CAP_BPF): the likeliest cause in a container.
+        if seccomp_filtered() && !has(caps, CAP_SYS_ADMIN) {
+            return ProbeError::Permission(format!(
+                "the kernel refused to create BPF maps or programs ({chain}): this process runs \
+                 under a seccomp filter (a container runtime's default profile) and without \
+                 CAP_SYS_ADMIN, and such profiles allow bpf() only with CAP_SYS_ADMIN; add \
+                 CAP_SYS_ADMIN, or run with a seccomp profile that allows bpf()"
+            ));
+        }
         ProbeError::Permission(format!(
             "the kernel refused to create BPF maps or programs ({chain}); run xtlock as root, \
              and check that no security policy (lockdown, seccomp, a container profile) blocks bpf()"

@@ -222,8 +222,10 @@ fn netns_inode(path: &Path) -> Result<u32, String> {
 }
 
 /// Every network namespace with a file to join it by: /run/netns/* first, then one process
-/// per namespace from /proc.
-fn scan_namespaces() -> Vec<(u32, PathBuf, String)> {
+/// per namespace from /proc; and how many processes' namespaces could not be looked at
+/// (another user's process, without CAP_SYS_PTRACE).
+fn scan_namespaces() -> (Vec<(u32, PathBuf, String)>, usize) {
+    let mut denied = 0;
     let mut out: Vec<(u32, PathBuf, String)> = Vec::new();
     let mut seen = HashSet::new();
     if let Ok(rd) = std::fs::read_dir("/run/netns") {
@@ -247,6 +249,10 @@ fn scan_namespaces() -> Vec<(u32, PathBuf, String)> {
                 continue;
             };
             let p = PathBuf::from(format!("/proc/{pid}/ns/net"));
+            match std::fs::metadata(&p) {
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => denied += 1,
+                _ => {}
+            }
             if let Ok(ino) = netns_inode(&p) {
                 if seen.insert(ino) {
                     let label = format!("netns of pid {pid}");
@@ -255,7 +261,7 @@ fn scan_namespaces() -> Vec<(u32, PathBuf, String)> {
             }
         }
     }
-    out
+    (out, denied)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -279,6 +285,9 @@ pub struct DropPoller {
     buf: String,
     /// Conntrack is loaded somewhere: warn once when it is not.
     warned_no_conntrack: bool,
+    /// `--all-netns` without CAP_SYS_ADMIN or CAP_SYS_PTRACE: said once.
+    warned_setns: bool,
+    warned_netns_denied: bool,
     counts_enabled: bool,
 }
 
@@ -307,6 +316,8 @@ impl DropPoller {
             polls: 0,
             buf: String::new(),
             warned_no_conntrack: false,
+            warned_setns: false,
+            warned_netns_denied: false,
             counts_enabled,
         };
         let host = netns_inode(Path::new("/proc/self/ns/net")).unwrap_or(0);
@@ -377,7 +388,18 @@ impl DropPoller {
 
     fn rescan(&mut self) {
         self.netns.retain(|n| !n.dead);
-        for (inode, path, label) in scan_namespaces() {
+        let (found, denied) = scan_namespaces();
+        // Once each: what a missing capability costs, in the daemon's logs.
+        if denied > 0 && !self.warned_netns_denied {
+            self.warned_netns_denied = true;
+            tracing::warn!(
+                processes = denied,
+                "cannot open the network namespaces of {denied} processes of other users \
+                 (permission denied: opening them needs CAP_SYS_PTRACE): conntrack counters of \
+                 namespaces only they are in are not read"
+            );
+        }
+        for (inode, path, label) in found {
             if self.netns.len() >= MAX_NETNS {
                 tracing::warn!(
                     max = MAX_NETNS,
@@ -397,6 +419,15 @@ impl DropPoller {
                     prev: None,
                     dead: false,
                 }),
+                Err(e) if e.contains("setns") && !self.warned_setns => {
+                    self.warned_setns = true;
+                    tracing::warn!(
+                        path = %path.display(),
+                        error = %e,
+                        "cannot join other network namespaces (joining one needs \
+                         CAP_SYS_ADMIN): conntrack counters of pods' namespaces are not read"
+                    );
+                }
                 // Raced with the namespace going away: nothing to read.
                 Err(e) => tracing::debug!(path = %path.display(), error = %e, "netns not joined"),
             }
