@@ -36,11 +36,10 @@ const APT_PACKAGES: &[&str] = &[
     // `cargo xtask image` strips the static binary.
     "binutils",
 ];
-/// `cargo xtask deploy-test`: a real container engine (dockerd, its containerd and runc),
-/// without its recommendations (apparmor, criu, needrestart: nothing the test uses). apt
-/// starts no service here (no systemd, or a policy-rc.d that says no); the test starts its
-/// own dockerd in a network namespace of its own.
-const APT_DEPLOY_PACKAGES: &[&str] = &["docker.io", "containerd", "runc"];
+/// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: nothing
+/// to start, no service), without recommendations. Not Debian 12's docker.io: its dockerd
+/// (20.10) refuses `--cap-add CAP_BPF`, which the DaemonSet grants.
+const APT_DEPLOY_PACKAGES: &[&str] = &["podman", "runc"];
 /// PyPI tools of `deploy-test`, in a venv of their own: the Kubernetes schema validator and
 /// the policy linter. Pinned, so a new release cannot change the findings under CI.
 const PIP_DEPLOY_TOOLS: &[(&str, &str)] =
@@ -78,7 +77,7 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
     util-linux (flock), strace (optional)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
   - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm
-  - for `cargo xtask deploy-test`: dockerd (docker.io), and from PyPI kubernetes-validate
+  - for `cargo xtask deploy-test`: podman and runc, and from PyPI kubernetes-validate
     and checkov in ~/.cache/xtlock/deploy-tools (a venv)
 and a kernel with BTF (5.8 or newer).";
 

@@ -132,6 +132,8 @@ impl Engine {
                 "--storage-driver=vfs",
                 "--cgroup-manager=cgroupfs",
                 "--events-backend=file",
+                // What most Kubernetes nodes run under containerd.
+                "--runtime=runc",
                 "--log-level=error",
             ]);
         c

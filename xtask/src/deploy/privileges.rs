@@ -1,7 +1,330 @@
-use anyhow::Result;
+//! Least privilege, shown: one run with everything the manifest grants (the baseline), then
+//! one without each capability, host namespace, hostPath mount and root. Each run is the same
+//! small scenario, with what a node has that needs the privileges:
+//!
+//! - a kube-proxy restore already holding the lock when the daemon starts (its holder is
+//!   found through /proc/locks and the host's /proc), and calico-node's `iptables -w` waiting
+//!   behind it once the daemon is ready;
+//! - UDP datagrams dropped by calico-node's rule (counted, and located through
+//!   /proc/kallsyms);
+//! - a network namespace whose only process belongs to another user (uid 65534), as a pod's;
+//! - the rolling capture file.
+//!
+//! A run without a privilege must either fail with a message, or lose something the baseline
+//! had (a hook, the holder's name, counted or located drops, the capture, or a new warning);
+//! a privilege whose removal loses nothing fails the test: remove it from the manifest.
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    fs,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
 
-use super::{manifest::PodRun, Node};
+use anyhow::{bail, Context as _, Result};
+use serde_json::Value;
 
-pub fn run(_node: &Node, _pod: &PodRun) -> Result<String> {
-    Ok(String::new())
+use super::{
+    agent_iptables, lock_inode, lock_state, manifest::PodRun, manifest::Without, node_iptables,
+    record_dir, rule_packets, send_udp, until, CaptureGuard, Node, Restore, DROP_PORT,
+};
+
+/// Datagrams dropped per run.
+const SENT: u64 = 50;
+
+/// What one run showed.
+#[derive(Debug, Default)]
+struct Observed {
+    /// The container exited, or never became ready: why, in its own words.
+    failure: Option<String>,
+    hooks: BTreeSet<String>,
+    /// holder_agent of calico-node's wait.
+    holder: Option<String>,
+    drops: f64,
+    location: Option<String>,
+    capture: bool,
+    /// WARN and ERROR messages of the run.
+    warnings: BTreeSet<String>,
+}
+
+impl Observed {
+    /// What the baseline had and this run did not.
+    fn lost(&self, base: &Observed) -> Vec<String> {
+        let mut v = Vec::new();
+        let hooks: Vec<&String> = base.hooks.difference(&self.hooks).collect();
+        if !hooks.is_empty() {
+            v.push(format!(
+                "hooks not attached: {}",
+                hooks.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        if self.holder != base.holder {
+            v.push(format!(
+                "the wait's holder is {} instead of {} (a hold in place at start is not \
+                 attributed)",
+                self.holder.as_deref().unwrap_or("missing"),
+                base.holder.as_deref().unwrap_or("missing")
+            ));
+        }
+        if self.drops != base.drops {
+            v.push(format!("{} drops counted instead of {}", self.drops, base.drops));
+        }
+        if self.location != base.location {
+            v.push(format!(
+                "drop location {} instead of {}",
+                self.location.as_deref().unwrap_or("missing"),
+                base.location.as_deref().unwrap_or("missing")
+            ));
+        }
+        if base.capture && !self.capture {
+            v.push("no complete capture file".into());
+        }
+        for w in self.warnings.difference(&base.warnings) {
+            v.push(format!("warns: {w}"));
+        }
+        v
+    }
+}
+
+/// A network namespace held only by a process of uid 65534, as a pod's; killed on drop.
+struct OtherUsersNetns(Child);
+
+impl OtherUsersNetns {
+    fn start() -> Result<Self> {
+        let child = Command::new("unshare")
+            .args([
+                "--net",
+                "--",
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "sleep",
+                "600",
+            ])
+            .stdin(Stdio::null())
+            .spawn()
+            .context("unshare/setpriv (util-linux)")?;
+        Ok(OtherUsersNetns(child))
+    }
+}
+
+impl Drop for OtherUsersNetns {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The message of a log line: JSON (`fields.message` and `fields.error`) or plain text.
+fn message(line: &str) -> Option<(String, String)> {
+    match serde_json::from_str::<Value>(line) {
+        Ok(v) => {
+            let level = v["level"].as_str().unwrap_or("").to_owned();
+            let f = &v["fields"];
+            let mut m = f["message"].as_str().unwrap_or("").to_owned();
+            if let Some(e) = f["error"].as_str() {
+                let _ = write!(m, " ({e})");
+            }
+            Some((level, m))
+        }
+        Err(_) => {
+            let t = line.trim();
+            (!t.is_empty()).then(|| ("ERROR".to_owned(), t.to_owned()))
+        }
+    }
+}
+
+/// Digits out, so the same warning compares equal across runs (pids, counts, times).
+fn shape(s: &str) -> String {
+    let mut out = String::new();
+    let mut digits = false;
+    for c in s.chars() {
+        if c.is_ascii_digit() {
+            if !digits {
+                out.push('N');
+            }
+            digits = true;
+        } else {
+            digits = false;
+            out.push(c);
+        }
+    }
+    out
+}
+
+fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed> {
+    let name = "xtlock-privileges";
+    let record = record_dir(pod)?;
+    let guard = CaptureGuard::new(&record);
+    let ino = lock_inode()?;
+    let restore = Restore::start(node)?;
+    until(
+        "kube-proxy's restore to hold the lock",
+        Duration::from_secs(10),
+        || !lock_state(ino).0.is_empty(),
+    )?;
+    let mut obs = Observed::default();
+    node.run_container(name, pod, without)?;
+    let ready = node.wait_ready(name, pod, Duration::from_secs(20));
+    let failure = match ready {
+        Ok(true) => None,
+        Ok(false) => Some("exited".to_owned()),
+        Err(e) => Some(format!("never ready ({})", short(&format!("{e:#}")))),
+    };
+    if let Some(f) = failure {
+        restore.commit()?;
+        let logs = node.logs(name);
+        let last = logs
+            .lines()
+            .filter_map(message)
+            .rfind(|(level, _)| level == "ERROR" || level == "WARN")
+            .map(|(_, m)| m)
+            .unwrap_or_else(|| "no log".into());
+        obs.failure = Some(format!("{f}: {last}"));
+        let _ = node.engine.output(&["rm", "-f", "-t", "0", name]);
+        return Ok(obs);
+    }
+    let mut calico = agent_iptables(
+        node,
+        "calico-node",
+        &[
+            "-w",
+            "-A",
+            "INPUT",
+            "-p",
+            "udp",
+            "--dport",
+            &DROP_PORT.to_string(),
+            "-j",
+            "DROP",
+        ],
+    )?;
+    until("calico-node to wait", Duration::from_secs(10), || {
+        !lock_state(ino).1.is_empty()
+    })?;
+    restore.commit()?;
+    calico.wait()?;
+    send_udp(node, SENT)?;
+    let counted = rule_packets(&format!("dpt:{DROP_PORT}"))?;
+    let deadline = Instant::now() + Duration::from_secs(4);
+    let m = loop {
+        let m = node.scrape(pod)?;
+        let waited = !m.series("xtlock_lock_wait_seconds_count").is_empty();
+        let dropped = m.sum("xtlock_drops_total", &[]) >= counted as f64;
+        if (waited && dropped) || Instant::now() > deadline {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    obs.hooks = m
+        .0
+        .iter()
+        .filter(|(n, _, v)| n == "xtlock_probe_attached" && *v == 1.0)
+        .filter_map(|(_, l, _)| l.get("program").cloned())
+        .collect();
+    obs.holder = m
+        .0
+        .iter()
+        .find(|(n, l, _)| {
+            n == "xtlock_lock_wait_seconds_count"
+                && l.get("agent").map(String::as_str) == Some("calico-node")
+        })
+        .and_then(|(_, l, _)| l.get("holder_agent").cloned());
+    obs.drops = m.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")]);
+    obs.location = m
+        .series("xtlock_drops_total")
+        .iter()
+        .find(|l| l.get("class").map(String::as_str) == Some("netfilter_rule_drop"))
+        .and_then(|l| l.get("location").cloned())
+        .map(|l| if l.starts_with("0x") { "an address".into() } else { l });
+    let (_, code) = node.stop(name, pod)?;
+    let logs = node.logs(name);
+    obs.warnings = logs
+        .lines()
+        .filter_map(message)
+        .filter(|(level, _)| level == "WARN" || level == "ERROR")
+        .map(|(_, m)| shape(&m))
+        .collect();
+    obs.capture = code == 0
+        && guard.new_files().iter().next_back().is_some_and(|(f, _)| {
+            Command::new(&node.xtlock)
+                .args(["report", "--json"])
+                .arg(f)
+                .output()
+                .is_ok_and(|o| o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("WARN"))
+        });
+    let _ = node.engine.output(&["rm", "-f", "-t", "0", name]);
+    node_iptables(&[
+        "-D",
+        "INPUT",
+        "-p",
+        "udp",
+        "--dport",
+        &DROP_PORT.to_string(),
+        "-j",
+        "DROP",
+    ])?;
+    Ok(obs)
+}
+
+fn short(s: &str) -> String {
+    let first = s.lines().next().unwrap_or_default();
+    if first.len() > 300 {
+        format!("{}...", &first[..300])
+    } else {
+        first.to_owned()
+    }
+}
+
+pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
+    let t = Instant::now();
+    let _pod_of_another_user = OtherUsersNetns::start()?;
+    // Give it a moment to become uid 65534 in its own namespace.
+    std::thread::sleep(Duration::from_millis(200));
+    let base = one(node, pod, None)?;
+    if let Some(f) = &base.failure {
+        bail!("the run with every privilege of the manifest failed: {f}");
+    }
+    println!(
+        "baseline: {} hooks, holder {:?}, {} drops at {:?}, capture {}, warnings {:?}",
+        base.hooks.len(),
+        base.holder,
+        base.drops,
+        base.location,
+        base.capture,
+        base.warnings
+    );
+    let mut table = String::from("| without | what the run showed |\n| --- | --- |\n");
+    let mut superfluous = Vec::new();
+    for w in pod.privileges() {
+        let obs = one(node, pod, Some(&w))?;
+        let outcome = match &obs.failure {
+            Some(f) => format!("fails: {f}"),
+            None => {
+                let lost = obs.lost(&base);
+                if lost.is_empty() {
+                    superfluous.push(w.to_string());
+                    "nothing lost".to_owned()
+                } else {
+                    format!("loses: {}", lost.join("; "))
+                }
+            }
+        };
+        println!("  without {w}: {outcome}");
+        let _ = writeln!(table, "| {w} | {} |", outcome.replace('|', "\\|"));
+    }
+    let out = node.work.join("privileges.md");
+    fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
+    println!("{table}(also in {}; {:.1} s)", out.display(), t.elapsed().as_secs_f64());
+    if !superfluous.is_empty() {
+        bail!(
+            "deploy/daemonset.yaml grants {} but a run without it lost nothing: remove it",
+            superfluous.join(", ")
+        );
+    }
+    Ok(format!(
+        "{} least-privilege runs, each failed or lost a named feature",
+        pod.privileges().len()
+    ))
 }
