@@ -535,24 +535,27 @@ mod tests {
         let flags = p.engine_flags("10.0.0.1", None).expect("flags").join(" ");
         for want in [
             "--cap-drop ALL",
-            "--cap-add CAP_BPF",
-            "--cap-add CAP_PERFMON",
+            "--cap-add CAP_SYS_ADMIN",
+            "--cap-add CAP_SYSLOG",
             "--pid host",
             "--network host",
             "--read-only",
             "--user 0",
             "--security-opt no-new-privileges",
             "destination=/run,bind-propagation=rslave",
+            "source=/var/log/pods,destination=/var/log/pods,bind-propagation=rprivate,ro=true",
         ] {
             assert!(flags.contains(want), "{want} missing: {flags}");
         }
+        // RuntimeDefault: the engine's own default profile, no flag.
+        assert!(!flags.contains("seccomp"), "{flags}");
         let args = p.engine_args("10.0.0.1").expect("args").join(" ");
         assert!(args.starts_with("daemon --listen 10.0.0.1:9655"), "{args}");
         let without = p
-            .engine_flags("10.0.0.1", Some(&Without::Cap("BPF".into())))
+            .engine_flags("10.0.0.1", Some(&Without::Cap("SYSLOG".into())))
             .expect("flags")
             .join(" ");
-        assert!(!without.contains("CAP_BPF"), "{without}");
+        assert!(!without.contains("CAP_SYSLOG"), "{without}");
         assert!(p.privileges().contains(&Without::HostPid));
     }
 

@@ -39,6 +39,7 @@ mod engine;
 mod lint;
 pub mod manifest;
 mod measure;
+mod node_fs;
 mod privileges;
 
 use engine::{in_netns, Engine, Netns};
@@ -90,6 +91,8 @@ pub fn run_steps(args: &DeployArgs) -> Result<String> {
         sh::is_root(),
         "deploy-test starts containers and loads BPF programs: run it as root"
     );
+    // Before any thread starts: /var/log of this process only (the kubelet's directories).
+    node_fs::private_mounts()?;
     let root = sh::workspace_root();
     let manifest_path = root.join("deploy/daemonset.yaml");
     let pod = manifest::read(&manifest_path)?;
@@ -164,6 +167,8 @@ fn build_helper(root: &Path) -> Result<PathBuf> {
 /// The node: its network namespaces, its container engine, and the agents' binaries.
 pub struct Node {
     pub engine: Engine,
+    /// calico-node's pod (cgroup, kubelet log files); dropped after the engine.
+    pod: node_fs::Pod,
     _netns: Netns,
     bin: PathBuf,
     /// target/deploy-test
@@ -219,6 +224,7 @@ impl Node {
         let engine = Engine::new(NODE_NS, &work.join("engine"))?;
         Ok(Node {
             engine,
+            pod: node_fs::Pod::new()?,
             _netns: netns,
             bin,
             work,
@@ -495,11 +501,15 @@ impl Drop for Restore {
 
 /// `AGENT run iptables ARGS` in the node's namespace (legacy backend).
 pub fn agent_iptables(node: &Node, agent: &str, args: &[&str]) -> Result<Child> {
-    in_netns(NODE_NS, node.agent(agent))
-        .arg("run")
-        .arg(node.agent("iptables"))
-        .args(args)
-        .stdin(Stdio::null())
+    let mut cmd = in_netns(NODE_NS, node.agent(agent));
+    cmd.arg("run").arg(node.agent("iptables")).args(args);
+    // calico-node runs in its pod, as on a node: the metrics name the pod.
+    let mut cmd = if agent == node_fs::POD_WORKLOAD {
+        node.pod.wrap(&cmd)?
+    } else {
+        cmd
+    };
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .spawn()
         .with_context(|| format!("starting {agent}"))
@@ -787,6 +797,22 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
     check(
         waited >= wlo && waited <= whi,
         format!("calico-node wait {waited:.3} s within [{wlo:.3}, {whi:.3}] (seen waiting .. COMMIT, spawn .. exit)"),
+    );
+    let in_pod = m.sum(
+        "xtlock_lock_wait_seconds_count",
+        &[
+            ("agent", "calico-node"),
+            ("namespace", node_fs::POD_NAMESPACE),
+            ("pod", node_fs::POD_WORKLOAD),
+        ],
+    );
+    check(
+        in_pod == 1.0,
+        format!(
+            "calico-node's wait names its pod {}/{} (from /var/log/pods, /var/log/containers): {in_pod} (1)",
+            node_fs::POD_NAMESPACE,
+            node_fs::POD_WORKLOAD
+        ),
     );
     let kw = m.sum(
         "xtlock_lock_wait_seconds_count",

@@ -40,6 +40,10 @@ struct Observed {
     hooks: BTreeSet<String>,
     /// holder_agent of calico-node's wait.
     holder: Option<String>,
+    /// namespace/pod of calico-node's wait (from the kubelet's log directories).
+    pod: Option<String>,
+    /// Processes whose network namespace the daemon could not open (its warning).
+    netns_denied: u64,
     drops: f64,
     location: Option<String>,
     capture: bool,
@@ -64,6 +68,20 @@ impl Observed {
                  attributed)",
                 self.holder.as_deref().unwrap_or("missing"),
                 base.holder.as_deref().unwrap_or("missing")
+            ));
+        }
+        if self.pod != base.pod {
+            v.push(format!(
+                "pod names: the wait's pod is {} instead of {}",
+                self.pod.as_deref().unwrap_or("missing"),
+                base.pod.as_deref().unwrap_or("missing")
+            ));
+        }
+        if self.netns_denied > base.netns_denied {
+            v.push(format!(
+                "conntrack counters of other users' network namespaces: {} more processes' \
+                 namespaces could not be opened",
+                self.netns_denied - base.netns_denied
             ));
         }
         if self.drops != base.drops {
@@ -173,7 +191,8 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
         Err(e) => Some(format!("never ready ({})", short(&format!("{e:#}")))),
     };
     if let Some(f) = failure {
-        restore.commit()?;
+        // The restore may have given up already; its result does not matter here.
+        let _ = restore.commit();
         let logs = node.logs(name);
         let last = logs
             .lines()
@@ -231,6 +250,14 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
                 && l.get("agent").map(String::as_str) == Some("calico-node")
         })
         .and_then(|(_, l, _)| l.get("holder_agent").cloned());
+    obs.pod = m
+        .0
+        .iter()
+        .find(|(n, l, _)| {
+            n == "xtlock_lock_wait_seconds_count"
+                && l.get("agent").map(String::as_str) == Some("calico-node")
+        })
+        .and_then(|(_, l, _)| Some(format!("{}/{}", l.get("namespace")?, l.get("pod")?)));
     obs.drops = m.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")]);
     obs.location = m
         .series("xtlock_drops_total")
@@ -246,6 +273,17 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
         .filter(|(level, _)| level == "WARN" || level == "ERROR")
         .map(|(_, m)| shape(&m))
         .collect();
+    obs.netns_denied = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| {
+            v["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("cannot open the network namespaces"))
+        })
+        .filter_map(|v| v["fields"]["processes"].as_u64())
+        .max()
+        .unwrap_or(0);
     obs.capture = code == 0
         && guard.new_files().iter().next_back().is_some_and(|(f, _)| {
             Command::new(&node.xtlock)
@@ -287,9 +325,11 @@ pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
         bail!("the run with every privilege of the manifest failed: {f}");
     }
     println!(
-        "baseline: {} hooks, holder {:?}, {} drops at {:?}, capture {}, warnings {:?}",
+        "baseline: {} hooks, holder {:?}, pod {:?}, {} netns denied, {} drops at {:?}, capture {}, warnings {:?}",
         base.hooks.len(),
         base.holder,
+        base.pod,
+        base.netns_denied,
         base.drops,
         base.location,
         base.capture,

@@ -224,8 +224,8 @@ fn netns_inode(path: &Path) -> Result<u32, String> {
 /// Every network namespace with a file to join it by: /run/netns/* first, then one process
 /// per namespace from /proc; and how many processes' namespaces could not be looked at
 /// (another user's process, without CAP_SYS_PTRACE).
-fn scan_namespaces() -> (Vec<(u32, PathBuf, String)>, usize) {
-    let mut denied = 0;
+fn scan_namespaces() -> (Vec<(u32, PathBuf, String)>, Vec<u32>) {
+    let mut denied = Vec::new();
     let mut out: Vec<(u32, PathBuf, String)> = Vec::new();
     let mut seen = HashSet::new();
     if let Ok(rd) = std::fs::read_dir("/run/netns") {
@@ -250,7 +250,9 @@ fn scan_namespaces() -> (Vec<(u32, PathBuf, String)>, usize) {
             };
             let p = PathBuf::from(format!("/proc/{pid}/ns/net"));
             match std::fs::metadata(&p) {
-                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => denied += 1,
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                    denied.extend(pid.parse::<u32>().ok())
+                }
                 _ => {}
             }
             if let Ok(ino) = netns_inode(&p) {
@@ -390,13 +392,18 @@ impl DropPoller {
         self.netns.retain(|n| !n.dead);
         let (found, denied) = scan_namespaces();
         // Once each: what a missing capability costs, in the daemon's logs.
-        if denied > 0 && !self.warned_netns_denied {
+        if !denied.is_empty() && !self.warned_netns_denied {
             self.warned_netns_denied = true;
+            let first = denied[0];
+            let comm = std::fs::read_to_string(format!("/proc/{first}/comm")).unwrap_or_default();
             tracing::warn!(
-                processes = denied,
-                "cannot open the network namespaces of {denied} processes of other users \
+                processes = denied.len(),
+                first_pid = first,
+                first_comm = comm.trim(),
+                "cannot open the network namespaces of {} processes of other users \
                  (permission denied: opening them needs CAP_SYS_PTRACE): conntrack counters of \
-                 namespaces only they are in are not read"
+                 namespaces only they are in are not read",
+                denied.len()
             );
         }
         for (inode, path, label) in found {
