@@ -63,9 +63,10 @@ pub fn run(root: &Path) -> Result<String> {
         "alerts.test.yaml",
     ]))?;
     same_groups(&alerts, &deploy.join("prometheusrule.yaml"))?;
+    let names = alert_metrics(root, &alerts)?;
     Ok(format!(
         "manifest valid for Kubernetes {oldest} and {newest}, checkov: 0 failed, {} skipped \
-         (explained), alert rules tested",
+         (explained), alert rules tested ({names} xtlock metrics, all documented and registered)",
         skipped.len()
     ))
 }
@@ -166,4 +167,90 @@ fn same_groups(alerts: &Path, rule: &Path) -> Result<()> {
          copy them over"
     );
     Ok(())
+}
+
+/// Every `xtlock_*` metric the alerts query is documented in docs/metrics.md and registered in
+/// xtlock/src/sinks/metrics.rs (a renamed metric would leave an alert silently empty).
+fn alert_metrics(root: &Path, alerts: &Path) -> Result<usize> {
+    let text = fs::read_to_string(alerts)?;
+    let docs = fs::read_to_string(root.join("docs/metrics.md")).context("docs/metrics.md")?;
+    let src = fs::read_to_string(root.join("xtlock/src/sinks/metrics.rs"))
+        .context("xtlock/src/sinks/metrics.rs")?;
+    let names = metric_names(&text);
+    ensure!(
+        !names.is_empty(),
+        "no xtlock_ metric in {}",
+        alerts.display()
+    );
+    let mut bad = Vec::new();
+    for n in &names {
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| n.strip_suffix(s))
+            .unwrap_or(n);
+        if !docs.contains(&format!("| `{family}` |")) {
+            bad.push(format!("{n}: not in docs/metrics.md's table"));
+        }
+        // prometheus-client adds the prefix, `_total` to counters and the unit.
+        let stem = family.trim_start_matches("xtlock_");
+        let stem = stem.strip_suffix("_total").unwrap_or(stem);
+        let stem = stem.strip_suffix("_seconds").unwrap_or(stem);
+        let registered = src.contains(&format!("\"{stem}\""))
+            || stem
+                .strip_prefix("conntrack_")
+                .is_some_and(|rest| src.contains(&format!("\"{rest}\"")));
+        if !registered {
+            bad.push(format!(
+                "{n}: no metric \"{stem}\" registered in metrics.rs"
+            ));
+        }
+    }
+    ensure!(bad.is_empty(), "deploy/alerts.yaml: {}", bad.join("; "));
+    Ok(names.len())
+}
+
+/// The distinct `xtlock_...` names in `text`.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    let mut out = std::collections::BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("xtlock_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        // Not a metric: part of a longer word (xtlock_recording_errors_total in prose is one).
+        let before = rest[..i].chars().last();
+        if !before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_') {
+            out.insert(tail[..end].to_owned());
+        }
+        rest = &tail[end..];
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_alerts_query_documented_registered_metrics() {
+        let root = crate::sh::workspace_root();
+        let n = alert_metrics(&root, &root.join("deploy/alerts.yaml")).expect("all known");
+        assert!(n >= 8, "{n}");
+        let names = metric_names("rate(xtlock_a_total[5m]) / xtlock_b_seconds_bucket{le=\"1\"}");
+        assert_eq!(
+            names.into_iter().collect::<Vec<_>>(),
+            ["xtlock_a_total", "xtlock_b_seconds_bucket"]
+        );
+        let dir = std::env::temp_dir().join(format!("xtlock-alerts-{}", std::process::id()));
+        fs::create_dir_all(&dir).expect("tmp");
+        let f = dir.join("a.yaml");
+        fs::write(&f, "expr: xtlock_no_such_metric_total > 0\n").expect("write");
+        let e = alert_metrics(&root, &f).expect_err("unknown metric");
+        assert!(
+            format!("{e:#}").contains("xtlock_no_such_metric_total"),
+            "{e:#}"
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
 }

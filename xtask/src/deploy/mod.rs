@@ -145,7 +145,7 @@ pub fn run_steps(args: &DeployArgs) -> Result<String> {
         notes.push(privileges::run(&node, &pod)?);
     }
     if args.measure {
-        measure::run(&node, &pod)?;
+        notes.push(measure::run(&node, &pod)?);
     }
     println!("container steps took {:.1} s", t.elapsed().as_secs_f64());
     Ok(notes.join("; "))

@@ -105,7 +105,8 @@ impl Pod {
         ] {
             dir = dir.join(part);
             if !dir.exists() {
-                fs::create_dir(&dir).with_context(|| format!("creating cgroup {}", dir.display()))?;
+                fs::create_dir(&dir)
+                    .with_context(|| format!("creating cgroup {}", dir.display()))?;
                 made.push(dir.clone());
             }
         }

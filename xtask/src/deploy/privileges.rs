@@ -59,7 +59,11 @@ impl Observed {
         if !hooks.is_empty() {
             v.push(format!(
                 "hooks not attached: {}",
-                hooks.iter().map(|h| h.as_str()).collect::<Vec<_>>().join(", ")
+                hooks
+                    .iter()
+                    .map(|h| h.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
         if self.holder != base.holder {
@@ -85,7 +89,10 @@ impl Observed {
             ));
         }
         if self.drops != base.drops {
-            v.push(format!("{} drops counted instead of {}", self.drops, base.drops));
+            v.push(format!(
+                "{} drops counted instead of {}",
+                self.drops, base.drops
+            ));
         }
         if self.location != base.location {
             v.push(format!(
@@ -236,35 +243,40 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
         }
         std::thread::sleep(Duration::from_millis(250));
     };
-    obs.hooks = m
-        .0
-        .iter()
-        .filter(|(n, _, v)| n == "xtlock_probe_attached" && *v == 1.0)
-        .filter_map(|(_, l, _)| l.get("program").cloned())
-        .collect();
-    obs.holder = m
-        .0
-        .iter()
-        .find(|(n, l, _)| {
-            n == "xtlock_lock_wait_seconds_count"
-                && l.get("agent").map(String::as_str) == Some("calico-node")
-        })
-        .and_then(|(_, l, _)| l.get("holder_agent").cloned());
-    obs.pod = m
-        .0
-        .iter()
-        .find(|(n, l, _)| {
-            n == "xtlock_lock_wait_seconds_count"
-                && l.get("agent").map(String::as_str) == Some("calico-node")
-        })
-        .and_then(|(_, l, _)| Some(format!("{}/{}", l.get("namespace")?, l.get("pod")?)));
+    obs.hooks =
+        m.0.iter()
+            .filter(|(n, _, v)| n == "xtlock_probe_attached" && *v == 1.0)
+            .filter_map(|(_, l, _)| l.get("program").cloned())
+            .collect();
+    obs.holder =
+        m.0.iter()
+            .find(|(n, l, _)| {
+                n == "xtlock_lock_wait_seconds_count"
+                    && l.get("agent").map(String::as_str) == Some("calico-node")
+            })
+            .and_then(|(_, l, _)| l.get("holder_agent").cloned());
+    // Any of calico-node's wait series that names the pod (a wait counted behind `(none)`
+    // first may have none).
+    obs.pod =
+        m.0.iter()
+            .filter(|(n, l, _)| {
+                n == "xtlock_lock_wait_seconds_count"
+                    && l.get("agent").map(String::as_str) == Some("calico-node")
+            })
+            .find_map(|(_, l, _)| Some(format!("{}/{}", l.get("namespace")?, l.get("pod")?)));
     obs.drops = m.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")]);
     obs.location = m
         .series("xtlock_drops_total")
         .iter()
         .find(|l| l.get("class").map(String::as_str) == Some("netfilter_rule_drop"))
         .and_then(|l| l.get("location").cloned())
-        .map(|l| if l.starts_with("0x") { "an address".into() } else { l });
+        .map(|l| {
+            if l.starts_with("0x") {
+                "an address".into()
+            } else {
+                l
+            }
+        });
     let (_, code) = node.stop(name, pod)?;
     let logs = node.logs(name);
     obs.warnings = logs
@@ -290,7 +302,9 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
                 .args(["report", "--json"])
                 .arg(f)
                 .output()
-                .is_ok_and(|o| o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("WARN"))
+                .is_ok_and(|o| {
+                    o.status.success() && !String::from_utf8_lossy(&o.stderr).contains("WARN")
+                })
         });
     let _ = node.engine.output(&["rm", "-f", "-t", "0", name]);
     node_iptables(&[
@@ -356,7 +370,11 @@ pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
     }
     let out = node.work.join("privileges.md");
     fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
-    println!("{table}(also in {}; {:.1} s)", out.display(), t.elapsed().as_secs_f64());
+    println!(
+        "{table}(also in {}; {:.1} s)",
+        out.display(),
+        t.elapsed().as_secs_f64()
+    );
     if !superfluous.is_empty() {
         bail!(
             "deploy/daemonset.yaml grants {} but a run without it lost nothing: remove it",

@@ -26,8 +26,10 @@ pub fn check() -> Result<(), ProbeError> {
     let admin = has(caps, CAP_SYS_ADMIN);
     if !(admin || (has(caps, CAP_BPF) && has(caps, CAP_PERFMON))) {
         return Err(ProbeError::Permission(
-            "xtlock needs root to load its BPF programs (or the capabilities CAP_BPF and \
-             CAP_PERFMON): run it with sudo, e.g. `sudo xtlock trace`"
+            "xtlock needs root to load its BPF programs (or the capability CAP_SYS_ADMIN, or \
+             CAP_BPF and CAP_PERFMON on Linux >= 5.8): run it with sudo, e.g. `sudo xtlock \
+             trace`; in a container, add CAP_SYS_ADMIN (what runtimes' default seccomp \
+             profiles allow bpf() with)"
                 .into(),
         ));
     }
