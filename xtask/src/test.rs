@@ -1,6 +1,8 @@
 //! `cargo xtask test [--no-vm] [ARGS...]`: setup, then every check CI runs, each as its own
 //! step: build, test (both with the real BPF programs), vm-test (the integration tests again,
-//! inside a QEMU VM on a stock Debian kernel: see vm.rs), clippy, rustfmt. All steps run (the
+//! inside a QEMU VM on a stock Debian kernel: see vm.rs), deploy-test (the image under a real
+//! container engine with the DaemonSet's privileges, the manifest and alert checks: see
+//! deploy/), clippy, rustfmt. All steps run (the
 //! tests only when the build passed); the command fails when any step fails.
 use std::{
     ffi::OsString,
@@ -76,6 +78,11 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     } else {
         steps.push(skipped("vm-test", "the build failed"));
     }
+    // The image and the DaemonSet, in a process of its own (it enters a mount namespace of
+    // its own); it makes its own release build of the image.
+    let mut deploy = Command::new(std::env::current_exe()?);
+    deploy.args(["deploy-test", "--no-setup"]);
+    steps.push(step("deploy-test", &mut deploy));
     steps.push(step(
         "clippy",
         &mut cargo(
@@ -98,7 +105,7 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
             Outcome::Skipped(why) => ("skipped", format!(": {why}")),
         };
         println!(
-            "  {:<7} {:<8} {:>6.1}s{why}",
+            "  {:<11} {:<8} {:>6.1}s{why}",
             s.name,
             word,
             s.took.as_secs_f64()

@@ -110,7 +110,6 @@ fn checkov(checkov: &Path, file: &Path) -> Result<(Vec<String>, Vec<String>)> {
             "--skip-download",
             "--output",
             "json",
-            "--quiet",
         ]);
     println!("+ {}", sh::show(&cmd));
     let out = cmd.output().context("running checkov")?;
