@@ -68,8 +68,35 @@ pub enum Without {
     HostPid,
     HostNetwork,
     Mount(String),
+    /// Several mounts at once: ones that give the same feature, each enough alone.
+    Mounts(Vec<String>),
     /// `runAsUser` set to a non-root uid.
     NonRootUser(u64),
+}
+
+/// Mounts that each give the same feature alone (the kubelet's two log directories both name
+/// pods): besides one run without each, one run without them all.
+pub const SAME_FEATURE: &[&[&str]] = &[&["pod-logs", "container-logs"]];
+
+impl Without {
+    pub fn removes_mount(&self, name: &str) -> bool {
+        match self {
+            Without::Mount(m) => m == name,
+            Without::Mounts(ms) => ms.iter().any(|m| m == name),
+            _ => false,
+        }
+    }
+
+    /// The group run that covers this single-mount run, if any.
+    pub fn group(&self) -> Option<Without> {
+        let Without::Mount(m) = self else {
+            return None;
+        };
+        SAME_FEATURE
+            .iter()
+            .find(|g| g.contains(&m.as_str()))
+            .map(|g| Without::Mounts(g.iter().map(|x| x.to_string()).collect()))
+    }
 }
 
 impl fmt::Display for Without {
@@ -79,6 +106,7 @@ impl fmt::Display for Without {
             Without::HostPid => write!(f, "hostPID"),
             Without::HostNetwork => write!(f, "hostNetwork"),
             Without::Mount(m) => write!(f, "mount {m}"),
+            Without::Mounts(m) => write!(f, "mounts {}", m.join(" and ")),
             Without::NonRootUser(u) => write!(f, "runAsUser: 0 (run as {u})"),
         }
     }
@@ -413,7 +441,7 @@ impl PodRun {
             f.extend(["--user".into(), format!("{u}{g}")]);
         }
         for m in &self.mounts {
-            if gone(&Without::Mount(m.name.clone())) {
+            if without.is_some_and(|w| w.removes_mount(&m.name)) {
                 continue;
             }
             let prop = match m.propagation.as_str() {
@@ -476,6 +504,16 @@ impl PodRun {
             v.push(Without::HostNetwork);
         }
         v.extend(self.mounts.iter().map(|m| Without::Mount(m.name.clone())));
+        for group in SAME_FEATURE {
+            if group
+                .iter()
+                .all(|g| self.mounts.iter().any(|m| m.name == *g))
+            {
+                v.push(Without::Mounts(
+                    group.iter().map(|g| g.to_string()).collect(),
+                ));
+            }
+        }
         if self.run_as_user == Some(0) {
             v.push(Without::NonRootUser(65534));
         }

@@ -336,7 +336,7 @@ impl Node {
 /// What the kubelet does for hostPath types before starting the pod.
 fn prepare_host_paths(pod: &PodRun, without: Option<&Without>) -> Result<()> {
     for m in &pod.mounts {
-        if without == Some(&Without::Mount(m.name.clone())) {
+        if without.is_some_and(|w| w.removes_mount(&m.name)) {
             continue;
         }
         let p = Path::new(&m.host_path);
@@ -689,6 +689,9 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
     let (code, body) = node.get(pod, &pod.liveness_path)?;
     ensure!(code == 200, "{} answered {code}: {body}", pod.liveness_path);
 
+    // Counters not tied to the lock file count every process of that name on the machine
+    // (hostPID): they are checked as increases over the scenario.
+    let before = node.scrape(pod)?;
     let ino = lock_inode()?;
     let restore = Restore::start(node)?;
     let kp_seen = until(
@@ -746,7 +749,8 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
     let deadline = Instant::now() + Duration::from_secs(15);
     let m = loop {
         let m = node.scrape(pod)?;
-        let dropped = m.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")]);
+        let dropped = m.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")])
+            - before.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")]);
         let waited = m.sum(
             "xtlock_lock_wait_seconds_count",
             &[("agent", "calico-node")],
@@ -822,24 +826,25 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
         kw == 1.0,
         format!("kubelet waits behind kube-proxy: {kw} (1, timed out)"),
     );
-    let to = m.sum("xtlock_lock_timeouts_total", &[("agent", "kubelet")]);
+    let grew = |name: &str, want: &[(&str, &str)]| m.sum(name, want) - before.sum(name, want);
+    let to = grew("xtlock_lock_timeouts_total", &[("agent", "kubelet")]);
     check(
         to == 1.0,
         format!("kubelet lock timeouts (exit 4): {to} (1)"),
     );
     for (agent, want) in [("kube-proxy", 1.0), ("calico-node", 1.0), ("kubelet", 1.0)] {
-        let n = m.sum("xtlock_iptables_exec_total", &[("agent", agent)]);
+        let n = grew("xtlock_iptables_exec_total", &[("agent", agent)]);
         check(
             n == want,
             format!("iptables execs by {agent}: {n} ({want})"),
         );
     }
-    let rd = m.sum(
+    let rd = grew(
         "xtlock_iptables_restore_duration_seconds_count",
         &[("agent", "kube-proxy")],
     );
     check(rd == 1.0, format!("kube-proxy restore runs: {rd} (1)"));
-    let rs = m.sum(
+    let rs = grew(
         "xtlock_iptables_restore_duration_seconds_sum",
         &[("agent", "kube-proxy")],
     );
@@ -848,7 +853,7 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
         rs >= rlo && rs <= rhi,
         format!("kube-proxy restore ran {rs:.3} s within [{rlo:.3}, {rhi:.3}] (seen held .. COMMIT, spawn .. exit)"),
     );
-    let dropped = m.sum(
+    let dropped = grew(
         "xtlock_drops_total",
         &[
             ("class", "netfilter_rule_drop"),

@@ -229,6 +229,10 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
     until("calico-node to wait", Duration::from_secs(10), || {
         !lock_state(ino).1.is_empty()
     })?;
+    // A wait of a second or so, as in the main run: the daemon names a process's pod from its
+    // /proc entry when it handles its events, which a waiter gone within milliseconds may
+    // not have any more.
+    std::thread::sleep(Duration::from_millis(1200));
     restore.commit()?;
     calico.wait()?;
     send_udp(node, SENT)?;
@@ -279,6 +283,18 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
         });
     let (_, code) = node.stop(name, pod)?;
     let logs = node.logs(name);
+    // Kept for a look at what each run saw.
+    let tag = without.map_or("baseline".to_owned(), |w| {
+        w.to_string()
+            .replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+    });
+    let dir = node.work.join("privileges");
+    let _ = fs::create_dir_all(&dir);
+    let _ = fs::copy(
+        node.work.join("metrics.txt"),
+        dir.join(format!("{tag}.metrics.txt")),
+    );
+    let _ = fs::write(dir.join(format!("{tag}.log")), &logs);
     obs.warnings = logs
         .lines()
         .filter_map(message)
@@ -351,22 +367,38 @@ pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
     );
     let mut table = String::from("| without | what the run showed |\n| --- | --- |\n");
     let mut superfluous = Vec::new();
+    // Single mounts that lost nothing, forgiven when the run without their whole group loses
+    // something (each gives the feature alone).
+    let mut alone_ok: Vec<Without> = Vec::new();
+    let mut groups_lost: Vec<Without> = Vec::new();
     for w in pod.privileges() {
         let obs = one(node, pod, Some(&w))?;
         let outcome = match &obs.failure {
-            Some(f) => format!("fails: {f}"),
+            Some(f) => {
+                groups_lost.push(w.clone());
+                format!("fails: {f}")
+            }
             None => {
                 let lost = obs.lost(&base);
-                if lost.is_empty() {
+                if !lost.is_empty() {
+                    groups_lost.push(w.clone());
+                    format!("loses: {}", lost.join("; "))
+                } else if let Some(g) = w.group() {
+                    alone_ok.push(w.clone());
+                    format!("nothing lost alone (see the run without {g})")
+                } else {
                     superfluous.push(w.to_string());
                     "nothing lost".to_owned()
-                } else {
-                    format!("loses: {}", lost.join("; "))
                 }
             }
         };
         println!("  without {w}: {outcome}");
         let _ = writeln!(table, "| {w} | {} |", outcome.replace('|', "\\|"));
+    }
+    for w in alone_ok {
+        if !w.group().is_some_and(|g| groups_lost.contains(&g)) {
+            superfluous.push(w.to_string());
+        }
     }
     let out = node.work.join("privileges.md");
     fs::write(&out, &table).with_context(|| format!("writing {}", out.display()))?;
