@@ -626,7 +626,8 @@ fn daemonset_yaml_has_the_required_fields() {
         .iter()
         .filter_map(Value::as_str)
         .collect();
-    for cap in ["BPF", "PERFMON", "SYSLOG", "SYS_ADMIN"] {
+    // What each one gives: deploy/README.md (`cargo xtask deploy-test` runs without each).
+    for cap in ["SYS_ADMIN", "SYSLOG", "SYS_PTRACE"] {
         assert!(caps.contains(&cap), "capability {cap} missing: {caps:?}");
     }
     assert_eq!(sc["capabilities"]["drop"][0], "ALL");
@@ -641,7 +642,14 @@ fn daemonset_yaml_has_the_required_fields() {
         .iter()
         .filter_map(|v| v["hostPath"]["path"].as_str())
         .collect();
-    for p in ["/run", "/sys/kernel/tracing", "/sys/kernel/btf"] {
+    // tracefs and BTF come with the host's /sys (hostNetwork); pods are named from the
+    // kubelet's log directories.
+    for p in [
+        "/run",
+        "/var/log/pods",
+        "/var/log/containers",
+        "/var/lib/xtlock",
+    ] {
         assert!(
             host_paths.contains(&p),
             "hostPath {p} missing: {host_paths:?}"
