@@ -36,9 +36,10 @@ const APT_PACKAGES: &[&str] = &[
     // `cargo xtask image` strips the static binary.
     "binutils",
 ];
-/// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: nothing
-/// to start, no service), without recommendations. Not Debian 12's docker.io: its dockerd
-/// (20.10) refuses `--cap-add CAP_BPF`, which the DaemonSet grants.
+/// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: each
+/// command runs in the test node's network namespace, nothing to start or stop), without
+/// recommendations. Debian 12's dockerd (20.10) would refuse `--cap-add CAP_BPF`, which a
+/// DaemonSet variant without SYS_ADMIN grants.
 const APT_DEPLOY_PACKAGES: &[&str] = &["podman", "runc"];
 /// PyPI tools of `deploy-test`, in a venv of their own: the Kubernetes schema validator and
 /// the policy linter. Pinned, so a new release cannot change the findings under CI.
