@@ -642,10 +642,10 @@ fn daemonset_yaml_has_the_required_fields() {
         .iter()
         .filter_map(|v| v["hostPath"]["path"].as_str())
         .collect();
-    // tracefs and BTF come with the host's /sys (hostNetwork); pods are named from the
-    // kubelet's log directories.
+    // BTF comes with the container's /sys; pods are named from the kubelet's log directories.
     for p in [
         "/run",
+        "/sys/kernel/tracing",
         "/var/log/pods",
         "/var/log/containers",
         "/var/lib/xtlock",

@@ -44,6 +44,8 @@ struct Observed {
     pod: Option<String>,
     /// Processes whose network namespace the daemon could not open (its warning).
     netns_denied: u64,
+    /// The daemon had to mount tracefs itself (its log says so).
+    mounted_tracefs: bool,
     drops: f64,
     location: Option<String>,
     capture: bool,
@@ -87,6 +89,14 @@ impl Observed {
                  namespaces could not be opened",
                 self.netns_denied - base.netns_denied
             ));
+        }
+        if self.mounted_tracefs && !base.mounted_tracefs {
+            v.push(
+                "tracefs: the daemon had to mount it itself, with mount(), which needs \
+                 CAP_SYS_ADMIN and an LSM profile that allows it (AppArmor's runtime/default, \
+                 on Ubuntu and COS nodes, does not)"
+                    .into(),
+            );
         }
         if self.drops != base.drops {
             v.push(format!(
@@ -312,6 +322,10 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
         .filter_map(|v| v["fields"]["processes"].as_u64())
         .max()
         .unwrap_or(0);
+    obs.mounted_tracefs = logs
+        .lines()
+        .filter_map(message)
+        .any(|(_, m)| m == "mounted tracefs");
     obs.capture = code == 0
         && guard.new_files().iter().next_back().is_some_and(|(f, _)| {
             Command::new(&node.xtlock)

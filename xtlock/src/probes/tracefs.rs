@@ -31,14 +31,25 @@ pub fn locate() -> Result<PathBuf, ProbeError> {
     }
     let target = Path::new(CANDIDATES[0]);
     mount_tracefs(target)?;
-    if target.join("events").is_dir() {
-        tracing::info!(path = %target.display(), "mounted tracefs");
-        Ok(target.to_path_buf())
-    } else {
-        Err(ProbeError::NoTracefs {
-            why: format!("{} is mounted but has no events/", target.display()),
-        })
+    match fs::metadata(target.join("events")) {
+        Ok(m) if m.is_dir() => {
+            tracing::info!(path = %target.display(), "mounted tracefs");
+            return Ok(target.to_path_buf());
+        }
+        // Mounted now, but 0700 and root's: not root, and no capability to read it anyway.
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            return Err(ProbeError::Permission(format!(
+                "tracefs (mounted at {}) is closed to this process ({e}): it is root's with \
+                 mode 0700 on recent kernels; run as root (uid 0), or add CAP_DAC_OVERRIDE \
+                 (or CAP_DAC_READ_SEARCH)",
+                target.display()
+            )));
+        }
+        _ => {}
     }
+    Err(ProbeError::NoTracefs {
+        why: format!("{} is mounted but has no events/", target.display()),
+    })
 }
 
 fn mount_tracefs(target: &Path) -> Result<(), ProbeError> {
