@@ -6,8 +6,9 @@ use anyhow::{bail, Context as _, Result};
 
 use crate::sh;
 
-/// Debian 12 packages everything needs.
-const APT_PACKAGES: &[&str] = &[
+/// Debian 12 packages that building xtlock with its BPF programs needs (all the
+/// Containerfile's build stage installs).
+const APT_BUILD_PACKAGES: &[&str] = &[
     // Debian's Rust (1.96) with a prebuilt libcore for bpfel-unknown-none: the `debian` toolchain.
     "rustc-web",
     "cargo-web",
@@ -17,6 +18,11 @@ const APT_PACKAGES: &[&str] = &[
     "libpolly-22-dev",
     "libzstd-dev",
     "zlib1g-dev",
+    // `cargo xtask image` strips the static binary.
+    "binutils",
+];
+/// Debian 12 packages the rest needs.
+const APT_PACKAGES: &[&str] = &[
     // What the tests drive and look at.
     "iptables",
     "iproute2",
@@ -33,8 +39,6 @@ const APT_PACKAGES: &[&str] = &[
     // `tests/tests/real_agents.rs`: a real dockerd (with its containerd and runc) creating
     // bridge networks, counted against bpftrace.
     "docker.io",
-    // `cargo xtask image` strips the static binary.
-    "binutils",
 ];
 /// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: each
 /// command runs in the test node's network namespace, nothing to start or stop), without
@@ -116,7 +120,7 @@ pub fn run_build() -> Result<()> {
     }
     check_debian()?;
     let rustup = sh::which("rustup").is_some();
-    apt_packages(rustup)?;
+    apt_install("apt packages to build xtlock", APT_BUILD_PACKAGES, &[])?;
     toolchain(rustup)?;
     bpf_linker()?;
     Ok(())
@@ -196,7 +200,7 @@ fn check_debian() -> Result<()> {
 }
 
 fn apt_packages(rustup: bool) -> Result<()> {
-    let mut wanted: Vec<&str> = APT_PACKAGES.to_vec();
+    let mut wanted: Vec<&str> = [APT_BUILD_PACKAGES, APT_PACKAGES].concat();
     if !rustup {
         wanted.extend(APT_WITHOUT_RUSTUP);
     }
