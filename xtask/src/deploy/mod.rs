@@ -138,6 +138,7 @@ pub fn run_steps(args: &DeployArgs) -> Result<String> {
         .output(&["image", "inspect", "-f", "{{.Size}}", &built.tag])?;
     println!("loaded {} into the node's podman: {size} bytes", built.tag);
     notes.push(format!("image {} bytes", size));
+    notes.push(containerfile_parity(&node, &root, &built)?);
 
     let main = contention_run(&node, &pod, &root)?;
     notes.push(main);
@@ -149,6 +150,52 @@ pub fn run_steps(args: &DeployArgs) -> Result<String> {
     }
     println!("container steps took {:.1} s", t.elapsed().as_secs_f64());
     Ok(notes.join("; "))
+}
+
+/// The Containerfile's final stage built by the engine itself (`podman build`, buildah) from
+/// the same binary, standing in for the build stage (which needs a registry), must start the
+/// same way as the image `cargo xtask image` wrote: the two paths share one definition.
+fn containerfile_parity(node: &Node, root: &Path, built: &image::Built) -> Result<String> {
+    let cf = fs::read_to_string(root.join("Containerfile")).context("Containerfile")?;
+    let lines: Vec<&str> = cf.lines().collect();
+    let last_from = lines
+        .iter()
+        .rposition(|l| l.trim_start().to_ascii_uppercase().starts_with("FROM "))
+        .context("Containerfile: no FROM")?;
+    let final_stage = &lines[last_from..];
+    let ctx = node.work.join("containerfile-context");
+    let _ = fs::remove_dir_all(&ctx);
+    fs::create_dir_all(&ctx)?;
+    fs::copy(&node.xtlock, ctx.join("xtlock")).context("copying the binary")?;
+    let text = format!(
+        "FROM scratch AS build\nCOPY xtlock /xtlock\n{}\n",
+        final_stage.join("\n")
+    );
+    fs::write(ctx.join("Containerfile"), text)?;
+    let tag = "localhost/xtlock-containerfile:test";
+    let ctx_s = ctx.display().to_string();
+    node.engine.output(&[
+        "build",
+        "-q",
+        "-t",
+        tag,
+        "-f",
+        &format!("{ctx_s}/Containerfile"),
+        &ctx_s,
+    ])?;
+    // buildah adds a default PATH and its version label; neither is in the Containerfile.
+    let fmt = "{{json .Config.Entrypoint}} {{json .Config.Cmd}} {{json .Config.ExposedPorts}} {{json .Config.User}} {{json .Config.WorkingDir}}";
+    let theirs = node.engine.output(&["image", "inspect", "-f", fmt, tag])?;
+    let ours = node
+        .engine
+        .output(&["image", "inspect", "-f", fmt, &built.tag])?;
+    let _ = node.engine.output(&["rmi", "-f", tag]);
+    ensure!(
+        theirs == ours,
+        "the Containerfile built by podman starts as {theirs}, cargo xtask image's as {ours}"
+    );
+    println!("  ok   podman build of the Containerfile's final stage: same start ({ours})");
+    Ok("the Containerfile's final stage built by podman matches".into())
 }
 
 /// `cargo build` of the test helper that plays kube-proxy, calico-node and kubelet.
