@@ -53,7 +53,8 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     let built = matches!(build.outcome, Outcome::Ok);
     steps.push(build);
     if built {
-        let mut test = cargo(&[&["test"], &EXCLUDE[..]].concat());
+        // Every test binary runs even after one fails, so one failure hides no other.
+        let mut test = cargo(&[&["test", "--no-fail-fast"], &EXCLUDE[..]].concat());
         test.args(test_args);
         steps.push(step("test", &mut test));
     } else {
