@@ -208,8 +208,11 @@ fn calico_waits_behind_kube_proxy() {
         u(&w["holders"][0]["behind_ns"]),
         "{dump}"
     );
+    // `free_ns` is left out when 0: the take was stamped within the clock skew of the
+    // release (another CPU), as seen on 5.10 in the VM.
+    let free_ns = w.get("free_ns").map_or(0, u);
     assert_eq!(
-        u(&w["holders"][0]["behind_ns"]) + u(&w["free_ns"]),
+        u(&w["holders"][0]["behind_ns"]) + free_ns,
         u(&w["wait_ns"]),
         "{dump}"
     );
@@ -217,7 +220,7 @@ fn calico_waits_behind_kube_proxy() {
     // descheduled for tens of ms next to any syscall.
     let wake_max = if in_vm() { 100_000_000 } else { 5_000_000 };
     assert!(
-        u(&w["free_ns"]) < wake_max,
+        free_ns < wake_max,
         "a wake-up, not {} ms: {dump}",
         wake_max / 1_000_000
     );

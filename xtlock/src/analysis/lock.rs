@@ -64,6 +64,8 @@ const MAX_LOCKS: usize = 64;
 const MAX_USERS: usize = 64;
 /// Bound on the per-pid memory of lock trouble (against lost exits).
 const MAX_TROUBLE: usize = 4096;
+/// Threads with an `xt_replace_table` waiting for the end of their table replace.
+const MAX_PENDING_SWAPS: usize = 4096;
 /// Holds of one lock open at once. Exclusive holds come one at a time; shared ones (a
 /// `LOCK_SH` per reader) are the only way past a few.
 pub const MAX_OPEN_HOLDS: usize = 1024;
@@ -773,6 +775,10 @@ pub struct LockMachine {
     nft_name: Option<(u32, SharedStr)>,
     /// How often each bound was hit; the first hit of each is reported as a fact.
     over_bounds: std::collections::BTreeMap<Bound, u64>,
+    /// Each thread's last `xt_replace_table` (enter, return), kept until the table replace
+    /// around it ends: the kernel also swaps tables in when it first builds one in a netns
+    /// (`xt_register_table`, under a get or a later syscall), which is no part of a replace.
+    swaps: FastMap<u32, (u64, u64)>,
 }
 
 impl LockMachine {
@@ -784,6 +790,7 @@ impl LockMachine {
             losses: 0,
             nft_name: None,
             over_bounds: Default::default(),
+            swaps: FastMap::default(),
         }
     }
 
@@ -1431,15 +1438,23 @@ impl LockMachine {
     }
 
     fn on_xt_replace(&mut self, x: &XtReplaceEvent) {
-        for h in self.holds_of_pid(x.tgid, x.ts_ns) {
-            h.swap_ns += x.ts_ns.saturating_sub(x.enter_ns);
+        // One per thread in flight at most; a bound against threads that never replace.
+        if self.swaps.len() >= MAX_PENDING_SWAPS {
+            self.swaps.clear();
         }
+        self.swaps.insert(x.tid, (x.enter_ns, x.ts_ns));
     }
 
     fn on_table_replace(&mut self, t: &TableReplaceEvent) {
         let kernel_ns = t.ts_ns.saturating_sub(t.enter_ns);
+        // The swap inside this replace, if one was seen: the same thread, within its time.
+        let swap_ns = match self.swaps.remove(&t.tid) {
+            Some((enter, ret)) if enter >= t.enter_ns && ret <= t.ts_ns => ret - enter,
+            _ => 0,
+        };
         for h in self.holds_of_pid(t.tgid, t.ts_ns) {
             h.kernel_ns += kernel_ns;
+            h.swap_ns += swap_ns;
             h.replaces += 1;
             // Captures from before the head was recorded say nothing of the table.
             if t.head_recorded && h.tables.len() < MAX_TABLES_PER_HOLD {

@@ -268,6 +268,38 @@ fn several_holds_per_restore_exec() {
     assert_eq!(r.a.summary().holds["kube-proxy"].count, 3);
 }
 
+/// `xt_replace_table` counts as `swap_ns` only inside a table replace of the same thread:
+/// the kernel also swaps a table in when it first builds it in a netns (under a get), which
+/// is no part of `kernel_ns`.
+#[test]
+fn swap_counts_only_inside_its_replace() {
+    let swap = |ts: u64, enter: u64| {
+        Event::XtReplace(crate::decode::XtReplaceEvent {
+            ts_ns: ts,
+            enter_ns: enter,
+            tgid: 200,
+            tid: 200,
+        })
+    };
+    let mut r = Run::new();
+    r.feed(&node())
+        .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+        .feed(&[
+            acq(100, 200, "iptables-restor", 0xA),
+            // Table init under a get: 7 ms, before any replace.
+            swap(100 + 9 * MS, 100 + 2 * MS),
+            // The replace (10..30 ms) and its swap (20..21 ms).
+            swap(100 + 21 * MS, 100 + 20 * MS),
+            replace(100 + 30 * MS, 100 + 10 * MS, 200),
+            // A swap with no replace after it, then a replace that does not contain it.
+            swap(100 + 36 * MS, 100 + 35 * MS),
+            replace(100 + 50 * MS, 100 + 45 * MS, 200),
+            rel(100 + 60 * MS, 200, "iptables-restor", 0xA),
+        ]);
+    let h = r.holds();
+    assert_eq!((h[0].kernel_ns, h[0].swap_ns), (25 * MS, MS));
+}
+
 /// A replace with the head of its argument: the hold lists the table, its entries and
 /// size, and the time in the kernel; one whose head could not be read says so.
 #[test]
