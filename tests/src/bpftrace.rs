@@ -7,8 +7,8 @@ use std::{
     time::Duration,
 };
 
-/// bpftrace counting the holds of one inode: successful exclusive takes, and the time from
-/// each to its owner's release.
+/// bpftrace counting the holds of one file (device and inode): successful exclusive takes,
+/// and the time from each to its owner's release.
 pub struct Bpftrace {
     child: Child,
     reader: std::thread::JoinHandle<String>,
@@ -22,9 +22,15 @@ impl Drop for Bpftrace {
 }
 
 impl Bpftrace {
-    pub fn start(ino: u64) -> Self {
+    pub fn start(file: &std::path::Path) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::metadata(file).expect("the lock file to count");
+        let ino = meta.ino();
+        // The tracepoint's `s_dev` is the kernel's encoding: major << 20 | minor. A tmpfs
+        // file's inode number alone is small and shared with other filesystems' files.
+        let dev = (u64::from(libc::major(meta.dev())) << 20) | u64::from(libc::minor(meta.dev()));
         let script = format!(
-            "tracepoint:filelock:flock_lock_inode /args->i_ino == {ino}/ {{
+            "tracepoint:filelock:flock_lock_inode /args->i_ino == {ino} && args->s_dev == {dev}/ {{
                if (args->ret == 0 && args->type == 1) {{ @start[args->owner] = nsecs; @holds = count(); }}
                if (args->ret == 0 && args->type == 2 && @start[args->owner] != 0) {{
                  @total_ns = sum(nsecs - @start[args->owner]); @ended = count();

@@ -6,7 +6,7 @@
 //!   acquire often reaches the ring before the previous release): every hold counted, the
 //!   total hold time within 1 % of bpftrace's, no wait without its holder.
 
-use std::{os::unix::fs::MetadataExt, time::Duration};
+use std::time::Duration;
 
 use serde_json::Value;
 use xtlock_tests::{require_bpf, serial, Agent, Bpftrace, Scratch, Tracer};
@@ -116,8 +116,7 @@ fn ten_thousand_handoffs_across_cpus_match_bpftrace() {
     let s = Scratch::new("handoffs");
     let lock = s.lock_file("xtables.lock");
     let lock_s = lock.to_str().unwrap().to_owned();
-    let ino = std::fs::metadata(&lock).expect("lock").ino();
-    let bpf = Bpftrace::start(ino);
+    let bpf = Bpftrace::start(&lock);
     let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &["--no-drops"]);
     const N: u64 = 5_000;
     let n = N.to_string();

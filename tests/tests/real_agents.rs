@@ -1,15 +1,18 @@
-//! Real agents against an independent count. A real `dockerd` (Debian's docker.io, legacy
-//! iptables first on its PATH), in a network namespace of its own, creates and removes
-//! bridge networks (each a few dozen `iptables` runs, which never unlock: the kernel
-//! releases their lock when it closes their files) while a kube-proxy-style
-//! `iptables-restore` loop takes the same lock. bpftrace on the lock tracepoint, filtered by
-//! the lock's inode, counts the holds and their time; xtlock must agree exactly on the count
-//! and within 1 % on the time, and no wait, failed try or contention row may lack its
-//! holder. The lock is a private file (`XTABLES_LOCKFILE`), every rule goes into private
-//! network namespaces: the host's firewall is untouched.
+//! Real agents against an independent count, each while a kube-proxy-style
+//! `iptables-restore` loop takes the same lock:
+//! * a real `dockerd` (Debian's docker.io, legacy iptables first on its PATH), in a network
+//!   namespace of its own, creates and removes bridge networks (each a few dozen `iptables`
+//!   runs, which never unlock: the kernel releases their lock when it closes their files);
+//! * a real `firewalld` (Debian's, iptables backend, on a system bus of its own) reloads.
+//!
+//! bpftrace on the lock tracepoint, filtered by the lock's device and inode, counts the
+//! holds and their time; xtlock must agree exactly on the count and within 1 % on the time,
+//! and no wait, failed try or contention row may lack its holder. Every rule goes into
+//! private network namespaces and the locks are private files: the host's firewall is
+//! untouched.
 
 use std::{
-    os::unix::fs::MetadataExt,
+    io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -201,9 +204,8 @@ fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
     let s = Scratch::new("dockerd");
     let lock = s.lock_file("xtables.lock");
     let lock_s = lock.to_str().unwrap().to_owned();
-    let ino = std::fs::metadata(&lock).expect("lock").ino();
     let rules = write_file(&s.dir, "rules", &kube_proxy_ruleset(50, 2));
-    let bpf = Bpftrace::start(ino);
+    let bpf = Bpftrace::start(&lock);
     let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
     let dockerd = Dockerd::start(&s, &lock);
 
@@ -277,5 +279,332 @@ fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
         diff * 100.0
     );
     assert!(holds.iter().all(|h| h["incomplete"] == false), "{dump}");
+    assert_every_wait_has_its_holder(&trace, &dump);
+}
+
+/// The process (and what it execs) is killed when the test's thread ends, also when the
+/// test is interrupted: no daemon or namespace outlives it.
+fn dies_with_test(c: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe; runs in the child before exec.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })
+    }
+}
+
+/// PATH for the daemons: the test may run without the sbin directories.
+fn daemon_path() -> String {
+    format!(
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:{}",
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+/// firewalld's sandbox: a private network and mount namespace, kept alive by a `sleep`
+/// inside; processes join it with `nsenter`. firewalld runs iptables with an empty
+/// environment from fixed paths, so neither `XTABLES_LOCKFILE` nor PATH reaches it: /run
+/// is a tmpfs (its /run/xtables.lock is the sandbox's own), `/etc/alternatives` a copy
+/// whose iptables links point at the legacy binaries, /etc/firewalld a copy set to the
+/// iptables backend.
+struct Sandbox {
+    child: Child,
+}
+
+impl Sandbox {
+    fn new(s: &Scratch, firewalld_etc: &Path) -> Self {
+        let alt = s.dir.join("alternatives");
+        run_ok(
+            Command::new("cp")
+                .args(["-a", "/etc/alternatives"])
+                .arg(&alt),
+            "copy /etc/alternatives",
+        );
+        for name in [
+            "iptables",
+            "iptables-restore",
+            "iptables-save",
+            "ip6tables",
+            "ip6tables-restore",
+            "ip6tables-save",
+        ] {
+            let link = alt.join(name);
+            let _ = std::fs::remove_file(&link);
+            let target = name.replacen("tables", "tables-legacy", 1);
+            std::os::unix::fs::symlink(Path::new("/usr/sbin").join(target), &link)
+                .expect("alternative link");
+        }
+        let script = format!(
+            "set -e\n\
+             mount -t tmpfs -o mode=0755 tmpfs /run\n\
+             mkdir -p /run/dbus\n\
+             mount --bind '{}' /etc/alternatives\n\
+             mount --bind '{}' /etc/firewalld\n\
+             : > /run/xtables.lock\n\
+             ip link set lo up\n\
+             echo ready\n\
+             exec sleep infinity\n",
+            alt.display(),
+            firewalld_etc.display()
+        );
+        let mut child = dies_with_test(&mut Command::new("unshare"))
+            .args(["--mount", "--net", "--propagation", "private", "sh", "-c"])
+            .arg(&script)
+            .env("PATH", daemon_path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn unshare");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("read sandbox");
+        assert_eq!(line.trim(), "ready", "the sandbox did not come up");
+        Self { child }
+    }
+
+    /// `prog` inside the sandbox (nsenter execs it: same pid, same parent).
+    fn cmd(&self, prog: &str) -> Command {
+        let mut c = Command::new("nsenter");
+        dies_with_test(&mut c);
+        c.arg("-t")
+            .arg(self.child.id().to_string())
+            .args(["-m", "-n", "--", prog])
+            .env("PATH", daemon_path());
+        c
+    }
+
+    /// The sandbox's /run/xtables.lock, as the host reaches it.
+    fn lock(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/root/run/xtables.lock", self.child.id()))
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        // The namespaces go with their last process; the daemons were stopped before.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Sends SIGTERM, waits up to `grace`, then kills.
+fn stop(child: &mut Child, grace: Duration) {
+    // SAFETY: plain syscall on our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("pid {} ignored SIGTERM for {grace:?}: killed", child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Runs `cmd`, panics with its output when it fails.
+fn run_ok(cmd: &mut Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A system bus of the sandbox's own, at the usual path inside it.
+const BUS_CONF: &str = r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path=/run/dbus/system_bus_socket</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <allow own="*"/>
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow receive_sender="*"/>
+    <allow eavesdrop="true"/>
+  </policy>
+</busconfig>
+"#;
+
+#[test]
+fn firewalld_reloads_and_a_restore_loop_match_bpftrace() {
+    const TEST: &str = "firewalld_reloads_and_a_restore_loop_match_bpftrace";
+    if !require_bpf(TEST)
+        || ![
+            "firewalld",
+            "firewall-cmd",
+            "dbus-daemon",
+            "bpftrace",
+            "nsenter",
+        ]
+        .iter()
+        .all(|t| require_tool(TEST, t))
+    {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("firewalld");
+    // firewalld's own configuration, on the iptables backend.
+    let etc = s.dir.join("etc-firewalld");
+    run_ok(
+        Command::new("cp").args(["-a", "/etc/firewalld"]).arg(&etc),
+        "copy /etc/firewalld",
+    );
+    let conf = etc.join("firewalld.conf");
+    let text = std::fs::read_to_string(&conf).expect("firewalld.conf");
+    let text: String = text
+        .lines()
+        .filter(|l| !l.starts_with("FirewallBackend="))
+        .map(|l| format!("{l}\n"))
+        .chain(std::iter::once("FirewallBackend=iptables\n".to_owned()))
+        .collect();
+    std::fs::write(&conf, text).expect("write firewalld.conf");
+    let bus_conf = write_file(&s.dir, "bus.conf", BUS_CONF);
+
+    let sandbox = Sandbox::new(&s, &etc);
+    let lock = sandbox.lock();
+    let lock_s = lock.to_str().unwrap().to_owned();
+    let bpf = Bpftrace::start(&lock);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
+    let mut bus = sandbox
+        .cmd("dbus-daemon")
+        .arg(format!("--config-file={}", bus_conf.display()))
+        .args(["--nofork", "--nopidfile"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn dbus-daemon");
+    let log = s.dir.join("firewalld.log");
+    let mut firewalld = sandbox
+        .cmd("firewalld")
+        .args(["--nofork", "--nopid"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).expect("firewalld log"))
+        .spawn()
+        .expect("spawn firewalld");
+    let firewall_cmd = |args: &[&str]| {
+        let mut c = sandbox.cmd("firewall-cmd");
+        c.args(args);
+        c
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !firewall_cmd(&["--state"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        assert!(
+            Instant::now() < deadline && firewalld.try_wait().ok().flatten().is_none(),
+            "firewalld did not come up within 60 s:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // kube-proxy: restores in private network namespaces, on the sandbox's lock, until
+    // firewalld is done.
+    let rules = write_file(&s.dir, "rules", &kube_proxy_ruleset(50, 2));
+    let kp_bin = s.agent("kube-proxy");
+    let kp_lock = lock_s.clone();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let kp_done = done.clone();
+    let loop_thread = std::thread::spawn(move || {
+        let mut runs = 0u64;
+        while !kp_done.load(std::sync::atomic::Ordering::Relaxed) || runs < 5 {
+            let mut kp = Agent::spawn(
+                &kp_bin,
+                &[
+                    "run",
+                    "--netns",
+                    "iptables-legacy-restore",
+                    "-w",
+                    "5",
+                    "-W",
+                    "100000",
+                    "--noflush",
+                ],
+                &[("XTABLES_LOCKFILE", kp_lock.as_str())],
+                Some(&rules),
+            );
+            assert_eq!(kp.wait(), 0, "iptables-legacy-restore failed");
+            runs += 1;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        runs
+    });
+    for _ in 0..3 {
+        run_ok(&mut firewall_cmd(&["--reload"]), "firewall-cmd --reload");
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let kp_runs = loop_thread.join().expect("restore loop");
+    // It cleans up on exit: its last iptables runs are traced too.
+    stop(&mut firewalld, Duration::from_secs(30));
+    stop(&mut bus, Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(500));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let (b_holds, b_ended, b_total) = bpf.finish();
+    let dump = trace.dump();
+
+    let holds: Vec<&Value> = trace
+        .of_type("hold")
+        .into_iter()
+        .filter(|h| h["lock"] == lock_s.as_str() && h["exclusive"] == true)
+        .collect();
+    let total: u64 = holds.iter().map(|h| u(&h["hold_ns"])).sum();
+    let by_agent = |a: &str| holds.iter().filter(|h| h["agent"] == a).count();
+    eprintln!(
+        "holds: xtlock {} ({} firewalld, {} kube-proxy in {kp_runs} restores), bpftrace \
+         {b_holds} ({b_ended} ended); hold time: xtlock {total} ns, bpftrace {b_total} ns; \
+         {} waits, {} failed tries",
+        holds.len(),
+        by_agent("firewalld"),
+        by_agent("kube-proxy"),
+        trace.of_type("wait").len(),
+        trace.of_type("failed_try").len(),
+    );
+    assert_eq!(b_holds, b_ended, "bpftrace saw every hold end");
+    assert_eq!(
+        holds.len() as u64,
+        b_holds,
+        "hold count vs bpftrace\n{dump}"
+    );
+    // Start, three reloads and the clean-up, each several iptables-restore runs.
+    assert!(
+        by_agent("firewalld") >= 4 * 2,
+        "firewalld's iptables runs\n{dump}"
+    );
+    assert_eq!(
+        by_agent("kube-proxy") as u64,
+        2 * kp_runs,
+        "a hold per table (*filter, *nat) per restore\n{dump}"
+    );
+    assert_eq!(
+        by_agent("firewalld") + by_agent("kube-proxy"),
+        holds.len(),
+        "every hold is firewalld's or kube-proxy's\n{dump}"
+    );
+    let diff = total.abs_diff(b_total) as f64 / b_total.max(1) as f64;
+    assert!(
+        diff <= 0.01,
+        "total hold time {total} ns vs bpftrace {b_total} ns ({:.2} %)\n{dump}",
+        diff * 100.0
+    );
+    assert!(holds.iter().all(|h| h["incomplete"] == false), "{dump}");
+    // The restores run back to back through the reloads: 4 to 8 waits per run here.
+    assert!(
+        !trace.of_type("wait").is_empty(),
+        "no wait at all: the test proved nothing about waits\n{dump}"
+    );
     assert_every_wait_has_its_holder(&trace, &dump);
 }

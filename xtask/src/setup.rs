@@ -36,9 +36,6 @@ const APT_PACKAGES: &[&str] = &[
     // closes a probe's link fd inside it.
     "prometheus",
     "gdb",
-    // `tests/tests/real_agents.rs`: a real dockerd (with its containerd and runc) creating
-    // bridge networks, counted against bpftrace.
-    "docker.io",
 ];
 /// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: each
 /// command runs in the test node's network namespace, nothing to start or stop), without
@@ -61,6 +58,19 @@ const APT_VM_PACKAGES: &[&str] = &[
     "nftables",
     "ipvsadm",
 ];
+/// `tests/tests/real_agents.rs`: a real dockerd (with its containerd and runc) and a real
+/// firewalld (with a private system bus: dbus-daemon), in private namespaces (util-linux's
+/// `unshare` and `nsenter`). Installing them would start
+/// them on the host, where firewalld takes over the firewall and dockerd adds its chains:
+/// they are installed with service starts denied and their units disabled when setup
+/// installed them (see [`apt_daemon_packages`]). Package, the program the tests run (when
+/// it is there already, from another package such as docker-ce, nothing is installed: apt
+/// would replace that package), the units to keep stopped.
+const APT_DAEMON_PACKAGES: &[(&str, &str, &[&str])] = &[
+    ("docker.io", "dockerd", &["docker.service", "docker.socket"]),
+    ("firewalld", "firewalld", &["firewalld.service"]),
+    ("dbus-daemon", "dbus-daemon", &[]),
+];
 /// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
 const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
 
@@ -80,6 +90,8 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
       cargo install bpf-linker@0.13.0 --locked --no-default-features --features llvm-22
   - iptables (with iptables-legacy), iproute2, conntrack, bpftool, bpftrace, procps,
     util-linux (flock), strace (optional)
+  - docker.io, firewalld and dbus-daemon, kept from starting on the host (the tests run them
+    in private namespaces)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
   - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm
   - for `cargo xtask deploy-test`: podman and runc, and from PyPI kubernetes-validate
@@ -104,6 +116,7 @@ pub fn run() -> Result<()> {
         &["--no-install-recommends"],
     )?;
     pip_tools()?;
+    apt_daemon_packages()?;
     toolchain(rustup)?;
     clippy_fmt(rustup)?;
     bpf_linker()?;
@@ -213,6 +226,63 @@ fn apt_vm_packages() -> Result<()> {
         APT_VM_PACKAGES,
         &["--no-install-recommends"],
     )
+}
+
+/// The daemons the real-agent tests run, installed so that the host's services stay as
+/// they were: a `policy-rc.d` that denies starts during the install (unless one exists:
+/// then it rules), and afterwards, under systemd, the units of what was installed now
+/// disabled, so they do not start at the next boot either. Already installed packages are
+/// left alone.
+fn apt_daemon_packages() -> Result<()> {
+    let names: Vec<&str> = APT_DAEMON_PACKAGES
+        .iter()
+        .filter(|(_, program, _)| sh::which(program).is_none())
+        .map(|(p, _, _)| *p)
+        .collect();
+    let missing = missing_packages(&names)?;
+    if missing.is_empty() {
+        let programs: Vec<&str> = APT_DAEMON_PACKAGES.iter().map(|(_, p, _)| *p).collect();
+        println!(
+            "ok: programs for the real-agent tests: {} (all installed)",
+            programs.join(" ")
+        );
+        return Ok(());
+    }
+    let policy = Path::new("/usr/sbin/policy-rc.d");
+    let ours = !policy.exists();
+    if ours {
+        use std::os::unix::fs::PermissionsExt;
+        fs::write(
+            policy,
+            "#!/bin/sh\n# xtask setup: no service starts while installing\nexit 101\n",
+        )
+        .context("writing /usr/sbin/policy-rc.d")?;
+        fs::set_permissions(policy, fs::Permissions::from_mode(0o755))?;
+    }
+    let installed = apt_install("apt packages for the real-agent tests", &names, &[]);
+    if ours {
+        let _ = fs::remove_file(policy);
+    }
+    installed?;
+    if Path::new("/run/systemd/system").is_dir() {
+        let units: Vec<&str> = APT_DAEMON_PACKAGES
+            .iter()
+            .filter(|(p, _, _)| missing.iter().any(|m| m == p))
+            .flat_map(|(_, _, u)| u.iter().copied())
+            .collect();
+        if !units.is_empty() {
+            // Best effort: a unit the package did not ship is no reason to fail.
+            let _ = Command::new("systemctl")
+                .args(["disable", "--now", "--quiet"])
+                .args(&units)
+                .status();
+            println!(
+                "ok: {} disabled: the tests run these daemons in private namespaces, never on the host",
+                units.join(" ")
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Installs the packages of `wanted` that are missing (apt-get update first).
