@@ -15,9 +15,12 @@
 //!    execs and the drops, bracketed or counted exactly against what was done; `/readyz` 200.
 //! 4. `podman stop` (SIGTERM, the manifest's grace period): exit 0 in time, and the capture
 //!    file on the node's record dir complete and replayable.
-//! 5. Least privilege (`privileges.rs`): one run without each capability, host namespace,
+//! 5. `kubectl debug node --profile=sysadmin` emulated (`debug_node.rs`): the image run
+//!    privileged with the host's namespaces and root at /host, with no xtlock flag, finds
+//!    the host's lock by itself and names the holder and waiters.
+//! 6. Least privilege (`privileges.rs`): one run without each capability, host namespace,
 //!    mount and root; each must fail with a message or lose a named feature.
-//! 6. With `--measure`: CPU and memory of the container idle, under a lock storm and under a
+//! 7. With `--measure`: CPU and memory of the container idle, under a lock storm and under a
 //!    drop storm (`measure.rs`).
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -35,6 +38,7 @@ use serde_json::Value;
 
 use crate::{image, setup, sh};
 
+mod debug_node;
 mod engine;
 mod lint;
 pub mod manifest;
@@ -142,6 +146,7 @@ pub fn run_steps(args: &DeployArgs) -> Result<String> {
 
     let main = contention_run(&node, &pod, &root)?;
     notes.push(main);
+    notes.push(debug_node::run(&node, &pod)?);
     if !args.no_privileges {
         notes.push(privileges::run(&node, &pod)?);
     }

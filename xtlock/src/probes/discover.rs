@@ -1,0 +1,400 @@
+//! Discovery, before load: the kernel's tracepoint layouts (tracefs), BTF and kallsyms
+//! facts written into the programs' configuration, and per hook why it cannot be used.
+
+use xtlock_common::ProbeConfig;
+
+use super::{
+    btf, dropreason::ReasonTable, kfunc, kfunc::AttachFilter, kfunc::KfuncHook, tracefs::Format,
+    Feature, ProbeError, DROP_PROGRAM, HOOKS, KFUNC_HOOKS,
+};
+
+/// Field offsets for every hook, and per hook the reason it cannot be used, if any.
+pub struct Discovery {
+    pub config: ProbeConfig,
+    pub unusable: Vec<(&'static str, String)>,
+    /// Drop reasons of this kernel (empty when it reports none).
+    pub reasons: ReasonTable,
+    pub features: Vec<Feature>,
+    /// What the kernel-function hooks can attach to.
+    pub kfunc: kfunc::KernelFacts,
+    /// vmlinux BTF, for the hooks' setup (dropped after load).
+    pub btf: Option<btf::Btf>,
+    /// Whether the lock hook's raw tracepoint can be used, and if not, why.
+    pub raw_lock: Result<(), String>,
+}
+
+impl Discovery {
+    /// Why the hook's tracepoint cannot be used (its format file lacks what it reads).
+    pub(super) fn unusable_why(&self, program: &str) -> Option<String> {
+        self.unusable
+            .iter()
+            .find(|(p, _)| *p == program)
+            .map(|(_, why)| why.clone())
+    }
+}
+
+/// Reads the format files of every hook and fills the probe configuration.
+pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Discovery, ProbeError> {
+    let mut config = ProbeConfig::default();
+    let mut unusable = Vec::new();
+    let mut reasons = ReasonTable::default();
+    for hook in HOOKS {
+        let fmt = match Format::read(tracefs, hook.category, hook.tracepoint)? {
+            Some(f) => f,
+            None => {
+                unusable.push((
+                    hook.program,
+                    format!(
+                        "tracepoint {}:{} does not exist on this kernel",
+                        hook.category, hook.tracepoint
+                    ),
+                ));
+                continue;
+            }
+        };
+        if let Err(why) = fill(&mut config, hook.program, &fmt) {
+            unusable.push((hook.program, why));
+        }
+        if hook.program == DROP_PROGRAM {
+            if let Some(t) = fmt.print_fmt.as_deref().and_then(ReasonTable::from_format) {
+                reasons = t;
+            }
+        }
+    }
+    let mut features = Vec::new();
+    // Parsed once: under emulation each parse of vmlinux BTF takes seconds.
+    let btf = btf::Btf::vmlinux();
+    discover_task_netns(&mut config, &btf);
+    if !unusable.iter().any(|(p, _)| *p == DROP_PROGRAM) {
+        discover_drops(&mut config, &mut reasons, &mut features, &btf);
+    }
+    discover_syscall_regs(&mut config, &btf);
+    let raw_lock = discover_raw_lock(&mut config, &btf);
+    let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
+    wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+    let kfunc = kfunc::discover(
+        tracefs,
+        btf.as_ref().map_err(|e| e.to_string()),
+        &wanted,
+        filter,
+    );
+    Ok(Discovery {
+        config,
+        unusable,
+        reasons,
+        features,
+        kfunc,
+        btf: btf.ok(),
+        raw_lock,
+    })
+}
+
+/// What the lock hook's raw tracepoint reads, from BTF: its arguments (`struct inode *`,
+/// `struct file_lock *`, `int ret`, checked against the tracepoint's prototype) and the
+/// members it reads through them. The lock request's fields moved into `file_lock.c` (a
+/// `struct file_lock_core`) in Linux 6.9. Without BTF the perf tracepoint is used: its
+/// record has the same fields, at offsets from its format file.
+fn discover_raw_lock(
+    c: &mut ProbeConfig,
+    btf: &Result<btf::Btf, btf::BtfError>,
+) -> Result<(), String> {
+    let b = btf.as_ref().map_err(|e| format!("no kernel BTF: {e}"))?;
+    const PROTO: [&str; 4] = ["void *", "struct inode *", "struct file_lock *", "int"];
+    match b.fn_typedef_params("btf_trace_flock_lock_inode") {
+        Some(p) if p == PROTO => {}
+        Some(p) => {
+            return Err(format!(
+                "its arguments are ({}), expected ({})",
+                p[1.min(p.len())..].join(", "),
+                PROTO[1..].join(", ")
+            ))
+        }
+        None => return Err("no btf_trace_flock_lock_inode prototype in BTF".into()),
+    }
+    let m = |strukt: &str, paths: &[&str], size: u32| -> Result<u32, String> {
+        let mut why = String::new();
+        for p in paths {
+            match b.member(strukt, p) {
+                Ok((off, sz)) if sz == size => return Ok(off),
+                Ok((_, sz)) => {
+                    return Err(format!("{strukt}.{p} is {sz} bytes, expected {size}"));
+                }
+                Err(e) => why = e.to_string(),
+            }
+        }
+        Err(why)
+    };
+    let [ino, sb, dev, owner, flags, ty] = [
+        m("inode", &["i_ino"], 8)?,
+        m("inode", &["i_sb"], 8)?,
+        m("super_block", &["s_dev"], 4)?,
+        m("file_lock", &["c.flc_owner", "fl_owner"], 8)?,
+        m("file_lock", &["c.flc_flags", "fl_flags"], 4)?,
+        m("file_lock", &["c.flc_type", "fl_type"], 1)?,
+    ];
+    c.rfl_inode_ino = ino;
+    c.rfl_inode_sb = sb;
+    c.rfl_sb_dev = dev;
+    c.rfl_owner = owner;
+    c.rfl_flags = flags;
+    c.rfl_type = ty;
+    Ok(())
+}
+
+/// Where a syscall's first five arguments live in the user `pt_regs`, for hooks on syscall
+/// functions: `di si dx r10 r8` on x86-64, `regs[0..5]` on arm64. Left at 0 when BTF has
+/// neither: the programs then read no arguments rather than wrong ones.
+fn discover_syscall_regs(c: &mut ProbeConfig, btf: &Result<btf::Btf, btf::BtfError>) {
+    let Ok(b) = btf else { return };
+    let x86: Result<Vec<u32>, _> = ["di", "si", "dx", "r10", "r8"]
+        .iter()
+        .map(|r| b.member_offset("pt_regs", r))
+        .collect();
+    if let Ok(v) = x86 {
+        c.regs_args.copy_from_slice(&v);
+    } else if let Ok(off) = b.member_offset("pt_regs", "regs") {
+        for (i, slot) in c.regs_args.iter_mut().enumerate() {
+            *slot = off + 8 * i as u32;
+        }
+    }
+}
+
+/// Offsets to the current task's netns inode (nf_tables commits), from BTF; without them
+/// commits are reported with netns unknown.
+fn discover_task_netns(c: &mut ProbeConfig, btf: &Result<btf::Btf, btf::BtfError>) {
+    let offsets = btf.as_ref().map_err(|e| e.to_string()).and_then(|b| {
+        let m = |s: &str, p: &str| b.member_offset(s, p).map_err(|e| e.to_string());
+        Ok([
+            m("task_struct", "nsproxy")?,
+            m("nsproxy", "net_ns")?,
+            m("net", "ns.inum")?,
+        ])
+    });
+    match offsets {
+        Ok([nsproxy, net_ns, inum]) => {
+            c.task_nsproxy = nsproxy;
+            c.nsproxy_net_ns = net_ns;
+            c.net_ns_inum = inum;
+            c.task_ok = 1;
+        }
+        Err(why) => tracing::warn!(%why, "nf_tables commits will show netns unknown"),
+    }
+}
+
+/// Struct offsets for drop samples (from BTF) and the drop-reason table; what is missing
+/// is reported as an unavailable feature, and drops are still counted without it.
+fn discover_drops(
+    c: &mut ProbeConfig,
+    reasons: &mut ReasonTable,
+    features: &mut Vec<Feature>,
+    btf: &Result<btf::Btf, btf::BtfError>,
+) {
+    if c.kd_has_reason == 0 {
+        *reasons = ReasonTable::default();
+        features.push(Feature {
+            name: "drop reasons",
+            available: false,
+            detail: "skb:kfree_skb has no `reason` field (Linux < 5.17): drops are counted \
+                     per location (the kernel function that freed the packet, `by_location`), \
+                     each with reason `unknown`"
+                .into(),
+        });
+    } else {
+        if reasons.names.is_empty() {
+            if let Some(t) = btf
+                .as_ref()
+                .ok()
+                .and_then(|b| b.enum_values("skb_drop_reason"))
+                .and_then(|v| ReasonTable::from_enum(&v))
+            {
+                *reasons = t;
+            }
+        }
+        features.push(Feature {
+            name: "drop reasons",
+            available: !reasons.names.is_empty(),
+            detail: if reasons.names.is_empty() {
+                "the kernel reports reason numbers but their names were not found (neither \
+                 in the format file nor in BTF): reasons are shown as numbers"
+                    .into()
+            } else {
+                // The whole list is long (over 100 on recent kernels): a few, and where the
+                // rest is.
+                let few: Vec<&str> = reasons.names.values().map(String::as_str).take(4).collect();
+                format!(
+                    "{} reasons named by this kernel ({}, ...; `xtlock probes --json` lists \
+                     them all), usable in --drop-reasons",
+                    reasons.names.len(),
+                    few.join(", ")
+                )
+            },
+        });
+    }
+    let offsets = btf.as_ref().map_err(|e| e.to_string()).and_then(|b| {
+        let m = |s: &str, p: &str| b.member_offset(s, p).map_err(|e| e.to_string());
+        Ok([
+            m("sk_buff", "head")?,
+            m("sk_buff", "network_header")?,
+            m("sk_buff", "transport_header")?,
+            m("sk_buff", "dev")?,
+            m("sk_buff", "sk")?,
+            m("net_device", "ifindex")?,
+            m("net_device", "nd_net.net")?,
+            m("net", "ns.inum")?,
+            m("sock", "__sk_common.skc_net.net")?,
+        ])
+    });
+    match offsets {
+        Ok([head, nh, th, dev, sk, ifindex, nd_net, inum, sk_net]) => {
+            c.skb_head = head;
+            c.skb_network_header = nh;
+            c.skb_transport_header = th;
+            c.skb_dev = dev;
+            c.skb_sk = sk;
+            c.dev_ifindex = ifindex;
+            c.dev_nd_net = nd_net;
+            c.net_ns_inum = inum;
+            c.sk_net = sk_net;
+            c.skb_ok = 1;
+            features.push(Feature {
+                name: "drop addresses",
+                available: true,
+                detail: "sk_buff/net_device/net offsets from BTF: samples carry netns, \
+                         interface and 5-tuple"
+                    .into(),
+            });
+        }
+        Err(why) => features.push(Feature {
+            name: "drop addresses",
+            available: false,
+            detail: format!(
+                "no usable kernel BTF ({why}): drops are counted, but without netns, \
+                 interface or addresses"
+            ),
+        }),
+    }
+}
+
+/// Offset of the first field named in `names`, checking its size.
+fn off(fmt: &Format, names: &[&str], size: u32) -> Result<u32, String> {
+    let f = fmt
+        .field(names)
+        .ok_or_else(|| format!("no field {} in its format file", names.join("/")))?;
+    if f.size != size {
+        return Err(format!(
+            "field {} is {} bytes, expected {size}: layout not supported",
+            f.name, f.size
+        ));
+    }
+    Ok(f.offset)
+}
+
+fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> {
+    match program {
+        "flock_lock_inode" => {
+            c.fl_ino = off(fmt, &["i_ino"], 8)?;
+            c.fl_dev = off(fmt, &["s_dev"], 4)?;
+            c.fl_owner = off(fmt, &["owner", "fl_owner"], 8)?;
+            c.fl_flags = off(fmt, &["flags", "fl_flags"], 4)?;
+            c.fl_type = off(fmt, &["type", "fl_type"], 1)?;
+            c.fl_ret = off(fmt, &["ret"], 4)?;
+        }
+        "sys_exit_setsockopt" => {
+            let ret = off(fmt, &["ret"], 8)?;
+            // One offset serves every sys_exit tracepoint (they share a layout).
+            if c.sys_exit_ret != 0 && c.sys_exit_ret != ret {
+                return Err("sys_exit `ret` offsets differ between syscalls".into());
+            }
+            c.sys_exit_ret = ret;
+        }
+        "signal_deliver" => {
+            c.sig_handler = off(fmt, &["sa_handler"], 8)?;
+            c.sig_flags = off(fmt, &["sa_flags"], 8)?;
+        }
+        "sys_enter_setsockopt" => {
+            c.sso_level = off(fmt, &["level"], 8)?;
+            c.sso_optname = off(fmt, &["optname"], 8)?;
+            c.sso_optlen = off(fmt, &["optlen"], 8)?;
+            c.sso_optval = off(fmt, &["optval"], 8)?;
+        }
+        "sys_enter_execve" => c.execve_argv = off(fmt, &["argv"], 8)?,
+        "sys_enter_execveat" => c.execveat_argv = off(fmt, &["argv"], 8)?,
+        "sched_process_exec" => {
+            let f = fmt
+                .field(&["filename"])
+                .ok_or("no field filename in its format file")?;
+            if !f.ctype.starts_with("__data_loc") || f.size != 4 {
+                return Err(format!(
+                    "field filename is `{}`: layout not supported",
+                    f.ctype
+                ));
+            }
+            c.exec_filename = f.offset;
+            c.exec_old_pid = off(fmt, &["old_pid"], 4)?;
+        }
+        "sched_process_fork" => c.fork_child_pid = off(fmt, &["child_pid"], 4)?,
+        "sys_enter_exit_group" => c.exit_code = off(fmt, &["error_code"], 8)?,
+        DROP_PROGRAM => {
+            c.kd_skbaddr = off(fmt, &["skbaddr"], 8)?;
+            c.kd_location = off(fmt, &["location"], 8)?;
+            c.kd_protocol = off(fmt, &["protocol"], 2)?;
+            // Linux 5.17 added the reason; before it every drop is "unknown reason".
+            match fmt.field(&["reason"]) {
+                Some(_) => {
+                    c.kd_reason = off(fmt, &["reason"], 4)?;
+                    c.kd_has_reason = 1;
+                }
+                None => c.kd_has_reason = 0,
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::probes::tracefs;
+
+    #[test]
+    fn fill_rejects_wrong_sizes_and_missing_fields() {
+        let mut c = ProbeConfig::default();
+        let fmt = Format::parse("\tfield:int ret;\toffset:16;\tsize:4;\tsigned:1;\n");
+        let err = fill(&mut c, "sys_exit_setsockopt", &fmt).unwrap_err();
+        assert!(err.contains("4 bytes"), "{err}");
+        let fmt = Format::parse("\tfield:long x;\toffset:16;\tsize:8;\tsigned:0;\n");
+        assert!(fill(&mut c, "sys_exit_setsockopt", &fmt)
+            .unwrap_err()
+            .contains("no field ret"));
+        let fmt = Format::parse("\tfield:long ret;\toffset:16;\tsize:8;\tsigned:1;\n");
+        fill(&mut c, "sys_exit_setsockopt", &fmt).unwrap();
+        assert_eq!(c.sys_exit_ret, 16);
+    }
+
+    #[test]
+    fn exec_filename_must_be_data_loc() {
+        let mut c = ProbeConfig::default();
+        let fmt = Format::parse(
+            "\tfield:char filename[16];\toffset:8;\tsize:16;\tsigned:0;\n\
+             \tfield:pid_t old_pid;\toffset:16;\tsize:4;\tsigned:1;\n",
+        );
+        assert!(fill(&mut c, "sched_process_exec", &fmt).is_err());
+    }
+
+    /// Every hook's format file on the running kernel parses (when tracefs is readable).
+    #[test]
+    fn discovers_this_kernel() {
+        let Ok(tracefs) = tracefs::locate() else {
+            eprintln!("skipped: tracefs not available to this user");
+            return;
+        };
+        let d = discover(&tracefs, AttachFilter::default()).unwrap();
+        assert!(
+            !d.unusable.iter().any(|(p, _)| *p == "flock_lock_inode"),
+            "{:?}",
+            d.unusable
+        );
+        assert_ne!(d.config.fl_ino, d.config.fl_owner);
+    }
+}

@@ -1,0 +1,273 @@
+//! The hook table: every kernel hook xtlock can use, its attach candidates and what it
+//! gives the user; and what `xtlock probes` reports per hook and per kernel feature.
+
+use super::{
+    conntrack, ipvs,
+    kfunc::{KfuncHook, Reads, Want},
+    nft_commit, xt_replace, DROP_PROGRAM,
+};
+
+/// One kernel hook and what it gives the user, in plain words.
+#[derive(Clone, Copy, Debug)]
+pub struct Hook {
+    /// Program name in the BPF object (the function name in `xtlock-ebpf`).
+    pub program: &'static str,
+    pub category: &'static str,
+    pub tracepoint: &'static str,
+    /// Without it xtlock cannot do its job at all.
+    pub required: bool,
+    pub purpose: &'static str,
+    /// The syscall's function, hooked (fentry, else kprobe) in preference to the
+    /// tracepoint: an enabled syscall tracepoint puts every syscall on the node on the
+    /// syscall-tracing path (~50 ns each, *Findings* 3), a hooked function costs only its
+    /// own calls. The tracepoint is then the fallback.
+    pub fallback: Option<&'static KfuncHook>,
+    /// Attached together with this hook (its fallback covers both).
+    pub paired_with: Option<&'static str>,
+    /// A `tp_btf` program on the same tracepoint, tried first: it gets the tracepoint's
+    /// arguments and no record is built before it runs (see [`discover_raw_lock`]).
+    pub raw_program: Option<&'static str>,
+}
+
+/// A syscall's function (`__x64_sys_NAME`, `__arm64_sys_NAME`) as the fallback of its
+/// tracepoints.
+const fn syscall_fn(
+    name: &'static str,
+    purpose: &'static str,
+    functions: &'static [&'static str],
+    entry: (&'static str, &'static str),
+    exit: Option<(&'static str, &'static str)>,
+) -> KfuncHook {
+    KfuncHook {
+        name,
+        purpose,
+        functions,
+        module: None,
+        fentry: Some(entry.0),
+        fexit: match exit {
+            Some(e) => Some(e.0),
+            None => None,
+        },
+        kprobe: Some(entry.1),
+        kretprobe: match exit {
+            Some(e) => Some(e.1),
+            None => None,
+        },
+        setup: None,
+        // `long __x64_sys_NAME(const struct pt_regs *regs)`: the user registers, read at
+        // offsets from BTF; the exit program finds the return after that one argument.
+        reads: Some(match exit {
+            Some(_) => Reads {
+                args: &[Want::Ptr("pt_regs")],
+                fexit_params: Some(1),
+                ret: Want::Int,
+            },
+            None => Reads {
+                args: &[Want::Ptr("pt_regs")],
+                fexit_params: None,
+                ret: Want::Any,
+            },
+        }),
+    }
+}
+
+pub const EXECVE_SYSCALL: KfuncHook = syscall_fn(
+    "execve_syscall",
+    "command lines of new programs (execve)",
+    &["__x64_sys_execve", "__arm64_sys_execve"],
+    ("execve_syscall_fentry", "execve_syscall_kprobe"),
+    None,
+);
+pub const EXECVEAT_SYSCALL: KfuncHook = syscall_fn(
+    "execveat_syscall",
+    "command lines of new programs (execveat)",
+    &["__x64_sys_execveat", "__arm64_sys_execveat"],
+    ("execveat_syscall_fentry", "execveat_syscall_kprobe"),
+    None,
+);
+pub const EXIT_GROUP_SYSCALL: KfuncHook = syscall_fn(
+    "exit_group_syscall",
+    "exit status",
+    &["__x64_sys_exit_group", "__arm64_sys_exit_group"],
+    ("exit_group_syscall_fentry", "exit_group_syscall_kprobe"),
+    None,
+);
+pub const SETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
+    "setsockopt_syscall",
+    "legacy table replaces",
+    &["__x64_sys_setsockopt", "__arm64_sys_setsockopt"],
+    ("setsockopt_syscall_fentry", "setsockopt_syscall_kprobe"),
+    Some(("setsockopt_syscall_fexit", "setsockopt_syscall_kretprobe")),
+);
+
+/// Every name `--no-attach HOOK:KIND` accepts: tracepoint hooks and their categories,
+/// kernel-function hooks and fallbacks.
+pub fn hook_names() -> Vec<&'static str> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for h in HOOKS {
+        names.extend([h.program, h.category]);
+        names.extend(h.fallback.map(|f| f.name));
+    }
+    names.extend(KFUNC_HOOKS.iter().map(|k| k.name));
+    names.sort_unstable();
+    names.dedup();
+    names
+}
+
+/// Hooks that exist only on kernel functions, attached after the tracepoints.
+pub const KFUNC_HOOKS: &[&KfuncHook] = &[
+    &nft_commit::HOOK,
+    &conntrack::INSERT_FAILED,
+    &conntrack::TABLE_FULL,
+    &xt_replace::HOOK,
+    &ipvs::CONN_NEW,
+    &ipvs::NAT_XMIT,
+    &ipvs::NAT_XMIT_V6,
+    &ipvs::CONN_IN_GET,
+    &ipvs::CONN_EXPIRE,
+    &ipvs::ADD_DEST,
+    &ipvs::DEL_DEST,
+    &ipvs::EDIT_DEST,
+    &ipvs::ADD_SERVICE,
+    &ipvs::EDIT_SERVICE,
+    &ipvs::UNLINK_SERVICE,
+];
+
+pub const HOOKS: &[Hook] = &[
+    Hook {
+        program: "flock_lock_inode",
+        category: "filelock",
+        tracepoint: "flock_lock_inode",
+        required: true,
+        purpose: "takes, failed tries, waits and releases of the watched lock files",
+        fallback: None,
+        paired_with: None,
+        raw_program: Some("flock_lock_inode_btf"),
+    },
+    Hook {
+        program: "signal_deliver",
+        category: "signal",
+        tracepoint: "signal_deliver",
+        required: false,
+        purpose: "blocking flock() waits on the lock cut short by a signal (`iptables -w N` \
+                  giving up through alarm())",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_enter_execve",
+        category: "syscalls",
+        tracepoint: "sys_enter_execve",
+        required: false,
+        purpose: "command lines of new programs (execve)",
+        fallback: Some(&EXECVE_SYSCALL),
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_enter_execveat",
+        category: "syscalls",
+        tracepoint: "sys_enter_execveat",
+        required: false,
+        purpose: "command lines of new programs (execveat)",
+        fallback: Some(&EXECVEAT_SYSCALL),
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sched_process_exec",
+        category: "sched",
+        tracepoint: "sched_process_exec",
+        required: false,
+        purpose: "iptables and iptables-restore runs, and the programs that started them",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sched_process_fork",
+        category: "sched",
+        tracepoint: "sched_process_fork",
+        required: false,
+        purpose: "the parent of each new process (who called iptables)",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_enter_exit_group",
+        category: "syscalls",
+        tracepoint: "sys_enter_exit_group",
+        required: false,
+        purpose: "exit status (iptables exits 4 when it gave up waiting for the lock)",
+        fallback: Some(&EXIT_GROUP_SYSCALL),
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sched_process_exit",
+        category: "sched",
+        tracepoint: "sched_process_exit",
+        required: false,
+        purpose: "process exits",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_enter_setsockopt",
+        category: "syscalls",
+        tracepoint: "sys_enter_setsockopt",
+        required: false,
+        purpose: "start of a legacy table replace (IPT_SO_SET_REPLACE) inside a hold",
+        fallback: Some(&SETSOCKOPT_SYSCALL),
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_exit_setsockopt",
+        category: "syscalls",
+        tracepoint: "sys_exit_setsockopt",
+        required: false,
+        purpose: "end of a legacy table replace: the kernel's share of a hold",
+        fallback: None,
+        paired_with: Some("sys_enter_setsockopt"),
+        raw_program: None,
+    },
+    Hook {
+        program: DROP_PROGRAM,
+        category: "skb",
+        tracepoint: "kfree_skb",
+        required: false,
+        purpose: "packet drops (reason, where, which netns, samples with addresses)",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+    },
+];
+
+/// Whether a hook is attached, and if not, why.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct HookStatus {
+    pub program: &'static str,
+    pub attach: String,
+    pub required: bool,
+    pub purpose: &'static str,
+    /// `None` when attached.
+    pub error: Option<String>,
+}
+
+impl HookStatus {
+    pub fn attached(&self) -> bool {
+        self.error.is_none()
+    }
+}
+
+/// A feature that depends on the kernel rather than on one hook: available or not, and why.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Feature {
+    pub name: &'static str,
+    pub available: bool,
+    pub detail: String,
+}
