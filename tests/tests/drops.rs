@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use xtlock_tests::{
-    conntrack_stat, iptables_packets, require_bpf, send_udp, serial, Agent, NetnsPair, Scratch,
-    Sysctl, Tracer,
+    conntrack_stat, hook_status, iptables_packets, require_bpf, send_udp, serial, Agent, NetnsPair,
+    Scratch, Sysctl, Tracer,
 };
 
 const T: Duration = Duration::from_secs(30);
@@ -38,11 +38,34 @@ fn samples(trace: &xtlock_tests::Trace, netns: u64) -> Vec<&Value> {
 
 /// A DROP rule for one port: xtlock's count equals the rule's packet counter, and packets to
 /// another port (no listener: NO_SOCKET, not a watched reason here) are not counted.
+/// The drop hook on `tp_btf` (its first choice where the kernel has BTF) and on the perf
+/// tracepoint (its fallback): the same exact counts, netns and samples either way.
 #[test]
 fn rule_drop_counts_match_the_rule_counter() {
     if !require_bpf("rule_drop_counts_match_the_rule_counter") {
         return;
     }
+    let raw = hook_status("kfree_skb", &[]);
+    if std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        assert!(
+            raw["attach"]
+                .as_str()
+                .is_some_and(|a| a.starts_with("tp_btf")),
+            "with kernel BTF the drop hook is a tp_btf program: {raw}"
+        );
+    }
+    let tp = hook_status("kfree_skb", &["--no-attach", "tp_btf"]);
+    assert!(
+        tp["attach"]
+            .as_str()
+            .is_some_and(|a| a.starts_with("tracepoint")),
+        "{tp}"
+    );
+    rule_drops_counted(&[]);
+    rule_drops_counted(&["--no-attach", "tp_btf"]);
+}
+
+fn rule_drops_counted(extra: &[&str]) {
     let _g = serial();
     let s = Scratch::new("drops-rule");
     let lock = s.lock_file("xtables.lock");
@@ -55,11 +78,14 @@ fn rule_drop_counts_match_the_rule_counter() {
         ],
     );
     let b_path = NetnsPair::path(&ns.b);
-    let tracer = Tracer::start(
-        &[&lock],
-        Duration::from_secs(5),
-        &["--netns", &b_path, "--drop-reasons", "NETFILTER_DROP"],
-    );
+    let mut args = vec![
+        "--netns",
+        b_path.as_str(),
+        "--drop-reasons",
+        "NETFILTER_DROP",
+    ];
+    args.extend_from_slice(extra);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(5), &args);
     let sent = send_udp(&s, &ns.a, &ns.addr_b, 9999, 500, 1);
     send_udp(&s, &ns.a, &ns.addr_b, 9998, 300, 1);
     let trace = tracer.finish();

@@ -607,6 +607,11 @@ pub struct ProbeConfig {
     /// `syscalls:sys_enter_setsockopt`'s `optval` (here to keep the layout free of
     /// implicit padding).
     pub sso_optval: u32,
+    /// For the drop hook's raw tracepoint (`tp_btf/kfree_skb`: `struct sk_buff *`, the
+    /// location, and since 5.17 the reason): non-zero when it has the reason argument.
+    pub rkd_has_reason: u32,
+    /// `sk_buff.protocol` (big-endian), the raw hook's ethertype.
+    pub skb_protocol: u32,
     pub _pad3: u32,
 }
 

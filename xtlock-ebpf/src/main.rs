@@ -65,6 +65,8 @@ static CONFIG: ProbeConfig = ProbeConfig {
     rfl_type: 0,
     sso_optval: 0,
     _pad3: 0,
+    rkd_has_reason: 0,
+    skb_protocol: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.

@@ -8,7 +8,7 @@ use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 
 use super::{
-    run::{self, Session, Tracer},
+    run::{self, BpfStats, ProgStats, Session, Tracer},
     stats::{num, table, Dist},
     Env,
 };
@@ -212,6 +212,12 @@ struct Col {
     machine_wide: Vec<i64>,
     /// xtlock: drops of other reasons in the receiving netns, all runs.
     other_in_netns: u64,
+    /// With --bpf-stats: the program that ran most (the drop hook), its ns per run and
+    /// runs per dropped packet, and all the tracer's programs' ns per dropped packet.
+    hook: String,
+    hook_ns_per_run: Dist,
+    hook_runs_per_drop: Dist,
+    bpf_ns_per_drop: Dist,
 }
 
 pub fn run(env: &Env) -> Result<Value> {
@@ -238,6 +244,7 @@ pub fn run(env: &Env) -> Result<Value> {
         .collect();
     let xtlock_lock = env.scratch.join("drops.lock");
     std::fs::write(&xtlock_lock, b"")?;
+    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
     for rep in 0..env.reps {
         for i in 0..tracers.len() {
             let ti = (i + rep) % tracers.len();
@@ -251,14 +258,30 @@ pub fn run(env: &Env) -> Result<Value> {
                 // As shipped: default drop reasons and sample rate.
                 Tracer::Xtlock => Session::xtlock(env, &tag, &[&xtlock_lock], &[])?,
             };
+            let ids = if env.bpf_stats {
+                s.prog_ids()
+            } else {
+                Vec::new()
+            };
+            let p0 = ProgStats::read(&ids);
             let c0 = s.cpu_ns();
             let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
             let c1 = s.cpu_ns();
+            let p1 = ProgStats::read(&ids);
             let st = s.stop()?;
             let rule = net.counter()?;
             let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
             let total_sent: u64 = r.iter().map(|l| l.cycles).sum();
             let col = &mut cols[ti];
+            let ran = p1.since(&p0);
+            if let Some((name, runs, ns)) = ran.iter().max_by_key(|(_, runs, _)| *runs) {
+                col.hook = name.clone();
+                col.hook_ns_per_run.push(*ns as f64 / (*runs).max(1) as f64);
+                col.hook_runs_per_drop
+                    .push(*runs as f64 / rule.max(1) as f64);
+                let all: u64 = ran.iter().map(|(_, _, ns)| ns).sum();
+                col.bpf_ns_per_drop.push(all as f64 / rule.max(1) as f64);
+            }
             col.pps.push(rule as f64 / wall);
             let sender_cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
             col.cpu_per_drop
@@ -397,6 +420,30 @@ pub fn run(env: &Env) -> Result<Value> {
         ]);
     }
     table(&rows);
+    if env.bpf_stats {
+        println!(
+            "\n  BPF programs (kernel.bpf_stats_enabled; the program that ran most is the \
+             drop hook; every packet freed on the machine runs it, dropped or not):"
+        );
+        let mut rows = vec![vec![
+            "tracer".to_string(),
+            "drop hook".into(),
+            "ns per run".into(),
+            "runs per dropped packet".into(),
+            "all its programs: ns per dropped packet".into(),
+        ]];
+        for (ti, t) in tracers.iter().enumerate().skip(1) {
+            let c = &cols[ti];
+            rows.push(vec![
+                t.name().into(),
+                c.hook.clone(),
+                c.hook_ns_per_run.show(),
+                c.hook_runs_per_drop.show(),
+                c.bpf_ns_per_drop.show(),
+            ]);
+        }
+        table(&rows);
+    }
     println!(
         "  sent by the generators (untraced): {} datagrams/s; the rule sees fewer when the \
          receive backlog overflows",

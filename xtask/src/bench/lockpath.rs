@@ -3,13 +3,13 @@
 //! `getppid()` (a syscall nobody traces), and spawning `/bin/true` — untraced, under
 //! `xtlock trace`, and under a bpftrace script doing the same job. The three tracer columns
 //! take turns within each repetition, so a busy machine slows them alike.
-use std::{collections::BTreeMap, fs, path::Path, process::Command, time::Duration};
+use std::{collections::BTreeMap, fs, path::Path, time::Duration};
 
 use anyhow::Result;
 use serde_json::{json, Value};
 
 use super::{
-    run::{self, ProgStats, Session, Tracer},
+    run::{self, BpfStats, ProgStats, Session, Tracer},
     stats::{num, table, Dist},
     Env,
 };
@@ -393,27 +393,6 @@ pub fn run(env: &Env) -> Result<Value> {
         "bpf_programs": prog_json,
         "bpftrace_script": script,
     }))
-}
-
-/// `kernel.bpf_stats_enabled=1` while alive, the previous value restored on drop.
-struct BpfStats(String);
-
-impl BpfStats {
-    fn enable() -> Result<Self> {
-        if Command::new("bpftool").arg("version").output().is_err() {
-            anyhow::bail!("--bpf-stats needs bpftool (apt-get install bpftool)");
-        }
-        let path = "/proc/sys/kernel/bpf_stats_enabled";
-        let old = fs::read_to_string(path)?.trim().to_owned();
-        fs::write(path, "1")?;
-        Ok(BpfStats(old))
-    }
-}
-
-impl Drop for BpfStats {
-    fn drop(&mut self) {
-        let _ = fs::write("/proc/sys/kernel/bpf_stats_enabled", &self.0);
-    }
 }
 
 /// `+123 (1.23x)`.

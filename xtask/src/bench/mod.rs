@@ -48,8 +48,9 @@ pub struct BenchArgs {
     /// Use the release binaries already built instead of running `cargo build --release`.
     #[arg(long)]
     pub no_build: bool,
-    /// Lock bench: also turn on `kernel.bpf_stats_enabled` and report every BPF program's
-    /// runs per operation and ns per run (costs some ns per run itself; restored after).
+    /// Lock and drop benches: also turn on `kernel.bpf_stats_enabled` and report the BPF
+    /// programs' runs per operation (per dropped packet) and ns per run (costs some ns per
+    /// run itself; restored after).
     #[arg(long)]
     pub bpf_stats: bool,
 }

@@ -39,6 +39,27 @@ pub struct Session {
     pub err: PathBuf,
 }
 
+/// `kernel.bpf_stats_enabled=1` while alive, the previous value restored on drop.
+pub struct BpfStats(String);
+
+impl BpfStats {
+    pub fn enable() -> Result<Self> {
+        if Command::new("bpftool").arg("version").output().is_err() {
+            anyhow::bail!("--bpf-stats needs bpftool (apt-get install bpftool)");
+        }
+        let path = "/proc/sys/kernel/bpf_stats_enabled";
+        let old = fs::read_to_string(path)?.trim().to_owned();
+        fs::write(path, "1")?;
+        Ok(BpfStats(old))
+    }
+}
+
+impl Drop for BpfStats {
+    fn drop(&mut self) {
+        let _ = fs::write("/proc/sys/kernel/bpf_stats_enabled", &self.0);
+    }
+}
+
 /// Run counts and run time of BPF programs (kernel.bpf_stats_enabled), by program id.
 #[derive(Clone, Debug, Default)]
 pub struct ProgStats(pub std::collections::BTreeMap<u64, (String, u64, u64)>);

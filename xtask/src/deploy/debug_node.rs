@@ -155,7 +155,7 @@ fn scenario(node: &Node, ino: u64) -> Result<String> {
         node_fs::POD_NAME
     );
     let lost = of("summary")
-        .last()
+        .next_back()
         .and_then(|s| s["lost_events"].as_u64())
         .context("no summary at exit")?;
     ensure!(lost == 0, "events lost: {lost}");

@@ -6,16 +6,23 @@
 //! rate limiter has a token, a sample with the packet's addresses through the ring buffer.
 //! No ring-buffer traffic without a token, so a flood cannot turn into a lost-event storm.
 //!
-//! Struct member offsets (`sk_buff`, `net_device`, `net`, `sock`) come from the kernel's BTF,
-//! read by userspace; every kernel pointer is read with `bpf_probe_read_kernel`.
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+//! Two entry points, one body. `tp_btf/kfree_skb` (tried first) gets the tracepoint's
+//! arguments with no perf record built before it runs, and reads `sk_buff`, `net_device`,
+//! `net` and `sock` members with plain loads the verifier checks against BTF; the perf
+//! tracepoint `skb:kfree_skb` (the fallback) reads its record at format-file offsets and the
+//! members with `bpf_probe_read_kernel`. Member offsets come from the kernel's BTF, read by
+//! userspace. Packet bytes (samples only) are always read with the helper.
+use aya_ebpf::{
+    macros::{btf_tracepoint, tracepoint},
+    programs::{BtfTracePointContext, TracePointContext},
+};
 use xtlock_common::{
     DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET, DROP_FAMILY_INET6,
     DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
 };
 
 use crate::{
-    emit::{cfg, count_in, field, header, kread, now, reserve},
+    emit::{btf_read, cfg, count_in, field, header, kread, now, reserve},
     CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
 
@@ -34,11 +41,65 @@ pub fn kfree_skb(ctx: TracePointContext) -> u32 {
     0
 }
 
+#[btf_tracepoint(function = "kfree_skb")]
+pub fn kfree_skb_btf(ctx: BtfTracePointContext) -> u32 {
+    let reason: u32 = if cfg(|c| &c.rkd_has_reason) != 0 {
+        ctx.arg(2)
+    } else {
+        0
+    };
+    if !watched(reason) {
+        return 0;
+    }
+    let skb: *const u8 = ctx.arg(0);
+    let location: u64 = ctx.arg(1);
+    let (dev, netns) = if cfg(|c| &c.skb_ok) != 0 && !skb.is_null() {
+        let dev: *const u8 = btf_read(skb, cfg(|c| &c.skb_dev));
+        let net: *const u8 = if !dev.is_null() {
+            btf_read(dev, cfg(|c| &c.dev_nd_net))
+        } else {
+            let sk: *const u8 = btf_read(skb, cfg(|c| &c.skb_sk));
+            if sk.is_null() {
+                core::ptr::null()
+            } else {
+                btf_read(sk, cfg(|c| &c.sk_net))
+            }
+        };
+        let netns: u32 = if net.is_null() {
+            0
+        } else {
+            btf_read(net, cfg(|c| &c.net_ns_inum))
+        };
+        (dev as u64, netns)
+    } else {
+        (0, 0)
+    };
+    on_drop(location, reason, netns, skb as u64, dev, || {
+        if skb.is_null() {
+            0
+        } else {
+            u16::from_be(btf_read::<u16>(skb, cfg(|c| &c.skb_protocol)))
+        }
+    });
+    0
+}
+
 #[inline(always)]
 fn config() -> ProbeConfig {
     // SAFETY: CONFIG is a static that lives for the program's lifetime; volatile because the
     // value is patched in after compile.
     unsafe { core::ptr::read_volatile(&CONFIG) }
+}
+
+/// The reason filter: one array lookup, before any other work.
+#[inline(always)]
+fn watched(reason: u32) -> bool {
+    let slot = if reason < DROP_REASON_SLOTS - 1 {
+        reason
+    } else {
+        DROP_REASON_SLOTS - 1
+    };
+    matches!(DROP_REASONS.get(slot), Some(v) if *v != 0)
 }
 
 fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
@@ -47,29 +108,26 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
     } else {
         0
     };
-    // Filter before any other work.
-    let slot = if reason < DROP_REASON_SLOTS - 1 {
-        reason
-    } else {
-        DROP_REASON_SLOTS - 1
-    };
-    match DROP_REASONS.get(slot) {
-        Some(v) if *v != 0 => {}
-        _ => return Ok(()),
+    if !watched(reason) {
+        return Ok(());
     }
-    let c = config();
-    let location: u64 = field(ctx, c.kd_location as usize)?;
-    let skb: u64 = field(ctx, c.kd_skbaddr as usize)?;
-    let dev: u64 = if c.skb_ok != 0 {
-        kread(skb, c.skb_dev).unwrap_or(0)
+    let location: u64 = field(ctx, cfg(|c| &c.kd_location))?;
+    let skb: u64 = field(ctx, cfg(|c| &c.kd_skbaddr))?;
+    let (dev, netns) = if cfg(|c| &c.skb_ok) != 0 {
+        let dev: u64 = kread(skb, cfg(|c| &c.skb_dev) as u32).unwrap_or(0);
+        (dev, netns_of(skb, dev))
     } else {
-        0
+        (0, 0)
     };
-    let netns = if c.skb_ok != 0 {
-        netns_of(&c, skb, dev)
-    } else {
-        0
-    };
+    on_drop(location, reason, netns, skb, dev, || {
+        field(ctx, cfg(|c| &c.kd_protocol)).unwrap_or(0)
+    });
+    Ok(())
+}
+
+/// The exact count, the hold's count, and a sample when this CPU has a token.
+#[inline(always)]
+fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol: impl Fn() -> u16) {
     count_in(
         &DROP_COUNTS,
         &DROP_OVERFLOW,
@@ -80,12 +138,12 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
         },
     );
     count_for_hold();
-    if !take_token(&c) {
-        return Ok(());
+    if !take_token() {
+        return;
     }
-    let protocol: u16 = field(ctx, c.kd_protocol as usize).unwrap_or(0);
+    let protocol = protocol();
     let Some(mut entry) = reserve::<DropEvent>() else {
-        return Ok(());
+        return;
     };
     let mut ev = DropEvent {
         hdr: header(EventKind::Drop, now()),
@@ -102,6 +160,8 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
         dport: 0,
         _pad: 0,
     };
+    // Samples are rare (rate-limited): the whole configuration is read once here.
+    let c = config();
     if c.skb_ok != 0 {
         if dev != 0 {
             ev.ifindex = kread::<i32>(dev, c.dev_ifindex).unwrap_or(0) as u32;
@@ -110,7 +170,6 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
     }
     entry.write(ev);
     entry.submit(crate::emit::wake_flags());
-    Ok(())
 }
 
 /// Adds the drop to the hold of a watched lock in progress, if one is.
@@ -139,27 +198,29 @@ fn count_for_hold() {
 
 /// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.
 #[inline(always)]
-fn netns_of(c: &ProbeConfig, skb: u64, dev: u64) -> u32 {
+fn netns_of(skb: u64, dev: u64) -> u32 {
+    let off = |f: fn(&ProbeConfig) -> &u32| cfg(f) as u32;
     let net: u64 = if dev != 0 {
-        kread(dev, c.dev_nd_net).unwrap_or(0)
+        kread(dev, off(|c| &c.dev_nd_net)).unwrap_or(0)
     } else {
-        let sk: u64 = kread(skb, c.skb_sk).unwrap_or(0);
+        let sk: u64 = kread(skb, off(|c| &c.skb_sk)).unwrap_or(0);
         if sk == 0 {
             0
         } else {
-            kread(sk, c.sk_net).unwrap_or(0)
+            kread(sk, off(|c| &c.sk_net)).unwrap_or(0)
         }
     };
     if net == 0 {
         return 0;
     }
-    kread(net, c.net_ns_inum).unwrap_or(0)
+    kread(net, off(|c| &c.net_ns_inum)).unwrap_or(0)
 }
 
 /// GCRA rate limiter per CPU: at most `burst` samples at once, then one per interval.
 #[inline(always)]
-fn take_token(c: &ProbeConfig) -> bool {
-    let interval = c.drop_sample_interval_ns;
+fn take_token() -> bool {
+    // SAFETY: one field of the frozen CONFIG, read as `cfg` does for u32 fields.
+    let interval = unsafe { core::ptr::read_volatile(&CONFIG.drop_sample_interval_ns) };
     if interval == 0 {
         return false;
     }
@@ -171,7 +232,8 @@ fn take_token(c: &ProbeConfig) -> bool {
     let t = unsafe { *tat };
     let t = if t > now { t } else { now };
     // No overflow: userspace keeps interval * burst around one second.
-    let tolerance = interval.wrapping_mul(u64::from(c.drop_sample_burst.saturating_sub(1)));
+    let burst = cfg(|c| &c.drop_sample_burst) as u32;
+    let tolerance = interval.wrapping_mul(u64::from(burst.saturating_sub(1)));
     if t - now > tolerance {
         return false;
     }

@@ -21,6 +21,8 @@ pub struct Discovery {
     pub btf: Option<btf::Btf>,
     /// Whether the lock hook's raw tracepoint can be used, and if not, why.
     pub raw_lock: Result<(), String>,
+    /// Whether the drop hook's raw tracepoint can be used, and if not, why.
+    pub raw_drop: Result<(), String>,
 }
 
 impl Discovery {
@@ -70,6 +72,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     }
     discover_syscall_regs(&mut config, &btf);
     let raw_lock = discover_raw_lock(&mut config, &btf);
+    let raw_drop = discover_raw_drop(&mut config, &btf);
     let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
     wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
     let kfunc = kfunc::discover(
@@ -86,7 +89,47 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         kfunc,
         btf: btf.ok(),
         raw_lock,
+        raw_drop,
     })
+}
+
+/// What the drop hook's raw tracepoint reads: its arguments (`struct sk_buff *`, the
+/// location, and since Linux 5.17 `enum skb_drop_reason`; 6.12 added the receiving socket,
+/// unused), checked against the tracepoint's prototype in BTF, and the `sk_buff` members of
+/// [`discover_drops`] plus `protocol` (the perf tracepoint's record has it as a field).
+fn discover_raw_drop(
+    c: &mut ProbeConfig,
+    btf: &Result<btf::Btf, btf::BtfError>,
+) -> Result<(), String> {
+    let b = btf.as_ref().map_err(|e| format!("no kernel BTF: {e}"))?;
+    let params = b
+        .fn_typedef_params("btf_trace_kfree_skb")
+        .ok_or("no btf_trace_kfree_skb prototype in BTF")?;
+    let p: Vec<&str> = params.iter().map(String::as_str).collect();
+    let has_reason = match p.as_slice() {
+        ["void *", "struct sk_buff *", "void *"] => false,
+        ["void *", "struct sk_buff *", "void *", "enum skb_drop_reason", ..] => true,
+        _ => {
+            return Err(format!(
+                "its arguments are ({}), expected (struct sk_buff *, void *[, enum \
+                 skb_drop_reason])",
+                p[1.min(p.len())..].join(", ")
+            ))
+        }
+    };
+    if (c.kd_has_reason != 0) != has_reason {
+        return Err("the tracepoint's format and its BTF prototype disagree on the reason".into());
+    }
+    if c.skb_ok == 0 {
+        return Err("the sk_buff members it reads were not found in BTF".into());
+    }
+    match b.member("sk_buff", "protocol") {
+        Ok((off, 2)) => c.skb_protocol = off,
+        Ok((_, size)) => return Err(format!("sk_buff.protocol is {size} bytes, expected 2")),
+        Err(e) => return Err(e.to_string()),
+    }
+    c.rkd_has_reason = u32::from(has_reason);
+    Ok(())
 }
 
 /// What the lock hook's raw tracepoint reads, from BTF: its arguments (`struct inode *`,

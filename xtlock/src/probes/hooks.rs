@@ -243,7 +243,7 @@ pub const HOOKS: &[Hook] = &[
         purpose: "packet drops (reason, where, which netns, samples with addresses)",
         fallback: None,
         paired_with: None,
-        raw_program: None,
+        raw_program: Some("kfree_skb_btf"),
     },
 ];
 

@@ -233,8 +233,10 @@ impl Probes {
                     }
                 }
                 _ => {
+                    let not_asked = hook.program == DROP_PROGRAM && drops.is_none();
                     let raw = hook
                         .raw_program
+                        .filter(|_| !not_asked)
                         .map(|raw| attach_raw(&mut ebpf, hook, raw, &disc));
                     if let Some(Err(why)) = &raw {
                         tracing::debug!(
@@ -246,8 +248,7 @@ impl Probes {
                     let tp = if matches!(raw, Some(Ok(()))) {
                         attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
                         Ok(())
-                    } else if hook.program == DROP_PROGRAM
-                        && drops.is_none()
+                    } else if not_asked
                         // An unusable format file says why first.
                         && disc.unusable_why(hook.program).is_none()
                     {
@@ -587,7 +588,11 @@ fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> 
     if let Some(why) = ruled_out(hook, AttachKind::BtfTracepoint, disc) {
         return Err(why);
     }
-    disc.raw_lock.clone()?;
+    if hook.program == DROP_PROGRAM {
+        disc.raw_drop.clone()?;
+    } else {
+        disc.raw_lock.clone()?;
+    }
     let btf = kfunc::aya_btf()?;
     let prog: &mut BtfTracePoint = ebpf
         .program_mut(program)
