@@ -527,6 +527,22 @@ pub struct LockKey {
     pub _pad: u32,
 }
 
+/// One slot of the inode pre-filter (`WATCHED_INO`, at `ino % WATCHED_INO_SLOTS`): empty,
+/// the one watched lock whose inode falls here (its key, compared in place: no hash on the
+/// watched path), or several (then looked up in `WATCHED`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WatchedSlot {
+    pub ino: u64,
+    pub dev: u32,
+    /// [`SLOT_EMPTY`], [`SLOT_ONE`] or [`SLOT_SHARED`].
+    pub state: u32,
+}
+
+pub const SLOT_EMPTY: u32 = 0;
+pub const SLOT_ONE: u32 = 1;
+pub const SLOT_SHARED: u32 = 2;
+
 /// Where each tracepoint field the programs read lives, discovered by userspace from
 /// the tracefs `format` files of the running kernel and written into the programs'
 /// read-only data before load. Offsets are in bytes from the start of the record.
@@ -621,6 +637,7 @@ mod pod {
     // SAFETY: all of these are `#[repr(C)]`, `Copy`, made only of integers and byte arrays,
     // and have explicit padding fields, so any byte pattern is a valid value.
     unsafe impl aya::Pod for LockKey {}
+    unsafe impl aya::Pod for WatchedSlot {}
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
     unsafe impl aya::Pod for HoldDropSlot {}
@@ -680,6 +697,7 @@ mod tests {
             TABLE_REPLACE_V1_LEN
         );
         assert_eq!(size_of::<LockKey>(), 16);
+        assert_eq!(size_of::<WatchedSlot>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
         // 49 u32, 1 of explicit padding and one u64: no implicit padding (the whole struct is

@@ -108,6 +108,12 @@ pub fn now() -> u64 {
 #[inline(always)]
 pub fn header(kind: EventKind, ts_ns: u64) -> EventHeader {
     let (tgid, tid) = ids();
+    header_of(kind, ts_ns, tgid, tid)
+}
+
+/// [`header`] for a program that has the ids already (one helper call fewer).
+#[inline(always)]
+pub fn header_of(kind: EventKind, ts_ns: u64, tgid: u32, tid: u32) -> EventHeader {
     EventHeader {
         kind: kind as u32,
         tgid,

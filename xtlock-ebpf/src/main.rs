@@ -8,8 +8,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xtlock_common::{
-    DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, LockKey, ProbeConfig, DROP_REASON_SLOTS,
-    HOLD_DROP_SLOTS, MAX_DROP_KEYS, MAX_IPVS_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
+    DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, LockKey, ProbeConfig, WatchedSlot,
+    DROP_REASON_SLOTS, HOLD_DROP_SLOTS, MAX_DROP_KEYS, MAX_IPVS_KEYS, MAX_WATCHED_LOCKS,
+    WATCHED_INO_SLOTS,
 };
 
 mod emit;
@@ -81,11 +82,12 @@ static LOST: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map]
 static WATCHED: HashMap<LockKey, u32> = HashMap::with_max_entries(MAX_WATCHED_LOCKS, 0);
 
-/// Non-zero at `ino % WATCHED_INO_SLOTS` for each key of `WATCHED` (set after the key, never
-/// cleared): every `flock()` on the node checks it first, an array read the verifier inlines,
-/// and hashes its key only on a hit.
+/// The slot at `ino % WATCHED_INO_SLOTS` of each key of `WATCHED` (set after the key, never
+/// cleared): every `flock()` on the node checks it first, an array read the verifier inlines;
+/// a slot with one lock holds its key, compared in place; a shared one sends the lookup to
+/// `WATCHED`.
 #[map]
-static WATCHED_INO: Array<u8> = Array::with_max_entries(WATCHED_INO_SLOTS, 0);
+static WATCHED_INO: Array<WatchedSlot> = Array::with_max_entries(WATCHED_INO_SLOTS, 0);
 
 /// Blocking `flock()` calls deferred on a watched lock that have not ended yet, by thread
 /// id.

@@ -16,12 +16,13 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, TracePointContext},
 };
 use xtlock_common::{
-    EventKind, FlockCallEvent, LockEvent, LockKey, FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_UNLCK,
-    F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, WATCHED_INO_SLOTS,
+    EventKind, FlockCallEvent, LockEvent, LockKey, WatchedSlot, FILE_LOCK_DEFERRED, FL_SLEEP,
+    F_RDLCK, F_UNLCK, F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, SLOT_EMPTY, SLOT_ONE,
+    WATCHED_INO_SLOTS,
 };
 
 use crate::{
-    emit::{btf_read, cfg, field, field_fast, header, ids, now, output},
+    emit::{btf_read, cfg, field, field_fast, header, header_of, ids, now, output},
     FLOCK_INFLIGHT, HOLD_NOW, WATCHED, WATCHED_INO,
 };
 
@@ -55,17 +56,21 @@ fn flock_cmd(fl_type: u8, fl_flags: u32) -> u32 {
     }
 }
 
-/// The pre-filter: whether `ino` may be a watched lock's (one array byte at `ino % slots`).
+/// The pre-filter: the slot of `ino` (one array entry at `ino % slots`), when a watched lock's
+/// inode falls there.
 #[inline(always)]
-fn maybe_watched(ino: u64) -> bool {
+fn maybe_watched(ino: u64) -> Option<&'static WatchedSlot> {
     // The mask keeps the index in bounds for the verifier.
     WATCHED_INO
         .get((ino as u32) & (WATCHED_INO_SLOTS - 1))
-        .is_some_and(|&b| b != 0)
+        .filter(|s| s.state != SLOT_EMPTY)
 }
 
 #[inline(always)]
-fn watched(ino: u64, dev: u32) -> bool {
+fn watched(slot: &WatchedSlot, ino: u64, dev: u32) -> bool {
+    if slot.state == SLOT_ONE {
+        return slot.ino == ino && slot.dev == dev;
+    }
     let key = LockKey { ino, dev, _pad: 0 };
     // SAFETY: read-only lookup; userspace only adds keys.
     unsafe { WATCHED.get(&key) }.is_some()
@@ -91,11 +96,11 @@ pub fn flock_lock_inode(ctx: TracePointContext) -> u32 {
 
 fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
     let ino: u64 = field_fast::<u64, 16>(ctx, cfg(|c| &c.fl_ino))?;
-    if !maybe_watched(ino) {
+    let Some(slot) = maybe_watched(ino) else {
         return Ok(());
-    }
+    };
     let dev: u32 = field_fast::<u32, 24>(ctx, cfg(|c| &c.fl_dev))?;
-    if !watched(ino, dev) {
+    if !watched(slot, ino, dev) {
         return Ok(());
     }
     on_request(&Request {
@@ -118,12 +123,12 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
 pub fn flock_lock_inode_btf(ctx: BtfTracePointContext) -> u32 {
     let inode: *const u8 = ctx.arg(0);
     let ino: u64 = btf_read(inode, cfg(|c| &c.rfl_inode_ino));
-    if !maybe_watched(ino) {
+    let Some(slot) = maybe_watched(ino) else {
         return 0;
-    }
+    };
     let sb: *const u8 = btf_read(inode, cfg(|c| &c.rfl_inode_sb));
     let dev: u32 = btf_read(sb, cfg(|c| &c.rfl_sb_dev));
-    if !watched(ino, dev) {
+    if !watched(slot, ino, dev) {
         return 0;
     }
     let fl: *const u8 = ctx.arg(1);
@@ -155,7 +160,7 @@ fn on_request(r: &Request) {
         fl_type,
     } = r;
     let ts = now();
-    let (_, tid) = ids();
+    let (tgid, tid) = ids();
 
     // This thread's deferred call on this lock, if it is one (an entry left by a thread
     // that died waiting, whose tid was reused, is another owner). A zeroed copy and a flag
@@ -188,7 +193,7 @@ fn on_request(r: &Request) {
     }
 
     let ev = LockEvent {
-        hdr: header(EventKind::Lock, ts),
+        hdr: header_of(EventKind::Lock, ts, tgid, tid),
         owner,
         ino,
         dev,

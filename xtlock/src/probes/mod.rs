@@ -514,17 +514,34 @@ impl Probes {
     }
 }
 
-/// Sets the inode pre-filter slot of `lock` (`WATCHED_INO`).
+/// Sets the inode pre-filter slot of `lock` (`WATCHED_INO`): its key when the slot was
+/// empty (or had it), else shared (the probe then looks the key up in `WATCHED`).
 fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile) -> Result<(), ProbeError> {
+    use xtlock_common::{WatchedSlot, SLOT_EMPTY, SLOT_ONE, SLOT_SHARED};
     let map = ebpf
         .map_mut("WATCHED_INO")
         .ok_or_else(|| ProbeError::Load("map WATCHED_INO missing".into()))?;
-    let mut slots: BpfArray<&mut MapData, u8> =
+    let mut slots: BpfArray<&mut MapData, WatchedSlot> =
         BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-    let slot = (lock.key().ino % u64::from(xtlock_common::WATCHED_INO_SLOTS)) as u32;
-    slots
-        .set(slot, 1u8, 0)
-        .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))
+    let key = lock.key();
+    let index = (key.ino % u64::from(xtlock_common::WATCHED_INO_SLOTS)) as u32;
+    let err =
+        |e: aya::maps::MapError| ProbeError::Load(format!("watching {}: {e}", lock.path.display()));
+    let now = slots.get(&index, 0).map_err(err)?;
+    let mine = WatchedSlot {
+        ino: key.ino,
+        dev: key.dev,
+        state: SLOT_ONE,
+    };
+    let new = match now.state {
+        SLOT_EMPTY => mine,
+        SLOT_ONE if now == mine => return Ok(()),
+        _ => WatchedSlot {
+            state: SLOT_SHARED,
+            ..now
+        },
+    };
+    slots.set(index, new, 0).map_err(err)
 }
 
 /// A module's hook without fentry programs says why: aya 0.14 cannot attach fentry there.
