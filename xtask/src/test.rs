@@ -80,8 +80,11 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
         steps.push(skipped("vm-test", "the build failed"));
     }
     // The image and the DaemonSet, in a process of its own (it enters a mount namespace of
-    // its own); it makes its own release build of the image.
-    let mut deploy = Command::new(std::env::current_exe()?);
+    // its own); it makes its own release build of the image. Through cargo, not this
+    // process's own path: the build step above may have relinked this binary (its
+    // dependencies see XTLOCK_REQUIRE_EBPF), and a replaced executable cannot be run by the
+    // path it had.
+    let mut deploy = cargo(&["run", "--quiet", "--package", "xtask", "--"]);
     deploy.args(["deploy-test", "--no-setup"]);
     steps.push(step("deploy-test", &mut deploy));
     steps.push(step(

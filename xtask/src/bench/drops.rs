@@ -228,6 +228,9 @@ pub fn run(env: &Env) -> Result<Value> {
     let mut tracers = vec![Tracer::None, Tracer::Bpftrace];
     if drops_built {
         tracers.push(Tracer::Xtlock);
+        if env.baseline.is_some() {
+            tracers.push(Tracer::Baseline);
+        }
     }
     let mut cols: Vec<Col> = tracers.iter().map(|_| Col::default()).collect();
     let mut sent = Dist::default();
@@ -256,7 +259,7 @@ pub fn run(env: &Env) -> Result<Value> {
                 Tracer::None => Session::none(),
                 Tracer::Bpftrace => Session::bpftrace(env, &tag, SCRIPT)?,
                 // As shipped: default drop reasons and sample rate.
-                Tracer::Xtlock => Session::xtlock(env, &tag, &[&xtlock_lock], &[])?,
+                t => Session::xtlock_as(env, t, &tag, &[&xtlock_lock], &[])?,
             };
             let ids = if env.bpf_stats {
                 s.prog_ids()
@@ -304,7 +307,7 @@ pub fn run(env: &Env) -> Result<Value> {
                         get(format!("@drops[{reason}]")),
                     )
                 }
-                Tracer::Xtlock => {
+                Tracer::Xtlock | Tracer::Baseline => {
                     let s = st.summary.as_ref();
                     // Same key as bpftrace's: the receiving netns and NETFILTER_DROP. The
                     // namespace may drop other packets meanwhile (IPv6 neighbour discovery
@@ -335,7 +338,7 @@ pub fn run(env: &Env) -> Result<Value> {
                     col.counted += n;
                     col.rule += rule;
                 }
-                None if t == Tracer::Xtlock => col.unparsed += 1,
+                None if t.is_xtlock() => col.unparsed += 1,
                 None => {}
             }
         }
@@ -401,7 +404,7 @@ pub fn run(env: &Env) -> Result<Value> {
             },
             if ti == 0 {
                 "-".into()
-            } else if *t == Tracer::Xtlock && c.unparsed > 0 {
+            } else if t.is_xtlock() && c.unparsed > 0 {
                 "summary has no drop count it recognises".into()
             } else {
                 exactness(c)

@@ -127,19 +127,20 @@ pub fn run(env: &Env) -> Result<Value> {
             args: vec!["exec".into(), "/bin/true".into()],
         },
     ];
-    let tracers = [Tracer::None, Tracer::Xtlock, Tracer::Bpftrace];
+    let tracers = Tracer::all(env);
     let mut cells: Vec<Vec<Cell>> = tracers
         .iter()
         .map(|_| loads.iter().map(|_| Cell::default()).collect())
         .collect();
-    let mut lost = [0u64; 3];
-    let mut lines = [0u64; 3];
-    let mut holds = [0u64; 3];
-    let mut cycles_watched = [0u64; 3];
-    let mut canary_missed = [0u32; 3];
+    let n = tracers.len();
+    let mut lost = vec![0u64; n];
+    let mut lines = vec![0u64; n];
+    let mut holds = vec![0u64; n];
+    let mut cycles_watched = vec![0u64; n];
+    let mut canary_missed = vec![0u32; n];
     // Tracer CPU while the machine does nothing for us: ns per second (other processes'
     // fork/exec/exit are traced too).
-    let mut background = [Dist::default(), Dist::default(), Dist::default()];
+    let mut background: Vec<Dist> = (0..n).map(|_| Dist::default()).collect();
     // (tracer, load, program) -> (ns per run, runs per operation).
     let mut progs: BTreeMap<(usize, usize, String), (Dist, Dist)> = BTreeMap::new();
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
@@ -153,8 +154,8 @@ pub fn run(env: &Env) -> Result<Value> {
             let tag = format!("lock-{}-{rep}", t.name());
             let s = match t {
                 Tracer::None => Session::none(),
-                Tracer::Xtlock => Session::xtlock(env, &tag, &[&watched], &[])?,
                 Tracer::Bpftrace => Session::bpftrace(env, &tag, &script)?,
+                t => Session::xtlock_as(env, t, &tag, &[&watched], &[])?,
             };
             // One lock cycle, and wait until the tracer printed it: attached and reading.
             let before = s.out_len();
@@ -275,6 +276,26 @@ pub fn run(env: &Env) -> Result<Value> {
         out_loads.insert(l.key.into(), Value::Object(per));
     }
     table(&rows);
+    if n > 3 {
+        // The baseline build, for A/B: same runs, interleaved.
+        let mut rows = vec![vec![
+            "operation".to_string(),
+            "xtlock-baseline".into(),
+            "baseline adds".into(),
+            "xtlock adds".into(),
+        ]];
+        for (li, l) in loads.iter().enumerate() {
+            let base = cells[0][li].cpu.median();
+            let (x, b) = (cells[1][li].cpu.median(), cells[3][li].cpu.median());
+            rows.push(vec![
+                l.label.into(),
+                cells[3][li].cpu.show(),
+                signed(b - base, b / base),
+                signed(x - base, x / base),
+            ]);
+        }
+        table(&rows);
+    }
     println!("\n  tracer CPU (its own process, ns per operation of the loop):");
     let mut rows = vec![vec![
         "operation".to_string(),

@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// run itself; restored after).
     #[arg(long)]
     pub bpf_stats: bool,
+    /// Lock and drop benches: also run this xtlock binary (an older build), as a column of
+    /// its own interleaved with the others: A/B in one run on the same machine state.
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
 }
 
 /// What every bench needs: binaries, scratch space, settings, the machine.
@@ -67,6 +71,7 @@ pub struct Env {
     pub events: u64,
     pub cores: usize,
     pub bpf_stats: bool,
+    pub baseline: Option<PathBuf>,
     pub machine: Value,
 }
 
@@ -144,6 +149,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         events,
         cores,
         bpf_stats: args.bpf_stats,
+        baseline: args.baseline.clone(),
         machine: machine(cores),
     };
     for b in [&env.xtlock, &env.load, &env.collector] {
@@ -220,6 +226,7 @@ impl Env {
             events: self.events,
             cores: self.cores,
             bpf_stats: self.bpf_stats,
+            baseline: self.baseline.clone(),
             machine: self.machine.clone(),
         }
     }

@@ -18,6 +18,8 @@ use super::Env;
 pub enum Tracer {
     None,
     Xtlock,
+    /// An older xtlock build (`--baseline`), for A/B in the same run.
+    Baseline,
     Bpftrace,
 }
 
@@ -26,8 +28,23 @@ impl Tracer {
         match self {
             Tracer::None => "untraced",
             Tracer::Xtlock => "xtlock",
+            Tracer::Baseline => "xtlock-baseline",
             Tracer::Bpftrace => "bpftrace",
         }
+    }
+
+    /// This tree's xtlock or the baseline build.
+    pub fn is_xtlock(self) -> bool {
+        matches!(self, Tracer::Xtlock | Tracer::Baseline)
+    }
+
+    /// The tracers of a bench: untraced, xtlock, bpftrace, and the baseline last when given.
+    pub fn all(env: &Env) -> Vec<Tracer> {
+        let mut v = vec![Tracer::None, Tracer::Xtlock, Tracer::Bpftrace];
+        if env.baseline.is_some() {
+            v.push(Tracer::Baseline);
+        }
+        v
     }
 }
 
@@ -139,13 +156,28 @@ impl Session {
 
     /// `xtlock trace --json` watching `locks`, ready once it logged that it is tracing.
     pub fn xtlock(env: &Env, tag: &str, locks: &[&Path], extra: &[String]) -> Result<Self> {
-        let mut cmd = Command::new(&env.xtlock);
+        Self::xtlock_as(env, Tracer::Xtlock, tag, locks, extra)
+    }
+
+    /// [`Session::xtlock`] with this tree's build or the baseline's.
+    pub fn xtlock_as(
+        env: &Env,
+        which: Tracer,
+        tag: &str,
+        locks: &[&Path],
+        extra: &[String],
+    ) -> Result<Self> {
+        let bin = match (which, &env.baseline) {
+            (Tracer::Baseline, Some(b)) => b,
+            _ => &env.xtlock,
+        };
+        let mut cmd = Command::new(bin);
         cmd.args(["trace", "--json"]);
         for l in locks {
             cmd.arg("--lock-file").arg(l);
         }
         cmd.args(extra);
-        let s = Self::spawn(env, Tracer::Xtlock, tag, cmd)?;
+        let s = Self::spawn(env, which, tag, cmd)?;
         s.wait_for(&s.err, "hooks attached", Duration::from_secs(60))?;
         Ok(s)
     }
@@ -293,12 +325,12 @@ impl Session {
             sleep(Duration::from_millis(20));
         };
         let mut s = match self.tracer {
-            Tracer::Xtlock => read_xtlock(&self.out)?,
+            Tracer::Xtlock | Tracer::Baseline => read_xtlock(&self.out)?,
             Tracer::Bpftrace => read_bpftrace(&self.out, &self.err)?,
             Tracer::None => Stopped::default(),
         };
         s.cpu_ns = cpu;
-        if !status.success() && self.tracer == Tracer::Xtlock {
+        if !status.success() && self.tracer.is_xtlock() {
             bail!("xtlock trace failed ({status}): {}", tail(&self.err));
         }
         Ok(s)

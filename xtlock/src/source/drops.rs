@@ -228,12 +228,19 @@ fn scan_namespaces() -> (Vec<(u32, PathBuf, String)>, Vec<u32>) {
     let mut denied = Vec::new();
     let mut out: Vec<(u32, PathBuf, String)> = Vec::new();
     let mut seen = HashSet::new();
-    if let Ok(rd) = std::fs::read_dir("/run/netns") {
+    // The host's /run/netns, also from a container that shares the host's PID namespace
+    // (through its init's root: no hostPath mount of /run needed); named as the host names it.
+    let run_netns = crate::lockfiles::host_root()
+        .map_or_else(|| PathBuf::from("/run/netns"), |h| h.path.join("run/netns"));
+    if let Ok(rd) = std::fs::read_dir(&run_netns) {
         for e in rd.flatten() {
             let p = e.path();
             if let Ok(ino) = netns_inode(&p) {
                 if seen.insert(ino) {
-                    let label = p.display().to_string();
+                    let label = Path::new("/run/netns")
+                        .join(e.file_name())
+                        .display()
+                        .to_string();
                     out.push((ino, p, label));
                 }
             }
