@@ -15,6 +15,10 @@ use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -192,28 +196,22 @@ fn assert_every_wait_has_its_holder(trace: &xtlock_tests::Trace, dump: &str) {
     }
 }
 
-#[test]
-fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
-    if !require_bpf("dockerd_networks_and_a_restore_loop_match_bpftrace")
-        || !require_tool("dockerd_networks", "dockerd")
-        || !require_tool("dockerd_networks", "bpftrace")
-    {
-        return;
-    }
-    let _g = serial();
-    let s = Scratch::new("dockerd");
-    let lock = s.lock_file("xtables.lock");
-    let lock_s = lock.to_str().unwrap().to_owned();
+/// kube-proxy: `iptables-legacy-restore` runs of a 50-service ruleset (`*filter` and `*nat`,
+/// a hold each) in private network namespaces on `lock`, `pause` apart, until `done` is set
+/// and at least `min_runs` ran. Returns the number of runs.
+fn restore_loop(
+    s: &Scratch,
+    lock: &str,
+    min_runs: u64,
+    pause: Duration,
+    done: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<u64> {
     let rules = write_file(&s.dir, "rules", &kube_proxy_ruleset(50, 2));
-    let bpf = Bpftrace::start(&lock);
-    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
-    let dockerd = Dockerd::start(&s, &lock);
-
-    // kube-proxy: restores in private network namespaces, taking the same lock.
     let kp_bin = s.agent("kube-proxy");
-    let kp_lock = lock_s.clone();
-    let loop_thread = std::thread::spawn(move || {
-        for _ in 0..12 {
+    let lock = lock.to_owned();
+    std::thread::spawn(move || {
+        let mut runs = 0u64;
+        while !done.load(Ordering::Relaxed) || runs < min_runs {
             let mut kp = Agent::spawn(
                 &kp_bin,
                 &[
@@ -226,13 +224,85 @@ fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
                     "100000",
                     "--noflush",
                 ],
-                &[("XTABLES_LOCKFILE", kp_lock.as_str())],
+                &[("XTABLES_LOCKFILE", lock.as_str())],
                 Some(&rules),
             );
             assert_eq!(kp.wait(), 0, "iptables-legacy-restore failed");
-            std::thread::sleep(Duration::from_millis(150));
+            runs += 1;
+            std::thread::sleep(pause);
         }
-    });
+        runs
+    })
+}
+
+/// xtlock's exclusive holds of `lock` against bpftrace's count `(holds, ended, total ns)`:
+/// the same number, the total time within 1 %, none incomplete, and every wait, failed try
+/// and contention row with its holder. Returns the holds per agent of `agents`, in order.
+fn matches_bpftrace(
+    trace: &xtlock_tests::Trace,
+    lock: &str,
+    (b_holds, b_ended, b_total): (u64, u64, u64),
+    agents: &[&str],
+) -> Vec<usize> {
+    let dump = trace.dump();
+    let holds: Vec<&Value> = trace
+        .of_type("hold")
+        .into_iter()
+        .filter(|h| h["lock"] == lock && h["exclusive"] == true)
+        .collect();
+    let total: u64 = holds.iter().map(|h| u(&h["hold_ns"])).sum();
+    let by: Vec<usize> = agents
+        .iter()
+        .map(|a| holds.iter().filter(|h| h["agent"] == *a).count())
+        .collect();
+    eprintln!(
+        "holds: xtlock {} ({agents:?}: {by:?}), bpftrace {b_holds} ({b_ended} ended); hold \
+         time: xtlock {total} ns, bpftrace {b_total} ns; {} waits, {} failed tries",
+        holds.len(),
+        trace.of_type("wait").len(),
+        trace.of_type("failed_try").len(),
+    );
+    assert_eq!(b_holds, b_ended, "bpftrace saw every hold end");
+    assert_eq!(
+        holds.len() as u64,
+        b_holds,
+        "hold count vs bpftrace\n{dump}"
+    );
+    let diff = total.abs_diff(b_total) as f64 / b_total.max(1) as f64;
+    assert!(
+        diff <= 0.01,
+        "total hold time {total} ns vs bpftrace {b_total} ns ({:.2} %)\n{dump}",
+        diff * 100.0
+    );
+    assert!(holds.iter().all(|h| h["incomplete"] == false), "{dump}");
+    assert_every_wait_has_its_holder(trace, &dump);
+    by
+}
+
+#[test]
+fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
+    if !require_bpf("dockerd_networks_and_a_restore_loop_match_bpftrace")
+        || !require_tool("dockerd_networks", "dockerd")
+        || !require_tool("dockerd_networks", "bpftrace")
+    {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("dockerd");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap().to_owned();
+    let bpf = Bpftrace::start(&lock);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
+    let dockerd = Dockerd::start(&s, &lock);
+
+    // kube-proxy: 12 restores, 150 ms apart, taking the same lock.
+    let loop_thread = restore_loop(
+        &s,
+        &lock_s,
+        12,
+        Duration::from_millis(150),
+        Arc::new(AtomicBool::new(true)),
+    );
     for i in 0..5 {
         let name = format!("xtn{i}");
         let (ok, err) = dockerd.docker(&["network", "create", "--driver", "bridge", &name]);
@@ -245,41 +315,10 @@ fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
     std::thread::sleep(Duration::from_millis(500));
     tracer.interrupt();
     let trace = tracer.finish();
-    let (b_holds, b_ended, b_total) = bpf.finish();
+    let by = matches_bpftrace(&trace, &lock_s, bpf.finish(), &["dockerd", "kube-proxy"]);
     let dump = trace.dump();
-
-    let holds: Vec<&Value> = trace
-        .of_type("hold")
-        .into_iter()
-        .filter(|h| h["lock"] == lock_s.as_str() && h["exclusive"] == true)
-        .collect();
-    let total: u64 = holds.iter().map(|h| u(&h["hold_ns"])).sum();
-    let by_agent = |a: &str| holds.iter().filter(|h| h["agent"] == a).count();
-    eprintln!(
-        "holds: xtlock {} ({} dockerd, {} kube-proxy), bpftrace {b_holds} ({b_ended} ended); \
-         hold time: xtlock {total} ns, bpftrace {b_total} ns; {} waits, {} failed tries",
-        holds.len(),
-        by_agent("dockerd"),
-        by_agent("kube-proxy"),
-        trace.of_type("wait").len(),
-        trace.of_type("failed_try").len(),
-    );
-    assert_eq!(b_holds, b_ended, "bpftrace saw every hold end");
-    assert_eq!(
-        holds.len() as u64,
-        b_holds,
-        "hold count vs bpftrace\n{dump}"
-    );
-    assert!(by_agent("dockerd") >= 10, "dockerd's iptables runs\n{dump}");
-    assert!(by_agent("kube-proxy") >= 12, "the restore loop\n{dump}");
-    let diff = total.abs_diff(b_total) as f64 / b_total.max(1) as f64;
-    assert!(
-        diff <= 0.01,
-        "total hold time {total} ns vs bpftrace {b_total} ns ({:.2} %)\n{dump}",
-        diff * 100.0
-    );
-    assert!(holds.iter().all(|h| h["incomplete"] == false), "{dump}");
-    assert_every_wait_has_its_holder(&trace, &dump);
+    assert!(by[0] >= 10, "dockerd's iptables runs\n{dump}");
+    assert!(by[1] >= 12, "the restore loop\n{dump}");
 }
 
 /// The process (and what it execs) is killed when the test's thread ends, also when the
@@ -511,41 +550,13 @@ fn firewalld_reloads_and_a_restore_loop_match_bpftrace() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
-    // kube-proxy: restores in private network namespaces, on the sandbox's lock, until
-    // firewalld is done.
-    let rules = write_file(&s.dir, "rules", &kube_proxy_ruleset(50, 2));
-    let kp_bin = s.agent("kube-proxy");
-    let kp_lock = lock_s.clone();
-    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let kp_done = done.clone();
-    let loop_thread = std::thread::spawn(move || {
-        let mut runs = 0u64;
-        while !kp_done.load(std::sync::atomic::Ordering::Relaxed) || runs < 5 {
-            let mut kp = Agent::spawn(
-                &kp_bin,
-                &[
-                    "run",
-                    "--netns",
-                    "iptables-legacy-restore",
-                    "-w",
-                    "5",
-                    "-W",
-                    "100000",
-                    "--noflush",
-                ],
-                &[("XTABLES_LOCKFILE", kp_lock.as_str())],
-                Some(&rules),
-            );
-            assert_eq!(kp.wait(), 0, "iptables-legacy-restore failed");
-            runs += 1;
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        runs
-    });
+    // kube-proxy: restores back to back on the sandbox's lock until firewalld is done.
+    let done = Arc::new(AtomicBool::new(false));
+    let loop_thread = restore_loop(&s, &lock_s, 5, Duration::from_millis(5), done.clone());
     for _ in 0..3 {
         run_ok(&mut firewall_cmd(&["--reload"]), "firewall-cmd --reload");
     }
-    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    done.store(true, Ordering::Relaxed);
     let kp_runs = loop_thread.join().expect("restore loop");
     // It cleans up on exit: its last iptables runs are traced too.
     stop(&mut firewalld, Duration::from_secs(30));
@@ -553,58 +564,24 @@ fn firewalld_reloads_and_a_restore_loop_match_bpftrace() {
     std::thread::sleep(Duration::from_millis(500));
     tracer.interrupt();
     let trace = tracer.finish();
-    let (b_holds, b_ended, b_total) = bpf.finish();
+    let by = matches_bpftrace(&trace, &lock_s, bpf.finish(), &["firewalld", "kube-proxy"]);
     let dump = trace.dump();
-
-    let holds: Vec<&Value> = trace
-        .of_type("hold")
-        .into_iter()
-        .filter(|h| h["lock"] == lock_s.as_str() && h["exclusive"] == true)
-        .collect();
-    let total: u64 = holds.iter().map(|h| u(&h["hold_ns"])).sum();
-    let by_agent = |a: &str| holds.iter().filter(|h| h["agent"] == a).count();
-    eprintln!(
-        "holds: xtlock {} ({} firewalld, {} kube-proxy in {kp_runs} restores), bpftrace \
-         {b_holds} ({b_ended} ended); hold time: xtlock {total} ns, bpftrace {b_total} ns; \
-         {} waits, {} failed tries",
-        holds.len(),
-        by_agent("firewalld"),
-        by_agent("kube-proxy"),
-        trace.of_type("wait").len(),
-        trace.of_type("failed_try").len(),
-    );
-    assert_eq!(b_holds, b_ended, "bpftrace saw every hold end");
-    assert_eq!(
-        holds.len() as u64,
-        b_holds,
-        "hold count vs bpftrace\n{dump}"
-    );
+    eprintln!("{kp_runs} restores");
     // Start, three reloads and the clean-up, each several iptables-restore runs.
-    assert!(
-        by_agent("firewalld") >= 4 * 2,
-        "firewalld's iptables runs\n{dump}"
-    );
+    assert!(by[0] >= 4 * 2, "firewalld's iptables runs\n{dump}");
     assert_eq!(
-        by_agent("kube-proxy") as u64,
+        by[1] as u64,
         2 * kp_runs,
         "a hold per table (*filter, *nat) per restore\n{dump}"
     );
     assert_eq!(
-        by_agent("firewalld") + by_agent("kube-proxy"),
-        holds.len(),
+        by[0] + by[1],
+        trace.of_type("hold").len(),
         "every hold is firewalld's or kube-proxy's\n{dump}"
     );
-    let diff = total.abs_diff(b_total) as f64 / b_total.max(1) as f64;
-    assert!(
-        diff <= 0.01,
-        "total hold time {total} ns vs bpftrace {b_total} ns ({:.2} %)\n{dump}",
-        diff * 100.0
-    );
-    assert!(holds.iter().all(|h| h["incomplete"] == false), "{dump}");
-    // The restores run back to back through the reloads: 4 to 8 waits per run here.
+    // The restores run back to back through the reloads: 5 to 13 waits per run here.
     assert!(
         !trace.of_type("wait").is_empty(),
         "no wait at all: the test proved nothing about waits\n{dump}"
     );
-    assert_every_wait_has_its_holder(&trace, &dump);
 }

@@ -72,26 +72,53 @@ pub struct HostRoot {
 
 /// Where the host's root is ([`HostRoot`]); `None` when it is `/` or cannot be reached.
 pub fn host_root() -> Option<HostRoot> {
-    host_root_in(Path::new("/proc"), Path::new("/host"))
+    host_root_in(Path::new("/proc"), Path::new("/host"), Path::new("/"))
 }
 
-fn host_root_in(proc: &Path, host: &Path) -> Option<HostRoot> {
+/// `own`: this process's root, whose lock file (if any) rules out the `/host` fallback.
+fn host_root_in(proc: &Path, host: &Path, own: &Path) -> Option<HostRoot> {
     let ns = |pid: &str, kind: &str| fs::read_link(proc.join(pid).join("ns").join(kind)).ok();
-    let (my_mnt, init_mnt) = (ns("self", "mnt")?, ns("1", "mnt")?);
-    let (my_pid, init_pid) = (ns("self", "pid")?, ns("1", "pid")?);
+    let (Some(my_mnt), Some(init_mnt), Some(my_pid), Some(init_pid)) = (
+        ns("self", "mnt"),
+        ns("1", "mnt"),
+        ns("self", "pid"),
+        ns("1", "pid"),
+    ) else {
+        return host_mount(host, own);
+    };
     // Same mount namespace as PID 1: `/` is its root already. Another PID namespace: PID 1
     // is a container's own init, not the host's.
     if my_mnt == init_mnt || my_pid != init_pid {
         return None;
     }
     let root = proc.join("1").join("root");
-    let root_meta = fs::metadata(&root).ok()?;
+    let Ok(root_meta) = fs::metadata(&root) else {
+        return host_mount(host, own);
+    };
     let same =
         fs::metadata(host).is_ok_and(|h| h.dev() == root_meta.dev() && h.ino() == root_meta.ino());
     Some(HostRoot {
         path: if same { host.to_owned() } else { root },
         why: "this process runs in a container that shares the host's PID namespace: the \
               host's files are under its init's root",
+    })
+}
+
+/// PID 1 is closed to this process (a sandboxed init, another user namespace): the node's
+/// root where `kubectl debug node` mounts it, `/host`, when it has a /run and this process's
+/// own root has no lock file (a container image has none; a host that happens to have a
+/// /host directory does).
+fn host_mount(host: &Path, own: &Path) -> Option<HostRoot> {
+    if own.join(DEFAULT_LOCK_FILE.trim_start_matches('/')).exists()
+        || !host.join("run").is_dir()
+        || !host.join("proc").is_dir()
+    {
+        return None;
+    }
+    Some(HostRoot {
+        path: host.to_owned(),
+        why: "PID 1's root is closed to this process, and the node's root is mounted at /host \
+              (as `kubectl debug node` does)",
     })
 }
 
@@ -253,7 +280,10 @@ mod tests {
         link("1", "pid", "pid:[4026531836]");
         fs::create_dir_all(proc.join("1").join("root").join("run")).unwrap();
         let host = dir.join("host");
-        let h = host_root_in(&proc, &host).unwrap();
+        let own = dir.join("own");
+        fs::create_dir_all(own.join("run")).unwrap();
+        fs::write(own.join("run/xtables.lock"), b"").unwrap();
+        let h = host_root_in(&proc, &host, &own).unwrap();
         assert_eq!(h.path, proc.join("1").join("root"));
         assert_eq!(
             default_lock_file(Some(&h.path)),
@@ -261,7 +291,7 @@ mod tests {
         );
         // `/host` bind-mounted from the same root: the friendlier path.
         std::os::unix::fs::symlink(proc.join("1").join("root"), &host).unwrap();
-        assert_eq!(host_root_in(&proc, &host).unwrap().path, host);
+        assert_eq!(host_root_in(&proc, &host, &own).unwrap().path, host);
         assert_eq!(
             requested_paths(&[], None, Some(&host)),
             vec![host.join("run/xtables.lock")]
@@ -274,13 +304,27 @@ mod tests {
         // Its own PID namespace: PID 1 is the container's init, not the host's.
         fs::remove_file(proc.join("self/ns/pid")).unwrap();
         std::os::unix::fs::symlink("pid:[4026532600]", proc.join("self/ns/pid")).unwrap();
-        assert_eq!(host_root_in(&proc, &host), None);
+        assert_eq!(host_root_in(&proc, &host, &own), None);
         // On the host: the same mount namespace as init.
         fs::remove_file(proc.join("self/ns/pid")).unwrap();
         std::os::unix::fs::symlink("pid:[4026531836]", proc.join("self/ns/pid")).unwrap();
         fs::remove_file(proc.join("self/ns/mnt")).unwrap();
         std::os::unix::fs::symlink("mnt:[4026531841]", proc.join("self/ns/mnt")).unwrap();
-        assert_eq!(host_root_in(&proc, &host), None);
+        assert_eq!(host_root_in(&proc, &host, &own), None);
+
+        // PID 1 closed to us (its ns links unreadable): /host when our root has no lock
+        // file and /host looks like a node's root; never when our own root has the lock.
+        let closed = dir.join("proc-closed");
+        fs::create_dir_all(closed.join("self/ns")).unwrap();
+        std::os::unix::fs::symlink("mnt:[4026532500]", closed.join("self/ns/mnt")).unwrap();
+        let node = dir.join("node");
+        fs::create_dir_all(node.join("run")).unwrap();
+        fs::create_dir_all(node.join("proc")).unwrap();
+        assert_eq!(host_root_in(&closed, &node, &own), None);
+        let image = dir.join("image");
+        fs::create_dir_all(&image).unwrap();
+        assert_eq!(host_root_in(&closed, &node, &image).unwrap().path, node);
+        assert_eq!(host_root_in(&closed, &dir.join("nothing"), &image), None);
         fs::remove_dir_all(&dir).unwrap();
     }
 

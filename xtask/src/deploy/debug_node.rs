@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context as _, Result};
 use serde_json::Value;
 
-use super::{agent_iptables, lock_inode, lock_state, node_fs, until, Node, Restore, LOCK};
+use super::{
+    agent_iptables, kubelet_gives_up, lock_inode, node_fs, until, until_lock, Node, Restore, LOCK,
+};
 use crate::deploy::manifest::PodRun;
 
 const NAME: &str = "xtlock-debug";
@@ -55,23 +57,10 @@ fn scenario(node: &Node, ino: u64) -> Result<String> {
     );
 
     let restore = Restore::start(node)?;
-    let kp_seen = until(
-        "kube-proxy's restore to hold the lock",
-        Duration::from_secs(10),
-        || !lock_state(ino).0.is_empty(),
-    )?;
+    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
     let mut calico = agent_iptables(node, "calico-node", &["-w", "-C", "INPUT", "-j", "ACCEPT"])?;
-    until(
-        "calico-node to wait for the lock",
-        Duration::from_secs(10),
-        || !lock_state(ino).1.is_empty(),
-    )?;
-    let mut kubelet = agent_iptables(node, "kubelet", &["-w", "1", "-C", "INPUT", "-j", "ACCEPT"])?;
-    let kl = kubelet.wait()?.code().unwrap_or(-1);
-    ensure!(
-        kl == 4,
-        "kubelet's iptables -w 1 should time out (4), not {kl}"
-    );
+    until_lock(ino, true, "calico-node to wait for the lock")?;
+    kubelet_gives_up(node)?;
     std::thread::sleep(Duration::from_millis(200));
     let first_write = restore.first_write;
     let (commit_at, kp, kp_exit) = restore.commit()?;
@@ -96,12 +85,23 @@ fn scenario(node: &Node, ino: u64) -> Result<String> {
         std::thread::sleep(Duration::from_millis(100));
     }
     let code = node.engine.inspect(NAME, "{{.State.ExitCode}}")?;
-    let logs = node.logs(NAME);
+    // stdout (the JSON facts) and stderr (the log, first line first), apart.
+    let out = node
+        .engine
+        .cmd()
+        .args(["logs", NAME])
+        .output()
+        .context("podman logs")?;
+    let (facts_text, log_text) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    let logs = format!("{log_text}{facts_text}");
     let _ = std::fs::write(node.work.join("debug-node.log"), &logs);
     ensure!(code == "0", "xtlock exited {code}:\n{logs}");
 
     // The first line of output: the host's lock, by path and inode, and why.
-    let first = logs
+    let first = log_text
         .lines()
         .find(|l| !l.trim().is_empty())
         .unwrap_or_default();
@@ -109,7 +109,7 @@ fn scenario(node: &Node, ino: u64) -> Result<String> {
         first.contains(&format!("(inode {ino}), the host's {LOCK}")),
         "the first line should name the host's {LOCK} (inode {ino}):\n{first}"
     );
-    let facts: Vec<Value> = logs
+    let facts: Vec<Value> = facts_text
         .lines()
         .filter(|l| l.starts_with('{'))
         .filter_map(|l| serde_json::from_str(l).ok())

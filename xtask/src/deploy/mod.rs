@@ -487,6 +487,25 @@ pub fn lock_inode() -> Result<u64> {
         .ino())
 }
 
+/// Until `/proc/locks` shows a holder of the lock (`waiter` false) or a blocked waiter.
+pub fn until_lock(ino: u64, waiter: bool, what: &str) -> Result<Instant> {
+    until(what, Duration::from_secs(10), || {
+        let (held, waiting) = lock_state(ino);
+        !(if waiter { waiting } else { held }).is_empty()
+    })
+}
+
+/// kubelet's `iptables -w 1` behind a holder: it must give up with exit status 4.
+pub fn kubelet_gives_up(node: &Node) -> Result<()> {
+    let mut kubelet = agent_iptables(node, "kubelet", &["-w", "1", "-C", "INPUT", "-j", "ACCEPT"])?;
+    let code = kubelet.wait()?.code().unwrap_or(-1);
+    ensure!(
+        code == 4,
+        "kubelet's iptables -w 1 behind the restore should exit 4, not {code}"
+    );
+    Ok(())
+}
+
 /// Polls `f` every 20 ms until true; the instant it was first seen true.
 pub fn until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) -> Result<Instant> {
     let deadline = Instant::now() + timeout;
@@ -746,11 +765,7 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
     let before = node.scrape(pod)?;
     let ino = lock_inode()?;
     let restore = Restore::start(node)?;
-    let kp_seen = until(
-        "kube-proxy's restore to hold the lock",
-        Duration::from_secs(10),
-        || !lock_state(ino).0.is_empty(),
-    )?;
+    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
     let cn_spawned = Instant::now();
     let mut calico = agent_iptables(
         node,
@@ -767,17 +782,8 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
             "DROP",
         ],
     )?;
-    let cn_seen = until(
-        "calico-node to wait for the lock",
-        Duration::from_secs(10),
-        || !lock_state(ino).1.is_empty(),
-    )?;
-    let mut kubelet = agent_iptables(node, "kubelet", &["-w", "1", "-C", "INPUT", "-j", "ACCEPT"])?;
-    let kl_status = kubelet.wait()?.code().unwrap_or(-1);
-    ensure!(
-        kl_status == 4,
-        "kubelet's iptables -w 1 behind the restore should exit 4, not {kl_status}"
-    );
+    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
+    kubelet_gives_up(node)?;
     std::thread::sleep(Duration::from_millis(300));
     let (first_write, kp_spawned) = (restore.first_write, restore.spawned);
     let (commit_at, kp_status, kp_exit) = restore.commit()?;
