@@ -148,6 +148,46 @@ fn table_sizes_match_what_the_tables_hold() {
             t["kernel_ns"], holds[i]["hold_ns"]
         );
     }
+    // Before each replace the holder read the table out (libiptc's init): GET_INFO says
+    // the old table's entries and bytes, GET_ENTRIES copies those bytes. The old count is
+    // what the previous save showed (a fresh namespace's filter table: 3 policies + end).
+    let mut old_entries = 4;
+    for (i, n) in sizes.iter().enumerate() {
+        let h = holds[i];
+        let tables = h["tables"].as_array().unwrap();
+        let info: Vec<&Value> = tables.iter().filter(|t| t["op"] == "info").collect();
+        let entries: Vec<&Value> = tables.iter().filter(|t| t["op"] == "entries").collect();
+        assert!(
+            !info.is_empty() && !entries.is_empty(),
+            "no table read: {h}"
+        );
+        assert_eq!(
+            u(&info[0]["entries"]),
+            old_entries,
+            "old entries, {n} rules: {h}"
+        );
+        assert_eq!(info[0]["table"], "filter", "{h}");
+        assert_eq!(u(&entries[0]["bytes"]), u(&info[0]["bytes"]), "{h}");
+        assert!(entries[0].get("entries").is_none(), "{h}");
+        // Reads come before the replace, and their time is the hold's read_ns.
+        let replace_at = u(&replaces(h)[0]["start_ns"]);
+        assert!(u(&info[0]["start_ns"]) < replace_at, "{h}");
+        let read_ns: u64 = info
+            .iter()
+            .chain(&entries)
+            .map(|t| u(&t["kernel_ns"]))
+            .sum();
+        assert_eq!(u(&h["read_ns"]), read_ns, "{h}");
+        assert_eq!(u(&h["reads"]), (info.len() + entries.len()) as u64, "{h}");
+        let all: u64 = tables.iter().map(|t| u(&t["kernel_ns"])).sum();
+        assert_eq!(
+            u(&h["kernel_ns"]),
+            all,
+            "kernel_ns is reads + replaces: {h}"
+        );
+        old_entries = kernel_entries(&save(&format!("save.{n}")));
+    }
+
     // The same rule shape makes the same entry size, whatever the count.
     assert!(
         bytes_per_entry.iter().all(|b| (100..400).contains(b)),
@@ -175,6 +215,19 @@ fn table_sizes_match_what_the_tables_hold() {
     assert_eq!(
         u(&ra[0]["entries"]),
         kernel_entries(&save("save.100000")) + 1
+    );
+    // ... and read it first: the old count, one less.
+    let info_a: Vec<&Value> = holds[4]["tables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["op"] == "info")
+        .collect();
+    assert_eq!(
+        u(&info_a[0]["entries"]),
+        kernel_entries(&save("save.100000")),
+        "{}",
+        holds[4]
     );
 
     // An argument the kernel cannot read: the hold is there, its table unknown, the error

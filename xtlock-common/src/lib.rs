@@ -53,6 +53,13 @@ pub const XT_SO_SET_REPLACE: u32 = 64;
 pub const XT_SO_SET_ADD_COUNTERS: u32 = 65;
 /// `EBT_SO_SET_ENTRIES` / `EBT_SO_SET_COUNTERS` (ebtables, also at `SOL_IP`).
 pub const EBT_SO_SET_ENTRIES: u32 = 128;
+/// `IPT_SO_GET_INFO` / `IPT_SO_GET_ENTRIES` (and ip6t's): a table read, at `getsockopt`.
+/// Same numbers as the set options: the syscall tells them apart.
+pub const XT_SO_GET_INFO: u32 = 64;
+pub const XT_SO_GET_ENTRIES: u32 = 65;
+/// Offsets in `struct ipt_getinfo` (and `ip6t_getinfo`: both have 5 hooks) of
+/// `num_entries` and `size`, which the kernel fills in.
+pub const XT_GETINFO_NUM_ENTRIES: u64 = 76;
 pub const EBT_SO_SET_COUNTERS: u32 = 129;
 
 /// Kind tag at the start of every event.
@@ -224,8 +231,13 @@ pub struct TableReplaceEvent {
     pub num_entries: u32,
     pub size: u32,
     pub head_ok: u32,
-    pub _pad2: u32,
+    /// 0: a `setsockopt` (replace, counters); [`SOCKOPT_GET`]: a `getsockopt` table read
+    /// (`num_entries` and `size` of `*_SO_GET_INFO` as the kernel answered, `size` of
+    /// `*_SO_GET_ENTRIES` as asked). Records of versions before the reads have 0 here.
+    pub dir: u32,
 }
+
+pub const SOCKOPT_GET: u32 = 1;
 
 /// Length of a [`TableReplaceEvent`] as versions before the table head wrote it.
 pub const TABLE_REPLACE_V1_LEN: usize = 56;
@@ -628,7 +640,10 @@ pub struct ProbeConfig {
     pub rkd_has_reason: u32,
     /// `sk_buff.protocol` (big-endian), the raw hook's ethertype.
     pub skb_protocol: u32,
-    pub _pad3: u32,
+    // syscalls:sys_enter_getsockopt: `level`, `optname`, `optval`
+    pub gso_level: u32,
+    pub gso_optname: u32,
+    pub gso_optval: u32,
 }
 
 #[cfg(feature = "user")]

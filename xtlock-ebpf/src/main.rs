@@ -65,9 +65,11 @@ static CONFIG: ProbeConfig = ProbeConfig {
     rfl_flags: 0,
     rfl_type: 0,
     sso_optval: 0,
-    _pad3: 0,
     rkd_has_reason: 0,
     skb_protocol: 0,
+    gso_level: 0,
+    gso_optname: 0,
+    gso_optval: 0,
 };
 
 /// Every event, in order per CPU. Userspace may resize it before load.
@@ -108,7 +110,7 @@ static EXEC_SCRATCH: PerCpuArray<probes::process::ExecArgs> = PerCpuArray::with_
 #[map]
 static EXIT_CODES: LruHashMap<u32, i32> = LruHashMap::with_max_entries(8192, 0);
 
-/// xtables `setsockopt()` calls in progress, by thread id.
+/// xtables `setsockopt()` and `getsockopt()` calls in progress, by thread id.
 #[map]
 static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
     LruHashMap::with_max_entries(1024, 0);

@@ -326,7 +326,7 @@ impl<W: io::Write> Gen<W> {
             num_entries: optlen / 150,
             size: optlen,
             head_ok: 1,
-            _pad2: 0,
+            dir: 0,
         })
     }
 

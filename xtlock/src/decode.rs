@@ -193,6 +193,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 ret: read(&b[offset_of!(E, ret)..]),
                 head,
                 head_recorded,
+                read: head_recorded && read::<u32>(&b[offset_of!(E, dir)..]) == common::SOCKOPT_GET,
             })
         }
         K::NftCommit => {

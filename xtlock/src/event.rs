@@ -291,6 +291,8 @@ pub struct TableReplaceEvent {
     pub head: Option<Box<TableHead>>,
     /// Whether the record had room for a head: false in captures from before it existed.
     pub head_recorded: bool,
+    /// A `getsockopt` table read (`*_SO_GET_INFO`, `*_SO_GET_ENTRIES`), not a set.
+    pub read: bool,
 }
 
 /// Which table a replace (or counter update) was for, and how big the new table was.

@@ -1,6 +1,7 @@
 //! One module per kernel hook.
 pub mod conntrack;
 pub mod flock;
+pub mod getsockopt;
 pub mod ipvs;
 pub mod nft_commit;
 pub mod process;

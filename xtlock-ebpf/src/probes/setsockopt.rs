@@ -6,8 +6,9 @@ use aya_ebpf::{
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext, TracePointContext},
 };
 use xtlock_common::{
-    EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IP, SOL_IPV6,
-    XT_SO_SET_ADD_COUNTERS, XT_SO_SET_REPLACE, XT_TABLE_MAXNAMELEN,
+    EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOCKOPT_GET, SOL_IP,
+    SOL_IPV6, XT_GETINFO_NUM_ENTRIES, XT_SO_GET_ENTRIES, XT_SO_GET_INFO, XT_SO_SET_ADD_COUNTERS,
+    XT_SO_SET_REPLACE, XT_TABLE_MAXNAMELEN,
 };
 
 use crate::{
@@ -19,10 +20,14 @@ use crate::{
 #[derive(Clone, Copy)]
 pub struct SockoptEnter {
     pub enter_ns: u64,
+    /// The caller's buffer: a table read's answer is read from it at exit.
+    pub optval: u64,
     pub level: u32,
     pub optname: u32,
     pub optlen: u32,
     pub head_ok: u32,
+    /// 0: `setsockopt`; `SOCKOPT_GET`: `getsockopt`.
+    pub dir: u32,
     pub head: ReplaceHead,
 }
 
@@ -39,7 +44,12 @@ pub struct ReplaceHead {
 }
 
 #[inline(always)]
-fn is_xtables(level: u32, optname: u32) -> bool {
+fn is_xtables(level: u32, optname: u32, dir: u32) -> bool {
+    if dir == SOCKOPT_GET {
+        // iptables and ip6tables reads (ebtables and arptables reads are not followed).
+        let xt = optname == XT_SO_GET_INFO || optname == XT_SO_GET_ENTRIES;
+        return (level == SOL_IP || level == SOL_IPV6) && xt;
+    }
     let xt = optname == XT_SO_SET_REPLACE || optname == XT_SO_SET_ADD_COUNTERS;
     let ebt = optname == EBT_SO_SET_ENTRIES || optname == EBT_SO_SET_COUNTERS;
     (level == SOL_IP && (xt || ebt)) || (level == SOL_IPV6 && xt)
@@ -50,6 +60,7 @@ pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
     enter(
+        0,
         level,
         optname,
         || field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0),
@@ -71,6 +82,7 @@ fn enter_regs(regs: u64) {
     let level = syscall_arg(regs, 1).unwrap_or(u64::MAX);
     let optname = syscall_arg(regs, 2).unwrap_or(u64::MAX);
     enter(
+        0,
         level,
         optname,
         || syscall_arg(regs, 4).unwrap_or(0),
@@ -102,15 +114,24 @@ pub fn setsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// A `setsockopt` (`dir` 0) or `getsockopt` (`SOCKOPT_GET`) call begins; xtables options
+/// only. `optlen` is the length for a set, unused for a get (a pointer there).
 #[inline(always)]
-fn enter(level: u64, optname: u64, optlen: impl Fn() -> u64, optval: impl Fn() -> u64) {
-    if !is_xtables(level as u32, optname as u32) {
+pub(crate) fn enter(
+    dir: u32,
+    level: u64,
+    optname: u64,
+    optlen: impl Fn() -> u64,
+    optval: impl Fn() -> u64,
+) {
+    if !is_xtables(level as u32, optname as u32, dir) {
         return;
     }
     let enter_ns = now();
-    let optlen = optlen();
+    let optlen = if dir == SOCKOPT_GET { 0 } else { optlen() };
     // The head of what the caller hands the kernel (its table, entries and size), from
-    // its memory at entry: the kernel copies the same bytes right after.
+    // its memory at entry: the kernel copies the same bytes right after. A read asks by
+    // name the same way (`ipt_getinfo`, `ipt_get_entries` start with it).
     let ptr = optval();
     // SAFETY: a user pointer read with the helper that checks it; a bad one fails.
     let head = if ptr != 0 {
@@ -121,10 +142,12 @@ fn enter(level: u64, optname: u64, optlen: impl Fn() -> u64, optval: impl Fn() -
     let (_, tid) = ids();
     let enter = SockoptEnter {
         enter_ns,
+        optval: ptr,
         level: level as u32,
         optname: optname as u32,
         optlen: optlen as u32,
         head_ok: u32::from(head.is_some()),
+        dir,
         head: head.unwrap_or(ReplaceHead {
             name: [0; XT_TABLE_MAXNAMELEN],
             valid_hooks: 0,
@@ -135,15 +158,41 @@ fn enter(level: u64, optname: u64, optlen: impl Fn() -> u64, optval: impl Fn() -
     let _ = SOCKOPT_INFLIGHT.insert(&tid, &enter, 0);
 }
 
+/// The call returns: one record with the table, its entries and bytes, and the time.
 #[inline(always)]
-fn exit(ret: i64) {
+pub(crate) fn exit(ret: i64) {
     let (_, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
     let Some(enter) = (unsafe { SOCKOPT_INFLIGHT.get(&tid) }).copied() else {
         return;
     };
     let _ = SOCKOPT_INFLIGHT.remove(&tid);
-    let counters = enter.optname == XT_SO_SET_ADD_COUNTERS;
+    let (num_entries, size, head_ok) = if enter.dir == SOCKOPT_GET {
+        if enter.optname == XT_SO_GET_INFO {
+            // The kernel's answer: `num_entries` and `size` of the table now.
+            // SAFETY: as at entry, a checked user read.
+            let answer = if ret == 0 && enter.head_ok != 0 {
+                unsafe {
+                    bpf_probe_read_user((enter.optval + XT_GETINFO_NUM_ENTRIES) as *const [u32; 2])
+                }
+                .ok()
+            } else {
+                None
+            };
+            match answer {
+                Some([n, sz]) => (n, sz, 1),
+                None => (0, 0, 0),
+            }
+        } else {
+            // `ipt_get_entries`: the size asked for follows the name.
+            (0, enter.head.valid_hooks, enter.head_ok)
+        }
+    } else if enter.optname == XT_SO_SET_ADD_COUNTERS {
+        // `xt_counters_info`: `num_counters` follows the name.
+        (enter.head.valid_hooks, 0, enter.head_ok)
+    } else {
+        (enter.head.num_entries, enter.head.size, enter.head_ok)
+    };
     let ev = TableReplaceEvent {
         hdr: header(EventKind::TableReplace, now()),
         enter_ns: enter.enter_ns,
@@ -153,15 +202,10 @@ fn exit(ret: i64) {
         optlen: enter.optlen,
         _pad: 0,
         table: enter.head.name,
-        // `xt_counters_info`: `num_counters` follows the name.
-        num_entries: if counters {
-            enter.head.valid_hooks
-        } else {
-            enter.head.num_entries
-        },
-        size: if counters { 0 } else { enter.head.size },
-        head_ok: enter.head_ok,
-        _pad2: 0,
+        num_entries,
+        size,
+        head_ok,
+        dir: enter.dir,
     };
     output(&ev);
 }

@@ -214,10 +214,17 @@ pub struct HoldFact {
     #[serde(serialize_with = "hex")]
     pub owner: u64,
     pub exclusive: bool,
-    /// Time the holder spent in xtables table replaces (`setsockopt`) during the hold.
+    /// Time the holder spent in the kernel in xtables table calls during the hold: reads
+    /// (`getsockopt`) and replaces (`setsockopt`).
     pub kernel_ns: u64,
-    /// Number of those replaces.
+    /// Number of replaces (and counter updates).
     pub replaces: u32,
+    /// Of `kernel_ns`, the time reading tables out (`*_SO_GET_INFO`, `*_SO_GET_ENTRIES`),
+    /// and the number of those reads.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub read_ns: u64,
+    #[serde(skip_serializing_if = "is_zero_u32")]
+    pub reads: u32,
     /// Of `kernel_ns`, the time in `xt_replace_table`: swapping the new table in and waiting
     /// for every CPU to leave the old one. Present when that hook attached and saw a swap.
     #[serde(skip_serializing_if = "is_zero")]
@@ -276,14 +283,15 @@ pub struct TableTouch {
     pub table: String,
     /// `ip`, `ip6` or `eb`.
     pub family: &'static str,
-    /// `replace` or `counters`.
+    /// `replace` or `counters` (a `setsockopt`), `info` or `entries` (a read).
     pub op: &'static str,
     /// Entries of the new table, as the kernel counts them (rules, one policy per built-in
-    /// chain, a head and a return per user chain, one end); counters, for `counters`.
-    /// `None` when the head could not be read.
+    /// chain, a head and a return per user chain, one end); counters, for `counters`; the
+    /// table's entries before the hold changed it, for `info`. `None` when the head could
+    /// not be read, and for `entries` (which asks by size).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub entries: Option<u32>,
-    /// Bytes of the new table's entries (`replace` only).
+    /// Bytes of the new table's entries (`replace`); of the table read (`info`, `entries`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bytes: Option<u32>,
     /// When the call entered the kernel, and its time there.

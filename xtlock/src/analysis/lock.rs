@@ -131,6 +131,8 @@ struct OpenHold {
     users_overflow: bool,
     kernel_ns: u64,
     replaces: u32,
+    read_ns: u64,
+    reads: u32,
     tables: Vec<TableTouch>,
     swap_ns: u64,
     incomplete: bool,
@@ -991,6 +993,8 @@ impl LockMachine {
                     users_overflow: false,
                     kernel_ns: 0,
                     replaces: 0,
+                    read_ns: 0,
+                    reads: 0,
                     tables: Vec::new(),
                     swap_ns: 0,
                     incomplete: false,
@@ -1183,6 +1187,8 @@ impl LockMachine {
                 users_overflow: false,
                 kernel_ns: 0,
                 replaces: 0,
+                read_ns: 0,
+                reads: 0,
                 tables: Vec::new(),
                 swap_ns: 0,
                 incomplete: false,
@@ -1272,6 +1278,8 @@ impl LockMachine {
                             users_overflow: false,
                             kernel_ns: 0,
                             replaces: 0,
+                            read_ns: 0,
+                            reads: 0,
                             tables: Vec::new(),
                             swap_ns: 0,
                             incomplete: true,
@@ -1448,14 +1456,22 @@ impl LockMachine {
     fn on_table_replace(&mut self, t: &TableReplaceEvent) {
         let kernel_ns = t.ts_ns.saturating_sub(t.enter_ns);
         // The swap inside this replace, if one was seen: the same thread, within its time.
-        let swap_ns = match self.swaps.remove(&t.tid) {
-            Some((enter, ret)) if enter >= t.enter_ns && ret <= t.ts_ns => ret - enter,
+        let swap_ns = match self.swaps.get(&t.tid) {
+            Some(&(enter, ret)) if !t.read && enter >= t.enter_ns && ret <= t.ts_ns => {
+                self.swaps.remove(&t.tid);
+                ret - enter
+            }
             _ => 0,
         };
         for h in self.holds_of_pid(t.tgid, t.ts_ns) {
             h.kernel_ns += kernel_ns;
-            h.swap_ns += swap_ns;
-            h.replaces += 1;
+            if t.read {
+                h.read_ns += kernel_ns;
+                h.reads += 1;
+            } else {
+                h.swap_ns += swap_ns;
+                h.replaces += 1;
+            }
             // Captures from before the head was recorded say nothing of the table.
             if t.head_recorded && h.tables.len() < MAX_TABLES_PER_HOLD {
                 h.tables.push(table_touch(t, kernel_ns));
@@ -1739,6 +1755,8 @@ fn hold_fact(
         exclusive: h.exclusive,
         kernel_ns: h.kernel_ns,
         replaces: h.replaces,
+        read_ns: h.read_ns,
+        reads: h.reads,
         tables: h.tables.clone(),
         swap_ns: h.swap_ns,
         before_start: h.before_start,
@@ -1754,7 +1772,22 @@ fn hold_fact(
 
 /// What a table replace (or counter update) says of its table.
 fn table_touch(t: &TableReplaceEvent, kernel_ns: u64) -> TableTouch {
-    use xtlock_common::{EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IPV6, XT_SO_SET_REPLACE};
+    use xtlock_common::{
+        EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IPV6, XT_SO_GET_INFO, XT_SO_SET_REPLACE,
+    };
+    if t.read {
+        let info = t.optname == XT_SO_GET_INFO;
+        return TableTouch {
+            table: t.head.as_ref().map(|h| h.name()).unwrap_or_default(),
+            family: if t.level == SOL_IPV6 { "ip6" } else { "ip" },
+            op: if info { "info" } else { "entries" },
+            entries: t.head.as_ref().filter(|_| info).map(|h| h.entries),
+            bytes: t.head.as_ref().map(|h| h.bytes),
+            start_ns: t.enter_ns,
+            kernel_ns,
+            ret: t.ret,
+        };
+    }
     let ebt = t.optname == EBT_SO_SET_ENTRIES || t.optname == EBT_SO_SET_COUNTERS;
     let replace = t.optname == XT_SO_SET_REPLACE || t.optname == EBT_SO_SET_ENTRIES;
     TableTouch {
@@ -1802,6 +1835,8 @@ fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> Hol
         // The whole hold is the kernel's; no legacy table replace in it.
         kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
         replaces: 0,
+        read_ns: 0,
+        reads: 0,
         tables: Vec::new(),
         swap_ns: 0,
         before_start: false,

@@ -75,6 +75,7 @@ fn replace(ts: u64, enter: u64, pid: u32) -> Event {
         ret: 0,
         head: None,
         head_recorded: true,
+        read: false,
     })
 }
 
@@ -298,6 +299,62 @@ fn swap_counts_only_inside_its_replace() {
         ]);
     let h = r.holds();
     assert_eq!((h[0].kernel_ns, h[0].swap_ns), (25 * MS, MS));
+}
+
+/// Table reads (`getsockopt`) are part of the hold's kernel time, counted apart: a GET_INFO
+/// gives the old table's size, a GET_ENTRIES copies it; neither is a replace nor takes the
+/// swap of the replace that follows.
+#[test]
+fn table_reads_are_kernel_time_of_their_own() {
+    let call = |ts: u64, enter: u64, optname: u32, read: bool, entries: u32, bytes: u32| {
+        let Event::TableReplace(mut t) = replace(ts, enter, 200) else {
+            unreachable!()
+        };
+        let mut name = [0u8; xtlock_common::XT_TABLE_MAXNAMELEN];
+        name[..3].copy_from_slice(b"nat");
+        t.optname = optname;
+        t.read = read;
+        t.head = Some(Box::new(crate::decode::TableHead {
+            name,
+            entries,
+            bytes,
+        }));
+        Event::TableReplace(t)
+    };
+    let swap = Event::XtReplace(crate::decode::XtReplaceEvent {
+        ts_ns: 100 + 21 * MS,
+        enter_ns: 100 + 20 * MS,
+        tgid: 200,
+        tid: 200,
+    });
+    let mut r = Run::new();
+    r.feed(&node())
+        .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+        .feed(&[
+            acq(100, 200, "iptables-restor", 0xA),
+            call(100 + 2 * MS, 100 + MS, 64, true, 84_000, 20 << 20),
+            call(100 + 9 * MS, 100 + 3 * MS, 65, true, 0, 20 << 20),
+            swap,
+            call(100 + 30 * MS, 100 + 10 * MS, 64, false, 84_112, 21 << 20),
+            rel(100 + 60 * MS, 200, "iptables-restor", 0xA),
+        ]);
+    let h = r.holds();
+    let h = h[0];
+    assert_eq!((h.reads, h.read_ns), (2, 7 * MS));
+    assert_eq!((h.replaces, h.kernel_ns, h.swap_ns), (1, 27 * MS, MS));
+    let ops: Vec<(&str, Option<u32>, Option<u32>)> = h
+        .tables
+        .iter()
+        .map(|t| (t.op, t.entries, t.bytes))
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            ("info", Some(84_000), Some(20 << 20)),
+            ("entries", None, Some(20 << 20)),
+            ("replace", Some(84_112), Some(21 << 20)),
+        ]
+    );
 }
 
 /// A replace with the head of its argument: the hold lists the table, its entries and

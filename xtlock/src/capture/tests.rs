@@ -225,7 +225,7 @@ fn mixed_ops() -> Vec<Op> {
                 num_entries: 40 + i,
                 size: 4000,
                 head_ok: 1,
-                _pad2: 0,
+                dir: 0,
             }),
         };
         ops.push(Op::Kernel(ev));

@@ -291,7 +291,7 @@ fn table_replace_with_and_without_its_head() {
         num_entries: 107,
         size: 21112,
         head_ok: 1,
-        _pad2: 0,
+        dir: 0,
     };
     let b = bytes(&e);
     let Event::TableReplace(t) = decode(&b).unwrap() else {
@@ -302,14 +302,26 @@ fn table_replace_with_and_without_its_head() {
         (head.name(), head.entries, head.bytes),
         ("nat".into(), 107, 21112)
     );
-    assert_eq!((t.enter_ns, t.optlen, t.tid), (1000, 4096, 6));
+    assert_eq!(
+        (t.enter_ns, t.optlen, t.tid, t.read),
+        (1000, 4096, 6, false)
+    );
     let Event::TableReplace(old) = decode(&b[..common::TABLE_REPLACE_V1_LEN]).unwrap() else {
         panic!("not a table replace");
     };
     assert_eq!(
-        (old.head, old.head_recorded, old.enter_ns),
-        (None, false, 1000)
+        (old.head, old.head_recorded, old.enter_ns, old.read),
+        (None, false, 1000, false)
     );
+    // A table read (getsockopt).
+    let r = common::TableReplaceEvent {
+        dir: common::SOCKOPT_GET,
+        ..e
+    };
+    let Event::TableReplace(t) = decode(&bytes(&r)).unwrap() else {
+        panic!("not a table read");
+    };
+    assert!(t.read);
     assert!(decode(&b[..common::TABLE_REPLACE_V1_LEN - 1]).is_err());
     // Unread head: none.
     let e = common::TableReplaceEvent { head_ok: 0, ..e };

@@ -342,7 +342,7 @@ fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> 
             c.fl_type = off(fmt, &["type", "fl_type"], 1)?;
             c.fl_ret = off(fmt, &["ret"], 4)?;
         }
-        "sys_exit_setsockopt" => {
+        "sys_exit_setsockopt" | "sys_exit_getsockopt" => {
             let ret = off(fmt, &["ret"], 8)?;
             // One offset serves every sys_exit tracepoint (they share a layout).
             if c.sys_exit_ret != 0 && c.sys_exit_ret != ret {
@@ -359,6 +359,11 @@ fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> 
             c.sso_optname = off(fmt, &["optname"], 8)?;
             c.sso_optlen = off(fmt, &["optlen"], 8)?;
             c.sso_optval = off(fmt, &["optval"], 8)?;
+        }
+        "sys_enter_getsockopt" => {
+            c.gso_level = off(fmt, &["level"], 8)?;
+            c.gso_optname = off(fmt, &["optname"], 8)?;
+            c.gso_optval = off(fmt, &["optval"], 8)?;
         }
         "sys_enter_execve" => c.execve_argv = off(fmt, &["argv"], 8)?,
         "sys_enter_execveat" => c.execveat_argv = off(fmt, &["argv"], 8)?,

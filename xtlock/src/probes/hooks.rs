@@ -99,6 +99,13 @@ pub const SETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
     ("setsockopt_syscall_fentry", "setsockopt_syscall_kprobe"),
     Some(("setsockopt_syscall_fexit", "setsockopt_syscall_kretprobe")),
 );
+pub const GETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
+    "getsockopt_syscall",
+    "legacy table reads",
+    &["__x64_sys_getsockopt", "__arm64_sys_getsockopt"],
+    ("getsockopt_syscall_fentry", "getsockopt_syscall_kprobe"),
+    Some(("getsockopt_syscall_fexit", "getsockopt_syscall_kretprobe")),
+);
 
 /// Every name `--no-attach HOOK:KIND` accepts: tracepoint hooks and their categories,
 /// kernel-function hooks and fallbacks.
@@ -233,6 +240,26 @@ pub const HOOKS: &[Hook] = &[
         purpose: "end of a legacy table replace: the kernel's share of a hold",
         fallback: None,
         paired_with: Some("sys_enter_setsockopt"),
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_enter_getsockopt",
+        category: "syscalls",
+        tracepoint: "sys_enter_getsockopt",
+        required: false,
+        purpose: "start of a legacy table read (IPT_SO_GET_INFO, IPT_SO_GET_ENTRIES) inside a hold",
+        fallback: Some(&GETSOCKOPT_SYSCALL),
+        paired_with: None,
+        raw_program: None,
+    },
+    Hook {
+        program: "sys_exit_getsockopt",
+        category: "syscalls",
+        tracepoint: "sys_exit_getsockopt",
+        required: false,
+        purpose: "end of a legacy table read: its entries, bytes and time in the kernel",
+        fallback: None,
+        paired_with: Some("sys_enter_getsockopt"),
         raw_program: None,
     },
     Hook {

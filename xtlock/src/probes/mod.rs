@@ -30,7 +30,7 @@ pub use discover::{discover, Discovery};
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
 pub use hooks::{
     hook_names, Feature, Hook, HookStatus, EXECVEAT_SYSCALL, EXECVE_SYSCALL, EXIT_GROUP_SYSCALL,
-    HOOKS, KFUNC_HOOKS, SETSOCKOPT_SYSCALL,
+    GETSOCKOPT_SYSCALL, HOOKS, KFUNC_HOOKS, SETSOCKOPT_SYSCALL,
 };
 use kfunc::{AttachFilter, AttachKind, KfuncHook};
 

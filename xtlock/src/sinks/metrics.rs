@@ -664,7 +664,7 @@ impl Sink for MetricsSink {
                     pod: PodLabels::of(&mut self.pods, h.pod.as_deref()),
                 };
                 self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
-                if h.replaces > 0 {
+                if h.replaces > 0 || h.reads > 0 {
                     let user = h.hold_ns.saturating_sub(h.kernel_ns);
                     for (phase, ns) in [("kernel", h.kernel_ns), ("userspace", user)] {
                         self.m

@@ -17,6 +17,8 @@ fn hold(agent: &str, ns: u64) -> Output {
         exclusive: true,
         kernel_ns: 0,
         replaces: 0,
+        read_ns: 0,
+        reads: 0,
         tables: Vec::new(),
         swap_ns: 0,
         before_start: false,

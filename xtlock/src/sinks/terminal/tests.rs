@@ -31,6 +31,8 @@ fn hold(ns: u64) -> HoldFact {
         exclusive: true,
         kernel_ns: 0,
         replaces: 0,
+        read_ns: 0,
+        reads: 0,
         tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
@@ -300,5 +302,31 @@ fn dates() {
     assert_eq!(
         wall_clock_date(951_782_400 * 1_000_000_000),
         "2000-02-29 00:00:00 UTC"
+    );
+}
+
+/// A hold that read tables before replacing one: the kernel time, split.
+#[test]
+fn hold_with_table_reads() {
+    let mut h = hold(60_000_000);
+    h.kernel_ns = 27_000_000;
+    h.read_ns = 7_000_000;
+    h.reads = 2;
+    h.replaces = 1;
+    let line = super::lines::hold_text(&h);
+    assert!(
+        line.contains(
+            "kernel 27.0 ms: 7.00 ms in 2 table reads, 20.0 ms in 1 table replace; \
+             userspace 33.0 ms"
+        ),
+        "{line}"
+    );
+    // Reads only (`iptables -C`): no replace part.
+    h.replaces = 0;
+    h.kernel_ns = 7_000_000;
+    let line = super::lines::hold_text(&h);
+    assert!(
+        line.contains("kernel 7.00 ms: 7.00 ms in 2 table reads; userspace 53.0 ms"),
+        "{line}"
     );
 }
