@@ -232,8 +232,10 @@ fn same_within(a: &Value, b: &Value, path: &str) {
         }
         (Value::Number(p), Value::Number(q)) if path.ends_with("_ns") => {
             let (p, q) = (p.as_f64().unwrap(), q.as_f64().unwrap());
+            // Two tracers' programs read the clock apart around the same event: a few µs
+            // on a quiet machine, 71 µs seen once on this 2-core one under a full test run.
             assert!(
-                (p - q).abs() <= (q.abs() * 0.001).max(50_000.0),
+                (p - q).abs() <= (q.abs() * 0.001).max(250_000.0),
                 "{path}: {p} vs {q}"
             );
         }

@@ -715,9 +715,9 @@ mod tests {
         assert_eq!(size_of::<WatchedSlot>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
-        // 49 u32, 1 of explicit padding and one u64: no implicit padding (the whole struct is
-        // copied into the programs as bytes).
-        assert_eq!(size_of::<ProbeConfig>(), 50 * 4 + 8);
+        // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
+        // programs as bytes).
+        assert_eq!(size_of::<ProbeConfig>(), 54 * 4 + 8);
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);
