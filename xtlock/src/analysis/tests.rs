@@ -78,6 +78,15 @@ fn replace(ts: u64, enter: u64, pid: u32) -> Event {
         read: false,
     })
 }
+/// An `xt_replace_table` call of `pid`, from `enter` to `ts`.
+fn xt_swap(ts: u64, enter: u64, pid: u32) -> Event {
+    Event::XtReplace(crate::decode::XtReplaceEvent {
+        ts_ns: ts,
+        enter_ns: enter,
+        tgid: pid,
+        tid: pid,
+    })
+}
 
 /// An analyzer that keeps what it said.
 struct Run {
@@ -274,14 +283,7 @@ fn several_holds_per_restore_exec() {
 /// is no part of `kernel_ns`.
 #[test]
 fn swap_counts_only_inside_its_replace() {
-    let swap = |ts: u64, enter: u64| {
-        Event::XtReplace(crate::decode::XtReplaceEvent {
-            ts_ns: ts,
-            enter_ns: enter,
-            tgid: 200,
-            tid: 200,
-        })
-    };
+    let swap = |ts: u64, enter: u64| xt_swap(ts, enter, 200);
     let mut r = Run::new();
     r.feed(&node())
         .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
@@ -321,12 +323,7 @@ fn table_reads_are_kernel_time_of_their_own() {
         }));
         Event::TableReplace(t)
     };
-    let swap = Event::XtReplace(crate::decode::XtReplaceEvent {
-        ts_ns: 100 + 21 * MS,
-        enter_ns: 100 + 20 * MS,
-        tgid: 200,
-        tid: 200,
-    });
+    let swap = xt_swap(100 + 21 * MS, 100 + 20 * MS, 200);
     let mut r = Run::new();
     r.feed(&node())
         .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
