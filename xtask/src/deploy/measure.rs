@@ -17,7 +17,7 @@ use std::{
 use anyhow::{ensure, Context as _, Result};
 
 use super::{
-    engine::in_netns, manifest::PodRun, node_iptables, record_dir, CaptureGuard, Node, DROP_PORT,
+    engine::in_netns, manifest::PodRun, node_drop_rule, record_dir, CaptureGuard, Node, DROP_PORT,
     LOCK, NODE_IP, NODE_NS, PEER_NS,
 };
 
@@ -271,16 +271,7 @@ pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
     )?);
 
     // Drop storm: UDP from the peer to the port calico-node's rule drops.
-    node_iptables(&[
-        "-A",
-        "INPUT",
-        "-p",
-        "udp",
-        "--dport",
-        &DROP_PORT.to_string(),
-        "-j",
-        "DROP",
-    ])?;
+    node_drop_rule("-A")?;
     let sender = node.agent("udp-sender");
     let drop = window(
         node,
@@ -296,16 +287,7 @@ pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
         },
         "drops",
     );
-    node_iptables(&[
-        "-D",
-        "INPUT",
-        "-p",
-        "udp",
-        "--dport",
-        &DROP_PORT.to_string(),
-        "-j",
-        "DROP",
-    ])?;
+    node_drop_rule("-D")?;
     figs.push(drop?);
     let (_, code) = node.stop(name, pod)?;
     let _ = node.engine.output(&["rm", "-f", name]);

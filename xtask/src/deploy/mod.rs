@@ -586,6 +586,33 @@ pub fn agent_iptables(node: &Node, agent: &str, args: &[&str]) -> Result<Child> 
         .with_context(|| format!("starting {agent}"))
 }
 
+/// calico-node's rule, to add (`-A`) or delete (`-D`): UDP to DROP_PORT dropped in INPUT.
+fn drop_rule(op: &str) -> Vec<String> {
+    let port = DROP_PORT.to_string();
+    [op, "INPUT", "-p", "udp", "--dport", &port, "-j", "DROP"]
+        .map(String::from)
+        .to_vec()
+}
+
+/// Adds (`-A`) or deletes (`-D`) calico-node's rule in the node's namespace, directly.
+pub fn node_drop_rule(op: &str) -> Result<()> {
+    let args = drop_rule(op);
+    node_iptables(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    Ok(())
+}
+
+/// calico-node's `iptables -w -A` of its rule, as a process of its pod (it waits while the
+/// lock is held).
+pub fn calico_adds_drop_rule(node: &Node) -> Result<Child> {
+    let mut args = vec!["-w".to_string()];
+    args.extend(drop_rule("-A"));
+    agent_iptables(
+        node,
+        "calico-node",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+}
+
 /// The capture files of the record dir (host side), name -> size.
 pub fn captures(dir: &Path) -> BTreeMap<PathBuf, u64> {
     fs::read_dir(dir)
@@ -767,21 +794,7 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
     let restore = Restore::start(node)?;
     let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
     let cn_spawned = Instant::now();
-    let mut calico = agent_iptables(
-        node,
-        "calico-node",
-        &[
-            "-w",
-            "-A",
-            "INPUT",
-            "-p",
-            "udp",
-            "--dport",
-            &DROP_PORT.to_string(),
-            "-j",
-            "DROP",
-        ],
-    )?;
+    let mut calico = calico_adds_drop_rule(node)?;
     let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
     kubelet_gives_up(node)?;
     std::thread::sleep(Duration::from_millis(300));
@@ -999,16 +1012,7 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
         "the last log line says stopped".into(),
     );
     let _ = node.engine.output(&["rm", "-f", name]);
-    node_iptables(&[
-        "-D",
-        "INPUT",
-        "-p",
-        "udp",
-        "--dport",
-        &DROP_PORT.to_string(),
-        "-j",
-        "DROP",
-    ])?;
+    node_drop_rule("-D")?;
     if !failed.is_empty() {
         bail!(
             "deploy-test: {} check(s) failed: {}\ncontainer logs:\n{logs}",

@@ -25,8 +25,8 @@ use anyhow::{bail, Context as _, Result};
 use serde_json::Value;
 
 use super::{
-    agent_iptables, lock_inode, lock_state, manifest::PodRun, manifest::Without, node_iptables,
-    record_dir, rule_packets, send_udp, until, CaptureGuard, Node, Restore, DROP_PORT,
+    calico_adds_drop_rule, lock_inode, manifest::PodRun, manifest::Without, node_drop_rule,
+    record_dir, rule_packets, send_udp, until_lock, CaptureGuard, Node, Restore, DROP_PORT,
 };
 
 /// Datagrams dropped per run.
@@ -194,11 +194,7 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
     let guard = CaptureGuard::new(&record);
     let ino = lock_inode()?;
     let restore = Restore::start(node)?;
-    until(
-        "kube-proxy's restore to hold the lock",
-        Duration::from_secs(10),
-        || !lock_state(ino).0.is_empty(),
-    )?;
+    until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
     let mut obs = Observed::default();
     node.run_container(name, pod, without)?;
     let ready = node.wait_ready(name, pod, Duration::from_secs(20));
@@ -221,24 +217,8 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
         let _ = node.engine.output(&["rm", "-f", "-t", "0", name]);
         return Ok(obs);
     }
-    let mut calico = agent_iptables(
-        node,
-        "calico-node",
-        &[
-            "-w",
-            "-A",
-            "INPUT",
-            "-p",
-            "udp",
-            "--dport",
-            &DROP_PORT.to_string(),
-            "-j",
-            "DROP",
-        ],
-    )?;
-    until("calico-node to wait", Duration::from_secs(10), || {
-        !lock_state(ino).1.is_empty()
-    })?;
+    let mut calico = calico_adds_drop_rule(node)?;
+    until_lock(ino, true, "calico-node to wait")?;
     // A wait of a second or so, as in the main run: the daemon names a process's pod from its
     // /proc entry when it handles its events, which a waiter gone within milliseconds may
     // not have any more.
@@ -337,16 +317,7 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
                 })
         });
     let _ = node.engine.output(&["rm", "-f", "-t", "0", name]);
-    node_iptables(&[
-        "-D",
-        "INPUT",
-        "-p",
-        "udp",
-        "--dport",
-        &DROP_PORT.to_string(),
-        "-j",
-        "DROP",
-    ])?;
+    node_drop_rule("-D")?;
     Ok(obs)
 }
 
