@@ -191,6 +191,20 @@ fn alloc_hook() -> KfuncHook {
     }
 }
 
+/// `__nf_conntrack_alloc`'s parameters as the kernel declares them: `(struct net *, const
+/// struct nf_conntrack_zone *, const struct nf_conntrack_tuple *orig, *repl, gfp_t, u32)`.
+fn alloc_params() -> Vec<ArgType> {
+    let ptr = |n: &str| ArgType::Ptr(n.into());
+    vec![
+        ptr("net"),
+        ptr("nf_conntrack_zone"),
+        ptr("nf_conntrack_tuple"),
+        ptr("nf_conntrack_tuple"),
+        ArgType::Int(4),
+        ArgType::Int(4),
+    ]
+}
+
 fn alloc_facts(p: Result<FuncProto, String>) -> KernelFacts {
     let mut f = facts(&[("__nf_conntrack_alloc", None)]);
     f.protos.insert("__nf_conntrack_alloc".into(), p);
@@ -199,18 +213,7 @@ fn alloc_facts(p: Result<FuncProto, String>) -> KernelFacts {
 
 #[test]
 fn a_matching_prototype_attaches_as_usual() {
-    let ptr = |n: &str| ArgType::Ptr(n.into());
-    let good = proto(
-        &[
-            ptr("net"),
-            ptr("nf_conntrack_zone"),
-            ptr("nf_conntrack_tuple"),
-            ptr("nf_conntrack_tuple"),
-            ArgType::Int(4),
-            ArgType::Int(4),
-        ],
-        ptr("nf_conn"),
-    );
+    let good = proto(&alloc_params(), ArgType::Ptr("nf_conn".into()));
     let p = plan(&alloc_hook(), &alloc_facts(Ok(good))).unwrap();
     assert_eq!(
         p.candidates,
@@ -265,19 +268,9 @@ fn a_mismatching_prototype_is_refused_with_its_reason() {
 /// the last argument for the return value.
 #[test]
 fn another_parameter_count_rules_out_fexit_only() {
-    let ptr = |n: &str| ArgType::Ptr(n.into());
-    let seven = proto(
-        &[
-            ptr("net"),
-            ptr("nf_conntrack_zone"),
-            ptr("nf_conntrack_tuple"),
-            ptr("nf_conntrack_tuple"),
-            ArgType::Int(4),
-            ArgType::Int(4),
-            ArgType::Int(4),
-        ],
-        ptr("nf_conn"),
-    );
+    let mut params = alloc_params();
+    params.push(ArgType::Int(4));
+    let seven = proto(&params, ArgType::Ptr("nf_conn".into()));
     let p = plan(&alloc_hook(), &alloc_facts(Ok(seven))).unwrap();
     let fe = p.candidates[0].1.as_deref().unwrap();
     assert!(fe.contains("the fexit program expects 6"), "{fe}");
