@@ -241,6 +241,7 @@ impl Analyzer {
     /// End of tracing at `ts_ns`: reports what is still open (holds still held, waits
     /// still waiting) instead of dropping it.
     pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        self.stats.extend_to(ts_ns);
         let stats = &mut self.stats;
         let drops = &mut self.drops;
         let mut emit = |o: Output| {

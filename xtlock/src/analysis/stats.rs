@@ -258,6 +258,14 @@ impl Stats {
         self.last_ts = Some(self.last_ts.map_or(ts_ns, |l| l.max(ts_ns)));
     }
 
+    /// Tracing ran until `ts_ns` (its end): the traced time reaches it even when the last
+    /// kernel event came earlier (a quiet node sends few). Not an event.
+    pub fn extend_to(&mut self, ts_ns: u64) {
+        if let Some(f) = self.first_ts {
+            self.last_ts = Some(self.last_ts.map_or(ts_ns, |l| l.max(ts_ns)).max(f));
+        }
+    }
+
     pub fn first_ts_ns(&self) -> Option<u64> {
         self.first_ts
     }

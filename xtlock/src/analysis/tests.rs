@@ -1174,6 +1174,9 @@ fn finish_reports_what_is_still_open() {
     assert_eq!(blocking.wait_ns, 9 * S);
     assert_eq!(blocking.holders[0].agent, "kube-proxy");
     assert_eq!(r.a.summary().wait_outcomes["open"], 2);
+    // The traced time runs to the end of tracing, not to the last event.
+    let sum = r.a.summary();
+    assert_eq!(sum.duration_ns, 10 * S - sum.first_ts_ns.unwrap());
 }
 
 #[test]
