@@ -15,6 +15,10 @@ const TOOLCHAIN: &str = "debian";
 fn main() -> anyhow::Result<()> {
     println!("cargo:rerun-if-env-changed=XTLOCK_REQUIRE_EBPF");
     println!("cargo:rerun-if-env-changed=PATH");
+    // aya-build watches xtlock-ebpf only; the programs are built from xtlock-common too (the
+    // event layouts): a change there must rebuild them, or the two sides disagree.
+    println!("cargo:rerun-if-changed=../xtlock-common/src");
+    println!("cargo:rerun-if-changed=../xtlock-common/Cargo.toml");
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR not set")?);
     let obj = out_dir.join("xtlock");
     let required = env::var("XTLOCK_REQUIRE_EBPF").is_ok_and(|v| v == "1" || v == "true");

@@ -101,12 +101,30 @@ fn nft_commits_under_trace(args: &[&str], table: &str) -> (Vec<Value>, String) {
     let lock = s.lock_file("xtables.lock");
     let firewalld = s.agent("firewalld");
     let mut c = Command::new(xtlock_bin());
-    c.args(["trace", "--json", "--duration", "8000ms", "--no-drops"])
+    c.args(["trace", "--json", "--duration", "12000ms", "--no-drops"])
         .arg("--lock-file")
         .arg(&lock);
     c.args(args);
     let tracer = Tracer::spawn(c);
-    let script = format!("nft add table inet {table} && nft add chain inet {table} c");
+    // Four batches: a table, a chain, 300 rules, then 1,500 (more than the hook walks);
+    // then the kernel's own count of the rules.
+    let dir = lock.parent().unwrap();
+    let rules = |n: usize| -> String {
+        let f = dir.join(format!("rules{n}.nft"));
+        let text: String = (0..n)
+            .map(|i| format!("add rule inet {table} c tcp dport {} counter\n", 1000 + i))
+            .collect();
+        std::fs::write(&f, text).unwrap();
+        f.to_str().unwrap().to_string()
+    };
+    let count = dir.join("rules.count");
+    let script = format!(
+        "nft add table inet {table} && nft add chain inet {table} c && nft -f {} && nft -f {} \
+         && nft list chain inet {table} c | grep -c counter > {}",
+        rules(NFT_RULES[0]),
+        rules(NFT_RULES[1]),
+        count.display()
+    );
     let mut fw = Agent::spawn(
         &firewalld,
         &["run", "--netns", "sh", "-c", &script],
@@ -129,11 +147,51 @@ fn nft_commits_under_trace(args: &[&str], table: &str) -> (Vec<Value>, String) {
     for h in &holds {
         eprintln!("nf_tables commit hold: {h}");
     }
+    let in_kernel: usize = std::fs::read_to_string(&count)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(in_kernel, NFT_RULES[0] + NFT_RULES[1], "the kernel's rules");
     (holds, trace.dump())
 }
 
+/// Rules of the third and fourth batches.
+const NFT_RULES: [usize; 2] = [300, 1500];
+
 fn assert_nft_holds(holds: &[Value], dump: &str) {
-    assert_eq!(holds.len(), 2, "two nft batches, two commits:\n{dump}");
+    assert_eq!(holds.len(), 4, "four nft batches, four commits:\n{dump}");
+    // What each batch changed, counted from its messages: the hook walks at most 1,024.
+    let batch = |i: usize| {
+        let b = &holds[i]["nft"];
+        (
+            b["status"].as_str().unwrap_or("none").to_string(),
+            b["changes"].as_u64(),
+            b["added"].clone(),
+        )
+    };
+    let added = |k: &str, n: usize| serde_json::json!({ k: n });
+    assert_eq!(
+        batch(0),
+        ("complete".into(), Some(1), added("tables", 1)),
+        "{dump}"
+    );
+    assert_eq!(
+        batch(1),
+        ("complete".into(), Some(1), added("chains", 1)),
+        "{dump}"
+    );
+    let n = NFT_RULES[0];
+    assert_eq!(
+        batch(2),
+        ("complete".into(), Some(n as u64), added("rules", n)),
+        "{dump}"
+    );
+    assert_eq!(
+        batch(3),
+        ("partial".into(), Some(1024), added("rules", 1024)),
+        "{dump}"
+    );
     let host = host_netns();
     for h in holds {
         assert_eq!(h["comm"], "nft", "{h}");
@@ -147,11 +205,14 @@ fn assert_nft_holds(holds: &[Value], dump: &str) {
         assert_ne!(netns, host, "nft ran in its own netns: {h}");
         assert!(h["hold_ns"].as_u64().is_some_and(|n| n > 0), "{h}");
     }
-    assert_eq!(holds[0]["lock"], holds[1]["lock"], "same netns for both");
+    assert!(
+        holds.iter().all(|h| h["lock"] == holds[0]["lock"]),
+        "same netns for all"
+    );
 }
 
-/// An nft batch is a hold of the second lock, with the right process and netns; the same
-/// through the kprobe fallback.
+/// An nft batch is a hold of the second lock, with the right process and netns and what the
+/// batch changed (against the kernel's own rule count); the same through the kprobe fallback.
 #[test]
 fn nft_batch_is_an_nf_tables_commit_hold() {
     if !require_bpf("nft_batch_is_an_nf_tables_commit_hold") {

@@ -253,8 +253,107 @@ pub struct NftCommitEvent {
     pub enter_ns: u64,
     /// Inode of the sending task's network namespace; 0 when unknown.
     pub netns: u32,
-    pub _pad: u32,
+    /// How the batch's messages were counted: `NFT_BATCH_*` (always 0, "not counted", in
+    /// the padding it replaces).
+    pub batch: u32,
     pub comm: [u8; COMM_LEN],
+    // Appended: records of older versions end here (`NFT_COMMIT_V1_LEN` bytes).
+    /// The batch's messages per object kind (`NFT_KIND_*`): additions (`NFT_MSG_NEW*`) and
+    /// deletions (`NFT_MSG_DEL*`, `NFT_MSG_DESTROY*`).
+    pub added: [u32; NFT_KINDS],
+    pub deleted: [u32; NFT_KINDS],
+}
+
+/// Length of an [`NftCommitEvent`] as versions before the batch counts wrote it.
+pub const NFT_COMMIT_V1_LEN: usize = 56;
+
+/// [`NftCommitEvent::batch`]: not counted (offsets unknown, or an older version).
+pub const NFT_BATCH_NONE: u32 = 0;
+/// Every message of the batch counted.
+pub const NFT_BATCH_COMPLETE: u32 = 1;
+/// Only the first [`NFT_BATCH_MAX_MSGS`] messages counted (the verifier bounds the walk).
+pub const NFT_BATCH_PARTIAL: u32 = 2;
+/// The batch could not be read (a read failed, or a malformed message header).
+pub const NFT_BATCH_UNREADABLE: u32 = 3;
+/// Messages of one batch the commit hook walks at most.
+pub const NFT_BATCH_MAX_MSGS: u32 = 1024;
+
+/// Object kinds of nf_tables batch messages, in [`NftCommitEvent::added`] order.
+pub const NFT_KINDS: usize = 8;
+pub const NFT_KIND_NAMES: [&str; NFT_KINDS] = [
+    "tables",
+    "chains",
+    "rules",
+    "sets",
+    "elements",
+    "objects",
+    "flowtables",
+    "other",
+];
+/// `NFNL_SUBSYS_NFTABLES`: the high byte of an nf_tables message's `nlmsg_type`.
+pub const NFNL_SUBSYS_NFTABLES: u32 = 10;
+/// `NFNL_MSG_BATCH_END`: the last message of a batch.
+pub const NFNL_MSG_BATCH_END: u32 = 0x11;
+
+/// An nf_tables message type (`nlmsg_type & 0xff`, `enum nf_tables_msg_types`) as
+/// (kind index, deletion), `None` for one that changes nothing (a get). Always inlined: a
+/// BPF subprogram returning an `Option` gets BTF that Linux 5.10 refuses.
+#[inline(always)]
+pub const fn nft_msg_kind(msg: u32) -> Option<(usize, bool)> {
+    Some(match msg {
+        0 => (0, false),                                                  // NEWTABLE
+        2 | 26 => (0, true),                                              // DELTABLE, DESTROYTABLE
+        3 => (1, false),                                                  // NEWCHAIN
+        5 | 27 => (1, true),                                              // DELCHAIN, DESTROYCHAIN
+        6 => (2, false),                                                  // NEWRULE
+        8 | 28 => (2, true),                                              // DELRULE, DESTROYRULE
+        9 => (3, false),                                                  // NEWSET
+        11 | 29 => (3, true),                                             // DELSET, DESTROYSET
+        12 => (4, false),                                                 // NEWSETELEM
+        14 | 30 => (4, true), // DELSETELEM, DESTROYSETELEM
+        18 => (5, false),     // NEWOBJ
+        20 | 31 => (5, true), // DELOBJ, DESTROYOBJ
+        22 => (6, false),     // NEWFLOWTABLE
+        24 | 32 => (6, true), // DELFLOWTABLE, DESTROYFLOWTABLE
+        1 | 4 | 7 | 10 | 13 | 16 | 19 | 21 | 23 | 25 | 33 => return None, // gets
+        _ => (7, false),
+    })
+}
+
+/// Counter slot of each message type, indexed by `nlmsg_type & 0xfff` (the subsystem's low
+/// nibble, then the message): for an nf_tables message (subsystem 10), the kind for an
+/// addition, `NFT_KINDS` + the kind for a deletion; [`NFT_SLOT_NONE`] for a get and for
+/// any other subsystem's message. The BPF walk looks a type up here instead of branching on
+/// it: a loop of a thousand messages must stay within what every verifier follows.
+pub const fn nft_msg_slots() -> [u8; 4096] {
+    let mut t = [NFT_SLOT_NONE; 4096];
+    let mut m = 0;
+    while m < 256 {
+        t[(NFNL_SUBSYS_NFTABLES as usize) << 8 | m] = match nft_msg_kind(m as u32) {
+            Some((k, false)) => k as u8,
+            Some((k, true)) => (NFT_KINDS + k) as u8,
+            None => NFT_SLOT_NONE,
+        };
+        m += 1;
+    }
+    t
+}
+/// The slot of a message that changes nothing: counted nowhere.
+pub const NFT_SLOT_NONE: u8 = 2 * NFT_KINDS as u8;
+
+/// Where the nf_tables commit hook finds the batch, written by userspace when the hook
+/// attaches (nf_tables may load after start, and the argument depends on the function
+/// chosen). Offsets in bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NftConfig {
+    /// Non-zero when the batch can be walked: the fields below were found.
+    pub ok: u32,
+    /// Which argument of the hooked function is the batch's `struct sk_buff *`.
+    pub skb_arg: u32,
+    /// `sk_buff.data`, `sk_buff.len`.
+    pub skb_data: u32,
+    pub skb_len: u32,
 }
 
 /// One `xt_replace_table` call, seen at its return (`hdr.ts_ns`).
@@ -659,6 +758,7 @@ mod pod {
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}
+    unsafe impl aya::Pod for NftConfig {}
     // The event records the decoder reads from the ring buffer and from captures.
     unsafe impl aya::Pod for EventHeader {}
     unsafe impl aya::Pod for LockEvent {}
@@ -695,6 +795,31 @@ mod tests {
     use super::*;
     use core::mem::size_of;
 
+    /// `enum nf_tables_msg_types` (include/uapi/linux/netfilter/nf_tables.h): every change
+    /// filed under its kind, gets under none.
+    #[test]
+    fn nft_message_kinds() {
+        let kind = |m| nft_msg_kind(m).map(|(k, d)| (NFT_KIND_NAMES[k], d));
+        assert_eq!(kind(0), Some(("tables", false)));
+        assert_eq!(kind(26), Some(("tables", true)));
+        assert_eq!(kind(6), Some(("rules", false)));
+        assert_eq!(kind(8), Some(("rules", true)));
+        assert_eq!(kind(28), Some(("rules", true)));
+        assert_eq!(kind(12), Some(("elements", false)));
+        assert_eq!(kind(14), Some(("elements", true)));
+        assert_eq!(kind(22), Some(("flowtables", false)));
+        assert_eq!(kind(32), Some(("flowtables", true)));
+        assert_eq!(kind(15), Some(("other", false)));
+        for get in [1, 4, 7, 10, 13, 16, 19, 21, 23, 25, 33] {
+            assert_eq!(kind(get), None, "{get}");
+        }
+        let slots = nft_msg_slots();
+        assert_eq!((slots[0xa06], slots[0xa08], slots[0xa1c]), (2, 10, 10));
+        assert_eq!((slots[0xa07], slots[0xac8]), (NFT_SLOT_NONE, 7));
+        // Another subsystem's message (ipset's 0x0601), and the batch's end, count nowhere.
+        assert_eq!((slots[0x601], slots[0x011]), (NFT_SLOT_NONE, NFT_SLOT_NONE));
+    }
+
     // The layouts are part of the capture format: a change here must be deliberate.
     #[test]
     fn layouts_are_stable() {
@@ -721,7 +846,13 @@ mod tests {
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);
-        assert_eq!(size_of::<NftCommitEvent>(), 56);
+        // Grown only at its end (the batch counts), like TableReplaceEvent.
+        assert_eq!(size_of::<NftCommitEvent>(), 120);
+        assert_eq!(
+            core::mem::offset_of!(NftCommitEvent, added),
+            NFT_COMMIT_V1_LEN
+        );
+        assert_eq!(size_of::<NftConfig>(), 16);
         assert_eq!(size_of::<ConntrackFailEvent>(), 88);
         assert_eq!(size_of::<CtConfig>(), 48);
         assert_eq!(size_of::<XtReplaceEvent>(), 32);

@@ -120,6 +120,11 @@ static SOCKOPT_INFLIGHT: LruHashMap<u32, probes::setsockopt::SockoptEnter> =
 static NFT_INFLIGHT: LruHashMap<u32, probes::nft_commit::NftEnter> =
     LruHashMap::with_max_entries(1024, 0);
 
+/// Where the nf_tables commit hook finds its batch (one entry), written by userspace when
+/// the hook attaches (nf_tables may load after start; the argument depends on the function).
+#[map]
+static NFT_CONFIG: Array<xtlock_common::NftConfig> = Array::with_max_entries(1, 0);
+
 /// `xt_replace_table` calls in progress: entry time by thread id.
 #[map]
 static XT_INFLIGHT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1024, 0);

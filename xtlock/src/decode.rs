@@ -197,15 +197,36 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
             })
         }
         K::NftCommit => {
-            need(kind, b, sizes::NFT_COMMIT)?;
-            let e: common::NftCommitEvent = read(b);
+            // Records of older versions end before the batch counts (and say "not counted").
+            need(kind, b, common::NFT_COMMIT_V1_LEN)?;
+            use std::mem::offset_of;
+            type E = common::NftCommitEvent;
+            let batch = if b.len() >= sizes::NFT_COMMIT {
+                let e: E = read(b);
+                let status = match e.batch {
+                    common::NFT_BATCH_COMPLETE => Some("complete"),
+                    common::NFT_BATCH_PARTIAL => Some("partial"),
+                    common::NFT_BATCH_UNREADABLE => Some("unreadable"),
+                    _ => None,
+                };
+                status.map(|status| {
+                    Box::new(NftBatch {
+                        status,
+                        added: e.added,
+                        deleted: e.deleted,
+                    })
+                })
+            } else {
+                None
+            };
             Event::NftCommit(NftCommitEvent {
                 ts_ns: hdr.ts_ns,
-                enter_ns: e.enter_ns,
+                enter_ns: read(&b[offset_of!(E, enter_ns)..]),
                 tgid: hdr.tgid,
                 tid: hdr.tid,
-                netns: e.netns,
-                comm: Comm(e.comm),
+                netns: read(&b[offset_of!(E, netns)..]),
+                comm: Comm(read(&b[offset_of!(E, comm)..])),
+                batch,
             })
         }
         K::XtReplace => {

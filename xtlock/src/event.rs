@@ -322,7 +322,7 @@ pub struct XtReplaceEvent {
 }
 
 /// One nf_tables commit (netlink batch): the second lock, held for `ts_ns - enter_ns`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NftCommitEvent {
     /// The commit function's return.
     pub ts_ns: u64,
@@ -332,6 +332,64 @@ pub struct NftCommitEvent {
     /// Inode of the sender's network namespace; 0 when unknown.
     pub netns: u32,
     pub comm: Comm,
+    /// What the batch changed; `None` when not counted (no offsets, or an older capture).
+    /// Boxed: commits are rare, and every event moves at the size of the largest.
+    pub batch: Option<Box<NftBatch>>,
+}
+
+/// The changes an nf_tables batch carried: its netlink messages per object kind
+/// (`common::NFT_KIND_NAMES`). A message is one change, except a rule deletion without a
+/// handle, which flushes a whole chain, and a set-element message, which carries any number
+/// of elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftBatch {
+    /// `complete`, `partial` (only the first `common::NFT_BATCH_MAX_MSGS` messages
+    /// counted) or `unreadable` (the batch could not be read: no counts).
+    pub status: &'static str,
+    pub added: [u32; common::NFT_KINDS],
+    pub deleted: [u32; common::NFT_KINDS],
+}
+
+impl NftBatch {
+    /// Messages counted, additions and deletions.
+    pub fn changes(&self) -> u64 {
+        self.added
+            .iter()
+            .chain(&self.deleted)
+            .map(|&n| u64::from(n))
+            .sum()
+    }
+
+    /// `(kind, added, deleted)` for the kinds it changed, in kind order.
+    pub fn kinds(&self) -> impl Iterator<Item = (&'static str, u32, u32)> + '_ {
+        common::NFT_KIND_NAMES
+            .iter()
+            .zip(self.added.iter().zip(&self.deleted))
+            .filter(|(_, (a, d))| **a > 0 || **d > 0)
+            .map(|(k, (a, d))| (*k, *a, *d))
+    }
+}
+
+/// `{"status":"complete","changes":305,"added":{"rules":300,"chains":5},"deleted":{}}`:
+/// the kinds it did not change are left out.
+impl serde::Serialize for NftBatch {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let side = |v: &[u32; common::NFT_KINDS]| -> std::collections::BTreeMap<&str, u32> {
+            common::NFT_KIND_NAMES
+                .iter()
+                .zip(v)
+                .filter(|(_, n)| **n > 0)
+                .map(|(k, n)| (*k, *n))
+                .collect()
+        };
+        let mut m = s.serialize_map(Some(4))?;
+        m.serialize_entry("status", self.status)?;
+        m.serialize_entry("changes", &self.changes())?;
+        m.serialize_entry("added", &side(&self.added))?;
+        m.serialize_entry("deleted", &side(&self.deleted))?;
+        m.end()
+    }
 }
 
 /// What conntrack refused, seen in the refusing kernel function.

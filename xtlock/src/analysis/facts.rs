@@ -233,6 +233,9 @@ pub struct HoldFact {
     /// call's argument and its time in the kernel. At most [`MAX_TABLES_PER_HOLD`].
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tables: Vec<TableTouch>,
+    /// For an nf_tables commit: what its batch changed, per object kind, when counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nft: Option<crate::event::NftBatch>,
     /// Held already when tracing began (seen in /proc/locks): `start_ns` is when tracing
     /// began, so `hold_ns` is a lower bound.
     #[serde(skip_serializing_if = "is_false")]

@@ -163,6 +163,10 @@ pub struct Summary {
     /// table it replaced. Absent when no hold replaced a table whose head was read.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub tables: BTreeMap<String, AgentTables>,
+    /// Per agent that committed nf_tables batches whose changes were counted: how many,
+    /// and the largest. Absent when none was.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub nft: BTreeMap<String, AgentNft>,
     /// Per agent that ran iptables-restore: its sync cadence. Absent when none did.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub syncs: BTreeMap<String, super::cadence::SyncSummary>,
@@ -177,6 +181,19 @@ pub struct AgentTables {
     pub userspace_ns: u64,
     /// The largest table it replaced (most entries).
     pub largest: Option<TableSize>,
+}
+
+/// What one agent's nf_tables commits changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct AgentNft {
+    /// Commits whose batch was counted, their time, and their changes (batch messages).
+    pub commits: u64,
+    pub held_ns: u64,
+    pub changes: u64,
+    /// The most changes in one batch, and whether that batch was counted only in part (it
+    /// had more).
+    pub largest: u64,
+    pub largest_partial: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -225,6 +242,7 @@ pub struct Stats {
     wait_outcomes: BTreeMap<&'static str, u64>,
     per_lock: BTreeMap<String, LockCounters>,
     tables: BTreeMap<String, AgentTables>,
+    nft: BTreeMap<String, AgentNft>,
     lost: u64,
     events: u64,
     first_ts: Option<u64>,
@@ -298,6 +316,17 @@ impl Stats {
                                 bytes,
                             });
                         }
+                    }
+                }
+                if let Some(b) = h.nft.as_ref().filter(|b| b.status != "unreadable") {
+                    let a = slot(&mut self.nft, &h.agent);
+                    let n = b.changes();
+                    a.commits += 1;
+                    a.held_ns = a.held_ns.saturating_add(h.hold_ns);
+                    a.changes = a.changes.saturating_add(n);
+                    if n > a.largest {
+                        a.largest = n;
+                        a.largest_partial = b.status == "partial";
                     }
                 }
                 let l = slot(&mut self.per_lock, &h.lock);
@@ -422,6 +451,7 @@ impl Stats {
             over_bounds: BTreeMap::new(),
             ipvs: Vec::new(),
             tables: self.tables.clone(),
+            nft: self.nft.clone(),
             syncs: BTreeMap::new(),
         }
     }

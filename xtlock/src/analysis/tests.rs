@@ -179,6 +179,11 @@ fn nft_commit_is_a_hold_of_the_second_lock() {
         tid: 300,
         netns: 4026531840,
         comm: Comm::new("nft"),
+        batch: Some(Box::new(crate::decode::NftBatch {
+            status: "complete",
+            added: [1, 5, 300, 0, 0, 0, 0, 0],
+            deleted: [0, 0, 2, 0, 0, 0, 0, 0],
+        })),
     }));
     r.feed(&evs);
     let h = r.holds();
@@ -198,6 +203,26 @@ fn nft_commit_is_a_hold_of_the_second_lock() {
         r.a.summary().holds["firewalld"].count,
         1,
         "counted with the agent's holds"
+    );
+    // The batch's changes go with the hold, and into the agent's summary.
+    let b = h[0].nft.expect("the batch counted");
+    assert_eq!(b.changes(), 308);
+    let n = &r.a.summary().nft["firewalld"];
+    assert_eq!(
+        (
+            n.commits,
+            n.held_ns,
+            n.changes,
+            n.largest,
+            n.largest_partial
+        ),
+        (1, 3 * MS, 308, 308, false)
+    );
+    let json = serde_json::to_value(h[0]).unwrap();
+    assert_eq!(
+        json["nft"],
+        serde_json::json!({"status": "complete", "changes": 308,
+            "added": {"tables": 1, "chains": 5, "rules": 300}, "deleted": {"rules": 2}})
     );
 }
 

@@ -330,3 +330,52 @@ fn table_replace_with_and_without_its_head() {
     };
     assert_eq!(t.head, None);
 }
+
+/// An nf_tables commit with its batch's counts; the 56-byte record of versions before the
+/// counts still decodes, as "not counted"; so does a record saying the batch was not walked.
+#[test]
+fn nft_commit_with_and_without_its_batch() {
+    let mut comm = [0u8; common::COMM_LEN];
+    comm[..3].copy_from_slice(b"nft");
+    let e = common::NftCommitEvent {
+        hdr: common::EventHeader {
+            kind: common::EventKind::NftCommit as u32,
+            tgid: 5,
+            tid: 6,
+            _pad: 0,
+            ts_ns: 2000,
+        },
+        enter_ns: 1000,
+        netns: 4026531840,
+        batch: common::NFT_BATCH_PARTIAL,
+        comm,
+        added: [0, 1, 1023, 0, 0, 0, 0, 0],
+        deleted: [0; common::NFT_KINDS],
+    };
+    let b = bytes(&e);
+    let Event::NftCommit(c) = decode(&b).unwrap() else {
+        panic!("not a commit");
+    };
+    let batch = c.batch.expect("counted");
+    assert_eq!((batch.status, batch.changes()), ("partial", 1024));
+    assert_eq!(
+        (c.enter_ns, c.netns, c.comm.as_str().as_ref()),
+        (1000, 4026531840, "nft")
+    );
+    let Event::NftCommit(old) = decode(&b[..common::NFT_COMMIT_V1_LEN]).unwrap() else {
+        panic!("not a commit");
+    };
+    assert_eq!(
+        (old.batch, old.enter_ns, old.netns),
+        (None, 1000, 4026531840)
+    );
+    assert!(decode(&b[..common::NFT_COMMIT_V1_LEN - 1]).is_err());
+    let none = common::NftCommitEvent {
+        batch: common::NFT_BATCH_NONE,
+        ..e
+    };
+    let Event::NftCommit(c) = decode(&bytes(&none)).unwrap() else {
+        panic!("not a commit");
+    };
+    assert_eq!(c.batch, None);
+}

@@ -9,7 +9,7 @@ use xtlock_common::CtConfig;
 
 use super::{
     btf::Btf,
-    kfunc::{fill_config_once, KfuncHook, Reads, Want},
+    kfunc::{fill_config_once, Chosen, KfuncHook, Reads, Want},
 };
 
 pub const INSERT_FAILED: KfuncHook = KfuncHook {
@@ -82,7 +82,7 @@ pub fn offsets_in(btf: &Btf) -> Result<CtConfig, String> {
     })
 }
 
-fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>) -> Result<(), String> {
+fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>, _: &Chosen<'_>) -> Result<(), String> {
     // Both conntrack hooks share it: the module's BTF is read once.
     fill_config_once(
         ebpf,

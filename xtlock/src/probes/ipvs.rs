@@ -12,7 +12,7 @@ use aya::Ebpf;
 use xtlock_common::IpvsConfig;
 
 use super::btf::Btf;
-use super::kfunc::{fill_config_once, KfuncHook, Reads, Want};
+use super::kfunc::{fill_config_once, Chosen, KfuncHook, Reads, Want};
 
 /// Minimum spacing of stale-packet events per connection.
 pub const STALE_INTERVAL_NS: u64 = 1_000_000_000;
@@ -161,7 +161,7 @@ pub const COUNTING_HOOKS: &[&str] = &["ipvs_nat_xmit", "ipvs_nat_xmit_v6", "ipvs
 
 /// Writes `IPVS_CONFIG` (once: every IPVS hook calls it): offsets from the module's BTF and
 /// the kernel's HZ.
-fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>) -> Result<(), String> {
+fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>, _: &Chosen<'_>) -> Result<(), String> {
     fill_config_once(
         ebpf,
         "IPVS_CONFIG",

@@ -168,8 +168,8 @@ pub struct KfuncHook {
     pub kprobe: Option<&'static str>,
     pub kretprobe: Option<&'static str>,
     /// Writes what the programs need (struct offsets from the module's BTF, into a map)
-    /// before they attach; given vmlinux BTF when it could be read. Runs again when the
-    /// module loads after start.
+    /// before they attach; given vmlinux BTF when it could be read, and the function chosen.
+    /// Runs again when the module loads after start.
     pub setup: Option<SetupFn>,
     /// What the programs read of the function's arguments and return value, checked
     /// against its prototype in the running kernel's BTF before anything attaches (`None`:
@@ -295,7 +295,15 @@ pub fn check_proto(
 }
 
 /// See [`KfuncHook::setup`].
-pub type SetupFn = fn(&mut Ebpf, Option<&super::btf::Btf>) -> Result<(), String>;
+pub type SetupFn = fn(&mut Ebpf, Option<&super::btf::Btf>, &Chosen<'_>) -> Result<(), String>;
+
+/// The function a hook attaches to, for its setup (what it reads may depend on it).
+#[derive(Clone, Copy, Debug)]
+pub struct Chosen<'a> {
+    pub function: &'a str,
+    /// Its module, `None` when built into vmlinux.
+    pub module: Option<&'a str>,
+}
 
 /// For setups: fills entry 0 of the one-entry config map `name` unless `filled` says it
 /// already is (several hooks share one config); `make` runs only then.
@@ -572,9 +580,18 @@ pub fn setup_and_attach(
     facts: &KernelFacts,
     btf: Option<&super::btf::Btf>,
 ) -> Result<Attached, String> {
-    plan(hook, facts).map_err(|e| e.to_string())?;
+    let plan = plan(hook, facts).map_err(|e| e.to_string())?;
     if let Some(setup) = hook.setup {
-        setup(ebpf, btf).map_err(|e| format!("setup: {e}"))?;
+        let module = facts
+            .symbols
+            .iter()
+            .find(|(n, _)| *n == plan.function)
+            .and_then(|(_, m)| m.as_deref());
+        let chosen = Chosen {
+            function: &plan.function,
+            module,
+        };
+        setup(ebpf, btf, &chosen).map_err(|e| format!("setup: {e}"))?;
     }
     attach(ebpf, hook, facts)
 }

@@ -137,6 +137,15 @@ pub struct TableLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NftChangeLabels {
+    pub agent: String,
+    /// `tables`, `chains`, `rules`, `sets`, `elements`, `objects`, `flowtables`, `other`.
+    pub kind: &'static str,
+    /// `added` or `deleted`.
+    pub change: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LockLabels {
     pub lock: String,
 }
@@ -226,6 +235,7 @@ pub struct Metrics {
     pub sync_stalled: Family<AgentLabels, Gauge>,
     pub syncs: Family<AgentLabels, Counter>,
     pub table_entries: Family<TableLabels, Gauge>,
+    pub nft_changes: Family<NftChangeLabels, Counter>,
     pub drops: Family<DropLabels, Counter>,
     pub conntrack: [Family<NetnsLabels, Counter>; 7],
     pub conntrack_entries: Family<NetnsLabels, Gauge>,
@@ -360,6 +370,13 @@ impl Metrics {
             "Entries of an xtables table at its last replace, per replacing agent",
             table_entries.clone(),
         );
+        let nft_changes = Family::<NftChangeLabels, Counter>::default();
+        r.register(
+            "nft_changes",
+            "Changes in the nf_tables batches an agent committed: batch messages per object \
+             kind, added or deleted",
+            nft_changes.clone(),
+        );
         let conntrack_refused = Family::<RefusedLabels, Counter>::default();
         r.register(
             "conntrack_refused",
@@ -474,6 +491,7 @@ impl Metrics {
             sync_stalled,
             syncs,
             table_entries,
+            nft_changes,
             drops,
             conntrack,
             conntrack_entries,
@@ -674,6 +692,22 @@ impl Sink for MetricsSink {
                                 phase,
                             })
                             .observe(secs(ns));
+                    }
+                }
+                if let Some(b) = &h.nft {
+                    for (kind, added, deleted) in b.kinds() {
+                        for (change, n) in [("added", added), ("deleted", deleted)] {
+                            if n > 0 {
+                                self.m
+                                    .nft_changes
+                                    .get_or_create(&NftChangeLabels {
+                                        agent: l.agent.clone(),
+                                        kind,
+                                        change,
+                                    })
+                                    .inc_by(u64::from(n));
+                            }
+                        }
                     }
                 }
                 for t in h.tables.iter().filter(|t| t.op == "replace" && t.ret == 0) {

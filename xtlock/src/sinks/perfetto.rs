@@ -165,10 +165,14 @@ impl<W: Write> PerfettoSink<W> {
     fn hold(&mut self, h: &HoldFact) -> io::Result<()> {
         let (pid, tid) = (self.group(&h.agent)?, u64::from(h.pid));
         self.name_track(pid, tid, || format!("{} ({})", h.comm, h.pid))?;
-        let args = json!({
+        let mut args = json!({
             "cmdline": h.cmdline, "hold_ns": h.hold_ns, "kernel_ns": h.kernel_ns,
             "role": h.role, "open": h.open, "incomplete": h.incomplete,
         });
+        // An nf_tables commit: what its batch changed.
+        if let Some(b) = &h.nft {
+            args["nft"] = json!(b);
+        }
         let name = format!("hold {}", h.lock);
         let end = h.start_ns + h.hold_ns;
         self.slice(pid, tid, h.start_ns, end, &name, "hold", args)?;

@@ -29,6 +29,7 @@ fn hold(agent: &str, ns: u64) -> Output {
         pod: None,
         open: false,
         incomplete: false,
+        nft: None,
     })
 }
 
@@ -70,6 +71,33 @@ fn pod_labels_are_the_workload_and_capped() {
         text.contains("namespace=\"(other)\",pod=\"(other)\"} 6"),
         "{text}"
     );
+}
+
+/// nf_tables commits add their batches' changes per agent, kind and direction.
+#[test]
+fn nft_changes_per_agent_and_kind() {
+    let m = Arc::new(Metrics::new("k"));
+    let mut s = MetricsSink::new(m.clone(), None);
+    for _ in 0..2 {
+        let Output::Hold(mut h) = hold("firewalld", 1_000) else {
+            unreachable!()
+        };
+        h.lock = "nf_tables commit (netns 1)".into();
+        h.nft = Some(crate::event::NftBatch {
+            status: "complete",
+            added: [0, 0, 300, 0, 0, 0, 0, 0],
+            deleted: [0, 0, 2, 0, 0, 0, 0, 0],
+        });
+        s.output(&Output::Hold(h)).unwrap();
+    }
+    let text = m.encode().unwrap();
+    for want in [
+        "xtlock_nft_changes_total{agent=\"firewalld\",kind=\"rules\",change=\"added\"} 600",
+        "xtlock_nft_changes_total{agent=\"firewalld\",kind=\"rules\",change=\"deleted\"} 4",
+    ] {
+        assert!(text.contains(want), "{want}:\n{text}");
+    }
+    assert!(!text.contains("kind=\"chains\""), "{text}");
 }
 
 #[test]

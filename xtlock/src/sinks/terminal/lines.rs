@@ -107,12 +107,51 @@ pub(crate) fn hold_text(h: &HoldFact) -> String {
             human_ns(h.hold_ns.saturating_sub(h.kernel_ns))
         );
     }
+    if let Some(b) = &h.nft {
+        s.push_str(&nft_text(b));
+    }
     if h.open {
         s.push_str(" [still held when tracing ended]");
     } else if h.incomplete {
         s.push_str(" [release not seen; end inferred]");
     }
     s
+}
+
+/// What an nf_tables batch changed: `, 305 changes (chains +5, rules +300 -2)`; `at least`
+/// when only its first messages were counted.
+pub(crate) fn nft_text(b: &crate::event::NftBatch) -> String {
+    if b.status == "unreadable" {
+        return ", batch not readable".into();
+    }
+    let kinds: Vec<String> = b
+        .kinds()
+        .map(|(k, a, d)| match (a, d) {
+            (a, 0) => format!("{k} +{}", thousands(u64::from(a))),
+            (0, d) => format!("{k} -{}", thousands(u64::from(d))),
+            (a, d) => format!(
+                "{k} +{} -{}",
+                thousands(u64::from(a)),
+                thousands(u64::from(d))
+            ),
+        })
+        .collect();
+    let n = b.changes();
+    format!(
+        ", {}{} change{}{}",
+        if b.status == "partial" {
+            "at least "
+        } else {
+            ""
+        },
+        thousands(n),
+        if n == 1 { "" } else { "s" },
+        if kinds.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", kinds.join(", "))
+        }
+    )
 }
 
 /// The tables a hold replaced: `nat 84,112 entries 21.0 MiB, filter 12,410 entries 3.1 MiB`

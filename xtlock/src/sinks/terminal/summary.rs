@@ -141,6 +141,22 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
             )?;
         }
     }
+    if !s.nft.is_empty() {
+        // The second lock: how big each agent's batches were.
+        writeln!(w, "\nnf_tables commits by agent (changes; largest batch):")?;
+        for (agent, n) in &s.nft {
+            writeln!(
+                w,
+                "  {agent}: {} commit{} in {}, {} changes; largest {}{} changes",
+                n.commits,
+                if n.commits == 1 { "" } else { "s" },
+                human_ns(n.held_ns),
+                thousands(n.changes),
+                if n.largest_partial { "at least " } else { "" },
+                thousands(n.largest)
+            )?;
+        }
+    }
     if s.holds.is_empty() && s.waits.is_empty() {
         writeln!(w, "no lock activity seen")?;
     }

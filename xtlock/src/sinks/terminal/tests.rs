@@ -43,6 +43,7 @@ fn hold(ns: u64) -> HoldFact {
         pod: None,
         open: false,
         incomplete: false,
+        nft: None,
     }
 }
 
@@ -329,4 +330,39 @@ fn hold_with_table_reads() {
         line.contains("kernel 7.00 ms: 7.00 ms in 2 table reads; userspace 53.0 ms"),
         "{line}"
     );
+}
+
+/// An nf_tables commit says what its batch changed; `at least` when only its first messages
+/// were counted, and nothing made up when the batch could not be read.
+#[test]
+fn nft_commit_changes() {
+    let mut h = hold(3_000_000);
+    h.lock = "nf_tables commit (netns 4026531840)".into();
+    h.nft = Some(crate::event::NftBatch {
+        status: "complete",
+        added: [0, 5, 1_300, 0, 0, 0, 0, 0],
+        deleted: [0, 0, 2, 0, 0, 0, 0, 0],
+    });
+    let line = super::lines::hold_text(&h);
+    assert!(
+        line.contains(", 1,307 changes (chains +5, rules +1,300 -2)"),
+        "{line}"
+    );
+    h.nft = Some(crate::event::NftBatch {
+        status: "partial",
+        added: [0, 0, 1_024, 0, 0, 0, 0, 0],
+        deleted: [0; 8],
+    });
+    let line = super::lines::hold_text(&h);
+    assert!(
+        line.contains(", at least 1,024 changes (rules +1,024)"),
+        "{line}"
+    );
+    h.nft = Some(crate::event::NftBatch {
+        status: "unreadable",
+        added: [0; 8],
+        deleted: [0; 8],
+    });
+    let line = super::lines::hold_text(&h);
+    assert!(line.ends_with(", batch not readable"), "{line}");
 }
