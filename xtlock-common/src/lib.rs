@@ -512,6 +512,35 @@ pub struct DropKey {
     pub netns: u32,
 }
 
+/// Slots of a CPU's drop-count cache (a power of two), see [`DropCache`].
+pub const DROP_CACHE_SLOTS: usize = 64;
+
+/// One key's drops on one CPU: claimed by the first key that maps to it, then never changed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropCacheSlot {
+    pub key: DropKey,
+    /// Drops since load; 0: the slot is free.
+    pub count: u64,
+}
+
+/// A CPU's direct-mapped cache of drop counts, in front of the per-CPU hash map: a storm's
+/// few keys are counted in an array slot (no hash computed, no bucket walked); a key whose
+/// slot another key holds goes to the hash map. Counts only grow and a slot keeps its key,
+/// so userspace adds slots and map without a race.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct DropCache {
+    pub slots: [DropCacheSlot; DROP_CACHE_SLOTS],
+}
+
+/// The slot of `k` in a [`DropCache`].
+#[inline(always)]
+pub fn drop_cache_slot(k: &DropKey) -> usize {
+    let h = k.location ^ (k.location >> 12) ^ (u64::from(k.reason) << 5) ^ u64::from(k.netns);
+    (h ^ (h >> 6)) as usize & (DROP_CACHE_SLOTS - 1)
+}
+
 /// The exclusive hold of a watched lock in progress (`HOLD_NOW`), written by the lock hook
 /// and read by the drop hook: drops are counted for the hold while `start_ns` is non-zero.
 #[repr(C)]
@@ -754,6 +783,8 @@ mod pod {
     unsafe impl aya::Pod for WatchedSlot {}
     unsafe impl aya::Pod for ProbeConfig {}
     unsafe impl aya::Pod for DropKey {}
+    unsafe impl aya::Pod for DropCacheSlot {}
+    unsafe impl aya::Pod for DropCache {}
     unsafe impl aya::Pod for HoldDropSlot {}
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
@@ -840,6 +871,7 @@ mod tests {
         assert_eq!(size_of::<WatchedSlot>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
+        assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
         // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
         assert_eq!(size_of::<ProbeConfig>(), 54 * 4 + 8);

@@ -149,6 +149,10 @@ static DROP_REASONS: Array<u8> = Array::with_max_entries(DROP_REASON_SLOTS, 0);
 #[map]
 static DROP_COUNTS: PerCpuHashMap<DropKey, u64> = PerCpuHashMap::with_max_entries(MAX_DROP_KEYS, 0);
 
+/// Each CPU's direct-mapped cache of drop counts, in front of `DROP_COUNTS` (one entry).
+#[map]
+static DROP_CACHE: PerCpuArray<xtlock_common::DropCache> = PerCpuArray::with_max_entries(1, 0);
+
 /// Drops not counted under their key because `DROP_COUNTS` was full, per CPU.
 #[map]
 static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);

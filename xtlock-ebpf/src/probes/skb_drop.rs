@@ -17,13 +17,13 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, TracePointContext},
 };
 use xtlock_common::{
-    DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET, DROP_FAMILY_INET6,
-    DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
+    drop_cache_slot, DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET,
+    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
 };
 
 use crate::{
     emit::{btf_read, cfg, count_in, field, header, kread, now, reserve},
-    CONFIG, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
+    CONFIG, DROP_CACHE, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
 
 const ETH_P_IP: u16 = 0x0800;
@@ -128,15 +128,11 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
 /// The exact count, the hold's count, and a sample when this CPU has a token.
 #[inline(always)]
 fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol: impl Fn() -> u16) {
-    count_in(
-        &DROP_COUNTS,
-        &DROP_OVERFLOW,
-        &DropKey {
-            location,
-            reason,
-            netns,
-        },
-    );
+    count_drop(&DropKey {
+        location,
+        reason,
+        netns,
+    });
     count_for_hold();
     if !take_token() {
         return;
@@ -170,6 +166,27 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
     }
     entry.write(ev);
     entry.submit(crate::emit::wake_flags());
+}
+
+/// The exact count: in this CPU's cache slot for the key when the slot is the key's or free,
+/// else in the per-CPU hash map (see `DropCache`).
+#[inline(always)]
+fn count_drop(key: &DropKey) {
+    if let Some(c) = DROP_CACHE.get_ptr_mut(0) {
+        // SAFETY: per-CPU value; this CPU is the only writer. The index is masked below the
+        // slot count.
+        let s = unsafe { &mut (*c).slots[drop_cache_slot(key)] };
+        if s.count == 0 {
+            s.key = *key;
+            s.count = 1;
+            return;
+        }
+        if s.key == *key {
+            s.count += 1;
+            return;
+        }
+    }
+    count_in(&DROP_COUNTS, &DROP_OVERFLOW, key);
 }
 
 /// Adds the drop to the hold of a watched lock in progress, if one is.

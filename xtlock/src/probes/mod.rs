@@ -406,7 +406,18 @@ impl Probes {
     /// In-kernel drop counts since load, summed over CPUs, and the drops counted in the
     /// overflow slot because the key map was full.
     pub fn drop_totals(&self) -> Result<(DropTotals, u64), ProbeError> {
-        self.counter_totals("DROP_COUNTS", "DROP_OVERFLOW")
+        let (counted, overflow) = self.counter_totals::<DropKey>("DROP_COUNTS", "DROP_OVERFLOW")?;
+        // The CPUs' caches in front of the map: a key may be in both, and on several CPUs.
+        let map = self
+            .ebpf
+            .map("DROP_CACHE")
+            .ok_or_else(|| ProbeError::Load("map DROP_CACHE missing".into()))?;
+        let cache: PerCpuArray<&MapData, xtlock_common::DropCache> =
+            PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let per_cpu = cache
+            .get(&0, 0)
+            .map_err(|e| ProbeError::Load(format!("reading DROP_CACHE: {e}")))?;
+        Ok((merge_drop_counts(counted, per_cpu.iter()), overflow))
     }
 
     /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of
@@ -621,4 +632,51 @@ fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> 
     prog.attach()
         .map_err(|e| format!("attach: {}", preflight::error_chain(&e)))?;
     Ok(())
+}
+
+/// Drop totals per key from the hash map's and the caches' counts, each key once.
+fn merge_drop_counts<'a>(
+    counted: Vec<(DropKey, u64)>,
+    caches: impl Iterator<Item = &'a xtlock_common::DropCache>,
+) -> Vec<(DropKey, u64)> {
+    let mut by_key: std::collections::BTreeMap<DropKey, u64> = counted.into_iter().collect();
+    for c in caches {
+        for s in c.slots.iter().filter(|s| s.count != 0) {
+            *by_key.entry(s.key).or_default() += s.count;
+        }
+    }
+    by_key.into_iter().collect()
+}
+
+#[cfg(test)]
+mod drop_cache_tests {
+    use xtlock_common::{DropCache, DropCacheSlot, DropKey, DROP_CACHE_SLOTS};
+
+    /// A key counted in two CPUs' caches and in the map is one total; free slots add nothing.
+    #[test]
+    fn cache_and_map_counts_add_up_per_key() {
+        let k = |location| DropKey {
+            location,
+            reason: 2,
+            netns: 9,
+        };
+        let mut a = DropCache {
+            slots: [DropCacheSlot::default(); DROP_CACHE_SLOTS],
+        };
+        let mut b = a;
+        a.slots[3] = DropCacheSlot {
+            key: k(1),
+            count: 5,
+        };
+        b.slots[3] = DropCacheSlot {
+            key: k(1),
+            count: 7,
+        };
+        b.slots[4] = DropCacheSlot {
+            key: k(2),
+            count: 1,
+        };
+        let got = super::merge_drop_counts(vec![(k(1), 100), (k(3), 4)], [a, b].iter());
+        assert_eq!(got, vec![(k(1), 112), (k(2), 1), (k(3), 4)]);
+    }
 }
