@@ -159,39 +159,43 @@ fn nft_commits_under_trace(args: &[&str], table: &str) -> (Vec<Value>, String) {
 /// Rules of the third and fourth batches.
 const NFT_RULES: [usize; 2] = [300, 1500];
 
-fn assert_nft_holds(holds: &[Value], dump: &str) {
-    assert_eq!(holds.len(), 4, "four nft batches, four commits:\n{dump}");
-    // What each batch changed, counted from its messages: the hook walks at most 1,024.
-    let batch = |i: usize| {
-        let b = &holds[i]["nft"];
-        (
-            b["status"].as_str().unwrap_or("none").to_string(),
-            b["changes"].as_u64(),
-            b["added"].clone(),
-        )
-    };
-    let added = |k: &str, n: usize| serde_json::json!({ k: n });
+/// What batch `i` changed, counted from its messages: (status, changes, added).
+fn nft_batch(holds: &[Value], i: usize) -> (String, Option<u64>, Value) {
+    let b = &holds[i]["nft"];
+    (
+        b["status"].as_str().unwrap_or("none").to_string(),
+        b["changes"].as_u64(),
+        b["added"].clone(),
+    )
+}
+
+fn nft_added(kind: &str, n: usize) -> Value {
+    serde_json::json!({ kind: n })
+}
+
+/// The four batches of [`nft_commits_under_trace`]: a table, a chain, 300 rules, and 1,500
+/// of which the hook counts the first 1,024.
+fn assert_nft_batches(holds: &[Value], dump: &str) {
+    assert_nft_holds(holds, 4, dump);
+    let complete =
+        |kind: &str, n: usize| ("complete".to_string(), Some(n as u64), nft_added(kind, n));
+    assert_eq!(nft_batch(holds, 0), complete("tables", 1), "{dump}");
+    assert_eq!(nft_batch(holds, 1), complete("chains", 1), "{dump}");
     assert_eq!(
-        batch(0),
-        ("complete".into(), Some(1), added("tables", 1)),
+        nft_batch(holds, 2),
+        complete("rules", NFT_RULES[0]),
         "{dump}"
     );
     assert_eq!(
-        batch(1),
-        ("complete".into(), Some(1), added("chains", 1)),
+        nft_batch(holds, 3),
+        ("partial".into(), Some(1024), nft_added("rules", 1024)),
         "{dump}"
     );
-    let n = NFT_RULES[0];
-    assert_eq!(
-        batch(2),
-        ("complete".into(), Some(n as u64), added("rules", n)),
-        "{dump}"
-    );
-    assert_eq!(
-        batch(3),
-        ("partial".into(), Some(1024), added("rules", 1024)),
-        "{dump}"
-    );
+}
+
+/// `n` commits by firewalld's nft, in one netns that is not the host's.
+fn assert_nft_holds(holds: &[Value], n: usize, dump: &str) {
+    assert_eq!(holds.len(), n, "{n} nft batches, {n} commits:\n{dump}");
     let host = host_netns();
     for h in holds {
         assert_eq!(h["comm"], "nft", "{h}");
@@ -237,10 +241,10 @@ fn nft_batch_is_an_nf_tables_commit_hold() {
         return;
     }
     let (holds, dump) = nft_commits_under_trace(&[], "xtlock_a");
-    assert_nft_holds(&holds, &dump);
+    assert_nft_batches(&holds, &dump);
     if kernel_has_kprobes() {
         let (holds, dump) = nft_commits_under_trace(&["--no-attach", "fentry"], "xtlock_b");
-        assert_nft_holds(&holds, &dump);
+        assert_nft_batches(&holds, &dump);
     }
 }
 
@@ -642,8 +646,13 @@ fn nf_tables_loaded_after_start_is_hooked() {
         .into_iter()
         .filter(|h| h["agent"] == "firewalld")
         .collect();
-    assert_nft_holds(
-        &holds.into_iter().cloned().collect::<Vec<_>>(),
-        &trace.dump(),
+    let holds: Vec<Value> = holds.into_iter().cloned().collect();
+    let dump = trace.dump();
+    assert_nft_holds(&holds, 2, &dump);
+    // The batch walk's config was written when the hook attached after the module loaded.
+    assert_eq!(
+        (nft_batch(&holds, 0).2, nft_batch(&holds, 1).2),
+        (nft_added("tables", 1), nft_added("chains", 1)),
+        "{dump}"
     );
 }

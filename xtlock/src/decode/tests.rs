@@ -7,13 +7,7 @@ fn conntrack_fail_decodes() {
     let mut daddr = [0u8; 16];
     daddr[..4].copy_from_slice(&[10, 96, 0, 10]);
     let e = common::ConntrackFailEvent {
-        hdr: common::EventHeader {
-            kind: common::EventKind::ConntrackFail as u32,
-            tgid: 5,
-            tid: 5,
-            _pad: 0,
-            ts_ns: 1000,
-        },
+        hdr: header(common::EventKind::ConntrackFail, 5, 5, 1000),
         netns: 7,
         what: common::CT_FAIL_TABLE_FULL,
         l4proto: 17,
@@ -38,6 +32,17 @@ fn conntrack_fail_decodes() {
     assert!(decode(&bytes(&e)[..60]).is_err());
 }
 
+/// An event header: kind, process, thread and time.
+fn header(kind: common::EventKind, tgid: u32, tid: u32, ts_ns: u64) -> common::EventHeader {
+    common::EventHeader {
+        kind: kind as u32,
+        tgid,
+        tid,
+        _pad: 0,
+        ts_ns,
+    }
+}
+
 fn bytes<T: Copy>(v: &T) -> Vec<u8> {
     // SAFETY: T is a POD repr(C) event struct; we only read its bytes.
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
@@ -46,13 +51,7 @@ fn bytes<T: Copy>(v: &T) -> Vec<u8> {
 
 fn lock(fl_type: u8, ret: i32, flags: u32) -> common::LockEvent {
     common::LockEvent {
-        hdr: common::EventHeader {
-            kind: common::EventKind::Lock as u32,
-            tgid: 10,
-            tid: 11,
-            _pad: 0,
-            ts_ns: 1234,
-        },
+        hdr: header(common::EventKind::Lock, 10, 11, 1234),
         owner: 0xffff_8888_0000_1000,
         ino: 77,
         dev: 5,
@@ -113,13 +112,7 @@ fn bad_input_is_an_error_not_a_panic() {
 #[test]
 fn drop_samples() {
     let mut e = common::DropEvent {
-        hdr: common::EventHeader {
-            kind: common::EventKind::Drop as u32,
-            tgid: 7,
-            tid: 8,
-            _pad: 0,
-            ts_ns: 99,
-        },
+        hdr: header(common::EventKind::Drop, 7, 8, 99),
         location: 0xffff_ffff_8100_0000,
         netns: 4026531840,
         ifindex: 3,
@@ -274,13 +267,7 @@ fn table_replace_with_and_without_its_head() {
     let mut table = [0u8; common::XT_TABLE_MAXNAMELEN];
     table[..3].copy_from_slice(b"nat");
     let e = common::TableReplaceEvent {
-        hdr: common::EventHeader {
-            kind: common::EventKind::TableReplace as u32,
-            tgid: 5,
-            tid: 6,
-            _pad: 0,
-            ts_ns: 2000,
-        },
+        hdr: header(common::EventKind::TableReplace, 5, 6, 2000),
         enter_ns: 1000,
         ret: 0,
         level: common::SOL_IP,
@@ -338,13 +325,7 @@ fn nft_commit_with_and_without_its_batch() {
     let mut comm = [0u8; common::COMM_LEN];
     comm[..3].copy_from_slice(b"nft");
     let e = common::NftCommitEvent {
-        hdr: common::EventHeader {
-            kind: common::EventKind::NftCommit as u32,
-            tgid: 5,
-            tid: 6,
-            _pad: 0,
-            ts_ns: 2000,
-        },
+        hdr: header(common::EventKind::NftCommit, 5, 6, 2000),
         enter_ns: 1000,
         netns: 4026531840,
         batch: common::NFT_BATCH_PARTIAL,

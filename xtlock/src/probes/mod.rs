@@ -408,12 +408,7 @@ impl Probes {
     pub fn drop_totals(&self) -> Result<(DropTotals, u64), ProbeError> {
         let (counted, overflow) = self.counter_totals::<DropKey>("DROP_COUNTS", "DROP_OVERFLOW")?;
         // The CPUs' caches in front of the map: a key may be in both, and on several CPUs.
-        let map = self
-            .ebpf
-            .map("DROP_CACHE")
-            .ok_or_else(|| ProbeError::Load("map DROP_CACHE missing".into()))?;
-        let cache: PerCpuArray<&MapData, xtlock_common::DropCache> =
-            PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let cache = self.per_cpu_array::<xtlock_common::DropCache>("DROP_CACHE")?;
         let per_cpu = cache
             .get(&0, 0)
             .map_err(|e| ProbeError::Load(format!("reading DROP_CACHE: {e}")))?;
@@ -423,12 +418,7 @@ impl Probes {
     /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of
     /// a CPU that still holds an older hold's count adds to that hold.
     pub fn hold_drop_counts(&self) -> Result<Vec<(u64, u64)>, ProbeError> {
-        let map = self
-            .ebpf
-            .map("HOLD_DROPS")
-            .ok_or_else(|| ProbeError::Load("map HOLD_DROPS missing".into()))?;
-        let arr: PerCpuArray<&MapData, xtlock_common::HoldDropSlot> =
-            PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let arr = self.per_cpu_array::<xtlock_common::HoldDropSlot>("HOLD_DROPS")?;
         let mut by_hold: std::collections::BTreeMap<u64, u64> = Default::default();
         for i in 0..xtlock_common::HOLD_DROP_SLOTS {
             let per_cpu = arr
@@ -439,6 +429,18 @@ impl Probes {
             }
         }
         Ok(by_hold.into_iter().collect())
+    }
+
+    /// The per-CPU array map `name` of the object.
+    fn per_cpu_array<T: aya::Pod>(
+        &self,
+        name: &str,
+    ) -> Result<PerCpuArray<&MapData, T>, ProbeError> {
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or_else(|| ProbeError::Load(format!("map {name} missing")))?;
+        PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))
     }
 
     /// A per-CPU counter map summed over CPUs, and its per-CPU overflow counter summed.
@@ -459,13 +461,8 @@ impl Probes {
             let (k, v) = item.map_err(|e| ProbeError::Load(format!("reading {counts}: {e}")))?;
             out.push((k, v.iter().sum()));
         }
-        let map = self
-            .ebpf
-            .map(overflow)
-            .ok_or_else(|| ProbeError::Load(format!("map {overflow} missing")))?;
-        let ovf: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-        let overflow = ovf
+        let overflow = self
+            .per_cpu_array::<u64>(overflow)?
             .get(&0, 0)
             .map_err(|e| ProbeError::Load(format!("reading {overflow}: {e}")))?
             .iter()
