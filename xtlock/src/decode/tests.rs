@@ -322,14 +322,12 @@ fn table_replace_with_and_without_its_head() {
 /// counts still decodes, as "not counted"; so does a record saying the batch was not walked.
 #[test]
 fn nft_commit_with_and_without_its_batch() {
-    let mut comm = [0u8; common::COMM_LEN];
-    comm[..3].copy_from_slice(b"nft");
     let e = common::NftCommitEvent {
         hdr: header(common::EventKind::NftCommit, 5, 6, 2000),
         enter_ns: 1000,
         netns: 4026531840,
         batch: common::NFT_BATCH_PARTIAL,
-        comm,
+        comm: Comm::new("nft").0,
         added: [0, 1, 1023, 0, 0, 0, 0, 0],
         deleted: [0; common::NFT_KINDS],
     };
