@@ -271,12 +271,16 @@ pub const NFT_COMMIT_V1_LEN: usize = 56;
 pub const NFT_BATCH_NONE: u32 = 0;
 /// Every message of the batch counted.
 pub const NFT_BATCH_COMPLETE: u32 = 1;
-/// Only the first [`NFT_BATCH_MAX_MSGS`] messages counted (the verifier bounds the walk).
+/// Only the first [`NFT_BATCH_MAX_MSGS`] (or [`NFT_BATCH_LOOP_MSGS`]) messages counted.
 pub const NFT_BATCH_PARTIAL: u32 = 2;
 /// The batch could not be read (a read failed, or a malformed message header).
 pub const NFT_BATCH_UNREADABLE: u32 = 3;
-/// Messages of one batch the commit hook walks at most.
+/// Messages of one batch the commit hook walks at most with a bounded loop (every verifier
+/// follows each iteration: the bound is what 5.10 accepts).
 pub const NFT_BATCH_MAX_MSGS: u32 = 1024;
+/// Messages of one batch the commit hook walks at most with `bpf_loop` (Linux >= 5.17),
+/// which verifies the loop's body once.
+pub const NFT_BATCH_LOOP_MSGS: u32 = 1 << 20;
 
 /// Object kinds of nf_tables batch messages, in [`NftCommitEvent::added`] order.
 pub const NFT_KINDS: usize = 8;

@@ -343,8 +343,9 @@ pub struct NftCommitEvent {
 /// of elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NftBatch {
-    /// `complete`, `partial` (only the first `common::NFT_BATCH_MAX_MSGS` messages
-    /// counted) or `unreadable` (the batch could not be read: no counts).
+    /// `complete`, `partial` (only the first messages counted: `common::NFT_BATCH_MAX_MSGS`,
+    /// or `common::NFT_BATCH_LOOP_MSGS` where the kernel has `bpf_loop`) or `unreadable`
+    /// (the batch could not be read: no counts).
     pub status: &'static str,
     pub added: [u32; common::NFT_KINDS],
     pub deleted: [u32; common::NFT_KINDS],

@@ -6,19 +6,21 @@
 //! in the fentry/fexit sections is a default; userspace loads them against the chosen one.
 //!
 //! At entry the batch is still whole in its `sk_buff` (from after the batch-begin message):
-//! its netlink messages are counted per object kind, at most `NFT_BATCH_MAX_MSGS` of them,
+//! its netlink messages are counted per object kind: with `bpf_loop` where the kernel has it
+//! (5.17+, `NFT_BATCH_LOOP_MSGS`), else in a bounded loop of `NFT_BATCH_MAX_MSGS`,
 //! before the commit mutex is taken, so the walk is not timed as part of the commit.
 //!
 //! The netns is the sending task's: `current->nsproxy->net_ns->ns.inum`, with offsets from
 //! the kernel's BTF (read by userspace).
 use aya_ebpf::{
-    helpers::{bpf_get_current_comm, bpf_get_current_task, bpf_probe_read_kernel},
+    cty::{c_long, c_void},
+    helpers::{bpf_get_current_comm, bpf_get_current_task, bpf_loop, bpf_probe_read_kernel},
     macros::{fentry, fexit, kprobe, kretprobe},
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext},
 };
 use xtlock_common::{
     nft_msg_slots, EventKind, NftCommitEvent, NftConfig, COMM_LEN, NFNL_MSG_BATCH_END,
-    NFT_BATCH_COMPLETE, NFT_BATCH_MAX_MSGS, NFT_BATCH_NONE, NFT_BATCH_PARTIAL,
+    NFT_BATCH_COMPLETE, NFT_BATCH_LOOP_MSGS, NFT_BATCH_MAX_MSGS, NFT_BATCH_NONE, NFT_BATCH_PARTIAL,
     NFT_BATCH_UNREADABLE, NFT_KINDS,
 };
 
@@ -106,8 +108,84 @@ fn walk(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
     }
 }
 
+/// The walk's state, on the entry program's stack, for [`walk_step`].
+#[repr(C)]
+struct WalkCtx {
+    data: u64,
+    len: u64,
+    off: u64,
+    e: *mut NftEnter,
+    status: u32,
+    _pad: u32,
+}
+
+/// One message of the walk, called by `bpf_loop`: 0 goes on, 1 stops (`status` says why).
+/// Verified once whatever the batch's length, unlike the bounded loop of [`walk`].
+extern "C" fn walk_step(_i: u32, ctx: *mut c_void) -> c_long {
+    // SAFETY: `ctx` is the `WalkCtx` that `walk_looped` passed to bpf_loop.
+    let w = unsafe { &mut *(ctx as *mut WalkCtx) };
+    if w.off + u64::from(NLMSG_HDRLEN) > w.len {
+        w.status = NFT_BATCH_COMPLETE;
+        return 1;
+    }
+    // SAFETY: bpf_probe_read_kernel checks the address.
+    let h: u64 = unsafe { bpf_probe_read_kernel((w.data + w.off) as *const u64) }.unwrap_or(0);
+    let msg_len = h as u32;
+    let ty = (h >> 32) as u32 & 0xffff;
+    if msg_len < NLMSG_HDRLEN {
+        w.status = NFT_BATCH_UNREADABLE;
+        return 1;
+    }
+    if ty == NFNL_MSG_BATCH_END {
+        w.status = NFT_BATCH_COMPLETE;
+        return 1;
+    }
+    // SAFETY: the index is below 4096, the table's length.
+    let slot =
+        unsafe { core::ptr::read_volatile(NFT_MSG_SLOTS.as_ptr().add((ty & 0xfff) as usize)) };
+    // SAFETY: the map value `enter` got for this thread, alive for the whole call.
+    unsafe { (*w.e).counts[(slot as usize) & 31] += 1 };
+    w.off += u64::from((msg_len + 3) & !3);
+    0
+}
+
+/// [`walk`] with `bpf_loop` (Linux >= 5.17): up to [`NFT_BATCH_LOOP_MSGS`] messages.
 #[inline(always)]
-fn enter(arg0: u64, arg1: u64) {
+fn walk_looped(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
+    let (Some(data), Some(len)) = (kread::<u64>(skb, c.skb_data), kread::<u32>(skb, c.skb_len))
+    else {
+        return NFT_BATCH_UNREADABLE;
+    };
+    let mut w = WalkCtx {
+        data,
+        len: u64::from(len),
+        off: 0,
+        e: e as *mut NftEnter,
+        status: NFT_BATCH_PARTIAL,
+        _pad: 0,
+    };
+    // SAFETY: a helper call; the callback and its context live for the call.
+    let n = unsafe {
+        bpf_loop(
+            NFT_BATCH_LOOP_MSGS,
+            walk_step as *mut c_void,
+            &mut w as *mut WalkCtx as *mut c_void,
+            0,
+        )
+    };
+    if n < 0 {
+        return NFT_BATCH_UNREADABLE;
+    }
+    if w.status == NFT_BATCH_PARTIAL && w.off + u64::from(NLMSG_HDRLEN) > w.len {
+        return NFT_BATCH_COMPLETE;
+    }
+    w.status
+}
+
+/// Records the commit's start for this thread, after counting its batch (`looped`: with
+/// `bpf_loop`, else the bounded loop).
+#[inline(always)]
+fn enter(arg0: u64, arg1: u64, looped: bool) {
     let (_, tid) = ids();
     let zero = NftEnter {
         enter_ns: 0,
@@ -125,7 +203,11 @@ fn enter(arg0: u64, arg1: u64) {
     let e = unsafe { &mut *e };
     if let Some(c) = NFT_CONFIG.get(0).copied().filter(|c| c.ok != 0) {
         let skb = if c.skb_arg == 0 { arg0 } else { arg1 };
-        e.batch = walk(skb, &c, e);
+        e.batch = if looped {
+            walk_looped(skb, &c, e)
+        } else {
+            walk(skb, &c, e)
+        };
     }
     // After the walk: the commit proper starts now.
     e.enter_ns = now();
@@ -162,7 +244,7 @@ fn exit() {
 #[fentry(function = "nfnetlink_rcv_batch")]
 pub fn nft_commit_fentry(ctx: FEntryContext) -> u32 {
     // Both functions hooked have at least two arguments.
-    enter(ctx.arg(0), ctx.arg(1));
+    enter(ctx.arg(0), ctx.arg(1), false);
     0
 }
 
@@ -176,7 +258,17 @@ pub fn nft_commit_fexit(_ctx: FExitContext) -> u32 {
 pub fn nft_commit_kprobe(ctx: ProbeContext) -> u32 {
     let a0: u64 = ctx.arg(0).unwrap_or(0);
     let a1: u64 = ctx.arg(1).unwrap_or(0);
-    enter(a0, a1);
+    enter(a0, a1, false);
+    0
+}
+
+/// The kprobe entry with the `bpf_loop` walk: tried first, `nft_commit_kprobe` where the
+/// kernel has no `bpf_loop` (before 5.17).
+#[kprobe]
+pub fn nft_commit_kprobe_loop(ctx: ProbeContext) -> u32 {
+    let a0: u64 = ctx.arg(0).unwrap_or(0);
+    let a1: u64 = ctx.arg(1).unwrap_or(0);
+    enter(a0, a1, true);
     0
 }
 

@@ -22,6 +22,7 @@ pub const INSERT_FAILED: KfuncHook = KfuncHook {
     fexit: Some("ct_confirm_fexit"),
     kprobe: Some("ct_confirm_kprobe"),
     kretprobe: Some("ct_confirm_kretprobe"),
+    kprobe_first: None,
     setup: Some(setup),
     // `int __nf_conntrack_confirm(struct sk_buff *skb)`.
     reads: Some(Reads {
@@ -40,6 +41,7 @@ pub const TABLE_FULL: KfuncHook = KfuncHook {
     fexit: Some("ct_alloc_fexit"),
     kprobe: Some("ct_alloc_kprobe"),
     kretprobe: Some("ct_alloc_kretprobe"),
+    kprobe_first: None,
     setup: Some(setup),
     // `struct nf_conn *__nf_conntrack_alloc(struct net *net, const struct nf_conntrack_zone
     // *zone, const struct nf_conntrack_tuple *orig, const struct nf_conntrack_tuple *repl,

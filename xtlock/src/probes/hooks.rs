@@ -53,6 +53,7 @@ const fn syscall_fn(
             Some(e) => Some(e.1),
             None => None,
         },
+        kprobe_first: None,
         setup: None,
         // `long __x64_sys_NAME(const struct pt_regs *regs)`: the user registers, read at
         // offsets from BTF; the exit program finds the return after that one argument.

@@ -36,6 +36,7 @@ const fn hook(
         fexit: None,
         kprobe,
         kretprobe,
+        kprobe_first: None,
         setup: Some(setup),
         reads: Some(reads),
     }

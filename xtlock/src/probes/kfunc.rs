@@ -167,6 +167,10 @@ pub struct KfuncHook {
     pub fexit: Option<&'static str>,
     pub kprobe: Option<&'static str>,
     pub kretprobe: Option<&'static str>,
+    /// An entry program preferred to `kprobe` where the kernel loads it, and what it needs
+    /// that older kernels lack (a newer helper); `kprobe` where it does not load, said in the
+    /// attach's description.
+    pub kprobe_first: Option<(&'static str, &'static str)>,
     /// Writes what the programs need (struct offsets from the module's BTF, into a map)
     /// before they attach; given vmlinux BTF when it could be read, and the function chosen.
     /// Runs again when the module loads after start.
@@ -615,13 +619,16 @@ pub fn attach_after(
         let res = match skip {
             Some(s) => Err(s.clone()),
             None => match kind {
-                AttachKind::FEntry => attach_fentry(ebpf, hook, &plan.function),
+                AttachKind::FEntry => attach_fentry(ebpf, hook, &plan.function).map(|()| None),
                 _ => attach_kprobe(ebpf, hook, &plan.function),
             },
         };
         match res {
-            Ok(()) => {
+            Ok(note) => {
                 let mut describe = format!("{} {}", hook.describe(*kind), plan.function);
+                if let Some(n) = note {
+                    describe.push_str(&format!(" ({n})"));
+                }
                 if !why.is_empty() {
                     describe.push_str(&format!(" (fallback; {})", why.join("; ")));
                 }
@@ -718,23 +725,60 @@ fn attach_fentry(ebpf: &mut Ebpf, hook: &KfuncHook, function: &str) -> Result<()
     res
 }
 
-fn attach_kprobe(ebpf: &mut Ebpf, hook: &KfuncHook, function: &str) -> Result<(), String> {
-    let res = (|| {
-        for name in [hook.kprobe, hook.kretprobe].into_iter().flatten() {
-            let p: &mut KProbe = program(ebpf, name)?;
-            p.load().map_err(|e| explain(&e))?;
-            p.attach(function, 0).map_err(|e| explain(&e))?;
-        }
+/// Loads and attaches the kprobe/kretprobe pair; `Ok(Some(why))` when `kprobe_first` was
+/// refused and `kprobe` took its place.
+fn attach_kprobe(
+    ebpf: &mut Ebpf,
+    hook: &KfuncHook,
+    function: &str,
+) -> Result<Option<String>, String> {
+    let one = |ebpf: &mut Ebpf, name: &str| -> Result<(), String> {
+        let p: &mut KProbe = program(ebpf, name)?;
+        p.load().map_err(|e| explain(&e))?;
+        p.attach(function, 0).map_err(|e| explain(&e))?;
         Ok(())
+    };
+    let res = (|| {
+        let mut note = None;
+        let mut entry = hook.kprobe;
+        if let Some((first, needs)) = hook.kprobe_first {
+            match one(ebpf, first) {
+                Ok(()) => entry = None,
+                Err(e) => {
+                    if let Ok(p) = program::<KProbe>(ebpf, first) {
+                        let _ = p.unload();
+                    }
+                    note = Some(format!(
+                        "{first}, which needs {needs}, not used: {}",
+                        short_refusal(&e)
+                    ));
+                }
+            }
+        }
+        for name in [entry, hook.kretprobe].into_iter().flatten() {
+            one(ebpf, name)?;
+        }
+        Ok(note)
     })();
     if res.is_err() {
-        if let Some(name) = hook.kprobe {
+        // Half attached is worse than not: an entry without its exit fills the maps.
+        for name in [hook.kprobe_first.map(|(p, _)| p), hook.kprobe]
+            .into_iter()
+            .flatten()
+        {
             if let Ok(p) = program::<KProbe>(ebpf, name) {
                 let _ = p.unload();
             }
         }
     }
     res
+}
+
+/// A refused load in a line: the error's first line, without the verifier's log.
+fn short_refusal(e: &str) -> String {
+    let line = e.lines().next().unwrap_or_default();
+    let line = line.split(" Verifier output:").next().unwrap_or(line);
+    line.chars().take(200).collect()
 }
 
 fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, String>

@@ -25,6 +25,8 @@ pub const HOOK: KfuncHook = KfuncHook {
     fexit: Some("nft_commit_fexit"),
     kprobe: Some("nft_commit_kprobe"),
     kretprobe: Some("nft_commit_kretprobe"),
+    // Walks any batch with bpf_loop (Linux >= 5.17); else `kprobe`'s walk of 1,024 messages.
+    kprobe_first: Some(("nft_commit_kprobe_loop", "bpf_loop (Linux >= 5.17)")),
     setup: Some(setup),
     // Timing needs no argument; the batch walk checks its own (see `setup`), and without it
     // commits are still timed.
@@ -149,7 +151,7 @@ mod tests {
         assert_eq!(skb_arg("nf_tables_abort"), None);
     }
 
-    /// What the batch walk costs the verifier: loads the kprobe program (nothing attaches)
+    /// What the batch walks cost the verifier: loads the two kprobe entries (nothing attaches)
     /// and prints the instructions it went through (Linux >= 5.16). Root; run by hand when
     /// changing the walk: `cargo test -p xtlock --lib nft_walk_verifier_cost -- --ignored
     /// --nocapture` (the VM runs the real test on every kernel).
@@ -159,13 +161,11 @@ mod tests {
         let mut ebpf = aya::EbpfLoader::new()
             .load(super::super::BPF_OBJECT)
             .unwrap();
-        let p: &mut aya::programs::KProbe = ebpf
-            .program_mut("nft_commit_kprobe")
-            .unwrap()
-            .try_into()
-            .unwrap();
-        p.load().unwrap();
-        let n = p.info().unwrap().verified_instruction_count();
-        eprintln!("nft_commit_kprobe: {n:?} instructions verified");
+        for name in ["nft_commit_kprobe", "nft_commit_kprobe_loop"] {
+            let p: &mut aya::programs::KProbe = ebpf.program_mut(name).unwrap().try_into().unwrap();
+            p.load().unwrap();
+            let n = p.info().unwrap().verified_instruction_count();
+            eprintln!("{name}: {n:?} instructions verified");
+        }
     }
 }

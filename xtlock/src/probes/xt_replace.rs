@@ -14,6 +14,7 @@ pub const HOOK: KfuncHook = KfuncHook {
     fexit: Some("xt_replace_fexit"),
     kprobe: Some("xt_replace_kprobe"),
     kretprobe: Some("xt_replace_kretprobe"),
+    kprobe_first: None,
     setup: None,
     // Timed only: no argument or return value read.
     reads: None,

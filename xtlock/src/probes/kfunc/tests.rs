@@ -9,6 +9,7 @@ const HOOK: KfuncHook = KfuncHook {
     fexit: Some("b"),
     kprobe: Some("c"),
     kretprobe: Some("d"),
+    kprobe_first: None,
     setup: None,
     reads: None,
 };
@@ -332,4 +333,18 @@ fn the_hooks_reads_fit_this_kernel() {
         }
     }
     eprintln!("{checked} prototypes checked");
+}
+
+/// A refused preferred program is said in a line: the error's first line, without the
+/// verifier's log.
+#[test]
+fn refusals_in_a_line() {
+    assert_eq!(
+        super::short_refusal(
+            "the BPF_PROG_LOAD syscall returned Permission denied (os error 13). Verifier \
+             output: 0: r1 = 0\nR1 !read_ok"
+        ),
+        "the BPF_PROG_LOAD syscall returned Permission denied (os error 13)."
+    );
+    assert_eq!(super::short_refusal("a\nb"), "a");
 }
