@@ -619,6 +619,10 @@ struct Holders {
     /// Holders past the cap (counted per hand-over) and the time behind them.
     others: u32,
     others_ns: u64,
+    /// Where the last stretch closed went (a holder's index, or one of the markers), and
+    /// its length: a wait that ends before it gives the overrun back (see [`Holders::end`]).
+    last_bucket: usize,
+    last_ns: u64,
 }
 
 impl Default for Holders {
@@ -642,6 +646,8 @@ impl Holders {
             unknown_ns: 0,
             others: 0,
             others_ns: 0,
+            last_bucket: NO_HOLDER,
+            last_ns: 0,
         }
     }
 
@@ -698,19 +704,34 @@ impl Holders {
         }
     }
 
+    /// The time counted in `bucket`: a holder's, or the unknown, other or free time.
+    fn bucket(&mut self, bucket: usize) -> &mut u64 {
+        match bucket {
+            NO_HOLDER => &mut self.unknown_ns,
+            OTHER_HOLDER => &mut self.others_ns,
+            FREE => &mut self.free_ns,
+            i => &mut self.behind_ns[i],
+        }
+    }
+
     fn close_stretch(&mut self, ts: u64) {
         let d = ts.saturating_sub(self.mark_ns);
-        match self.current {
-            NO_HOLDER => self.unknown_ns += d,
-            OTHER_HOLDER => self.others_ns += d,
-            FREE => self.free_ns += d,
-            i => self.behind_ns[i] += d,
-        }
+        *self.bucket(self.current) += d;
+        (self.last_bucket, self.last_ns) = (self.current, d);
         self.mark_ns = self.mark_ns.max(ts);
     }
 
-    /// The wait ended at `ts`.
+    /// The wait ended at `ts`. A stretch can have closed after that: the holder's release,
+    /// stamped by its CPU's clock a few µs after the waiter's acquire, reached us first.
+    /// Its overrun is given back, so that the stretches still add up to the wait.
     fn end(&mut self, ts: u64) {
+        if ts < self.mark_ns {
+            let over = (self.mark_ns - ts).min(self.last_ns);
+            let b = self.bucket(self.last_bucket);
+            *b = b.saturating_sub(over);
+            self.mark_ns = ts;
+            return;
+        }
         self.close_stretch(ts);
     }
 

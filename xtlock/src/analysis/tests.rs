@@ -724,6 +724,31 @@ fn acquire_seen_before_the_release_of_the_previous_holder() {
     assert_eq!((h[2].pid, h[2].hold_ns, h[2].incomplete), (200, S, true));
 }
 
+/// The holder's release reaches us before the waiter's acquire but is stamped after it
+/// (two CPUs' clocks, 8 µs apart in the VM): the wait still splits into stretches that add
+/// up to it, not into more time behind the holder than the wait lasted.
+#[test]
+fn release_stamped_after_the_acquire_that_ended_the_wait() {
+    let mut r = Run::new();
+    r.feed(&node())
+        .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+        .feed(&spawn(10, 40, 400, "calico-node", &["iptables", "-w"]))
+        .feed(&[
+            acq(100, 200, "iptables-restor", 0xA),
+            defer(200, 400, "iptables", 0xC),
+            rel(S + 8_000, 200, "iptables-restor", 0xA),
+            acq(S, 400, "iptables", 0xC),
+            call(S + 10, 150, 400, 0xC, 0),
+        ]);
+    let w = r.waits();
+    assert_eq!(w.len(), 1, "{:?}", r.out);
+    // The wait began at the flock() call (150), its deferral came after.
+    assert_eq!(w[0].wait_ns, S - 150);
+    assert_eq!(w[0].holders[0].pid, 200);
+    assert_eq!(w[0].holders[0].behind_ns, Some(S - 150), "{:?}", w[0]);
+    assert_eq!((w[0].free_ns, w[0].unknown_ns), (0, 0));
+}
+
 /// A plain iptables never unlocks: the kernel releases the lock when it closes the
 /// exited process's files, after the exit event. A blocking take and a LOCK_NB try that
 /// land in that window are behind that iptables, and its hold ends at the release.
