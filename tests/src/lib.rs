@@ -512,8 +512,8 @@ pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
-/// Names of loaded BPF programs (via bpftool), to check nothing is left behind.
-pub fn loaded_bpf_program_names() -> Vec<String> {
+/// Ids and names of loaded BPF programs (via bpftool), to check nothing is left behind.
+pub fn loaded_bpf_programs() -> Vec<(u64, String)> {
     let out = Command::new("bpftool")
         .args(["prog", "show", "--json"])
         .output();
@@ -524,7 +524,7 @@ pub fn loaded_bpf_program_names() -> Vec<String> {
     v.as_array()
         .map(|a| {
             a.iter()
-                .filter_map(|p| p["name"].as_str().map(str::to_owned))
+                .filter_map(|p| Some((p["id"].as_u64()?, p["name"].as_str()?.to_owned())))
                 .collect()
         })
         .unwrap_or_default()
