@@ -778,7 +778,7 @@ fn attach_kprobe(
 fn short_refusal(e: &str) -> String {
     let line = e.lines().next().unwrap_or_default();
     let line = line.split(" Verifier output:").next().unwrap_or(line);
-    line.chars().take(200).collect()
+    line.trim_end_matches('.').chars().take(200).collect()
 }
 
 fn program<'a, T>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut T, String>

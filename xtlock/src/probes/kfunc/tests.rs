@@ -344,7 +344,7 @@ fn refusals_in_a_line() {
             "the BPF_PROG_LOAD syscall returned Permission denied (os error 13). Verifier \
              output: 0: r1 = 0\nR1 !read_ok"
         ),
-        "the BPF_PROG_LOAD syscall returned Permission denied (os error 13)."
+        "the BPF_PROG_LOAD syscall returned Permission denied (os error 13)"
     );
     assert_eq!(super::short_refusal("a\nb"), "a");
 }
