@@ -300,9 +300,8 @@ pub const NFNL_SUBSYS_NFTABLES: u32 = 10;
 pub const NFNL_MSG_BATCH_END: u32 = 0x11;
 
 /// An nf_tables message type (`nlmsg_type & 0xff`, `enum nf_tables_msg_types`) as
-/// (kind index, deletion), `None` for one that changes nothing (a get). Always inlined: a
-/// BPF subprogram returning an `Option` gets BTF that Linux 5.10 refuses.
-#[inline(always)]
+/// (kind index, deletion), `None` for one that changes nothing (a get). Evaluated at compile
+/// time into [`nft_msg_slots`], the table the BPF walk reads.
 pub const fn nft_msg_kind(msg: u32) -> Option<(usize, bool)> {
     Some(match msg {
         0 => (0, false),                                                  // NEWTABLE

@@ -65,47 +65,70 @@ fn current_netns() -> u32 {
     kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
 }
 
-/// Counts the batch's messages into `e` (a map value: the counters are indexed there, which
-/// every verifier accepts, unlike a variable stack offset); the status. Three exits and no
-/// other branch per message (the kind comes from a table): the verifier follows every one
-/// of the thousand iterations, and more branches than that run past its limits.
+/// The batch's bytes: its `sk_buff`'s data and length.
 #[inline(always)]
-fn walk(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
-    let (Some(data), Some(len)) = (kread::<u64>(skb, c.skb_data), kread::<u32>(skb, c.skb_len))
-    else {
-        return NFT_BATCH_UNREADABLE;
-    };
-    let len = u64::from(len);
-    let mut off: u64 = 0;
-    let mut i: u32 = 0;
-    while i < NFT_BATCH_MAX_MSGS {
-        if off + u64::from(NLMSG_HDRLEN) > len {
-            return NFT_BATCH_COMPLETE;
-        }
-        // `nlmsg_len`, then `nlmsg_type` and `nlmsg_flags`; a failed read is a length of 0.
-        // SAFETY: bpf_probe_read_kernel checks the address.
-        let h: u64 = unsafe { bpf_probe_read_kernel((data + off) as *const u64) }.unwrap_or(0);
-        let msg_len = h as u32;
-        let ty = (h >> 32) as u32 & 0xffff;
-        if msg_len < NLMSG_HDRLEN {
-            return NFT_BATCH_UNREADABLE;
-        }
-        if ty == NFNL_MSG_BATCH_END {
-            return NFT_BATCH_COMPLETE;
-        }
-        // SAFETY: the index is below 4096, the table's length.
-        let slot =
-            unsafe { core::ptr::read_volatile(NFT_MSG_SLOTS.as_ptr().add((ty & 0xfff) as usize)) };
-        e.counts[(slot as usize) & 31] += 1;
-        // NLMSG_ALIGN
-        off += u64::from((msg_len + 3) & !3);
-        i += 1;
+fn batch_bytes(skb: u64, c: &NftConfig) -> Option<(u64, u64)> {
+    let data = kread::<u64>(skb, c.skb_data)?;
+    let len = kread::<u32>(skb, c.skb_len)?;
+    Some((data, u64::from(len)))
+}
+
+/// One message of the walk, at `*off`: counted, and `*off` moved past it; or why the walk
+/// stops there. Three exits and no other branch (the kind comes from a table): the bounded
+/// loop of [`walk`] is followed by the verifier message by message, and more branches than
+/// that run past its limits.
+#[inline(always)]
+fn step(data: u64, len: u64, off: &mut u64, counts: &mut [u32; 32]) -> Option<u32> {
+    if *off + u64::from(NLMSG_HDRLEN) > len {
+        return Some(NFT_BATCH_COMPLETE);
     }
+    // `nlmsg_len`, then `nlmsg_type` and `nlmsg_flags`; a failed read is a length of 0.
+    // SAFETY: bpf_probe_read_kernel checks the address.
+    let h: u64 = unsafe { bpf_probe_read_kernel((data + *off) as *const u64) }.unwrap_or(0);
+    let msg_len = h as u32;
+    let ty = (h >> 32) as u32 & 0xffff;
+    if msg_len < NLMSG_HDRLEN {
+        return Some(NFT_BATCH_UNREADABLE);
+    }
+    if ty == NFNL_MSG_BATCH_END {
+        return Some(NFT_BATCH_COMPLETE);
+    }
+    // SAFETY: the index is below 4096, the table's length.
+    let slot =
+        unsafe { core::ptr::read_volatile(NFT_MSG_SLOTS.as_ptr().add((ty & 0xfff) as usize)) };
+    counts[(slot as usize) & 31] += 1;
+    // NLMSG_ALIGN
+    *off += u64::from((msg_len + 3) & !3);
+    None
+}
+
+/// The status of a walk that ran out of steps at `off`: complete if no message is left.
+#[inline(always)]
+fn out_of_steps(off: u64, len: u64) -> u32 {
     if off + u64::from(NLMSG_HDRLEN) > len {
         NFT_BATCH_COMPLETE
     } else {
         NFT_BATCH_PARTIAL
     }
+}
+
+/// Counts the batch's messages into `e` (a map value: the counters are indexed there, which
+/// every verifier accepts, unlike a variable stack offset), at most [`NFT_BATCH_MAX_MSGS`];
+/// the status.
+#[inline(always)]
+fn walk(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
+    let Some((data, len)) = batch_bytes(skb, c) else {
+        return NFT_BATCH_UNREADABLE;
+    };
+    let mut off: u64 = 0;
+    let mut i: u32 = 0;
+    while i < NFT_BATCH_MAX_MSGS {
+        if let Some(status) = step(data, len, &mut off, &mut e.counts) {
+            return status;
+        }
+        i += 1;
+    }
+    out_of_steps(off, len)
 }
 
 /// The walk's state, on the entry program's stack, for [`walk_step`].
@@ -122,46 +145,31 @@ struct WalkCtx {
 /// One message of the walk, called by `bpf_loop`: 0 goes on, 1 stops (`status` says why).
 /// Verified once whatever the batch's length, unlike the bounded loop of [`walk`].
 extern "C" fn walk_step(_i: u32, ctx: *mut c_void) -> c_long {
-    // SAFETY: `ctx` is the `WalkCtx` that `walk_looped` passed to bpf_loop.
+    // SAFETY: `ctx` is the `WalkCtx` that `walk_looped` passed to bpf_loop, and `e` the map
+    // value `enter` got for this thread, alive for the whole call.
     let w = unsafe { &mut *(ctx as *mut WalkCtx) };
-    if w.off + u64::from(NLMSG_HDRLEN) > w.len {
-        w.status = NFT_BATCH_COMPLETE;
-        return 1;
+    let counts = unsafe { &mut (*w.e).counts };
+    match step(w.data, w.len, &mut w.off, counts) {
+        Some(status) => {
+            w.status = status;
+            1
+        }
+        None => 0,
     }
-    // SAFETY: bpf_probe_read_kernel checks the address.
-    let h: u64 = unsafe { bpf_probe_read_kernel((w.data + w.off) as *const u64) }.unwrap_or(0);
-    let msg_len = h as u32;
-    let ty = (h >> 32) as u32 & 0xffff;
-    if msg_len < NLMSG_HDRLEN {
-        w.status = NFT_BATCH_UNREADABLE;
-        return 1;
-    }
-    if ty == NFNL_MSG_BATCH_END {
-        w.status = NFT_BATCH_COMPLETE;
-        return 1;
-    }
-    // SAFETY: the index is below 4096, the table's length.
-    let slot =
-        unsafe { core::ptr::read_volatile(NFT_MSG_SLOTS.as_ptr().add((ty & 0xfff) as usize)) };
-    // SAFETY: the map value `enter` got for this thread, alive for the whole call.
-    unsafe { (*w.e).counts[(slot as usize) & 31] += 1 };
-    w.off += u64::from((msg_len + 3) & !3);
-    0
 }
 
 /// [`walk`] with `bpf_loop` (Linux >= 5.17): up to [`NFT_BATCH_LOOP_MSGS`] messages.
 #[inline(always)]
 fn walk_looped(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
-    let (Some(data), Some(len)) = (kread::<u64>(skb, c.skb_data), kread::<u32>(skb, c.skb_len))
-    else {
+    let Some((data, len)) = batch_bytes(skb, c) else {
         return NFT_BATCH_UNREADABLE;
     };
     let mut w = WalkCtx {
         data,
-        len: u64::from(len),
+        len,
         off: 0,
         e: e as *mut NftEnter,
-        status: NFT_BATCH_PARTIAL,
+        status: 0,
         _pad: 0,
     };
     // SAFETY: a helper call; the callback and its context live for the call.
@@ -176,10 +184,12 @@ fn walk_looped(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
     if n < 0 {
         return NFT_BATCH_UNREADABLE;
     }
-    if w.status == NFT_BATCH_PARTIAL && w.off + u64::from(NLMSG_HDRLEN) > w.len {
-        return NFT_BATCH_COMPLETE;
+    // A step that stopped the loop set the status; else the steps ran out.
+    if w.status != 0 {
+        w.status
+    } else {
+        out_of_steps(w.off, w.len)
     }
-    w.status
 }
 
 /// Records the commit's start for this thread, after counting its batch (`looped`: with
