@@ -317,16 +317,29 @@ pub fn fill_config_once<T: aya::Pod>(
     filled: fn(&T) -> bool,
     make: impl FnOnce() -> Result<T, String>,
 ) -> Result<(), String> {
-    let map = ebpf
-        .map_mut(name)
-        .ok_or_else(|| format!("map {name} missing from the BPF object"))?;
-    let mut arr: aya::maps::Array<_, T> =
-        aya::maps::Array::try_from(map).map_err(|e| e.to_string())?;
+    let mut arr = config_map::<T>(ebpf, name)?;
     if arr.get(&0, 0).is_ok_and(|c| filled(&c)) {
         return Ok(());
     }
     arr.set(0, make()?, 0)
         .map_err(|e| format!("writing {name}: {e}"))
+}
+
+/// Writes entry 0 of the one-entry config map `name`, whatever it held.
+pub fn set_config<T: aya::Pod>(ebpf: &mut Ebpf, name: &str, value: T) -> Result<(), String> {
+    config_map::<T>(ebpf, name)?
+        .set(0, value, 0)
+        .map_err(|e| format!("writing {name}: {e}"))
+}
+
+fn config_map<'a, T: aya::Pod>(
+    ebpf: &'a mut Ebpf,
+    name: &str,
+) -> Result<aya::maps::Array<&'a mut aya::maps::MapData, T>, String> {
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| format!("map {name} missing from the BPF object"))?;
+    aya::maps::Array::try_from(map).map_err(|e| e.to_string())
 }
 
 impl KfuncHook {

@@ -9,7 +9,7 @@ use xtlock_common::NftConfig;
 
 use super::{
     btf::{ArgType, Btf},
-    kfunc::{Chosen, KfuncHook},
+    kfunc::{set_config, Chosen, KfuncHook},
 };
 
 pub const HOOK: KfuncHook = KfuncHook {
@@ -88,32 +88,17 @@ pub fn check_arg(function: &str, arg: u32, params: &[(ArgType, String)]) -> Resu
 }
 
 /// Writes `NFT_CONFIG` for the chosen function (again at every attach: the function may
-/// differ after the module reloads). A batch that cannot be walked leaves commits timed,
-/// with their changes unknown.
+/// differ after the module reloads). A batch that cannot be walked (no kernel BTF: the
+/// caller passes what it could read) leaves commits timed, with their changes unknown.
 fn setup(ebpf: &mut Ebpf, vmlinux: Option<&Btf>, chosen: &Chosen<'_>) -> Result<(), String> {
-    let owned;
-    let base = match vmlinux {
-        Some(b) => Some(b),
-        None => {
-            owned = Btf::vmlinux().ok();
-            owned.as_ref()
-        }
-    };
-    let config = match base.ok_or_else(|| "no kernel BTF".to_string()) {
-        Ok(b) => config(b, chosen),
-        Err(e) => Err(e),
-    };
-    let config = config.unwrap_or_else(|why| {
-        tracing::warn!(%why, "nf_tables commits will be timed without their changes");
-        NftConfig::default()
-    });
-    let map = ebpf
-        .map_mut("NFT_CONFIG")
-        .ok_or("map NFT_CONFIG missing from the BPF object")?;
-    let mut arr: aya::maps::Array<_, NftConfig> =
-        aya::maps::Array::try_from(map).map_err(|e| e.to_string())?;
-    arr.set(0, config, 0)
-        .map_err(|e| format!("writing NFT_CONFIG: {e}"))
+    let config = vmlinux
+        .ok_or_else(|| "no kernel BTF".to_string())
+        .and_then(|b| config(b, chosen))
+        .unwrap_or_else(|why| {
+            tracing::warn!(%why, "nf_tables commits will be timed without their changes");
+            NftConfig::default()
+        });
+    set_config(ebpf, "NFT_CONFIG", config)
 }
 
 #[cfg(test)]
