@@ -390,7 +390,20 @@ impl Tracer {
     }
 
     /// Waits for xtlock to exit and returns its JSON Lines, checking each line parses.
-    pub fn finish(mut self) -> Trace {
+    pub fn finish(self) -> Trace {
+        let (out, stderr) = self.finish_text();
+        let events = out
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l)
+                    .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}"))
+            })
+            .collect();
+        Trace { events, stderr }
+    }
+
+    /// Waits for xtlock to exit successfully; its stdout and stderr as they were written.
+    pub fn finish_text(mut self) -> (String, String) {
         let mut out = String::new();
         if let Some(mut s) = self.child.stdout.take() {
             s.read_to_string(&mut out).expect("read stdout");
@@ -409,14 +422,7 @@ impl Tracer {
             status.success(),
             "xtlock failed: {status:?}\nstderr:\n{stderr}"
         );
-        let events = out
-            .lines()
-            .map(|l| {
-                serde_json::from_str(l)
-                    .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {l}"))
-            })
-            .collect();
-        Trace { events, stderr }
+        (out, stderr)
     }
 }
 

@@ -660,3 +660,198 @@ fn daemonset_yaml_has_the_required_fields() {
         "a memory limit"
     );
 }
+
+/// The value of the sample `name{labels}` in a Prometheus exposition (0 when absent).
+fn sample(metrics: &str, name_and_labels: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A restore is a restore whatever its binary is called: the real Debian binaries under every
+/// name agents run them by (`iptables-restore`, `ip6tables-restore`, `iptables-legacy-restore`,
+/// `ip6tables-legacy-restore`, `iptables-nft-restore`, `ip6tables-nft-restore`), and
+/// `xtables-legacy-multi` / `xtables-nft-multi` through a link of each name. Each agent's
+/// runs count as syncs in `trace`'s summary and in the daemon's `xtlock_syncs_total`, each run
+/// in the restore-duration histogram; those that take the xtables lock (the legacy backend),
+/// timing out three times in a row behind a holder, stall their agent, and the next completed
+/// restore ends the stall. The comm of most of them is cut (`iptables-legacy`,
+/// `iptables-nft-re`): before issue 35 none of those counted.
+#[test]
+fn restores_by_every_name_are_syncs() {
+    if !require_bpf("restores_by_every_name_are_syncs") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("restore-names");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let rules = xtlock_tests::write_file(
+        &s.dir,
+        "rules",
+        "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -p tcp --dport 9 -j ACCEPT\nCOMMIT\n",
+    );
+    let links = s.dir.join("links");
+    std::fs::create_dir_all(&links).unwrap();
+    let backend_of = |p: &Path| {
+        let real = std::fs::canonicalize(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        real.to_string_lossy().contains("legacy")
+    };
+    // (program, takes the xtables lock)
+    let mut programs: Vec<(PathBuf, bool)> = Vec::new();
+    for name in [
+        "iptables-restore",
+        "ip6tables-restore",
+        "iptables-legacy-restore",
+        "ip6tables-legacy-restore",
+        "iptables-nft-restore",
+        "ip6tables-nft-restore",
+    ] {
+        let real = PathBuf::from("/usr/sbin").join(name);
+        let legacy = backend_of(&real);
+        programs.push((real, legacy));
+        // The multi-call binary through a link of this name; plain names to the legacy one.
+        let multi = if name.contains("-nft-") {
+            "/usr/sbin/xtables-nft-multi"
+        } else {
+            "/usr/sbin/xtables-legacy-multi"
+        };
+        let link = links.join(name);
+        std::os::unix::fs::symlink(multi, &link).unwrap();
+        programs.push((link, !name.contains("-nft-")));
+    }
+    let port = free_port();
+    let d = daemon(port, &lock, &[]);
+    wait_ready(port);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(40), &["--no-drops"]);
+    let agent = |i: usize| format!("sync{i}");
+    let restore = |i: usize, prog: &Path| {
+        let mut a = Agent::spawn(
+            &s.agent(&agent(i)),
+            &["run", "--netns", prog.to_str().unwrap(), "-w", "1"],
+            &[("XTABLES_LOCKFILE", lock_s)],
+            Some(&rules),
+        );
+        a.wait_within(T)
+    };
+    for _ in 0..3 {
+        for (i, (prog, _)) in programs.iter().enumerate() {
+            assert_eq!(restore(i, prog), 0, "{}", prog.display());
+        }
+    }
+    // A holder for 4.5 s: every lock-taking restore gives up three times in a row.
+    let mut holder = Agent::spawn(&s.agent("holder"), &["hold", lock_s, "4500"], &[], None);
+    holder.ts("acquired", T);
+    std::thread::scope(|sc| {
+        for (i, (prog, legacy)) in programs.iter().enumerate() {
+            if *legacy {
+                let restore = &restore;
+                sc.spawn(move || {
+                    for _ in 0..3 {
+                        assert_eq!(restore(i, prog), 4, "{} did not time out", prog.display());
+                    }
+                });
+            }
+        }
+    });
+    holder.wait();
+    for (i, (prog, legacy)) in programs.iter().enumerate() {
+        if *legacy {
+            assert_eq!(restore(i, prog), 0, "{}", prog.display());
+        }
+    }
+    // Let the daemon publish, then read both.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (status, metrics) = get(port, "/metrics").expect("GET /metrics");
+    assert_eq!(status, 200);
+    tracer.interrupt();
+    let trace = tracer.finish();
+    d.interrupt();
+    let dump = trace.dump();
+    let syncs = &trace.summary()["syncs"];
+    let stalls = trace.of_type("stall");
+    for (i, (prog, legacy)) in programs.iter().enumerate() {
+        let a = agent(i);
+        let want = if *legacy { 4 } else { 3 };
+        let runs = if *legacy { 7 } else { 3 };
+        let what = format!("{} (agent {a})", prog.display());
+        assert_eq!(syncs[&a]["syncs"], want, "{what}: summary\n{dump}");
+        assert_eq!(
+            sample(&metrics, &format!("xtlock_syncs_total{{agent=\"{a}\"}}")),
+            f64::from(want),
+            "{what}: xtlock_syncs_total\n{metrics}"
+        );
+        assert_eq!(
+            sample(
+                &metrics,
+                &format!("xtlock_iptables_restore_duration_seconds_count{{agent=\"{a}\"}}")
+            ),
+            f64::from(runs),
+            "{what}: restore durations\n{metrics}"
+        );
+        let mine: Vec<(bool, &str)> = stalls
+            .iter()
+            .filter(|st| st["agent"] == a.as_str())
+            .map(|st| {
+                (
+                    st["stalled"].as_bool().unwrap(),
+                    st["reason"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        let want: &[(bool, &str)] = if *legacy {
+            &[(true, "restores_time_out"), (false, "synced")]
+        } else {
+            &[]
+        };
+        assert_eq!(mine, want, "{what}: stalls\n{dump}");
+    }
+}
+
+/// At its fd limit, with 150 clients holding connections open, the daemon still answers
+/// `/readyz` and `/metrics` at once (a new connection closes the oldest when the fds left run
+/// short), and its hooks are not called detached for want of an fd to check them with.
+#[test]
+fn health_answers_at_the_fd_limit() {
+    if !require_bpf("health_answers_at_the_fd_limit") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("fd-limit");
+    let lock = s.lock_file("xtables.lock");
+    let port = free_port();
+    let mut c = Command::new("prlimit");
+    c.arg("--nofile=128:128")
+        .arg(xtlock_bin())
+        .arg("daemon")
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--lock-file")
+        .arg(&lock);
+    let d = Tracer::spawn(c);
+    wait_ready(port);
+    let clients: Vec<TcpStream> = (0..150)
+        .filter_map(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(clients.len() > 100, "{} connections", clients.len());
+    std::thread::sleep(Duration::from_secs(2));
+    let start = Instant::now();
+    let (status, body) = get(port, "/readyz").expect("GET /readyz at the fd limit");
+    assert_eq!((status, body.as_str()), (200, "ready\n"));
+    let (status, metrics) = get(port, "/metrics").expect("GET /metrics at the fd limit");
+    assert_eq!(status, 200);
+    assert!(
+        start.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        start.elapsed()
+    );
+    let attached: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("xtlock_probe_attached{"))
+        .collect();
+    assert!(!attached.is_empty(), "{metrics}");
+    assert!(attached.iter().all(|l| l.ends_with(" 1")), "{attached:?}");
+    drop(clients);
+    d.interrupt();
+}

@@ -126,10 +126,11 @@ fn host_mount(host: &Path, own: &Path) -> Option<HostRoot> {
 /// host's root is, when not `/` (the default lock file is then the host's).
 pub fn requested_paths(
     cli: &[PathBuf],
-    env_lockfile: Option<&str>,
+    env_lockfile: Option<&std::ffi::OsStr>,
     host: Option<&Path>,
 ) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = Vec::new();
+    // Any bytes but none: iptables opens what the variable holds, UTF-8 or not.
     let from_env = env_lockfile.filter(|s| !s.is_empty()).map(PathBuf::from);
     let chosen: Vec<PathBuf> = if !cli.is_empty() {
         cli.to_vec()
@@ -237,6 +238,8 @@ impl WatchedLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
 
     #[test]
     fn precedence_cli_env_default() {
@@ -246,15 +249,21 @@ mod tests {
             PathBuf::from("/a"),
         ];
         assert_eq!(
-            requested_paths(&cli, Some("/env"), None),
+            requested_paths(&cli, Some(OsStr::new("/env")), None),
             vec![PathBuf::from("/a"), PathBuf::from("/b")]
         );
         assert_eq!(
-            requested_paths(&[], Some("/env"), None),
+            requested_paths(&[], Some(OsStr::new("/env")), None),
             vec![PathBuf::from("/env")]
         );
+        // Not UTF-8: iptables opens those bytes, so do we.
+        let raw = OsStr::from_bytes(b"/run/x\xfftables.lock");
         assert_eq!(
-            requested_paths(&[], Some(""), None),
+            requested_paths(&[], Some(raw), None),
+            vec![PathBuf::from(raw)]
+        );
+        assert_eq!(
+            requested_paths(&[], Some(OsStr::new("")), None),
             vec![PathBuf::from(DEFAULT_LOCK_FILE)]
         );
         assert_eq!(

@@ -5,6 +5,7 @@ use tracing_subscriber::{fmt, EnvFilter};
 use xtlock::{
     cli::{Cli, Command, LogFormat},
     commands,
+    sinks::{self, terminal::SafeLogWriter},
 };
 
 fn init_logging(cli: &Cli) {
@@ -15,14 +16,16 @@ fn init_logging(cli: &Cli) {
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     // Logs always go to stderr: stdout carries the trace (and JSON) only.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let builder = fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(ansi);
+    let builder = fmt().with_env_filter(filter);
     match cli.log_format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.with_target(false).init(),
+        LogFormat::Json => builder.with_writer(std::io::stderr).json().init(),
+        // Text records carry names from traced processes: escaped like the trace's lines, and
+        // so without colours (an escape of ours would be shown as `\e` too).
+        LogFormat::Text => builder
+            .with_writer(|| SafeLogWriter(std::io::stderr()))
+            .with_ansi(false)
+            .with_target(false)
+            .init(),
     }
 }
 
@@ -52,7 +55,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", sinks::terminal::escaped(&format!("{e:#}")));
             ExitCode::FAILURE
         }
     }

@@ -69,33 +69,68 @@ pub async fn start(addr: SocketAddr, state: Arc<State>) -> Result<SocketAddr, Se
     Ok(local)
 }
 
+/// Descriptors kept free beside the HTTP connections for what health needs: reading
+/// `/proc/self/fdinfo`, rotating the capture, reading `/proc` and the kubelet's files.
+const FD_RESERVE: usize = 16;
+
+/// The soft `RLIMIT_NOFILE`, when it is finite.
+pub fn fd_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into our own struct.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } == 0;
+    (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
+/// HTTP connections open at once, at most.
+const MAX_CONNECTIONS: usize = 256;
+
+/// Fewer than [`FD_RESERVE`] descriptors left under the limit (or none to count them with).
+fn fds_short() -> bool {
+    let Some(limit) = fd_limit() else {
+        return false;
+    };
+    match std::fs::read_dir("/proc/self/fd") {
+        Ok(d) => (d.count() as u64).saturating_add(FD_RESERVE as u64) > limit,
+        Err(_) => true,
+    }
+}
+
 async fn accept_loop(listener: TcpListener, state: Arc<State>) {
-    // Out of fds, a failure repeats at every retry: one warning per period, with a count.
-    const WARN_EVERY: Duration = Duration::from_secs(30);
-    let mut warned: Option<tokio::time::Instant> = None;
-    let mut since_warned = 0u64;
+    // Clients that hold connections open (idle, or slow on purpose) must not use up the fds a
+    // scrape, a kubelet probe or the daemon's own work needs: when the fds left run short, a
+    // new connection closes the oldest.
+    let mut open: std::collections::VecDeque<tokio::task::AbortHandle> = Default::default();
+    let mut warn = crate::shared::Throttle::new(Duration::from_secs(30));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
-                since_warned += 1;
-                if warned.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                if let Some(failures) = warn.hit() {
                     tracing::warn!(
                         error = %e,
-                        failures = since_warned,
-                        "accepting an HTTP connection failed (at most one warning per {} s)",
-                        WARN_EVERY.as_secs()
+                        failures,
+                        "accepting an HTTP connection failed (at most one warning per 30 s)"
                     );
-                    warned = Some(tokio::time::Instant::now());
-                    since_warned = 0;
                 }
-                // Back off instead of spinning.
+                // Make room, and back off instead of spinning.
+                if let Some(oldest) = open.pop_front() {
+                    oldest.abort();
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
+        open.retain(|h| !h.is_finished());
+        if open.len() >= MAX_CONNECTIONS || (!open.is_empty() && fds_short()) {
+            if let Some(oldest) = open.pop_front() {
+                oldest.abort();
+            }
+        }
         let state = state.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let svc = service_fn(move |req| {
                 let state = state.clone();
                 async move { Ok::<_, Infallible>(handle(&req, &state)) }
@@ -109,6 +144,7 @@ async fn accept_loop(listener: TcpListener, state: Arc<State>) {
                 tracing::debug!(%peer, error = %e, "HTTP connection ended with an error");
             }
         });
+        open.push_back(task.abort_handle());
     }
 }
 

@@ -181,3 +181,50 @@ mod tests {
         assert!(a.starts_with("kube"));
     }
 }
+
+/// A warning that would repeat every second (an unreadable directory, a full fd table) said
+/// at most once per period, with how many times it happened since.
+#[derive(Debug)]
+pub struct Throttle {
+    every: std::time::Duration,
+    last: Option<std::time::Instant>,
+    since: u64,
+}
+
+impl Throttle {
+    pub const fn new(every: std::time::Duration) -> Self {
+        Throttle {
+            every,
+            last: None,
+            since: 0,
+        }
+    }
+
+    /// Counts one occurrence; `Some(n)` when it is to be said now, `n` counting this one and
+    /// those kept quiet since the last time.
+    pub fn hit(&mut self) -> Option<u64> {
+        self.since += 1;
+        if self.last.is_some_and(|t| t.elapsed() < self.every) {
+            return None;
+        }
+        self.last = Some(std::time::Instant::now());
+        Some(std::mem::take(&mut self.since))
+    }
+}
+
+#[cfg(test)]
+mod throttle_tests {
+    use super::Throttle;
+    use std::time::Duration;
+
+    #[test]
+    fn says_once_per_period_with_the_count() {
+        let mut t = Throttle::new(Duration::from_secs(3600));
+        assert_eq!(t.hit(), Some(1));
+        assert_eq!(t.hit(), None);
+        assert_eq!(t.hit(), None);
+        let mut t = Throttle::new(Duration::ZERO);
+        assert_eq!(t.hit(), Some(1));
+        assert_eq!(t.hit(), Some(1));
+    }
+}

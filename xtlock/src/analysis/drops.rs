@@ -589,7 +589,9 @@ impl DropTracker {
             comm: t.hold.comm,
             start_ns: t.hold.start_ns,
             hold_ns: t.hold.hold_ns.unwrap_or(0),
-            dropped: t.dropped,
+            // Each sample is a packet dropped inside the hold: a floor for a kernel count
+            // that missed the hold (not read yet, or a capture without per-hold counts).
+            dropped: t.dropped.max(t.samples),
             by_class: t.by_class,
             by_reason: t.by_reason,
             samples: t.samples,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use serde::{Serialize, Serializer};
 
 use super::attribution::{Attribution, ChainLink};
+use super::iptables_run::IptablesRun;
 use crate::decode::{Argv, ConntrackCounters, StaleAction};
 use crate::kube::PodName;
 use crate::shared::SharedStr;
@@ -73,6 +74,9 @@ pub struct ExecFact {
     pub pid: u32,
     pub ppid: u32,
     pub comm: SharedStr,
+    /// Restore, save or command; family; backend when the name says.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<IptablesRun>,
     pub filename: SharedStr,
     pub argv: Argv,
     pub argv_truncated: bool,
@@ -99,6 +103,10 @@ pub struct ExitFact {
     pub ts_ns: u64,
     pub pid: u32,
     pub comm: SharedStr,
+    /// What the process was, from its exec (absent when neither its exec nor its argv at
+    /// start was seen, or it is no iptables-family program).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run: Option<IptablesRun>,
     /// Exit status; `None` (JSON null) when killed by a signal.
     pub code: Option<i32>,
     pub agent: SharedStr,
@@ -266,13 +274,32 @@ pub struct StallFact {
     /// True when the stall begins, false when a completed restore ends it.
     pub stalled: bool,
     /// `no_sync` (no completed restore for over twice the usual period, the agent alive),
-    /// `restores_time_out` (restores in a row gave up on the lock), `synced` (the end).
+    /// `restores_time_out` (restores in a row gave up on the lock), `restore_hung` (one runs
+    /// far longer than usual); ends: `synced`, or `restore_ended` (the hung one exited
+    /// without completing).
     pub reason: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub since_last_sync_ns: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usual_period_ns: Option<u64>,
     pub timeouts_in_row: u32,
+    /// `restore_hung` and its end `restore_ended`: the restore that hangs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub restore: Option<HungRestore>,
+}
+
+/// A restore that runs far longer than its agent's restores do.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HungRestore {
+    pub pid: u32,
+    /// Running for this long (at the stall), or ran (at its end).
+    pub running_ns: u64,
+    /// The agent's usual restore (median of its last ones), once known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usual_ns: Option<u64>,
+    /// At the end: its exit status (`None`: killed, or still running).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
 }
 
 /// Tables listed per hold; `replaces` and `kernel_ns` count every one.

@@ -9,6 +9,7 @@ pub mod attribution;
 pub mod cadence;
 pub mod drops;
 pub mod facts;
+pub mod iptables_run;
 pub mod ipvs;
 pub mod lock;
 pub mod procs;
@@ -20,10 +21,11 @@ pub use drops::DropSummary;
 use drops::DropTracker;
 pub use facts::{
     ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
-    ExitFact, FailedTryFact, HoldDropsFact, HoldFact, HoldRef, HolderRef, IpvsCountFact, IpvsFact,
-    LostFact, Output, PacketInfo, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode,
-    WaitOutcome,
+    ExitFact, FailedTryFact, HoldDropsFact, HoldFact, HoldRef, HolderRef, HungRestore,
+    IpvsCountFact, IpvsFact, LostFact, Output, PacketInfo, StallFact, TableTouch, TimeoutFact,
+    WaitFact, WaitMode, WaitOutcome,
 };
+use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;
 pub use lock::WatchedLock;
 use lock::{is_locking_proc, Ctx, LockMachine};
@@ -202,6 +204,7 @@ impl Analyzer {
             Event::Exec(e) => {
                 self.procs.apply(ev);
                 if let Some(f) = exec_fact(&self.procs, &mut self.attr, e) {
+                    self.cadence.on_exec(&f);
                     emit(Output::Exec(f));
                 }
             }
@@ -324,6 +327,7 @@ fn exec_fact(procs: &ProcTable, attr: &mut Attributor, e: &ExecEvent) -> Option<
         pid: e.tgid,
         ppid: p.map_or(0, |p| p.ppid),
         comm: who.comm.clone(),
+        run: IptablesRun::classify(e.argv.iter(), &e.filename),
         filename: e.filename.clone(),
         argv: e.argv.clone(),
         argv_truncated: e.argv_truncated,
@@ -355,6 +359,8 @@ fn exit_fact(
         ts_ns: e.ts_ns,
         pid: e.tgid,
         comm: who.comm.clone(),
+        // From the exec'd program, not the comm the kernel cut (see iptables_run.rs).
+        run: p.and_then(|p| IptablesRun::classify(p.argv.iter(), &p.filename)),
         code: e.exit_code,
         agent: who.agent.clone(),
         role: who.role,

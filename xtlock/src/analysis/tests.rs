@@ -1482,6 +1482,16 @@ mod alloc_count {
     }
 }
 
+fn stalls(r: &Run) -> Vec<StallFact> {
+    r.out
+        .iter()
+        .filter_map(|o| match o {
+            Output::Stall(s) => Some(s.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// kube-proxy's restores every 10 s, then none for 31 s while it runs: a stall, ended by the
 /// next completed restore. Three restores in a row that time out are one too. A process
 /// that is gone does not stall.
@@ -1496,15 +1506,6 @@ fn restores_that_stop_completing_are_a_stall() {
     for i in 0..4u32 {
         restore(&mut r, u64::from(i) * 10 * S, 1000 + i, 0);
     }
-    let stalls = |r: &Run| -> Vec<StallFact> {
-        r.out
-            .iter()
-            .filter_map(|o| match o {
-                Output::Stall(s) => Some(s.clone()),
-                _ => None,
-            })
-            .collect()
-    };
     // 20 s after the last: twice the period, not more.
     r.feed(&[exit(50 * S + 50 * MS, 5000, "sh", Some(0))]);
     assert!(stalls(&r).is_empty(), "{:?}", stalls(&r));
@@ -1573,4 +1574,70 @@ fn first_holder_stamped_just_after_the_wait_holds_it_from_the_start() {
     assert_eq!(cn.holders[0].behind_ns, Some(89_000));
     let fw = w.iter().find(|w| w.pid == 60).unwrap();
     assert_eq!(fw.unknown_ns, 200_000, "{fw:?}");
+}
+
+/// A restore is known by the program exec'd, not the comm the kernel cut: Felix's
+/// `iptables-legacy-restore` (comm `iptables-legacy`) counts as a sync and its timeouts in a
+/// row stall the agent, like `iptables-restore`'s. A restore that hangs is a stall while it
+/// runs (past 20 times the agent's usual restore, and at least 5 s), ended when it exits.
+#[test]
+fn restores_by_any_name_and_a_hung_one() {
+    for (name, comm) in [
+        ("iptables-legacy-restore", "iptables-legacy"),
+        ("ip6tables-legacy-restore", "ip6tables-legac"),
+        ("iptables-nft-restore", "iptables-nft-re"),
+    ] {
+        let mut r = Run::new();
+        r.feed(&node());
+        let restore = |r: &mut Run, ts: u64, pid: u32, code: i32, took: u64| {
+            r.feed(&spawn(ts, 40, pid, "calico-node", &[name, "-w", "1"]))
+                .feed(&[exit(ts + took, pid, comm, Some(code))]);
+        };
+        for i in 0..4u32 {
+            restore(&mut r, u64::from(i) * 4 * S, 1000 + i, 0, 30 * MS);
+        }
+        assert_eq!(
+            r.a.summary().syncs[&"calico-node".to_string()].syncs,
+            4,
+            "{name}"
+        );
+        for i in 0..3u32 {
+            restore(&mut r, 14 * S + u64::from(i) * 1100 * MS, 2000 + i, 4, S);
+        }
+        let s = stalls(&r);
+        assert_eq!(s.len(), 1, "{name}: {s:?}");
+        assert_eq!((s[0].stalled, s[0].reason), (true, "restores_time_out"));
+        restore(&mut r, 18 * S, 3000, 0, 30 * MS);
+        let s = stalls(&r);
+        assert_eq!(
+            (s.len(), s[1].stalled, s[1].reason),
+            (2, false, "synced"),
+            "{name}"
+        );
+
+        // One that hangs: seen at the first check past 5 s, while it runs.
+        r.feed(&spawn(19 * S, 40, 4000, "calico-node", &[name, "-w"]));
+        r.feed(&[exit(23 * S, 5000, "sh", Some(0))]);
+        assert_eq!(stalls(&r).len(), 2, "{name}: not hung before 5 s");
+        r.feed(&[exit(24 * S + 10 * MS, 5001, "sh", Some(0))]);
+        let s = stalls(&r);
+        assert_eq!(s.len(), 3, "{name}: {s:?}");
+        assert_eq!((s[2].stalled, s[2].reason), (true, "restore_hung"));
+        let h = s[2].restore.as_ref().unwrap();
+        // Exec to exit: the exec comes 1 ns after the fork.
+        assert_eq!((h.pid, h.usual_ns), (4000, Some(30 * MS - 1)));
+        assert!(h.running_ns > 5 * S, "{h:?}");
+        let text = crate::sinks::terminal::stall_text_for_test(&s[2]);
+        assert!(
+            text.contains("its iptables-restore (pid 4000) has run for 5.0")
+                && text.contains("usually take 30.0 ms"),
+            "{text}"
+        );
+        // Killed: the hang ends, without a sync.
+        r.feed(&[exit(30 * S, 4000, comm, None)]);
+        let s = stalls(&r);
+        assert_eq!(s.len(), 4, "{name}: {s:?}");
+        assert_eq!((s[3].stalled, s[3].reason), (false, "restore_ended"));
+        assert_eq!(r.a.summary().syncs[&"calico-node".to_string()].syncs, 5);
+    }
 }

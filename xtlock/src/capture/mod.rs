@@ -103,6 +103,17 @@ impl CaptureError {
         }
     }
 
+    /// Why reading stopped before the end, for "FILE {why}; ... covers the part before it":
+    /// a newer writer's record is not damage, and is not called so.
+    pub fn stopped_because(&self) -> &'static str {
+        match self {
+            CaptureError::Unsupported { .. } | CaptureError::UnsupportedVersion { .. } => {
+                "holds records a newer xtlock wrote"
+            }
+            _ => "is damaged",
+        }
+    }
+
     /// The capture simply stops (no trailer): report what was read and say so.
     pub fn is_cut_short(&self) -> bool {
         matches!(

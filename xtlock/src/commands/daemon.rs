@@ -173,6 +173,13 @@ fn readiness(
     stalled: bool,
 ) -> Option<String> {
     let detached = links.check();
+    if let Some(e) = links.fd_shortage() {
+        return Some(format!(
+            "out of file descriptors ({e}; soft limit {}): the hooks cannot be checked; \
+             raise the limit (ulimit -n, LimitNOFILE=)",
+            crate::serve::fd_limit().map_or_else(|| "unknown".into(), |n| n.to_string())
+        ));
+    }
     for (program, up) in links.states() {
         metrics
             .probe_attached
@@ -229,6 +236,7 @@ mod links {
         /// (program, tracepoint name) of each hook attached at start.
         hooks: Vec<(&'static str, String)>,
         up: Vec<bool>,
+        fd_shortage: Option<String>,
     }
 
     impl Watch {
@@ -243,11 +251,16 @@ mod links {
                 })
                 .collect();
             let up = vec![true; hooks.len()];
-            Self { hooks, up }
+            Self {
+                hooks,
+                up,
+                fd_shortage: None,
+            }
         }
 
         /// Re-reads the links; returns the programs no longer attached.
         pub fn check(&mut self) -> Vec<&'static str> {
+            self.fd_shortage = None;
             match attached_tracepoints() {
                 Ok(live) => {
                     for ((_, tp), up) in self.hooks.iter().zip(self.up.iter_mut()) {
@@ -255,12 +268,22 @@ mod links {
                     }
                 }
                 // Keep the last answer: /proc being unreadable says nothing about the links.
-                Err(e) => tracing::debug!(error = %e, "cannot read /proc/self/fdinfo"),
+                Err(e) => {
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) {
+                        self.fd_shortage = Some(e.to_string());
+                    }
+                    tracing::debug!(error = %e, "cannot read /proc/self/fdinfo");
+                }
             }
             self.states()
                 .filter(|(_, up)| !up)
                 .map(|(p, _)| p)
                 .collect()
+        }
+
+        /// Why the last check could not read the links for want of file descriptors.
+        pub fn fd_shortage(&self) -> Option<&str> {
+            self.fd_shortage.as_deref()
         }
 
         pub fn states(&self) -> impl Iterator<Item = (&'static str, bool)> + '_ {
@@ -272,9 +295,13 @@ mod links {
     fn attached_tracepoints() -> std::io::Result<Vec<String>> {
         let mut v = Vec::new();
         for e in std::fs::read_dir("/proc/self/fdinfo")? {
-            // An fd closed since the listing: skip it.
-            let Ok(text) = std::fs::read_to_string(e?.path()) else {
-                continue;
+            let text = match std::fs::read_to_string(e?.path()) {
+                Ok(t) => t,
+                // An fd closed since the listing.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                // Anything else (EMFILE at the fd limit) says nothing about that link: the
+                // whole answer is unknown, not "detached".
+                Err(e) => return Err(e),
             };
             if let Some(tp) = link_tracepoint(&text) {
                 v.push(tp.to_owned());

@@ -33,8 +33,9 @@ pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
         args.output.display()
     );
     if let Some(e) = end.damaged {
+        let why = e.stopped_because();
         return Err(anyhow::Error::new(e).context(format!(
-            "{} is damaged; the timeline covers the part before the damage",
+            "{} {why}; the timeline covers the part before it",
             args.file.display()
         )));
     }

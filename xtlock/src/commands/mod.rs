@@ -18,11 +18,15 @@ use crate::{
 pub fn resolve_locks(args: &LockArgs) -> anyhow::Result<Vec<LockFile>> {
     let host = lockfiles::host_root();
     let host_path = host.as_ref().map(|h| h.path.as_path());
-    let paths = lockfiles::requested_paths(
-        &args.lock_files,
-        std::env::var("XTABLES_LOCKFILE").ok().as_deref(),
-        host_path,
-    );
+    let env = std::env::var_os("XTABLES_LOCKFILE");
+    if env.as_ref().is_some_and(|e| e.is_empty()) && args.lock_files.is_empty() {
+        // iptables would try to open "" and fail: none of its commands takes a lock then.
+        tracing::warn!(
+            "XTABLES_LOCKFILE is set but empty: iptables run with it cannot open a lock file \
+             and fails; watching the default lock file (unset it, or name the file)"
+        );
+    }
+    let paths = lockfiles::requested_paths(&args.lock_files, env.as_deref(), host_path);
     let default = lockfiles::default_lock_file(host_path);
     let locks = lockfiles::resolve_all(&paths, &default)?;
     if let (Some(h), Some(l)) = (&host, locks.iter().find(|l| l.path == default)) {

@@ -9,7 +9,10 @@ use crate::{
     analysis::{Output, Summary},
     cli::ReportArgs,
     pipeline::Pipeline,
-    sinks::{terminal::wall_clock_date, JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
+    sinks::{
+        terminal::{escaped, wall_clock_date},
+        JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat,
+    },
     source::file::FileSource,
 };
 
@@ -25,13 +28,14 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
         writeln!(
             out,
             "capture of {} (kernel {}, xtlock {}), started {}",
+            // A capture may come from anywhere: its strings are escaped like the trace's.
             if h.hostname.is_empty() {
-                "?"
+                "?".to_string()
             } else {
-                &h.hostname
+                escaped(&h.hostname)
             },
-            h.kernel_release,
-            h.xtlock_version,
+            escaped(&h.kernel_release),
+            escaped(&h.xtlock_version),
             wall_clock_date(h.started_wall_ns),
         )?;
         Box::new(TerminalSink::with_options(
@@ -61,8 +65,9 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
         tracing::warn!("{e}; the report covers what was recorded until then");
     }
     if let Some(e) = end.damaged {
+        let why = e.stopped_because();
         return Err(anyhow::Error::new(e).context(format!(
-            "{} is damaged; the report above covers the part before the damage",
+            "{} {why}; the report above covers the part before it",
             args.file.display()
         )));
     }

@@ -759,8 +759,7 @@ impl Sink for MetricsSink {
                 };
                 self.m.execs.get_or_create(&l).inc();
             }
-            // comm is cut to 15 bytes: `iptables-restor`, `ip6tables-resto`.
-            Output::Exit(e) if e.comm.contains("-resto") => {
+            Output::Exit(e) if e.run.is_some_and(|r| r.is_restore()) => {
                 let l = AgentLabels {
                     agent: self.agent(&e.agent),
                 };

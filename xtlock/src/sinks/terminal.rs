@@ -5,6 +5,7 @@ use std::io::{self, Write};
 use std::time::Duration;
 
 mod lines;
+mod safe;
 mod summary;
 
 use super::{human_bytes, human_ns, Sink};
@@ -13,6 +14,8 @@ use lines::*;
 pub(crate) use lines::{hold_drops_text, ipvs_text};
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
+pub use safe::{escaped, SafeLogWriter};
+use safe::{say, SafeLines};
 use summary::write_summary;
 
 /// The lock almost everyone watches; other paths are named in each line.
@@ -156,7 +159,8 @@ struct FailedRun {
 
 /// Human-readable lines on a writer.
 pub struct TerminalSink<W: Write> {
-    w: W,
+    /// Every line goes out escaped (see safe.rs); the raw writer is not reachable.
+    w: SafeLines<W>,
     opts: TerminalOptions,
     origin: Option<u64>,
     run: Option<FailedRun>,
@@ -173,7 +177,7 @@ impl<W: Write> TerminalSink<W> {
             _ => None,
         };
         TerminalSink {
-            w,
+            w: SafeLines::new(w),
             opts,
             origin,
             run: None,
@@ -186,7 +190,7 @@ impl<W: Write> TerminalSink<W> {
     }
 
     pub fn into_inner(self) -> W {
-        self.w
+        self.w.into_inner()
     }
 
     fn prefix(&mut self, ts: u64) -> String {
@@ -203,7 +207,7 @@ impl<W: Write> TerminalSink<W> {
 
     fn line(&mut self, ts: u64, text: &str) -> io::Result<()> {
         let p = self.prefix(ts);
-        writeln!(self.w, "{p}{text}")
+        say!(self.w, "{p}{text}")
     }
 
     fn flush_run(&mut self) -> io::Result<()> {

@@ -31,6 +31,7 @@ pub struct LiveSource {
     pub probes: Probes,
     ring: AsyncFd<RingBuf<MapData>>,
     lost_reported: u64,
+    lost_warned: crate::shared::Throttle,
     tap: Tap,
     /// Drop counters and conntrack statistics, once [`LiveSource::start_drops`] ran.
     drops: Option<super::drops::DropPoller>,
@@ -64,6 +65,7 @@ impl LiveSource {
             probes,
             ring,
             lost_reported: 0,
+            lost_warned: crate::shared::Throttle::new(std::time::Duration::from_secs(60)),
             tap: Tap::default(),
             drops: None,
             ipvs: super::ipvs::IpvsPoller::new(super::monotonic_ns()),
@@ -202,7 +204,13 @@ impl LiveSource {
         let total = match self.probes.lost_events() {
             Ok(t) => t,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read the lost-event counter");
+                if let Some(failures) = self.lost_warned.hit() {
+                    tracing::warn!(
+                        error = %e,
+                        failures,
+                        "cannot read the lost-event counter (at most one warning a minute)"
+                    );
+                }
                 return None;
             }
         };

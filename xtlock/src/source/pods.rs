@@ -6,11 +6,13 @@
 //!
 //! The kubelet makes a container's log link once the runtime reports it started, which can
 //! be after its first processes exec'd: an id not named yet is looked up again, at most once
-//! a second, for a minute.
+//! a second, for a minute, and only when a directory changed since it was last read (its
+//! mtime): a node with 100k entries and an id that never gets a name costs a `stat` a second.
 
 use std::{
     collections::{HashMap, HashSet},
     path::{Path, PathBuf},
+    time::{Duration, SystemTime},
 };
 
 use crate::decode::PodInfo;
@@ -37,7 +39,16 @@ pub struct PodDirectory {
     /// Identities seen but not named yet, with when first seen.
     pending: HashMap<String, (CgroupIdentity, u64)>,
     last_scan_ns: Option<u64>,
+    /// Both directories' mtimes when last read.
+    scanned: Option<Stamp>,
 }
+
+/// The directories' mtimes (None: cannot be read).
+type Stamp = [Option<SystemTime>; 2];
+
+/// An mtime this close to now may hide a change made in the same clock tick after the read
+/// (file systems stamp with a coarse clock): such a directory is read again.
+const SETTLE: Duration = Duration::from_secs(2);
 
 impl PodDirectory {
     /// `None` when `root` has no kubelet log directory: not a Kubernetes node (or the
@@ -56,12 +67,14 @@ impl PodDirectory {
             sent: HashSet::new(),
             pending: HashMap::new(),
             last_scan_ns: None,
+            scanned: None,
         })
     }
 
     /// Reads both directories again.
     fn scan(&mut self, now_ns: u64) {
         self.last_scan_ns = Some(now_ns);
+        self.scanned = Some(self.stamp());
         self.by_container.clear();
         self.by_uid.clear();
         for name in dir_names(&self.containers_dir) {
@@ -76,9 +89,31 @@ impl PodDirectory {
         }
     }
 
+    fn stamp(&self) -> Stamp {
+        let mtime = |d: &Path| std::fs::metadata(d).and_then(|m| m.modified()).ok();
+        [mtime(&self.containers_dir), mtime(&self.pods_dir)]
+    }
+
+    /// A second since the last read, and a directory changed (or too recently to tell).
     fn rescan_due(&self, now_ns: u64) -> bool {
-        self.last_scan_ns
-            .is_none_or(|t| now_ns.saturating_sub(t) >= RESCAN_NS)
+        if self
+            .last_scan_ns
+            .is_some_and(|t| now_ns.saturating_sub(t) < RESCAN_NS)
+        {
+            return false;
+        }
+        let Some(scanned) = self.scanned else {
+            return true;
+        };
+        let now = self.stamp();
+        let settled = |m: &Option<SystemTime>| {
+            m.is_none_or(|m| {
+                SystemTime::now()
+                    .duration_since(m)
+                    .is_ok_and(|d| d >= SETTLE)
+            })
+        };
+        now != scanned || !now.iter().all(settled)
     }
 
     /// A process in the cgroup `id` was seen at `now_ns`: appends the events that name its

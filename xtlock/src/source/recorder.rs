@@ -42,11 +42,15 @@ impl PendingCapture {
         // A FIFO or a device (`-o /dev/stdout`) is written in place: it cannot be renamed onto.
         let special = std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir());
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-        let tmp = match name {
-            Some(n) if !special => path.with_file_name(format!(".{n}.{}.tmp", std::process::id())),
+        let tmp = match &name {
+            Some(n) if !special => {
+                remove_stale_tmps(path, n);
+                path.with_file_name(format!(".{n}.{}.tmp", std::process::id()))
+            }
             _ => path.to_owned(),
         };
-        let file = create_capture_file(&tmp)
+        // Named after `path`, which is what the user gave; the temporary name would puzzle.
+        let file = File::create(&tmp)
             .with_context(|| format!("cannot create the capture file {}", path.display()))?;
         Ok((
             file,
@@ -71,6 +75,41 @@ impl PendingCapture {
             self.committed = true;
         }
         Ok(())
+    }
+}
+
+/// Removes `.NAME.PID.tmp` files beside `path` whose PID is not running: what a `record` killed
+/// by SIGKILL before tracing started left behind (Drop never ran).
+fn remove_stale_tmps(path: &Path, name: &str) {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!(".{name}.");
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(pid) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&prefix))
+            .and_then(|f| f.strip_suffix(".tmp"))
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let ours = e.file_type().is_ok_and(|t| t.is_file());
+        if ours && !Path::new(&format!("/proc/{pid}")).exists() {
+            match std::fs::remove_file(e.path()) {
+                Ok(()) => {
+                    tracing::info!(file = %e.path().display(), "removed a temporary capture file left by an xtlock that was killed")
+                }
+                Err(err) => {
+                    tracing::debug!(file = %e.path().display(), error = %err, "cannot remove a stale temporary capture")
+                }
+            }
+        }
     }
 }
 

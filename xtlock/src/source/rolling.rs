@@ -16,6 +16,7 @@ use crate::{
     decode::Event,
     lockfiles::LockFile,
     probes::HookStatus,
+    shared::Throttle,
     source::{self, live::LiveSource, live::Recorder, recorder},
 };
 
@@ -39,6 +40,8 @@ pub struct Rolling {
     broken: Option<Broken>,
     /// Failures to open or write a file, since start.
     errors: u64,
+    /// A directory that stays unreadable is said once a minute, not every second.
+    list_warned: std::cell::RefCell<Throttle>,
 }
 
 /// Recording has stopped on an error and is being retried.
@@ -68,6 +71,7 @@ impl Rolling {
             last_size: 0,
             broken: None,
             errors: 0,
+            list_warned: std::cell::RefCell::new(Throttle::new(Duration::from_secs(60))),
         })
     }
 
@@ -254,7 +258,15 @@ impl Rolling {
         let mut files = match rolled_files(&self.dir) {
             Ok(f) => f,
             Err(e) => {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot list the record directory");
+                if let Some(failures) = self.list_warned.borrow_mut().hit() {
+                    tracing::warn!(
+                        dir = %self.dir.display(),
+                        error = %e,
+                        failures,
+                        "cannot list the record directory: old captures are not deleted \
+                         (at most one warning a minute)"
+                    );
+                }
                 return;
             }
         };

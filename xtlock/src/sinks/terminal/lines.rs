@@ -578,8 +578,37 @@ pub(crate) fn stall_text(s: &StallFact) -> String {
         .map(|u| format!(" (usually every {})", human_ns(u)))
         .unwrap_or_default();
     let since = s.since_last_sync_ns.map(human_ns);
-    match (s.stalled, s.reason) {
-        (true, "restores_time_out") => format!(
+    let hung = |r: &crate::analysis::HungRestore| {
+        let usual = r
+            .usual_ns
+            .map(|u| format!(" (its restores usually take {})", human_ns(u)))
+            .unwrap_or_default();
+        (human_ns(r.running_ns), usual, r.pid)
+    };
+    match (s.stalled, s.reason, &s.restore) {
+        (true, "restore_hung", Some(r)) => {
+            let (running, usual, pid) = hung(r);
+            format!(
+                "!! {} stalled: its iptables-restore (pid {pid}) has run for {running}{usual} \
+                 and has not finished{}",
+                s.agent,
+                since
+                    .map(|x| format!("; last completed restore {x} ago"))
+                    .unwrap_or_default()
+            )
+        }
+        (false, "restore_ended", Some(r)) => {
+            let (running, _, pid) = hung(r);
+            let how = r
+                .exit_code
+                .map_or_else(|| "was killed".to_string(), |c| format!("exited {c}"));
+            format!(
+                "{} no longer hangs: its iptables-restore (pid {pid}) {how} after {running} \
+                 without completing; its rules were not written",
+                s.agent
+            )
+        }
+        (true, "restores_time_out", _) => format!(
             "!! {} stalled: its last {} iptables-restore runs gave up waiting for the lock (exit \
              4){}",
             s.agent,
@@ -588,14 +617,14 @@ pub(crate) fn stall_text(s: &StallFact) -> String {
                 .map(|x| format!("; last completed restore {x} ago"))
                 .unwrap_or_default()
         ),
-        (true, _) => format!(
+        (true, _, _) => format!(
             "!! {} stalled: no completed iptables-restore for {}{usual} while it runs (pid {}): \
              its rules are falling behind",
             s.agent,
             since.unwrap_or_default(),
             s.agent_pid
         ),
-        (false, _) => format!(
+        (false, _, _) => format!(
             "{} syncs again: an iptables-restore completed{}",
             s.agent,
             since

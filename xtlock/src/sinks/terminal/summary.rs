@@ -2,14 +2,20 @@
 
 use std::io::{self, Write};
 
+use super::safe::{say, SafeLines};
+
 use super::lines::hold_drops_text;
 use super::{human_bytes, human_ns};
 use crate::analysis::Summary;
 use crate::capture::thousands;
 
-pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io::Result<()> {
-    writeln!(w)?;
-    writeln!(
+pub(crate) fn write_summary(
+    w: &mut SafeLines<impl Write>,
+    s: &Summary,
+    final_: bool,
+) -> io::Result<()> {
+    w.blank()?;
+    say!(
         w,
         "== {} ({} traced, {} events) ==",
         if final_ { "summary" } else { "summary so far" },
@@ -23,7 +29,7 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
         } else {
             format!(" (dev {}:{} ino {})", l.dev >> 20, l.dev & 0xf_ffff, l.ino)
         };
-        writeln!(
+        say!(
             w,
             "lock {}{file}: {} holds, {} held in all, longest {}; {} waits",
             l.path,
@@ -37,20 +43,26 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
         if table.is_empty() {
             continue;
         }
-        writeln!(w, "\n{title}:")?;
+        w.blank()?;
+        say!(w, "{title}:")?;
         let width = table
             .keys()
             .map(|k| k.chars().count())
             .max()
             .unwrap_or(0)
             .max(5);
-        writeln!(
+        say!(
             w,
             "  {:<width$} {:>7} {:>9} {:>9} {:>9} {:>9}",
-            "agent", "count", "p50", "p99", "max", "total"
+            "agent",
+            "count",
+            "p50",
+            "p99",
+            "max",
+            "total"
         )?;
         for (agent, d) in table {
-            writeln!(
+            say!(
                 w,
                 "  {:<width$} {:>7} {:>9} {:>9} {:>9} {:>9}",
                 agent,
@@ -63,7 +75,8 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
         }
     }
     if !s.contention.is_empty() {
-        writeln!(w, "\nwho waited behind whom:")?;
+        w.blank()?;
+        say!(w, "who waited behind whom:")?;
         let pairs: Vec<String> = s
             .contention
             .iter()
@@ -75,13 +88,16 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
             .max()
             .unwrap_or(0)
             .max(15);
-        writeln!(
+        say!(
             w,
             "  {:<width$} {:>7} {:>9} {:>9}",
-            "waiter <- holder", "waits", "total", "max"
+            "waiter <- holder",
+            "waits",
+            "total",
+            "max"
         )?;
         for (c, pair) in s.contention.iter().zip(&pairs) {
-            writeln!(
+            say!(
                 w,
                 "  {:<width$} {:>7} {:>9} {:>9}",
                 pair,
@@ -101,13 +117,14 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
             continue;
         }
         let list: Vec<String> = m.iter().map(|(a, n)| format!("{a} {n}")).collect();
-        writeln!(w, "{title}: {}", list.join(", "))?;
+        say!(w, "{title}: {}", list.join(", "))?;
     }
     if !s.tables.is_empty() {
         // Why holds took long: big tables, or the kernel, or the holder's own work.
-        writeln!(
+        w.blank()?;
+        say!(
             w,
-            "\ntable replaces by agent (largest table; where the hold time went):"
+            "table replaces by agent (largest table; where the hold time went):"
         )?;
         for (agent, t) in &s.tables {
             let largest = t
@@ -132,7 +149,7 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
             } else {
                 "userspace"
             };
-            writeln!(
+            say!(
                 w,
                 "  {agent}: {largest}; {} holds: kernel {}, userspace {} (mostly {slowest})",
                 t.holds,
@@ -143,9 +160,10 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
     }
     if !s.nft.is_empty() {
         // The second lock: how big each agent's batches were.
-        writeln!(w, "\nnf_tables commits by agent (changes; largest batch):")?;
+        w.blank()?;
+        say!(w, "nf_tables commits by agent (changes; largest batch):")?;
         for (agent, n) in &s.nft {
-            writeln!(
+            say!(
                 w,
                 "  {agent}: {} commit{} in {}, {} changes; largest {}{} changes",
                 n.commits,
@@ -158,10 +176,10 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
         }
     }
     if s.holds.is_empty() && s.waits.is_empty() {
-        writeln!(w, "no lock activity seen")?;
+        say!(w, "no lock activity seen")?;
     }
     if s.lost_events > 0 {
-        writeln!(
+        say!(
             w,
             "!! {} events lost: the ring buffer was full; counts are lower bounds",
             s.lost_events
@@ -171,22 +189,24 @@ pub(crate) fn write_summary(w: &mut impl Write, s: &Summary, final_: bool) -> io
     write_ipvs(w, s)
 }
 
-fn write_ipvs(w: &mut impl Write, s: &Summary) -> io::Result<()> {
+fn write_ipvs(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if s.ipvs.is_empty() {
         return Ok(());
     }
-    writeln!(
-        w,
-        "
-ipvs backends:"
-    )?;
-    writeln!(
+    w.blank()?;
+    say!(w, "ipvs backends:")?;
+    say!(
         w,
         "  {:<5} {:<22} {:<22} {:>11} {:>11} {:>11}",
-        "proto", "service", "backend", "connections", "packets", "stale"
+        "proto",
+        "service",
+        "backend",
+        "connections",
+        "packets",
+        "stale"
     )?;
     for r in &s.ipvs {
-        writeln!(
+        say!(
             w,
             "  {:<5} {:<22} {:<22} {:>11} {:>11} {:>11}",
             r.protocol,
@@ -200,13 +220,14 @@ ipvs backends:"
     Ok(())
 }
 
-fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {
+fn write_drops(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     let d = &s.drops;
     let ct = &d.conntrack;
     if d.total == 0 && ct.is_zero() && d.conntrack_max_fill_pct == 0 {
         return Ok(());
     }
-    writeln!(w, "\npacket drops: {} in all", thousands(d.total))?;
+    w.blank()?;
+    say!(w, "packet drops: {} in all", thousands(d.total))?;
     let netns = |n: u32| {
         if n != 0 && n == s.host_netns {
             "host".to_string()
@@ -245,27 +266,27 @@ fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {
         ),
     ] {
         if !items.is_empty() {
-            writeln!(w, "  {title}: {}", list(items))?;
+            say!(w, "  {title}: {}", list(items))?;
         }
     }
-    writeln!(
+    say!(
         w,
         "  {} during lock holds; {} sampled",
         thousands(d.during_holds),
         thousands(d.samples)
     )?;
     for h in &d.worst_holds {
-        writeln!(w, "  {}", hold_drops_text(h).trim_start_matches("!! "))?;
+        say!(w, "  {}", hold_drops_text(h).trim_start_matches("!! "))?;
     }
     if d.overflow > 0 {
-        writeln!(
+        say!(
             w,
             "  !! {} drops counted without reason or place (the kernel's key map was full)",
             thousands(d.overflow)
         )?;
     }
     if !ct.is_zero() || d.conntrack_max_fill_pct > 0 {
-        writeln!(
+        say!(
             w,
             "conntrack: {} dropped (table full), {} insert failed, {} early drops, {} invalid; \
              fullest table {}%{}",
@@ -287,7 +308,7 @@ fn write_drops(w: &mut impl Write, s: &Summary) -> io::Result<()> {
             .iter()
             .map(|(c, n)| format!("{} {}", thousands(*n), c.describe()))
             .collect();
-        writeln!(
+        say!(
             w,
             "conntrack refused (seen in its own functions): {}",
             parts.join(", ")
