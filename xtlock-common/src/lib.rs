@@ -235,12 +235,18 @@ pub struct TableReplaceEvent {
     /// (`num_entries` and `size` of `*_SO_GET_INFO` as the kernel answered, `size` of
     /// `*_SO_GET_ENTRIES` as asked). Records of versions before the reads have 0 here.
     pub dir: u32,
+    // Appended: records of older versions end here (`TABLE_REPLACE_V2_LEN` bytes).
+    /// Inode of the calling task's network namespace (whose tables it wrote); 0 when unknown.
+    pub netns: u32,
+    pub _pad2: u32,
 }
 
 pub const SOCKOPT_GET: u32 = 1;
 
 /// Length of a [`TableReplaceEvent`] as versions before the table head wrote it.
 pub const TABLE_REPLACE_V1_LEN: usize = 56;
+/// ...and as versions before the netns wrote it.
+pub const TABLE_REPLACE_V2_LEN: usize = 104;
 /// `XT_TABLE_MAXNAMELEN` (and `EBT_TABLE_MAXNAMELEN`).
 pub const XT_TABLE_MAXNAMELEN: usize = 32;
 
@@ -865,10 +871,14 @@ mod tests {
         assert_eq!(size_of::<ExitEvent>(), 48);
         // Grown only at its end (the table head): a reader of either version reads the
         // other's records (`TABLE_REPLACE_V1_LEN`).
-        assert_eq!(size_of::<TableReplaceEvent>(), 104);
+        assert_eq!(size_of::<TableReplaceEvent>(), 112);
         assert_eq!(
             core::mem::offset_of!(TableReplaceEvent, table),
             TABLE_REPLACE_V1_LEN
+        );
+        assert_eq!(
+            core::mem::offset_of!(TableReplaceEvent, netns),
+            TABLE_REPLACE_V2_LEN
         );
         assert_eq!(size_of::<LockKey>(), 16);
         assert_eq!(size_of::<WatchedSlot>(), 16);

@@ -169,3 +169,22 @@ pub fn count_in<K>(map: &PerCpuHashMap<K, u64>, overflow: &PerCpuArray<u64>, key
         unsafe { *n += 1 };
     }
 }
+
+/// Inode of the current task's network namespace; 0 when the offsets are unknown.
+#[inline(always)]
+pub fn current_netns() -> u32 {
+    if cfg(|c| &c.task_ok) == 0 {
+        return 0;
+    }
+    // SAFETY: plain helper call.
+    let task = unsafe { aya_ebpf::helpers::bpf_get_current_task() };
+    let nsproxy: u64 = kread(task, cfg(|c| &c.task_nsproxy) as u32).unwrap_or(0);
+    if nsproxy == 0 {
+        return 0;
+    }
+    let net: u64 = kread(nsproxy, cfg(|c| &c.nsproxy_net_ns) as u32).unwrap_or(0);
+    if net == 0 {
+        return 0;
+    }
+    kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
+}

@@ -327,6 +327,8 @@ impl<W: io::Write> Gen<W> {
             size: optlen,
             head_ok: 1,
             dir: 0,
+            netns: 4026531840,
+            _pad2: 0,
         })
     }
 

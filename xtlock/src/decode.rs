@@ -169,18 +169,21 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
             need(kind, b, common::TABLE_REPLACE_V1_LEN)?;
             use std::mem::offset_of;
             type E = common::TableReplaceEvent;
-            let head_recorded = b.len() >= sizes::TABLE_REPLACE;
-            let head = if head_recorded {
-                let e: E = read(b);
-                (e.head_ok != 0).then(|| {
-                    Box::new(TableHead {
-                        name: e.table,
-                        entries: e.num_entries,
-                        bytes: e.size,
-                    })
-                })
+            let head_recorded = b.len() >= common::TABLE_REPLACE_V2_LEN;
+            let head = if head_recorded && read::<u32>(&b[offset_of!(E, head_ok)..]) != 0 {
+                Some(Box::new(TableHead {
+                    name: read(&b[offset_of!(E, table)..]),
+                    entries: read(&b[offset_of!(E, num_entries)..]),
+                    bytes: read(&b[offset_of!(E, size)..]),
+                }))
             } else {
                 None
+            };
+            // Records of versions before it: unknown.
+            let netns = if b.len() >= sizes::TABLE_REPLACE {
+                read(&b[offset_of!(E, netns)..])
+            } else {
+                0
             };
             Event::TableReplace(TableReplaceEvent {
                 ts_ns: hdr.ts_ns,
@@ -194,6 +197,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 head,
                 head_recorded,
                 read: head_recorded && read::<u32>(&b[offset_of!(E, dir)..]) == common::SOCKOPT_GET,
+                netns,
             })
         }
         K::NftCommit => {

@@ -293,6 +293,8 @@ pub struct TableReplaceEvent {
     pub head_recorded: bool,
     /// A `getsockopt` table read (`*_SO_GET_INFO`, `*_SO_GET_ENTRIES`), not a set.
     pub read: bool,
+    /// Inode of the caller's network namespace; 0 when unknown (older captures).
+    pub netns: u32,
 }
 
 /// Which table a replace (or counter update) was for, and how big the new table was.

@@ -14,7 +14,7 @@
 //! the kernel's BTF (read by userspace).
 use aya_ebpf::{
     cty::{c_long, c_void},
-    helpers::{bpf_get_current_comm, bpf_get_current_task, bpf_loop, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_comm, bpf_loop, bpf_probe_read_kernel},
     macros::{fentry, fexit, kprobe, kretprobe},
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext},
 };
@@ -25,7 +25,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, header, ids, kread, now, output},
+    emit::{current_netns, header, ids, kread, now, output},
     NFT_CONFIG, NFT_INFLIGHT,
 };
 
@@ -45,25 +45,6 @@ pub struct NftEnter {
 
 /// `nft_msg_slots()`, in read-only data: the walk indexes it by message type.
 static NFT_MSG_SLOTS: [u8; 4096] = nft_msg_slots();
-
-/// Inode of the current task's network namespace; 0 when the offsets are unknown.
-#[inline(always)]
-fn current_netns() -> u32 {
-    if cfg(|c| &c.task_ok) == 0 {
-        return 0;
-    }
-    // SAFETY: plain helper call.
-    let task = unsafe { bpf_get_current_task() };
-    let nsproxy: u64 = kread(task, cfg(|c| &c.task_nsproxy) as u32).unwrap_or(0);
-    if nsproxy == 0 {
-        return 0;
-    }
-    let net: u64 = kread(nsproxy, cfg(|c| &c.nsproxy_net_ns) as u32).unwrap_or(0);
-    if net == 0 {
-        return 0;
-    }
-    kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
-}
 
 /// The batch's bytes: its `sk_buff`'s data and length.
 #[inline(always)]

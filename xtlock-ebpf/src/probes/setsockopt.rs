@@ -12,7 +12,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, field, header, ids, now, output, syscall_arg},
+    emit::{cfg, current_netns, field, header, ids, now, output, syscall_arg},
     SOCKOPT_INFLIGHT,
 };
 
@@ -206,6 +206,8 @@ pub(crate) fn exit(ret: i64) {
         size,
         head_ok,
         dir: enter.dir,
+        netns: current_netns(),
+        _pad2: 0,
     };
     output(&ev);
 }

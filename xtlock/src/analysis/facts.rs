@@ -42,6 +42,10 @@ pub enum Output {
     ConntrackRefused(ConntrackRefusedFact),
     /// An agent's restores stopped completing (or completed again).
     Stall(StallFact),
+    /// Rules written: a legacy table replace or an nf_tables batch, by whom and where.
+    RuleWrite(RuleWriteFact),
+    /// Both iptables backends hold rules written in one network namespace.
+    MixedBackends(MixedBackendsFact),
 }
 
 impl Output {
@@ -58,6 +62,8 @@ impl Output {
             Output::Drop(d) => d.ts_ns,
             Output::ConntrackRefused(c) => c.ts_ns,
             Output::Stall(s) => s.ts_ns,
+            Output::MixedBackends(m) => m.ts_ns,
+            Output::RuleWrite(w) => w.ts_ns,
             Output::DropCount(d) => d.ts_ns,
             Output::Conntrack(c) => c.ts_ns,
             Output::HoldDrops(h) => h.start_ns,
@@ -286,6 +292,40 @@ pub struct StallFact {
     /// `restore_hung` and its end `restore_ended`: the restore that hangs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub restore: Option<HungRestore>,
+}
+
+/// One rule write.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RuleWriteFact {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub agent: SharedStr,
+    pub backend: super::iptables_run::Backend,
+    /// The writing program as exec'd (`iptables-legacy-restore`, `nft`, ...).
+    pub program: String,
+    /// Inode of the netns written; 0 when unknown.
+    pub netns: u32,
+    /// Legacy: `family:table` replaced (e.g. `ip:filter`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub table: Option<String>,
+}
+
+/// Rules written through both iptables backends in one network namespace: legacy
+/// (`setsockopt` table replaces) and nf_tables (netlink batches). Each backend's
+/// `iptables-save` shows only its own; both sets of rules are in force.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct MixedBackendsFact {
+    /// The write that made it so (or, in the summary, the last one seen).
+    pub ts_ns: u64,
+    /// Inode of the network namespace.
+    pub netns: u32,
+    /// Who writes through each: `agent (program)`.
+    pub legacy: Vec<String>,
+    pub nft: Vec<String>,
+    /// The writer of that write.
+    pub agent: String,
+    pub pid: u32,
+    pub backend: super::iptables_run::Backend,
 }
 
 /// A restore that runs far longer than its agent's restores do.

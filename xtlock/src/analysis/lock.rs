@@ -1793,7 +1793,7 @@ fn hold_fact(
 }
 
 /// What a table replace (or counter update) says of its table.
-fn table_touch(t: &TableReplaceEvent, kernel_ns: u64) -> TableTouch {
+pub(crate) fn table_touch(t: &TableReplaceEvent, kernel_ns: u64) -> TableTouch {
     use xtlock_common::{
         EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IPV6, XT_SO_GET_INFO, XT_SO_SET_REPLACE,
     };

@@ -13,6 +13,7 @@ pub mod iptables_run;
 pub mod ipvs;
 pub mod lock;
 pub mod procs;
+pub mod rules;
 pub mod stats;
 
 use attribution::{is_xtables_comm, is_xtables_tool, Attributor};
@@ -22,8 +23,8 @@ use drops::DropTracker;
 pub use facts::{
     ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
     ExitFact, FailedTryFact, HoldDropsFact, HoldFact, HoldRef, HolderRef, HungRestore,
-    IpvsCountFact, IpvsFact, LostFact, Output, PacketInfo, StallFact, TableTouch, TimeoutFact,
-    WaitFact, WaitMode, WaitOutcome,
+    IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output, PacketInfo, RuleWriteFact,
+    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;
@@ -51,6 +52,7 @@ pub struct Analyzer {
     locks: LockMachine,
     stats: Stats,
     cadence: Cadence,
+    rules: rules::RuleTracker,
     drops: DropTracker,
     ipvs: IpvsTracker,
 }
@@ -63,6 +65,7 @@ impl Analyzer {
             locks: LockMachine::new(locks),
             stats: Stats::new(),
             cadence: Cadence::default(),
+            rules: rules::RuleTracker::default(),
             drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
             ipvs: IpvsTracker::new(),
         }
@@ -230,6 +233,8 @@ impl Analyzer {
                     attr: &mut self.attr,
                 };
                 self.locks.handle(ev, &mut cx, &mut emit);
+                self.rules
+                    .on_event(ev, &self.procs, &mut self.attr, &mut emit);
             }
         }
     }
@@ -269,6 +274,16 @@ impl Analyzer {
         s.drops = self.drops.summary();
         s.host_netns = self.drops.host_netns();
         s.syncs = self.cadence.summary();
+        s.rule_writes = self
+            .rules
+            .by_agent()
+            .map(|(agent, backend, w)| stats::RuleWriteRow {
+                agent: agent.to_owned(),
+                backend,
+                writes: w.clone(),
+            })
+            .collect();
+        s.mixed_backends = self.rules.mixed().cloned().collect();
         s.over_bounds = self
             .locks
             .over_bounds()

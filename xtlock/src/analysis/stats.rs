@@ -170,6 +170,21 @@ pub struct Summary {
     /// Per agent that ran iptables-restore: its sync cadence. Absent when none did.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub syncs: BTreeMap<String, super::cadence::SyncSummary>,
+    /// Rule writes per agent and backend (`legacy`, `nft`). Absent when none was seen.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rule_writes: Vec<RuleWriteRow>,
+    /// Network namespaces whose rules were written through both backends.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mixed_backends: Vec<super::facts::MixedBackendsFact>,
+}
+
+/// One agent's rule writes through one backend.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RuleWriteRow {
+    pub agent: String,
+    pub backend: super::iptables_run::Backend,
+    #[serde(flatten)]
+    pub writes: super::rules::RuleWrites,
 }
 
 /// What one agent's table replaces came to.
@@ -367,6 +382,8 @@ impl Stats {
             | Output::Conntrack(_)
             | Output::HoldDrops(_)
             | Output::Stall(_) => {}
+            // Counted by the rule tracker.
+            Output::MixedBackends(_) | Output::RuleWrite(_) => {}
             // Counted by the IPVS tracker.
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
         }
@@ -453,6 +470,8 @@ impl Stats {
             tables: self.tables.clone(),
             nft: self.nft.clone(),
             syncs: BTreeMap::new(),
+            rule_writes: Vec::new(),
+            mixed_backends: Vec::new(),
         }
     }
 }

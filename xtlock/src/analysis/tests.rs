@@ -76,6 +76,7 @@ fn replace(ts: u64, enter: u64, pid: u32) -> Event {
         head: None,
         head_recorded: true,
         read: false,
+        netns: 0,
     })
 }
 /// An `xt_replace_table` call of `pid`, from `enter` to `ts`.
@@ -1403,10 +1404,15 @@ fn lock_events_without_facts_do_not_allocate() {
         rel(200, 100, "kube-proxy", 0xA),
     ]);
     let before = r.out.len();
+    // A counter update: a replace is a rule write now, a fact of its own.
+    let mut counters = replace(302, 301, 40);
+    if let Event::TableReplace(t) = &mut counters {
+        t.optname = xtlock_common::XT_SO_SET_ADD_COUNTERS;
+    }
     let evs = [
         rel(300, 40, "calico-node", 0xB),
         call(301, 299, 40, 0xB, 0),
-        replace(302, 301, 40),
+        counters,
     ];
     let mut n = 0;
     let allocs = alloc_count::count(|| {
@@ -1640,4 +1646,138 @@ fn restores_by_any_name_and_a_hung_one() {
         assert_eq!((s[3].stalled, s[3].reason), (false, "restore_ended"));
         assert_eq!(r.a.summary().syncs[&"calico-node".to_string()].syncs, 5);
     }
+}
+
+fn nft_commit(ts: u64, pid: u32, netns: u32, changes: u32) -> Event {
+    Event::NftCommit(crate::decode::NftCommitEvent {
+        ts_ns: ts,
+        enter_ns: ts - MS,
+        tgid: pid,
+        tid: pid,
+        netns,
+        comm: Comm::new("iptables-nft-re"),
+        batch: Some(Box::new(crate::decode::NftBatch {
+            status: "complete",
+            added: [0, 0, changes, 0, 0, 0, 0, 0],
+            deleted: [0; 8],
+        })),
+    })
+}
+
+fn legacy_replace(ts: u64, pid: u32, netns: u32) -> Event {
+    let mut name = [0u8; xtlock_common::XT_TABLE_MAXNAMELEN];
+    name[..6].copy_from_slice(b"filter");
+    Event::TableReplace(TableReplaceEvent {
+        ts_ns: ts,
+        enter_ns: ts - 10_000,
+        tgid: pid,
+        tid: pid,
+        level: xtlock_common::SOL_IP,
+        optname: xtlock_common::XT_SO_SET_REPLACE,
+        optlen: 1000,
+        ret: 0,
+        head: Some(Box::new(crate::decode::TableHead {
+            name,
+            entries: 6,
+            bytes: 1000,
+        })),
+        head_recorded: true,
+        read: false,
+        netns,
+    })
+}
+
+/// kube-proxy writes through nf_tables and calico-node through legacy xtables in one netns:
+/// each write is counted per agent and backend, and the netns is said once as holding both.
+/// Another netns written by one backend only, a failed replace, a table read and an empty
+/// batch are not mixed writes.
+#[test]
+fn both_backends_in_one_netns_are_said_once() {
+    const NS: u32 = 4026532001;
+    const OTHER: u32 = 4026532002;
+    let mut r = Run::new();
+    r.feed(&node());
+    r.feed(&spawn(
+        MS,
+        100,
+        500,
+        "kube-proxy",
+        &["iptables-nft-restore", "-w"],
+    ))
+    .feed(&[
+        nft_commit(2 * MS, 500, NS, 40),
+        nft_commit(3 * MS, 500, NS, 0),
+    ]);
+    r.feed(&spawn(
+        4 * MS,
+        40,
+        600,
+        "calico-node",
+        &["iptables-legacy", "-A", "X"],
+    ));
+    let mut failed = legacy_replace(5 * MS, 600, OTHER);
+    if let Event::TableReplace(t) = &mut failed {
+        t.ret = -1;
+    }
+    r.feed(&[failed]);
+    let mixed = |r: &Run| -> Vec<MixedBackendsFact> {
+        r.out
+            .iter()
+            .filter_map(|o| match o {
+                Output::MixedBackends(m) => Some(m.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    assert!(mixed(&r).is_empty(), "{:?}", r.out);
+    r.feed(&[legacy_replace(6 * MS, 600, OTHER)]);
+    assert!(mixed(&r).is_empty(), "another netns: {:?}", mixed(&r));
+    r.feed(&[
+        legacy_replace(7 * MS, 600, NS),
+        legacy_replace(8 * MS, 600, NS),
+    ]);
+    let m = mixed(&r);
+    assert_eq!(m.len(), 1, "{m:?}");
+    assert_eq!(m[0].netns, NS);
+    assert_eq!(
+        m[0].legacy,
+        vec!["calico-node (iptables-legacy)".to_string()]
+    );
+    assert_eq!(
+        m[0].nft,
+        vec!["kube-proxy (iptables-nft-restore)".to_string()]
+    );
+    let writes: Vec<(String, &str, u32)> = r
+        .out
+        .iter()
+        .filter_map(|o| match o {
+            Output::RuleWrite(w) => Some((w.agent.to_string(), w.backend.as_str(), w.netns)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        writes,
+        vec![
+            ("kube-proxy".to_string(), "nft", NS),
+            ("calico-node".to_string(), "legacy", OTHER),
+            ("calico-node".to_string(), "legacy", NS),
+            ("calico-node".to_string(), "legacy", NS),
+        ]
+    );
+    let s = r.a.summary();
+    let rows: Vec<(&str, &str, u64)> = s
+        .rule_writes
+        .iter()
+        .map(|w| (w.agent.as_str(), w.backend.as_str(), w.writes.writes))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![("calico-node", "legacy", 3), ("kube-proxy", "nft", 1)]
+    );
+    assert_eq!(s.mixed_backends.len(), 1);
+    let text = crate::sinks::terminal::mixed_backends_text(&m[0], 0);
+    assert!(
+        text.contains("both iptables backends hold rules in netns 4026532001: legacy (xtables) written by calico-node (iptables-legacy); nf_tables by kube-proxy (iptables-nft-restore)"),
+        "{text}"
+    );
 }

@@ -226,6 +226,8 @@ fn mixed_ops() -> Vec<Op> {
                 size: 4000,
                 head_ok: 1,
                 dir: 0,
+                netns: 0,
+                _pad2: 0,
             }),
         };
         ops.push(Op::Kernel(ev));

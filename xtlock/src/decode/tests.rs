@@ -279,6 +279,8 @@ fn table_replace_with_and_without_its_head() {
         size: 21112,
         head_ok: 1,
         dir: 0,
+        netns: 4026531840,
+        _pad2: 0,
     };
     let b = bytes(&e);
     let Event::TableReplace(t) = decode(&b).unwrap() else {
@@ -290,9 +292,14 @@ fn table_replace_with_and_without_its_head() {
         ("nat".into(), 107, 21112)
     );
     assert_eq!(
-        (t.enter_ns, t.optlen, t.tid, t.read),
-        (1000, 4096, 6, false)
+        (t.enter_ns, t.optlen, t.tid, t.read, t.netns),
+        (1000, 4096, 6, false, 4026531840)
     );
+    // A record from before the netns: the head, netns unknown.
+    let Event::TableReplace(v2) = decode(&b[..common::TABLE_REPLACE_V2_LEN]).unwrap() else {
+        panic!("not a table replace");
+    };
+    assert_eq!((v2.head, v2.netns), (t.head.clone(), 0));
     let Event::TableReplace(old) = decode(&b[..common::TABLE_REPLACE_V1_LEN]).unwrap() else {
         panic!("not a table replace");
     };

@@ -137,6 +137,13 @@ pub struct TableLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabels {
+    pub agent: String,
+    /// `legacy` or `nft`.
+    pub backend: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NftChangeLabels {
     pub agent: String,
     /// `tables`, `chains`, `rules`, `sets`, `elements`, `objects`, `flowtables`, `other`.
@@ -234,6 +241,8 @@ pub struct Metrics {
     pub hold_phase: Hist<PhaseLabels>,
     pub sync_stalled: Family<AgentLabels, Gauge>,
     pub syncs: Family<AgentLabels, Counter>,
+    pub rule_writes: Family<BackendLabels, Counter>,
+    pub mixed_backend_netns: Gauge,
     pub table_entries: Family<TableLabels, Gauge>,
     pub nft_changes: Family<NftChangeLabels, Counter>,
     pub drops: Family<DropLabels, Counter>,
@@ -364,6 +373,20 @@ impl Metrics {
             "iptables-restore runs that completed (exit 0), per agent: its sync cadence",
             syncs.clone(),
         );
+        let rule_writes = Family::<BackendLabels, Counter>::default();
+        r.register(
+            "rule_writes",
+            "Rule writes per agent and backend: legacy (xtables table replaces) or nft \
+             (nf_tables batch commits)",
+            rule_writes.clone(),
+        );
+        let mixed_backend_netns = Gauge::default();
+        r.register(
+            "mixed_backend_netns",
+            "Network namespaces whose rules were written through both iptables backends \
+             (legacy and nf_tables) since start: each backend's iptables-save hides the other's",
+            mixed_backend_netns.clone(),
+        );
         let table_entries = Family::<TableLabels, Gauge>::default();
         r.register(
             "table_entries",
@@ -490,6 +513,8 @@ impl Metrics {
             hold_phase,
             sync_stalled,
             syncs,
+            rule_writes,
+            mixed_backend_netns,
             table_entries,
             nft_changes,
             drops,
@@ -769,6 +794,16 @@ impl Sink for MetricsSink {
                 if e.code == Some(0) {
                     self.m.syncs.get_or_create(&l).inc();
                 }
+            }
+            Output::RuleWrite(w) => {
+                let l = BackendLabels {
+                    agent: self.agent(&w.agent),
+                    backend: w.backend.as_str(),
+                };
+                self.m.rule_writes.get_or_create(&l).inc();
+            }
+            Output::MixedBackends(_) => {
+                self.m.mixed_backend_netns.inc();
             }
             Output::Stall(st) => {
                 let l = AgentLabels {

@@ -386,6 +386,13 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 },
                 serde_json::to_value(st).unwrap_or(Value::Null),
             ),
+            Output::MixedBackends(m) => self.instant(
+                m.ts_ns,
+                m.pid,
+                &m.agent,
+                super::terminal::mixed_backends_text(m, 0),
+                serde_json::to_value(m).unwrap_or(Value::Null),
+            ),
             _ => Ok(()),
         }
     }

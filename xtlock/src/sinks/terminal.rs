@@ -11,7 +11,7 @@ mod summary;
 use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
-pub(crate) use lines::{hold_drops_text, ipvs_text};
+pub(crate) use lines::{hold_drops_text, ipvs_text, mixed_backends_text};
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
 pub use safe::{escaped, SafeLogWriter};
@@ -305,6 +305,10 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::Ipvs(i) => Some(ipvs_text(i)),
                 // Per second and per backend: too many lines; the summary has the totals.
                 Output::IpvsCount(_) => None,
+                // The host's netns is named in the summary; here its number.
+                Output::MixedBackends(m) => Some(mixed_backends_text(m, 0)),
+                // One per iptables command: the summary counts them per agent and backend.
+                Output::RuleWrite(_) => None,
             };
         if let Some(text) = text {
             self.flush_run()?;

@@ -633,3 +633,23 @@ pub(crate) fn stall_text(s: &StallFact) -> String {
         ),
     }
 }
+
+/// `netns 4026531840`, or `the host's netns`.
+pub(crate) fn netns_text(netns: u32, host: u32) -> String {
+    if netns != 0 && netns == host {
+        "the host's netns".into()
+    } else {
+        format!("netns {netns}")
+    }
+}
+
+/// Both backends hold rules in one netns: who writes where.
+pub(crate) fn mixed_backends_text(m: &crate::analysis::MixedBackendsFact, host: u32) -> String {
+    format!(
+        "!! both iptables backends hold rules in {}: legacy (xtables) written by {}; \
+         nf_tables by {}: each backend's iptables-save shows only its own rules",
+        netns_text(m.netns, host),
+        m.legacy.join(", "),
+        m.nft.join(", ")
+    )
+}

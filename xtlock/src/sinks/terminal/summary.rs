@@ -175,6 +175,32 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    if !s.rule_writes.is_empty() {
+        // Which backend each agent's rules go through.
+        w.blank()?;
+        say!(w, "rule writes by agent and backend:")?;
+        for r in &s.rule_writes {
+            let tables: Vec<&str> = r.writes.tables.iter().map(String::as_str).collect();
+            let programs: Vec<&str> = r.writes.programs.iter().map(String::as_str).collect();
+            say!(
+                w,
+                "  {} {}: {} write{} by {}{}",
+                r.agent,
+                r.backend.as_str(),
+                thousands(r.writes.writes),
+                if r.writes.writes == 1 { "" } else { "s" },
+                programs.join(", "),
+                if tables.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", tables.join(", "))
+                }
+            )?;
+        }
+    }
+    for m in &s.mixed_backends {
+        say!(w, "{}", super::lines::mixed_backends_text(m, s.host_netns))?;
+    }
     if s.holds.is_empty() && s.waits.is_empty() {
         say!(w, "no lock activity seen")?;
     }
