@@ -45,6 +45,7 @@ pub mod manifest;
 mod measure;
 mod node_fs;
 mod privileges;
+mod promql;
 
 use engine::{in_netns, Engine, Netns};
 use manifest::{PodRun, Without};
