@@ -815,22 +815,17 @@ fn contention_run(node: &Node, pod: &PodRun, root: &Path) -> Result<String> {
     // (hostPID): they are checked as increases over the scenario.
     let before = node.scrape(pod)?;
     let ino = lock_inode()?;
-    let restore = Restore::start(node)?;
-    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
-    let cn_spawned = Instant::now();
-    let mut calico = calico_adds_drop_rule(node)?;
-    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
-    kubelet_gives_up(node)?;
-    std::thread::sleep(Duration::from_millis(300));
-    let (first_write, kp_spawned) = (restore.first_write, restore.spawned);
-    let (commit_at, kp_status, kp_exit) = restore.commit()?;
-    ensure!(kp_status == 0, "the restore failed ({kp_status})");
-    let cn_status = calico.wait()?.code().unwrap_or(-1);
-    let cn_exit = Instant::now();
-    ensure!(
-        cn_status == 0,
-        "calico-node's iptables -w failed ({cn_status})"
-    );
+    let Round {
+        kp_spawned,
+        first_write,
+        kp_seen,
+        commit_at,
+        kp_exit,
+        cn_spawned,
+        cn_seen,
+        cn_exit,
+        ..
+    } = contention_round(node, pod, ino, || calico_adds_drop_rule(node))?;
 
     let sent = send_udp(node, DROPPED)?;
     let rule = rule_packets(&format!("dpt:{DROP_PORT}"))?;
@@ -1067,6 +1062,58 @@ fn contention_run(node: &Node, pod: &PodRun, root: &Path) -> Result<String> {
     ))
 }
 
+/// When each step of a contention round happened, and /metrics during its hold.
+struct Round {
+    kp_spawned: Instant,
+    first_write: Instant,
+    kp_seen: Instant,
+    commit_at: Instant,
+    kp_exit: Instant,
+    cn_spawned: Instant,
+    cn_seen: Instant,
+    cn_exit: Instant,
+    during_hold: String,
+}
+
+/// kube-proxy's restore holds the lock while calico-node's `iptables -w` (started by
+/// `calico`) waits and kubelet's `-w 1` gives up; then the restore commits and calico-node
+/// goes on. Both must succeed.
+fn contention_round(
+    node: &Node,
+    pod: &PodRun,
+    ino: u64,
+    calico: impl FnOnce() -> Result<Child>,
+) -> Result<Round> {
+    let restore = Restore::start(node)?;
+    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
+    let cn_spawned = Instant::now();
+    let mut calico = calico()?;
+    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
+    kubelet_gives_up(node)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, during_hold) = node.get(pod, "/metrics")?;
+    let (first_write, kp_spawned) = (restore.first_write, restore.spawned);
+    let (commit_at, kp_status, kp_exit) = restore.commit()?;
+    ensure!(kp_status == 0, "the restore failed ({kp_status})");
+    let cn_status = calico.wait()?.code().unwrap_or(-1);
+    let cn_exit = Instant::now();
+    ensure!(
+        cn_status == 0,
+        "calico-node's iptables -w failed ({cn_status})"
+    );
+    Ok(Round {
+        kp_spawned,
+        first_write,
+        kp_seen,
+        commit_at,
+        kp_exit,
+        cn_spawned,
+        cn_seen,
+        cn_exit,
+        during_hold,
+    })
+}
+
 /// A second round of the contention (the first made the series: a counter's first step is
 /// invisible to rate()), then what Prometheus made of it through the recording rules and the
 /// alerts: (passed, what) per check, and /metrics as it was during the hold.
@@ -1077,25 +1124,18 @@ fn fleet_run(
     ino: u64,
 ) -> Result<(Vec<(bool, String)>, String)> {
     let before = node.scrape(pod)?;
-    let restore = Restore::start(node)?;
-    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
-    let cn_spawned = Instant::now();
-    let mut calico = agent_iptables(node, "calico-node", &["-w", "-L", "INPUT", "-n"])?;
-    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
-    kubelet_gives_up(node)?;
-    std::thread::sleep(Duration::from_millis(300));
-    let (_, during_hold) = node.get(pod, "/metrics")?;
-    let first_write = restore.first_write;
-    let (commit_at, kp_status, kp_exit) = restore.commit()?;
-    ensure!(kp_status == 0, "the second restore failed ({kp_status})");
-    let cn_status = calico.wait()?.code().unwrap_or(-1);
-    let cn_exit = Instant::now();
-    ensure!(
-        cn_status == 0,
-        "calico-node's iptables -w -L failed ({cn_status})"
+    let r = contention_round(node, pod, ino, || {
+        agent_iptables(node, "calico-node", &["-w", "-L", "INPUT", "-n"])
+    })?;
+    let (hlo, hhi) = (
+        secs(r.commit_at - r.kp_seen),
+        secs(r.kp_exit - r.first_write),
     );
-    let (hlo, hhi) = (secs(commit_at - kp_seen), secs(kp_exit - first_write));
-    let (wlo, whi) = (secs(commit_at - cn_seen), secs(cn_exit - cn_spawned));
+    let (wlo, whi) = (
+        secs(r.commit_at - r.cn_seen),
+        secs(r.cn_exit - r.cn_spawned),
+    );
+    let during_hold = r.during_hold;
 
     let mut out = Vec::new();
     let node_l = format!("node=\"{}\"", prom::NODE_NAME);
