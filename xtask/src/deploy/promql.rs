@@ -355,6 +355,43 @@ mod tests {
         }
     }
 
+    /// The dashboards link to each other by uid (`/d/UID/...`): every link names a dashboard
+    /// of deploy/grafana, and every panel queries the `datasource` variable.
+    #[test]
+    fn dashboard_links_and_datasources_resolve() {
+        let deploy = crate::sh::workspace_root().join("deploy");
+        let dashboards: Vec<Value> = dashboards(&deploy)
+            .expect("deploy/grafana")
+            .iter()
+            .map(|p| serde_json::from_str(&fs::read_to_string(p).expect("read")).expect("JSON"))
+            .collect();
+        let uids: BTreeSet<&str> = dashboards
+            .iter()
+            .filter_map(|d| d["uid"].as_str())
+            .collect();
+        assert_eq!(
+            uids.len(),
+            dashboards.len(),
+            "each dashboard has its own uid"
+        );
+        for d in &dashboards {
+            let text = d.to_string();
+            for part in text.split("/d/").skip(1) {
+                let uid = part.split('/').next().unwrap_or_default();
+                assert!(
+                    uids.contains(uid),
+                    "{}: link to unknown uid {uid}",
+                    d["uid"]
+                );
+            }
+            for p in d["panels"].as_array().expect("panels") {
+                if p["type"] != "row" {
+                    assert_eq!(p["datasource"]["uid"], "${datasource}", "{}", p["title"]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn names_come_from_the_exposition_and_the_rules() {
         let e =
