@@ -52,17 +52,21 @@ pub fn run(root: &Path) -> Result<String> {
     );
 
     let alerts = deploy.join("alerts.yaml");
+    let recording = deploy.join("recording-rules.yaml");
     sh::run(
         Command::new("promtool")
             .args(["check", "rules"])
-            .arg(&alerts),
+            .arg(&alerts)
+            .arg(&recording),
     )?;
     sh::run(Command::new("promtool").current_dir(&deploy).args([
         "test",
         "rules",
         "alerts.test.yaml",
+        "recording-rules.test.yaml",
     ]))?;
-    same_groups(&alerts, &deploy.join("prometheusrule.yaml"))?;
+    every_rule_tested(&recording, &deploy.join("recording-rules.test.yaml"))?;
+    same_groups(&[&alerts, &recording], &deploy.join("prometheusrule.yaml"))?;
     let names = alert_metrics(root, &alerts)?;
     Ok(format!(
         "manifest valid for Kubernetes {oldest} and {newest}, checkov: 0 failed, {} skipped \
@@ -151,19 +155,64 @@ fn checkov(checkov: &Path, file: &Path) -> Result<(Vec<String>, Vec<String>)> {
     Ok((failed, skipped))
 }
 
-/// The PrometheusRule's `spec.groups` are exactly alerts.yaml's `groups`.
-fn same_groups(alerts: &Path, rule: &Path) -> Result<()> {
-    let a = manifest::documents(&fs::read_to_string(alerts)?)?;
+/// The PrometheusRule's `spec.groups` are exactly the rule files' `groups`, in order.
+fn same_groups(files: &[&Path], rule: &Path) -> Result<()> {
+    let mut groups = Vec::new();
+    for f in files {
+        let docs = manifest::documents(&fs::read_to_string(f)?)?;
+        let g = docs
+            .first()
+            .and_then(|d| d["groups"].as_array())
+            .with_context(|| format!("{}: no groups", f.display()))?;
+        groups.extend(g.iter().cloned());
+    }
     let r = manifest::documents(&fs::read_to_string(rule)?)?;
-    let groups = &a.first().context("alerts.yaml is empty")?["groups"];
     let pr = r
         .iter()
         .find(|d| d["kind"] == "PrometheusRule")
         .context("no PrometheusRule in prometheusrule.yaml")?;
     ensure!(
-        groups.is_array() && &pr["spec"]["groups"] == groups,
-        "deploy/prometheusrule.yaml's spec.groups differ from deploy/alerts.yaml's groups: \
-         copy them over"
+        pr["spec"]["groups"] == Value::Array(groups),
+        "deploy/prometheusrule.yaml's spec.groups differ from the groups of {}: copy them over",
+        files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" and ")
+    );
+    Ok(())
+}
+
+/// Every recording rule is the `expr` of at least one `promql_expr_test` (an untested rule
+/// would pass `promtool test rules` unnoticed).
+fn every_rule_tested(rules: &Path, tests: &Path) -> Result<()> {
+    let r = manifest::documents(&fs::read_to_string(rules)?)?;
+    let t = manifest::documents(&fs::read_to_string(tests)?)?;
+    let tested: std::collections::BTreeSet<&str> = t
+        .first()
+        .and_then(|d| d["tests"].as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|test| test["promql_expr_test"].as_array())
+        .flatten()
+        .filter_map(|e| e["expr"].as_str())
+        .map(str::trim)
+        .collect();
+    let untested: Vec<&str> = r
+        .first()
+        .and_then(|d| d["groups"].as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|g| g["rules"].as_array())
+        .flatten()
+        .filter_map(|rule| rule["record"].as_str())
+        .filter(|name| !tested.contains(name))
+        .collect();
+    ensure!(
+        untested.is_empty(),
+        "recording rules without a promql_expr_test in {}: {}",
+        tests.display(),
+        untested.join(", ")
     );
     Ok(())
 }
@@ -172,17 +221,28 @@ fn same_groups(alerts: &Path, rule: &Path) -> Result<()> {
 /// xtlock/src/sinks/metrics.rs (a renamed metric would leave an alert silently empty).
 fn alert_metrics(root: &Path, alerts: &Path) -> Result<usize> {
     let text = fs::read_to_string(alerts)?;
-    let docs = fs::read_to_string(root.join("docs/metrics.md")).context("docs/metrics.md")?;
-    let src = fs::read_to_string(root.join("xtlock/src/sinks/metrics.rs"))
-        .context("xtlock/src/sinks/metrics.rs")?;
     let names = metric_names(&text);
     ensure!(
         !names.is_empty(),
         "no xtlock_ metric in {}",
         alerts.display()
     );
+    let bad = unknown_metrics(root, &names)?;
+    ensure!(bad.is_empty(), "deploy/alerts.yaml: {}", bad.join("; "));
+    Ok(names.len())
+}
+
+/// Of `names` (series names: `_bucket`, `_sum`, `_count` of histograms too), those not in
+/// docs/metrics.md's table or not registered in xtlock/src/sinks/metrics.rs, each with why.
+pub(super) fn unknown_metrics(
+    root: &Path,
+    names: &std::collections::BTreeSet<String>,
+) -> Result<Vec<String>> {
+    let docs = fs::read_to_string(root.join("docs/metrics.md")).context("docs/metrics.md")?;
+    let src = fs::read_to_string(root.join("xtlock/src/sinks/metrics.rs"))
+        .context("xtlock/src/sinks/metrics.rs")?;
     let mut bad = Vec::new();
-    for n in &names {
+    for n in names {
         let family = ["_bucket", "_sum", "_count"]
             .iter()
             .find_map(|s| n.strip_suffix(s))
@@ -204,8 +264,7 @@ fn alert_metrics(root: &Path, alerts: &Path) -> Result<usize> {
             ));
         }
     }
-    ensure!(bad.is_empty(), "deploy/alerts.yaml: {}", bad.join("; "));
-    Ok(names.len())
+    Ok(bad)
 }
 
 /// The distinct `xtlock_...` names in `text`.

@@ -13,6 +13,10 @@
 //!    calico-node's rule then drops UDP datagrams sent over a veth pair. `/metrics`, scraped
 //!    from the container, must show the hold, the waits with their holder, the timeout, the
 //!    execs and the drops, bracketed or counted exactly against what was done; `/readyz` 200.
+//!    The PromQL of deploy/'s rule files and dashboards parsed and its series checked against
+//!    that `/metrics` (`promql.rs`); a real Prometheus scraping the container with a node's
+//!    labels evaluates the rules, and after a second round of contention its recording rules
+//!    and a firing alert must say what the round made (`prom.rs`).
 //! 4. `podman stop` (SIGTERM, the manifest's grace period): exit 0 in time, and the capture
 //!    file on the node's record dir complete and replayable.
 //! 5. `kubectl debug node --profile=sysadmin` emulated (`debug_node.rs`): the image run
@@ -45,6 +49,8 @@ pub mod manifest;
 mod measure;
 mod node_fs;
 mod privileges;
+mod prom;
+mod promql;
 
 use engine::{in_netns, Engine, Netns};
 use manifest::{PodRun, Without};
@@ -768,10 +774,13 @@ fn secs(d: Duration) -> f64 {
 
 /// The main run: contention, a timeout, drops, metrics against what was done, readiness,
 /// SIGTERM and the capture file.
-fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
+fn contention_run(node: &Node, pod: &PodRun, root: &Path) -> Result<String> {
     let name = "xtlock";
     let record = record_dir(pod)?;
     let guard = CaptureGuard::new(&record);
+    let t = Instant::now();
+    let prom = prom::Prometheus::start(&node.work, &root.join("deploy"), pod.port)?;
+    println!("Prometheus ready in {:.1} s", secs(t.elapsed()));
     let started = Instant::now();
     node.run_container(name, pod, None)?;
     let ready = node.wait_ready(name, pod, Duration::from_secs(60));
@@ -786,27 +795,37 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
     println!("ready {:.2} s after podman run", secs(ready));
     let (code, body) = node.get(pod, &pod.liveness_path)?;
     ensure!(code == 200, "{} answered {code}: {body}", pod.liveness_path);
+    // Prometheus' first scrape comes up to 5 s after it starts (its target updates are
+    // batched): before it, the scenario's series would be born unseen.
+    let t = Instant::now();
+    let (up, _) = prom.until("up{job=\"xtlock\"} == 1", Duration::from_secs(20), |r| {
+        !r.is_empty()
+    })?;
+    ensure!(
+        up,
+        "Prometheus did not scrape the daemon in 20 s: {}",
+        prom.log()
+    );
+    println!(
+        "Prometheus scraped the daemon {:.1} s later",
+        secs(t.elapsed())
+    );
 
     // Counters not tied to the lock file count every process of that name on the machine
     // (hostPID): they are checked as increases over the scenario.
     let before = node.scrape(pod)?;
     let ino = lock_inode()?;
-    let restore = Restore::start(node)?;
-    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
-    let cn_spawned = Instant::now();
-    let mut calico = calico_adds_drop_rule(node)?;
-    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
-    kubelet_gives_up(node)?;
-    std::thread::sleep(Duration::from_millis(300));
-    let (first_write, kp_spawned) = (restore.first_write, restore.spawned);
-    let (commit_at, kp_status, kp_exit) = restore.commit()?;
-    ensure!(kp_status == 0, "the restore failed ({kp_status})");
-    let cn_status = calico.wait()?.code().unwrap_or(-1);
-    let cn_exit = Instant::now();
-    ensure!(
-        cn_status == 0,
-        "calico-node's iptables -w failed ({cn_status})"
-    );
+    let Round {
+        kp_spawned,
+        first_write,
+        kp_seen,
+        commit_at,
+        kp_exit,
+        cn_spawned,
+        cn_seen,
+        cn_exit,
+        ..
+    } = contention_round(node, pod, ino, || calico_adds_drop_rule(node))?;
 
     let sent = send_udp(node, DROPPED)?;
     let rule = rule_packets(&format!("dpt:{DROP_PORT}"))?;
@@ -955,6 +974,20 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
         format!("{} {rc} {}", pod.readiness_path, rb.trim()),
     );
 
+    let (_, exposition) = node.get(pod, "/metrics")?;
+    let t = Instant::now();
+    let (fleet, during_hold) = fleet_run(node, pod, &prom, ino)?;
+    for (ok, what) in fleet {
+        check(ok, what);
+    }
+    println!("the Prometheus round took {:.1} s", secs(t.elapsed()));
+    // The rules' and dashboards' PromQL against this daemon's own exposition, after the
+    // scenario and during a hold (the holder's series exists only then).
+    match promql::check(root, &[exposition, during_hold]) {
+        Ok(note) => check(true, note),
+        Err(e) => check(false, format!("{e:#}")),
+    }
+
     let (took, code) = node.stop(name, pod)?;
     check(
         code == 0 && took < pod.grace,
@@ -980,10 +1013,11 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
                 .to_owned();
             let v: Value = serde_json::from_str(&last).unwrap_or(Value::Null);
             let kp_holds = v["holds"]["kube-proxy"]["count"].as_u64();
+            // The restore's hold, and the second round's (fleet_run).
             let ok = out.status.success()
                 && !stderr.contains("WARN")
                 && v["type"] == "summary"
-                && kp_holds == Some(1);
+                && kp_holds == Some(2);
             println!(
                 "  capture {} ({size} bytes): report exit {}, kube-proxy holds {kp_holds:?}{}",
                 f.display(),
@@ -1026,4 +1060,178 @@ fn contention_run(node: &Node, pod: &PodRun, _root: &Path) -> Result<String> {
         secs(ready),
         secs(took)
     ))
+}
+
+/// When each step of a contention round happened, and /metrics during its hold.
+struct Round {
+    kp_spawned: Instant,
+    first_write: Instant,
+    kp_seen: Instant,
+    commit_at: Instant,
+    kp_exit: Instant,
+    cn_spawned: Instant,
+    cn_seen: Instant,
+    cn_exit: Instant,
+    during_hold: String,
+}
+
+/// kube-proxy's restore holds the lock while calico-node's `iptables -w` (started by
+/// `calico`) waits and kubelet's `-w 1` gives up; then the restore commits and calico-node
+/// goes on. Both must succeed.
+fn contention_round(
+    node: &Node,
+    pod: &PodRun,
+    ino: u64,
+    calico: impl FnOnce() -> Result<Child>,
+) -> Result<Round> {
+    let restore = Restore::start(node)?;
+    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
+    let cn_spawned = Instant::now();
+    let mut calico = calico()?;
+    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
+    kubelet_gives_up(node)?;
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, during_hold) = node.get(pod, "/metrics")?;
+    let (first_write, kp_spawned) = (restore.first_write, restore.spawned);
+    let (commit_at, kp_status, kp_exit) = restore.commit()?;
+    ensure!(kp_status == 0, "the restore failed ({kp_status})");
+    let cn_status = calico.wait()?.code().unwrap_or(-1);
+    let cn_exit = Instant::now();
+    ensure!(
+        cn_status == 0,
+        "calico-node's iptables -w failed ({cn_status})"
+    );
+    Ok(Round {
+        kp_spawned,
+        first_write,
+        kp_seen,
+        commit_at,
+        kp_exit,
+        cn_spawned,
+        cn_seen,
+        cn_exit,
+        during_hold,
+    })
+}
+
+/// A second round of the contention (the first made the series: a counter's first step is
+/// invisible to rate()), then what Prometheus made of it through the recording rules and the
+/// alerts: (passed, what) per check, and /metrics as it was during the hold.
+fn fleet_run(
+    node: &Node,
+    pod: &PodRun,
+    prom: &prom::Prometheus,
+    ino: u64,
+) -> Result<(Vec<(bool, String)>, String)> {
+    let before = node.scrape(pod)?;
+    let r = contention_round(node, pod, ino, || {
+        agent_iptables(node, "calico-node", &["-w", "-L", "INPUT", "-n"])
+    })?;
+    let (hlo, hhi) = (
+        secs(r.commit_at - r.kp_seen),
+        secs(r.kp_exit - r.first_write),
+    );
+    let (wlo, whi) = (
+        secs(r.commit_at - r.cn_seen),
+        secs(r.cn_exit - r.cn_spawned),
+    );
+    let during_hold = r.during_hold;
+
+    let mut out = Vec::new();
+    let node_l = format!("node=\"{}\"", prom::NODE_NAME);
+    let t = Duration::from_secs(20);
+    // The daemon's own count, straight from /metrics: the rule must agree with it.
+    let after = {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let m = node.scrape(pod)?;
+            let grown = m.sum("xtlock_lock_timeouts_total", &[("agent", "kubelet")])
+                > before.sum("xtlock_lock_timeouts_total", &[("agent", "kubelet")]);
+            if grown || Instant::now() > deadline {
+                break m;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let timeouts = after.sum("xtlock_lock_timeouts_total", &[("agent", "kubelet")]);
+    let grew = timeouts - before.sum("xtlock_lock_timeouts_total", &[("agent", "kubelet")]);
+    out.push((
+        grew == 1.0,
+        format!("round 2: kubelet lock timeouts grew by {grew} (1)"),
+    ));
+    // The scrape config's labels: `node` set, the xtlock pod's own pod label kept and the
+    // daemon's (calico-node's workload) kept as exported_pod.
+    let q = format!(
+        "xtlock_lock_wait_seconds_count{{{node_l},agent=\"calico-node\",pod=\"{}\",exported_pod=\"{}\"}}",
+        prom::POD_NAME,
+        node_fs::POD_WORKLOAD
+    );
+    let (ok, _) = prom.until(&q, t, |r| r.iter().any(|(_, v)| *v >= 2.0))?;
+    out.push((
+        ok,
+        format!("Prometheus has calico-node's 2 waits with node, pod and exported_pod: {q}"),
+    ));
+    let q = format!("node_agent:xtlock_lock_timeouts:increase10m{{{node_l},agent=\"kubelet\"}}");
+    let (ok, r) = prom.until(&q, t, |r| r.iter().any(|(_, v)| *v == timeouts))?;
+    out.push((
+        ok,
+        format!(
+            "{q} = {:?} (the daemon's count: {timeouts}, a series newer than 10 minutes)",
+            r.first().map(|x| x.1)
+        ),
+    ));
+    let q = "ALERTS{alertname=\"XtablesLockTimeouts\",alertstate=\"firing\"}";
+    let (ok, r) = prom.until(q, t, |r| !r.is_empty())?;
+    let agents: Vec<&str> = r.iter().filter_map(|(l, _)| l["agent"].as_str()).collect();
+    out.push((
+        ok && agents == ["kubelet"],
+        format!("alert XtablesLockTimeouts firing for {agents:?} ([\"kubelet\"])"),
+    ));
+    // Waits: calico-node's second wait behind kube-proxy, per second over 5 minutes. rate()
+    // extrapolates past the first and last samples by up to one and a half scrape intervals,
+    // a share that shrinks as samples accumulate: polled until within 25 % of the wait.
+    let q = format!(
+        "node_agent_holder:xtlock_lock_wait_seconds:rate5m{{{node_l},agent=\"calico-node\",holder_agent=\"kube-proxy\"}}"
+    );
+    let (ok, r) = prom.until(&q, t, |r| {
+        r.iter()
+            .any(|(_, v)| *v * 300.0 >= wlo && *v * 300.0 <= whi * 1.25)
+    })?;
+    let waited = r.first().map_or(0.0, |x| x.1 * 300.0);
+    out.push((
+        ok,
+        format!(
+            "{q} x 300 s = {waited:.3} s, the second wait (measured in [{wlo:.3}, {whi:.3}] s)"
+        ),
+    ));
+    let q = "fleet_holder:xtlock_lock_wait_seconds:top10_rate5m{holder_agent=\"kube-proxy\"}";
+    let (ok, r) = prom.until(q, t, |r| !r.is_empty())?;
+    let nodes: Vec<&str> = r.iter().filter_map(|(l, _)| l["node"].as_str()).collect();
+    out.push((
+        ok && nodes == [prom::NODE_NAME],
+        format!("top nodes by time waited behind kube-proxy: {nodes:?}"),
+    ));
+    // Holds: the p99 of kube-proxy's holds lies in the bucket of the measured hold.
+    let q = format!("node_agent:xtlock_lock_hold_seconds:p99_5m{{{node_l},agent=\"kube-proxy\"}}");
+    let (ok, r) = prom.until(&q, t, |r| r.iter().any(|(_, v)| v.is_finite()))?;
+    let p99 = r.first().map_or(f64::NAN, |x| x.1);
+    let bucket = prom::bucket_of(hlo, hhi);
+    out.push((
+        ok && bucket.is_some_and(|(lo, hi)| p99 > lo && p99 <= hi),
+        format!("{q} = {p99:.3} s, in the bucket {bucket:?} of the hold (measured in [{hlo:.3}, {hhi:.3}] s)"),
+    ));
+    let q = format!("node_agent:xtlock_lock_hold_seconds:rate5m{{{node_l},agent=\"kube-proxy\"}}");
+    let (ok, r) = prom.until(&q, t, |r| {
+        r.iter()
+            .any(|(_, v)| *v * 300.0 >= hlo && *v * 300.0 <= hhi * 1.25)
+    })?;
+    let held = r.first().map_or(0.0, |x| x.1 * 300.0);
+    out.push((
+        ok,
+        format!("{q} x 300 s = {held:.3} s, the second hold (measured in [{hlo:.3}, {hhi:.3}] s)"),
+    ));
+    let q = format!("node_agent:xtlock_syncs:rate5m{{{node_l},agent=\"kube-proxy\"}}");
+    let (ok, _) = prom.until(&q, t, |r| r.iter().any(|(_, v)| *v > 0.0))?;
+    out.push((ok, format!("{q} > 0 (kube-proxy's restores completed)")));
+    Ok((out, during_hold))
 }
