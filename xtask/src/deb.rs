@@ -45,6 +45,8 @@ enum Source {
     Generated(&'static [&'static str]),
     /// A file of `deploy/debian/`.
     Repo(&'static str),
+    /// The changelog Debian's tools expect of a native package: this version, this commit.
+    Changelog,
 }
 
 const FILES: &[(&str, u32, Source)] = &[
@@ -87,7 +89,15 @@ const FILES: &[(&str, u32, Source)] = &[
         0o644,
         Source::Repo("copyright"),
     ),
+    (
+        "usr/share/doc/xtlock/changelog.gz",
+        0o644,
+        Source::Changelog,
+    ),
 ];
+
+/// The package's maintainer: the project, as its commits name it.
+const MAINTAINER: &str = "xtlock developers <dev@xtlock.invalid>";
 
 /// The highest `systemd-analyze security` exposure the unit may have, in tenths.
 const EXPOSURE_MAX_TENTHS: u32 = 40;
@@ -183,6 +193,21 @@ fn gzip(data: &[u8]) -> Result<Vec<u8>> {
     pipe_through("gzip", &["-9n", "-c"], data)
 }
 
+fn changelog(version: &str, commit: &str, epoch: Option<&str>) -> Result<String> {
+    let mut date = Command::new("date");
+    date.args(["-u", "-R"]);
+    if let Some(t) = epoch {
+        date.arg("-d").arg(format!("@{t}"));
+    }
+    let date = sh::capture(&mut date).context("`date -R` failed")?;
+    Ok(format!(
+        "xtlock ({version}) {SUITE}; urgency=medium\n\n  \
+         * Built by `cargo xtask deb` from commit {commit}.\n\n \
+         -- {MAINTAINER}  {}\n",
+        date.trim()
+    ))
+}
+
 fn md5(data: &[u8]) -> Result<String> {
     let out = pipe_through("md5sum", &[], data)?;
     String::from_utf8_lossy(&out)
@@ -202,6 +227,13 @@ pub fn build(root: &Path, bin: &Path) -> Result<PathBuf> {
         fs::remove_dir_all(&stage).with_context(|| format!("removing {}", stage.display()))?;
     }
     let repo = root.join("deploy/debian");
+    // The commit's time stamps every file, the archive members and the changelog: the same
+    // tree, the same package.
+    let git = |args: &[&str]| {
+        sh::capture(Command::new("git").current_dir(root).args(args)).map(|s| s.trim().to_owned())
+    };
+    let epoch = git(&["log", "-1", "--format=%ct"]);
+    let commit = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into());
     let mut installed_bytes = 0u64;
     let mut sums = String::new();
     for (path, mode, source) in FILES {
@@ -221,6 +253,7 @@ pub fn build(root: &Path, bin: &Path) -> Result<PathBuf> {
                 let p = repo.join(name);
                 fs::read(&p).with_context(|| format!("reading {}", p.display()))?
             }
+            Source::Changelog => gzip(changelog(version, &commit, epoch.as_deref())?.as_bytes())?,
         };
         installed_bytes += data.len() as u64;
         if !path.starts_with("etc/") {
@@ -255,16 +288,8 @@ pub fn build(root: &Path, bin: &Path) -> Result<PathBuf> {
     cmd.args(["--root-owner-group", "-Zxz", "--build"])
         .arg(&stage)
         .arg(&deb);
-    // The commit's time for every file and the archive members: the same tree, the same
-    // package.
-    if let Some(t) =
-        sh::capture(
-            Command::new("git")
-                .current_dir(root)
-                .args(["log", "-1", "--format=%ct"]),
-        )
-    {
-        cmd.env("SOURCE_DATE_EPOCH", t.trim());
+    if let Some(t) = &epoch {
+        cmd.env("SOURCE_DATE_EPOCH", t);
     }
     sh::run(&mut cmd).context("dpkg-deb (dpkg)")?;
     Ok(deb)
@@ -275,7 +300,7 @@ fn control(version: &str, arch: &str, installed_kib: u64) -> String {
         "Package: xtlock\n\
          Version: {version}\n\
          Architecture: {arch}\n\
-         Maintainer: xtlock developers <xtlock@localhost>\n\
+         Maintainer: {MAINTAINER}\n\
          Installed-Size: {installed_kib}\n\
          Section: admin\n\
          Priority: optional\n\
