@@ -373,28 +373,36 @@ fn base_tarball(work: &Path) -> Result<PathBuf> {
     Ok(tarball)
 }
 
+/// `sh -euc script sh ARGS...` (add the ARGS) in a mount namespace of its own: whatever
+/// it mounts goes with it.
+fn in_mount_namespace(script: &str) -> Command {
+    let mut c = Command::new("unshare");
+    c.args([
+        "--mount",
+        "--propagation",
+        "private",
+        "--fork",
+        "sh",
+        "-euc",
+    ])
+    .arg(script)
+    .arg("sh");
+    c
+}
+
 /// Runs `script` (sh) chrooted into `chroot`, in a mount namespace of its own with /proc
 /// mounted, so nothing stays mounted on the host whatever happens. Returns its stdout.
 fn in_root(chroot: &Path, script: &str) -> Result<String> {
-    let out = Command::new("unshare")
-        .args([
-            "--mount",
-            "--propagation",
-            "private",
-            "--fork",
-            "sh",
-            "-euc",
-        ])
-        .arg(r#"mount -t proc proc "$1/proc"; exec chroot "$1" /bin/sh -euc "$2""#)
-        .arg("sh")
-        .arg(chroot)
-        .arg(script)
-        .env_clear()
-        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
-        .env("LC_ALL", "C")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .output()
-        .context("running unshare (util-linux)")?;
+    let out =
+        in_mount_namespace(r#"mount -t proc proc "$1/proc"; exec chroot "$1" /bin/sh -euc "$2""#)
+            .arg(chroot)
+            .arg(script)
+            .env_clear()
+            .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+            .env("LC_ALL", "C")
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .output()
+            .context("running unshare (util-linux)")?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     ensure!(
         out.status.success(),
@@ -587,23 +595,37 @@ fn unit_capabilities_suffice(root: &Path, work: &Path, bin: &Path) -> Result<()>
         limited(&["probes", "--json"]),
         "with the unit's capabilities",
     )?;
-    if with_caps != with_root {
-        bail!(
-            "with only {} xtlock probes differs from root's:\n{}\nroot's:\n{}",
-            caps.join(" "),
-            serde_json::to_string_pretty(&with_caps)?,
-            serde_json::to_string_pretty(&with_root)?
-        );
-    }
+    let lost = differences(&with_root, &with_caps);
+    ensure!(
+        lost.is_empty(),
+        "with only {}, `xtlock probes` differs from root's (root's, then theirs):\n{}",
+        caps.join(" "),
+        lost.join("\n")
+    );
 
+    // The daemon as the unit runs it: in a mount namespace of its own (as systemd makes for
+    // it: xtlock must not take it for a container's) where every file system is read-only
+    // (ProtectSystem=strict, ProtectKernelTunables) but /proc, /dev and the state directory,
+    // with the lock file made beforehand by the package's tmpfiles.d entry, as at boot.
+    let tmpfiles = root.join("deploy/debian/tmpfiles.conf");
+    sh::run(
+        Command::new("systemd-tmpfiles")
+            .arg("--create")
+            .arg(&tmpfiles),
+    )?;
     let records = work.join("records");
     let _ = fs::remove_dir_all(&records);
-    let mut daemon = limited(&["daemon", "--listen", "127.0.0.1:0", "--duration", "3s"]);
-    let out = daemon
-        .arg("--record-dir")
+    fs::create_dir_all(&records)?;
+    let mut daemon = in_mount_namespace(READ_ONLY_SANDBOX);
+    daemon
         .arg(&records)
+        .arg(limited(&[]).get_program())
+        .args(limited(&["daemon", "--listen", "127.0.0.1:0", "--duration", "3s"]).get_args())
+        .arg("--record-dir")
+        .arg(&records);
+    let out = daemon
         .output()
-        .context("running setpriv (util-linux)")?;
+        .context("running unshare and setpriv (util-linux)")?;
     let log = String::from_utf8_lossy(&out.stderr);
     let captures = fs::read_dir(&records).map_or(0, |d| d.count());
     ensure!(
@@ -612,13 +634,57 @@ fn unit_capabilities_suffice(root: &Path, work: &Path, bin: &Path) -> Result<()>
         caps.join(" "),
         out.status
     );
+    // Its own mount namespace is not taken for a container's: the lock file is the host's
+    // own path, not one under /proc/1/root.
+    ensure!(
+        log.contains("tracing /run/xtables.lock "),
+        "the daemon in a mount namespace of its own watched another path:\n{log}"
+    );
     let _ = fs::remove_dir_all(&records);
     println!(
-        "ok: with only the unit's {}, the same hooks and features as root; the daemon runs",
+        "ok: with only the unit's {}, the same hooks and features as root; the daemon runs \
+         with them in a read-only file system",
         caps.join(" ")
     );
     Ok(())
 }
+
+/// The hooks and features (as `xtlock probes --json` lists them) that differ between `a`
+/// and `b`: each as a's entry, then b's.
+fn differences(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for list in ["hooks", "features"] {
+        let (Some(x), Some(y)) = (a[list].as_array(), b[list].as_array()) else {
+            out.push(format!("no `{list}` list"));
+            continue;
+        };
+        for i in 0..x.len().max(y.len()) {
+            let (p, q) = (x.get(i), y.get(i));
+            if p != q {
+                let show = |v: Option<&serde_json::Value>| v.map_or("-".into(), |v| v.to_string());
+                out.push(format!("  {}\n  {}", show(p), show(q)));
+            }
+        }
+    }
+    out
+}
+
+/// `sh -c` script: `$1` stays writable, every other mount but /proc and /dev becomes
+/// read-only, then `$2...` runs.
+const READ_ONLY_SANDBOX: &str = r#"
+dir=$1; shift
+mount --bind "$dir" "$dir"
+awk '{print $2}' /proc/self/mounts | sort -u | while read -r m; do
+    case "$m" in /proc|/proc/*|/dev|/dev/*|"$dir") continue ;; esac
+    # A mount point whose name has spaces is listed escaped, and stays as it is.
+    mount -o remount,bind,ro "$m" 2>/dev/null || :
+done
+# /proc/sys, as ProtectKernelTunables makes it.
+mount --bind /proc/sys /proc/sys && mount -o remount,bind,ro /proc/sys
+# access(2) says EROFS for a read-only mount, whoever asks.
+if [ -w /usr ] || [ -w /run ]; then echo "the sandbox left /usr or /run writable" >&2; exit 1; fi
+exec "$@"
+"#;
 
 /// The capabilities of a unit's `CapabilityBoundingSet=` lines.
 fn capabilities(unit: &str) -> Option<Vec<String>> {
@@ -651,5 +717,21 @@ mod tests {
         let default = include_str!("../../deploy/debian/default");
         assert!(default.lines().any(|l| l.starts_with("XTLOCK_OPTIONS=")));
         assert!(FILES.iter().any(|(p, _, _)| *p == "usr/bin/xtlock"));
+    }
+
+    #[test]
+    fn probes_differences_name_the_entries() {
+        let root = serde_json::json!({
+            "hooks": [{"program": "a", "error": null}],
+            "features": [{"name": "drop locations", "available": true}],
+        });
+        assert!(differences(&root, &root).is_empty());
+        let less = serde_json::json!({
+            "hooks": [{"program": "a", "error": null}],
+            "features": [{"name": "drop locations", "available": false}],
+        });
+        let d = differences(&root, &less);
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(d[0].contains("\"available\":false"), "{d:?}");
     }
 }
