@@ -129,9 +129,16 @@ mod tests {
 
     use super::*;
 
+    /// What a program printed on stdin `input`: exit status, stdout, stderr.
+    struct Ran {
+        ok: bool,
+        stdout: String,
+        stderr: String,
+    }
+
     /// Runs `program args` with `input` on stdin; `None` when the program is not installed
     /// (a failure under CI=true, where every tool setup installs must be there).
-    fn run_with_input(program: &str, args: &[&str], input: &[u8]) -> Option<(bool, String)> {
+    fn run_with_input(program: &str, args: &[&str], input: &[u8]) -> Option<Ran> {
         let child = Command::new(program)
             .args(args)
             // ASCII output: no Unicode minus signs in place of the flags' hyphens.
@@ -160,78 +167,93 @@ mod tests {
             .write_all(input)
             .expect("writing stdin");
         let out = child.wait_with_output().expect("waiting");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Some((out.status.success(), text))
+        Some(Ran {
+            ok: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        })
     }
 
-    /// Every visible subcommand and its visible options, from the clap Command itself.
-    fn visible_tree() -> Vec<(String, Vec<String>)> {
-        let mut root = Cli::command();
-        root.build();
-        let flags = |c: &clap::Command| -> Vec<String> {
-            c.get_arguments()
-                .filter(|a| !a.is_hide_set())
-                .flat_map(|a| {
-                    let mut v: Vec<String> =
-                        a.get_long().map(|l| format!("--{l}")).into_iter().collect();
-                    v.extend(a.get_short().map(|s| format!("-{s}")));
-                    if a.is_positional() {
-                        v.extend(
-                            a.get_value_names()
-                                .into_iter()
-                                .flatten()
-                                .map(|n| n.to_string()),
-                        );
-                    }
-                    v
-                })
-                .collect()
-        };
-        let mut out = vec![(String::new(), flags(&root))];
-        for sub in root.get_subcommands().filter(|s| !s.is_hide_set()) {
-            out.push((sub.get_name().to_owned(), flags(sub)));
+    /// The rendered page cut at its command headings (`   xtlock NAME`, as man indents a
+    /// `.SS`): "" for what comes before them (name, synopsis, global options).
+    fn sections(page: &str) -> std::collections::HashMap<String, String> {
+        let mut out = std::collections::HashMap::<String, String>::new();
+        let mut current = String::new();
+        for line in page.lines() {
+            if let Some(name) = line.strip_prefix("   xtlock ") {
+                if !name.starts_with(' ') && !name.contains(' ') {
+                    current = name.to_owned();
+                }
+            }
+            let s = out.entry(current.clone()).or_default();
+            s.push_str(line);
+            s.push('\n');
         }
         out
+    }
+
+    /// Every visible subcommand and its visible options, from the clap Command itself
+    /// ("" for the top level). A command's own options only: the global ones and --help are
+    /// listed once, at the top.
+    fn visible_tree() -> Vec<(String, Vec<clap::Arg>)> {
+        let mut root = Cli::command();
+        root.build();
+        let args = |c: &clap::Command, own: bool| -> Vec<clap::Arg> {
+            c.get_arguments()
+                .filter(|a| !a.is_hide_set())
+                .filter(|a| !own || !(a.is_global_set() || a.get_id() == "help"))
+                .cloned()
+                .collect()
+        };
+        let mut out = vec![(String::new(), args(&root, false))];
+        for sub in root.get_subcommands().filter(|s| !s.is_hide_set()) {
+            out.push((sub.get_name().to_owned(), args(sub, true)));
+        }
+        out
+    }
+
+    /// How the page's entry for `a` begins (`-o, --output`, `--json`, `<FILE>`).
+    fn entry(a: &clap::Arg) -> String {
+        match (a.get_short(), a.get_long()) {
+            (Some(s), Some(l)) => format!("-{s}, --{l}"),
+            (None, Some(l)) => format!("--{l}"),
+            (Some(s), None) => format!("-{s}"),
+            (None, None) => {
+                let names = a.get_value_names().unwrap_or_default();
+                format!("<{}>", names.first().map_or("", |n| n.as_str()))
+            }
+        }
     }
 
     #[test]
     fn man_page_renders_with_every_command_and_option() {
         let page = man_page().expect("renders");
-        let Some((ok, text)) = run_with_input("man", &["-l", "--no-hyphenation", "-"], &page)
-        else {
+        let Some(man) = run_with_input("man", &["-l", "--no-hyphenation", "-"], &page) else {
             return;
         };
-        assert!(ok, "man -l failed:\n{text}");
-        // groff's complaints (unknown macros, bad escapes) go to stderr, which is in `text`.
-        assert!(!text.contains("warning"), "{text}");
+        assert!(man.ok, "man -l failed:\n{}", man.stderr);
+        // groff's complaints (unknown macros, bad escapes, lines it cannot fit).
+        assert!(man.stderr.trim().is_empty(), "{}", man.stderr);
         let tree = visible_tree();
         assert!(tree.len() >= 7, "{tree:?}");
-        let words: std::collections::HashSet<&str> = text
-            .split(|c: char| c.is_whitespace() || "[]|,=<>()".contains(c))
-            .collect();
-        for (name, flags) in &tree {
-            if !name.is_empty() {
+        let sections = sections(&man.stdout);
+        for (name, args) in &tree {
+            // Each option has its entry (an indented line that starts with it, not just a
+            // mention in the synopsis) under its own command's heading.
+            let text = sections
+                .get(name)
+                .unwrap_or_else(|| panic!("no section for `xtlock {name}`:\n{}", man.stdout));
+            for a in args {
+                let want = entry(a);
                 assert!(
-                    text.contains(&format!("xtlock {name}")),
-                    "no section for `xtlock {name}` in:\n{text}"
-                );
-            }
-            for f in flags {
-                assert!(
-                    words.contains(f.as_str()),
-                    "`{f}` of `xtlock {name}` is not on the page:\n{text}"
+                    text.lines().any(|l| l.trim_start().starts_with(&want)),
+                    "no entry `{want}` under `xtlock {name}`:\n{text}"
                 );
             }
         }
-        // Under its own command: --record-dir is the daemon's, not trace's.
-        let daemon = text.find("xtlock daemon").expect("daemon section");
-        assert!(text[daemon..].contains("--record-dir"), "{text}");
+        assert_eq!(sections.len(), tree.len(), "{:?}", sections.keys());
         // The hidden helpers stay out of the page.
-        assert!(!text.contains("xtlock completions"), "{text}");
+        assert!(!man.stdout.contains("xtlock completions"), "{}", man.stdout);
     }
 
     #[test]
@@ -245,19 +267,22 @@ mod tests {
             let mut script = Vec::new();
             write_completions(shell, &mut script);
             let text = String::from_utf8_lossy(&script);
-            for (name, flags) in &tree {
+            for (name, args) in &tree {
                 assert!(text.contains(name.as_str()), "{shell}: no `{name}`");
-                for f in flags.iter().filter(|f| f.starts_with("--")) {
-                    // fish writes `-l record-dir` rather than `--record-dir`.
-                    let bare = f.trim_start_matches('-');
-                    assert!(text.contains(bare), "{shell}: no `{f}` of `{name}`");
+                // fish writes `-l record-dir` rather than `--record-dir`.
+                for long in args.iter().filter_map(|a| a.get_long()) {
+                    assert!(text.contains(long), "{shell}: no `--{long}` of `{name}`");
                 }
             }
         }
         let mut bash = Vec::new();
         write_completions(clap_complete::Shell::Bash, &mut bash);
-        if let Some((ok, text)) = run_with_input("bash", &["-n"], &bash) {
-            assert!(ok, "bash -n rejects the completion script:\n{text}");
+        if let Some(ran) = run_with_input("bash", &["-n"], &bash) {
+            assert!(
+                ran.ok,
+                "bash -n rejects the completion script:\n{}",
+                ran.stderr
+            );
         }
     }
 }
