@@ -9,7 +9,8 @@
 //! systemd and man-db, as on a host; cached as `target/deb-test/bookworm-minbase.tar.gz`)
 //! with apt and nothing else, runs the binary there, finds the page and completions where the
 //! tools look, checks the conffile, verifies the unit with `systemd-analyze verify`, purges
-//! the package, and runs the daemon on this host with exactly the unit's capabilities.
+//! the package, and runs the daemon on this host with exactly the unit's capabilities, in a
+//! read-only file system as the unit's sandbox makes it.
 use std::{
     fs,
     os::unix::fs::PermissionsExt as _,
@@ -37,7 +38,7 @@ pub struct DebArgs {
 /// The suite of the clean root: the Debian the package is built on and for.
 const SUITE: &str = "bookworm";
 
-/// Where each file of the package comes from: (path in the package, mode, source).
+/// Where a file of the package comes from.
 enum Source {
     /// The static binary.
     Binary,
@@ -49,6 +50,7 @@ enum Source {
     Changelog,
 }
 
+/// The package's files: path in it, mode, source.
 const FILES: &[(&str, u32, Source)] = &[
     ("usr/bin/xtlock", 0o755, Source::Binary),
     (
@@ -128,7 +130,8 @@ pub fn run(args: &DebArgs) -> Result<()> {
             start.elapsed().as_secs_f64()
         );
     } else {
-        println!("install it with `apt install ./{}`", deb.display());
+        // apt takes a path with a slash for a file, not a package name.
+        println!("install it with `apt install {}`", deb.display());
     }
     Ok(())
 }
@@ -175,15 +178,22 @@ fn pipe_through(program: &str, args: &[&str], data: &[u8]) -> Result<Vec<u8>> {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .with_context(|| format!("running {program}"))?;
-    child
+    let mut stdin = child
         .stdin
         .take()
-        .with_context(|| format!("{program}'s stdin"))?
-        .write_all(data)
-        .with_context(|| format!("writing to {program}"))?;
-    let out = child
-        .wait_with_output()
-        .with_context(|| format!("waiting for {program}"))?;
+        .with_context(|| format!("{program}'s stdin"))?;
+    // Written by another thread while this one reads: a full output pipe cannot stall it.
+    let out = std::thread::scope(|s| {
+        let writer = s.spawn(move || stdin.write_all(data));
+        let out = child.wait_with_output();
+        (writer.join(), out)
+    });
+    let (written, out) = out;
+    match written {
+        Ok(r) => r.with_context(|| format!("writing to {program}"))?,
+        Err(_) => bail!("writing to {program}: the thread panicked"),
+    }
+    let out = out.with_context(|| format!("waiting for {program}"))?;
     ensure!(out.status.success(), "{program} failed ({})", out.status);
     Ok(out.stdout)
 }
