@@ -52,7 +52,7 @@ pub fn man_page() -> std::io::Result<Vec<u8>> {
     man.render_options_section(&mut out)?;
 
     out.extend_from_slice(b".SH COMMANDS\n");
-    for sub in root.get_subcommands().filter(|s| !s.is_hide_set()) {
+    for sub in commands(&root) {
         // The global options and --help are listed once, above, not under each command.
         let mut sub = sub.clone();
         let globals: Vec<String> = sub
@@ -85,6 +85,13 @@ pub fn man_page() -> std::io::Result<Vec<u8>> {
     )]);
     see_also.to_writer(&mut out)?;
     Ok(out)
+}
+
+/// The commands the page and its tests cover: the visible ones, without clap's `help`
+/// (which `--help` and the page itself stand for).
+fn commands(root: &clap::Command) -> impl Iterator<Item = &clap::Command> {
+    root.get_subcommands()
+        .filter(|s| !s.is_hide_set() && s.get_name() != "help")
 }
 
 /// A subcommand's sections, rendered as a page of its own, made part of its `.SS`: the
@@ -206,7 +213,7 @@ mod tests {
                 .collect()
         };
         let mut out = vec![(String::new(), args(&root, false))];
-        for sub in root.get_subcommands().filter(|s| !s.is_hide_set()) {
+        for sub in commands(&root) {
             out.push((sub.get_name().to_owned(), args(sub, true)));
         }
         out
