@@ -12,6 +12,9 @@
 //!   VM runs' `xtlock probes --json` (vm-test does it after running every kernel series).
 //! - `image [--binary-only]`: the statically linked xtlock and a `scratch` image of it
 //!   (`target/image/xtlock-VERSION.tar`, docker-archive), with no registry pull (`image.rs`).
+//! - `deb [--test]`: the Debian package (`target/deb/xtlock_VERSION_ARCH.deb`): the static
+//!   binary, its man page and completions, a hardened systemd unit; `--test` installs it into
+//!   a clean Debian root (`deb.rs`).
 //! - `deploy-test [--privileges] [--measure]`: the image run by a real container engine (podman) with exactly
 //!   what `deploy/daemonset.yaml` grants, checked against a real lock contention and real
 //!   drops; the manifest validated and linted; the alert rules tested (`deploy/`).
@@ -22,6 +25,7 @@ use std::{ffi::OsString, process::ExitCode};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod deb;
 mod deploy;
 mod image;
 mod kernels_doc;
@@ -74,6 +78,10 @@ enum Cmd {
     /// (target/image/xtlock-VERSION.tar), from the final stage of Containerfile, with no
     /// registry pull.
     Image(image::ImageArgs),
+    /// Build the Debian package (target/deb/xtlock_VERSION_ARCH.deb): the static binary, the
+    /// xtlock(8) page, bash/zsh/fish completions and a systemd unit for the daemon; --test
+    /// installs it into a clean Debian root made by debootstrap and checks it (as root).
+    Deb(deb::DebArgs),
     /// Run the image with a real container engine (podman) and exactly the privileges of deploy/daemonset.yaml
     /// against real lock contention and drops; validate and lint the manifest; test the
     /// alert rules (as root).
@@ -94,6 +102,7 @@ fn main() -> ExitCode {
         Cmd::KernelsDoc { results } => vm::kernels_doc(results.as_deref()),
         Cmd::Bench(args) => bench::run(&args),
         Cmd::Image(args) => image::run(&args),
+        Cmd::Deb(args) => deb::run(&args),
         Cmd::DeployTest(args) => deploy::run(&args),
     };
     match result {
@@ -118,6 +127,7 @@ mod tests {
             | Cmd::VmTest(_)
             | Cmd::KernelsDoc { .. }
             | Cmd::Image(_)
+            | Cmd::Deb(_)
             | Cmd::DeployTest(_) => Vec::new(),
         };
         args.into_iter()

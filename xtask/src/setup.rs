@@ -71,6 +71,10 @@ const APT_DAEMON_PACKAGES: &[(&str, &str, &[&str])] = &[
     ("firewalld", "firewalld", &["firewalld.service"]),
     ("dbus-daemon", "dbus-daemon", &[]),
 ];
+/// `cargo xtask deb --test`: debootstrap makes the clean Debian root the package is installed
+/// into, systemd-analyze verifies its unit; man-db renders the page (`man -l`, also in the
+/// tests of `xtlock man`).
+const APT_DEB_PACKAGES: &[&str] = &["debootstrap", "systemd", "man-db"];
 /// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
 const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
 
@@ -94,6 +98,7 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
     in private namespaces)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
   - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm
+  - for `cargo xtask deb --test`: debootstrap, systemd (systemd-analyze) and man-db
   - for `cargo xtask deploy-test`: podman and runc, and from PyPI kubernetes-validate
     and checkov in ~/.cache/xtlock/deploy-tools (a venv)
 and a kernel with BTF (5.8 or newer).";
@@ -116,6 +121,7 @@ pub fn run() -> Result<()> {
         &["--no-install-recommends"],
     )?;
     pip_tools()?;
+    deb_packages()?;
     apt_daemon_packages()?;
     toolchain(rustup)?;
     clippy_fmt(rustup)?;
@@ -137,6 +143,15 @@ pub fn run_build() -> Result<()> {
     toolchain(rustup)?;
     bpf_linker()?;
     Ok(())
+}
+
+/// What `cargo xtask deb --test` needs besides the build.
+pub fn deb_packages() -> Result<()> {
+    apt_install(
+        "apt packages for the package test",
+        APT_DEB_PACKAGES,
+        &["--no-install-recommends"],
+    )
 }
 
 /// The venv of the PyPI tools `deploy-test` runs (`~/.cache/xtlock/deploy-tools`).

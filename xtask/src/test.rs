@@ -2,7 +2,8 @@
 //! step: build, test (both with the real BPF programs), vm-test (the integration tests again,
 //! inside a QEMU VM on a stock Debian kernel: see vm.rs), deploy-test (the image under a real
 //! container engine with the DaemonSet's privileges, the manifest and alert checks: see
-//! deploy/), clippy, rustfmt. All steps run (the
+//! deploy/), deb (the Debian package installed into a clean Debian root: see deb.rs), clippy,
+//! rustfmt. All steps run (the
 //! tests only when the build passed); the command fails when any step fails.
 use std::{
     ffi::OsString,
@@ -87,6 +88,10 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     let mut deploy = cargo(&["run", "--quiet", "--package", "xtask", "--"]);
     deploy.args(["deploy-test", "--no-setup"]);
     steps.push(step("deploy-test", &mut deploy));
+    // After deploy-test, whose release build of the static binary it reuses.
+    let mut deb = cargo(&["run", "--quiet", "--package", "xtask", "--"]);
+    deb.args(["deb", "--test", "--no-setup"]);
+    steps.push(step("deb", &mut deb));
     steps.push(step(
         "clippy",
         &mut cargo(

@@ -44,6 +44,19 @@ pub enum Command {
     /// Run continuously: Prometheus metrics on /metrics, /healthz and /readyz, and optionally
     /// a rolling set of capture files. Logs only (see --log-format json); no other output.
     Daemon(DaemonArgs),
+    /// Print a shell completion script on stdout (the Debian package installs them).
+    #[command(hide = true)]
+    Completions(CompletionsArgs),
+    /// Print the xtlock(8) manual page (roff) on stdout: `xtlock man | man -l -`.
+    #[command(hide = true)]
+    Man,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct CompletionsArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
 }
 
 /// `--listen`: an IP address and a port; a host name would need a resolver and could

@@ -50,6 +50,8 @@ fn main() -> ExitCode {
             Command::Export(args) => commands::export::run(args),
             Command::Probes(args) => commands::probes::run(args),
             Command::Daemon(args) => commands::daemon::run(args).await,
+            Command::Completions(args) => commands::docs::completions(args),
+            Command::Man => commands::docs::man(),
         }
     });
     match result {

@@ -1,5 +1,6 @@
 //! One file per subcommand, each wiring a source to sinks.
 pub mod daemon;
+pub mod docs;
 pub mod export;
 pub mod live;
 pub mod probes;
