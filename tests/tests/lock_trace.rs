@@ -216,9 +216,9 @@ fn calico_waits_behind_kube_proxy() {
         u(&w["wait_ns"]),
         "{dump}"
     );
-    // A wake-up: a few ms on a machine; under emulation (the VM) a process can be
-    // descheduled for tens of ms next to any syscall.
-    let wake_max = if in_vm() { 100_000_000 } else { 5_000_000 };
+    // A wake-up: a few ms on an idle machine (8.9 ms seen at load 7 on 2 cores); under
+    // emulation (the VM) a process can be descheduled for tens of ms next to any syscall.
+    let wake_max = if in_vm() { 100_000_000 } else { 25_000_000 };
     assert!(
         free_ns < wake_max,
         "a wake-up, not {} ms: {dump}",

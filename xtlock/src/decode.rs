@@ -10,6 +10,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use xtlock_common as common;
 
 use crate::event::shared;
+
+pub mod xt_table;
 pub use crate::event::*;
 
 /// An `AF_INET`/`AF_INET6` address from a `union nf_inet_addr` and a port.

@@ -709,6 +709,89 @@ pub struct IpvsCounts {
     pub overflow: u64,
 }
 
+/// One rule: its parts in `iptables-save` order, the target last.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Rule(pub Vec<String>);
+
+impl Rule {
+    /// The target part (`-j DROP`, `-j KUBE-SERVICES`, `-g X`).
+    pub fn target(&self) -> &str {
+        self.0.last().map_or("", String::as_str)
+    }
+
+    /// Everything that selects packets: the parts but the target and the comment.
+    pub fn matches(&self) -> impl Iterator<Item = &str> {
+        let n = self.0.len().saturating_sub(1);
+        self.0[..n]
+            .iter()
+            .map(String::as_str)
+            .filter(|p| !p.starts_with("-m comment "))
+    }
+
+    pub fn comment(&self) -> Option<&str> {
+        self.0
+            .iter()
+            .find_map(|p| p.strip_prefix("-m comment --comment "))
+    }
+
+    /// The chain a rule jumps or goes to, if it is not a verdict or an extension target.
+    pub fn jump(&self) -> Option<&str> {
+        let t = self.target();
+        let name = t.strip_prefix("-j ").or_else(|| t.strip_prefix("-g "))?;
+        (!name.contains(' ')
+            && !matches!(name, "ACCEPT" | "DROP" | "RETURN" | "QUEUE")
+            && name.chars().next().is_some_and(|c| !c.is_ascii_digit()))
+        .then_some(name)
+    }
+
+    pub fn text(&self) -> String {
+        self.0.join(" ")
+    }
+}
+
+/// FNV-1a over the rules' parts: stable across runs, so digests in captures compare.
+pub fn digest_rules(rules: &[Rule]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for r in rules {
+        for p in &r.0 {
+            for &c in p.as_bytes().iter().chain(b"\0") {
+                h = (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
+            }
+        }
+        h = (h ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// One chain of a legacy table as read after a write: its rules when they changed since
+/// the previous read of that table (or at its first read), else only their digest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainState {
+    pub name: String,
+    /// A built-in chain's policy; `None` for a user chain.
+    pub policy: Option<String>,
+    /// FNV-1a of its rules' text: equal digests, equal rules.
+    pub digest: u64,
+    /// `None`: unchanged since the previous read (same digest).
+    pub rules: Option<Vec<Rule>>,
+}
+
+/// Synthetic: a legacy table read from the kernel after a write to it (`source/rules.rs`),
+/// bounded: chains whose rules did not change are sent as digests.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleTable {
+    pub ts_ns: u64,
+    pub netns: u32,
+    /// `ip` (IPv4; the only family read so far).
+    pub family: String,
+    pub table: String,
+    /// The writer whose write this read follows.
+    pub after_pid: u32,
+    /// Empty when read whole; else why it was not (`too large`, an error), with no chains.
+    pub skipped: String,
+    pub chains: Vec<ChainState>,
+}
+
 /// Everything the analysis consumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -754,6 +837,8 @@ pub enum Event {
     },
     /// Synthetic: the names of a container or pod (see [`PodInfo`]).
     Pod(Box<PodInfo>),
+    /// Synthetic: a legacy table as read after a write (see [`RuleTable`]).
+    RuleTable(Box<RuleTable>),
     /// Synthetic, before the first event that carries `addr`: the kernel function it is in
     /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
     KernelSymbol {
@@ -785,6 +870,7 @@ impl Event {
             Event::Ipvs(e) => e.ts_ns,
             Event::IpvsCounts(e) => e.ts_ns,
             Event::Pod(e) => e.ts_ns,
+            Event::RuleTable(t) => t.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }

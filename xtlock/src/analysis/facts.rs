@@ -44,6 +44,8 @@ pub enum Output {
     Stall(StallFact),
     /// Rules written: a legacy table replace or an nf_tables batch, by whom and where.
     RuleWrite(RuleWriteFact),
+    /// What a write changed in a legacy table, and whose rules those were.
+    RuleChange(RuleChangeFact),
     /// Both iptables backends hold rules written in one network namespace.
     MixedBackends(MixedBackendsFact),
 }
@@ -64,6 +66,7 @@ impl Output {
             Output::Stall(s) => s.ts_ns,
             Output::MixedBackends(m) => m.ts_ns,
             Output::RuleWrite(w) => w.ts_ns,
+            Output::RuleChange(c) => c.ts_ns,
             Output::DropCount(d) => d.ts_ns,
             Output::Conntrack(c) => c.ts_ns,
             Output::HoldDrops(h) => h.start_ns,
@@ -292,6 +295,75 @@ pub struct StallFact {
     /// `restore_hung` and its end `restore_ended`: the restore that hangs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub restore: Option<HungRestore>,
+}
+
+/// What the writes since the previous read of a legacy table changed (the table read back
+/// after them), and whose chains and rules they were.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RuleChangeFact {
+    /// When the table was read.
+    pub ts_ns: u64,
+    pub netns: u32,
+    pub family: String,
+    pub table: String,
+    /// The writer; several, comma-separated, when `ambiguous`.
+    pub agent: String,
+    /// Writes by more than one agent between two reads: the change is theirs together.
+    pub ambiguous: bool,
+    /// The last writer's pid.
+    pub pid: u32,
+    #[serde(flatten)]
+    pub diff: super::rules::TableDiff,
+    /// Changes to chains and rules of other agents than the writer, per owner.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub foreign: Vec<ForeignChange>,
+    /// Chains put back by their owner after another agent removed them.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub restored: Vec<Restored>,
+    /// DROP or REJECT rules that match every packet reaching them, in a chain reachable
+    /// from a built-in chain: `CHAIN: RULE`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub bare_drops: Vec<String>,
+    /// The table could not be read (and is not diffed until it can): why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+}
+
+/// One owner's chains and rules changed by another agent.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ForeignChange {
+    pub owner: String,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chains_deleted: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub chains_flushed: Vec<String>,
+    pub rules_removed: u64,
+    pub rules_added: u64,
+    /// Its rules that kept their place but lost or gained matches.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rules_changed: Vec<super::rules::StrippedRule>,
+}
+
+impl ForeignChange {
+    /// Chains and rules touched.
+    pub fn count(&self) -> u64 {
+        (self.chains_deleted.len() + self.chains_flushed.len() + self.rules_changed.len()) as u64
+            + self.rules_removed
+            + self.rules_added
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count() == 0
+    }
+}
+
+/// A chain its owner created again after another agent deleted or flushed it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Restored {
+    pub chain: String,
+    /// How long it was gone.
+    pub gone_ns: u64,
+    pub removed_by: String,
 }
 
 /// One rule write.

@@ -929,7 +929,8 @@ impl LockMachine {
             | Event::KernelSymbol { .. }
             | Event::Ipvs(_)
             | Event::IpvsCounts(_)
-            | Event::Pod(_) => {}
+            | Event::Pod(_)
+            | Event::RuleTable(_) => {}
         }
     }
 

@@ -22,9 +22,10 @@ pub use drops::DropSummary;
 use drops::DropTracker;
 pub use facts::{
     ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
-    ExitFact, FailedTryFact, HoldDropsFact, HoldFact, HoldRef, HolderRef, HungRestore,
-    IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output, PacketInfo, RuleWriteFact,
-    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    ExitFact, FailedTryFact, ForeignChange, HoldDropsFact, HoldFact, HoldRef, HolderRef,
+    HungRestore, IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output, PacketInfo,
+    Restored, RuleChangeFact, RuleWriteFact, StallFact, TableTouch, TimeoutFact, WaitFact,
+    WaitMode, WaitOutcome,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;
@@ -284,6 +285,11 @@ impl Analyzer {
             })
             .collect();
         s.mixed_backends = self.rules.mixed().cloned().collect();
+        s.foreign_changes = self
+            .rules
+            .foreign()
+            .map(|(w, o, n)| (w.to_owned(), o.to_owned(), n))
+            .collect();
         s.over_bounds = self
             .locks
             .over_bounds()

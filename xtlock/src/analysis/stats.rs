@@ -176,6 +176,9 @@ pub struct Summary {
     /// Network namespaces whose rules were written through both backends.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub mixed_backends: Vec<super::facts::MixedBackendsFact>,
+    /// Chains and rules of one agent changed by another: (writer, owner, count).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub foreign_changes: Vec<(String, String, u64)>,
 }
 
 /// One agent's rule writes through one backend.
@@ -383,7 +386,7 @@ impl Stats {
             | Output::HoldDrops(_)
             | Output::Stall(_) => {}
             // Counted by the rule tracker.
-            Output::MixedBackends(_) | Output::RuleWrite(_) => {}
+            Output::MixedBackends(_) | Output::RuleWrite(_) | Output::RuleChange(_) => {}
             // Counted by the IPVS tracker.
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
         }
@@ -472,6 +475,7 @@ impl Stats {
             syncs: BTreeMap::new(),
             rule_writes: Vec::new(),
             mixed_backends: Vec::new(),
+            foreign_changes: Vec::new(),
         }
     }
 }

@@ -54,6 +54,9 @@ pub const KIND_IPVS_COUNTS: u8 = 10;
 /// Synthetic: the kubelet's names of a container or pod (skippable: a reader that does not
 /// know it loses only pod names).
 pub const KIND_POD: u8 = 11;
+/// Synthetic: a legacy table read after a write (skippable: a reader that does not know it
+/// loses only the rule diffs).
+pub const KIND_RULE_TABLE: u8 = 12;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -585,6 +588,35 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_POD
         }
+        Event::RuleTable(t) => {
+            put_varint(out, t.ts_ns);
+            put_varint(out, u64::from(t.netns));
+            put_varint(out, u64::from(t.after_pid));
+            for s in [&t.family, &t.table, &t.skipped] {
+                put_bytes(out, s.as_bytes());
+            }
+            put_varint(out, t.chains.len() as u64);
+            for c in &t.chains {
+                put_bytes(out, c.name.as_bytes());
+                // The policy with a presence flag: `""` is not "no policy".
+                put_varint(out, u64::from(c.policy.is_some()));
+                put_bytes(out, c.policy.as_deref().unwrap_or("").as_bytes());
+                put_varint(out, c.digest);
+                match &c.rules {
+                    None => put_varint(out, 0),
+                    Some(rules) => {
+                        put_varint(out, rules.len() as u64 + 1);
+                        for r in rules {
+                            put_varint(out, r.0.len() as u64);
+                            for part in &r.0 {
+                                put_bytes(out, part.as_bytes());
+                            }
+                        }
+                    }
+                }
+            }
+            KIND_RULE_TABLE
+        }
         _ => return None,
     })
 }
@@ -741,6 +773,52 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
             pod: r.string("pod")?,
             container: r.string("container")?,
         })),
+        KIND_RULE_TABLE => {
+            let (ts_ns, netns, after_pid) = (r.varint("ts_ns")?, r.u32("netns")?, r.u32("pid")?);
+            let (family, table, skipped) = (
+                r.string("family")?,
+                r.string("table")?,
+                r.string("skipped")?,
+            );
+            let n = r.varint("chains")?;
+            let mut chains = Vec::new();
+            for _ in 0..n {
+                let name = r.string("chain")?;
+                let has_policy = r.varint("has policy")? != 0;
+                let policy = r.string("policy")?;
+                let digest = r.varint("digest")?;
+                let rules = match r.varint("rules")? {
+                    0 => None,
+                    k => {
+                        let mut rules = Vec::new();
+                        for _ in 1..k {
+                            let parts = r.varint("parts")?;
+                            let mut v = Vec::new();
+                            for _ in 0..parts {
+                                v.push(r.string("part")?);
+                            }
+                            rules.push(crate::event::Rule(v));
+                        }
+                        Some(rules)
+                    }
+                };
+                chains.push(crate::event::ChainState {
+                    name,
+                    policy: has_policy.then_some(policy),
+                    digest,
+                    rules,
+                });
+            }
+            Event::RuleTable(Box::new(crate::event::RuleTable {
+                ts_ns,
+                netns,
+                family,
+                table,
+                after_pid,
+                skipped,
+                chains,
+            }))
+        }
         k => return Err(format!("kind {k} is not a synthetic record")),
     })
 }

@@ -93,6 +93,7 @@ pub fn begin(
 ) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
     let keys: Vec<(u32, u64)> = locks.iter().map(|l| (l.dev, l.ino)).collect();
     src.name_pods(&super::host_root(lock_args));
+    src.read_rules();
     let mut start = src.seed(&keys);
     let mut drop_setup = Vec::new();
     if !drops.no_drops {
@@ -194,6 +195,8 @@ pub async fn run(
     // Only what is already queued, and a bounded amount of it: SIGTERM ends within the
     // grace period even during a storm.
     src.drain(&mut batch, 256 * live::BATCH);
+    // The tables the last writes asked for (a read takes milliseconds).
+    src.finish_rules(&mut batch, Duration::from_millis(500));
     for ev in batch.drain(..) {
         pipe.feed(&ev)?;
     }

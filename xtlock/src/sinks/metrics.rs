@@ -144,6 +144,14 @@ pub struct BackendLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ForeignLabels {
+    /// The writer.
+    pub agent: String,
+    /// Whose chains and rules it changed.
+    pub owner: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NftChangeLabels {
     pub agent: String,
     /// `tables`, `chains`, `rules`, `sets`, `elements`, `objects`, `flowtables`, `other`.
@@ -242,6 +250,7 @@ pub struct Metrics {
     pub sync_stalled: Family<AgentLabels, Gauge>,
     pub syncs: Family<AgentLabels, Counter>,
     pub rule_writes: Family<BackendLabels, Counter>,
+    pub foreign_changes: Family<ForeignLabels, Counter>,
     pub mixed_backend_netns: Gauge,
     pub table_entries: Family<TableLabels, Gauge>,
     pub nft_changes: Family<NftChangeLabels, Counter>,
@@ -380,6 +389,13 @@ impl Metrics {
              (nf_tables batch commits)",
             rule_writes.clone(),
         );
+        let foreign_changes = Family::<ForeignLabels, Counter>::default();
+        r.register(
+            "foreign_rule_changes",
+            "Chains and rules of one agent (the owner: their creator while watched, else by \
+             naming convention) deleted, flushed, removed, added to or stripped by another",
+            foreign_changes.clone(),
+        );
         let mixed_backend_netns = Gauge::default();
         r.register(
             "mixed_backend_netns",
@@ -514,6 +530,7 @@ impl Metrics {
             sync_stalled,
             syncs,
             rule_writes,
+            foreign_changes,
             mixed_backend_netns,
             table_entries,
             nft_changes,
@@ -801,6 +818,15 @@ impl Sink for MetricsSink {
                     backend: w.backend.as_str(),
                 };
                 self.m.rule_writes.get_or_create(&l).inc();
+            }
+            Output::RuleChange(c) if !c.ambiguous => {
+                for f in &c.foreign {
+                    let l = ForeignLabels {
+                        agent: self.agent(&c.agent),
+                        owner: self.agent(&f.owner),
+                    };
+                    self.m.foreign_changes.get_or_create(&l).inc_by(f.count());
+                }
             }
             Output::MixedBackends(_) => {
                 self.m.mixed_backend_netns.inc();

@@ -386,6 +386,14 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 },
                 serde_json::to_value(st).unwrap_or(Value::Null),
             ),
+            Output::RuleChange(c) if !super::terminal::rule_change_lines(c).is_empty() => self
+                .instant(
+                    c.ts_ns,
+                    c.pid,
+                    &c.agent,
+                    super::terminal::rule_change_lines(c).join("; "),
+                    serde_json::to_value(c).unwrap_or(Value::Null),
+                ),
             Output::MixedBackends(m) => self.instant(
                 m.ts_ns,
                 m.pid,

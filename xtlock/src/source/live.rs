@@ -49,6 +49,8 @@ struct Tap {
     recorder: Option<Box<dyn Recorder>>,
     /// The first recording error; recording stops there, tracing goes on.
     recorder_error: Option<anyhow::Error>,
+    /// Reads each table written, for the rule diffs.
+    rules: Option<super::rules::RuleReader>,
 }
 
 impl LiveSource {
@@ -121,6 +123,25 @@ impl LiveSource {
         }
     }
 
+    /// Reads every legacy table written, for the analysis to say what the write changed.
+    pub fn read_rules(&mut self) {
+        match super::rules::RuleReader::start() {
+            Ok(r) => self.tap.rules = Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start the rule reader: rule changes are not diffed")
+            }
+        }
+    }
+
+    /// At the end: the tables still being read (waits up to `timeout`).
+    pub fn finish_rules(&mut self, out: &mut Vec<Event>, timeout: std::time::Duration) {
+        let mut tables = Vec::new();
+        if let Some(r) = self.tap.rules.as_mut() {
+            r.finish(&mut tables, timeout);
+        }
+        self.tap.add_tables(tables, out);
+    }
+
     pub fn set_recorder(&mut self, r: Box<dyn Recorder>) {
         self.tap.recorder = Some(r);
     }
@@ -185,6 +206,7 @@ impl LiveSource {
         if n < BATCH {
             guard.clear_ready();
         }
+        self.tap.poll_rules(out);
         Ok(())
     }
 
@@ -197,6 +219,7 @@ impl LiveSource {
             let Some(item) = ring.next() else { break };
             self.tap.kernel(&item, out);
         }
+        self.tap.poll_rules(out);
     }
 
     /// A `Lost` event when the kernel dropped events since the last call.
@@ -241,6 +264,9 @@ impl Tap {
         }
         match decode::decode(raw) {
             Ok(ev) => {
+                if let Some(r) = self.rules.as_mut() {
+                    r.on_event(&ev);
+                }
                 let exec = match &ev {
                     Event::Exec(x) => Some((x.tgid, x.ts_ns)),
                     _ => None,
@@ -270,6 +296,21 @@ impl Tap {
                     tracing::warn!(error = %e, "undecodable event from the kernel (further ones counted silently)");
                 }
             }
+        }
+    }
+
+    fn poll_rules(&mut self, out: &mut Vec<Event>) {
+        let mut tables = Vec::new();
+        if let Some(r) = self.rules.as_mut() {
+            r.poll(&mut tables);
+        }
+        self.add_tables(tables, out);
+    }
+
+    fn add_tables(&mut self, tables: Vec<Event>, out: &mut Vec<Event>) {
+        for ev in tables {
+            self.synthetic(&ev);
+            out.push(ev);
         }
     }
 

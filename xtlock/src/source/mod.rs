@@ -11,6 +11,7 @@ pub mod pods;
 pub mod procfs;
 pub mod recorder;
 pub mod rolling;
+pub mod rules;
 
 /// `CLOCK_MONOTONIC` now, in ns: the clock of `bpf_ktime_get_ns()` and so of every event.
 pub fn monotonic_ns() -> u64 {

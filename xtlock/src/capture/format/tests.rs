@@ -161,6 +161,31 @@ fn drop_records_round_trip() {
             count: 100,
             max: 128,
         })),
+        Event::RuleTable(Box::new(crate::event::RuleTable {
+            ts_ns: 77,
+            netns: 4026531840,
+            family: "ip".into(),
+            table: "filter".into(),
+            after_pid: 12,
+            skipped: String::new(),
+            chains: vec![
+                crate::event::ChainState {
+                    name: "INPUT".into(),
+                    policy: Some("ACCEPT".into()),
+                    digest: 99,
+                    rules: None,
+                },
+                crate::event::ChainState {
+                    name: "KUBE-FIREWALL".into(),
+                    policy: None,
+                    digest: 7,
+                    rules: Some(vec![crate::event::Rule(vec![
+                        "-m mark --mark 0x8000/0x8000".into(),
+                        "-j DROP".into(),
+                    ])]),
+                },
+            ],
+        })),
     ];
     for ev in &evs {
         let mut b = Vec::new();

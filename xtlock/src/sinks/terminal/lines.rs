@@ -653,3 +653,109 @@ pub(crate) fn mixed_backends_text(m: &crate::analysis::MixedBackendsFact, host: 
         m.nft.join(", ")
     )
 }
+
+/// `a, b, c and 3 more`.
+fn some_names(names: &[String], max: usize) -> String {
+    let mut s = names
+        .iter()
+        .take(max)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > max {
+        let _ = write!(s, " and {} more", names.len() - max);
+    }
+    s
+}
+
+/// The lines a rule change is said in: foreign changes, stripped rules, bare drops,
+/// restorations, and a table that could not be read. Nothing for a writer's changes to its
+/// own rules (the JSON has them).
+pub(crate) fn rule_change_lines(c: &crate::analysis::RuleChangeFact) -> Vec<String> {
+    let mut v = Vec::new();
+    let table = format!("{} {} (netns {})", c.family, c.table, c.netns);
+    if let Some(why) = &c.skipped {
+        v.push(format!("rules of {table} not diffed: {why}"));
+        return v;
+    }
+    let who = if c.ambiguous {
+        format!(
+            "one of {} (writes by several agents between two reads)",
+            c.agent
+        )
+    } else {
+        c.agent.clone()
+    };
+    for f in &c.foreign {
+        let gone: Vec<String> = f
+            .chains_deleted
+            .iter()
+            .chain(&f.chains_flushed)
+            .cloned()
+            .collect();
+        let mut what = Vec::new();
+        if !f.chains_deleted.is_empty() {
+            what.push(format!(
+                "removed {} chain{}",
+                f.chains_deleted.len(),
+                if f.chains_deleted.len() == 1 { "" } else { "s" }
+            ));
+        }
+        if !f.chains_flushed.is_empty() {
+            what.push(format!("flushed {}", f.chains_flushed.len()));
+        }
+        if f.rules_removed > 0 {
+            what.push(format!(
+                "{} rule{} removed",
+                thousands(f.rules_removed),
+                if f.rules_removed == 1 { "" } else { "s" }
+            ));
+        }
+        if f.rules_added > 0 {
+            what.push(format!("{} added", thousands(f.rules_added)));
+        }
+        if !what.is_empty() {
+            let names = if gone.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", some_names(&gone, 6))
+            };
+            v.push(format!(
+                "!! {who} changed {}'s rules in {table}: {}{names}",
+                f.owner,
+                what.join(", ")
+            ));
+        }
+        for s in &f.rules_changed {
+            let lost = if s.lost.is_empty() {
+                String::new()
+            } else {
+                format!(" lost `{}`", s.lost.join(" "))
+            };
+            let gained = if s.gained.is_empty() {
+                String::new()
+            } else {
+                format!(" gained `{}`", s.gained.join(" "))
+            };
+            v.push(format!(
+                "!! {who} changed {}'s rule in {}:{lost}{gained}; now `{}`",
+                f.owner, s.chain, s.now
+            ));
+        }
+    }
+    for r in &c.restored {
+        v.push(format!(
+            "{} put back {} in {table} {} after {} removed it",
+            c.agent,
+            r.chain,
+            human_ns(r.gone_ns),
+            r.removed_by
+        ));
+    }
+    for b in &c.bare_drops {
+        v.push(format!(
+            "!! a rule that drops every packet reaching it, in {table} by {who}: {b}"
+        ));
+    }
+    v
+}

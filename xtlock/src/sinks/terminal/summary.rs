@@ -198,6 +198,16 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    if !s.foreign_changes.is_empty() {
+        w.blank()?;
+        say!(
+            w,
+            "rules changed by another agent (writer -> owner: chains and rules):"
+        )?;
+        for (writer, owner, n) in &s.foreign_changes {
+            say!(w, "  {writer} -> {owner}: {}", thousands(*n))?;
+        }
+    }
     for m in &s.mixed_backends {
         say!(w, "{}", super::lines::mixed_backends_text(m, s.host_netns))?;
     }

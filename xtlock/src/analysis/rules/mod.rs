@@ -1,0 +1,406 @@
+//! Rule writes: which backend each agent writes its rules through, and network namespaces
+//! where both hold rules. A legacy write is a table replace through `setsockopt`
+//! (`IPT_SO_SET_REPLACE` and the ip6/eb twins, as `iptables-legacy*` send them); an
+//! nf_tables write is a netlink batch commit (`iptables-nft*`, `nft`, firewalld's nftables
+//! backend, kube-proxy's nftables mode). Each backend's `iptables-save` shows only its own
+//! rules, and the kernel runs both: two agents on two backends in one netns do not see each
+//! other's rules (kubernetes-sigs/iptables-wrappers, cilium#28260). The first write that
+//! puts a netns in that state is a fact ([`MixedBackendsFact`]), naming who writes where.
+//!
+//! After a legacy write the source reads the table back (`source/rules.rs`); [`diff`] says
+//! what changed since the previous read, and whose the changed chains and rules were
+//! ([`owners`]): a change to another agent's rules is a foreign change, said with who did
+//! it. Writes by two agents between two reads make the change ambiguous: said, not guessed.
+
+mod diff;
+pub mod owners;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::Serialize;
+
+use super::attribution::Attributor;
+use super::facts::{ForeignChange, MixedBackendsFact, Output, RuleChangeFact, RuleWriteFact};
+use super::iptables_run::Backend;
+use super::procs::{FastMap, ProcTable};
+use crate::decode::{Event, RuleTable, TableReplaceEvent};
+use crate::event::Comm;
+use diff::TableModel;
+pub use diff::{StrippedRule, TableDiff};
+
+/// Network namespaces followed; past it, new ones are not.
+const MAX_NETNS: usize = 4096;
+/// Agents listed per netns and backend.
+const MAX_AGENTS_LISTED: usize = 16;
+
+/// One agent's writes through one backend, in the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RuleWrites {
+    pub writes: u64,
+    /// The programs that wrote (as exec'd), e.g. `iptables-legacy-restore`, `nft`.
+    pub programs: BTreeSet<String>,
+    /// Legacy: the tables replaced, `family:table` (e.g. `ip:filter`).
+    #[serde(skip_serializing_if = "BTreeSet::is_empty")]
+    pub tables: BTreeSet<String>,
+}
+
+#[derive(Debug, Default)]
+struct NetnsWriters {
+    legacy: BTreeSet<String>,
+    nft: BTreeSet<String>,
+    said: bool,
+}
+
+/// (netns, family, table)
+type TableKey = (u32, String, String);
+
+/// A chain as it was when another agent deleted or flushed it.
+#[derive(Debug, Clone)]
+struct Removed {
+    ts_ns: u64,
+    by: String,
+    owner: String,
+}
+
+#[derive(Debug, Default)]
+pub struct RuleTracker {
+    by_agent: BTreeMap<(String, Backend), RuleWrites>,
+    netns: FastMap<u32, NetnsWriters>,
+    mixed: BTreeMap<u32, MixedBackendsFact>,
+    /// Each table as last read.
+    tables: HashMap<TableKey, TableModel>,
+    /// Legacy writes not yet covered by a read: (time, agent).
+    pending: HashMap<TableKey, Vec<(u64, String)>>,
+    /// Chains created while watched: their creator.
+    creators: HashMap<(TableKey, String), String>,
+    /// Chains another agent removed, until their owner puts them back.
+    removed: HashMap<(TableKey, String), Removed>,
+    /// Foreign changes per (writer, owner), for the summary.
+    foreign: BTreeMap<(String, String), u64>,
+}
+
+/// Tables followed; chains remembered as created or removed.
+const MAX_TABLES: usize = 1024;
+const MAX_CHAINS_REMEMBERED: usize = 65_536;
+
+impl RuleTracker {
+    /// A kernel event: a rule write is counted for its agent and its netns.
+    pub fn on_event(
+        &mut self,
+        ev: &Event,
+        procs: &ProcTable,
+        attr: &mut Attributor,
+        out: &mut impl FnMut(Output),
+    ) {
+        if let Event::RuleTable(t) = ev {
+            self.on_table(t, procs, attr, out);
+            return;
+        }
+        let (ts_ns, pid, netns, backend, comm, table) = match ev {
+            Event::TableReplace(t) if is_legacy_write(t) => {
+                let touch = super::lock::table_touch(t, 0);
+                let comm = procs.get(t.tgid).map(|p| p.comm).unwrap_or_default();
+                // Unnamed when the head could not be read (or in older captures).
+                let table =
+                    (!touch.table.is_empty()).then(|| format!("{}:{}", touch.family, touch.table));
+                (t.ts_ns, t.tgid, t.netns, Backend::Legacy, comm, table)
+            }
+            Event::NftCommit(n) if n.batch.as_ref().is_none_or(|b| b.changes() > 0) => {
+                (n.ts_ns, n.tgid, n.netns, Backend::Nft, n.comm, None)
+            }
+            _ => return,
+        };
+        self.write(ts_ns, pid, netns, backend, &comm, table, procs, attr, out);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &mut self,
+        ts_ns: u64,
+        pid: u32,
+        netns: u32,
+        backend: Backend,
+        comm: &Comm,
+        table: Option<String>,
+        procs: &ProcTable,
+        attr: &mut Attributor,
+        out: &mut impl FnMut(Output),
+    ) {
+        let who = attr.get(procs, pid, comm);
+        let agent = if who.agent.is_empty() {
+            who.comm.to_string()
+        } else {
+            who.agent.to_string()
+        };
+        let program = procs
+            .get(pid)
+            .map(|p| p.exe_name())
+            .filter(|e| !e.is_empty())
+            .map_or_else(|| who.comm.to_string(), str::to_owned);
+        if let (Backend::Legacy, Some(t)) = (backend, &table) {
+            if let Some(("ip", name)) = t.split_once(':') {
+                let key = (netns, "ip".to_string(), name.to_string());
+                if self.pending.len() < MAX_TABLES || self.pending.contains_key(&key) {
+                    let p = self.pending.entry(key).or_default();
+                    if p.len() < 4096 {
+                        p.push((ts_ns, agent.clone()));
+                    }
+                }
+            }
+        }
+        let w = self.by_agent.entry((agent.clone(), backend)).or_default();
+        w.writes += 1;
+        if w.programs.len() < MAX_AGENTS_LISTED {
+            w.programs.insert(program.clone());
+        }
+        if let Some(t) = &table {
+            if w.tables.len() < MAX_AGENTS_LISTED {
+                w.tables.insert(t.clone());
+            }
+        }
+        out(Output::RuleWrite(RuleWriteFact {
+            ts_ns,
+            pid,
+            agent: who.agent.clone(),
+            backend,
+            program: program.clone(),
+            netns,
+            table,
+        }));
+        // Which netns: unknown (0, an older capture or no BTF) cannot be compared.
+        if netns == 0 || (!self.netns.contains_key(&netns) && self.netns.len() >= MAX_NETNS) {
+            return;
+        }
+        let n = self.netns.entry(netns).or_default();
+        let side = match backend {
+            Backend::Legacy => &mut n.legacy,
+            Backend::Nft => &mut n.nft,
+        };
+        let label = format!("{agent} ({program})");
+        if side.len() < MAX_AGENTS_LISTED {
+            side.insert(label);
+        }
+        if n.legacy.is_empty() || n.nft.is_empty() {
+            return;
+        }
+        let fact = MixedBackendsFact {
+            ts_ns,
+            netns,
+            legacy: n.legacy.iter().cloned().collect(),
+            nft: n.nft.iter().cloned().collect(),
+            agent,
+            pid,
+            backend,
+        };
+        // Said once per netns, when it first holds both; the summary has the final picture.
+        self.mixed.insert(netns, fact.clone());
+        if !n.said {
+            n.said = true;
+            out(Output::MixedBackends(fact));
+        }
+    }
+
+    /// A table read after a write: what changed since the previous read, and whose it was.
+    fn on_table(
+        &mut self,
+        t: &RuleTable,
+        procs: &ProcTable,
+        attr: &mut Attributor,
+        out: &mut impl FnMut(Output),
+    ) {
+        let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
+        // The writes this read covers: those before it.
+        let mut writers: Vec<String> = Vec::new();
+        if let Some(p) = self.pending.get_mut(&key) {
+            p.retain(|(ts, a)| {
+                if *ts <= t.ts_ns {
+                    if !writers.contains(a) {
+                        writers.push(a.clone());
+                    }
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        if writers.is_empty() {
+            let comm = procs.get(t.after_pid).map(|p| p.comm).unwrap_or_default();
+            let who = attr.get(procs, t.after_pid, &comm);
+            writers.push(who.agent.to_string());
+        }
+        let fact = |diff: TableDiff| RuleChangeFact {
+            ts_ns: t.ts_ns,
+            netns: t.netns,
+            family: t.family.clone(),
+            table: t.table.clone(),
+            agent: writers.join(", "),
+            ambiguous: writers.len() > 1,
+            pid: t.after_pid,
+            diff,
+            foreign: Vec::new(),
+            restored: Vec::new(),
+            bare_drops: Vec::new(),
+            skipped: None,
+        };
+        if !t.skipped.is_empty() {
+            // Unknown from here until a read works again.
+            self.tables.remove(&key);
+            let mut f = fact(TableDiff::default());
+            f.skipped = Some(t.skipped.clone());
+            out(Output::RuleChange(f));
+            return;
+        }
+        let prev = self.tables.get(&key);
+        let Some(model) = TableModel::from_read(t, prev) else {
+            return;
+        };
+        let Some(prev) = prev else {
+            // The first read: what is there already is the baseline.
+            if self.tables.len() < MAX_TABLES {
+                self.tables.insert(key, model);
+            }
+            return;
+        };
+        let d = diff::diff(prev, &model);
+        let owner_of = |chain: &str| -> Option<String> {
+            self.creators
+                .get(&(key.clone(), chain.to_string()))
+                .cloned()
+                .or_else(|| owners::conventional_owner(chain).map(str::to_string))
+        };
+        // A rule is its chain's; in a built-in chain, the owner's of the chain it jumps to.
+        let rule_owner = |chain: &str, rule: &str| -> Option<String> {
+            owner_of(chain).or_else(|| {
+                let target = rule.rsplit_once(' ').map_or(rule, |(_, j)| j);
+                owner_of(target)
+            })
+        };
+        let mut f = fact(d.clone());
+        let writer = (!f.ambiguous).then(|| writers[0].clone());
+        // Foreign: whose chains and rules this writer deleted, flushed, removed or changed.
+        let mut by_owner: BTreeMap<String, ForeignChange> = BTreeMap::new();
+        fn entry(m: &mut BTreeMap<String, ForeignChange>, owner: String) -> &mut ForeignChange {
+            m.entry(owner.clone()).or_insert_with(|| ForeignChange {
+                owner,
+                ..Default::default()
+            })
+        }
+        for c in &d.deleted {
+            if let Some(o) = owner_of(c) {
+                entry(&mut by_owner, o).chains_deleted.push(c.clone());
+            }
+        }
+        for c in &d.flushed {
+            if let Some(o) = owner_of(c) {
+                entry(&mut by_owner, o).chains_flushed.push(c.clone());
+            }
+        }
+        for (c, r) in &d.removed {
+            if let Some(o) = rule_owner(c, r) {
+                entry(&mut by_owner, o).rules_removed += 1;
+            }
+        }
+        for s in &d.stripped {
+            if let Some(o) = rule_owner(&s.chain, &s.now) {
+                entry(&mut by_owner, o).rules_changed.push(s.clone());
+            }
+        }
+        for (c, r) in &d.added {
+            if let Some(o) = rule_owner(c, r) {
+                entry(&mut by_owner, o).rules_added += 1;
+            }
+        }
+        f.foreign = by_owner
+            .into_values()
+            .filter(|fc| writer.as_deref() != Some(fc.owner.as_str()) && !fc.is_empty())
+            .collect();
+        // The owner putting back what another removed: how long it was gone.
+        for c in &d.created {
+            let k = (key.clone(), c.clone());
+            if let Some(r) = self.removed.get(&k) {
+                if writer.as_deref() == Some(r.owner.as_str()) {
+                    f.restored.push(super::facts::Restored {
+                        chain: c.clone(),
+                        gone_ns: t.ts_ns.saturating_sub(r.ts_ns),
+                        removed_by: r.by.clone(),
+                    });
+                    self.removed.remove(&k);
+                }
+            }
+        }
+        if let Some(w) = &writer {
+            for fc in &f.foreign {
+                *self
+                    .foreign
+                    .entry((w.clone(), fc.owner.clone()))
+                    .or_default() += fc.count();
+                for c in fc.chains_deleted.iter().chain(&fc.chains_flushed) {
+                    if self.removed.len() < MAX_CHAINS_REMEMBERED {
+                        self.removed.insert(
+                            (key.clone(), c.clone()),
+                            Removed {
+                                ts_ns: t.ts_ns,
+                                by: w.clone(),
+                                owner: fc.owner.clone(),
+                            },
+                        );
+                    }
+                }
+            }
+            for c in &d.created {
+                if self.creators.len() < MAX_CHAINS_REMEMBERED {
+                    self.creators.insert((key.clone(), c.clone()), w.clone());
+                }
+            }
+        }
+        // A DROP or REJECT that matches everything, where packets reach it.
+        let reachable = model.reachable();
+        for (c, r) in &d.added {
+            if reachable.contains(c.as_str()) && is_bare(r) {
+                f.bare_drops.push(format!("{c}: {r}"));
+            }
+        }
+        for s in &d.stripped {
+            if reachable.contains(s.chain.as_str()) && is_bare(&s.now) {
+                f.bare_drops.push(format!("{}: {}", s.chain, s.now));
+            }
+        }
+        self.tables.insert(key, model);
+        if !d.is_empty() {
+            out(Output::RuleChange(f));
+        }
+    }
+
+    /// Foreign changes per (writer, owner): how many chains and rules.
+    pub fn foreign(&self) -> impl Iterator<Item = (&str, &str, u64)> {
+        self.foreign
+            .iter()
+            .map(|((w, o), n)| (w.as_str(), o.as_str(), *n))
+    }
+
+    /// (agent, backend) → its writes.
+    pub fn by_agent(&self) -> impl Iterator<Item = (&str, Backend, &RuleWrites)> {
+        self.by_agent.iter().map(|((a, b), w)| (a.as_str(), *b, w))
+    }
+
+    /// Network namespaces where both backends were written, as last seen.
+    pub fn mixed(&self) -> impl Iterator<Item = &MixedBackendsFact> {
+        self.mixed.values()
+    }
+}
+
+/// A rule that drops or rejects everything that reaches it: its only part besides a
+/// comment is a DROP or REJECT target.
+fn is_bare(rule: &str) -> bool {
+    let mut rest = rule;
+    if let Some(after) = rest.strip_prefix("-m comment --comment \"") {
+        rest = after.split_once("\" ").map_or("", |(_, r)| r);
+    }
+    rest == "-j DROP" || rest.starts_with("-j REJECT")
+}
+
+/// A legacy table replaced (not a read, not a counter update, and it succeeded).
+fn is_legacy_write(t: &TableReplaceEvent) -> bool {
+    use xtlock_common::{EBT_SO_SET_ENTRIES, XT_SO_SET_REPLACE};
+    !t.read && t.ret == 0 && (t.optname == XT_SO_SET_REPLACE || t.optname == EBT_SO_SET_ENTRIES)
+}
