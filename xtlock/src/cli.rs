@@ -428,6 +428,48 @@ mod tests {
     }
 
     #[test]
+    fn filter_flags() {
+        let cli = Cli::try_parse_from([
+            "xtlock",
+            "report",
+            "cap",
+            "--agent",
+            "kube-proxy",
+            "--agent",
+            "calico-node",
+            "-n",
+            "kube-system",
+            "--pod",
+            "coredns",
+            "--lock-file",
+            "/run/xtables.lock",
+            "--since",
+            "10:02:30",
+            "--until",
+            "+5m",
+        ])
+        .unwrap();
+        let Command::Report(r) = cli.command else {
+            panic!()
+        };
+        let f = r.filter.filter();
+        assert_eq!(f.agents, ["kube-proxy", "calico-node"]);
+        assert_eq!(f.namespaces, ["kube-system"]);
+        assert_eq!(f.pods, ["coredns"]);
+        assert_eq!(r.lock_files.len(), 1);
+        assert!(r.since.is_some() && r.until.is_some());
+        let Command::Trace(t) = Cli::try_parse_from(["xtlock", "trace", "--agent", "kube-proxy"])
+            .unwrap()
+            .command
+        else {
+            panic!()
+        };
+        assert!(!t.filter.filter().is_empty());
+        let e = Cli::try_parse_from(["xtlock", "report", "cap", "--since", "soonish"]).unwrap_err();
+        assert!(e.to_string().contains("is not a time"), "{e}");
+    }
+
+    #[test]
     fn daemon_flags() {
         let cli = Cli::try_parse_from([
             "xtlock",
