@@ -435,3 +435,163 @@ fn bad_captures_get_clear_errors() {
         "the good part is still reported: {out}"
     );
 }
+
+/// `HH:MM:SS.mmm` (UTC) of now: a time as the report prints it under `TZ=UTC`, typed back.
+fn utc_time_of_day_now() -> String {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let (s, ms) = (d.as_secs() % 86_400, d.subsec_millis());
+    format!("{:02}:{:02}:{:02}.{ms:03}", s / 3600, s / 60 % 60, s % 60)
+}
+
+/// Is `fact` about `agent`: its own, or a wait or failed try behind it.
+fn about(fact: &Value, agent: &str) -> bool {
+    fact["agent"] == agent
+        || fact["holders"]
+            .as_array()
+            .is_some_and(|hs| hs.iter().any(|h| h["agent"] == agent))
+        || fact["holder"]["agent"] == agent
+}
+
+/// kube-proxy holds while calico-node waits behind it, then calico-node holds alone:
+/// `trace --agent kube-proxy` shows kube-proxy's facts and the wait behind it, not
+/// calico-node's own hold, while its `--record` keeps everything; `report` with the same
+/// filter shows the same facts, and `--since`/`--until` (a time of day as the report prints
+/// it) cut between the two phases.
+#[test]
+fn filters_on_trace_and_report_agree() {
+    if !require_bpf("filters_on_trace_and_report_agree") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("filters");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let cap = s.dir.join("filtered.xtlock");
+    let tracer = Tracer::start(
+        &[&lock],
+        Duration::from_secs(5),
+        &["--agent", "kube-proxy", "--record", cap.to_str().unwrap()],
+    );
+    let kube_proxy = s.agent("kube-proxy");
+    let calico = s.agent("calico-node");
+    let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "800"], &[], None);
+    kp.ts("acquired", T);
+    let mut cn = Agent::spawn(&calico, &["hold", lock_s, "100"], &[], None);
+    assert_eq!(kp.wait(), 0);
+    assert_eq!(cn.wait(), 0);
+    std::thread::sleep(Duration::from_millis(300));
+    let between = utc_time_of_day_now();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut alone = Agent::spawn(&calico, &["hold", lock_s, "200"], &[], None);
+    assert_eq!(alone.wait(), 0);
+    let trace = tracer.finish();
+
+    let holds = trace.of_type("hold");
+    let waits = trace.of_type("wait");
+    assert!(
+        holds.iter().any(|h| h["agent"] == "kube-proxy"),
+        "{}",
+        trace.dump()
+    );
+    assert!(
+        holds.iter().all(|h| h["agent"] == "kube-proxy"),
+        "calico-node's holds are not about kube-proxy:\n{}",
+        trace.dump()
+    );
+    assert!(
+        waits
+            .iter()
+            .any(|w| w["agent"] == "calico-node" && about(w, "kube-proxy")),
+        "calico-node's wait behind kube-proxy is about kube-proxy:\n{}",
+        trace.dump()
+    );
+    for f in trace.events.iter().filter(|e| e["type"] != "summary") {
+        if ["hold", "wait", "failed_try", "timeout", "exec", "exit"]
+            .contains(&f["type"].as_str().unwrap_or(""))
+        {
+            assert!(about(f, "kube-proxy"), "not about kube-proxy: {f}");
+        }
+    }
+    let summary = trace.summary();
+    assert_eq!(summary["filter"]["agents"][0], "kube-proxy", "{summary}");
+    let (shown, all) = (
+        summary["filter"]["shown"].as_u64().unwrap(),
+        summary["filter"]["facts"].as_u64().unwrap(),
+    );
+    assert!(0 < shown && shown < all, "{summary}");
+    // The summary's tables stay whole.
+    assert_eq!(summary["holds"]["calico-node"]["count"], 2, "{summary}");
+
+    // The capture has everything, the filter notwithstanding.
+    let c = cap.to_str().unwrap();
+    let (code, out, err) = xtlock(&["report", "--json", "--events", c]);
+    assert_eq!(code, 0, "{err}");
+    let everything = json_lines(&out);
+    let calico_holds = everything
+        .iter()
+        .filter(|e| e["type"] == "hold" && e["agent"] == "calico-node")
+        .count();
+    assert_eq!(calico_holds, 2, "{out}");
+    assert!(everything.last().unwrap().get("filter").is_none(), "{out}");
+
+    // The same filter on the capture: the same facts, and a filter implies --events.
+    let (code, out, err) = xtlock(&["report", "--json", "--agent", "kube-proxy", c]);
+    assert_eq!(code, 0, "{err}");
+    let replay = json_lines(&out);
+    let body = |v: &[Value]| -> Vec<Value> {
+        v.iter()
+            .filter(|e| e["type"] != "summary")
+            .cloned()
+            .collect()
+    };
+    assert_eq!(
+        body(&replay),
+        body(&trace.events),
+        "report --agent differs from trace --agent"
+    );
+    assert_eq!(replay.last().unwrap()["filter"], summary["filter"]);
+
+    // Time windows, typed as the report prints times (TZ=UTC here).
+    let report_tz = |args: &[&str]| {
+        let o = Command::new(xtlock_bin())
+            .args(args)
+            .env("TZ", "UTC")
+            .output()
+            .expect("run xtlock");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let out = report_tz(&["report", "--json", "--since", &between, c]);
+    let after: Vec<Value> = json_lines(&out);
+    let after_holds: Vec<&Value> = after.iter().filter(|e| e["type"] == "hold").collect();
+    assert_eq!(
+        after_holds.len(),
+        1,
+        "only the lone hold is after {between}:\n{out}"
+    );
+    assert_eq!(after_holds[0]["agent"], "calico-node");
+    let out = report_tz(&[
+        "report",
+        "--json",
+        "--agent",
+        "kube-proxy",
+        "--since",
+        &between,
+        c,
+    ]);
+    assert!(
+        json_lines(&out)
+            .iter()
+            .all(|e| e["type"] != "hold" && e["type"] != "wait"),
+        "kube-proxy did nothing after {between}:\n{out}"
+    );
+    let out = report_tz(&["report", "--agent", "calico-node", "--until", &between, c]);
+    assert!(out.contains("calico-node waited"), "{out}");
+    assert_eq!(out.matches("calico-node held").count(), 1, "{out}");
+    assert!(
+        out.contains(&format!("filtered: agent calico-node; until {between}")),
+        "{out}"
+    );
+}

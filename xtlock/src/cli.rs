@@ -154,6 +154,53 @@ pub struct ReportArgs {
     /// With --events: print holds at least this long.
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub min_hold: Duration,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Show only facts on this lock file, as the capture names it (repeatable); facts
+    /// about no lock (execs, drops outside holds) stay.
+    #[arg(long = "lock-file", value_name = "PATH", help_heading = FILTERS)]
+    pub lock_files: Vec<PathBuf>,
+    /// Show only facts from this time on: a time of day as the report shows it (10:02:30,
+    /// the capture's day, local time), a date and time (2024-05-01 10:02:30 local, or
+    /// RFC 3339: 2024-05-01T08:02:30Z), or a duration after the capture's start (90s, +5m).
+    /// Holds and waits that overlap it are shown whole.
+    #[arg(long, value_name = "WHEN", value_parser = crate::sinks::filter::When::parse, help_heading = FILTERS)]
+    pub since: Option<crate::sinks::filter::When>,
+    /// Show only facts before this time (same forms as --since).
+    #[arg(long, value_name = "WHEN", value_parser = crate::sinks::filter::When::parse, help_heading = FILTERS)]
+    pub until: Option<crate::sinks::filter::When>,
+}
+
+const FILTERS: &str =
+    "Filters (what is shown; the summary's tables, metrics and captures keep everything)";
+
+/// Who to show, as ig and kubectl users select it: shared by `trace` and `report`.
+#[derive(Clone, Debug, Default, clap::Args)]
+#[command(next_help_heading = FILTERS)]
+pub struct FilterArgs {
+    /// Show only facts about this agent (repeatable): its holds, execs and stalls, waits by
+    /// it or behind it, drops during its holds.
+    #[arg(long = "agent", value_name = "NAME")]
+    pub agents: Vec<String>,
+    /// Show only facts about processes of this pod (repeatable): its name, or its
+    /// workload's (kube-proxy matches kube-proxy-x7k2p).
+    #[arg(long = "pod", value_name = "NAME")]
+    pub pods: Vec<String>,
+    /// Show only facts about processes in pods of this namespace (repeatable).
+    #[arg(short = 'n', long = "namespace", value_name = "NS")]
+    pub namespaces: Vec<String>,
+}
+
+impl FilterArgs {
+    /// The filter of these flags (the report adds locks and times).
+    pub fn filter(&self) -> crate::sinks::FactFilter {
+        crate::sinks::FactFilter {
+            agents: self.agents.clone(),
+            pods: self.pods.clone(),
+            namespaces: self.namespaces.clone(),
+            ..Default::default()
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -235,13 +282,17 @@ pub struct TraceArgs {
     /// Size of the kernel-to-userspace ring buffer, in MiB (a power of two).
     #[arg(long, default_value_t = 4, value_parser = parse_ring_mib)]
     pub ring_buffer_mib: u32,
-    /// Also write everything to this capture file, as `xtlock record` does.
+    /// Also write everything to this capture file, as `xtlock record` does (whatever the
+    /// filters show).
     #[arg(long, value_name = "FILE")]
     pub record: Option<PathBuf>,
     #[command(flatten)]
     pub locks: LockArgs,
     #[command(flatten)]
     pub drops: DropArgs,
+    // Last: its help heading would carry over to the options after it.
+    #[command(flatten)]
+    pub filter: FilterArgs,
 }
 
 /// Packet drops and conntrack: shared by every command that traces live.
@@ -374,6 +425,48 @@ mod tests {
         assert!(e.to_string().contains("not a rate"), "{e}");
         let e = Cli::try_parse_from(["xtlock", "trace", "--conntrack-warn", "150"]).unwrap_err();
         assert!(e.to_string().contains("150"), "{e}");
+    }
+
+    #[test]
+    fn filter_flags() {
+        let cli = Cli::try_parse_from([
+            "xtlock",
+            "report",
+            "cap",
+            "--agent",
+            "kube-proxy",
+            "--agent",
+            "calico-node",
+            "-n",
+            "kube-system",
+            "--pod",
+            "coredns",
+            "--lock-file",
+            "/run/xtables.lock",
+            "--since",
+            "10:02:30",
+            "--until",
+            "+5m",
+        ])
+        .unwrap();
+        let Command::Report(r) = cli.command else {
+            panic!()
+        };
+        let f = r.filter.filter();
+        assert_eq!(f.agents, ["kube-proxy", "calico-node"]);
+        assert_eq!(f.namespaces, ["kube-system"]);
+        assert_eq!(f.pods, ["coredns"]);
+        assert_eq!(r.lock_files.len(), 1);
+        assert!(r.since.is_some() && r.until.is_some());
+        let Command::Trace(t) = Cli::try_parse_from(["xtlock", "trace", "--agent", "kube-proxy"])
+            .unwrap()
+            .command
+        else {
+            panic!()
+        };
+        assert!(!t.filter.filter().is_empty());
+        let e = Cli::try_parse_from(["xtlock", "report", "cap", "--since", "soonish"]).unwrap_err();
+        assert!(e.to_string().contains("is not a time"), "{e}");
     }
 
     #[test]

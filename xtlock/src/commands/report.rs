@@ -7,11 +7,14 @@ use anyhow::Context as _;
 
 use crate::{
     analysis::{Output, Summary},
+    capture::CaptureHeader,
     cli::ReportArgs,
     pipeline::Pipeline,
     sinks::{
-        terminal::{escaped, wall_clock_date},
-        JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat,
+        filter::{CaptureClock, When},
+        terminal::{escaped, local_utc_offset_s, wall_clock_date, wall_clock_label},
+        FactFilter, FilterNote, FilteredSink, JsonSink, Sink, TerminalOptions, TerminalSink,
+        TimeFormat,
     },
     source::file::FileSource,
 };
@@ -20,6 +23,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
     let mut src = FileSource::open(&args.file)
         .with_context(|| format!("cannot read the capture {}", args.file.display()))?;
     let h = &src.header;
+    let filter = filter_of(args, h)?;
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {
         Box::new(JsonSink::new(stdout))
@@ -47,10 +51,16 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
             },
         ))
     };
-    let sink = if args.events {
+    // A filter chooses facts to show: asking for one means asking to see them.
+    let sink = if args.events || !filter.is_empty() {
         sink
     } else {
         Box::new(SummaryOnly(sink))
+    };
+    let sink: Box<dyn Sink> = if filter.is_empty() {
+        sink
+    } else {
+        Box::new(FilteredSink::new(sink, filter))
     };
     let mut pipe = Pipeline::new(src.locks(), vec![sink]);
     let end = src.for_each(|ev| pipe.feed(ev))?;
@@ -74,6 +84,43 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The report's filter: who from the flags, lock files checked against the capture's, and
+/// times placed on its clock.
+fn filter_of(args: &ReportArgs, h: &CaptureHeader) -> anyhow::Result<FactFilter> {
+    let mut f = args.filter.filter();
+    for want in &args.lock_files {
+        let want = want.display().to_string();
+        if !h.locks.iter().any(|l| l.path == want) {
+            let known: Vec<String> = h.locks.iter().map(|l| escaped(&l.path)).collect();
+            anyhow::bail!(
+                "--lock-file {}: the capture watched no such lock file; it watched {}",
+                escaped(&want),
+                known.join(", ")
+            );
+        }
+        f.locks.push(want);
+    }
+    let clock = CaptureClock {
+        started_wall_ns: h.started_wall_ns,
+        boot_to_wall_offset_ns: h.boot_to_wall_offset_ns,
+        utc_offset_s: local_utc_offset_s(),
+    };
+    // Said back as the report's lines show times, so the reader sees where it cut.
+    let place = |w: &When| {
+        let ts = w.to_ts_ns(&clock);
+        let label = wall_clock_label(ts, clock.boot_to_wall_offset_ns, clock.utc_offset_s);
+        (ts, label)
+    };
+    f.since = args.since.as_ref().map(place);
+    f.until = args.until.as_ref().map(place);
+    if let (Some((s, sl)), Some((u, ul))) = (&f.since, &f.until) {
+        if u <= s {
+            anyhow::bail!("--until {ul} is not after --since {sl}: nothing could be shown");
+        }
+    }
+    Ok(f)
+}
+
 /// Shows only the summary (`report` without `--events`).
 struct SummaryOnly(Box<dyn Sink>);
 
@@ -84,6 +131,10 @@ impl Sink for SummaryOnly {
 
     fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()> {
         self.0.summary(s, final_)
+    }
+
+    fn summary_filtered(&mut self, s: &Summary, final_: bool, note: &FilterNote) -> io::Result<()> {
+        self.0.summary_filtered(s, final_, note)
     }
 
     fn flush(&mut self) -> io::Result<()> {

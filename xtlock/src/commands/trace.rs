@@ -9,7 +9,7 @@ use crate::{
         session::{self, Recording, Session},
     },
     pipeline::Pipeline,
-    sinks::{JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
+    sinks::{FilteredSink, JsonSink, Sink, TerminalOptions, TerminalSink, TimeFormat},
     source,
 };
 
@@ -38,6 +38,13 @@ pub async fn run(args: &TraceArgs) -> anyhow::Result<()> {
                 ..Default::default()
             },
         ))
+    };
+    // Only what is shown is filtered: the recording (made by the source) keeps everything.
+    let filter = args.filter.filter();
+    let sink: Box<dyn Sink> = if filter.is_empty() {
+        sink
+    } else {
+        Box::new(FilteredSink::new(sink, filter))
     };
     let mut pipe = Pipeline::new(live::watched(&locks), vec![sink]);
     pipe.analyzer_mut()

@@ -2,7 +2,7 @@
 
 use std::io::{self, Write};
 
-use super::Sink;
+use super::{FilterNote, Sink};
 use crate::analysis::{Output, Summary};
 
 /// Writes each fact as one JSON object per line (`{"type":"hold",...}`), and the final
@@ -45,6 +45,24 @@ impl<W: Write> Sink for JsonSink<W> {
     fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()> {
         if final_ || self.periodic_summaries {
             self.write(s)?;
+            self.w.flush()?;
+        }
+        Ok(())
+    }
+
+    fn summary_filtered(&mut self, s: &Summary, final_: bool, note: &FilterNote) -> io::Result<()> {
+        /// The summary object with one more field, `"filter"`.
+        #[derive(serde::Serialize)]
+        struct Filtered<'a> {
+            #[serde(flatten)]
+            summary: &'a Summary,
+            filter: &'a FilterNote,
+        }
+        if final_ || self.periodic_summaries {
+            self.write(&Filtered {
+                summary: s,
+                filter: note,
+            })?;
             self.w.flush()?;
         }
         Ok(())

@@ -4,11 +4,13 @@ use std::io;
 
 use crate::analysis::{Output, Summary};
 
+pub mod filter;
 pub mod json;
 pub mod metrics;
 pub mod perfetto;
 pub mod terminal;
 
+pub use filter::{FactFilter, FilterNote, FilteredSink};
 pub use json::JsonSink;
 pub use perfetto::PerfettoSink;
 pub use terminal::{TerminalOptions, TerminalSink, TimeFormat};
@@ -19,6 +21,16 @@ pub trait Sink {
     fn output(&mut self, o: &Output) -> io::Result<()>;
     /// The summary; `final_` is false for periodic ones while tracing goes on.
     fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()>;
+    /// The summary, with what a [`FilteredSink`] in front of this sink left out; sinks
+    /// that show facts say it, the others need not.
+    fn summary_filtered(
+        &mut self,
+        s: &Summary,
+        final_: bool,
+        _note: &FilterNote,
+    ) -> io::Result<()> {
+        self.summary(s, final_)
+    }
     /// Pushes buffered output to the writer.
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
@@ -31,6 +43,9 @@ impl<S: Sink + ?Sized> Sink for Box<S> {
     }
     fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()> {
         (**self).summary(s, final_)
+    }
+    fn summary_filtered(&mut self, s: &Summary, final_: bool, note: &FilterNote) -> io::Result<()> {
+        (**self).summary_filtered(s, final_, note)
     }
     fn flush(&mut self) -> io::Result<()> {
         (**self).flush()

@@ -331,7 +331,18 @@ impl<W: Write> Sink for TerminalSink<W> {
 
     fn summary(&mut self, s: &Summary, final_: bool) -> io::Result<()> {
         self.flush_run()?;
-        write_summary(&mut self.w, s, final_)?;
+        write_summary(&mut self.w, s, final_, None)?;
+        self.w.flush()
+    }
+
+    fn summary_filtered(
+        &mut self,
+        s: &Summary,
+        final_: bool,
+        note: &super::FilterNote,
+    ) -> io::Result<()> {
+        self.flush_run()?;
+        write_summary(&mut self.w, s, final_, Some(note))?;
         self.w.flush()
     }
 

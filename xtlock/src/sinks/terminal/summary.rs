@@ -8,11 +8,13 @@ use super::lines::hold_drops_text;
 use super::{human_bytes, human_ns};
 use crate::analysis::Summary;
 use crate::capture::thousands;
+use crate::sinks::FilterNote;
 
 pub(crate) fn write_summary(
     w: &mut SafeLines<impl Write>,
     s: &Summary,
     final_: bool,
+    filter: Option<&FilterNote>,
 ) -> io::Result<()> {
     w.blank()?;
     say!(
@@ -22,6 +24,11 @@ pub(crate) fn write_summary(
         human_ns(s.duration_ns),
         s.events
     )?;
+    // The tables below stay whole (who waited behind whom needs both sides); the filter
+    // chose only the lines above.
+    if let Some(f) = filter {
+        say!(w, "filtered: {}; the tables cover everything", f.describe())?;
+    }
     for l in &s.locks {
         // A lock file has a device and inode; the nf_tables commit lock has neither.
         let file = if l.dev == 0 && l.ino == 0 {
