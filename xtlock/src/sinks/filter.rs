@@ -189,6 +189,19 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
             pod: None,
             pids: [m.pid, 0],
         }),
+        // The writer (each of them, when ambiguous) and whose rules it changed.
+        Output::RuleChange(c) => {
+            v.extend(c.agent.split(", ").map(|a| Party {
+                agent: a,
+                pod: None,
+                pids: [c.pid, 0],
+            }));
+            v.extend(c.foreign.iter().map(|f| Party {
+                agent: &f.owner,
+                pod: None,
+                pids: [0, 0],
+            }));
+        }
         Output::HoldDrops(h) => v.push(Party {
             agent: &h.agent,
             pod: None,
