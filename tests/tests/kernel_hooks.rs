@@ -713,7 +713,8 @@ fn both_backends_in_one_netns_are_named() {
     let lock_s = lock.to_str().unwrap();
     let ns = NetnsPair::new("xtlock-mixed", 47);
     let (mixed_ino, nft_only_ino) = (NetnsPair::inode(&ns.a), NetnsPair::inode(&ns.b));
-    let tracer = Tracer::start(&[&lock], Duration::from_secs(8), &["--no-drops"]);
+    // Stopped once the writes are done: under emulation four of them take seconds.
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
     let calico = s.agent("calico-node");
     let kube_proxy = s.agent("kube-proxy");
     let write = |agent: &Path, netns: &str, prog: &str, port: &str| {
@@ -745,6 +746,8 @@ fn both_backends_in_one_netns_are_named() {
     write(&kube_proxy, &ns.a, "iptables-nft", "10");
     write(&kube_proxy, &ns.b, "iptables-nft", "11");
     write(&calico, &ns.a, "iptables-legacy", "12");
+    std::thread::sleep(Duration::from_millis(500));
+    tracer.interrupt();
     let trace = tracer.finish();
     let dump = trace.dump();
     // The truth: each backend's save in the mixed netns shows only its own rules.
