@@ -773,6 +773,30 @@ fn both_backends_in_one_netns_are_named() {
         2,
         "two legacy writes (one table replace each) by calico-node in {mixed_ino}:\n{dump}"
     );
+    // The binary as resolved on disk, and the version it carries: `iptables -V`'s.
+    let binaries = |backend: &str| -> Vec<String> {
+        trace
+            .of_type("rule_write")
+            .iter()
+            .filter(|w| w["backend"] == backend)
+            .map(|w| w["binary"].as_str().unwrap_or("?").to_string())
+            .collect()
+    };
+    let version = |prog: &str| -> String {
+        let out = Command::new(prog).arg("-V").output().expect("iptables -V");
+        let v = String::from_utf8_lossy(&out.stdout);
+        // `iptables v1.8.9 (legacy)`
+        v.trim()
+            .split_once(" v")
+            .map(|(_, v)| v.to_string())
+            .unwrap_or_default()
+    };
+    let want = format!("xtables-legacy-multi {}", version("iptables-legacy"));
+    assert!(
+        binaries("legacy").iter().all(|b| *b == want),
+        "{want}: {:?}",
+        binaries("legacy")
+    );
     let mixed = trace.of_type("mixed_backends");
     if !nft_seen {
         assert_plain_not_attached(&nft_status(&[]));
@@ -787,6 +811,12 @@ fn both_backends_in_one_netns_are_named() {
             "kube-proxy's nft write in {ino}:\n{dump}"
         );
     }
+    let want = format!("xtables-nft-multi {}", version("iptables-nft"));
+    assert!(
+        binaries("nft").iter().all(|b| *b == want),
+        "{want}: {:?}",
+        binaries("nft")
+    );
     assert_eq!(mixed.len(), 1, "{dump}");
     let m = mixed[0];
     assert_eq!(m["netns"], mixed_ino, "{dump}");

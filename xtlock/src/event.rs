@@ -442,6 +442,10 @@ pub struct ProcInfo {
     pub argv: Vec<String>,
     /// First line of `/proc/PID/cgroup` that names a path (cgroup v2 `0::/...`, or v1).
     pub cgroup: Option<String>,
+    /// An iptables-family program's file as resolved on disk (`/proc/PID/exe` at its exec:
+    /// `/usr/sbin/xtables-nft-multi`), and the version it carries (`1.8.9 (nf_tables)`).
+    pub exe: Option<String>,
+    pub exe_version: Option<String>,
 }
 
 /// Synthetic: the kubelet's names of a container (or, `container_id` empty, of a pod), read

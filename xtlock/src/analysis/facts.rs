@@ -375,6 +375,10 @@ pub struct RuleWriteFact {
     pub backend: super::iptables_run::Backend,
     /// The writing program as exec'd (`iptables-legacy-restore`, `nft`, ...).
     pub program: String,
+    /// The binary as resolved on disk and the version it carries
+    /// (`xtables-nft-multi 1.8.9 (nf_tables)`), when the source could read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub binary: Option<String>,
     /// Inode of the netns written; 0 when unknown.
     pub netns: u32,
     /// Legacy: `family:table` replaced (e.g. `ip:filter`).

@@ -1781,3 +1781,39 @@ fn both_backends_in_one_netns_are_said_once() {
         "{text}"
     );
 }
+
+/// The source's `Proc` info names the binary a writer runs, as resolved on disk, with its
+/// version: the write says it.
+#[test]
+fn a_write_names_its_binary() {
+    let mut r = Run::new();
+    r.feed(&node());
+    r.feed(&spawn(
+        MS,
+        40,
+        600,
+        "calico-node",
+        &["iptables-legacy", "-A", "X"],
+    ));
+    r.feed(&[Event::Proc(crate::decode::ProcInfo {
+        ts_ns: MS + 2,
+        pid: 600,
+        exe: Some("/usr/sbin/xtables-legacy-multi".into()),
+        exe_version: Some("1.8.9 (legacy)".into()),
+        ..Default::default()
+    })]);
+    r.feed(&[legacy_replace(2 * MS, 600, 4026532001)]);
+    let w: Vec<&RuleWriteFact> = r
+        .out
+        .iter()
+        .filter_map(|o| match o {
+            Output::RuleWrite(w) => Some(w),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(w.len(), 1, "{:?}", r.out);
+    assert_eq!(
+        w[0].binary.as_deref(),
+        Some("xtables-legacy-multi 1.8.9 (legacy)")
+    );
+}

@@ -315,6 +315,12 @@ pub fn encode_proc(p: &ProcInfo, out: &mut Vec<u8>) {
             put_bytes(out, c.as_bytes());
         }
     }
+    // Appended: older readers stop before it.
+    if p.exe.is_some() || p.exe_version.is_some() {
+        for s in [&p.exe, &p.exe_version] {
+            put_bytes(out, s.as_deref().unwrap_or("").as_bytes());
+        }
+    }
 }
 
 pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
@@ -350,6 +356,12 @@ pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
         1 => Some(r.string("cgroup")?),
         v => return Err(format!("has_cgroup is {v}, expected 0 or 1")),
     };
+    // Appended later: the resolved program and its version (absent in older records).
+    // Bytes that do not read as both are a newer writer's fields, not these: ignored.
+    let (exe, exe_version) = match (r.string("exe"), r.string("exe_version")) {
+        (Ok(e), Ok(v)) => ((!e.is_empty()).then_some(e), (!v.is_empty()).then_some(v)),
+        _ => (None, None),
+    };
     // Bytes left over are fields a newer writer added: ignored.
     Ok(ProcInfo {
         ts_ns,
@@ -358,6 +370,8 @@ pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
         comm,
         argv,
         cgroup,
+        exe,
+        exe_version,
     })
 }
 

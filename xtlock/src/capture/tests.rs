@@ -79,6 +79,8 @@ fn proc_info(pid: u32) -> ProcInfo {
         comm: Comm::new("kube-proxy"),
         argv: vec!["/usr/local/bin/kube-proxy".into(), "--v=2".into()],
         cgroup: Some("/kubepods.slice/kubepods-besteffort.slice/cri-containerd-1.scope".into()),
+        exe: None,
+        exe_version: None,
     }
 }
 
@@ -917,6 +919,8 @@ fn proc_strategy() -> impl Strategy<Value = ProcInfo> {
             comm: Comm(comm),
             argv,
             cgroup,
+            exe: None,
+            exe_version: None,
         })
 }
 

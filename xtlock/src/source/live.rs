@@ -51,6 +51,8 @@ struct Tap {
     recorder_error: Option<anyhow::Error>,
     /// Reads each table written, for the rule diffs.
     rules: Option<super::rules::RuleReader>,
+    /// iptables binaries as resolved on disk, and their versions.
+    binaries: super::binaries::Binaries,
 }
 
 impl LiveSource {
@@ -268,14 +270,34 @@ impl Tap {
                     r.on_event(&ev);
                 }
                 let exec = match &ev {
-                    Event::Exec(x) => Some((x.tgid, x.ts_ns)),
+                    Event::Exec(x) => Some((x.tgid, x.ts_ns, x.filename.clone())),
+                    Event::Fork(f) => {
+                        self.binaries.forked(f.parent_tgid, f.child_tid);
+                        None
+                    }
                     _ => None,
                 };
                 out.push(ev);
                 // Right behind its exec, before any exit of the same process: the cgroup of
                 // a new program. A container's process is moved to its cgroup by the
                 // runtime after fork, so the parent's would name the runtime.
-                if let Some(info) = exec.and_then(|(pid, ts)| exec_cgroup(pid, ts)) {
+                let info = exec.and_then(|(pid, ts, file)| {
+                    let mut info = exec_cgroup(pid, ts);
+                    // An iptables run: which binary, on disk, and its version.
+                    if super::binaries::is_rule_tool(&file) {
+                        if let Some((exe, version)) = self.binaries.resolve(pid, &file) {
+                            let i = info.get_or_insert_with(|| decode::ProcInfo {
+                                ts_ns: ts,
+                                pid,
+                                ..Default::default()
+                            });
+                            i.exe = Some(exe);
+                            i.exe_version = version;
+                        }
+                    }
+                    info
+                });
+                if let Some(info) = info {
                     if let (Some(pods), Some(cg)) = (self.pods.as_mut(), &info.cgroup) {
                         let mut named = Vec::new();
                         pods.see(&crate::kube::parse_cgroup(cg), info.ts_ns, &mut named);

@@ -3,6 +3,7 @@
 //! Every source yields decoded [`crate::decode::Event`]s, so the analysis and sinks never
 //! know which one they are fed by. The file side of a live source is here too: `recorder`
 //! writes a capture as the source yields it, `rolling` keeps the daemon's set of them.
+pub mod binaries;
 pub mod drops;
 pub mod file;
 pub mod ipvs;

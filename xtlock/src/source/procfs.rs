@@ -22,6 +22,8 @@ pub fn read_process(root: &Path, pid: u32, ts_ns: u64) -> Option<ProcInfo> {
         comm: Comm::new(&comm),
         argv,
         cgroup,
+        exe: None,
+        exe_version: None,
     })
 }
 

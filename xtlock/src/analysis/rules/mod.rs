@@ -42,6 +42,10 @@ pub struct RuleWrites {
     /// Legacy: the tables replaced, `family:table` (e.g. `ip:filter`).
     #[serde(skip_serializing_if = "BTreeSet::is_empty")]
     pub tables: BTreeSet<String>,
+    /// The binaries as resolved on disk, with the version they carry
+    /// (`xtables-legacy-multi 1.8.9 (legacy)`).
+    #[serde(skip_serializing_if = "BTreeSet::is_empty")]
+    pub binaries: BTreeSet<String>,
 }
 
 #[derive(Debug, Default)]
@@ -77,6 +81,8 @@ pub struct RuleTracker {
     removed: HashMap<(TableKey, String), Removed>,
     /// Foreign changes per (writer, owner), for the summary.
     foreign: BTreeMap<(String, String), u64>,
+    /// The binary each recent iptables process runs (from the source's `Proc` info).
+    binaries: FastMap<u32, String>,
 }
 
 /// Tables followed; chains remembered as created or removed.
@@ -94,6 +100,20 @@ impl RuleTracker {
     ) {
         if let Event::RuleTable(t) = ev {
             self.on_table(t, procs, attr, out);
+            return;
+        }
+        if let Event::Proc(p) = ev {
+            if let Some(exe) = &p.exe {
+                let base = exe.rsplit('/').next().unwrap_or(exe);
+                let b = match &p.exe_version {
+                    Some(v) => format!("{base} {v}"),
+                    None => base.to_string(),
+                };
+                if self.binaries.len() >= 4096 {
+                    self.binaries.clear();
+                }
+                self.binaries.insert(p.pid, b);
+            }
             return;
         }
         let (ts_ns, pid, netns, backend, comm, table) = match ev {
@@ -148,8 +168,14 @@ impl RuleTracker {
                 }
             }
         }
+        let binary = self.binaries.get(&pid).cloned();
         let w = self.by_agent.entry((agent.clone(), backend)).or_default();
         w.writes += 1;
+        if let Some(b) = &binary {
+            if w.binaries.len() < MAX_AGENTS_LISTED {
+                w.binaries.insert(b.clone());
+            }
+        }
         if w.programs.len() < MAX_AGENTS_LISTED {
             w.programs.insert(program.clone());
         }
@@ -164,6 +190,7 @@ impl RuleTracker {
             agent: who.agent.clone(),
             backend,
             program: program.clone(),
+            binary,
             netns,
             table,
         }));

@@ -65,13 +65,24 @@ fn proc_encoding() {
         comm: Comm::new("iptables"),
         argv: vec!["iptables".into(), "-w".into(), "".into()],
         cgroup: Some("/kubepods.slice/x".into()),
+        exe: None,
+        exe_version: None,
     };
     let mut b = Vec::new();
     encode_proc(&p, &mut b);
     assert_eq!(decode_proc(&b), Ok(p.clone()));
     // Trailing fields from a newer writer are ignored.
     b.extend_from_slice(&[1, 2, 3]);
-    assert_eq!(decode_proc(&b), Ok(p));
+    assert_eq!(decode_proc(&b), Ok(p.clone()));
+    // With the resolved program and its version.
+    let p = ProcInfo {
+        exe: Some("/usr/sbin/xtables-nft-multi".into()),
+        exe_version: Some("1.8.9 (nf_tables)".into()),
+        ..p
+    };
+    let mut b = Vec::new();
+    encode_proc(&p, &mut b);
+    assert_eq!(decode_proc(&b), Ok(p.clone()));
     // A huge argc does not allocate.
     let mut b = Vec::new();
     for v in [1, 2, 3, 0, u64::MAX] {

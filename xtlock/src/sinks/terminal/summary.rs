@@ -189,14 +189,20 @@ pub(crate) fn write_summary(
         for r in &s.rule_writes {
             let tables: Vec<&str> = r.writes.tables.iter().map(String::as_str).collect();
             let programs: Vec<&str> = r.writes.programs.iter().map(String::as_str).collect();
+            let binaries: Vec<&str> = r.writes.binaries.iter().map(String::as_str).collect();
             say!(
                 w,
-                "  {} {}: {} write{} by {}{}",
+                "  {} {}: {} write{} by {}{}{}",
                 r.agent,
                 r.backend.as_str(),
                 thousands(r.writes.writes),
                 if r.writes.writes == 1 { "" } else { "s" },
                 programs.join(", "),
+                if binaries.is_empty() {
+                    String::new()
+                } else {
+                    format!(" [{}]", binaries.join(", "))
+                },
                 if tables.is_empty() {
                     String::new()
                 } else {
