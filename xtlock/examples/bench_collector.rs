@@ -482,6 +482,7 @@ fn seeds(ts: u64) -> Vec<ProcInfo> {
         comm: Comm::new("systemd"),
         argv: vec!["/sbin/init".into()],
         cgroup: Some("/init.scope".into()),
+        exe: None,
     }];
     for a in AGENTS {
         v.push(ProcInfo {
@@ -494,6 +495,7 @@ fn seeds(ts: u64) -> Vec<ProcInfo> {
                 "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{:064x}.scope",
                 a.pid, a.pid
             )),
+            exe: None,
         });
     }
     v

@@ -442,10 +442,17 @@ pub struct ProcInfo {
     pub argv: Vec<String>,
     /// First line of `/proc/PID/cgroup` that names a path (cgroup v2 `0::/...`, or v1).
     pub cgroup: Option<String>,
-    /// An iptables-family program's file as resolved on disk (`/proc/PID/exe` at its exec:
-    /// `/usr/sbin/xtables-nft-multi`), and the version it carries (`1.8.9 (nf_tables)`).
-    pub exe: Option<String>,
-    pub exe_version: Option<String>,
+    /// An iptables-family program's file as resolved on disk. Boxed: rare, and every
+    /// event moves at the size of the largest.
+    pub exe: Option<Box<ExeInfo>>,
+}
+
+/// The file a process runs as resolved on disk (`/usr/sbin/xtables-nft-multi`), and the
+/// version it carries (`1.8.9 (nf_tables)`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ExeInfo {
+    pub path: String,
+    pub version: Option<String>,
 }
 
 /// Synthetic: the kubelet's names of a container (or, `container_id` empty, of a pod), read

@@ -1798,8 +1798,10 @@ fn a_write_names_its_binary() {
     r.feed(&[Event::Proc(crate::decode::ProcInfo {
         ts_ns: MS + 2,
         pid: 600,
-        exe: Some("/usr/sbin/xtables-legacy-multi".into()),
-        exe_version: Some("1.8.9 (legacy)".into()),
+        exe: Some(Box::new(crate::event::ExeInfo {
+            path: "/usr/sbin/xtables-legacy-multi".into(),
+            version: Some("1.8.9 (legacy)".into()),
+        })),
         ..Default::default()
     })]);
     r.feed(&[legacy_replace(2 * MS, 600, 4026532001)]);

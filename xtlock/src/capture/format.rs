@@ -316,10 +316,9 @@ pub fn encode_proc(p: &ProcInfo, out: &mut Vec<u8>) {
         }
     }
     // Appended: older readers stop before it.
-    if p.exe.is_some() || p.exe_version.is_some() {
-        for s in [&p.exe, &p.exe_version] {
-            put_bytes(out, s.as_deref().unwrap_or("").as_bytes());
-        }
+    if let Some(e) = &p.exe {
+        put_bytes(out, e.path.as_bytes());
+        put_bytes(out, e.version.as_deref().unwrap_or("").as_bytes());
     }
 }
 
@@ -358,9 +357,12 @@ pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
     };
     // Appended later: the resolved program and its version (absent in older records).
     // Bytes that do not read as both are a newer writer's fields, not these: ignored.
-    let (exe, exe_version) = match (r.string("exe"), r.string("exe_version")) {
-        (Ok(e), Ok(v)) => ((!e.is_empty()).then_some(e), (!v.is_empty()).then_some(v)),
-        _ => (None, None),
+    let exe = match (r.string("exe"), r.string("exe_version")) {
+        (Ok(path), Ok(v)) if !path.is_empty() => Some(Box::new(crate::event::ExeInfo {
+            path,
+            version: (!v.is_empty()).then_some(v),
+        })),
+        _ => None,
     };
     // Bytes left over are fields a newer writer added: ignored.
     Ok(ProcInfo {
@@ -371,7 +373,6 @@ pub fn decode_proc(b: &[u8]) -> Result<ProcInfo, String> {
         argv,
         cgroup,
         exe,
-        exe_version,
     })
 }
 

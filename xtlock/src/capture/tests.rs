@@ -80,7 +80,6 @@ fn proc_info(pid: u32) -> ProcInfo {
         argv: vec!["/usr/local/bin/kube-proxy".into(), "--v=2".into()],
         cgroup: Some("/kubepods.slice/kubepods-besteffort.slice/cri-containerd-1.scope".into()),
         exe: None,
-        exe_version: None,
     }
 }
 
@@ -920,7 +919,6 @@ fn proc_strategy() -> impl Strategy<Value = ProcInfo> {
             argv,
             cgroup,
             exe: None,
-            exe_version: None,
         })
 }
 

@@ -291,8 +291,7 @@ impl Tap {
                                 pid,
                                 ..Default::default()
                             });
-                            i.exe = Some(exe);
-                            i.exe_version = version;
+                            i.exe = Some(Box::new(decode::ExeInfo { path: exe, version }));
                         }
                     }
                     info

@@ -23,7 +23,6 @@ pub fn read_process(root: &Path, pid: u32, ts_ns: u64) -> Option<ProcInfo> {
         argv,
         cgroup,
         exe: None,
-        exe_version: None,
     })
 }
 

@@ -42,7 +42,6 @@ pub fn seed(ts: u64, pid: u32, ppid: u32, comm: &str, cgroup: Option<&str>) -> E
         argv: vec![comm.to_string()],
         cgroup: cgroup.map(str::to_string),
         exe: None,
-        exe_version: None,
     })
 }
 

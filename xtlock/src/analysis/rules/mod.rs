@@ -104,8 +104,8 @@ impl RuleTracker {
         }
         if let Event::Proc(p) = ev {
             if let Some(exe) = &p.exe {
-                let base = exe.rsplit('/').next().unwrap_or(exe);
-                let b = match &p.exe_version {
+                let base = exe.path.rsplit('/').next().unwrap_or(&exe.path);
+                let b = match &exe.version {
                     Some(v) => format!("{base} {v}"),
                     None => base.to_string(),
                 };

@@ -66,7 +66,6 @@ fn proc_encoding() {
         argv: vec!["iptables".into(), "-w".into(), "".into()],
         cgroup: Some("/kubepods.slice/x".into()),
         exe: None,
-        exe_version: None,
     };
     let mut b = Vec::new();
     encode_proc(&p, &mut b);
@@ -76,8 +75,10 @@ fn proc_encoding() {
     assert_eq!(decode_proc(&b), Ok(p.clone()));
     // With the resolved program and its version.
     let p = ProcInfo {
-        exe: Some("/usr/sbin/xtables-nft-multi".into()),
-        exe_version: Some("1.8.9 (nf_tables)".into()),
+        exe: Some(Box::new(crate::event::ExeInfo {
+            path: "/usr/sbin/xtables-nft-multi".into(),
+            version: Some("1.8.9 (nf_tables)".into()),
+        })),
         ..p
     };
     let mut b = Vec::new();
