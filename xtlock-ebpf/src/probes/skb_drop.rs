@@ -128,6 +128,10 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
 /// The exact count, the hold's count, and a sample when this CPU has a token.
 #[inline(always)]
 fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol: impl Fn() -> u16) {
+    // A packet the node answered (REJECT, no listener) is counted once, as a refusal.
+    if crate::probes::refusal::was_answered(skb) {
+        return;
+    }
     count_drop(&DropKey {
         location,
         reason,
@@ -215,7 +219,7 @@ fn count_for_hold() {
 
 /// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.
 #[inline(always)]
-fn netns_of(skb: u64, dev: u64) -> u32 {
+pub(crate) fn netns_of(skb: u64, dev: u64) -> u32 {
     let off = |f: fn(&ProbeConfig) -> &u32| cfg(f) as u32;
     let net: u64 = if dev != 0 {
         kread(dev, off(|c| &c.dev_nd_net)).unwrap_or(0)
