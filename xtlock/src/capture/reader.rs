@@ -219,7 +219,8 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_CONNTRACK
                 | format::KIND_LOCK_SEED
                 | format::KIND_IPVS_COUNTS
-                | format::KIND_POD => {
+                | format::KIND_POD
+                | format::KIND_REFUSAL_COUNTS => {
                     return Some(
                         match format::decode_drop_event(kind, &self.raw[start..end]) {
                             Ok(ev) => {

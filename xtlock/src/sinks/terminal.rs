@@ -11,7 +11,7 @@ mod summary;
 use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
-pub(crate) use lines::{hold_drops_text, ipvs_text, mixed_backends_text};
+pub(crate) use lines::{hold_drops_text, hold_refusals_text, ipvs_text, mixed_backends_text};
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
 pub use safe::{escaped, SafeLogWriter};
@@ -309,6 +309,9 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::MixedBackends(m) => Some(mixed_backends_text(m, 0)),
                 // One per iptables command: the summary counts them per agent and backend.
                 Output::RuleWrite(_) => None,
+                Output::RefusalCount(r) => Some(refusal_count_text(r)),
+                // Said whatever the hold's length: a refused client is never noise.
+                Output::HoldRefusals(h) => Some(hold_refusals_text(h)),
             };
         if let Some(text) = text {
             self.flush_run()?;

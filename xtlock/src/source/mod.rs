@@ -10,6 +10,7 @@ pub mod live;
 pub mod pods;
 pub mod procfs;
 pub mod recorder;
+pub mod refusals;
 pub mod rolling;
 
 /// `CLOCK_MONOTONIC` now, in ns: the clock of `bpf_ktime_get_ns()` and so of every event.
