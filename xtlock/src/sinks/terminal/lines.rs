@@ -477,7 +477,7 @@ pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
         .collect();
     if h.groups.len() > 3 {
         let rest: u64 = h.groups.iter().skip(3).map(|g| g.count).sum();
-        groups.push(format!("{} more elsewhere", thousands(rest)));
+        groups.push(format!("and {} more", thousands(rest)));
     }
     format!(
         "!! {} during {}'s {} hold of {} (pid {})",
