@@ -78,6 +78,17 @@ fn hook_attached(test: &str, hook: &str) -> bool {
     false
 }
 
+/// Whether `tcp:tcp_send_reset` fires for the stack's resets without a socket: since Linux
+/// 6.10, when it also got the reset reason (read from the running kernel's format file).
+fn stack_resets_traced() -> bool {
+    ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"]
+        .iter()
+        .filter_map(|t| {
+            std::fs::read_to_string(format!("{t}/events/tcp/tcp_send_reset/format")).ok()
+        })
+        .any(|f| f.contains("sk_rst_reason reason;"))
+}
+
 /// Sum of the groups of `holds` matching kind, destination and netns.
 fn in_hold(holds: &[&Value], kind: &str, dest: &str, netns: u64) -> u64 {
     holds
@@ -244,9 +255,15 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
             .sum();
         assert_eq!(dropped, 0, "{}", trace.dump());
     }
-    if have[1] {
-        // The stack's reset for the closed port, with its reason where the kernel has one.
+    if have[1] && stack_resets_traced() {
+        // The stack's reset for the closed port, with its reason.
         check("reset_sent", CLOSED_PORT, nb, closed.refused);
+    } else if have[1] {
+        skip_on_this_kernel(
+            TEST,
+            "tcp:tcp_send_reset fires for resets sent without a socket (a closed port) only \
+             since Linux 6.10 (its format has a `reason` field from then on)",
+        );
     }
     if have[2] {
         // Netfilter's tcp-reset is sent without a tracepoint: the client's socket on this
