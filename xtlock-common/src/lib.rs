@@ -588,8 +588,9 @@ pub const MAX_REFUSAL_KEYS: u32 = 16384;
 /// An offset in [`RefusalConfig`] of a field this kernel's tracepoint does not have.
 pub const NO_FIELD: u32 = u32::MAX;
 /// How long after a refusal the drop hook takes the freed packet for the refused one (the
-/// REJECT target answers, then its packet is freed at once on the same CPU).
-pub const ANSWERED_WINDOW_NS: u64 = 1_000_000;
+/// REJECT target answers, then its packet is freed at once on the same CPU: microseconds,
+/// but an interrupt in between, or an emulated CPU, took over 1 ms in the 6.1 VM).
+pub const ANSWERED_WINDOW_NS: u64 = 10_000_000;
 
 /// Key of the in-kernel refusal counters (`REFUSAL_COUNTS`): refusals of one kind to one
 /// destination, in one netns, during one hold (or none).
@@ -917,6 +918,7 @@ mod pod {
     unsafe impl aya::Pod for RefusalKey {}
     unsafe impl aya::Pod for RefusalConfig {}
     unsafe impl aya::Pod for AnsweredSkb {}
+    unsafe impl aya::Pod for HoldNow {}
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}

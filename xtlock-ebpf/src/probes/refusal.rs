@@ -210,7 +210,10 @@ fn count(key: &mut RefusalKey) {
 }
 
 /// Whether the drop of `skb` is that of a packet a refusal just answered on this CPU: then
-/// the refusal says it, and the drop is not counted again.
+/// the refusal says it, and the drop is not counted again. Called for every freed packet,
+/// before the reason filter: the slot is cleared at the answered packet's own free (an
+/// unwatched NO_SOCKET after a UDP port unreachable, say), else the next packet in a
+/// recycled `sk_buff` at that address, dropped for a watched reason, would be skipped.
 #[inline(always)]
 pub fn was_answered(skb: u64) -> bool {
     let Some(a) = ANSWERED.get_ptr_mut(0) else {

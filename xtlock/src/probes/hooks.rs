@@ -300,9 +300,10 @@ pub const HOOKS: &[Hook] = &[
         paired_with: None,
         raw_program: None,
         missing: Some(
-            "icmp:icmp_send exists since Linux 6.9; without it ICMP refusals are not counted \
-             (a REJECTed packet stays counted as a netfilter drop), and the function behind \
-             it (__icmp_send) needs a kprobe, which xtlock does not attach for this yet",
+            "recent kernels have icmp:icmp_send (Debian's 6.1 too); without it ICMP refusals \
+             are not counted (a REJECTed packet stays counted as a netfilter drop), and the \
+             function behind it (__icmp_send) needs a kprobe, which xtlock does not attach for \
+             this yet",
         ),
     },
     Hook {

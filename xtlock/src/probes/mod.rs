@@ -445,6 +445,39 @@ impl Probes {
         self.counter_totals("REFUSAL_COUNTS", "REFUSAL_OVERFLOW")
     }
 
+    /// The acquire time of the hold the kernel counts refusals and drops for now (`HOLD_NOW`);
+    /// 0 when none is going on.
+    pub fn current_hold_start(&self) -> Result<u64, ProbeError> {
+        let map = self
+            .ebpf
+            .map("HOLD_NOW")
+            .ok_or_else(|| ProbeError::Load("map HOLD_NOW missing".into()))?;
+        let arr: BpfArray<&MapData, xtlock_common::HoldNow> =
+            BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let h = arr
+            .get(&0, 0)
+            .map_err(|e| ProbeError::Load(format!("reading HOLD_NOW: {e}")))?;
+        Ok(h.start_ns)
+    }
+
+    /// Removes refusal counters of holds that ended (read already): the kernel never counts
+    /// under them again, and without this every hold with refusals would keep its keys, and
+    /// a long-running daemon would fill the map.
+    pub fn forget_refusals(&mut self, keys: &[RefusalKey]) -> Result<(), ProbeError> {
+        let map = self
+            .ebpf
+            .map_mut("REFUSAL_COUNTS")
+            .ok_or_else(|| ProbeError::Load("map REFUSAL_COUNTS missing".into()))?;
+        let mut counts: PerCpuHashMap<&mut MapData, RefusalKey, u64> =
+            PerCpuHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        for k in keys {
+            counts
+                .remove(k)
+                .map_err(|e| ProbeError::Load(format!("removing a refusal counter: {e}")))?;
+        }
+        Ok(())
+    }
+
     /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of
     /// a CPU that still holds an older hold's count adds to that hold.
     pub fn hold_drop_counts(&self) -> Result<Vec<(u64, u64)>, ProbeError> {

@@ -99,7 +99,7 @@ impl LiveSource {
             None => Vec::new(),
         };
         events.extend(self.ipvs.poll(&self.probes, now));
-        events.extend(self.refusals.poll(&self.probes, now));
+        events.extend(self.refusals.poll(&mut self.probes, now));
         if let Some(pods) = self.tap.pods.as_mut() {
             let mut named = Vec::new();
             pods.tick(now, &mut named);

@@ -17,6 +17,8 @@ pub struct RefusalPoller {
     last_ts: u64,
     /// Reset reasons whose names went out already.
     named: HashSet<u32>,
+    /// Keys of holds seen ended at the last read: removed at the next (see `retire`).
+    retiring: HashSet<RefusalKey>,
 }
 
 impl RefusalPoller {
@@ -26,15 +28,17 @@ impl RefusalPoller {
             prev_overflow: 0,
             last_ts: now_ns,
             named: HashSet::new(),
+            retiring: HashSet::new(),
         }
     }
 
     /// The deltas since the previous call; `None` when nothing changed or no refusal hook is
     /// attached.
-    pub fn poll(&mut self, probes: &Probes, now_ns: u64) -> Option<Event> {
+    pub fn poll(&mut self, probes: &mut Probes, now_ns: u64) -> Option<Event> {
         if !probes.refusals_attached() {
             return None;
         }
+        let before = probes.current_hold_start();
         let (totals, overflow) = match probes.refusal_totals() {
             Ok(t) => t,
             Err(e) => {
@@ -44,13 +48,46 @@ impl RefusalPoller {
         };
         let interval_ns = now_ns.saturating_sub(self.last_ts);
         self.last_ts = now_ns;
+        let ended = match (before, probes.current_hold_start()) {
+            (Ok(b), Ok(a)) => self.retire(&totals, [b, a]),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::debug!(error = %e, "cannot read the hold in progress");
+                Vec::new()
+            }
+        };
         let mut c = self.deltas(totals, &probes.rst_reasons, now_ns, interval_ns);
+        // Their totals are in these deltas; the kernel counts under them no more.
+        if !ended.is_empty() {
+            match probes.forget_refusals(&ended) {
+                Ok(()) => {
+                    for k in &ended {
+                        self.prev.remove(k);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot remove ended holds' refusal counters"),
+            }
+        }
         c.overflow = overflow.saturating_sub(self.prev_overflow);
         self.prev_overflow = overflow;
         if c.counts.is_empty() && c.overflow == 0 {
             return None;
         }
         Some(Event::RefusalCounts(c))
+    }
+
+    /// Keys of holds that had ended at the previous read already (not the hold in progress
+    /// before or after either read): their totals are final, and no increment can still be
+    /// on its way. Holds that ended since wait one read more.
+    fn retire(&mut self, totals: &[(RefusalKey, u64)], current: [u64; 2]) -> Vec<RefusalKey> {
+        let ended: HashSet<RefusalKey> = totals
+            .iter()
+            .map(|(k, _)| *k)
+            .filter(|k| k.hold_start_ns != 0 && !current.contains(&k.hold_start_ns))
+            .collect();
+        let (done, wait): (Vec<RefusalKey>, Vec<RefusalKey>) =
+            ended.into_iter().partition(|k| self.retiring.contains(k));
+        self.retiring = wait.into_iter().collect();
+        done
     }
 
     /// Deltas of `totals` against the previous ones, non-zero ones only, in key order, with
@@ -147,5 +184,24 @@ mod tests {
             vec![2, 2]
         );
         assert!(c.reset_reasons.is_empty());
+    }
+
+    /// A key of an ended hold is removed one read after it was first seen ended, never while
+    /// its hold is in progress at either read.
+    #[test]
+    fn ended_holds_retire_one_read_later() {
+        let k = |hold_start_ns| RefusalKey {
+            hold_start_ns,
+            kind: REFUSAL_ICMP_UNREACH,
+            ..Default::default()
+        };
+        let mut p = RefusalPoller::new(0);
+        let totals = vec![(k(0), 1), (k(5), 1), (k(9), 1)];
+        assert!(p.retire(&totals, [9, 9]).is_empty());
+        // Hold 9 in progress at the second read: only hold 5 goes; no hold is never removed.
+        assert_eq!(p.retire(&totals, [0, 9]), vec![k(5)]);
+        let totals = vec![(k(0), 1), (k(9), 1)];
+        assert!(p.retire(&totals, [0, 0]).is_empty());
+        assert_eq!(p.retire(&totals, [0, 0]), vec![k(9)]);
     }
 }
