@@ -43,6 +43,12 @@ pub struct RefusalSummary {
     pub worst_holds: Vec<HoldRefusalsFact>,
 }
 
+impl RefusalSummary {
+    pub fn is_empty(&self) -> bool {
+        self.total == 0
+    }
+}
+
 type GroupKey = (RefusalKind, String, String, u32);
 
 #[derive(Debug)]

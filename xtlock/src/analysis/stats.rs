@@ -150,6 +150,8 @@ pub struct Summary {
     /// Packet drops and conntrack (empty when drops were not traced).
     pub drops: crate::analysis::drops::DropSummary,
     /// Connections the node refused (ICMP unreachable, TCP resets) and resets received.
+    /// Absent when none were counted (and from captures made before refusals were).
+    #[serde(skip_serializing_if = "crate::analysis::refusals::RefusalSummary::is_empty")]
     pub refusals: crate::analysis::refusals::RefusalSummary,
     /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
     /// `drops` equal to it are the host's.
