@@ -572,6 +572,126 @@ pub struct HoldDropSlot {
     pub count: u64,
 }
 
+/// `RefusalKey::kind`: an ICMP destination unreachable the node sent (`icmp:icmp_send`,
+/// type 3; `detail` is the ICMP code: 3 port, 1 host, 13 administratively prohibited).
+pub const REFUSAL_ICMP_UNREACH: u8 = 1;
+/// A TCP reset the node's stack sent (`tcp:tcp_send_reset`; `detail` is the kernel's
+/// `enum sk_rst_reason` where the tracepoint has it).
+pub const REFUSAL_RST_SENT: u8 = 2;
+/// A TCP reset a socket of the node received (`tcp:tcp_receive_reset`).
+pub const REFUSAL_RST_RECEIVED: u8 = 3;
+/// `RefusalKey::detail` when the kernel gives none.
+pub const REFUSAL_NO_DETAIL: u32 = u32::MAX;
+/// Distinct keys of the in-kernel refusal counters; refusals of keys past it are counted
+/// in an overflow slot.
+pub const MAX_REFUSAL_KEYS: u32 = 16384;
+/// An offset in [`RefusalConfig`] of a field this kernel's tracepoint does not have.
+pub const NO_FIELD: u32 = u32::MAX;
+/// How long after a refusal the drop hook takes the freed packet for the refused one (the
+/// REJECT target answers, then its packet is freed at once on the same CPU: microseconds,
+/// but an interrupt in between, or an emulated CPU, took over 1 ms in the 6.1 VM).
+pub const ANSWERED_WINDOW_NS: u64 = 10_000_000;
+
+/// Key of the in-kernel refusal counters (`REFUSAL_COUNTS`): refusals of one kind to one
+/// destination, in one netns, during one hold (or none).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RefusalKey {
+    /// `HoldNow::start_ns` of the hold in progress when it happened; 0: no hold.
+    pub hold_start_ns: u64,
+    /// The refused destination (the node's side for resets sent and ICMP, the peer for
+    /// resets received): 4 bytes for IPv4 (rest zero), 16 for IPv6.
+    pub addr: [u8; 16],
+    pub netns: u32,
+    /// ICMP code, or reset reason; [`REFUSAL_NO_DETAIL`] when the kernel gives none.
+    pub detail: u32,
+    /// Host order; 0 when unknown.
+    pub port: u16,
+    /// `DROP_FAMILY_*`.
+    pub family: u8,
+    /// `REFUSAL_*`.
+    pub kind: u8,
+    pub _pad: u32,
+}
+
+/// Where a tracepoint keeps one end of a connection: a `struct sockaddr_in6`-sized field
+/// (`sockaddr`, Linux >= 6.10 for `tcp_send_reset`), or separate family, port and address
+/// fields. Offsets from the format file; [`NO_FIELD`] for what it lacks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpAddr {
+    pub sockaddr: u32,
+    pub family: u32,
+    /// Host order in the record.
+    pub port: u32,
+    pub addr4: u32,
+    pub addr6: u32,
+}
+
+impl TpAddr {
+    pub const NONE: TpAddr = TpAddr {
+        sockaddr: NO_FIELD,
+        family: NO_FIELD,
+        port: NO_FIELD,
+        addr4: NO_FIELD,
+        addr6: NO_FIELD,
+    };
+}
+
+/// Field offsets of the refusal tracepoints (`REFUSAL_CONFIG`, one entry), from their format
+/// files, written by userspace before they attach.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusalConfig {
+    // tcp:tcp_send_reset
+    pub rst_skb: u32,
+    pub rst_sk: u32,
+    pub rst_reason: u32,
+    /// The node's end (the tracepoint's source: it reverses the packet's addresses).
+    pub rst_local: TpAddr,
+    // tcp:tcp_receive_reset
+    pub rrst_sk: u32,
+    /// The peer that sent the reset.
+    pub rrst_remote: TpAddr,
+    // icmp:icmp_send
+    pub icmp_skb: u32,
+    pub icmp_type: u32,
+    pub icmp_code: u32,
+    /// The refused packet's destination and port (the port only for UDP before the packet
+    /// itself is read).
+    pub icmp_daddr: u32,
+    pub icmp_dport: u32,
+    pub _pad: u32,
+}
+
+impl Default for RefusalConfig {
+    fn default() -> Self {
+        RefusalConfig {
+            rst_skb: NO_FIELD,
+            rst_sk: NO_FIELD,
+            rst_reason: NO_FIELD,
+            rst_local: TpAddr::NONE,
+            rrst_sk: NO_FIELD,
+            rrst_remote: TpAddr::NONE,
+            icmp_skb: NO_FIELD,
+            icmp_type: NO_FIELD,
+            icmp_code: NO_FIELD,
+            icmp_daddr: NO_FIELD,
+            icmp_dport: NO_FIELD,
+            _pad: 0,
+        }
+    }
+}
+
+/// The packet a refusal answered on this CPU (`ANSWERED`): the drop hook does not count its
+/// drop, so a REJECT is one refusal, not a refusal and a drop.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AnsweredSkb {
+    pub skb: u64,
+    pub ts_ns: u64,
+}
+
 /// `IpvsEvent::op`: a new connection scheduled to a real server (`ip_vs_conn_new`).
 pub const IPVS_OP_SCHEDULED: u8 = 1;
 /// A packet on a connection whose real server is no longer usable (removed, or weight 0);
@@ -795,6 +915,10 @@ mod pod {
     unsafe impl aya::Pod for DropCacheSlot {}
     unsafe impl aya::Pod for DropCache {}
     unsafe impl aya::Pod for HoldDropSlot {}
+    unsafe impl aya::Pod for RefusalKey {}
+    unsafe impl aya::Pod for RefusalConfig {}
+    unsafe impl aya::Pod for AnsweredSkb {}
+    unsafe impl aya::Pod for HoldNow {}
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}
@@ -884,6 +1008,8 @@ mod tests {
         assert_eq!(size_of::<WatchedSlot>(), 16);
         assert_eq!(size_of::<DropEvent>(), 88);
         assert_eq!(size_of::<DropKey>(), 16);
+        assert_eq!(size_of::<RefusalKey>(), 40);
+        assert_eq!(size_of::<RefusalConfig>(), 20 * 4);
         assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
         // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).

@@ -8,9 +8,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xtlock_common::{
-    DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, LockKey, ProbeConfig, WatchedSlot,
-    DROP_REASON_SLOTS, HOLD_DROP_SLOTS, MAX_DROP_KEYS, MAX_IPVS_KEYS, MAX_WATCHED_LOCKS,
-    WATCHED_INO_SLOTS,
+    AnsweredSkb, DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, LockKey, ProbeConfig,
+    RefusalConfig, RefusalKey, WatchedSlot, DROP_REASON_SLOTS, HOLD_DROP_SLOTS, MAX_DROP_KEYS,
+    MAX_IPVS_KEYS, MAX_REFUSAL_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
 };
 
 mod emit;
@@ -170,6 +170,25 @@ static HOLD_DROPS: PerCpuArray<HoldDropSlot> = PerCpuArray::with_max_entries(HOL
 /// Drop-sample rate limiter per CPU: the theoretical arrival time of the next sample (GCRA).
 #[map]
 static DROP_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Field offsets of the refusal tracepoints (one entry), written by userspace before they
+/// attach.
+#[map]
+static REFUSAL_CONFIG: Array<RefusalConfig> = Array::with_max_entries(1, 0);
+
+/// Exact refusal counts per (hold, netns, kind, destination, detail), per CPU. Userspace
+/// reads and sums them every second and never deletes keys.
+#[map]
+static REFUSAL_COUNTS: PerCpuHashMap<RefusalKey, u64> =
+    PerCpuHashMap::with_max_entries(MAX_REFUSAL_KEYS, 0);
+
+/// Refusals not counted under their key because `REFUSAL_COUNTS` was full, per CPU.
+#[map]
+static REFUSAL_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// The packet the last refusal on this CPU answered: its drop is not counted as a drop.
+#[map]
+static ANSWERED: PerCpuArray<AnsweredSkb> = PerCpuArray::with_max_entries(1, 0);
 
 /// IPVS struct offsets (one entry), written by userspace when ip_vs is there (possibly after
 /// start, when the module loads later).

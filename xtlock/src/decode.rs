@@ -325,7 +325,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
 }
 
 /// An address of a kernel event: 4 bytes for IPv4 (`DROP_FAMILY_INET`), 16 for IPv6.
-fn ip_addr(family: u8, a: &[u8; 16]) -> Option<IpAddr> {
+pub fn ip_addr(family: u8, a: &[u8; 16]) -> Option<IpAddr> {
     match family {
         common::DROP_FAMILY_INET => Some(IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3]))),
         common::DROP_FAMILY_INET6 => Some(IpAddr::V6(Ipv6Addr::from(*a))),

@@ -522,6 +522,38 @@ pub struct DropCounts {
     pub holds: Vec<HoldDropCount>,
 }
 
+/// Refusals of one (hold, netns, kind, destination, detail) in one interval.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusalCount {
+    /// The hold in progress when they happened (its acquire time); 0: none.
+    pub hold_start_ns: u64,
+    pub netns: u32,
+    /// `xtlock_common::REFUSAL_*`.
+    pub kind: u8,
+    /// ICMP code or reset reason; `xtlock_common::REFUSAL_NO_DETAIL` when none.
+    pub detail: u32,
+    /// The refused destination (the peer, for resets received); `None` when unknown.
+    pub addr: Option<IpAddr>,
+    pub port: u16,
+    pub count: u64,
+}
+
+/// Synthetic: the kernel's exact per-CPU refusal counters, read by the source every second,
+/// as deltas since the previous read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RefusalCounts {
+    /// When the counters were read (end of the interval).
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    /// Non-zero deltas only.
+    pub counts: Vec<RefusalCount>,
+    /// Refusals the kernel could not file under their key (its key map was full).
+    pub overflow: u64,
+    /// Names of the recording kernel's reset reasons, each sent with the first counts that
+    /// carry it (reason numbers change between kernels).
+    pub reset_reasons: Vec<(u32, String)>,
+}
+
 /// Drops during one hold, counted in the kernel while it went on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HoldDropCount {
@@ -837,6 +869,8 @@ pub enum Event {
     Ipvs(Box<IpvsEvent>),
     /// Synthetic: exact IPVS packet counts of the last interval.
     IpvsCounts(IpvsCounts),
+    /// Synthetic: exact refusal counts of the last interval.
+    RefusalCounts(RefusalCounts),
     /// Synthetic, once at the start: the recording kernel's drop-reason names
     /// (`has_reason` false: the kernel reports no reasons, every drop has reason 0) and the
     /// inode of the tracer's own (host) network namespace.
@@ -880,6 +914,7 @@ impl Event {
             Event::Conntrack(e) => e.ts_ns,
             Event::Ipvs(e) => e.ts_ns,
             Event::IpvsCounts(e) => e.ts_ns,
+            Event::RefusalCounts(e) => e.ts_ns,
             Event::Pod(e) => e.ts_ns,
             Event::RuleTable(t) => t.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,

@@ -268,6 +268,10 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "xtlock_conntrack_insert_failed_total",
         "moves only when conntrack inserts race",
     ),
+    (
+        "xtlock_refusals_during_holds_total",
+        "moves only when the node refuses connections during a hold (tests/tests/refusals.rs)",
+    ),
 ];
 
 /// Every expression parses and reads only series that `expositions` (the daemon's /metrics,

@@ -5,6 +5,7 @@ pub mod getsockopt;
 pub mod ipvs;
 pub mod nft_commit;
 pub mod process;
+pub mod refusal;
 pub mod setsockopt;
 pub mod skb_drop;
 pub mod xt_replace;

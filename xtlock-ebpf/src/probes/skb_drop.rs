@@ -1,7 +1,9 @@
 //! Packet drops: `skb:kfree_skb` (drop reason and the kernel address that freed the packet).
 //!
 //! `kfree_skb` can fire millions of times a second during a flood, so the order of work is:
-//! the reason filter (one array lookup) first and nothing else for unwatched reasons; then an
+//! whether a refusal answered this packet (one per-CPU array lookup: its slot must be cleared
+//! at the packet's free whatever the reason, or a recycled `sk_buff` at the same address
+//! would be taken for it), the reason filter (one array lookup) and nothing else for unwatched reasons; then an
 //! exact count in a per-CPU hash keyed by (location, reason, netns); and only when this CPU's
 //! rate limiter has a token, a sample with the packet's addresses through the ring buffer.
 //! No ring-buffer traffic without a token, so a flood cannot turn into a lost-event storm.
@@ -22,7 +24,8 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{btf_read, cfg, count_in, field, header, kread, now, reserve},
+    emit::{btf_read, cfg, count_in, field, field_fast, header, kread, now, reserve},
+    probes::refusal::was_answered,
     CONFIG, DROP_CACHE, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
 
@@ -48,10 +51,12 @@ pub fn kfree_skb_btf(ctx: BtfTracePointContext) -> u32 {
     } else {
         0
     };
-    if !watched(reason) {
+    let skb: *const u8 = ctx.arg(0);
+    // Before the filter: an answered packet's slot is cleared whatever its drop reason (see
+    // `refusal::was_answered`).
+    if was_answered(skb as u64) || !watched(reason) {
         return 0;
     }
-    let skb: *const u8 = ctx.arg(0);
     let location: u64 = ctx.arg(1);
     let (dev, netns) = if cfg(|c| &c.skb_ok) != 0 && !skb.is_null() {
         let dev: *const u8 = btf_read(skb, cfg(|c| &c.skb_dev));
@@ -108,11 +113,12 @@ fn try_kfree_skb(ctx: &TracePointContext) -> Result<(), i32> {
     } else {
         0
     };
-    if !watched(reason) {
+    // `skbaddr` is at 8 in every kernel's format: a direct load, no helper call.
+    let skb: u64 = field_fast::<u64, 8>(ctx, cfg(|c| &c.kd_skbaddr))?;
+    if was_answered(skb) || !watched(reason) {
         return Ok(());
     }
     let location: u64 = field(ctx, cfg(|c| &c.kd_location))?;
-    let skb: u64 = field(ctx, cfg(|c| &c.kd_skbaddr))?;
     let (dev, netns) = if cfg(|c| &c.skb_ok) != 0 {
         let dev: u64 = kread(skb, cfg(|c| &c.skb_dev) as u32).unwrap_or(0);
         (dev, netns_of(skb, dev))
@@ -215,7 +221,7 @@ fn count_for_hold() {
 
 /// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.
 #[inline(always)]
-fn netns_of(skb: u64, dev: u64) -> u32 {
+pub(crate) fn netns_of(skb: u64, dev: u64) -> u32 {
     let off = |f: fn(&ProbeConfig) -> &u32| cfg(f) as u32;
     let net: u64 = if dev != 0 {
         kread(dev, off(|c| &c.dev_nd_net)).unwrap_or(0)

@@ -173,7 +173,8 @@ pub fn packet_text(p: &PacketInfo) -> String {
     s
 }
 
-fn add(m: &mut BTreeMap<String, u64>, k: &str, n: u64) {
+/// Adds `n` under `k`, pooling keys past the table's bound under `(other)`.
+pub(super) fn add(m: &mut BTreeMap<String, u64>, k: &str, n: u64) {
     if let Some(v) = m.get_mut(k) {
         *v += n;
     } else if m.len() >= MAX_KEYS {

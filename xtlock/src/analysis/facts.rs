@@ -48,6 +48,10 @@ pub enum Output {
     RuleChange(RuleChangeFact),
     /// Both iptables backends hold rules written in one network namespace.
     MixedBackends(MixedBackendsFact),
+    /// Exact refusals of one kind to one destination in one interval.
+    RefusalCount(RefusalCountFact),
+    /// The refusals that happened while one hold lasted.
+    HoldRefusals(HoldRefusalsFact),
 }
 
 impl Output {
@@ -72,6 +76,8 @@ impl Output {
             Output::HoldDrops(h) => h.start_ns,
             Output::Ipvs(i) => i.ts_ns,
             Output::IpvsCount(c) => c.ts_ns,
+            Output::RefusalCount(r) => r.ts_ns,
+            Output::HoldRefusals(h) => h.start_ns,
         }
     }
 }
@@ -754,6 +760,73 @@ pub struct HoldDropsFact {
     pub by_class: BTreeMap<DropClass, u64>,
     pub by_reason: BTreeMap<String, u64>,
     pub samples: u64,
+}
+
+/// How the node turned a connection away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalKind {
+    /// An ICMP destination unreachable sent (netfilter's REJECT, or the stack's own).
+    IcmpUnreachable,
+    /// A TCP reset sent by the stack (no listener, an aborted connection).
+    ResetSent,
+    /// A TCP reset received by a socket of the node.
+    ResetReceived,
+}
+
+impl RefusalKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalKind::IcmpUnreachable => "icmp_unreachable",
+            RefusalKind::ResetSent => "reset_sent",
+            RefusalKind::ResetReceived => "reset_received",
+        }
+    }
+}
+
+/// Exact refusals of one (netns, kind, detail, destination) in one interval:
+/// `{"type":"refusal_count",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RefusalCountFact {
+    /// Start of the interval.
+    pub ts_ns: u64,
+    pub interval_ns: u64,
+    pub netns: u32,
+    pub kind: RefusalKind,
+    /// `port unreachable` (ICMP), the kernel's reset reason (`NO_SOCKET`), or empty.
+    pub detail: String,
+    /// The refused destination, `ip:port` (the peer, for resets received); empty when
+    /// unknown.
+    pub dest: String,
+    pub count: u64,
+    /// The hold in progress when they happened, counted in the kernel: exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
+/// Refusals of one kind to one destination inside a hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RefusalGroup {
+    pub kind: RefusalKind,
+    pub detail: String,
+    pub dest: String,
+    pub netns: u32,
+    pub count: u64,
+}
+
+/// The refusals that happened while one hold lasted: `{"type":"hold_refusals",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct HoldRefusalsFact {
+    pub lock: SharedStr,
+    pub pid: u32,
+    pub agent: SharedStr,
+    pub comm: SharedStr,
+    pub start_ns: u64,
+    pub hold_ns: u64,
+    /// Every refusal while the hold went on, counted in the kernel: exact.
+    pub refused: u64,
+    /// By kind and destination, most first.
+    pub groups: Vec<RefusalGroup>,
 }
 
 // ---- from ipvs.rs

@@ -929,6 +929,7 @@ impl LockMachine {
             | Event::KernelSymbol { .. }
             | Event::Ipvs(_)
             | Event::IpvsCounts(_)
+            | Event::RefusalCounts(_)
             | Event::Pod(_)
             | Event::RuleTable(_) => {}
         }

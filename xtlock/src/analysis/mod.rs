@@ -13,6 +13,7 @@ pub mod iptables_run;
 pub mod ipvs;
 pub mod lock;
 pub mod procs;
+pub mod refusals;
 pub mod rules;
 pub mod stats;
 
@@ -22,16 +23,18 @@ pub use drops::DropSummary;
 use drops::DropTracker;
 pub use facts::{
     ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
-    ExitFact, FailedTryFact, ForeignChange, HoldDropsFact, HoldFact, HoldRef, HolderRef,
-    HungRestore, IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output, PacketInfo,
-    Restored, RuleChangeFact, RuleWriteFact, StallFact, TableTouch, TimeoutFact, WaitFact,
-    WaitMode, WaitOutcome,
+    ExitFact, FailedTryFact, ForeignChange, HoldDropsFact, HoldFact, HoldRef, HoldRefusalsFact,
+    HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output,
+    PacketInfo, RefusalCountFact, RefusalGroup, RefusalKind, Restored, RuleChangeFact,
+    RuleWriteFact, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;
 pub use lock::WatchedLock;
 use lock::{is_locking_proc, Ctx, LockMachine};
 use procs::{basename, ProcTable};
+pub use refusals::RefusalSummary;
+use refusals::RefusalTracker;
 use stats::Stats;
 pub use stats::Summary;
 
@@ -55,6 +58,7 @@ pub struct Analyzer {
     cadence: Cadence,
     rules: rules::RuleTracker,
     drops: DropTracker,
+    refusals: RefusalTracker,
     ipvs: IpvsTracker,
 }
 
@@ -68,6 +72,7 @@ impl Analyzer {
             cadence: Cadence::default(),
             rules: rules::RuleTracker::default(),
             drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
+            refusals: RefusalTracker::default(),
             ipvs: IpvsTracker::new(),
         }
     }
@@ -152,6 +157,12 @@ impl Analyzer {
                 self.ipvs.on_counts(c, &mut |f| out(Output::IpvsCount(f)));
                 return;
             }
+            Event::RefusalCounts(c) => {
+                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
+                self.refusals
+                    .on_counts(c, &holds, &mut counted(&mut self.stats, out));
+                return;
+            }
             Event::DropSetup {
                 has_reason,
                 host_netns,
@@ -177,9 +188,11 @@ impl Analyzer {
         }
         let stats = &mut self.stats;
         let drops = &mut self.drops;
+        let refusals = &mut self.refusals;
         let mut emit = |o: Output| {
             if let Output::Hold(h) = &o {
                 drops.on_hold(h);
+                refusals.on_hold(h);
             }
             stats.record(&o);
             out(o);
@@ -253,9 +266,11 @@ impl Analyzer {
         self.stats.extend_to(ts_ns);
         let stats = &mut self.stats;
         let drops = &mut self.drops;
+        let refusals = &mut self.refusals;
         let mut emit = |o: Output| {
             if let Output::Hold(h) = &o {
                 drops.on_hold(h);
+                refusals.on_hold(h);
             }
             stats.record(&o);
             out(o);
@@ -266,6 +281,8 @@ impl Analyzer {
         };
         self.locks.finish(ts_ns, &mut cx, &mut emit);
         self.drops.finish(ts_ns, &mut counted(&mut self.stats, out));
+        self.refusals
+            .finish(ts_ns, &mut counted(&mut self.stats, out));
         let mut out = counted(&mut self.stats, out);
         self.ipvs.finish(&mut |f| out(Output::Ipvs(f)));
     }
@@ -273,6 +290,7 @@ impl Analyzer {
     pub fn summary(&self) -> Summary {
         let mut s = self.stats.summary(self.locks.locks());
         s.drops = self.drops.summary();
+        s.refusals = self.refusals.summary();
         s.host_netns = self.drops.host_netns();
         s.syncs = self.cadence.summary();
         s.rule_writes = self

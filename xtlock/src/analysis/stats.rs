@@ -149,6 +149,10 @@ pub struct Summary {
     pub duration_ns: u64,
     /// Packet drops and conntrack (empty when drops were not traced).
     pub drops: crate::analysis::drops::DropSummary,
+    /// Connections the node refused (ICMP unreachable, TCP resets) and resets received.
+    /// Absent when none were counted (and from captures made before refusals were).
+    #[serde(skip_serializing_if = "crate::analysis::refusals::RefusalSummary::is_empty")]
+    pub refusals: crate::analysis::refusals::RefusalSummary,
     /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
     /// `drops` equal to it are the host's.
     pub host_netns: u32,
@@ -389,6 +393,8 @@ impl Stats {
             Output::MixedBackends(_) | Output::RuleWrite(_) | Output::RuleChange(_) => {}
             // Counted by the IPVS tracker.
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
+            // Counted by the refusal tracker.
+            Output::RefusalCount(_) | Output::HoldRefusals(_) => {}
         }
     }
 
@@ -467,6 +473,7 @@ impl Stats {
                 _ => 0,
             },
             drops: Default::default(),
+            refusals: Default::default(),
             host_netns: 0,
             over_bounds: BTreeMap::new(),
             ipvs: Vec::new(),

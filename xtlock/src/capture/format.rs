@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::decode::{
     Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, HoldDropCount,
-    IpvsCounts, LockSeed, ProcInfo,
+    IpvsCounts, LockSeed, ProcInfo, RefusalCount, RefusalCounts,
 };
 
 /// First 8 bytes of every capture.
@@ -54,9 +54,11 @@ pub const KIND_IPVS_COUNTS: u8 = 10;
 /// Synthetic: the kubelet's names of a container or pod (skippable: a reader that does not
 /// know it loses only pod names).
 pub const KIND_POD: u8 = 11;
+/// Synthetic refusal counts (skippable: a reader that does not know it loses only refusals).
+pub const KIND_REFUSAL_COUNTS: u8 = 12;
 /// Synthetic: a legacy table read after a write (skippable: a reader that does not know it
 /// loses only the rule diffs).
-pub const KIND_RULE_TABLE: u8 = 12;
+pub const KIND_RULE_TABLE: u8 = 13;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -489,7 +491,8 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
     Ok((r.varint("ts_ns")?, r.varint("count")?))
 }
 
-/// The record kind and body of a synthetic event of kinds 5..=9 (drop records, lock seeds);
+/// The record kind and body of a synthetic event of kinds 5..=13 (drop and refusal records,
+/// lock seeds, pods, rule tables);
 /// `None` for any other event.
 pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     Some(match ev {
@@ -632,11 +635,38 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_RULE_TABLE
         }
+        Event::RefusalCounts(c) => {
+            put_varint(out, c.ts_ns);
+            put_varint(out, c.interval_ns);
+            put_varint(out, c.overflow);
+            put_varint(out, c.counts.len() as u64);
+            for d in &c.counts {
+                let (family, addr): (u8, Vec<u8>) = match d.addr {
+                    Some(std::net::IpAddr::V4(a)) => (4, a.octets().to_vec()),
+                    Some(std::net::IpAddr::V6(a)) => (6, a.octets().to_vec()),
+                    None => (0, Vec::new()),
+                };
+                put_varint(out, d.hold_start_ns);
+                put_varint(out, u64::from(d.netns));
+                put_varint(out, u64::from(d.kind));
+                put_varint(out, u64::from(d.detail));
+                put_varint(out, u64::from(family));
+                put_bytes(out, &addr);
+                put_varint(out, u64::from(d.port));
+                put_varint(out, d.count);
+            }
+            put_varint(out, c.reset_reasons.len() as u64);
+            for (code, name) in &c.reset_reasons {
+                put_varint(out, u64::from(*code));
+                put_bytes(out, name.as_bytes());
+            }
+            KIND_REFUSAL_COUNTS
+        }
         _ => return None,
     })
 }
 
-/// Decodes a body of kind 5..=11 into its event; trailing fields are ignored.
+/// Decodes a body of kind 5..=13 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
@@ -833,6 +863,64 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 skipped,
                 chains,
             }))
+        }
+        KIND_REFUSAL_COUNTS => {
+            let ts_ns = r.varint("ts_ns")?;
+            let interval_ns = r.varint("interval_ns")?;
+            let overflow = r.varint("overflow")?;
+            let n = r.varint("counts")?;
+            // Each count takes at least eight bytes.
+            if n > r.remaining() as u64 / 8 {
+                return Err(format!(
+                    "{n} counts exceed the {} bytes left",
+                    r.remaining()
+                ));
+            }
+            let mut counts = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                let hold_start_ns = r.varint("hold_start_ns")?;
+                let netns = r.u32("netns")?;
+                let kind = r.u32("kind")? as u8;
+                let detail = r.u32("detail")?;
+                let family = r.u32("family")? as u8;
+                let bytes = r.bytes("addr")?;
+                let addr = match (family, bytes.len()) {
+                    (0, 0) => None,
+                    (4, 4) | (6, 16) => {
+                        let mut a = [0u8; 16];
+                        a[..bytes.len()].copy_from_slice(bytes);
+                        crate::decode::ip_addr(family, &a)
+                    }
+                    (f, l) => return Err(format!("address of {l} bytes for family {f}")),
+                };
+                counts.push(RefusalCount {
+                    hold_start_ns,
+                    netns,
+                    kind,
+                    detail,
+                    addr,
+                    port: r.u32("port")? as u16,
+                    count: r.varint("count")?,
+                });
+            }
+            let n = r.varint("reset reasons")?;
+            if n > r.remaining() as u64 {
+                return Err(format!(
+                    "{n} reset reasons exceed the {} bytes left",
+                    r.remaining()
+                ));
+            }
+            let mut reset_reasons = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                reset_reasons.push((r.u32("reason")?, r.string("reason name")?));
+            }
+            Event::RefusalCounts(RefusalCounts {
+                ts_ns,
+                interval_ns,
+                counts,
+                overflow,
+                reset_reasons,
+            })
         }
         k => return Err(format!("kind {k} is not a synthetic record")),
     })

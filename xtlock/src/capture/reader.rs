@@ -220,6 +220,7 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_LOCK_SEED
                 | format::KIND_IPVS_COUNTS
                 | format::KIND_POD
+                | format::KIND_REFUSAL_COUNTS
                 | format::KIND_RULE_TABLE => {
                     return Some(
                         match format::decode_drop_event(kind, &self.raw[start..end]) {

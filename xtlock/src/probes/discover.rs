@@ -1,7 +1,7 @@
 //! Discovery, before load: the kernel's tracepoint layouts (tracefs), BTF and kallsyms
 //! facts written into the programs' configuration, and per hook why it cannot be used.
 
-use xtlock_common::ProbeConfig;
+use xtlock_common::{ProbeConfig, RefusalConfig, TpAddr, NO_FIELD};
 
 use super::{
     btf, dropreason::ReasonTable, kfunc, kfunc::AttachFilter, kfunc::KfuncHook, tracefs::Format,
@@ -23,6 +23,10 @@ pub struct Discovery {
     pub raw_lock: Result<(), String>,
     /// Whether the drop hook's raw tracepoint can be used, and if not, why.
     pub raw_drop: Result<(), String>,
+    /// Field offsets of the refusal tracepoints.
+    pub refusal: RefusalConfig,
+    /// TCP reset reasons of this kernel (`enum sk_rst_reason`, empty before Linux 6.10).
+    pub rst_reasons: ReasonTable,
 }
 
 impl Discovery {
@@ -40,22 +44,34 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     let mut config = ProbeConfig::default();
     let mut unusable = Vec::new();
     let mut reasons = ReasonTable::default();
+    let mut refusal = RefusalConfig::default();
+    let mut rst_reasons = ReasonTable::default();
     for hook in HOOKS {
         let fmt = match Format::read(tracefs, hook.category, hook.tracepoint)? {
             Some(f) => f,
             None => {
-                unusable.push((
-                    hook.program,
-                    format!(
-                        "tracepoint {}:{} does not exist on this kernel",
-                        hook.category, hook.tracepoint
-                    ),
-                ));
+                let mut why = format!(
+                    "tracepoint {}:{} does not exist on this kernel",
+                    hook.category, hook.tracepoint
+                );
+                if let Some(m) = hook.missing {
+                    why.push_str(&format!(" ({m})"));
+                }
+                unusable.push((hook.program, why));
                 continue;
             }
         };
-        if let Err(why) = fill(&mut config, hook.program, &fmt) {
+        let filled = match hook.program {
+            p if super::REFUSAL_PROGRAMS.contains(&p) => fill_refusal(&mut refusal, p, &fmt),
+            p => fill(&mut config, p, &fmt),
+        };
+        if let Err(why) = filled {
             unusable.push((hook.program, why));
+        }
+        if hook.program == "tcp_send_reset" && refusal.rst_reason != NO_FIELD {
+            if let Some(t) = fmt.print_fmt.as_deref().and_then(ReasonTable::from_format) {
+                rst_reasons = t;
+            }
         }
         if hook.program == DROP_PROGRAM {
             if let Some(t) = fmt.print_fmt.as_deref().and_then(ReasonTable::from_format) {
@@ -90,6 +106,8 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         btf: btf.ok(),
         raw_lock,
         raw_drop,
+        refusal,
+        rst_reasons,
     })
 }
 
@@ -330,6 +348,58 @@ fn off(fmt: &Format, names: &[&str], size: u32) -> Result<u32, String> {
         ));
     }
     Ok(f.offset)
+}
+
+/// Offset of field `name` when the format has it, checking its size; [`NO_FIELD`] when not.
+fn opt_off(fmt: &Format, name: &str, size: u32) -> Result<u32, String> {
+    match fmt.field(&[name]) {
+        Some(_) => off(fmt, &[name], size),
+        None => Ok(NO_FIELD),
+    }
+}
+
+/// One end of a connection in a TCP tracepoint: a `sockaddr_in6`-sized field (28 bytes,
+/// the layout of `tcp_send_reset` since Linux 6.10), or separate port, IPv4 and IPv6 fields.
+fn tp_addr(fmt: &Format, addr: &str, port: &str, addr6: &str) -> Result<TpAddr, String> {
+    match fmt.field(&[addr]) {
+        Some(f) if f.size == 28 => Ok(TpAddr {
+            sockaddr: f.offset,
+            ..TpAddr::NONE
+        }),
+        Some(_) => Ok(TpAddr {
+            sockaddr: NO_FIELD,
+            family: opt_off(fmt, "family", 2)?,
+            port: off(fmt, &[port], 2)?,
+            addr4: off(fmt, &[addr], 4)?,
+            addr6: opt_off(fmt, addr6, 16)?,
+        }),
+        None => Err(format!("no field {addr} in its format file")),
+    }
+}
+
+fn fill_refusal(c: &mut RefusalConfig, program: &str, fmt: &Format) -> Result<(), String> {
+    match program {
+        "tcp_send_reset" => {
+            c.rst_skb = opt_off(fmt, "skbaddr", 8)?;
+            c.rst_sk = opt_off(fmt, "skaddr", 8)?;
+            c.rst_reason = opt_off(fmt, "reason", 4)?;
+            // The tracepoint swaps a packet's addresses: its source is the node's end.
+            c.rst_local = tp_addr(fmt, "saddr", "sport", "saddr_v6")?;
+        }
+        "tcp_receive_reset" => {
+            c.rrst_sk = off(fmt, &["skaddr"], 8)?;
+            c.rrst_remote = tp_addr(fmt, "daddr", "dport", "daddr_v6")?;
+        }
+        "icmp_send" => {
+            c.icmp_skb = off(fmt, &["skbaddr"], 8)?;
+            c.icmp_type = off(fmt, &["type"], 4)?;
+            c.icmp_code = off(fmt, &["code"], 4)?;
+            c.icmp_daddr = opt_off(fmt, "daddr", 4)?;
+            c.icmp_dport = opt_off(fmt, "dport", 2)?;
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn fill(c: &mut ProbeConfig, program: &str, fmt: &Format) -> Result<(), String> {

@@ -27,6 +27,9 @@ pub struct Hook {
     /// A `tp_btf` program on the same tracepoint, tried first: it gets the tracepoint's
     /// arguments and no record is built before it runs (see [`discover_raw_lock`]).
     pub raw_program: Option<&'static str>,
+    /// What `xtlock probes` adds when the tracepoint does not exist on this kernel: since
+    /// when it does, and what is lost without it.
+    pub missing: Option<&'static str>,
 }
 
 /// A syscall's function (`__x64_sys_NAME`, `__arm64_sys_NAME`) as the fallback of its
@@ -151,6 +154,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: Some("flock_lock_inode_btf"),
+        missing: None,
     },
     Hook {
         program: "signal_deliver",
@@ -162,6 +166,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_enter_execve",
@@ -172,6 +177,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: Some(&EXECVE_SYSCALL),
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_enter_execveat",
@@ -182,6 +188,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: Some(&EXECVEAT_SYSCALL),
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sched_process_exec",
@@ -192,6 +199,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sched_process_fork",
@@ -202,6 +210,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_enter_exit_group",
@@ -212,6 +221,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: Some(&EXIT_GROUP_SYSCALL),
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sched_process_exit",
@@ -222,6 +232,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_enter_setsockopt",
@@ -232,6 +243,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: Some(&SETSOCKOPT_SYSCALL),
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_exit_setsockopt",
@@ -242,6 +254,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: Some("sys_enter_setsockopt"),
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_enter_getsockopt",
@@ -252,6 +265,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: Some(&GETSOCKOPT_SYSCALL),
         paired_with: None,
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: "sys_exit_getsockopt",
@@ -262,6 +276,7 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: Some("sys_enter_getsockopt"),
         raw_program: None,
+        missing: None,
     },
     Hook {
         program: DROP_PROGRAM,
@@ -272,8 +287,66 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: Some("kfree_skb_btf"),
+        missing: None,
+    },
+    Hook {
+        program: REFUSAL_PROGRAMS[0],
+        category: "icmp",
+        tracepoint: "icmp_send",
+        required: false,
+        purpose: "connections refused with an ICMP destination unreachable (netfilter's REJECT, \
+                  the stack's own), counted per destination and hold",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+        missing: Some(
+            "recent kernels have icmp:icmp_send (Debian's 6.1 too); without it ICMP refusals \
+             are not counted (a REJECTed packet stays counted as a netfilter drop), and the \
+             function behind it (__icmp_send) needs a kprobe, which xtlock does not attach for \
+             this yet",
+        ),
+    },
+    Hook {
+        program: REFUSAL_PROGRAMS[1],
+        category: "tcp",
+        tracepoint: "tcp_send_reset",
+        required: false,
+        purpose: "TCP resets the stack sent (no listener, aborted connections), with the \
+                  kernel's reset reason since Linux 6.10; netfilter's `tcp-reset` REJECT sends \
+                  its reset without this tracepoint (seen as a reset received by a local client)",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+        missing: Some(
+            "tcp:tcp_send_reset is missing; resets sent are not counted (the function behind \
+             it, tcp_v4_send_reset, needs a kprobe, which xtlock does not attach for this yet)",
+        ),
+    },
+    Hook {
+        program: REFUSAL_PROGRAMS[2],
+        category: "tcp",
+        tracepoint: "tcp_receive_reset",
+        required: false,
+        purpose: "TCP resets the node's sockets received (a pod's connection refused or reset), \
+                  counted per peer and hold",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+        missing: Some(
+            "tcp:tcp_receive_reset is missing (it exists since Linux 4.16); resets received are \
+             not counted",
+        ),
     },
 ];
+
+/// Programs of the refusal hooks: attached with the drop hook (not with `--no-drops`).
+pub const REFUSAL_PROGRAMS: [&str; 3] = ["icmp_send", "tcp_send_reset", "tcp_receive_reset"];
+
+/// Whether `program` counts packets (the drop and refusal hooks), attached only when drops
+/// are asked for.
+pub fn counts_packets(program: &str) -> bool {
+    program == DROP_PROGRAM || REFUSAL_PROGRAMS.contains(&program)
+}
 
 /// Whether a hook is attached, and if not, why.
 #[derive(Clone, Debug, serde::Serialize)]

@@ -23,14 +23,15 @@ use aya::{
     programs::{BtfTracePoint, TracePoint},
     Ebpf, EbpfLoader,
 };
-use xtlock_common::{DropKey, IpvsKey, LockKey};
+use xtlock_common::{DropKey, IpvsKey, LockKey, RefusalKey};
 
 use crate::lockfiles::LockFile;
 pub use discover::{discover, Discovery};
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
 pub use hooks::{
-    hook_names, Feature, Hook, HookStatus, EXECVEAT_SYSCALL, EXECVE_SYSCALL, EXIT_GROUP_SYSCALL,
-    GETSOCKOPT_SYSCALL, HOOKS, KFUNC_HOOKS, SETSOCKOPT_SYSCALL,
+    counts_packets, hook_names, Feature, Hook, HookStatus, EXECVEAT_SYSCALL, EXECVE_SYSCALL,
+    EXIT_GROUP_SYSCALL, GETSOCKOPT_SYSCALL, HOOKS, KFUNC_HOOKS, REFUSAL_PROGRAMS,
+    SETSOCKOPT_SYSCALL,
 };
 use kfunc::{AttachFilter, AttachKind, KfuncHook};
 
@@ -114,6 +115,9 @@ pub const DEFAULT_DROP_SAMPLES: u32 = 100;
 /// Per-CPU drop counters summed over CPUs: (key, total since load).
 pub type DropTotals = Vec<(DropKey, u64)>;
 
+/// Per-CPU refusal counters summed over CPUs: (key, total since load).
+pub type RefusalTotals = Vec<(RefusalKey, u64)>;
+
 /// Loaded and attached programs. Dropping it detaches everything.
 pub struct Probes {
     ebpf: Ebpf,
@@ -129,6 +133,8 @@ pub struct Probes {
     pub reasons: ReasonTable,
     /// `skb:kfree_skb` has a `reason` field (Linux >= 5.17).
     pub has_drop_reasons: bool,
+    /// This kernel's TCP reset reasons (empty when `tcp_send_reset` reports none).
+    pub rst_reasons: ReasonTable,
 }
 
 impl Probes {
@@ -198,6 +204,16 @@ impl Probes {
             }
         }
 
+        if drops.is_some() {
+            let map = ebpf
+                .map_mut("REFUSAL_CONFIG")
+                .ok_or_else(|| ProbeError::Load("map REFUSAL_CONFIG missing".into()))?;
+            let mut arr: BpfArray<&mut MapData, xtlock_common::RefusalConfig> =
+                BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+            arr.set(0, disc.refusal, 0)
+                .map_err(|e| ProbeError::Load(format!("refusal hooks' offsets: {e}")))?;
+        }
+
         let mut status: Vec<HookStatus> = Vec::new();
         for hook in HOOKS {
             let mut attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
@@ -233,7 +249,7 @@ impl Probes {
                     }
                 }
                 _ => {
-                    let not_asked = hook.program == DROP_PROGRAM && drops.is_none();
+                    let not_asked = counts_packets(hook.program) && drops.is_none();
                     let raw = hook
                         .raw_program
                         .filter(|_| !not_asked)
@@ -304,7 +320,7 @@ impl Probes {
         // at debug level and in `xtlock probes`.
         let missing: Vec<&HookStatus> = status
             .iter()
-            .filter(|s| !(s.attached() || s.program == DROP_PROGRAM && drops.is_none()))
+            .filter(|s| !(s.attached() || counts_packets(s.program) && drops.is_none()))
             .collect();
         for s in &missing {
             tracing::debug!(
@@ -335,6 +351,7 @@ impl Probes {
             features: disc.features,
             reasons: disc.reasons,
             has_drop_reasons: disc.config.kd_has_reason != 0,
+            rst_reasons: disc.rst_reasons,
         })
     }
 
@@ -413,6 +430,52 @@ impl Probes {
             .get(&0, 0)
             .map_err(|e| ProbeError::Load(format!("reading DROP_CACHE: {e}")))?;
         Ok((merge_drop_counts(counted, per_cpu.iter()), overflow))
+    }
+
+    /// Whether any refusal hook is attached.
+    pub fn refusals_attached(&self) -> bool {
+        self.status
+            .iter()
+            .any(|s| REFUSAL_PROGRAMS.contains(&s.program) && s.attached())
+    }
+
+    /// In-kernel refusal counts since load, summed over CPUs, and the refusals counted in
+    /// the overflow slot because the key map was full.
+    pub fn refusal_totals(&self) -> Result<(RefusalTotals, u64), ProbeError> {
+        self.counter_totals("REFUSAL_COUNTS", "REFUSAL_OVERFLOW")
+    }
+
+    /// The acquire time of the hold the kernel counts refusals and drops for now (`HOLD_NOW`);
+    /// 0 when none is going on.
+    pub fn current_hold_start(&self) -> Result<u64, ProbeError> {
+        let map = self
+            .ebpf
+            .map("HOLD_NOW")
+            .ok_or_else(|| ProbeError::Load("map HOLD_NOW missing".into()))?;
+        let arr: BpfArray<&MapData, xtlock_common::HoldNow> =
+            BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let h = arr
+            .get(&0, 0)
+            .map_err(|e| ProbeError::Load(format!("reading HOLD_NOW: {e}")))?;
+        Ok(h.start_ns)
+    }
+
+    /// Removes refusal counters of holds that ended (read already): the kernel never counts
+    /// under them again, and without this every hold with refusals would keep its keys, and
+    /// a long-running daemon would fill the map.
+    pub fn forget_refusals(&mut self, keys: &[RefusalKey]) -> Result<(), ProbeError> {
+        let map = self
+            .ebpf
+            .map_mut("REFUSAL_COUNTS")
+            .ok_or_else(|| ProbeError::Load("map REFUSAL_COUNTS missing".into()))?;
+        let mut counts: PerCpuHashMap<&mut MapData, RefusalKey, u64> =
+            PerCpuHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        for k in keys {
+            counts
+                .remove(k)
+                .map_err(|e| ProbeError::Load(format!("removing a refusal counter: {e}")))?;
+        }
+        Ok(())
     }
 
     /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of

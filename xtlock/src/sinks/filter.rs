@@ -207,6 +207,13 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
             pod: None,
             pids: [h.pid, 0],
         }),
+        // Refusals, like drops, through the hold they happened in.
+        Output::HoldRefusals(h) => v.push(Party {
+            agent: &h.agent,
+            pod: None,
+            pids: [h.pid, 0],
+        }),
+        Output::RefusalCount(r) => v.extend(r.hold.iter().map(hold_ref)),
         Output::Drop(d) => v.extend(d.hold.iter().map(hold_ref)),
         Output::ConntrackRefused(c) => v.extend(c.hold.iter().map(hold_ref)),
         Output::DropCount(d) => v.extend(d.holds.iter().map(hold_ref)),

@@ -24,6 +24,8 @@ use crate::analysis::{Output, Summary};
 pub const MAX_AGENTS: usize = 64;
 /// Distinct (reason, location, class) drop series; more go to one `(other)` series.
 pub const MAX_DROP_KINDS: usize = 256;
+/// Distinct refusal details (ICMP codes, the kernel's reset reasons: a few dozen at most).
+pub const MAX_REFUSAL_DETAILS: usize = 64;
 /// Distinct (protocol, service, backend) IPVS series; more go to one `(other)` series.
 pub const MAX_IPVS_SERIES: usize = 4096;
 /// The label value of everything past a cap.
@@ -208,6 +210,23 @@ pub struct RefusedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    /// `icmp_unreachable`, `reset_sent` or `reset_received`.
+    pub kind: String,
+    /// `port unreachable`, the kernel's reset reason (`NO_SOCKET`), or empty.
+    pub detail: String,
+    /// `host` or `other`, as for the conntrack counters.
+    pub netns: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HoldRefusalLabels {
+    pub kind: String,
+    /// The agent whose hold they happened in.
+    pub agent: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NetnsLabels {
     /// `host` (the daemon's own namespace) or `other` (pods': bounded, not per namespace).
     pub netns: String,
@@ -259,6 +278,8 @@ pub struct Metrics {
     pub conntrack_entries: Family<NetnsLabels, Gauge>,
     pub conntrack_max: Family<NetnsLabels, Gauge>,
     pub conntrack_refused: Family<RefusedLabels, Counter>,
+    pub refusals: Family<RefusalLabels, Counter>,
+    pub refusals_during_holds: Family<HoldRefusalLabels, Counter>,
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
@@ -423,6 +444,20 @@ impl Metrics {
              (__nf_conntrack_confirm NF_DROP: insert failed; __nf_conntrack_alloc: table full)",
             conntrack_refused.clone(),
         );
+        let refusals = Family::<RefusalLabels, Counter>::default();
+        r.register(
+            "refusals",
+            "Connections the node refused (ICMP destination unreachable or TCP reset sent) and \
+             TCP resets its sockets received, counted in the kernel, by kind and detail",
+            refusals.clone(),
+        );
+        let refusals_during_holds = Family::<HoldRefusalLabels, Counter>::default();
+        r.register(
+            "refusals_during_holds",
+            "Refusals (as in xtlock_refusals_total) while an agent held a watched lock, counted \
+             in the kernel per hold, by kind and the holding agent",
+            refusals_during_holds.clone(),
+        );
         let drops = Family::<DropLabels, Counter>::default();
         r.register(
             "drops",
@@ -535,6 +570,8 @@ impl Metrics {
             table_entries,
             nft_changes,
             drops,
+            refusals,
+            refusals_during_holds,
             conntrack,
             conntrack_entries,
             conntrack_max,
@@ -653,6 +690,7 @@ pub struct MetricsSink {
     agents: Capped,
     pods: Capped,
     drop_kinds: Capped,
+    refusal_details: Capped,
     ipvs_series: Capped,
     /// Table names come from the replacing process's memory: capped like agents.
     tables: Capped,
@@ -667,6 +705,7 @@ impl MetricsSink {
             agents: Capped::new(MAX_AGENTS),
             pods: Capped::new(MAX_PODS),
             drop_kinds: Capped::new(MAX_DROP_KINDS),
+            refusal_details: Capped::new(MAX_REFUSAL_DETAILS),
             ipvs_series: Capped::new(MAX_IPVS_SERIES),
             tables: Capped::new(MAX_TABLES),
             host_netns,
@@ -860,6 +899,27 @@ impl Sink for MetricsSink {
                     }
                 };
                 self.m.drops.get_or_create(&l).inc_by(d.count);
+            }
+            Output::RefusalCount(r) => {
+                let l = RefusalLabels {
+                    kind: r.kind.as_str().to_owned(),
+                    detail: self.refusal_details.label(&r.detail),
+                    netns: self.netns(r.netns).netns,
+                };
+                self.m.refusals.get_or_create(&l).inc_by(r.count);
+            }
+            Output::HoldRefusals(h) => {
+                let agent = self.agent(&h.agent);
+                for g in &h.groups {
+                    let l = HoldRefusalLabels {
+                        kind: g.kind.as_str().to_owned(),
+                        agent: agent.clone(),
+                    };
+                    self.m
+                        .refusals_during_holds
+                        .get_or_create(&l)
+                        .inc_by(g.count);
+                }
             }
             Output::ConntrackRefused(c) => {
                 let l = RefusedLabels {

@@ -367,6 +367,25 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 super::terminal::ipvs_text(i),
                 serde_json::to_value(i).unwrap_or(Value::Null),
             ),
+            // Counter tracks beside the holds: refusals per kind and destination per interval.
+            Output::RefusalCount(r) => self.counter(
+                r.ts_ns,
+                if r.dest.is_empty() {
+                    format!("refusals: {}", r.kind.as_str())
+                } else {
+                    format!("refusals: {} {}", r.kind.as_str(), r.dest)
+                },
+                r.count as f64,
+            ),
+            Output::HoldRefusals(h) => self.instant(
+                h.start_ns + h.hold_ns,
+                h.pid,
+                &h.agent,
+                super::terminal::hold_refusals_text(h)
+                    .trim_start_matches("!! ")
+                    .to_string(),
+                json!({ "refused": h.refused, "groups": h.groups }),
+            ),
             Output::IpvsCount(c) => self.counter(
                 c.ts_ns,
                 format!(

@@ -11,7 +11,9 @@ mod summary;
 use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
-pub(crate) use lines::{hold_drops_text, ipvs_text, mixed_backends_text, rule_change_lines};
+pub(crate) use lines::{
+    hold_drops_text, hold_refusals_text, ipvs_text, mixed_backends_text, rule_change_lines,
+};
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
 pub use safe::{escaped, SafeLogWriter};
@@ -321,6 +323,9 @@ impl<W: Write> Sink for TerminalSink<W> {
                         lines.last().cloned()
                     }
                 }
+                Output::RefusalCount(r) => Some(refusal_count_text(r)),
+                // Said whatever the hold's length: a refused client is never noise.
+                Output::HoldRefusals(h) => Some(hold_refusals_text(h)),
             };
         if let Some(text) = text {
             self.flush_run()?;

@@ -37,6 +37,8 @@ pub struct LiveSource {
     drops: Option<super::drops::DropPoller>,
     /// IPVS packet counters.
     ipvs: super::ipvs::IpvsPoller,
+    /// Refusal counters.
+    refusals: super::refusals::RefusalPoller,
 }
 
 /// What happens to each record besides the pipeline: recording and error counts. Apart from
@@ -73,6 +75,7 @@ impl LiveSource {
             tap: Tap::default(),
             drops: None,
             ipvs: super::ipvs::IpvsPoller::new(super::monotonic_ns()),
+            refusals: super::refusals::RefusalPoller::new(super::monotonic_ns()),
         })
     }
 
@@ -100,6 +103,7 @@ impl LiveSource {
             None => Vec::new(),
         };
         events.extend(self.ipvs.poll(&self.probes, now));
+        events.extend(self.refusals.poll(&mut self.probes, now));
         if let Some(pods) = self.tap.pods.as_mut() {
             let mut named = Vec::new();
             pods.tick(now, &mut named);

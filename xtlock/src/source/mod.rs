@@ -11,6 +11,7 @@ pub mod live;
 pub mod pods;
 pub mod procfs;
 pub mod recorder;
+pub mod refusals;
 pub mod rolling;
 pub mod rules;
 

@@ -278,3 +278,80 @@ fn drop_locations_lose_their_offsets() {
         "0xffffffff81000000"
     );
 }
+
+/// Refusals by kind and detail (bounded labels, no destination), and during holds by kind and
+/// the holding agent.
+#[test]
+fn refusals_are_counted_by_kind_and_holding_agent() {
+    use crate::analysis::{HoldRefusalsFact, RefusalCountFact, RefusalGroup, RefusalKind};
+    let m = Arc::new(Metrics::new("k"));
+    let mut s = MetricsSink::new(m.clone(), Some(7));
+    let count = |kind, detail: &str, dest: &str, n| {
+        Output::RefusalCount(RefusalCountFact {
+            ts_ns: 1,
+            interval_ns: 1_000_000_000,
+            netns: 7,
+            kind,
+            detail: detail.into(),
+            dest: dest.into(),
+            count: n,
+            hold: None,
+        })
+    };
+    for o in [
+        count(
+            RefusalKind::IcmpUnreachable,
+            "port unreachable",
+            "10.96.0.15:80",
+            30,
+        ),
+        count(
+            RefusalKind::IcmpUnreachable,
+            "port unreachable",
+            "10.96.0.16:80",
+            7,
+        ),
+        count(RefusalKind::ResetSent, "NO_SOCKET", "10.0.0.2:9", 2),
+        Output::HoldRefusals(HoldRefusalsFact {
+            lock: "/run/xtables.lock".into(),
+            pid: 10,
+            agent: "kube-proxy".into(),
+            comm: "iptables-restor".into(),
+            start_ns: 1,
+            hold_ns: 2,
+            refused: 37,
+            groups: vec![RefusalGroup {
+                kind: RefusalKind::IcmpUnreachable,
+                detail: "port unreachable".into(),
+                dest: "10.96.0.15:80".into(),
+                netns: 7,
+                count: 37,
+            }],
+        }),
+    ] {
+        s.output(&o).unwrap();
+    }
+    let text = m.encode().unwrap();
+    assert!(
+        text.contains(
+            "xtlock_refusals_total{kind=\"icmp_unreachable\",detail=\"port unreachable\",netns=\"host\"} 37"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "xtlock_refusals_total{kind=\"reset_sent\",detail=\"NO_SOCKET\",netns=\"host\"} 2"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "xtlock_refusals_during_holds_total{kind=\"icmp_unreachable\",agent=\"kube-proxy\"} 37"
+        ),
+        "{text}"
+    );
+    assert!(
+        !text.contains("10.96.0.15"),
+        "destinations are no labels: {text}"
+    );
+}

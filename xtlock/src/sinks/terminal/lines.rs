@@ -6,8 +6,8 @@ use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
-    HoldDropsFact, HoldFact, HolderRef, IpvsFact, StallFact, TimeoutFact, WaitFact, WaitMode,
-    WaitOutcome,
+    HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalKind,
+    StallFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
 
@@ -419,6 +419,74 @@ pub(crate) fn conntrack_text(c: &ConntrackFact) -> String {
     }
     s.push_str(&during(&c.holds));
     s
+}
+
+/// "37 connections to 10.96.0.15:80 refused (ICMP port unreachable)".
+pub(crate) fn refusal_group_text(kind: RefusalKind, detail: &str, dest: &str, n: u64) -> String {
+    let conns = format!(
+        "{} connection{}",
+        thousands(n),
+        if n == 1 { "" } else { "s" }
+    );
+    let to = if dest.is_empty() {
+        String::new()
+    } else {
+        format!(" to {dest}")
+    };
+    match kind {
+        RefusalKind::IcmpUnreachable if detail.is_empty() => {
+            format!("{conns}{to} refused (ICMP unreachable)")
+        }
+        RefusalKind::IcmpUnreachable => format!("{conns}{to} refused (ICMP {detail})"),
+        RefusalKind::ResetSent if detail.is_empty() => format!("{conns}{to} refused (TCP reset)"),
+        RefusalKind::ResetSent => format!("{conns}{to} refused (TCP reset, {detail})"),
+        RefusalKind::ResetReceived => format!(
+            "{} TCP reset{} received from {}",
+            thousands(n),
+            if n == 1 { "" } else { "s" },
+            if dest.is_empty() {
+                "an unknown peer"
+            } else {
+                dest
+            }
+        ),
+    }
+}
+
+pub(crate) fn refusal_count_text(f: &RefusalCountFact) -> String {
+    let mut s = format!(
+        "{} in {}, netns {}",
+        refusal_group_text(f.kind, &f.detail, &f.dest, f.count),
+        human_ns(f.interval_ns),
+        f.netns
+    );
+    if let Some(h) = &f.hold {
+        s.push_str(&during(std::slice::from_ref(h)));
+    }
+    s
+}
+
+/// "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable) during kube-proxy's
+/// 2.10 s hold of /run/xtables.lock (pid 42)": the three largest groups, and how many more.
+pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
+    let mut groups: Vec<String> = h
+        .groups
+        .iter()
+        .take(3)
+        .map(|g| refusal_group_text(g.kind, &g.detail, &g.dest, g.count))
+        .collect();
+    if h.groups.len() > 3 {
+        let rest: u64 = h.groups.iter().skip(3).map(|g| g.count).sum();
+        groups.push(format!("and {} more", thousands(rest)));
+    }
+    format!(
+        "!! {} during {}'s {} hold of {} (pid {})",
+        groups.join(", "),
+        h.agent,
+        human_ns(h.hold_ns),
+        h.lock,
+        h.pid
+    )
 }
 
 pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {

@@ -235,7 +235,52 @@ pub(crate) fn write_summary(
         )?;
     }
     write_drops(w, s)?;
+    write_refusals(w, s)?;
     write_ipvs(w, s)
+}
+
+/// "refused connections: 90 in all; by kind: ...; by destination: ...", then the holds with
+/// the most.
+fn write_refusals(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
+    let r = &s.refusals;
+    if r.total == 0 {
+        return Ok(());
+    }
+    w.blank()?;
+    say!(
+        w,
+        "refused connections and resets: {} in all, {} during lock holds",
+        thousands(r.total),
+        thousands(r.during_holds)
+    )?;
+    let top = |m: &std::collections::BTreeMap<String, u64>| -> String {
+        let mut v: Vec<(&String, &u64)> = m.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(a.1).then_with(|| a.0.cmp(b.0)));
+        v.iter()
+            .take(8)
+            .map(|(k, n)| format!("{k} {}", thousands(**n)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    say!(w, "  by kind: {}", top(&r.by_kind))?;
+    if !r.by_dest.is_empty() {
+        say!(w, "  by destination: {}", top(&r.by_dest))?;
+    }
+    for h in &r.worst_holds {
+        say!(
+            w,
+            "  {}",
+            super::lines::hold_refusals_text(h).trim_start_matches("!! ")
+        )?;
+    }
+    if r.overflow > 0 {
+        say!(
+            w,
+            "  !! {} refusals counted without kind or destination (the kernel's key map was full)",
+            thousands(r.overflow)
+        )?;
+    }
+    Ok(())
 }
 
 fn write_ipvs(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {

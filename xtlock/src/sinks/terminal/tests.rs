@@ -366,3 +366,53 @@ fn nft_commit_changes() {
     let line = super::lines::hold_text(&h);
     assert!(line.ends_with(", batch not readable"), "{line}");
 }
+
+/// The issue's sentence: how many connections, to where, refused how, during whose hold;
+/// an untrusted agent name still goes through the one escaping path.
+#[test]
+fn hold_refusals_say_who_was_refused_during_whose_hold() {
+    use crate::analysis::{HoldRefusalsFact, RefusalGroup, RefusalKind};
+    let group = |kind, detail: &str, dest: &str, count| RefusalGroup {
+        kind,
+        detail: detail.into(),
+        dest: dest.into(),
+        netns: 1,
+        count,
+    };
+    let f = |agent: &str| {
+        Output::HoldRefusals(HoldRefusalsFact {
+            lock: DEFAULT_LOCK.into(),
+            pid: 1234,
+            agent: agent.into(),
+            comm: "iptables-restor".into(),
+            start_ns: 2_000_000_000,
+            hold_ns: 2_100_000_000,
+            refused: 57,
+            groups: vec![
+                group(
+                    RefusalKind::IcmpUnreachable,
+                    "port unreachable",
+                    "10.96.0.15:80",
+                    37,
+                ),
+                group(RefusalKind::ResetSent, "NO_SOCKET", "10.0.0.2:9", 19),
+                group(RefusalKind::ResetReceived, "", "10.0.0.3:443", 1),
+            ],
+        })
+    };
+    let opts = || TerminalOptions {
+        time: TimeFormat::None,
+        ..Default::default()
+    };
+    let text = render(&[f("kube-proxy")], opts());
+    assert!(
+        text.contains(
+            "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable), 19 connections \
+             to 10.0.0.2:9 refused (TCP reset, NO_SOCKET), 1 TCP reset received from \
+             10.0.0.3:443 during kube-proxy's 2.10 s hold"
+        ),
+        "{text}"
+    );
+    let text = render(&[f("evil\x1b[2Jagent")], opts());
+    assert!(!text.contains('\x1b'), "{text:?}");
+}

@@ -1,0 +1,231 @@
+//! Refusals: what a client sees when the node turns its connection away. ICMP destination
+//! unreachable sent (`icmp:icmp_send`: netfilter's REJECT and the stack's own), TCP resets
+//! sent by the stack (`tcp:tcp_send_reset`, with the kernel's reset reason since 6.10) and
+//! resets received by the node's sockets (`tcp:tcp_receive_reset`: a pod refused by a
+//! `REJECT --reject-with tcp-reset`, whose reset no tracepoint sees being sent).
+//!
+//! Each is counted exactly in a per-CPU hash keyed by hold, netns, kind, destination and
+//! detail, like drops; the hold is the one `HOLD_NOW` has when it happens, so a count is
+//! tied to a hold with no guess about intervals. Refusals are rare next to drops (one per
+//! refused connection), so no cache sits in front of the map. Offsets come from the
+//! tracepoints' format files (`REFUSAL_CONFIG`) and BTF (`CONFIG`).
+use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use xtlock_common::{
+    AnsweredSkb, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6, NO_FIELD,
+    REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
+};
+
+use crate::{
+    emit::{cfg, count_in, field, kread, now},
+    probes::skb_drop::netns_of,
+    ANSWERED, HOLD_NOW, REFUSAL_CONFIG, REFUSAL_COUNTS, REFUSAL_OVERFLOW,
+};
+
+const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
+const ICMP_DEST_UNREACH: i32 = 3;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+/// `skb->network_header` when unset (`(u16)~0U`).
+const HEADER_UNSET: u16 = 0xffff;
+
+#[tracepoint]
+pub fn tcp_send_reset(ctx: TracePointContext) -> u32 {
+    let Some(c) = REFUSAL_CONFIG.get(0) else {
+        return 0;
+    };
+    let mut key = blank(REFUSAL_RST_SENT);
+    read_end(&ctx, &c.rst_local, &mut key);
+    if let Some(r) = opt_field::<u32>(&ctx, c.rst_reason) {
+        key.detail = r;
+    }
+    let skb: u64 = opt_field(&ctx, c.rst_skb).unwrap_or(0);
+    let sk: u64 = opt_field(&ctx, c.rst_sk).unwrap_or(0);
+    key.netns = netns(skb, sk);
+    if skb != 0 {
+        answered(skb);
+    }
+    count(&mut key);
+    0
+}
+
+#[tracepoint]
+pub fn tcp_receive_reset(ctx: TracePointContext) -> u32 {
+    let Some(c) = REFUSAL_CONFIG.get(0) else {
+        return 0;
+    };
+    let mut key = blank(REFUSAL_RST_RECEIVED);
+    read_end(&ctx, &c.rrst_remote, &mut key);
+    let sk: u64 = opt_field(&ctx, c.rrst_sk).unwrap_or(0);
+    key.netns = netns(0, sk);
+    count(&mut key);
+    0
+}
+
+#[tracepoint]
+pub fn icmp_send(ctx: TracePointContext) -> u32 {
+    let Some(c) = REFUSAL_CONFIG.get(0) else {
+        return 0;
+    };
+    if opt_field::<i32>(&ctx, c.icmp_type) != Some(ICMP_DEST_UNREACH) {
+        return 0;
+    }
+    let mut key = blank(REFUSAL_ICMP_UNREACH);
+    if let Some(code) = opt_field::<i32>(&ctx, c.icmp_code) {
+        key.detail = code as u32;
+    }
+    let skb: u64 = opt_field(&ctx, c.icmp_skb).unwrap_or(0);
+    // The refused packet's own headers: the tracepoint has ports only for UDP.
+    if skb == 0 || cfg(|c| &c.skb_ok) == 0 || read_dest(skb, &mut key).is_none() {
+        if let Some(a) = opt_field::<[u8; 4]>(&ctx, c.icmp_daddr) {
+            key.addr[..4].copy_from_slice(&a);
+            key.family = DROP_FAMILY_INET;
+        }
+        key.port = opt_field(&ctx, c.icmp_dport).unwrap_or(0);
+    }
+    key.netns = netns(skb, 0);
+    if skb != 0 {
+        answered(skb);
+    }
+    count(&mut key);
+    0
+}
+
+#[inline(always)]
+fn blank(kind: u8) -> RefusalKey {
+    RefusalKey {
+        hold_start_ns: 0,
+        addr: [0; 16],
+        netns: 0,
+        detail: REFUSAL_NO_DETAIL,
+        port: 0,
+        family: 0,
+        kind,
+        _pad: 0,
+    }
+}
+
+/// A field of the record, when this kernel's tracepoint has it.
+#[inline(always)]
+fn opt_field<T>(ctx: &TracePointContext, off: u32) -> Option<T> {
+    if off == NO_FIELD {
+        return None;
+    }
+    field(ctx, off as usize).ok()
+}
+
+/// One end of the connection from the record: a sockaddr field, else separate fields.
+#[inline(always)]
+fn read_end(ctx: &TracePointContext, a: &TpAddr, key: &mut RefusalKey) {
+    if a.sockaddr != NO_FIELD {
+        let Some(sa) = opt_field::<[u8; 24]>(ctx, a.sockaddr) else {
+            return;
+        };
+        let family = u16::from_ne_bytes([sa[0], sa[1]]);
+        key.port = u16::from_be_bytes([sa[2], sa[3]]);
+        if family == AF_INET {
+            key.family = DROP_FAMILY_INET;
+            key.addr[..4].copy_from_slice(&sa[4..8]);
+        } else if family == AF_INET6 {
+            key.family = DROP_FAMILY_INET6;
+            key.addr.copy_from_slice(&sa[8..24]);
+        }
+        return;
+    }
+    key.port = opt_field(ctx, a.port).unwrap_or(0);
+    let family: u16 = opt_field(ctx, a.family).unwrap_or(AF_INET);
+    if family == AF_INET6 {
+        if let Some(v6) = opt_field::<[u8; 16]>(ctx, a.addr6) {
+            key.family = DROP_FAMILY_INET6;
+            key.addr = v6;
+        }
+    } else if let Some(v4) = opt_field::<[u8; 4]>(ctx, a.addr4) {
+        key.family = DROP_FAMILY_INET;
+        key.addr[..4].copy_from_slice(&v4);
+    }
+}
+
+/// Destination address and port of the IPv4 packet `skb` (what the client asked for).
+#[inline(always)]
+fn read_dest(skb: u64, key: &mut RefusalKey) -> Option<()> {
+    let head: u64 = kread(skb, cfg(|c| &c.skb_head) as u32)?;
+    let nh: u16 = kread(skb, cfg(|c| &c.skb_network_header) as u32)?;
+    if head == 0 || nh == HEADER_UNSET {
+        return None;
+    }
+    let ip = head + u64::from(nh);
+    let hdr: [u8; 20] = kread(ip, 0)?;
+    if hdr[0] >> 4 != 4 {
+        return None;
+    }
+    key.family = DROP_FAMILY_INET;
+    key.addr[..4].copy_from_slice(&hdr[16..20]);
+    let frag_off = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
+    if frag_off == 0 && (hdr[9] == IPPROTO_TCP || hdr[9] == IPPROTO_UDP) {
+        let ports: [u8; 4] = kread(ip + u64::from(hdr[0] & 0x0f) * 4, 0)?;
+        key.port = u16::from_be_bytes([ports[2], ports[3]]);
+    }
+    Some(())
+}
+
+/// The packet's netns (its device's, else its socket's), else the socket's.
+#[inline(always)]
+fn netns(skb: u64, sk: u64) -> u32 {
+    if cfg(|c| &c.skb_ok) == 0 {
+        return 0;
+    }
+    if skb != 0 {
+        let dev: u64 = kread(skb, cfg(|c| &c.skb_dev) as u32).unwrap_or(0);
+        let ns = netns_of(skb, dev);
+        if ns != 0 {
+            return ns;
+        }
+    }
+    if sk == 0 {
+        return 0;
+    }
+    let net: u64 = kread(sk, cfg(|c| &c.sk_net) as u32).unwrap_or(0);
+    if net == 0 {
+        return 0;
+    }
+    kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
+}
+
+/// Remembers the packet answered, for the drop hook (see `ANSWERED`).
+#[inline(always)]
+fn answered(skb: u64) {
+    if let Some(a) = ANSWERED.get_ptr_mut(0) {
+        // SAFETY: per-CPU slot; this CPU is the only writer.
+        unsafe { *a = AnsweredSkb { skb, ts_ns: now() } };
+    }
+}
+
+/// Counts the refusal under its key, in the hold in progress if there is one.
+#[inline(always)]
+fn count(key: &mut RefusalKey) {
+    if let Some(h) = HOLD_NOW.get(0) {
+        key.hold_start_ns = h.start_ns;
+    }
+    count_in(&REFUSAL_COUNTS, &REFUSAL_OVERFLOW, key);
+}
+
+/// Whether the drop of `skb` is that of a packet a refusal just answered on this CPU: then
+/// the refusal says it, and the drop is not counted again. Called for every freed packet,
+/// before the reason filter: the slot is cleared at the answered packet's own free (an
+/// unwatched NO_SOCKET after a UDP port unreachable, say), else the next packet in a
+/// recycled `sk_buff` at that address, dropped for a watched reason, would be skipped.
+#[inline(always)]
+pub fn was_answered(skb: u64) -> bool {
+    let Some(a) = ANSWERED.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: per-CPU slot; this CPU is the only writer.
+    unsafe {
+        if (*a).skb != skb || skb == 0 {
+            return false;
+        }
+        let fresh = now().saturating_sub((*a).ts_ns) < xtlock_common::ANSWERED_WINDOW_NS;
+        (*a).skb = 0;
+        fresh
+    }
+}

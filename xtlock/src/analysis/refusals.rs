@@ -1,0 +1,367 @@
+//! Refusals: connections the node turned away (ICMP destination unreachable or a TCP reset
+//! sent) and resets its sockets received, from the kernel's exact counters
+//! ([`RefusalCounts`]). Pure, like the rest of the analysis.
+//!
+//! Each count carries the hold that was in progress when the kernel counted it (its
+//! acquire time, `0` for none), so the tie to a hold is exact: no overlap of intervals is
+//! guessed. A hold's refusals are reported ([`HoldRefusalsFact`]) once counts read after its
+//! end have arrived.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::IpAddr;
+
+use serde::Serialize;
+use xtlock_common::{
+    REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
+};
+
+use super::drops::add;
+use super::facts::{
+    HoldFact, HoldRef, HoldRefusalsFact, Output, RefusalCountFact, RefusalGroup, RefusalKind,
+};
+use crate::decode::{RefusalCount, RefusalCounts};
+
+/// Ended holds remembered for counts that arrive after them.
+const MAX_ENDED_HOLDS: usize = 1024;
+/// Holds with refusals not reported yet.
+const MAX_TALLIES: usize = 1024;
+
+/// The `refusals` block of the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RefusalSummary {
+    /// Exact count of refusals (and resets received).
+    pub total: u64,
+    /// By kind and detail, e.g. `icmp_unreachable: port unreachable`.
+    pub by_kind: BTreeMap<String, u64>,
+    /// By destination (`ip:port`).
+    pub by_dest: BTreeMap<String, u64>,
+    /// While a watched lock was held, counted in the kernel per hold.
+    pub during_holds: u64,
+    /// Counted without a key (the kernel's key map was full).
+    pub overflow: u64,
+    /// Holds with the most refusals, most first (at most 5).
+    pub worst_holds: Vec<HoldRefusalsFact>,
+}
+
+impl RefusalSummary {
+    pub fn is_empty(&self) -> bool {
+        self.total == 0
+    }
+}
+
+type GroupKey = (RefusalKind, String, String, u32);
+
+#[derive(Debug)]
+struct Tally {
+    hold: HoldRef,
+    groups: BTreeMap<GroupKey, u64>,
+}
+
+#[derive(Debug, Default)]
+pub struct RefusalTracker {
+    reset_reasons: HashMap<u32, String>,
+    ended: VecDeque<HoldRef>,
+    /// By hold start, in the order they were opened.
+    tallies: Vec<Tally>,
+    stats: RefusalSummary,
+}
+
+fn kind_of(k: u8) -> Option<RefusalKind> {
+    match k {
+        REFUSAL_ICMP_UNREACH => Some(RefusalKind::IcmpUnreachable),
+        REFUSAL_RST_SENT => Some(RefusalKind::ResetSent),
+        REFUSAL_RST_RECEIVED => Some(RefusalKind::ResetReceived),
+        _ => None,
+    }
+}
+
+/// Names of ICMP destination-unreachable codes (RFC 792, RFC 1812).
+fn icmp_code_name(code: u32) -> String {
+    match code {
+        0 => "net unreachable".into(),
+        1 => "host unreachable".into(),
+        2 => "protocol unreachable".into(),
+        3 => "port unreachable".into(),
+        4 => "fragmentation needed".into(),
+        9 => "net prohibited".into(),
+        10 => "host prohibited".into(),
+        13 => "administratively prohibited".into(),
+        c => format!("code {c}"),
+    }
+}
+
+fn dest_text(addr: Option<IpAddr>, port: u16) -> String {
+    match addr {
+        Some(IpAddr::V6(a)) => format!("[{a}]:{port}"),
+        Some(a) => format!("{a}:{port}"),
+        None => String::new(),
+    }
+}
+
+impl RefusalTracker {
+    fn detail(&self, kind: RefusalKind, code: u32) -> String {
+        if code == REFUSAL_NO_DETAIL {
+            return String::new();
+        }
+        match kind {
+            RefusalKind::IcmpUnreachable => icmp_code_name(code),
+            RefusalKind::ResetSent => self
+                .reset_reasons
+                .get(&code)
+                .cloned()
+                .unwrap_or_else(|| format!("reason {code}")),
+            RefusalKind::ResetReceived => String::new(),
+        }
+    }
+
+    /// A hold ended: remembered for counts that arrive after it, and its tally completed.
+    pub fn on_hold(&mut self, h: &HoldFact) {
+        self.on_hold_ref(HoldRef {
+            lock: h.lock.clone(),
+            pid: h.pid,
+            agent: h.agent.clone(),
+            comm: h.comm.clone(),
+            start_ns: h.start_ns,
+            hold_ns: Some(h.hold_ns),
+        });
+    }
+
+    fn on_hold_ref(&mut self, r: HoldRef) {
+        if let Some(t) = self
+            .tallies
+            .iter_mut()
+            .find(|t| t.hold.start_ns == r.start_ns && t.hold.lock == r.lock)
+        {
+            t.hold = r.clone();
+        }
+        if self.ended.len() >= MAX_ENDED_HOLDS {
+            self.ended.pop_front();
+        }
+        self.ended.push_back(r);
+    }
+
+    /// The hold that started at `start_ns`: an open one of `open`, else an ended one.
+    fn hold(&self, start_ns: u64, open: &[HoldRef]) -> Option<HoldRef> {
+        if start_ns == 0 {
+            return None;
+        }
+        open.iter()
+            .chain(self.ended.iter().rev())
+            .find(|h| h.start_ns == start_ns)
+            .cloned()
+    }
+
+    /// The counts of one read: a fact per count, tallies per hold, and the holds whose end
+    /// these counts cover. `open` are the holds that overlapped the interval.
+    pub fn on_counts(&mut self, c: &RefusalCounts, open: &[HoldRef], out: &mut impl FnMut(Output)) {
+        self.reset_reasons.extend(c.reset_reasons.iter().cloned());
+        let start = c.ts_ns.saturating_sub(c.interval_ns);
+        for rc in &c.counts {
+            let Some(f) = self.fact(rc, start, c.interval_ns, open) else {
+                continue;
+            };
+            self.stats.total += f.count;
+            let kind = if f.detail.is_empty() {
+                f.kind.as_str().to_string()
+            } else {
+                format!("{}: {}", f.kind.as_str(), f.detail)
+            };
+            add(&mut self.stats.by_kind, &kind, f.count);
+            if !f.dest.is_empty() {
+                add(&mut self.stats.by_dest, &f.dest, f.count);
+            }
+            if let Some(h) = &f.hold {
+                self.tally(
+                    h,
+                    (f.kind, f.detail.clone(), f.dest.clone(), f.netns),
+                    f.count,
+                );
+            }
+            out(Output::RefusalCount(f));
+        }
+        if c.overflow > 0 {
+            self.stats.overflow += c.overflow;
+            self.stats.total += c.overflow;
+        }
+        let (done, keep): (Vec<Tally>, Vec<Tally>) = std::mem::take(&mut self.tallies)
+            .into_iter()
+            .partition(|t| {
+                t.hold
+                    .hold_ns
+                    .is_some_and(|d| t.hold.start_ns.saturating_add(d) <= c.ts_ns)
+            });
+        self.tallies = keep;
+        for t in done {
+            self.report(t, out);
+        }
+    }
+
+    fn fact(
+        &self,
+        rc: &RefusalCount,
+        start: u64,
+        interval_ns: u64,
+        open: &[HoldRef],
+    ) -> Option<RefusalCountFact> {
+        let kind = kind_of(rc.kind)?;
+        Some(RefusalCountFact {
+            ts_ns: start,
+            interval_ns,
+            netns: rc.netns,
+            kind,
+            detail: self.detail(kind, rc.detail),
+            dest: dest_text(rc.addr, rc.port),
+            count: rc.count,
+            hold: self.hold(rc.hold_start_ns, open),
+        })
+    }
+
+    fn tally(&mut self, h: &HoldRef, key: GroupKey, n: u64) {
+        let i = match self
+            .tallies
+            .iter()
+            .position(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
+        {
+            Some(i) => i,
+            None if self.tallies.len() < MAX_TALLIES => {
+                self.tallies.push(Tally {
+                    hold: h.clone(),
+                    groups: BTreeMap::new(),
+                });
+                self.tallies.len() - 1
+            }
+            None => return,
+        };
+        let t = &mut self.tallies[i];
+        if t.hold.hold_ns.is_none() {
+            t.hold.hold_ns = h.hold_ns;
+        }
+        *t.groups.entry(key).or_default() += n;
+    }
+
+    fn report(&mut self, t: Tally, out: &mut impl FnMut(Output)) {
+        let mut groups: Vec<RefusalGroup> = t
+            .groups
+            .into_iter()
+            .map(|((kind, detail, dest, netns), count)| RefusalGroup {
+                kind,
+                detail,
+                dest,
+                netns,
+                count,
+            })
+            .collect();
+        groups.sort_by_key(|g| std::cmp::Reverse(g.count));
+        let refused = groups.iter().map(|g| g.count).sum();
+        let f = HoldRefusalsFact {
+            lock: t.hold.lock,
+            pid: t.hold.pid,
+            agent: t.hold.agent,
+            comm: t.hold.comm,
+            start_ns: t.hold.start_ns,
+            hold_ns: t.hold.hold_ns.unwrap_or(0),
+            refused,
+            groups,
+        };
+        self.stats.during_holds += refused;
+        self.stats.worst_holds.push(f.clone());
+        self.stats
+            .worst_holds
+            .sort_by_key(|h| std::cmp::Reverse(h.refused));
+        self.stats.worst_holds.truncate(5);
+        out(Output::HoldRefusals(f));
+    }
+
+    /// End of the stream: holds not reported yet.
+    pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        for mut t in std::mem::take(&mut self.tallies) {
+            if t.hold.hold_ns.is_none() {
+                t.hold.hold_ns = Some(ts_ns.saturating_sub(t.hold.start_ns));
+            }
+            self.report(t, out);
+        }
+    }
+
+    pub fn summary(&self) -> RefusalSummary {
+        self.stats.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shared::SharedStr;
+
+    fn count(hold: u64, kind: u8, detail: u32, port: u16, n: u64) -> RefusalCount {
+        RefusalCount {
+            hold_start_ns: hold,
+            netns: 7,
+            kind,
+            detail,
+            addr: Some("10.96.0.15".parse().unwrap()),
+            port,
+            count: n,
+        }
+    }
+
+    fn hold(start_ns: u64, hold_ns: Option<u64>) -> HoldRef {
+        HoldRef {
+            lock: SharedStr::from("/run/xtables.lock"),
+            pid: 42,
+            agent: SharedStr::from("kube-proxy"),
+            comm: SharedStr::from("iptables-restor"),
+            start_ns,
+            hold_ns,
+        }
+    }
+
+    /// Counts tagged with a hold go to that hold, whatever the interval; the hold is
+    /// reported once counts read after its end arrive, and counts outside it stay out.
+    #[test]
+    fn counts_tie_to_their_hold_exactly() {
+        let mut t = RefusalTracker::default();
+        let mut got = Vec::new();
+        let open = [hold(1_000, None)];
+        let c = RefusalCounts {
+            ts_ns: 2_000,
+            interval_ns: 1_000,
+            counts: vec![
+                count(1_000, REFUSAL_ICMP_UNREACH, 3, 80, 30),
+                count(0, REFUSAL_ICMP_UNREACH, 3, 80, 5),
+                count(1_000, REFUSAL_RST_SENT, 1, 9, 4),
+            ],
+            overflow: 0,
+            reset_reasons: vec![(1, "NO_SOCKET".into())],
+        };
+        t.on_counts(&c, &open, &mut |o| got.push(o));
+        assert_eq!(got.len(), 3);
+        assert!(!got.iter().any(|o| matches!(o, Output::HoldRefusals(_))));
+        let Output::RefusalCount(f) = &got[2] else {
+            panic!("{:?}", got[2]);
+        };
+        assert_eq!(
+            (f.detail.as_str(), f.dest.as_str()),
+            ("NO_SOCKET", "10.96.0.15:9")
+        );
+        // The hold ends at 3 000; the next read (at 4 000) has 7 more inside it.
+        t.on_hold_ref(hold(1_000, Some(2_000)));
+        got.clear();
+        let c = RefusalCounts {
+            ts_ns: 4_000,
+            interval_ns: 2_000,
+            counts: vec![count(1_000, REFUSAL_ICMP_UNREACH, 3, 80, 7)],
+            overflow: 0,
+            reset_reasons: vec![],
+        };
+        t.on_counts(&c, &[], &mut |o| got.push(o));
+        let Some(Output::HoldRefusals(r)) = got.last() else {
+            panic!("{got:?}");
+        };
+        assert_eq!(r.refused, 41);
+        assert_eq!(r.hold_ns, 2_000);
+        assert_eq!(r.groups[0].count, 37);
+        assert_eq!(r.groups[0].detail, "port unreachable");
+        let s = t.summary();
+        assert_eq!((s.total, s.during_holds), (46, 41));
+    }
+}
