@@ -5,6 +5,15 @@
 //! Only what xtlock needs: types are indexed by id, structs and unions are walked by member
 //! name (through anonymous members, which hold many `sk_buff` fields), typedefs and
 //! qualifiers are skipped, and enums are listed. Never panics on any input.
+//!
+//! Kept rather than replaced by a crate (issue 32; measured with `examples/bench_btf.rs`,
+//! docs/performance.md *Findings* 21). On a 6.18 vmlinux (5.5 MB), the lookups a start
+//! makes cost 15 ms of CPU and at most 12 MiB with this reader, 167 ms and 41 MiB with
+//! btf-rs 2.0 (its default cache backend; its mmap backend: 69 ms), and btf-rs would add
+//! about 81 KB to the stripped binary, under a licence (LGPL-2.1-or-later) the static
+//! binary's MIT/Apache-2.0 does not carry. Member paths through anonymous members, sizes,
+//! C spellings and prototype checks would stay this code with either crate. aya-obj 0.3
+//! (already linked, through aya) reads no split BTF and exposes no type by id or member.
 
 use std::path::Path;
 
@@ -91,6 +100,15 @@ pub struct Btf {
     split_strings: Option<(u32, usize, usize)>,
     /// `types[id - 1]`; a module's types follow the base's, as their ids do.
     types: Vec<Type>,
+    /// `(hash of the name, id)` of every named type, sorted: a lookup by name is a binary
+    /// search instead of a scan of every type (a scan costs about 1.4 ms on a 6.18 vmlinux,
+    /// and a start makes about 100 lookups: see docs/performance.md).
+    by_name: Vec<(u32, u32)>,
+}
+
+fn name_hash(name: &str) -> u32 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0).hash_one(name) as u32
 }
 
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
@@ -167,12 +185,40 @@ impl Btf {
         if at != t_end {
             return Err(bad("last type runs past the type section"));
         }
-        Ok(Btf {
+        let mut btf = Btf {
             data,
             strings: (s_start, s_end),
             split_strings: None,
             types,
-        })
+            by_name: Vec::new(),
+        };
+        btf.index();
+        Ok(btf)
+    }
+
+    /// Fills [`by_name`](Self::by_name): equal hashes in id order, so the first match of a
+    /// name is its lowest id, as a scan would find.
+    fn index(&mut self) {
+        let mut by_name: Vec<(u32, u32)> = (1..=self.types.len() as u32)
+            .zip(&self.types)
+            .filter(|(_, t)| t.name_off != 0)
+            .map(|(id, t)| (name_hash(self.name(t.name_off)), id))
+            .collect();
+        by_name.sort_unstable();
+        self.by_name = by_name;
+    }
+
+    /// The types named `name`, lowest id first.
+    fn named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = (u32, &'a Type)> + 'a {
+        let h = name_hash(name);
+        let from = self.by_name.partition_point(|&(x, _)| x < h);
+        self.by_name[from..]
+            .iter()
+            .take_while(move |&&(x, _)| x == h)
+            .filter_map(move |&(_, id)| {
+                let t = self.get(id)?;
+                (self.name(t.name_off) == name).then_some((id, t))
+            })
     }
 
     /// A kernel module's BTF (`/sys/kernel/btf/<module>`), which is split BTF: its type ids
@@ -203,7 +249,7 @@ impl Btf {
             extra: t.extra + shift,
             ..*t
         }));
-        Ok(Btf {
+        let mut btf = Btf {
             data,
             strings: base.strings,
             split_strings: Some((
@@ -212,7 +258,10 @@ impl Btf {
                 module.strings.1 + shift,
             )),
             types,
-        })
+            by_name: Vec::new(),
+        };
+        btf.index();
+        Ok(btf)
     }
 
     fn name(&self, off: u32) -> &str {
@@ -252,10 +301,9 @@ impl Btf {
 
     /// The id of the struct named `name` that has members (not a forward declaration).
     fn struct_id(&self, name: &str) -> Option<u32> {
-        self.types
-            .iter()
-            .position(|t| t.kind == KIND_STRUCT && t.vlen > 0 && self.name(t.name_off) == name)
-            .map(|i| i as u32 + 1)
+        self.named(name)
+            .find(|(_, t)| t.kind == KIND_STRUCT && t.vlen > 0)
+            .map(|(id, _)| id)
     }
 
     /// Members of a struct/union: (name, type id, bit offset, bitfield size).
@@ -300,9 +348,7 @@ impl Btf {
 
     /// Whether the kernel has a function named `name` in this BTF (what fentry attaches to).
     pub fn has_func(&self, name: &str) -> bool {
-        self.types
-            .iter()
-            .any(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)
+        self.named(name).any(|(_, t)| t.kind == KIND_FUNC)
     }
 
     /// Byte offset of `path` (members separated by `.`, e.g. `nd_net.net`) inside
@@ -357,10 +403,7 @@ impl Btf {
     /// inode *`, `int`): how a raw tracepoint's arguments are laid out is its
     /// `btf_trace_<name>` typedef (a `void *` context first, then the `TP_PROTO` arguments).
     pub fn fn_typedef_params(&self, name: &str) -> Option<Vec<String>> {
-        let td = self
-            .types
-            .iter()
-            .find(|t| t.kind == KIND_TYPEDEF && self.name(t.name_off) == name)?;
+        let (_, td) = self.named(name).find(|(_, t)| t.kind == KIND_TYPEDEF)?;
         let ptr = self.get(td.size_or_type).filter(|t| t.kind == KIND_PTR)?;
         let proto = self
             .get(self.resolve(ptr.size_or_type))
@@ -414,10 +457,7 @@ impl Btf {
 
     /// The prototype of function `name` (a `FUNC` and its `FUNC_PROTO`), if this BTF has it.
     pub fn func_proto(&self, name: &str) -> Option<FuncProto> {
-        let func = self
-            .types
-            .iter()
-            .find(|t| t.kind == KIND_FUNC && self.name(t.name_off) == name)?;
+        let (_, func) = self.named(name).find(|(_, t)| t.kind == KIND_FUNC)?;
         let proto = self
             .get(func.size_or_type)
             .filter(|t| t.kind == KIND_FUNC_PROTO)?;
@@ -437,9 +477,9 @@ impl Btf {
 
     /// Values of `enum name` (32- or 64-bit enums), in declaration order.
     pub fn enum_values(&self, name: &str) -> Option<Vec<(String, i64)>> {
-        let t = self.types.iter().find(|t| {
-            (t.kind == KIND_ENUM || t.kind == KIND_ENUM64) && self.name(t.name_off) == name
-        })?;
+        let (_, t) = self
+            .named(name)
+            .find(|(_, t)| t.kind == KIND_ENUM || t.kind == KIND_ENUM64)?;
         let mut out = Vec::with_capacity(t.vlen as usize);
         for i in 0..t.vlen as usize {
             if t.kind == KIND_ENUM {
@@ -642,6 +682,31 @@ pub(crate) mod tests {
                 ("SKB_DROP_REASON_NO_SOCKET".to_string(), 3)
             ]
         );
+    }
+
+    /// Lookups by name find the first type of the asked kind, whatever else shares the name.
+    #[test]
+    fn names_shared_by_several_types() {
+        let mut b = Builder::new();
+        b.int("int", 4); // 1
+        b.strukt(KIND_STRUCT, "dup", 0, &[]); // 2: declared only
+        b.typedef("dup", 1); // 3
+        b.strukt(KIND_STRUCT, "dup", 8, &[("a", 1, 0), ("b", 1, 32)]); // 4
+        b.strukt(KIND_STRUCT, "dup", 8, &[("b", 1, 0)]); // 5: a later duplicate
+        b.func_proto(&[1]); // 6
+        b.func("dup", 6); // 7
+        b.enumeration("dup", &[("DUP_ONE", 1)]); // 8
+        let btf = Btf::parse(b.build()).unwrap();
+        assert_eq!(btf.member("dup", "b"), Ok((4, 4)));
+        assert!(btf.has_func("dup"));
+        assert!(!btf.has_func("int"));
+        assert_eq!(btf.func_proto("dup").unwrap().params.len(), 1);
+        assert_eq!(
+            btf.enum_values("dup").unwrap(),
+            [("DUP_ONE".to_string(), 1)]
+        );
+        assert_eq!(btf.fn_typedef_params("dup"), None);
+        assert!(matches!(btf.member("int", "a"), Err(BtfError::NoStruct(_))));
     }
 
     #[test]
