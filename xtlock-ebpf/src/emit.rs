@@ -188,3 +188,23 @@ pub fn current_netns() -> u32 {
     }
     kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
 }
+
+/// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.
+#[inline(always)]
+pub fn netns_of(skb: u64, dev: u64) -> u32 {
+    let off = |f: fn(&ProbeConfig) -> &u32| cfg(f) as u32;
+    let net: u64 = if dev != 0 {
+        kread(dev, off(|c| &c.dev_nd_net)).unwrap_or(0)
+    } else {
+        let sk: u64 = kread(skb, off(|c| &c.skb_sk)).unwrap_or(0);
+        if sk == 0 {
+            0
+        } else {
+            kread(sk, off(|c| &c.sk_net)).unwrap_or(0)
+        }
+    };
+    if net == 0 {
+        return 0;
+    }
+    kread(net, off(|c| &c.net_ns_inum)).unwrap_or(0)
+}

@@ -16,8 +16,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, count_in, field, kread, now},
-    probes::skb_drop::netns_of,
+    emit::{cfg, count_in, field, kread, netns_of, now},
     ANSWERED, HOLD_NOW, REFUSAL_CONFIG, REFUSAL_COUNTS, REFUSAL_OVERFLOW,
 };
 

@@ -24,7 +24,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{btf_read, cfg, count_in, field, field_fast, header, kread, now, reserve},
+    emit::{btf_read, cfg, count_in, field, field_fast, header, kread, netns_of, now, reserve},
     probes::refusal::was_answered,
     CONFIG, DROP_CACHE, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
@@ -217,26 +217,6 @@ fn count_for_hold() {
             (*slot).count = 1;
         }
     }
-}
-
-/// Inode of the packet's network namespace: its device's, else its socket's; 0 if neither.
-#[inline(always)]
-pub(crate) fn netns_of(skb: u64, dev: u64) -> u32 {
-    let off = |f: fn(&ProbeConfig) -> &u32| cfg(f) as u32;
-    let net: u64 = if dev != 0 {
-        kread(dev, off(|c| &c.dev_nd_net)).unwrap_or(0)
-    } else {
-        let sk: u64 = kread(skb, off(|c| &c.skb_sk)).unwrap_or(0);
-        if sk == 0 {
-            0
-        } else {
-            kread(sk, off(|c| &c.sk_net)).unwrap_or(0)
-        }
-    };
-    if net == 0 {
-        return 0;
-    }
-    kread(net, off(|c| &c.net_ns_inum)).unwrap_or(0)
 }
 
 /// GCRA rate limiter per CPU: at most `burst` samples at once, then one per interval.

@@ -319,7 +319,7 @@ pub struct RuleChangeFact {
     /// The last writer's pid.
     pub pid: u32,
     #[serde(flatten)]
-    pub diff: super::rules::TableDiff,
+    pub diff: TableDiff,
     /// Changes to chains and rules of other agents than the writer, per owner.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub foreign: Vec<ForeignChange>,
@@ -335,6 +335,52 @@ pub struct RuleChangeFact {
     pub skipped: Option<String>,
 }
 
+/// A rule that kept its place, target and comment but not its matches.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StrippedRule {
+    pub chain: String,
+    /// Matches it had and no longer has, and the reverse.
+    pub lost: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gained: Vec<String>,
+    /// The rule as it is now.
+    pub now: String,
+}
+
+/// The changes between two reads of a table.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct TableDiff {
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub created: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub deleted: Vec<String>,
+    /// Chains that had rules and now have none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub flushed: Vec<String>,
+    /// (chain, rule) added and removed, stripped rules apart.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub added: Vec<(String, String)>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub removed: Vec<(String, String)>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stripped: Vec<StrippedRule>,
+    /// Built-in chains whose policy changed: (chain, old, new).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub policies: Vec<(String, String, String)>,
+}
+
+impl TableDiff {
+    pub fn is_empty(&self) -> bool {
+        self.created.is_empty()
+            && self.deleted.is_empty()
+            && self.flushed.is_empty()
+            && self.added.is_empty()
+            && self.removed.is_empty()
+            && self.stripped.is_empty()
+            && self.policies.is_empty()
+    }
+}
+
 /// One owner's chains and rules changed by another agent.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ForeignChange {
@@ -347,7 +393,7 @@ pub struct ForeignChange {
     pub rules_added: u64,
     /// Its rules that kept their place but lost or gained matches.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub rules_changed: Vec<super::rules::StrippedRule>,
+    pub rules_changed: Vec<StrippedRule>,
 }
 
 impl ForeignChange {
@@ -452,6 +498,46 @@ pub struct TableTouch {
     /// 0, or the negative errno the call failed with.
     #[serde(skip_serializing_if = "is_zero_i64")]
     pub ret: i64,
+}
+
+impl TableTouch {
+    /// What one table call was (read or set, family, table, size), from its event.
+    pub fn of(t: &crate::decode::TableReplaceEvent, kernel_ns: u64) -> TableTouch {
+        use xtlock_common::{
+            EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IPV6, XT_SO_GET_INFO, XT_SO_SET_REPLACE,
+        };
+        if t.read {
+            let info = t.optname == XT_SO_GET_INFO;
+            return TableTouch {
+                table: t.head.as_ref().map(|h| h.name()).unwrap_or_default(),
+                family: if t.level == SOL_IPV6 { "ip6" } else { "ip" },
+                op: if info { "info" } else { "entries" },
+                entries: t.head.as_ref().filter(|_| info).map(|h| h.entries),
+                bytes: t.head.as_ref().map(|h| h.bytes),
+                start_ns: t.enter_ns,
+                kernel_ns,
+                ret: t.ret,
+            };
+        }
+        let ebt = t.optname == EBT_SO_SET_ENTRIES || t.optname == EBT_SO_SET_COUNTERS;
+        let replace = t.optname == XT_SO_SET_REPLACE || t.optname == EBT_SO_SET_ENTRIES;
+        TableTouch {
+            table: t.head.as_ref().map(|h| h.name()).unwrap_or_default(),
+            family: if ebt {
+                "eb"
+            } else if t.level == SOL_IPV6 {
+                "ip6"
+            } else {
+                "ip"
+            },
+            op: if replace { "replace" } else { "counters" },
+            entries: t.head.as_ref().map(|h| h.entries),
+            bytes: t.head.as_ref().filter(|_| replace).map(|h| h.bytes),
+            start_ns: t.enter_ns,
+            kernel_ns,
+            ret: t.ret,
+        }
+    }
 }
 
 fn is_zero_i64(v: &i64) -> bool {

@@ -1497,7 +1497,7 @@ impl LockMachine {
             }
             // Captures from before the head was recorded say nothing of the table.
             if t.head_recorded && h.tables.len() < MAX_TABLES_PER_HOLD {
-                h.tables.push(table_touch(t, kernel_ns));
+                h.tables.push(TableTouch::of(t, kernel_ns));
             }
         }
     }
@@ -1791,44 +1791,6 @@ fn hold_fact(
         pod: who.pod.clone(),
         open,
         incomplete,
-    }
-}
-
-/// What a table replace (or counter update) says of its table.
-pub(crate) fn table_touch(t: &TableReplaceEvent, kernel_ns: u64) -> TableTouch {
-    use xtlock_common::{
-        EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOL_IPV6, XT_SO_GET_INFO, XT_SO_SET_REPLACE,
-    };
-    if t.read {
-        let info = t.optname == XT_SO_GET_INFO;
-        return TableTouch {
-            table: t.head.as_ref().map(|h| h.name()).unwrap_or_default(),
-            family: if t.level == SOL_IPV6 { "ip6" } else { "ip" },
-            op: if info { "info" } else { "entries" },
-            entries: t.head.as_ref().filter(|_| info).map(|h| h.entries),
-            bytes: t.head.as_ref().map(|h| h.bytes),
-            start_ns: t.enter_ns,
-            kernel_ns,
-            ret: t.ret,
-        };
-    }
-    let ebt = t.optname == EBT_SO_SET_ENTRIES || t.optname == EBT_SO_SET_COUNTERS;
-    let replace = t.optname == XT_SO_SET_REPLACE || t.optname == EBT_SO_SET_ENTRIES;
-    TableTouch {
-        table: t.head.as_ref().map(|h| h.name()).unwrap_or_default(),
-        family: if ebt {
-            "eb"
-        } else if t.level == SOL_IPV6 {
-            "ip6"
-        } else {
-            "ip"
-        },
-        op: if replace { "replace" } else { "counters" },
-        entries: t.head.as_ref().map(|h| h.entries),
-        bytes: t.head.as_ref().filter(|_| replace).map(|h| h.bytes),
-        start_ns: t.enter_ns,
-        kernel_ns,
-        ret: t.ret,
     }
 }
 

@@ -5,8 +5,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde::Serialize;
-
+use super::super::facts::{StrippedRule, TableDiff};
 use crate::event::{Rule, RuleTable};
 
 /// A table as last read: its chains' policies and rules.
@@ -20,52 +19,6 @@ pub struct ChainModel {
     pub policy: Option<String>,
     pub digest: u64,
     pub rules: Vec<Rule>,
-}
-
-/// A rule that kept its place, target and comment but not its matches.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct StrippedRule {
-    pub chain: String,
-    /// Matches it had and no longer has, and the reverse.
-    pub lost: Vec<String>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub gained: Vec<String>,
-    /// The rule as it is now.
-    pub now: String,
-}
-
-/// The changes between two reads of a table.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct TableDiff {
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub created: Vec<String>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub deleted: Vec<String>,
-    /// Chains that had rules and now have none.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub flushed: Vec<String>,
-    /// (chain, rule) added and removed, stripped rules apart.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub added: Vec<(String, String)>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub removed: Vec<(String, String)>,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub stripped: Vec<StrippedRule>,
-    /// Built-in chains whose policy changed: (chain, old, new).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub policies: Vec<(String, String, String)>,
-}
-
-impl TableDiff {
-    pub fn is_empty(&self) -> bool {
-        self.created.is_empty()
-            && self.deleted.is_empty()
-            && self.flushed.is_empty()
-            && self.added.is_empty()
-            && self.removed.is_empty()
-            && self.stripped.is_empty()
-            && self.policies.is_empty()
-    }
 }
 
 impl TableModel {

@@ -21,12 +21,12 @@ use serde::Serialize;
 
 use super::attribution::Attributor;
 use super::facts::{ForeignChange, MixedBackendsFact, Output, RuleChangeFact, RuleWriteFact};
+pub use super::facts::{StrippedRule, TableDiff};
 use super::iptables_run::Backend;
 use super::procs::{FastMap, ProcTable};
 use crate::decode::{Event, RuleTable, TableReplaceEvent};
 use crate::event::Comm;
 use diff::TableModel;
-pub use diff::{StrippedRule, TableDiff};
 
 /// Network namespaces followed; past it, new ones are not.
 const MAX_NETNS: usize = 4096;
@@ -118,7 +118,7 @@ impl RuleTracker {
         }
         let (ts_ns, pid, netns, backend, comm, table) = match ev {
             Event::TableReplace(t) if is_legacy_write(t) => {
-                let touch = super::lock::table_touch(t, 0);
+                let touch = super::facts::TableTouch::of(t, 0);
                 let comm = procs.get(t.tgid).map(|p| p.comm).unwrap_or_default();
                 // Unnamed when the head could not be read (or in older captures).
                 let table =
