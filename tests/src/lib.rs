@@ -433,6 +433,24 @@ impl Drop for Tracer {
     }
 }
 
+/// `xtlock report --events --json CAPTURE`'s objects, checking it succeeds and prints JSON.
+pub fn report_events(capture: &Path) -> Vec<Value> {
+    let out = Command::new(xtlock_bin())
+        .args(["report", "--events", "--json"])
+        .arg(capture)
+        .output()
+        .expect("xtlock report");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
 /// What one `xtlock trace --json` run printed.
 pub struct Trace {
     pub events: Vec<Value>,

@@ -284,19 +284,8 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
         "{summary}"
     );
     // The capture says the same, hold for hold.
-    let out = std::process::Command::new(xtlock_tests::xtlock_bin())
-        .args(["report", "--events", "--json"])
-        .arg(&cap)
-        .output()
-        .expect("xtlock report");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let replayed: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("JSON line"))
+    let replayed: Vec<Value> = xtlock_tests::report_events(&cap)
+        .into_iter()
         .filter(|v: &Value| v["type"] == "hold_refusals")
         .collect();
     let live: Vec<Value> = trace

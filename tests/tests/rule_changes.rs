@@ -198,20 +198,7 @@ fn who_changed_whose_rules() {
     );
 
     // The capture says the same.
-    let out = Command::new(xtlock_bin())
-        .args(["report", "--json", "--events"])
-        .arg(&capture)
-        .output()
-        .expect("xtlock report");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let replayed: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let replayed = xtlock_tests::report_events(&capture);
     let replayed = changes(&replayed.iter().collect::<Vec<_>>());
     assert_eq!(replayed, live, "report differs from trace");
 
