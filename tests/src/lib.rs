@@ -307,6 +307,9 @@ pub struct Tracer {
     child: Child,
     stderr: std::sync::Arc<Mutex<String>>,
     stderr_reader: Option<thread::JoinHandle<()>>,
+    /// Reads stdout as it comes: a pipe left unread fills at 64 KiB and blocks xtlock's
+    /// writes, and with them its whole pipeline (events then arrive seconds late).
+    stdout_reader: Option<thread::JoinHandle<String>>,
 }
 
 impl Tracer {
@@ -330,6 +333,12 @@ impl Tracer {
             .stderr(Stdio::piped())
             .stdin(Stdio::null());
         let mut child = c.spawn().expect("spawn xtlock");
+        let mut out = child.stdout.take().expect("stdout");
+        let stdout_reader = thread::spawn(move || {
+            let mut text = String::new();
+            out.read_to_string(&mut text).expect("read stdout");
+            text
+        });
         let err = child.stderr.take().expect("stderr");
         let stderr = std::sync::Arc::new(Mutex::new(String::new()));
         let (tx, rx) = mpsc::channel();
@@ -359,6 +368,7 @@ impl Tracer {
             child,
             stderr,
             stderr_reader: Some(stderr_reader),
+            stdout_reader: Some(stdout_reader),
         }
     }
 
@@ -404,11 +414,12 @@ impl Tracer {
 
     /// Waits for xtlock to exit successfully; its stdout and stderr as they were written.
     pub fn finish_text(mut self) -> (String, String) {
-        let mut out = String::new();
-        if let Some(mut s) = self.child.stdout.take() {
-            s.read_to_string(&mut out).expect("read stdout");
-        }
         let status = self.child.wait().expect("wait xtlock");
+        let out = self
+            .stdout_reader
+            .take()
+            .map(|r| r.join().expect("stdout reader"))
+            .unwrap_or_default();
         // Every line xtlock wrote to stderr, up to its exit.
         if let Some(r) = self.stderr_reader.take() {
             let _ = r.join();

@@ -12,6 +12,7 @@
 //! untouched.
 
 use std::{
+    collections::BTreeSet,
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -476,91 +477,127 @@ const BUS_CONF: &str = r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus 
 </busconfig>
 "#;
 
+/// A real firewalld on the iptables backend in a [`Sandbox`], on a bus of its own; `watch`
+/// gets the sandbox's lock before firewalld starts (to start the tracers on it).
+struct Firewalld {
+    sandbox: Sandbox,
+    bus: Child,
+    daemon: Child,
+    lock: PathBuf,
+}
+
+impl Firewalld {
+    fn start(s: &Scratch, watch: impl FnOnce(&Path)) -> Self {
+        // firewalld's own configuration, on the iptables backend.
+        let etc = s.dir.join("etc-firewalld");
+        run_ok(
+            Command::new("cp").args(["-a", "/etc/firewalld"]).arg(&etc),
+            "copy /etc/firewalld",
+        );
+        let conf = etc.join("firewalld.conf");
+        let text = std::fs::read_to_string(&conf).expect("firewalld.conf");
+        let text: String = text
+            .lines()
+            .filter(|l| !l.starts_with("FirewallBackend="))
+            .map(|l| format!("{l}\n"))
+            .chain(std::iter::once("FirewallBackend=iptables\n".to_owned()))
+            .collect();
+        std::fs::write(&conf, text).expect("write firewalld.conf");
+        let bus_conf = write_file(&s.dir, "bus.conf", BUS_CONF);
+
+        let sandbox = Sandbox::new(s, &etc);
+        let lock = sandbox.lock();
+        watch(&lock);
+        let bus = sandbox
+            .cmd("dbus-daemon")
+            .arg(format!("--config-file={}", bus_conf.display()))
+            .args(["--nofork", "--nopidfile"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn dbus-daemon");
+        let log = s.dir.join("firewalld.log");
+        let daemon = sandbox
+            .cmd("firewalld")
+            .args(["--nofork", "--nopid"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("firewalld log"))
+            .spawn()
+            .expect("spawn firewalld");
+        let mut fwd = Self {
+            sandbox,
+            bus,
+            daemon,
+            lock,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !fwd
+            .firewall_cmd(&["--state"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            assert!(
+                Instant::now() < deadline && fwd.daemon.try_wait().ok().flatten().is_none(),
+                "firewalld did not come up within 60 s:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        fwd
+    }
+
+    fn firewall_cmd(&self, args: &[&str]) -> Command {
+        let mut c = self.sandbox.cmd("firewall-cmd");
+        c.args(args);
+        c
+    }
+
+    /// firewalld cleans up on exit: its last iptables runs happen here.
+    fn stop(mut self) {
+        stop(&mut self.daemon, Duration::from_secs(30));
+        stop(&mut self.bus, Duration::from_secs(5));
+    }
+}
+
+const FIREWALLD_TOOLS: [&str; 5] = [
+    "firewalld",
+    "firewall-cmd",
+    "dbus-daemon",
+    "bpftrace",
+    "nsenter",
+];
+
 #[test]
 fn firewalld_reloads_and_a_restore_loop_match_bpftrace() {
     const TEST: &str = "firewalld_reloads_and_a_restore_loop_match_bpftrace";
-    if !require_bpf(TEST)
-        || ![
-            "firewalld",
-            "firewall-cmd",
-            "dbus-daemon",
-            "bpftrace",
-            "nsenter",
-        ]
-        .iter()
-        .all(|t| require_tool(TEST, t))
-    {
+    if !require_bpf(TEST) || !FIREWALLD_TOOLS.iter().all(|t| require_tool(TEST, t)) {
         return;
     }
     let _g = serial();
     let s = Scratch::new("firewalld");
-    // firewalld's own configuration, on the iptables backend.
-    let etc = s.dir.join("etc-firewalld");
-    run_ok(
-        Command::new("cp").args(["-a", "/etc/firewalld"]).arg(&etc),
-        "copy /etc/firewalld",
-    );
-    let conf = etc.join("firewalld.conf");
-    let text = std::fs::read_to_string(&conf).expect("firewalld.conf");
-    let text: String = text
-        .lines()
-        .filter(|l| !l.starts_with("FirewallBackend="))
-        .map(|l| format!("{l}\n"))
-        .chain(std::iter::once("FirewallBackend=iptables\n".to_owned()))
-        .collect();
-    std::fs::write(&conf, text).expect("write firewalld.conf");
-    let bus_conf = write_file(&s.dir, "bus.conf", BUS_CONF);
-
-    let sandbox = Sandbox::new(&s, &etc);
-    let lock = sandbox.lock();
-    let lock_s = lock.to_str().unwrap().to_owned();
-    let bpf = Bpftrace::start(&lock);
-    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
-    let mut bus = sandbox
-        .cmd("dbus-daemon")
-        .arg(format!("--config-file={}", bus_conf.display()))
-        .args(["--nofork", "--nopidfile"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn dbus-daemon");
-    let log = s.dir.join("firewalld.log");
-    let mut firewalld = sandbox
-        .cmd("firewalld")
-        .args(["--nofork", "--nopid"])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).expect("firewalld log"))
-        .spawn()
-        .expect("spawn firewalld");
-    let firewall_cmd = |args: &[&str]| {
-        let mut c = sandbox.cmd("firewall-cmd");
-        c.args(args);
-        c
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !firewall_cmd(&["--state"])
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        assert!(
-            Instant::now() < deadline && firewalld.try_wait().ok().flatten().is_none(),
-            "firewalld did not come up within 60 s:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let mut watchers = None;
+    let fwd = Firewalld::start(&s, |lock| {
+        watchers = Some((
+            Bpftrace::start(lock),
+            Tracer::start(&[lock], Duration::from_secs(300), &["--no-drops"]),
+        ))
+    });
+    let (bpf, tracer) = watchers.expect("watchers started");
+    let lock_s = fwd.lock.to_str().unwrap().to_owned();
 
     // kube-proxy: restores back to back on the sandbox's lock until firewalld is done.
     let done = Arc::new(AtomicBool::new(false));
     let loop_thread = restore_loop(&s, &lock_s, 5, Duration::from_millis(5), done.clone());
     for _ in 0..3 {
-        run_ok(&mut firewall_cmd(&["--reload"]), "firewall-cmd --reload");
+        run_ok(
+            &mut fwd.firewall_cmd(&["--reload"]),
+            "firewall-cmd --reload",
+        );
     }
     done.store(true, Ordering::Relaxed);
     let kp_runs = loop_thread.join().expect("restore loop");
     // It cleans up on exit: its last iptables runs are traced too.
-    stop(&mut firewalld, Duration::from_secs(30));
-    stop(&mut bus, Duration::from_secs(5));
+    fwd.stop();
     std::thread::sleep(Duration::from_millis(500));
     tracer.interrupt();
     let trace = tracer.finish();
@@ -583,5 +620,212 @@ fn firewalld_reloads_and_a_restore_loop_match_bpftrace() {
     assert!(
         !trace.of_type("wait").is_empty(),
         "no wait at all: the test proved nothing about waits\n{dump}"
+    );
+}
+
+/// Chains (`table chain`) and rules (`table -A chain ...`) of an `iptables-save` text.
+fn saved(text: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut chains, mut rules) = (BTreeSet::new(), BTreeSet::new());
+    let mut table = "";
+    for l in text.lines() {
+        if let Some(t) = l.strip_prefix('*') {
+            table = t;
+        } else if let Some(c) = l.strip_prefix(':') {
+            chains.insert(format!("{table} {}", c.split(' ').next().unwrap_or("")));
+        } else if l.starts_with("-A ") {
+            rules.insert(format!("{table} {l}"));
+        }
+    }
+    (chains, rules)
+}
+
+/// kube-proxy's by its conventions: a KUBE-* chain, a rule in one or jumping to one.
+fn kube_proxys(item: &str) -> bool {
+    let mut w = item.split(' ').skip(1);
+    match w.next() {
+        Some("-A") => {
+            w.next().is_some_and(|c| c.starts_with("KUBE-")) || item.contains(" -j KUBE-")
+        }
+        Some(c) => c.starts_with("KUBE-"),
+        None => false,
+    }
+}
+
+/// The real firewalld's `--reload` (iptables backend) deletes kube-proxy's chains
+/// (moby#35043, firewalld#503, rke2#10469 are this with other victims): xtlock names
+/// firewalld as the writer and kube-proxy as the owner, with exactly the chains and rules
+/// `iptables-legacy-save` before and after shows gone, and says how long each was gone
+/// when kube-proxy's next restore puts them back.
+#[test]
+fn firewalld_reload_removes_kube_proxys_chains() {
+    const TEST: &str = "firewalld_reload_removes_kube_proxys_chains";
+    if !require_bpf(TEST) || !FIREWALLD_TOOLS.iter().all(|t| require_tool(TEST, t)) {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("firewalld-clobber");
+    let mut tracer = None;
+    let fwd = Firewalld::start(&s, |lock| {
+        tracer = Some(Tracer::start(
+            &[lock],
+            Duration::from_secs(300),
+            &["--no-drops"],
+        ))
+    });
+    let tracer = tracer.expect("tracer started");
+    let lock_s = fwd.lock.to_str().unwrap().to_owned();
+    let save = || -> String {
+        let out = fwd
+            .sandbox
+            .cmd("iptables-legacy-save")
+            .output()
+            .expect("iptables-legacy-save");
+        assert!(out.status.success(), "iptables-legacy-save: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // kube-proxy (50 services, 2 endpoints each, filter and nat) in firewalld's namespace.
+    let rules = write_file(&s.dir, "rules", &kube_proxy_ruleset(50, 2));
+    let kube_proxy_restore = || {
+        let mut kp = Agent::spawn(
+            Path::new("nsenter"),
+            &[
+                "-t",
+                &fwd.sandbox.child.id().to_string(),
+                "-n",
+                "--",
+                s.agent("kube-proxy").to_str().unwrap(),
+                "run",
+                "iptables-legacy-restore",
+                "-w",
+                "5",
+                "--noflush",
+            ],
+            &[("XTABLES_LOCKFILE", lock_s.as_str())],
+            Some(&rules),
+        );
+        assert_eq!(
+            kp.wait_within(Duration::from_secs(30)),
+            0,
+            "kube-proxy's restore"
+        );
+        // Its tables are read back after the write.
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    kube_proxy_restore();
+    let before = saved(&save());
+    let reload_at = Instant::now();
+    run_ok(
+        &mut fwd.firewall_cmd(&["--reload"]),
+        "firewall-cmd --reload",
+    );
+    std::thread::sleep(Duration::from_millis(800));
+    let after = saved(&save());
+    let gone_for = reload_at.elapsed();
+    kube_proxy_restore();
+    let back = saved(&save());
+    // Before firewalld stops: its clean-up on exit removes kube-proxy's chains once more.
+    tracer.interrupt();
+    let trace = tracer.finish();
+    fwd.stop();
+    let dump = trace.dump();
+
+    // The truth: what of kube-proxy's the reload removed.
+    let chains_gone: BTreeSet<String> = before
+        .0
+        .difference(&after.0)
+        .filter(|c| kube_proxys(c))
+        .cloned()
+        .collect();
+    let rules_gone = before
+        .1
+        .difference(&after.1)
+        .filter(|r| kube_proxys(r))
+        .count() as u64;
+    assert!(
+        chains_gone.len() > 100 && rules_gone > 300,
+        "the reload removed too little to prove anything: {} chains, {rules_gone} rules",
+        chains_gone.len()
+    );
+    assert!(back.0.is_superset(&chains_gone), "kube-proxy put them back");
+    eprintln!(
+        "the reload removed {} chains and {rules_gone} rules of kube-proxy's",
+        chains_gone.len()
+    );
+
+    // xtlock: firewalld's writes, kube-proxy's chains and rules, per table.
+    let changes = trace.of_type("rule_change");
+    assert!(
+        changes.iter().all(|c| c["ambiguous"] == false),
+        "the steps were apart: no read may mix two writers\n{dump}"
+    );
+    let mut said_chains = BTreeSet::new();
+    let mut said_rules = 0;
+    for c in changes.iter().filter(|c| c["agent"] == "firewalld") {
+        for f in c["foreign"].as_array().into_iter().flatten() {
+            if f["owner"] != "kube-proxy" {
+                continue;
+            }
+            for n in f["chains_deleted"].as_array().into_iter().flatten() {
+                let n = format!("{} {}", c["table"].as_str().unwrap(), n.as_str().unwrap());
+                assert!(said_chains.insert(n.clone()), "{n} deleted twice\n{dump}");
+            }
+            said_rules += f["rules_removed"].as_u64().unwrap();
+        }
+    }
+    assert_eq!(
+        said_chains, chains_gone,
+        "chains deleted vs iptables-legacy-save\n{dump}"
+    );
+    assert_eq!(
+        said_rules, rules_gone,
+        "rules removed vs iptables-legacy-save\n{dump}"
+    );
+    // Nobody else is said to have changed kube-proxy's rules.
+    for c in &changes {
+        for f in c["foreign"].as_array().into_iter().flatten() {
+            if f["owner"] == "kube-proxy" {
+                assert_eq!(c["agent"], "firewalld", "{c}");
+            }
+        }
+    }
+    // kube-proxy's next restore put every chain back: said once each, gone about as long
+    // as the test saw it gone (the reads come within a second of each write).
+    let (mut back_said, mut said) = (BTreeSet::new(), 0);
+    for (c, r) in changes
+        .iter()
+        .filter(|c| c["agent"] == "kube-proxy")
+        .flat_map(|c| {
+            c["restored"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(move |r| (c, r))
+        })
+    {
+        assert_eq!(r["removed_by"], "firewalld", "{r}");
+        let gone = Duration::from_nanos(r["gone_ns"].as_u64().unwrap());
+        assert!(
+            gone >= gone_for.saturating_sub(Duration::from_millis(1500))
+                && gone <= gone_for + Duration::from_secs(3),
+            "{r}: the test saw them gone for {gone_for:?}"
+        );
+        back_said.insert(format!(
+            "{} {}",
+            c["table"].as_str().unwrap(),
+            r["chain"].as_str().unwrap()
+        ));
+        said += 1;
+    }
+    assert_eq!(said, back_said.len(), "a chain put back said twice\n{dump}");
+    assert_eq!(back_said, chains_gone, "chains put back\n{dump}");
+    // The summary's ranking of foreign changes names the pair.
+    assert!(
+        trace.summary()["foreign_changes"]
+            .as_array()
+            .is_some_and(|f| f
+                .iter()
+                .any(|r| r[0] == "firewalld" && r[1] == "kube-proxy")),
+        "{}",
+        trace.summary()
     );
 }
