@@ -24,6 +24,9 @@ const ICMP_PORT: u16 = 8080;
 const RST_PORT: u16 = 8081;
 /// No rule, no listener: the stack answers with a reset.
 const CLOSED_PORT: u16 = 8082;
+/// The REJECT rules' comments, as kube-proxy writes them.
+const ICMP_RULE: &str = "default/web:http has no endpoints";
+const RST_RULE: &str = "default/api:grpc has no endpoints";
 
 fn u(v: &Value) -> u64 {
     v.as_u64()
@@ -115,14 +118,18 @@ fn icmp_limits_off(ns: &str) -> Vec<Sysctl> {
         .collect()
 }
 
-/// Sum of the groups of `holds` matching kind, destination and netns.
-fn in_hold(holds: &[&Value], kind: &str, dest: &str, netns: u64) -> u64 {
-    holds
+/// Sum of the groups of `holds` matching kind, destination and netns, and the rules they
+/// name.
+fn in_hold(holds: &[&Value], kind: &str, dest: &str, netns: u64) -> (u64, Vec<Value>) {
+    let groups: Vec<Value> = holds
         .iter()
         .flat_map(|h| h["groups"].as_array().cloned().unwrap_or_default())
         .filter(|g| g["kind"] == kind && g["dest"] == dest && u(&g["netns"]) == netns)
-        .map(|g| u(&g["count"]))
-        .sum()
+        .collect();
+    (
+        groups.iter().map(|g| u(&g["count"])).sum(),
+        groups.iter().map(|g| g["rule"].clone()).collect(),
+    )
 }
 
 /// Sums of `refusal_count` facts matching kind and destination: (inside kube-proxy's hold,
@@ -170,9 +177,12 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
     // keeps it (per netns on recent kernels, the host's before).
     NetnsPair::exec(&ns.b, "sysctl", &["-qw", "net.ipv4.icmp_ratelimit=0"]);
     let _global = icmp_limits_off(&ns.b);
-    for (port, with) in [
-        (ICMP_PORT, "icmp-port-unreachable"),
-        (RST_PORT, "tcp-reset"),
+    // kube-proxy's rules for Services without endpoints, with its comments: the refusals
+    // must name them.
+    let dst = format!("{}/32", ns.addr_b);
+    for (port, with, comment) in [
+        (ICMP_PORT, "icmp-port-unreachable", ICMP_RULE),
+        (RST_PORT, "tcp-reset", RST_RULE),
     ] {
         NetnsPair::exec(
             &ns.b,
@@ -181,7 +191,15 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
                 "-w",
                 "-A",
                 "INPUT",
+                "-d",
+                &dst,
                 "-p",
+                "tcp",
+                "-m",
+                "comment",
+                "--comment",
+                comment,
+                "-m",
                 "tcp",
                 "--dport",
                 &port.to_string(),
@@ -240,8 +258,15 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
         .filter(|h| h["agent"] == "kube-proxy" && h["lock"] == lock_s)
         .collect();
     assert_eq!(mine.len(), 1, "one hold with refusals\n{}", trace.dump());
-    let check = |kind: &str, port: u16, netns: u64, want: u64| {
-        let got = in_hold(&mine, kind, &dest(port), netns);
+    let check = |kind: &str, port: u16, netns: u64, want: u64, rule: Option<&str>| {
+        let (got, rules) = in_hold(&mine, kind, &dest(port), netns);
+        assert_eq!(
+            rules,
+            [rule.map_or(Value::Null, Value::from)],
+            "{kind} to {}: one group, naming the rule behind it\n{}",
+            dest(port),
+            trace.dump()
+        );
         assert_eq!(
             got,
             want,
@@ -264,7 +289,13 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
         assert_eq!((outside, other), (early, 0), "{kind} to {}", dest(port));
     };
     if have[0] {
-        check("icmp_unreachable", ICMP_PORT, nb, icmp.refused);
+        check(
+            "icmp_unreachable",
+            ICMP_PORT,
+            nb,
+            icmp.refused,
+            Some(ICMP_RULE),
+        );
         let g = mine[0]["groups"]
             .as_array()
             .unwrap()
@@ -284,7 +315,7 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
     }
     if have[1] && stack_resets_traced() {
         // The stack's reset for the closed port, with its reason.
-        check("reset_sent", CLOSED_PORT, nb, closed.refused);
+        check("reset_sent", CLOSED_PORT, nb, closed.refused, None);
     } else if have[1] {
         skip_on_this_kernel(
             TEST,
@@ -295,8 +326,8 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
     if have[2] {
         // Netfilter's tcp-reset is sent without a tracepoint: the client's socket on this
         // node received it. The closed port's reset too.
-        check("reset_received", RST_PORT, na, rst.refused);
-        check("reset_received", CLOSED_PORT, na, closed.refused);
+        check("reset_received", RST_PORT, na, rst.refused, Some(RST_RULE));
+        check("reset_received", CLOSED_PORT, na, closed.refused, None);
     }
     // The ended hold's counters were read, then removed from the kernel's map without a
     // word (a long-running daemon would fill it otherwise).

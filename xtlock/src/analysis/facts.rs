@@ -888,6 +888,10 @@ pub struct RefusalCountFact {
     /// The hold in progress when they happened, counted in the kernel: exact.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hold: Option<HoldRef>,
+    /// The REJECT rule that refused them, from the rule reads: its comment (kube-proxy's
+    /// `default/web:http has no endpoints`) or `CHAIN: rule`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
 /// Refusals of one kind to one destination inside a hold.
@@ -898,6 +902,9 @@ pub struct RefusalGroup {
     pub dest: String,
     pub netns: u32,
     pub count: u64,
+    /// The REJECT rule behind them, when the rule reads know it (see [`RefusalCountFact`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
 }
 
 /// The refusals that happened while one hold lasted: `{"type":"hold_refusals",...}`.

@@ -159,8 +159,13 @@ impl Analyzer {
             }
             Event::RefusalCounts(c) => {
                 let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
-                self.refusals
-                    .on_counts(c, &holds, &mut counted(&mut self.stats, out));
+                let rules = &self.rules;
+                self.refusals.on_counts(
+                    c,
+                    &holds,
+                    &|rc| refusals::rule_for(rules, rc),
+                    &mut counted(&mut self.stats, out),
+                );
                 return;
             }
             Event::DropSetup {
@@ -281,8 +286,12 @@ impl Analyzer {
         };
         self.locks.finish(ts_ns, &mut cx, &mut emit);
         self.drops.finish(ts_ns, &mut counted(&mut self.stats, out));
-        self.refusals
-            .finish(ts_ns, &mut counted(&mut self.stats, out));
+        let rules = &self.rules;
+        self.refusals.finish(
+            ts_ns,
+            &|rc| refusals::rule_for(rules, rc),
+            &mut counted(&mut self.stats, out),
+        );
         let mut out = counted(&mut self.stats, out);
         self.ipvs.finish(&mut |f| out(Output::Ipvs(f)));
     }

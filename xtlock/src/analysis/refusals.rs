@@ -55,6 +55,9 @@ type GroupKey = (RefusalKind, String, String, u32);
 struct Tally {
     hold: HoldRef,
     groups: BTreeMap<GroupKey, u64>,
+    /// A count of each group, to name the rule behind it when the hold is reported (the
+    /// first counts of a namespace may come before its table was read).
+    first: BTreeMap<GroupKey, RefusalCount>,
 }
 
 #[derive(Debug, Default)]
@@ -96,6 +99,20 @@ fn dest_text(addr: Option<IpAddr>, port: u16) -> String {
         Some(a) => format!("{a}:{port}"),
         None => String::new(),
     }
+}
+
+/// The REJECT rule behind a count, from the tables the rule reads know: in the refusing
+/// namespace for what the node sent; for a reset a client received, wherever one rule alone
+/// matches (the rejecting namespace is the peer's, not the client's).
+pub fn rule_for(rules: &super::rules::RuleTracker, rc: &RefusalCount) -> Option<String> {
+    use super::rules::rejects::Answer;
+    let (netns, answer) = match rc.kind {
+        REFUSAL_ICMP_UNREACH => (Some(rc.netns), Answer::Icmp),
+        REFUSAL_RST_SENT => (Some(rc.netns), Answer::Reset),
+        REFUSAL_RST_RECEIVED => (None, Answer::Reset),
+        _ => return None,
+    };
+    rules.rejecting_rule(netns, rc.addr?, rc.port, answer)
 }
 
 impl RefusalTracker {
@@ -153,13 +170,21 @@ impl RefusalTracker {
 
     /// The counts of one read: a fact per count, tallies per hold, and the holds whose end
     /// these counts cover. `open` are the holds that overlapped the interval.
-    pub fn on_counts(&mut self, c: &RefusalCounts, open: &[HoldRef], out: &mut impl FnMut(Output)) {
+    /// `rule_of` names the rule behind a count, when the rule reads know it.
+    pub fn on_counts(
+        &mut self,
+        c: &RefusalCounts,
+        open: &[HoldRef],
+        rule_of: &dyn Fn(&RefusalCount) -> Option<String>,
+        out: &mut impl FnMut(Output),
+    ) {
         self.reset_reasons.extend(c.reset_reasons.iter().cloned());
         let start = c.ts_ns.saturating_sub(c.interval_ns);
         for rc in &c.counts {
-            let Some(f) = self.fact(rc, start, c.interval_ns, open) else {
+            let Some(mut f) = self.fact(rc, start, c.interval_ns, open) else {
                 continue;
             };
+            f.rule = rule_of(rc);
             self.stats.total += f.count;
             let kind = if f.detail.is_empty() {
                 f.kind.as_str().to_string()
@@ -175,6 +200,7 @@ impl RefusalTracker {
                     h,
                     (f.kind, f.detail.clone(), f.dest.clone(), f.netns),
                     f.count,
+                    rc,
                 );
             }
             out(Output::RefusalCount(f));
@@ -192,7 +218,7 @@ impl RefusalTracker {
             });
         self.tallies = keep;
         for t in done {
-            self.report(t, out);
+            self.report(t, rule_of, out);
         }
     }
 
@@ -213,10 +239,11 @@ impl RefusalTracker {
             dest: dest_text(rc.addr, rc.port),
             count: rc.count,
             hold: self.hold(rc.hold_start_ns, open),
+            rule: None,
         })
     }
 
-    fn tally(&mut self, h: &HoldRef, key: GroupKey, n: u64) {
+    fn tally(&mut self, h: &HoldRef, key: GroupKey, n: u64, rc: &RefusalCount) {
         let i = match self
             .tallies
             .iter()
@@ -227,6 +254,7 @@ impl RefusalTracker {
                 self.tallies.push(Tally {
                     hold: h.clone(),
                     groups: BTreeMap::new(),
+                    first: BTreeMap::new(),
                 });
                 self.tallies.len() - 1
             }
@@ -236,19 +264,30 @@ impl RefusalTracker {
         if t.hold.hold_ns.is_none() {
             t.hold.hold_ns = h.hold_ns;
         }
+        t.first.entry(key.clone()).or_insert(*rc);
         *t.groups.entry(key).or_default() += n;
     }
 
-    fn report(&mut self, t: Tally, out: &mut impl FnMut(Output)) {
+    fn report(
+        &mut self,
+        t: Tally,
+        rule_of: &dyn Fn(&RefusalCount) -> Option<String>,
+        out: &mut impl FnMut(Output),
+    ) {
         let mut groups: Vec<RefusalGroup> = t
             .groups
             .into_iter()
-            .map(|((kind, detail, dest, netns), count)| RefusalGroup {
-                kind,
-                detail,
-                dest,
-                netns,
-                count,
+            .map(|(key, count)| {
+                let rule = t.first.get(&key).and_then(rule_of);
+                let (kind, detail, dest, netns) = key;
+                RefusalGroup {
+                    kind,
+                    detail,
+                    dest,
+                    netns,
+                    count,
+                    rule,
+                }
             })
             .collect();
         groups.sort_by_key(|g| std::cmp::Reverse(g.count));
@@ -273,12 +312,17 @@ impl RefusalTracker {
     }
 
     /// End of the stream: holds not reported yet.
-    pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+    pub fn finish(
+        &mut self,
+        ts_ns: u64,
+        rule_of: &dyn Fn(&RefusalCount) -> Option<String>,
+        out: &mut impl FnMut(Output),
+    ) {
         for mut t in std::mem::take(&mut self.tallies) {
             if t.hold.hold_ns.is_none() {
                 t.hold.hold_ns = Some(ts_ns.saturating_sub(t.hold.start_ns));
             }
-            self.report(t, out);
+            self.report(t, rule_of, out);
         }
     }
 
@@ -333,7 +377,7 @@ mod tests {
             overflow: 0,
             reset_reasons: vec![(1, "NO_SOCKET".into())],
         };
-        t.on_counts(&c, &open, &mut |o| got.push(o));
+        t.on_counts(&c, &open, &|_| None, &mut |o| got.push(o));
         assert_eq!(got.len(), 3);
         assert!(!got.iter().any(|o| matches!(o, Output::HoldRefusals(_))));
         let Output::RefusalCount(f) = &got[2] else {
@@ -353,7 +397,7 @@ mod tests {
             overflow: 0,
             reset_reasons: vec![],
         };
-        t.on_counts(&c, &[], &mut |o| got.push(o));
+        t.on_counts(&c, &[], &|_| None, &mut |o| got.push(o));
         let Some(Output::HoldRefusals(r)) = got.last() else {
             panic!("{got:?}");
         };

@@ -104,6 +104,9 @@ impl LiveSource {
         };
         events.extend(self.ipvs.poll(&self.probes, now));
         events.extend(self.refusals.poll(&mut self.probes, now));
+        if let Some(r) = self.tap.rules.as_mut() {
+            events.iter().for_each(|ev| r.on_refusals(ev));
+        }
         if let Some(pods) = self.tap.pods.as_mut() {
             let mut named = Vec::new();
             pods.tick(now, &mut named);

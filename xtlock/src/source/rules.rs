@@ -32,11 +32,16 @@ struct Request {
     netns: u32,
     table: String,
     pid: u32,
+    /// Only if this table was never read: a read to name the rules behind refusals, not
+    /// after a write.
+    if_unread: bool,
 }
 
 /// The worker's handle: requests in, tables out.
 pub struct RuleReader {
     tx: Option<mpsc::Sender<Request>>,
+    /// Namespaces whose filter table was asked for because of refusals.
+    asked: HashSet<u32>,
     rx: mpsc::Receiver<Event>,
     worker: Option<std::thread::JoinHandle<()>>,
 }
@@ -50,6 +55,7 @@ impl RuleReader {
             .spawn(move || Worker::default().run(&req_rx, &ev_tx))?;
         Ok(Self {
             tx: Some(tx),
+            asked: HashSet::new(),
             rx,
             worker: Some(worker),
         })
@@ -70,6 +76,27 @@ impl RuleReader {
                 netns: t.netns,
                 table,
                 pid: t.tgid,
+                if_unread: false,
+            });
+        }
+    }
+
+    /// Refusal counts: the IPv4 filter table of each namespace that refused connections is
+    /// read once, if no write to it was read yet, so the refusals can name the REJECT rule
+    /// behind them (kube-proxy's "has no endpoints" rules are older than most traces).
+    pub fn on_refusals(&mut self, ev: &Event) {
+        let Event::RefusalCounts(c) = ev else { return };
+        let Some(tx) = &self.tx else { return };
+        for rc in &c.counts {
+            // Bounded: a node has as many namespaces as pods.
+            if rc.netns == 0 || self.asked.len() >= 4096 || !self.asked.insert(rc.netns) {
+                continue;
+            }
+            let _ = tx.send(Request {
+                netns: rc.netns,
+                table: "filter".into(),
+                pid: 0,
+                if_unread: true,
             });
         }
     }
@@ -143,6 +170,9 @@ impl Worker {
 
     fn read(&mut self, r: &Request) -> Option<RuleTable> {
         let key = (r.netns, r.table.clone());
+        if r.if_unread && (self.last.contains_key(&key) || self.said.contains(&key)) {
+            return None;
+        }
         let mut t = RuleTable {
             ts_ns: 0,
             netns: r.netns,

@@ -14,6 +14,7 @@
 
 mod diff;
 pub mod owners;
+pub mod rejects;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -396,6 +397,41 @@ impl RuleTracker {
         if !d.is_empty() {
             out(Output::RuleChange(f));
         }
+    }
+
+    /// The REJECT rule that turns away TCP connections to `addr:port`, named by its comment
+    /// (kube-proxy's "ns/svc:port has no endpoints") else by its text: in `netns`'s IPv4
+    /// filter table as last read, or, for a reset a client received (`netns` `None`: the
+    /// rejecting node's namespace is not the client's), in any read filter table where one
+    /// rule alone matches.
+    pub fn rejecting_rule(
+        &self,
+        netns: Option<u32>,
+        addr: std::net::IpAddr,
+        port: u16,
+        answer: rejects::Answer,
+    ) -> Option<String> {
+        let std::net::IpAddr::V4(addr) = addr else {
+            return None;
+        };
+        let mut found: Vec<String> = Vec::new();
+        for ((ns, family, table), model) in &self.tables {
+            if family != "ip" || table != "filter" || netns.is_some_and(|n| n != *ns) {
+                continue;
+            }
+            for (chain, c) in &model.chains {
+                for r in &c.rules {
+                    if rejects::rejects(r, addr, port, answer) {
+                        let n = rejects::name(chain, r);
+                        if !found.contains(&n) {
+                            found.push(n);
+                        }
+                    }
+                }
+            }
+        }
+        // Several candidates: not said, rather than guessed.
+        (found.len() == 1).then(|| found.remove(0))
     }
 
     /// Foreign changes per (writer, owner): how many chains and rules.

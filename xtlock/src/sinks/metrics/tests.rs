@@ -296,6 +296,7 @@ fn refusals_are_counted_by_kind_and_holding_agent() {
             dest: dest.into(),
             count: n,
             hold: None,
+            rule: None,
         })
     };
     for o in [
@@ -326,6 +327,7 @@ fn refusals_are_counted_by_kind_and_holding_agent() {
                 dest: "10.96.0.15:80".into(),
                 netns: 7,
                 count: 37,
+                rule: None,
             }],
         }),
     ] {

@@ -421,8 +421,23 @@ pub(crate) fn conntrack_text(c: &ConntrackFact) -> String {
     s
 }
 
-/// "37 connections to 10.96.0.15:80 refused (ICMP port unreachable)".
-pub(crate) fn refusal_group_text(kind: RefusalKind, detail: &str, dest: &str, n: u64) -> String {
+/// "37 connections to 10.96.0.15:80 refused (ICMP port unreachable) by rule "default/web:http
+/// has no endpoints"": the rule when the rule reads know it.
+pub(crate) fn refusal_group_text(
+    kind: RefusalKind,
+    detail: &str,
+    dest: &str,
+    n: u64,
+    rule: Option<&str>,
+) -> String {
+    let mut s = refusal_what(kind, detail, dest, n);
+    if let Some(r) = rule {
+        s.push_str(&format!(" by rule \"{r}\""));
+    }
+    s
+}
+
+fn refusal_what(kind: RefusalKind, detail: &str, dest: &str, n: u64) -> String {
     let conns = format!(
         "{} connection{}",
         thousands(n),
@@ -456,7 +471,7 @@ pub(crate) fn refusal_group_text(kind: RefusalKind, detail: &str, dest: &str, n:
 pub(crate) fn refusal_count_text(f: &RefusalCountFact) -> String {
     let mut s = format!(
         "{} in {}, netns {}",
-        refusal_group_text(f.kind, &f.detail, &f.dest, f.count),
+        refusal_group_text(f.kind, &f.detail, &f.dest, f.count, f.rule.as_deref()),
         human_ns(f.interval_ns),
         f.netns
     );
@@ -473,7 +488,7 @@ pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
         .groups
         .iter()
         .take(3)
-        .map(|g| refusal_group_text(g.kind, &g.detail, &g.dest, g.count))
+        .map(|g| refusal_group_text(g.kind, &g.detail, &g.dest, g.count, g.rule.as_deref()))
         .collect();
     if h.groups.len() > 3 {
         let rest: u64 = h.groups.iter().skip(3).map(|g| g.count).sum();

@@ -378,6 +378,7 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
         dest: dest.into(),
         netns: 1,
         count,
+        rule: None,
     };
     let f = |agent: &str| {
         Output::HoldRefusals(HoldRefusalsFact {
@@ -389,12 +390,15 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
             hold_ns: 2_100_000_000,
             refused: 57,
             groups: vec![
-                group(
-                    RefusalKind::IcmpUnreachable,
-                    "port unreachable",
-                    "10.96.0.15:80",
-                    37,
-                ),
+                RefusalGroup {
+                    rule: Some("default/web:http has no endpoints".into()),
+                    ..group(
+                        RefusalKind::IcmpUnreachable,
+                        "port unreachable",
+                        "10.96.0.15:80",
+                        37,
+                    )
+                },
                 group(RefusalKind::ResetSent, "NO_SOCKET", "10.0.0.2:9", 19),
                 group(RefusalKind::ResetReceived, "", "10.0.0.3:443", 1),
             ],
@@ -407,7 +411,8 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
     let text = render(&[f("kube-proxy")], opts());
     assert!(
         text.contains(
-            "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable), 19 connections \
+            "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable) by rule \
+             \"default/web:http has no endpoints\", 19 connections \
              to 10.0.0.2:9 refused (TCP reset, NO_SOCKET), 1 TCP reset received from \
              10.0.0.3:443 during kube-proxy's 2.10 s hold"
         ),
