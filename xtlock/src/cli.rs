@@ -238,6 +238,12 @@ pub struct LockArgs {
     /// `/host`) from a container that shares the host's PID namespace.
     #[arg(long = "host-root", value_name = "DIR")]
     pub host_root: Option<PathBuf>,
+    /// Do not read iptables tables back after writes: rule writes and backends are still
+    /// counted, but what each write changed (chain diffs, foreign changes, stripped
+    /// matches) is not said. Each read costs about what an `iptables-save` of the table
+    /// does (docs/performance.md).
+    #[arg(long = "no-rule-reads")]
+    pub no_rule_reads: bool,
 }
 
 impl LockArgs {

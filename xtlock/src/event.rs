@@ -833,6 +833,87 @@ pub struct RuleTable {
     /// Empty when read whole; else why it was not (`too large`, an error), with no chains.
     pub skipped: String,
     pub chains: Vec<ChainState>,
+    /// More parts of this read follow: a read too large for one capture record is sent in
+    /// parts of at most [`RULE_TABLE_PART_BYTES`], in chain order (a long chain's rules
+    /// continue in the next part under the same name). The last part has `more` false.
+    pub more: bool,
+}
+
+/// Rule text per part of a [`RuleTable`] (the capture's records are at most 1 MiB).
+pub const RULE_TABLE_PART_BYTES: usize = 512 * 1024;
+
+impl RuleTable {
+    /// Splits this read into parts of about [`RULE_TABLE_PART_BYTES`] of rule text each.
+    pub fn into_parts(mut self) -> Vec<RuleTable> {
+        let size = |r: &Rule| r.0.iter().map(|p| p.len() + 2).sum::<usize>() + 2;
+        let total: usize = self
+            .chains
+            .iter()
+            .map(|c| c.name.len() + 32 + c.rules.iter().flatten().map(size).sum::<usize>())
+            .sum();
+        if total <= RULE_TABLE_PART_BYTES {
+            return vec![self];
+        }
+        let chains = std::mem::take(&mut self.chains);
+        let mut parts = vec![RuleTable {
+            more: true,
+            ..self.clone()
+        }];
+        let mut used = 0;
+        for mut c in chains {
+            used += c.name.len() + 32;
+            let Some(rules) = c.rules.take() else {
+                if let Some(p) = parts.last_mut() {
+                    p.chains.push(c);
+                }
+                continue;
+            };
+            // `c` is the chain's head (name, policy, digest); its rules go in pieces.
+            let fresh = || ChainState {
+                rules: Some(Vec::new()),
+                ..c.clone()
+            };
+            let mut piece = fresh();
+            for r in rules {
+                if used >= RULE_TABLE_PART_BYTES {
+                    if let Some(p) = parts.last_mut() {
+                        p.chains.push(std::mem::replace(&mut piece, fresh()));
+                    }
+                    parts.push(RuleTable {
+                        more: true,
+                        ..self.clone()
+                    });
+                    used = 0;
+                }
+                used += size(&r);
+                if let Some(v) = piece.rules.as_mut() {
+                    v.push(r);
+                }
+            }
+            if let Some(p) = parts.last_mut() {
+                p.chains.push(piece);
+            }
+        }
+        if let Some(p) = parts.last_mut() {
+            p.more = false;
+        }
+        parts
+    }
+
+    /// Appends the next part of the same read (see [`RuleTable::more`]).
+    pub fn append(&mut self, next: RuleTable) {
+        for c in next.chains {
+            match self.chains.last_mut() {
+                Some(last) if last.name == c.name => {
+                    if let (Some(a), Some(b)) = (last.rules.as_mut(), c.rules) {
+                        a.extend(b);
+                    }
+                }
+                _ => self.chains.push(c),
+            }
+        }
+        self.more = next.more;
+    }
 }
 
 /// Everything the analysis consumes.
@@ -919,5 +1000,79 @@ impl Event {
             Event::RuleTable(t) => t.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
+    }
+}
+
+#[cfg(test)]
+mod rule_table_parts {
+    use super::*;
+
+    fn table(chains: usize, rules: usize, width: usize) -> RuleTable {
+        RuleTable {
+            ts_ns: 5,
+            netns: 1,
+            family: "ip".into(),
+            table: "nat".into(),
+            after_pid: 2,
+            skipped: String::new(),
+            chains: (0..chains)
+                .map(|c| {
+                    let rules: Vec<Rule> = (0..rules)
+                        .map(|r| {
+                            Rule(vec![
+                                format!("-d {c}.{r} {}", "x".repeat(width)),
+                                "-j ACCEPT".into(),
+                            ])
+                        })
+                        .collect();
+                    ChainState {
+                        name: format!("C{c}"),
+                        policy: None,
+                        digest: digest_rules(&rules),
+                        rules: (c % 3 != 0).then_some(rules),
+                    }
+                })
+                .collect(),
+            more: false,
+        }
+    }
+
+    #[test]
+    fn a_large_read_splits_into_parts_that_add_up_to_it() {
+        // A small read stays whole.
+        let small = table(3, 10, 10);
+        assert_eq!(small.clone().into_parts(), vec![small]);
+        // 40 chains of 2,000 rules of ~120 bytes, one chain longer than a part.
+        let mut big = table(40, 2_000, 100);
+        big.chains[1]
+            .rules
+            .as_mut()
+            .unwrap()
+            .extend((0..6_000).map(|r| {
+                Rule(vec![
+                    format!("-s {r} {}", "y".repeat(100)),
+                    "-j DROP".into(),
+                ])
+            }));
+        let parts = big.clone().into_parts();
+        assert!(parts.len() > 10, "{} parts", parts.len());
+        for (i, p) in parts.iter().enumerate() {
+            assert_eq!(p.more, i + 1 < parts.len());
+            let bytes: usize = p
+                .chains
+                .iter()
+                .flat_map(|c| c.rules.iter().flatten())
+                .map(|r| r.0.iter().map(String::len).sum::<usize>())
+                .sum();
+            assert!(
+                bytes <= RULE_TABLE_PART_BYTES + 300,
+                "part {i}: {bytes} bytes"
+            );
+        }
+        let mut whole = parts[0].clone();
+        for p in parts.into_iter().skip(1) {
+            whole.append(p);
+        }
+        assert_eq!(whole, big);
     }
 }

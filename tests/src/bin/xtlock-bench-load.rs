@@ -12,6 +12,9 @@
 //!   udp DST_IP PORT [--size B] [--batch N]
 //!                             UDP datagrams of B bytes to DST_IP:PORT with sendmmsg(),
 //!                             N per call; `cycles` counts datagrams the kernel accepted
+//!   ruleset SERVICES ENDPOINTS
+//!                             print kube-proxy's tables for that many Services (the tests'
+//!                             `kube_proxy_ruleset`), for `iptables-restore`; no JSON
 //!
 //! Options for all: `--secs S` (default 1) or `--cycles N`, `--ready`: print `ready` and
 //! wait for a line on stdin before starting (so several generators start together).
@@ -179,7 +182,7 @@ fn udp(o: &Opts, dst: &str, port: &str) -> Result<()> {
 fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((cmd, rest)) = args.split_first() else {
-        bail!("usage: xtlock-bench-load flock PATH | getppid | exec [PROG] | udp DST PORT  [--secs S | --cycles N] [--rate R] [--ready]");
+        bail!("usage: xtlock-bench-load flock PATH | getppid | exec [PROG] | udp DST PORT | ruleset SERVICES ENDPOINTS  [--secs S | --cycles N] [--rate R] [--ready]");
     };
     let o = parse(rest)?;
     match (cmd.as_str(), o.pos.as_slice()) {
@@ -216,6 +219,11 @@ fn run() -> Result<()> {
             })
         }
         ("udp", [dst, port]) => udp(&o, dst, port),
+        ("ruleset", [services, endpoints]) => {
+            let text = xtlock_tests::kube_proxy_ruleset(services.parse()?, endpoints.parse()?);
+            std::io::stdout().write_all(text.as_bytes())?;
+            Ok(())
+        }
         _ => bail!("unknown command or wrong arguments: {args:?}"),
     }
 }

@@ -9,6 +9,8 @@
 //! 4 `collector`: decode + analysis of a generated 10M-event capture: events/s per core, RSS.
 //! 5 `ring`: lock storm with a 1 MiB ring buffer: delivered rate before loss, loss reporting.
 //! 6 `capture`: bytes per event on disk (reported with `collector`).
+//! 7 `rules`: reading a ~30,000-rule table back after each write: the writer's time and
+//!     xtlock's CPU per write, with and without the reads, beside `iptables-save`.
 //!
 //! Every figure is the median of `--reps` runs with its spread ((max - min) / median), because
 //! the machines this runs on are often shared and noisy; the load average is recorded before
@@ -24,12 +26,13 @@ mod collector;
 mod drops;
 mod lockpath;
 mod ring;
+mod rules;
 mod run;
 mod stats;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Benches to run, comma-separated: lock, drops, collector, ring (default: all). The
+    /// Benches to run, comma-separated: lock, drops, collector, ring, rules (default: all). The
     /// capture-size figures come with `collector`.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
@@ -75,7 +78,7 @@ pub struct Env {
     pub machine: Value,
 }
 
-const ALL: [&str; 4] = ["lock", "drops", "collector", "ring"];
+const ALL: [&str; 5] = ["lock", "drops", "collector", "ring", "rules"];
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let selected: Vec<String> = if args.only.is_empty() {
@@ -85,15 +88,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     for s in &selected {
         if !ALL.contains(&s.as_str()) && s != "capture" {
-            bail!("unknown bench `{s}` (lock, drops, collector, ring)");
+            bail!("unknown bench `{s}` (lock, drops, collector, ring, rules)");
         }
     }
     let needs_root = selected
         .iter()
-        .any(|s| matches!(s.as_str(), "lock" | "drops" | "ring"));
+        .any(|s| matches!(s.as_str(), "lock" | "drops" | "ring" | "rules"));
     if needs_root && !sh::is_root() {
         bail!(
-            "the lock, drops and ring benches load BPF programs: run as root (or --only collector)"
+            "the lock, drops, ring and rules benches load BPF programs: run as root (or --only collector)"
         );
     }
     let root = sh::workspace_root();
@@ -177,6 +180,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 (c, Some(("capture_size", size)))
             }
             "ring" => (ring::run(&env)?, None),
+            "rules" => (rules::run(&env)?, None),
             _ => unreachable!("checked above"),
         };
         let took = t.elapsed().as_secs_f64();

@@ -633,6 +633,8 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
                     }
                 }
             }
+            // Appended: older records end before it (read as the whole table).
+            put_varint(out, u64::from(t.more));
             KIND_RULE_TABLE
         }
         Event::RefusalCounts(c) => {
@@ -854,6 +856,7 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                     rules,
                 });
             }
+            let more = r.remaining() > 0 && r.varint("more")? != 0;
             Event::RuleTable(Box::new(crate::event::RuleTable {
                 ts_ns,
                 netns,
@@ -862,6 +865,7 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 after_pid,
                 skipped,
                 chains,
+                more,
             }))
         }
         KIND_REFUSAL_COUNTS => {

@@ -93,7 +93,9 @@ pub fn begin(
 ) -> anyhow::Result<(Vec<Event>, Vec<Event>)> {
     let keys: Vec<(u32, u64)> = locks.iter().map(|l| (l.dev, l.ino)).collect();
     src.name_pods(&super::host_root(lock_args));
-    src.read_rules();
+    if !lock_args.no_rule_reads {
+        src.read_rules();
+    }
     let mut start = src.seed(&keys);
     let mut drop_setup = Vec::new();
     if !drops.no_drops {

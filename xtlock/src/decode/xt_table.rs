@@ -142,13 +142,11 @@ pub fn parse_table(info: &TableInfo, entries: &[u8]) -> Result<Vec<Chain>, Table
         }
     }
     starts.sort_by_key(|s| s.0);
-    // Jumps name the chain whose range holds their offset.
+    // Jumps name the chain whose range holds their offset. Binary searches: a kube-proxy
+    // table has ~10^4 chains and ~10^4 jumps (linear scans took 2.3 s of CPU a read).
     let chain_at = |offset: usize| -> Option<&str> {
-        starts
-            .iter()
-            .rev()
-            .find(|s| s.0 <= offset)
-            .map(|s| s.1.as_str())
+        let n = starts.partition_point(|s| s.0 <= offset);
+        n.checked_sub(1).map(|i| starts[i].1.as_str())
     };
     let mut chains: Vec<Chain> = Vec::new();
     for (i, (start, name, underflow)) in starts.iter().enumerate() {
@@ -158,10 +156,12 @@ pub fn parse_table(info: &TableInfo, entries: &[u8]) -> Result<Vec<Chain>, Table
             policy: None,
             rules: Vec::new(),
         };
-        let members: Vec<&Entry> = raw
-            .iter()
-            .filter(|e| e.offset >= *start && e.offset < end && e.error.is_none())
-            .collect();
+        // `raw` is in offset order, as the kernel laid it out.
+        let (lo, hi) = (
+            raw.partition_point(|e| e.offset < *start),
+            raw.partition_point(|e| e.offset < end),
+        );
+        let members: Vec<&Entry> = raw[lo..hi].iter().filter(|e| e.error.is_none()).collect();
         for (j, e) in members.iter().enumerate() {
             let last = j + 1 == members.len();
             let mut rule = e.rule.clone();

@@ -19,8 +19,13 @@ use crate::decode::xt_table::{self, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_
 use crate::event::{digest_rules, ChainState, Event, RuleTable, TableReplaceEvent};
 
 /// Tables with more entries than this are not parsed (kube-proxy's largest run to ~100k
-/// entries; reading one costs as much as an `iptables-save` of it).
-pub const MAX_ENTRIES: u32 = 50_000;
+/// entries; a 30,000-rule table is ~56k entries, its read and diff measured by `cargo xtask
+/// bench --only rules`; the analysis keeps each table's rules, ~10 MB for that one).
+pub const MAX_ENTRIES: u32 = 150_000;
+/// A burst of writes is over after this long without one (see `Worker::run`).
+const QUIET: Duration = Duration::from_millis(50);
+/// A burst is read this long after its first write at the latest.
+const MAX_WAIT: Duration = Duration::from_secs(1);
 /// `IPT_SO_GET_INFO`, `IPT_SO_GET_ENTRIES` (`SOL_IP`).
 const IPT_SO_GET_INFO: libc::c_int = 64;
 const IPT_SO_GET_ENTRIES: libc::c_int = 65;
@@ -148,8 +153,18 @@ struct Worker {
 impl Worker {
     fn run(mut self, rx: &mpsc::Receiver<Request>, tx: &mpsc::Sender<Event>) {
         while let Ok(first) = rx.recv() {
-            // Everything queued behind it: one read per table, after the last write.
+            // A burst of writes (a restore per table, firewalld's dozens in a row) is read
+            // once it is over: after QUIET without a write, or MAX_WAIT after its first, so
+            // the reads do not queue on the table's mutex between the writes of a burst.
             let mut batch: Vec<Request> = vec![first];
+            let since = Instant::now();
+            while since.elapsed() < MAX_WAIT {
+                match rx.recv_timeout(QUIET) {
+                    Ok(r) => batch.push(r),
+                    Err(mpsc::RecvTimeoutError::Timeout) => break,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
             batch.extend(rx.try_iter());
             let mut seen = HashSet::new();
             let mut todo: Vec<Request> = Vec::new();
@@ -159,8 +174,9 @@ impl Worker {
                 }
             }
             for r in todo.into_iter().rev() {
-                if let Some(ev) = self.read(&r) {
-                    if tx.send(Event::RuleTable(Box::new(ev))).is_err() {
+                // In parts that fit the capture's records (a large table's first read).
+                for part in self.read(&r).map(RuleTable::into_parts).unwrap_or_default() {
+                    if tx.send(Event::RuleTable(Box::new(part))).is_err() {
                         return;
                     }
                 }
@@ -181,6 +197,7 @@ impl Worker {
             after_pid: r.pid,
             skipped: String::new(),
             chains: Vec::new(),
+            more: false,
         };
         let chains = self.enter(r).and_then(|()| read_table(&r.table));
         t.ts_ns = super::monotonic_ns();

@@ -74,6 +74,8 @@ pub struct RuleTracker {
     mixed: BTreeMap<u32, MixedBackendsFact>,
     /// Each table as last read.
     tables: HashMap<TableKey, TableModel>,
+    /// Reads whose last part has not come yet (see `RuleTable::more`).
+    partial: HashMap<TableKey, RuleTable>,
     /// Legacy writes not yet covered by a read: (time, agent).
     pending: HashMap<TableKey, Vec<(u64, String)>>,
     /// Chains created while watched: their creator.
@@ -100,6 +102,27 @@ impl RuleTracker {
         out: &mut impl FnMut(Output),
     ) {
         if let Event::RuleTable(t) = ev {
+            let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
+            if t.more || self.partial.contains_key(&key) {
+                // A read in parts: diffed once whole.
+                let whole = match self.partial.remove(&key) {
+                    Some(mut p) if p.ts_ns == t.ts_ns => {
+                        p.append((**t).clone());
+                        p
+                    }
+                    // A new read while an older one was incomplete (a capture cut short):
+                    // the older one is dropped.
+                    _ => (**t).clone(),
+                };
+                if whole.more {
+                    if self.partial.len() < MAX_TABLES {
+                        self.partial.insert(key, whole);
+                    }
+                } else {
+                    self.on_table(&whole, procs, attr, out);
+                }
+                return;
+            }
             self.on_table(t, procs, attr, out);
             return;
         }
