@@ -1,6 +1,7 @@
-//! A legacy iptables table as the kernel returns it (`IPT_SO_GET_ENTRIES`), parsed into chains
-//! and rules the way `iptables-save` shows them. The layouts read here are the kernel's
-//! userspace ABI (`linux/netfilter_ipv4/ip_tables.h`, `linux/netfilter/x_tables.h`), frozen
+//! A legacy iptables table as the kernel returns it (`IPT_SO_GET_ENTRIES`, or
+//! `IP6T_SO_GET_ENTRIES` for ip6tables), parsed into chains and rules the way `iptables-save`
+//! shows them. The layouts read here are the kernel's userspace ABI
+//! (`linux/netfilter_ipv4/ip_tables.h`, `netfilter_ipv6/ip6_tables.h`, `x_tables.h`), frozen
 //! for iptables itself, not kernel-internal structs: they are the same on every kernel and
 //! architecture, so they are not looked up in BTF.
 //!
@@ -10,12 +11,55 @@
 //! enough to tell them apart.
 
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, Ipv6Addr};
 
 pub use crate::event::{ChainState, Rule};
 
 /// `sizeof(struct ipt_entry)`: `ipt_ip` (84), nfcache, offsets, comefrom, counters.
 pub const IPT_ENTRY_LEN: usize = 112;
+/// `sizeof(struct ip6t_entry)`: `ip6t_ip6` (136), nfcache, offsets, comefrom, counters.
+pub const IP6T_ENTRY_LEN: usize = 168;
+
+/// Which table layout: `ipt_entry` (iptables) or `ip6t_entry` (ip6tables). Everything after
+/// the entry's head (matches, targets, verdicts) is the same `x_tables` format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Ipv4,
+    Ipv6,
+}
+
+impl Family {
+    /// `family` of a [`crate::event::RuleTable`]: `ip`, `ip6`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Ipv4 => "ip",
+            Family::Ipv6 => "ip6",
+        }
+    }
+
+    fn entry_len(self) -> usize {
+        match self {
+            Family::Ipv4 => IPT_ENTRY_LEN,
+            Family::Ipv6 => IP6T_ENTRY_LEN,
+        }
+    }
+
+    /// Where `target_offset` is; `next_offset` follows it.
+    fn offsets_at(self) -> usize {
+        match self {
+            Family::Ipv4 => 88,
+            Family::Ipv6 => 140,
+        }
+    }
+
+    /// `IPT_F_GOTO` / `IP6T_F_GOTO` in the entry's flags.
+    fn goto(self, e: &[u8]) -> bool {
+        match self {
+            Family::Ipv4 => e[82] & 0x02 != 0,
+            Family::Ipv6 => e[131] & 0x04 != 0,
+        }
+    }
+}
 /// `sizeof(struct xt_entry_match)` / `xt_entry_target` headers.
 const XT_HEAD_LEN: usize = 32;
 /// `sizeof(struct ipt_getinfo)`.
@@ -105,19 +149,30 @@ struct Entry {
 /// The chains of a table from its entries (`entries`: the bytes after the
 /// `ipt_get_entries` head).
 pub fn parse_table(info: &TableInfo, entries: &[u8]) -> Result<Vec<Chain>, TableError> {
+    parse_table_of(Family::Ipv4, info, entries)
+}
+
+/// [`parse_table`] for either family's layout.
+pub fn parse_table_of(
+    family: Family,
+    info: &TableInfo,
+    entries: &[u8],
+) -> Result<Vec<Chain>, TableError> {
     let mut raw = Vec::new();
     let mut off = 0usize;
-    while off + IPT_ENTRY_LEN <= entries.len() {
+    let head = family.entry_len();
+    while off + head <= entries.len() {
         let bad = |why| TableError::Entry { offset: off, why };
-        let target_off = usize::from(u16_at(entries, off + 88).ok_or(bad("head"))?);
-        let next = usize::from(u16_at(entries, off + 90).ok_or(bad("head"))?);
-        if next < IPT_ENTRY_LEN || target_off < IPT_ENTRY_LEN || target_off > next {
+        let at = off + family.offsets_at();
+        let target_off = usize::from(u16_at(entries, at).ok_or(bad("head"))?);
+        let next = usize::from(u16_at(entries, at + 2).ok_or(bad("head"))?);
+        if next < head || target_off < head || target_off > next {
             return Err(bad("offsets"));
         }
         let e = entries
             .get(off..off + next)
             .ok_or(bad("runs past the end"))?;
-        raw.push(parse_entry(off, e, target_off).ok_or(bad("match or target"))?);
+        raw.push(parse_entry(family, off, e, target_off).ok_or(bad("match or target"))?);
         off += next;
     }
     if raw.is_empty() {
@@ -199,9 +254,12 @@ fn verdict_text(v: i32, chain_at: impl Fn(usize) -> Option<String>) -> String {
     }
 }
 
-fn parse_entry(offset: usize, e: &[u8], target_off: usize) -> Option<Entry> {
-    let mut parts = ip_parts(e);
-    let mut at = IPT_ENTRY_LEN;
+fn parse_entry(family: Family, offset: usize, e: &[u8], target_off: usize) -> Option<Entry> {
+    let mut parts = match family {
+        Family::Ipv4 => ip_parts(e),
+        Family::Ipv6 => ip6_parts(e),
+    };
+    let mut at = family.entry_len();
     while at + XT_HEAD_LEN <= target_off {
         let size = usize::from(u16_at(e, at)?);
         if size < XT_HEAD_LEN || at + size > target_off {
@@ -216,7 +274,7 @@ fn parse_entry(offset: usize, e: &[u8], target_off: usize) -> Option<Entry> {
     let tdata = e.get(target_off + XT_HEAD_LEN..target_off + tsize)?;
     let tname = name_at(e, target_off + 2, 29);
     let (mut error, mut verdict) = (None, None);
-    let goto = e[82] & 0x02 != 0;
+    let goto = family.goto(e);
     match tname.as_str() {
         "" => {
             verdict = Some(i32_at(tdata, 0)?);
@@ -227,6 +285,7 @@ fn parse_entry(offset: usize, e: &[u8], target_off: usize) -> Option<Entry> {
             error = Some(name_at(tdata, 0, 30));
             parts.push("-j ERROR".to_string());
         }
+        "REJECT" if family == Family::Ipv6 => parts.push(reject6_text(tdata)),
         t => parts.push(target_text(t, e[target_off + 31], tdata)),
     }
     Some(Entry {
@@ -277,6 +336,60 @@ fn ip_parts(e: &[u8]) -> Vec<String> {
         p.push(format!("{}-f", not(0x20)));
     }
     p
+}
+
+/// `ip6t_ip6`'s parts: addresses, interfaces, protocol.
+fn ip6_parts(e: &[u8]) -> Vec<String> {
+    let mut p = Vec::new();
+    let (flags, inv) = (e[131], e[132]);
+    let not = |flag: u8| if inv & flag != 0 { "! " } else { "" };
+    for (addr, mask, flag, opt) in [(0, 32, 0x08u8, "-s"), (16, 48, 0x10, "-d")] {
+        let a = Ipv6Addr::from(<[u8; 16]>::try_from(&e[addr..addr + 16]).unwrap_or([0; 16]));
+        let m = u128::from_be_bytes(<[u8; 16]>::try_from(&e[mask..mask + 16]).unwrap_or([0; 16]));
+        if m != 0 {
+            p.push(format!("{}{opt} {a}/{}", not(flag), m.count_ones()));
+        }
+    }
+    for (name, mask, flag, opt) in [(64, 96, 0x01u8, "-i"), (80, 112, 0x02, "-o")] {
+        let n = name_at(e, name, 16);
+        if !n.is_empty() {
+            let plus = e[mask + n.len().min(15)] == 0;
+            p.push(format!(
+                "{}{opt} {n}{}",
+                not(flag),
+                if plus { "+" } else { "" }
+            ));
+        }
+    }
+    // `IP6T_F_PROTO`: the protocol is matched only when this flag says so.
+    let proto = u16_at(e, 128).unwrap_or(0);
+    if flags & 0x01 != 0 {
+        let name = match proto {
+            6 => "tcp".to_string(),
+            17 => "udp".to_string(),
+            58 => "ipv6-icmp".to_string(),
+            132 => "sctp".to_string(),
+            n => n.to_string(),
+        };
+        p.push(format!("{}-p {name}", not(0x40)));
+    }
+    p
+}
+
+/// `ip6t_REJECT`'s answer (its codes differ from IPv4's).
+fn reject6_text(d: &[u8]) -> String {
+    let with = match u32_at(d, 0) {
+        Some(0) => "icmp6-no-route",
+        Some(1) => "icmp6-adm-prohibited",
+        Some(2) => "icmp6-not-neighbour",
+        Some(3) => "icmp6-addr-unreachable",
+        Some(4) => "icmp6-port-unreachable",
+        Some(6) => "tcp-reset",
+        Some(7) => "icmp6-policy-fail",
+        Some(8) => "icmp6-reject-route",
+        _ => "?",
+    };
+    format!("-j REJECT --reject-with {with}")
 }
 
 /// A short digest of bytes xtlock does not decode: equal bytes, equal text.
