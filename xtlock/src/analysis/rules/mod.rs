@@ -83,9 +83,10 @@ pub struct RuleTracker {
     foreign: BTreeMap<(String, String), u64>,
     /// The binary each recent iptables process runs (from the source's `Proc` info).
     binaries: FastMap<u32, String>,
-    /// Per netns, the time of the last nf_tables read: all its tables are read at once, so
-    /// the writes before it are dropped only when the next read comes.
-    nft_read_ts: FastMap<u32, u64>,
+    /// Per netns, the time of the current nf_tables read (all its tables are read at once,
+    /// so the writes before it are dropped only when the next read comes), and whether one
+    /// came before it (then a table it does not know is new).
+    nft_reads: FastMap<u32, (u64, bool)>,
 }
 
 /// nf_tables writes are pending per network namespace (a commit does not say which
@@ -253,12 +254,20 @@ impl RuleTracker {
         let nft = t.family == NFT_ALL.0 || t.family.starts_with("nft ");
         // The writes this read covers: those before it.
         let mut writers: Vec<String> = Vec::new();
+        let mut read_before = false;
         if nft {
             let pkey = (t.netns, NFT_ALL.0.to_string(), NFT_ALL.1.to_string());
-            let last = self.nft_read_ts.insert(t.netns, t.ts_ns);
+            let last = self.nft_reads.get(&t.netns).copied();
+            let now = match last {
+                None => (t.ts_ns, false),
+                Some((cur, before)) if cur == t.ts_ns => (cur, before),
+                Some(_) => (t.ts_ns, true),
+            };
+            read_before = now.1;
+            self.nft_reads.insert(t.netns, now);
             if let Some(p) = self.pending.get_mut(&pkey) {
                 // A new read: the writes the previous one covered are done with.
-                if let Some(last) = last.filter(|&l| l != t.ts_ns) {
+                if let Some((last, _)) = last.filter(|&(l, _)| l != t.ts_ns) {
                     p.retain(|(ts, _)| *ts > last);
                 }
                 for (ts, a) in p.iter() {
@@ -267,8 +276,8 @@ impl RuleTracker {
                     }
                 }
             }
-            if self.nft_read_ts.len() > MAX_NETNS {
-                self.nft_read_ts.clear();
+            if self.nft_reads.len() > MAX_NETNS {
+                self.nft_reads.clear();
             }
         } else if let Some(p) = self.pending.get_mut(&key) {
             p.retain(|(ts, a)| {
@@ -308,7 +317,7 @@ impl RuleTracker {
             if t.family == NFT_ALL.0 {
                 self.tables
                     .retain(|(n, f, _), _| *n != t.netns || !f.starts_with("nft "));
-                self.nft_read_ts.remove(&t.netns);
+                self.nft_reads.remove(&t.netns);
             }
             let mut f = fact(TableDiff::default());
             f.skipped = Some(t.skipped.clone());
@@ -317,13 +326,7 @@ impl RuleTracker {
         }
         let empty = TableModel::default();
         let mut prev = self.tables.get(&key);
-        if prev.is_none()
-            && nft
-            && self
-                .tables
-                .keys()
-                .any(|(n, f, _)| *n == t.netns && f.starts_with("nft "))
-        {
+        if prev.is_none() && read_before {
             // An nf_tables table new since the namespace's last read: this write made it.
             prev = Some(&empty);
         }
