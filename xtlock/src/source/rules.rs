@@ -33,6 +33,8 @@ pub const MAX_ENTRIES: u32 = 50_000;
 /// A network namespace whose nf_tables tables hold more rules than this, all together, is
 /// not diffed (the same order as [`MAX_ENTRIES`]: a dump of it is ~15 MB of netlink).
 pub const MAX_NFT_RULES: usize = 50_000;
+/// Tables whose chain digests are remembered (legacy and nf_tables, every netns).
+const MAX_TABLES_REMEMBERED: usize = 16_384;
 /// Writers through nf_tables still running, remembered with their network namespace.
 const MAX_NFT_WRITERS: usize = 1024;
 /// How long one nf_tables dump may wait for the kernel's next answer.
@@ -332,6 +334,10 @@ impl Worker {
                             digest,
                             rules: changed.then_some(c.rules),
                         });
+                    }
+                    if self.last.len() >= MAX_TABLES_REMEMBERED {
+                        // Only costs whole chains instead of digests in the next reads.
+                        self.last.clear();
                     }
                     self.last.insert(k, now);
                     out.push(t);
