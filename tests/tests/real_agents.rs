@@ -674,6 +674,12 @@ fn firewalld_reload_removes_kube_proxys_chains() {
     });
     let tracer = tracer.expect("tracer started");
     let lock_s = fwd.lock.to_str().unwrap().to_owned();
+    let sandbox_netns = {
+        use std::os::unix::fs::MetadataExt as _;
+        std::fs::metadata(format!("/proc/{}/ns/net", fwd.sandbox.child.id()))
+            .expect("sandbox netns")
+            .ino()
+    };
     let save = || -> String {
         let out = fwd
             .sandbox
@@ -752,8 +758,13 @@ fn firewalld_reload_removes_kube_proxys_chains() {
         chains_gone.len()
     );
 
-    // xtlock: firewalld's writes, kube-proxy's chains and rules, per table.
-    let changes = trace.of_type("rule_change");
+    // xtlock: firewalld's writes, kube-proxy's chains and rules, per table, in the sandbox's
+    // network namespace (xtlock sees every namespace's writes).
+    let changes: Vec<&Value> = trace
+        .of_type("rule_change")
+        .into_iter()
+        .filter(|c| c["netns"].as_u64() == Some(sandbox_netns))
+        .collect();
     assert!(
         changes.iter().all(|c| c["ambiguous"] == false),
         "the steps were apart: no read may mix two writers\n{dump}"

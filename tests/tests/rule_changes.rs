@@ -4,6 +4,10 @@
 //! (kubernetes#112477: the node then drops everything); firewalld flushes and deletes
 //! kube-proxy's chains; kube-proxy puts one back. `iptables-legacy-save` after each step is
 //! the truth; `trace` says each step, and `report` on its capture says the same.
+//!
+//! The same story through nf_tables: `iptables-nft-restore`, `iptables-nft-save | sed |
+//! iptables-nft-restore`, and firewalld's `nft flush chain` / `nft delete chain`;
+//! `iptables-nft-save` and `nft list ruleset` are the truth.
 
 use std::{path::Path, process::Command, time::Duration};
 
@@ -52,14 +56,24 @@ fn changes(events: &[&Value]) -> Vec<Value> {
         .collect()
 }
 
-/// The facts this scenario must produce, from `trace` or from `report`.
-fn assert_story(changes: &[Value], dump: &str) {
+/// The facts this scenario must produce, from `trace` or from `report`, through either
+/// backend: `table` is how facts name the table (`ip filter`, `nft ip filter`), `lost` the
+/// mark match as the backend's rules show it.
+fn assert_story(changes: &[Value], dump: &str, table: &str, lost: &str) {
     let by = |agent: &str| -> Vec<&Value> {
         changes
             .iter()
             .filter(|c| c["agent"] == agent && c["ambiguous"] == false)
             .collect()
     };
+    assert!(
+        changes.iter().all(|c| format!(
+            "{} {}",
+            c["family"].as_str().unwrap_or(""),
+            c["table"].as_str().unwrap_or("")
+        ) == table),
+        "only {table} changed:\n{dump}"
+    );
     // kube-proxy's own chains: created, nothing foreign.
     let kp = by("kube-proxy");
     assert!(
@@ -70,7 +84,7 @@ fn assert_story(changes: &[Value], dump: &str) {
         "kube-proxy creating its chains:\n{dump}"
     );
     // calico-node stripped the mark match from kube-proxy's rule: a foreign change, and a
-    // DROP that now matches every packet reaching it from INPUT.
+    // DROP that now matches every packet reaching it from INPUT; the comment stayed.
     let cn = by("calico-node");
     let stripped: Vec<&Value> = cn
         .iter()
@@ -80,9 +94,11 @@ fn assert_story(changes: &[Value], dump: &str) {
         .collect();
     assert_eq!(stripped.len(), 1, "calico-node's strip:\n{dump}");
     assert_eq!(stripped[0]["chain"], "KUBE-FIREWALL");
+    assert_eq!(stripped[0]["lost"], serde_json::json!([lost]), "{dump}");
     assert_eq!(
-        stripped[0]["lost"],
-        serde_json::json!(["-m mark --mark 0x8000/0x8000"])
+        stripped[0]["now"],
+        "-m comment --comment \"kubernetes firewall for dropping marked packets\" -j DROP",
+        "{dump}"
     );
     assert!(
         cn.iter()
@@ -118,15 +134,29 @@ fn assert_story(changes: &[Value], dump: &str) {
     assert!(restored[0]["gone_ns"].as_u64().unwrap_or(0) >= 300_000_000);
 }
 
-#[test]
-fn who_changed_whose_rules() {
-    if !require_bpf("who_changed_whose_rules") {
-        return;
-    }
+/// A writer (agent), its script, and the truth to check after it (given the namespace).
+type Step<'a> = (&'a str, &'a str, &'a dyn Fn(&str));
+
+/// One backend's story: each writer's script (`{rules}`: kube-proxy's rules file), and the
+/// truth to check after it in the namespace.
+struct Story<'a> {
+    name: &'a str,
+    subnet: u8,
+    /// How the facts name the table, and the mark match as the backend shows it.
+    table: &'a str,
+    lost: &'a str,
+    /// Appended to each script (see [`who_changed_whose_nf_tables_rules`]).
+    linger: &'a str,
+    steps: Vec<Step<'a>>,
+}
+
+/// Runs `story` under `trace --record`, checks its facts live and replayed from the
+/// capture, and the terminal's words.
+fn run_story(story: Story) {
     let _g = serial();
-    let s = Scratch::new("rule-changes");
+    let s = Scratch::new(story.name);
     let lock = s.lock_file("xtables.lock");
-    let ns = NetnsPair::new("xtlock-rc", 48);
+    let ns = NetnsPair::new(story.name, story.subnet);
     let capture = s.dir.join("rules.xtlock");
     let mut c = Command::new(xtlock_bin());
     c.args(["trace", "--json", "--duration", "9s", "--no-drops"])
@@ -138,55 +168,29 @@ fn who_changed_whose_rules() {
     let tracer = Tracer::spawn(c);
     let rules = s.dir.join("kube-proxy.rules");
     std::fs::write(&rules, KUBE_PROXY_RULES).unwrap();
-    let save = || NetnsPair::exec(&ns.a, "iptables-legacy-save", &["-t", "filter"]);
-    // A first write: the table as it was is the baseline.
-    step(
-        &s,
-        "setup",
-        &ns.a,
-        &lock,
-        "iptables-legacy -w -A OUTPUT -o lo -j ACCEPT",
-    );
-    step(
-        &s,
-        "kube-proxy",
-        &ns.a,
-        &lock,
-        &format!("iptables-legacy-restore -w --noflush < {}", rules.display()),
-    );
-    assert!(save().contains("-m mark --mark 0x8000/0x8000 -j DROP"));
-    step(
-        &s,
-        "calico-node",
-        &ns.a,
-        &lock,
-        "iptables-legacy-save -t filter | sed 's/ -m mark --mark 0x8000\\/0x8000//' | iptables-legacy-restore -w",
-    );
-    let after_strip = save();
-    assert!(
-        after_strip.contains("-A KUBE-FIREWALL -m comment --comment \"kubernetes firewall for dropping marked packets\" -j DROP"),
-        "{after_strip}"
-    );
-    step(
-        &s,
-        "firewalld",
-        &ns.a,
-        &lock,
-        "iptables-legacy -w -F KUBE-SERVICES && iptables-legacy -w -F KUBE-SVC-ABC && iptables-legacy -w -X KUBE-SVC-ABC",
-    );
-    assert!(!save().contains("KUBE-SVC-ABC"));
-    step(
-        &s,
-        "kube-proxy",
-        &ns.a,
-        &lock,
-        "iptables-legacy -w -N KUBE-SVC-ABC",
-    );
-    assert!(save().contains(":KUBE-SVC-ABC"));
+    for (agent, script, truth) in &story.steps {
+        let script = script.replace("{rules}", &rules.display().to_string());
+        step(
+            &s,
+            agent,
+            &ns.a,
+            &lock,
+            &format!("{script}{}", story.linger),
+        );
+        truth(&ns.a);
+    }
     let trace = tracer.finish();
     let dump = trace.dump();
-    let live = changes(&trace.events.iter().collect::<Vec<_>>());
-    assert_story(&live, &dump);
+    // This namespace's: other tests may write rules elsewhere meanwhile.
+    let netns = NetnsPair::inode(&ns.a);
+    let mine = |events: &[Value]| -> Vec<Value> {
+        changes(&events.iter().collect::<Vec<_>>())
+            .into_iter()
+            .filter(|c| c["netns"].as_u64() == Some(netns))
+            .collect()
+    };
+    let live = mine(&trace.events);
+    assert_story(&live, &dump, story.table, story.lost);
     assert!(
         trace.summary()["foreign_changes"]
             .as_array()
@@ -198,8 +202,7 @@ fn who_changed_whose_rules() {
     );
 
     // The capture says the same.
-    let replayed = xtlock_tests::report_events(&capture);
-    let replayed = changes(&replayed.iter().collect::<Vec<_>>());
+    let replayed = mine(&xtlock_tests::report_events(&capture));
     assert_eq!(replayed, live, "report differs from trace");
 
     // And the terminal says it in words.
@@ -209,13 +212,121 @@ fn who_changed_whose_rules() {
         .output()
         .expect("xtlock report");
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(
-        text.contains("!! calico-node changed kube-proxy's rule in KUBE-FIREWALL: lost `-m mark --mark 0x8000/0x8000`"),
-        "{text}"
+    let lost = format!(
+        "!! calico-node changed kube-proxy's rule in KUBE-FIREWALL: lost `{}`",
+        story.lost
     );
-    assert!(
-        text.contains("!! firewalld changed kube-proxy's rules in ip filter"),
-        "{text}"
-    );
+    assert!(text.contains(&lost), "{text}");
+    let foreign = format!("!! firewalld changed kube-proxy's rules in {}", story.table);
+    assert!(text.contains(&foreign), "{text}");
     assert!(text.contains("kube-proxy put back KUBE-SVC-ABC"), "{text}");
+}
+
+fn contains(
+    prog: &'static str,
+    args: &'static [&'static str],
+    want: &'static str,
+    yes: bool,
+) -> impl Fn(&str) {
+    move |ns: &str| {
+        let out = NetnsPair::exec(ns, prog, args);
+        assert_eq!(out.contains(want), yes, "{prog} {args:?}: {want}:\n{out}");
+    }
+}
+
+const STRIPPED: &str = "-A KUBE-FIREWALL -m comment --comment \"kubernetes firewall for dropping marked packets\" -j DROP";
+
+#[test]
+fn who_changed_whose_rules() {
+    if !require_bpf("who_changed_whose_rules") {
+        return;
+    }
+    let save = |want, yes| contains("iptables-legacy-save", &["-t", "filter"], want, yes);
+    let nothing = |_: &str| {};
+    let (marked, stripped, svc_gone, svc_back) = (
+        save("-m mark --mark 0x8000/0x8000 -j DROP", true),
+        save(STRIPPED, true),
+        save("KUBE-SVC-ABC", false),
+        save(":KUBE-SVC-ABC", true),
+    );
+    run_story(Story {
+        name: "xtlock-rc",
+        subnet: 48,
+        table: "ip filter",
+        lost: "-m mark --mark 0x8000/0x8000",
+        linger: "",
+        steps: vec![
+            // A first write: the table as it was is the baseline.
+            ("setup", "iptables-legacy -w -A OUTPUT -o lo -j ACCEPT", &nothing),
+            ("kube-proxy", "iptables-legacy-restore -w --noflush < {rules}", &marked),
+            (
+                "calico-node",
+                "iptables-legacy-save -t filter | sed 's/ -m mark --mark 0x8000\\/0x8000//' | iptables-legacy-restore -w",
+                &stripped,
+            ),
+            (
+                "firewalld",
+                "iptables-legacy -w -F KUBE-SERVICES && iptables-legacy -w -F KUBE-SVC-ABC && iptables-legacy -w -X KUBE-SVC-ABC",
+                &svc_gone,
+            ),
+            ("kube-proxy", "iptables-legacy -w -N KUBE-SVC-ABC", &svc_back),
+        ],
+    });
+}
+
+/// Through nf_tables, read after each writer's exit (on this host the nft_commit hook does
+/// not attach). Each script's shell lives on a moment after, as an agent does: xtlock reads
+/// kernel events up to 50 ms late, when an `iptables-nft` that ran for 2 ms is gone, and
+/// finds its network namespace through its nearest running ancestor.
+#[test]
+fn who_changed_whose_nf_tables_rules() {
+    if !require_bpf("who_changed_whose_nf_tables_rules") {
+        return;
+    }
+    let save = |want, yes| contains("iptables-nft-save", &["-t", "filter"], want, yes);
+    let list = |want, yes| contains("nft", &["list", "ruleset"], want, yes);
+    let nothing = |_: &str| {};
+    let (marked, marked_nft) = (
+        save("-m mark --mark 0x8000/0x8000 -j DROP", true),
+        list("meta mark & 0x00008000 == 0x00008000", true),
+    );
+    let marked = |ns: &str| {
+        marked(ns);
+        marked_nft(ns);
+    };
+    let (stripped, stripped_nft) = (save(STRIPPED, true), list("meta mark", false));
+    let stripped = |ns: &str| {
+        stripped(ns);
+        stripped_nft(ns);
+    };
+    let (svc_gone, svc_gone_nft) = (save("KUBE-SVC-ABC", false), list("KUBE-SVC-ABC", false));
+    let svc_gone = |ns: &str| {
+        svc_gone(ns);
+        svc_gone_nft(ns);
+    };
+    let svc_back = save(":KUBE-SVC-ABC", true);
+    run_story(Story {
+        name: "xtlock-nrc",
+        subnet: 49,
+        table: "nft ip filter",
+        lost: "meta mark & 0x8000 == 0x8000",
+        linger: " && sleep 0.3",
+        steps: vec![
+            // The first write makes the table: what is there after it is the baseline.
+            ("setup", "iptables-nft -A OUTPUT -o lo -j ACCEPT", &nothing),
+            ("kube-proxy", "iptables-nft-restore --noflush < {rules}", &marked),
+            (
+                "calico-node",
+                "iptables-nft-save -t filter | sed 's/ -m mark --mark 0x8000\\/0x8000//' | iptables-nft-restore",
+                &stripped,
+            ),
+            // firewalld's nftables backend speaks nft.
+            (
+                "firewalld",
+                "nft flush chain ip filter KUBE-SERVICES && nft flush chain ip filter KUBE-SVC-ABC && nft delete chain ip filter KUBE-SVC-ABC",
+                &svc_gone,
+            ),
+            ("kube-proxy", "iptables-nft -N KUBE-SVC-ABC", &svc_back),
+        ],
+    });
 }

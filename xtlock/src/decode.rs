@@ -11,6 +11,7 @@ use xtlock_common as common;
 
 use crate::event::shared;
 
+pub mod nft_table;
 pub mod xt_table;
 pub use crate::event::*;
 

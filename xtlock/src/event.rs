@@ -819,13 +819,14 @@ pub struct ChainState {
     pub rules: Option<Vec<Rule>>,
 }
 
-/// Synthetic: a legacy table read from the kernel after a write to it (`source/rules.rs`),
-/// bounded: chains whose rules did not change are sent as digests.
+/// Synthetic: a legacy or nf_tables table read from the kernel after a write to it
+/// (`source/rules.rs`), bounded: chains whose rules did not change are sent as digests.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RuleTable {
     pub ts_ns: u64,
     pub netns: u32,
-    /// `ip` (IPv4; the only family read so far).
+    /// `ip` (a legacy IPv4 table), `nft ip`, `nft ip6`, `nft inet`, ... (an nf_tables
+    /// table), `nft` (with table `*`: a namespace's nf_tables, said skipped).
     pub family: String,
     pub table: String,
     /// The writer whose write this read follows.
@@ -963,7 +964,7 @@ pub enum Event {
     },
     /// Synthetic: the names of a container or pod (see [`PodInfo`]).
     Pod(Box<PodInfo>),
-    /// Synthetic: a legacy table as read after a write (see [`RuleTable`]).
+    /// Synthetic: a legacy or nf_tables table as read after a write (see [`RuleTable`]).
     RuleTable(Box<RuleTable>),
     /// Synthetic, before the first event that carries `addr`: the kernel function it is in
     /// (from /proc/kallsyms), so a capture is readable where the kernel is not.

@@ -1819,3 +1819,118 @@ fn a_write_names_its_binary() {
         Some("xtables-legacy-multi 1.8.9 (legacy)")
     );
 }
+
+/// (family, table, chains of (name, rules)).
+type NftTableSpec<'a> = (&'a str, &'a str, &'a [(&'a str, &'a [&'a str])]);
+
+/// An nf_tables read of netns `ns` at `ts`: `tables` as (family, table, chains of (name,
+/// rules)); every chain's rules are sent.
+fn nft_read(ts: u64, ns: u32, pid: u32, tables: &[NftTableSpec]) -> Vec<Event> {
+    tables
+        .iter()
+        .map(|(family, table, chains)| {
+            Event::RuleTable(Box::new(crate::event::RuleTable {
+                ts_ns: ts,
+                netns: ns,
+                family: family.to_string(),
+                table: table.to_string(),
+                after_pid: pid,
+                skipped: String::new(),
+                chains: chains
+                    .iter()
+                    .map(|(name, rules)| {
+                        let rules: Vec<crate::event::Rule> = rules
+                            .iter()
+                            .map(|r| crate::event::Rule(r.split(' ').map(str::to_string).collect()))
+                            .collect();
+                        crate::event::ChainState {
+                            name: name.to_string(),
+                            policy: None,
+                            digest: crate::event::digest_rules(&rules),
+                            rules: Some(rules),
+                        }
+                    })
+                    .collect(),
+                more: false,
+            }))
+        })
+        .collect()
+}
+
+/// nf_tables reads cover every table of a netns at once: the commits before a read name its
+/// writers in every table's change (two agents: ambiguous), and only until the next read; a
+/// table new since the netns's last read was made by the write; a skipped namespace read
+/// makes the next read a baseline again.
+#[test]
+fn nft_reads_cover_every_table_of_a_netns() {
+    const NS: u32 = 4026532009;
+    let changes = |r: &Run| -> Vec<RuleChangeFact> {
+        r.out
+            .iter()
+            .filter_map(|o| match o {
+                Output::RuleChange(c) => Some(c.clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut r = Run::new();
+    r.feed(&node());
+    let kp: &[(&str, &[&str])] = &[("KUBE-SERVICES", &["-j ACCEPT"])];
+    r.feed(&nft_read(MS, NS, 100, &[("nft ip", "filter", kp)]));
+    assert!(changes(&r).is_empty(), "the first read is the baseline");
+    // Two agents commit, then one read: a new table, and a changed one.
+    r.feed(&[
+        nft_commit(2 * MS, 100, NS, 1),
+        nft_commit(3 * MS, 60, NS, 1),
+    ]);
+    let fw: &[(&str, &[&str])] = &[("filter_INPUT", &["-j DROP"])];
+    let kp2: &[(&str, &[&str])] = &[("KUBE-SERVICES", &["-j ACCEPT", "-j RETURN"])];
+    r.feed(&nft_read(
+        4 * MS,
+        NS,
+        60,
+        &[("nft ip", "filter", kp2), ("nft inet", "firewalld", fw)],
+    ));
+    let c = changes(&r);
+    assert_eq!(c.len(), 2, "{c:?}");
+    for c in &c {
+        assert!(c.ambiguous, "{c:?}");
+        assert_eq!(c.agent, "kube-proxy, firewalld");
+    }
+    assert_eq!(c[1].family, "nft inet");
+    assert_eq!(c[1].diff.created, ["filter_INPUT"]);
+    // The next read covers only the commit after the last one.
+    r.feed(&[nft_commit(5 * MS, 100, NS, 1)]);
+    r.feed(&nft_read(
+        6 * MS,
+        NS,
+        100,
+        &[("nft ip", "filter", kp), ("nft inet", "firewalld", fw)],
+    ));
+    let c = changes(&r);
+    assert_eq!(c.len(), 3, "{c:?}");
+    assert_eq!((c[2].agent.as_str(), c[2].ambiguous), ("kube-proxy", false));
+    assert_eq!(
+        c[2].diff.removed,
+        [("KUBE-SERVICES".to_string(), "-j RETURN".to_string())]
+    );
+    // Not read: every nft table of the netns is forgotten; the next read is a baseline.
+    r.feed(&[Event::RuleTable(Box::new(crate::event::RuleTable {
+        ts_ns: 7 * MS,
+        netns: NS,
+        family: "nft".into(),
+        table: "*".into(),
+        after_pid: 100,
+        skipped: "too large to diff".into(),
+        chains: Vec::new(),
+        more: false,
+    }))]);
+    assert_eq!(changes(&r)[3].skipped.as_deref(), Some("too large to diff"));
+    r.feed(&nft_read(
+        8 * MS,
+        NS,
+        100,
+        &[("nft ip", "filter", kp2), ("nft inet", "firewalld", fw)],
+    ));
+    assert_eq!(changes(&r).len(), 4, "{:?}", changes(&r));
+}

@@ -393,7 +393,7 @@ fn reject6_text(d: &[u8]) -> String {
 }
 
 /// A short digest of bytes xtlock does not decode: equal bytes, equal text.
-fn digest(b: &[u8]) -> String {
+pub(crate) fn digest(b: &[u8]) -> String {
     // FNV-1a: stable across runs and versions, unlike std's hasher.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &c in b {
@@ -411,7 +411,7 @@ fn ports(b: &[u8], at: usize) -> Option<String> {
     })
 }
 
-fn match_text(name: &str, rev: u8, d: &[u8]) -> String {
+pub(crate) fn match_text(name: &str, rev: u8, d: &[u8]) -> String {
     let decoded = match (name, rev) {
         ("comment", _) => Some(format!("--comment \"{}\"", name_at(d, 0, 256))),
         ("mark", 1) => (|| {
@@ -447,7 +447,7 @@ fn match_text(name: &str, rev: u8, d: &[u8]) -> String {
     }
 }
 
-fn target_text(name: &str, rev: u8, d: &[u8]) -> String {
+pub(crate) fn target_text(name: &str, rev: u8, d: &[u8]) -> String {
     let decoded = match name {
         "REJECT" => u32_at(d, 0).map(|w| {
             let with = match w {

@@ -43,6 +43,16 @@ impl Binaries {
         self.parents.insert(child, parent);
     }
 
+    /// The nearest ancestor of `pid` still running (a script's shell may be gone too; an
+    /// agent that runs iptables lives on), at most three up.
+    pub fn alive_ancestor(&self, pid: u32) -> Option<u32> {
+        let mut a = pid;
+        (0..3).find_map(|_| {
+            a = *self.parents.get(&a)?;
+            Path::new(&format!("/proc/{a}/root")).exists().then_some(a)
+        })
+    }
+
     /// The program `pid` exec'd (`filename`, as given to execve) as resolved on disk, and its
     /// version: through `/proc/PID/exe` while it runs, else through the root of its nearest
     /// running ancestor (symlinks followed inside that root, as the process saw them);
@@ -53,13 +63,7 @@ impl Binaries {
         let (path, file) = match std::fs::read_link(&exe_link) {
             Ok(exe) => (exe.to_string_lossy().into_owned(), exe_link),
             Err(_) => {
-                // The nearest ancestor still running (a script's shell may be gone too; an
-                // agent that runs iptables lives on), at most three up.
-                let mut a = pid;
-                let alive = (0..3).find_map(|_| {
-                    a = *self.parents.get(&a)?;
-                    Path::new(&format!("/proc/{a}/root")).exists().then_some(a)
-                })?;
+                let alive = self.alive_ancestor(pid)?;
                 let root = format!("/proc/{alive}/root");
                 let path = resolve_in_root(Path::new(&root), filename)?;
                 let file = format!("{root}{path}");

@@ -1,20 +1,29 @@
-//! Reads a legacy iptables table from the kernel after each write to it, the way
-//! `iptables-save` does (`IPT_SO_GET_INFO`, then `IPT_SO_GET_ENTRIES`, in the writer's network
-//! namespace), so the analysis can say what the write changed. It never takes
-//! `/run/xtables.lock`: the kernel serialises a read against a replace with the table's own
-//! mutex, held for one copy of the table, as for `iptables-save`.
+//! Reads the rules back from the kernel after each write to them, so the analysis can say
+//! what the write changed: a legacy iptables table the way `iptables-save` does
+//! (`IPT_SO_GET_INFO`, then `IPT_SO_GET_ENTRIES`), and every nf_tables table of a network
+//! namespace the way `nft list ruleset` does (netlink dumps of its tables, chains and rules,
+//! `decode/nft_table.rs`), each in the writer's network namespace. It never takes
+//! `/run/xtables.lock`: the kernel serialises a legacy read against a replace with the
+//! table's own mutex, and an nf_tables dump against a commit with the ruleset's generation
+//! (a dump a commit interrupted is read again).
 //!
-//! Bounded: one worker thread; requests queued while it reads are coalesced per table (a
-//! burst of writes is read once, after the last); a table over [`MAX_ENTRIES`] entries is
-//! not parsed, and says so; chains whose rules did not change since the previous read of the
-//! table are sent as digests only. Every skip says why, once per table.
+//! An nf_tables read follows an `nft_commit` (kernel hook, where fexit or kprobes attach) and
+//! the exit of a process that writes through nf_tables (`iptables-nft*`, `iptables*` whose
+//! binary says `(nf_tables)`, `nft`), whose network namespace is opened at its exec.
+//!
+//! Bounded: one worker thread; requests queued while it reads are coalesced per table (per
+//! network namespace for nf_tables: a burst of writes is read once, after the last); a legacy
+//! table over [`MAX_ENTRIES`] entries, or a namespace's nf_tables over [`MAX_NFT_RULES`]
+//! rules, is not parsed, and says so; chains whose rules did not change since the previous
+//! read of the table are sent as digests only. Every skip says why, once per table.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use crate::decode::nft_table::{self, Msg, NftTable};
 use crate::decode::xt_table::{self, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD};
 use crate::event::{digest_rules, ChainState, Event, RuleTable, TableReplaceEvent};
 
@@ -26,20 +35,49 @@ pub const MAX_ENTRIES: u32 = 150_000;
 const QUIET: Duration = Duration::from_millis(50);
 /// A burst is read this long after its first write at the latest.
 const MAX_WAIT: Duration = Duration::from_secs(1);
+/// A network namespace whose nf_tables tables hold more rules than this, all together, is
+/// not diffed (a dump of 50,000 rules is ~15 MB of netlink).
+pub const MAX_NFT_RULES: usize = 50_000;
+/// Tables whose chain digests are remembered (legacy and nf_tables, every netns).
+const MAX_TABLES_REMEMBERED: usize = 16_384;
+/// Writers through nf_tables still running, remembered with their network namespace.
+const MAX_NFT_WRITERS: usize = 1024;
+/// How long one nf_tables dump may wait for the kernel's next answer.
+const NFT_RECV_TIMEOUT: Duration = Duration::from_secs(2);
+/// The family and table under which an nf_tables read of a whole namespace is coalesced and
+/// said skipped (`family` `nft`, table `*`).
+pub const NFT_ALL: (&str, &str) = ("nft", "*");
 /// `IPT_SO_GET_INFO`, `IPT_SO_GET_ENTRIES` (`SOL_IP`).
 const IPT_SO_GET_INFO: libc::c_int = 64;
 const IPT_SO_GET_ENTRIES: libc::c_int = 65;
 
-/// (netns, table)
-type Key = (u32, String);
+/// (netns, family, table)
+type Key = (u32, String, String);
 
 struct Request {
     netns: u32,
-    table: String,
     pid: u32,
+    what: What,
     /// Only if this table was never read: a read to name the rules behind refusals, not
     /// after a write.
     if_unread: bool,
+}
+
+enum What {
+    /// A legacy IPv4 table, by name.
+    Legacy(String),
+    /// Every nf_tables table of the namespace; with a handle on it when the writer's was
+    /// opened at its exec (the writer is gone by the time it is read).
+    Nft(Option<Arc<File>>),
+}
+
+impl Request {
+    fn key(&self) -> Key {
+        match &self.what {
+            What::Legacy(t) => (self.netns, "ip".into(), t.clone()),
+            What::Nft(_) => (self.netns, NFT_ALL.0.into(), NFT_ALL.1.into()),
+        }
+    }
 }
 
 /// The worker's handle: requests in, tables out.
@@ -49,6 +87,8 @@ pub struct RuleReader {
     asked: HashSet<u32>,
     rx: mpsc::Receiver<Event>,
     worker: Option<std::thread::JoinHandle<()>>,
+    /// Processes writing through nf_tables: their network namespace (inode, handle).
+    nft_writers: HashMap<u32, (u32, Arc<File>)>,
 }
 
 impl RuleReader {
@@ -63,26 +103,48 @@ impl RuleReader {
             asked: HashSet::new(),
             rx,
             worker: Some(worker),
+            nft_writers: HashMap::new(),
         })
     }
 
-    /// A kernel event: a successful IPv4 table replace asks for that table to be read.
+    /// A kernel event: a successful IPv4 table replace asks for that table to be read; an
+    /// nf_tables commit that changed something, or the exit of an nf_tables writer, for
+    /// the namespace's nf_tables tables.
     pub fn on_event(&mut self, ev: &Event) {
-        let Event::TableReplace(t) = ev else { return };
-        if !is_ipv4_replace(t) {
-            return;
-        }
-        let Some(table) = t.head.as_ref().map(|h| h.name()) else {
-            return;
+        let r = match ev {
+            Event::TableReplace(t) if is_ipv4_replace(t) => {
+                let Some(table) = t.head.as_ref().map(|h| h.name()) else {
+                    return;
+                };
+                Request {
+                    netns: t.netns,
+                    pid: t.tgid,
+                    what: What::Legacy(table),
+                    if_unread: false,
+                }
+            }
+            Event::NftCommit(n) if n.batch.as_ref().is_none_or(|b| b.changes() > 0) => Request {
+                netns: n.netns,
+                pid: n.tgid,
+                what: What::Nft(None),
+                if_unread: false,
+            },
+            Event::Exit(e) if e.tid == e.tgid => {
+                let Some((netns, ns)) = self.nft_writers.remove(&e.tgid) else {
+                    return;
+                };
+                Request {
+                    netns,
+                    pid: e.tgid,
+                    what: What::Nft(Some(ns)),
+                    if_unread: false,
+                }
+            }
+            _ => return,
         };
         if let Some(tx) = &self.tx {
             // A worker gone (it panicked) only means no more diffs.
-            let _ = tx.send(Request {
-                netns: t.netns,
-                table,
-                pid: t.tgid,
-                if_unread: false,
-            });
+            let _ = tx.send(r);
         }
     }
 
@@ -99,11 +161,44 @@ impl RuleReader {
             }
             let _ = tx.send(Request {
                 netns: rc.netns,
-                table: "filter".into(),
                 pid: 0,
+                what: What::Legacy("filter".into()),
                 if_unread: true,
             });
         }
+    }
+
+    /// An exec of a rule tool (`argv`, `filename` as given to execve, `version` as its
+    /// binary carries it): when it writes through nf_tables, its network namespace is
+    /// opened now (through it, or through `ancestor`, still running, when it is gone
+    /// already), for the read after its exit.
+    pub fn on_exec(
+        &mut self,
+        pid: u32,
+        argv: &[&str],
+        filename: &str,
+        version: Option<&str>,
+        ancestor: Option<u32>,
+    ) {
+        if !writes_nft(argv, filename, version) {
+            return;
+        }
+        use std::os::unix::fs::MetadataExt;
+        let open = |p: u32| -> Option<(u32, File)> {
+            let f = File::open(format!("/proc/{p}/ns/net")).ok()?;
+            let ino = u32::try_from(f.metadata().ok()?.ino()).ok()?;
+            Some((ino, f))
+        };
+        let Some((ino, f)) = open(pid).or_else(|| ancestor.and_then(open)) else {
+            tracing::debug!(pid, "nf_tables writer gone before its namespace was opened");
+            return;
+        };
+        tracing::debug!(pid, ?ancestor, netns = ino, "nf_tables writer");
+        if self.nft_writers.len() >= MAX_NFT_WRITERS {
+            // Writers whose exit was missed (lost events): forget them all.
+            self.nft_writers.clear();
+        }
+        self.nft_writers.insert(pid, (ino, Arc::new(f)));
     }
 
     /// The tables read since the last call.
@@ -133,6 +228,40 @@ impl RuleReader {
     }
 }
 
+/// Whether a program run writes nf_tables rules, from its names as exec'd: `nft` (not
+/// `nft list`), an `*tables-nft*` (not `-save`), or an `*tables*` whose binary says
+/// `(nf_tables)`; not the listing commands (`-L`, `-S`, `-C`). Reading after a run that wrote
+/// nothing costs one read, and says nothing.
+pub fn writes_nft(argv: &[&str], filename: &str, version: Option<&str>) -> bool {
+    let base = |p: &str| p.rsplit('/').next().unwrap_or(p).to_string();
+    let mut name = argv
+        .first()
+        .map(|a| base(a))
+        .unwrap_or_else(|| base(filename));
+    let mut args = argv.get(1..).unwrap_or_default();
+    let multi = name == "xtables-nft-multi";
+    if multi {
+        name = args.first().map(|a| base(a)).unwrap_or_default();
+        args = args.get(1..).unwrap_or_default();
+    } else if !(name.contains("tables") || name == "nft") {
+        // argv[0] chosen by the caller: the file is what runs.
+        name = base(filename);
+    }
+    if name == "nft" {
+        return !args
+            .iter()
+            .any(|a| matches!(*a, "list" | "monitor" | "describe" | "-v" | "--version"));
+    }
+    let nft = multi || name.contains("-nft") || version.is_some_and(|v| v.contains("nf_tables"));
+    let listing = args.iter().any(|a| {
+        matches!(
+            *a,
+            "-L" | "--list" | "-S" | "--list-rules" | "-C" | "--check" | "-V" | "--version"
+        )
+    });
+    nft && name.contains("tables") && !name.ends_with("-save") && !listing
+}
+
 fn is_ipv4_replace(t: &TableReplaceEvent) -> bool {
     !t.read
         && t.ret == 0
@@ -147,7 +276,11 @@ struct Worker {
     /// Tables whose skip was said already.
     said: HashSet<Key>,
     /// Open network namespaces by inode.
-    netns: HashMap<u32, File>,
+    netns: HashMap<u32, Arc<File>>,
+    /// Each namespace's nf_tables tables at their last read: (family, table).
+    nft_tables: HashMap<u32, Vec<(String, String)>>,
+    /// Netlink sequence numbers.
+    seq: u32,
 }
 
 impl Worker {
@@ -169,13 +302,13 @@ impl Worker {
             let mut seen = HashSet::new();
             let mut todo: Vec<Request> = Vec::new();
             for r in batch.into_iter().rev() {
-                if seen.insert((r.netns, r.table.clone())) {
+                if seen.insert(r.key()) {
                     todo.push(r);
                 }
             }
             for r in todo.into_iter().rev() {
                 // In parts that fit the capture's records (a large table's first read).
-                for part in self.read(&r).map(RuleTable::into_parts).unwrap_or_default() {
+                for part in self.read(&r).into_iter().flat_map(RuleTable::into_parts) {
                     if tx.send(Event::RuleTable(Box::new(part))).is_err() {
                         return;
                     }
@@ -184,52 +317,113 @@ impl Worker {
         }
     }
 
-    fn read(&mut self, r: &Request) -> Option<RuleTable> {
-        let key = (r.netns, r.table.clone());
+    /// The tables a request asks for, as read (or said skipped).
+    fn read(&mut self, r: &Request) -> Vec<RuleTable> {
+        let key = r.key();
         if r.if_unread && (self.last.contains_key(&key) || self.said.contains(&key)) {
-            return None;
+            return Vec::new();
         }
-        let mut t = RuleTable {
-            ts_ns: 0,
+        let tables = self.enter(r).and_then(|()| match &r.what {
+            What::Legacy(table) => read_table(table).map(|chains| {
+                vec![NftTable {
+                    family: "ip".into(),
+                    name: table.clone(),
+                    chains,
+                }]
+            }),
+            What::Nft(_) => {
+                self.seq = self.seq.wrapping_add(3);
+                let started = Instant::now();
+                let t = read_nft(self.seq);
+                if let Ok(t) = &t {
+                    tracing::debug!(
+                        netns = r.netns,
+                        tables = t.len(),
+                        rules = t
+                            .iter()
+                            .flat_map(|t| &t.chains)
+                            .map(|c| c.rules.len())
+                            .sum::<usize>(),
+                        took_us = started.elapsed().as_micros() as u64,
+                        "nf_tables read"
+                    );
+                }
+                t
+            }
+        });
+        let ts_ns = super::monotonic_ns();
+        let table = |family: &str, name: &str| RuleTable {
+            ts_ns,
             netns: r.netns,
-            family: "ip".into(),
-            table: r.table.clone(),
+            family: family.to_string(),
+            table: name.to_string(),
             after_pid: r.pid,
             skipped: String::new(),
             chains: Vec::new(),
             more: false,
         };
-        let chains = self.enter(r).and_then(|()| read_table(&r.table));
-        t.ts_ns = super::monotonic_ns();
-        match chains {
-            Ok(chains) => {
-                let prev = self.last.remove(&key).unwrap_or_default();
-                let mut now = HashMap::new();
-                for c in chains {
-                    let digest = digest_rules(&c.rules);
-                    now.insert(c.name.clone(), digest);
-                    let changed = prev.get(&c.name) != Some(&digest);
-                    t.chains.push(ChainState {
-                        name: c.name,
-                        policy: c.policy,
-                        digest,
-                        rules: changed.then_some(c.rules),
-                    });
-                }
-                self.last.insert(key.clone(), now);
+        match tables {
+            Ok(tables) => {
                 self.said.remove(&key);
-                Some(t)
+                let mut out = Vec::new();
+                let mut names = Vec::new();
+                for nt in tables {
+                    let mut t = table(&nt.family, &nt.name);
+                    let k = (r.netns, nt.family.clone(), nt.name.clone());
+                    names.push((nt.family, nt.name));
+                    let prev = self.last.remove(&k).unwrap_or_default();
+                    let mut now = HashMap::new();
+                    for c in nt.chains {
+                        let digest = digest_rules(&c.rules);
+                        now.insert(c.name.clone(), digest);
+                        let changed = prev.get(&c.name) != Some(&digest);
+                        t.chains.push(ChainState {
+                            name: c.name,
+                            policy: c.policy,
+                            digest,
+                            rules: changed.then_some(c.rules),
+                        });
+                    }
+                    if self.last.len() >= MAX_TABLES_REMEMBERED {
+                        // Only costs whole chains instead of digests in the next reads.
+                        self.last.clear();
+                    }
+                    self.last.insert(k, now);
+                    out.push(t);
+                }
+                if matches!(r.what, What::Nft(_)) {
+                    // Tables deleted since the last read: read as empty, every chain gone.
+                    let before = self
+                        .nft_tables
+                        .insert(r.netns, names.clone())
+                        .unwrap_or_default();
+                    for (f, n) in before.into_iter().filter(|t| !names.contains(t)) {
+                        self.last.remove(&(r.netns, f.clone(), n.clone()));
+                        out.push(table(&f, &n));
+                    }
+                    if self.nft_tables.len() > 256 {
+                        self.nft_tables.clear();
+                    }
+                }
+                out
             }
             Err(why) => {
                 // Said once per table until a read works again; the analysis forgets the
                 // table's state (what changes meanwhile is not known).
-                self.last.remove(&key);
-                if !self.said.insert(key) {
-                    return None;
+                if let What::Nft(_) = r.what {
+                    for (f, n) in self.nft_tables.remove(&r.netns).unwrap_or_default() {
+                        self.last.remove(&(r.netns, f, n));
+                    }
                 }
-                tracing::debug!(netns = r.netns, table = %r.table, %why, "table not read");
+                self.last.remove(&key);
+                let (_, family, name) = key.clone();
+                if !self.said.insert(key) {
+                    return Vec::new();
+                }
+                tracing::debug!(netns = r.netns, %family, table = %name, %why, "table not read");
+                let mut t = table(&family, &name);
                 t.skipped = why;
-                Some(t)
+                vec![t]
             }
         }
     }
@@ -239,13 +433,17 @@ impl Worker {
         if r.netns == 0 {
             return Err("its network namespace is unknown (no kernel BTF)".into());
         }
+        if let What::Nft(Some(f)) = &r.what {
+            // The writer's own, opened at its exec: the freshest handle on that inode.
+            self.netns.insert(r.netns, f.clone());
+        }
         if !self.netns.contains_key(&r.netns) {
             let f = open_netns(r.netns, r.pid)
                 .ok_or("no process left in its network namespace to enter it by")?;
             if self.netns.len() >= 256 {
                 self.netns.clear();
             }
-            self.netns.insert(r.netns, f);
+            self.netns.insert(r.netns, Arc::new(f));
         }
         let f = &self.netns[&r.netns];
         // SAFETY: setns on an fd we own; it affects this worker thread only.
@@ -346,5 +544,165 @@ fn getsockopt(sock: &impl AsRawFd, opt: libc::c_int, buf: &mut [u8]) -> std::io:
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Every nf_tables table of the current network namespace, read whole: three dumps (tables,
+/// chains, rules) at one ruleset generation, read again (at most three times) when a commit
+/// came between them.
+fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
+    use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
+    let mut sock = Socket::new(NETLINK_NETFILTER)
+        .map_err(|e| format!("cannot open a netfilter netlink socket: {e}"))?;
+    sock.bind_auto()
+        .and_then(|_| sock.connect(&SocketAddr::new(0, 0)))
+        .map_err(|e| format!("cannot bind a netfilter netlink socket: {e}"))?;
+    set_recv_timeout(&sock, NFT_RECV_TIMEOUT);
+    for _ in 0..3 {
+        let mut generation: Option<u16> = None;
+        let mut again = false;
+        let mut tables = Vec::new();
+        let mut chains = Vec::new();
+        let mut rules = Vec::new();
+        for (i, msg) in [
+            nft_table::NFT_MSG_GETTABLE,
+            nft_table::NFT_MSG_GETCHAIN,
+            nft_table::NFT_MSG_GETRULE,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let s = seq.wrapping_add(i as u32);
+            sock.send(&nft_table::dump_request(msg, s), 0)
+                .map_err(|e| format!("cannot ask for the nf_tables dump: {e}"))?;
+            let mut buf: Vec<u8> = Vec::with_capacity(1 << 17);
+            'dump: loop {
+                buf.clear();
+                sock.recv(&mut buf, 0).map_err(|e| {
+                    format!("cannot read the nf_tables dump: {e} (needs CAP_NET_ADMIN)")
+                })?;
+                let msgs = nft_table::messages(&buf).map_err(|e| match e {
+                    nft_table::NftError::Kernel(_, errno) => format!(
+                        "the kernel refused the nf_tables dump: {} (needs CAP_NET_ADMIN)",
+                        std::io::Error::from_raw_os_error(errno)
+                    ),
+                    e => e.to_string(),
+                })?;
+                for m in msgs {
+                    let Msg::Object {
+                        msg: kind,
+                        family,
+                        generation: g,
+                        interrupted,
+                        attrs,
+                    } = m
+                    else {
+                        if m == Msg::Done {
+                            break 'dump;
+                        }
+                        continue;
+                    };
+                    again |= interrupted || generation.is_some_and(|was| was != g);
+                    generation = Some(g);
+                    let e = |e: nft_table::NftError| e.to_string();
+                    match kind {
+                        nft_table::NFT_MSG_NEWTABLE => {
+                            tables.push((family, nft_table::parse_table(attrs).map_err(e)?))
+                        }
+                        nft_table::NFT_MSG_NEWCHAIN => {
+                            chains.push((family, nft_table::parse_chain(attrs).map_err(e)?))
+                        }
+                        nft_table::NFT_MSG_NEWRULE => {
+                            if rules.len() >= MAX_NFT_RULES {
+                                return Err(format!(
+                                    "too large to diff: more than {MAX_NFT_RULES} rules"
+                                ));
+                            }
+                            rules.push((family, nft_table::parse_rule(family, attrs).map_err(e)?))
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        if !again {
+            return Ok(nft_table::assemble(tables, chains, rules));
+        }
+    }
+    Err("the ruleset kept changing while it was read".into())
+}
+
+fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
+    };
+    // SAFETY: tv is a valid timeval for the call's duration. Failing leaves the socket
+    // blocking, which the kernel's dump always ends anyway.
+    unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            std::ptr::addr_of!(tv).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::writes_nft;
+
+    #[test]
+    fn which_runs_write_nf_tables() {
+        let w = |argv: &[&str], file: &str, v: Option<&str>| writes_nft(argv, file, v);
+        assert!(w(
+            &["iptables-nft-restore", "--noflush"],
+            "/usr/sbin/iptables-nft-restore",
+            None
+        ));
+        assert!(w(
+            &["iptables-nft", "-A", "X"],
+            "/usr/sbin/iptables-nft",
+            None
+        ));
+        assert!(!w(
+            &["iptables-nft-save"],
+            "/usr/sbin/iptables-nft-save",
+            None
+        ));
+        assert!(!w(&["iptables-nft", "-L"], "/usr/sbin/iptables-nft", None));
+        assert!(w(
+            &["iptables-restore"],
+            "/usr/sbin/iptables-restore",
+            Some("1.8.9 (nf_tables)")
+        ));
+        assert!(!w(
+            &["iptables-restore"],
+            "/usr/sbin/iptables-restore",
+            Some("1.8.9 (legacy)")
+        ));
+        assert!(!w(
+            &["iptables-legacy-restore"],
+            "/usr/sbin/iptables-legacy-restore",
+            None
+        ));
+        assert!(w(
+            &["nft", "-f", "/etc/nftables.conf"],
+            "/usr/sbin/nft",
+            None
+        ));
+        assert!(!w(&["nft", "list", "ruleset"], "/usr/sbin/nft", None));
+        assert!(w(
+            &["xtables-nft-multi", "iptables-restore"],
+            "/usr/sbin/xtables-nft-multi",
+            None
+        ));
+        assert!(w(
+            &["kube-proxy-helper"],
+            "/usr/sbin/iptables-nft-restore",
+            None
+        ));
     }
 }

@@ -86,7 +86,15 @@ pub struct RuleTracker {
     foreign: BTreeMap<(String, String), u64>,
     /// The binary each recent iptables process runs (from the source's `Proc` info).
     binaries: FastMap<u32, String>,
+    /// Per netns, the time of the current nf_tables read (all its tables are read at once,
+    /// so the writes before it are dropped only when the next read comes), and whether one
+    /// came before it (then a table it does not know is new).
+    nft_reads: FastMap<u32, (u64, bool)>,
 }
+
+/// nf_tables writes are pending per network namespace (a commit does not say which
+/// table), under this family and table.
+const NFT_ALL: (&str, &str) = ("nft", "*");
 
 /// Tables followed; chains remembered as created or removed.
 const MAX_TABLES: usize = 1024;
@@ -181,14 +189,21 @@ impl RuleTracker {
             .map(|p| p.exe_name())
             .filter(|e| !e.is_empty())
             .map_or_else(|| who.comm.to_string(), str::to_owned);
-        if let (Backend::Legacy, Some(t)) = (backend, &table) {
-            if let Some(("ip", name)) = t.split_once(':') {
-                let key = (netns, "ip".to_string(), name.to_string());
-                if self.pending.len() < MAX_TABLES || self.pending.contains_key(&key) {
-                    let p = self.pending.entry(key).or_default();
-                    if p.len() < 4096 {
-                        p.push((ts_ns, agent.clone()));
-                    }
+        let pending_key = match (backend, &table) {
+            (Backend::Legacy, Some(t)) => match t.split_once(':') {
+                Some(("ip", name)) => Some((netns, "ip".to_string(), name.to_string())),
+                _ => None,
+            },
+            (Backend::Nft, _) if netns != 0 => {
+                Some((netns, NFT_ALL.0.to_string(), NFT_ALL.1.to_string()))
+            }
+            _ => None,
+        };
+        if let Some(key) = pending_key {
+            if self.pending.len() < MAX_TABLES || self.pending.contains_key(&key) {
+                let p = self.pending.entry(key).or_default();
+                if p.len() < 4096 {
+                    p.push((ts_ns, agent.clone()));
                 }
             }
         }
@@ -260,9 +275,35 @@ impl RuleTracker {
         out: &mut impl FnMut(Output),
     ) {
         let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
+        let nft = t.family == NFT_ALL.0 || t.family.starts_with("nft ");
         // The writes this read covers: those before it.
         let mut writers: Vec<String> = Vec::new();
-        if let Some(p) = self.pending.get_mut(&key) {
+        let mut read_before = false;
+        if nft {
+            let pkey = (t.netns, NFT_ALL.0.to_string(), NFT_ALL.1.to_string());
+            let last = self.nft_reads.get(&t.netns).copied();
+            let now = match last {
+                None => (t.ts_ns, false),
+                Some((cur, before)) if cur == t.ts_ns => (cur, before),
+                Some(_) => (t.ts_ns, true),
+            };
+            read_before = now.1;
+            self.nft_reads.insert(t.netns, now);
+            if let Some(p) = self.pending.get_mut(&pkey) {
+                // A new read: the writes the previous one covered are done with.
+                if let Some((last, _)) = last.filter(|&(l, _)| l != t.ts_ns) {
+                    p.retain(|(ts, _)| *ts > last);
+                }
+                for (ts, a) in p.iter() {
+                    if *ts <= t.ts_ns && !writers.contains(a) {
+                        writers.push(a.clone());
+                    }
+                }
+            }
+            if self.nft_reads.len() > MAX_NETNS {
+                self.nft_reads.clear();
+            }
+        } else if let Some(p) = self.pending.get_mut(&key) {
             p.retain(|(ts, a)| {
                 if *ts <= t.ts_ns {
                     if !writers.contains(a) {
@@ -294,14 +335,25 @@ impl RuleTracker {
             skipped: None,
         };
         if !t.skipped.is_empty() {
-            // Unknown from here until a read works again.
+            // Unknown from here until a read works again (for nf_tables: every table of
+            // the namespace, read together).
             self.tables.remove(&key);
+            if t.family == NFT_ALL.0 {
+                self.tables
+                    .retain(|(n, f, _), _| *n != t.netns || !f.starts_with("nft "));
+                self.nft_reads.remove(&t.netns);
+            }
             let mut f = fact(TableDiff::default());
             f.skipped = Some(t.skipped.clone());
             out(Output::RuleChange(f));
             return;
         }
-        let prev = self.tables.get(&key);
+        let empty = TableModel::default();
+        let mut prev = self.tables.get(&key);
+        if prev.is_none() && read_before {
+            // An nf_tables table new since the namespace's last read: this write made it.
+            prev = Some(&empty);
+        }
         let Some(model) = TableModel::from_read(t, prev) else {
             return;
         };

@@ -234,6 +234,26 @@ fn drop_records_round_trip() {
                 },
             ],
         })),
+        // An nf_tables table: the same record, its family says which.
+        Event::RuleTable(Box::new(crate::event::RuleTable {
+            ts_ns: 78,
+            netns: 4026531840,
+            family: "nft inet".into(),
+            table: "firewalld".into(),
+            after_pid: 13,
+            skipped: String::new(),
+            chains: vec![crate::event::ChainState {
+                name: "filter_INPUT".into(),
+                policy: Some("DROP".into()),
+                digest: 5,
+                rules: Some(vec![crate::event::Rule(vec![
+                    "-m comment --comment \"x\"".into(),
+                    "meta mark & 0x8000 == 0x8000".into(),
+                    "-j filter_IN_public".into(),
+                ])]),
+            }],
+            more: false,
+        })),
     ];
     for ev in &evs {
         let mut b = Vec::new();
