@@ -223,25 +223,24 @@ fn run_story(story: Story) {
 }
 
 fn contains(
-    prog: &'static str,
+    prog: impl Into<String>,
     args: &'static [&'static str],
     want: &'static str,
     yes: bool,
 ) -> impl Fn(&str) {
+    let prog = prog.into();
     move |ns: &str| {
-        let out = NetnsPair::exec(ns, prog, args);
+        let out = NetnsPair::exec(ns, &prog, args);
         assert_eq!(out.contains(want), yes, "{prog} {args:?}: {want}:\n{out}");
     }
 }
 
 const STRIPPED: &str = "-A KUBE-FIREWALL -m comment --comment \"kubernetes firewall for dropping marked packets\" -j DROP";
 
-#[test]
-fn who_changed_whose_rules() {
-    if !require_bpf("who_changed_whose_rules") {
-        return;
-    }
-    let save = |want, yes| contains("iptables-legacy-save", &["-t", "filter"], want, yes);
+/// The legacy story through `tool` (`iptables`, `ip6tables`): `{rules}` becomes
+/// `restore_input` for kube-proxy's restore.
+fn legacy_story(name: &'static str, subnet: u8, tool: &'static str, restore_input: &str) {
+    let save = |want, yes| contains(format!("{tool}-legacy-save"), &["-t", "filter"], want, yes);
     let nothing = |_: &str| {};
     let (marked, stripped, svc_gone, svc_back) = (
         save("-m mark --mark 0x8000/0x8000 -j DROP", true),
@@ -249,29 +248,56 @@ fn who_changed_whose_rules() {
         save("KUBE-SVC-ABC", false),
         save(":KUBE-SVC-ABC", true),
     );
+    let t = format!("{tool}-legacy");
+    let scripts = [
+        format!("{t} -w -A OUTPUT -o lo -j ACCEPT"),
+        format!("{restore_input} | {t}-restore -w --noflush"),
+        format!("{t}-save -t filter | sed 's/ -m mark --mark 0x8000\\/0x8000//' | {t}-restore -w"),
+        format!("{t} -w -F KUBE-SERVICES && {t} -w -F KUBE-SVC-ABC && {t} -w -X KUBE-SVC-ABC"),
+        format!("{t} -w -N KUBE-SVC-ABC"),
+    ];
     run_story(Story {
-        name: "xtlock-rc",
-        subnet: 48,
-        table: "ip filter",
+        name,
+        subnet,
+        table: if tool == "ip6tables" {
+            "ip6 filter"
+        } else {
+            "ip filter"
+        },
         lost: "-m mark --mark 0x8000/0x8000",
         linger: "",
         steps: vec![
             // A first write: the table as it was is the baseline.
-            ("setup", "iptables-legacy -w -A OUTPUT -o lo -j ACCEPT", &nothing),
-            ("kube-proxy", "iptables-legacy-restore -w --noflush < {rules}", &marked),
-            (
-                "calico-node",
-                "iptables-legacy-save -t filter | sed 's/ -m mark --mark 0x8000\\/0x8000//' | iptables-legacy-restore -w",
-                &stripped,
-            ),
-            (
-                "firewalld",
-                "iptables-legacy -w -F KUBE-SERVICES && iptables-legacy -w -F KUBE-SVC-ABC && iptables-legacy -w -X KUBE-SVC-ABC",
-                &svc_gone,
-            ),
-            ("kube-proxy", "iptables-legacy -w -N KUBE-SVC-ABC", &svc_back),
+            ("setup", &scripts[0], &nothing),
+            ("kube-proxy", &scripts[1], &marked),
+            ("calico-node", &scripts[2], &stripped),
+            ("firewalld", &scripts[3], &svc_gone),
+            ("kube-proxy", &scripts[4], &svc_back),
         ],
     });
+}
+
+#[test]
+fn who_changed_whose_rules() {
+    if !require_bpf("who_changed_whose_rules") {
+        return;
+    }
+    legacy_story("xtlock-rc", 48, "iptables", "cat {rules}");
+}
+
+/// The same story through ip6tables (legacy): kube-proxy on a dual-stack node writes both
+/// families, and a firewalld reload clobbers both.
+#[test]
+fn who_changed_whose_ip6tables_rules() {
+    if !require_bpf("who_changed_whose_ip6tables_rules") {
+        return;
+    }
+    legacy_story(
+        "xtlock-rc6",
+        50,
+        "ip6tables",
+        "sed 's#10.96.0.10/32#fd00::10/128#' {rules}",
+    );
 }
 
 /// Through nf_tables, read after each writer's exit (on this host the nft_commit hook does

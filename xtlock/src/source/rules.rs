@@ -24,7 +24,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use crate::decode::nft_table::{self, Msg, NftTable};
-use crate::decode::xt_table::{self, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD};
+use crate::decode::xt_table::{self, Family, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD};
 use crate::event::{digest_rules, ChainState, Event, RuleTable, TableReplaceEvent};
 
 /// Tables with more entries than this are not parsed (kube-proxy's largest run to ~100k
@@ -64,8 +64,8 @@ struct Request {
 }
 
 enum What {
-    /// A legacy IPv4 table, by name.
-    Legacy(String),
+    /// A legacy iptables (IPv4) or ip6tables (IPv6) table, by name.
+    Legacy(Family, String),
     /// Every nf_tables table of the namespace; with a handle on it when the writer's was
     /// opened at its exec (the writer is gone by the time it is read).
     Nft(Option<Arc<File>>),
@@ -74,7 +74,7 @@ enum What {
 impl Request {
     fn key(&self) -> Key {
         match &self.what {
-            What::Legacy(t) => (self.netns, "ip".into(), t.clone()),
+            What::Legacy(f, t) => (self.netns, f.name().into(), t.clone()),
             What::Nft(_) => (self.netns, NFT_ALL.0.into(), NFT_ALL.1.into()),
         }
     }
@@ -107,19 +107,21 @@ impl RuleReader {
         })
     }
 
-    /// A kernel event: a successful IPv4 table replace asks for that table to be read; an
+    /// A kernel event: a successful IPv4 or IPv6 table replace asks for that table to be read; an
     /// nf_tables commit that changed something, or the exit of an nf_tables writer, for
     /// the namespace's nf_tables tables.
     pub fn on_event(&mut self, ev: &Event) {
         let r = match ev {
-            Event::TableReplace(t) if is_ipv4_replace(t) => {
-                let Some(table) = t.head.as_ref().map(|h| h.name()) else {
+            Event::TableReplace(t) if legacy_replace(t).is_some() => {
+                let (Some(family), Some(table)) =
+                    (legacy_replace(t), t.head.as_ref().map(|h| h.name()))
+                else {
                     return;
                 };
                 Request {
                     netns: t.netns,
                     pid: t.tgid,
-                    what: What::Legacy(table),
+                    what: What::Legacy(family, table),
                     if_unread: false,
                 }
             }
@@ -162,7 +164,7 @@ impl RuleReader {
             let _ = tx.send(Request {
                 netns: rc.netns,
                 pid: 0,
-                what: What::Legacy("filter".into()),
+                what: What::Legacy(Family::Ipv4, "filter".into()),
                 if_unread: true,
             });
         }
@@ -262,11 +264,17 @@ pub fn writes_nft(argv: &[&str], filename: &str, version: Option<&str>) -> bool 
     nft && name.contains("tables") && !name.ends_with("-save") && !listing
 }
 
-fn is_ipv4_replace(t: &TableReplaceEvent) -> bool {
-    !t.read
-        && t.ret == 0
-        && t.level == xtlock_common::SOL_IP
-        && t.optname == xtlock_common::XT_SO_SET_REPLACE
+/// The family of a successful iptables or ip6tables table replace (arptables and ebtables
+/// are counted as writes, not read back).
+fn legacy_replace(t: &TableReplaceEvent) -> Option<Family> {
+    if t.read || t.ret != 0 || t.optname != xtlock_common::XT_SO_SET_REPLACE {
+        return None;
+    }
+    match t.level {
+        xtlock_common::SOL_IP => Some(Family::Ipv4),
+        xtlock_common::SOL_IPV6 => Some(Family::Ipv6),
+        _ => None,
+    }
 }
 
 #[derive(Default)]
@@ -324,9 +332,9 @@ impl Worker {
             return Vec::new();
         }
         let tables = self.enter(r).and_then(|()| match &r.what {
-            What::Legacy(table) => read_table(table).map(|chains| {
+            What::Legacy(family, table) => read_table(*family, table).map(|chains| {
                 vec![NftTable {
-                    family: "ip".into(),
+                    family: family.name().into(),
                     name: table.clone(),
                     chains,
                 }]
@@ -488,9 +496,15 @@ fn open_netns(ino: u32, pid: u32) -> Option<File> {
 }
 
 /// One table of the current network namespace, parsed.
-fn read_table(table: &str) -> Result<Vec<xt_table::Chain>, String> {
+fn read_table(family: Family, table: &str) -> Result<Vec<xt_table::Chain>, String> {
+    // `IP6T_SO_GET_*` have the numbers of `IPT_SO_GET_*`, at level `SOL_IPV6`; `ip6t_getinfo`
+    // and `ip6t_get_entries`' head have the IPv4 layouts.
+    let (domain, level) = match family {
+        Family::Ipv4 => (libc::AF_INET, libc::SOL_IP),
+        Family::Ipv6 => (libc::AF_INET6, libc::SOL_IPV6),
+    };
     // SAFETY: a plain socket call; the fd is owned by `sock` right after.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    let fd = unsafe { libc::socket(domain, libc::SOCK_RAW, libc::IPPROTO_RAW) };
     if fd < 0 {
         let e = std::io::Error::last_os_error();
         return Err(format!("cannot open a raw socket: {e} (needs CAP_NET_RAW)"));
@@ -504,7 +518,7 @@ fn read_table(table: &str) -> Result<Vec<xt_table::Chain>, String> {
     for _ in 0..3 {
         let mut info = [0u8; IPT_GETINFO_LEN];
         info[..32].copy_from_slice(&name);
-        getsockopt(&sock, IPT_SO_GET_INFO, &mut info)
+        getsockopt(&sock, level, IPT_SO_GET_INFO, &mut info)
             .map_err(|e| format!("cannot read the table's size: {e} (needs CAP_NET_ADMIN)"))?;
         let info = TableInfo::parse(&info).map_err(|e| e.to_string())?;
         if info.num_entries > MAX_ENTRIES {
@@ -516,9 +530,9 @@ fn read_table(table: &str) -> Result<Vec<xt_table::Chain>, String> {
         let mut buf = vec![0u8; IPT_GET_ENTRIES_HEAD + info.size as usize];
         buf[..32].copy_from_slice(&name);
         buf[32..36].copy_from_slice(&info.size.to_ne_bytes());
-        match getsockopt(&sock, IPT_SO_GET_ENTRIES, &mut buf) {
+        match getsockopt(&sock, level, IPT_SO_GET_ENTRIES, &mut buf) {
             Ok(()) => {
-                return xt_table::parse_table(&info, &buf[IPT_GET_ENTRIES_HEAD..])
+                return xt_table::parse_table_of(family, &info, &buf[IPT_GET_ENTRIES_HEAD..])
                     .map_err(|e| e.to_string())
             }
             Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => continue,
@@ -528,13 +542,18 @@ fn read_table(table: &str) -> Result<Vec<xt_table::Chain>, String> {
     Err("the table kept changing while it was read".into())
 }
 
-fn getsockopt(sock: &impl AsRawFd, opt: libc::c_int, buf: &mut [u8]) -> std::io::Result<()> {
+fn getsockopt(
+    sock: &impl AsRawFd,
+    level: libc::c_int,
+    opt: libc::c_int,
+    buf: &mut [u8],
+) -> std::io::Result<()> {
     let mut len = buf.len() as libc::socklen_t;
     // SAFETY: buf is valid for len bytes; the kernel writes at most that many.
     let r = unsafe {
         libc::getsockopt(
             sock.as_raw_fd(),
-            libc::SOL_IP,
+            level,
             opt,
             buf.as_mut_ptr().cast(),
             &mut len,
