@@ -244,6 +244,11 @@ pub struct LockArgs {
     /// does (docs/performance.md).
     #[arg(long = "no-rule-reads")]
     pub no_rule_reads: bool,
+    /// Benchmarks only (`cargo xtask bench`): the lock hook runs an empty program at the same
+    /// attach point and type, so its cost is the floor xtlock's lock path is measured
+    /// against. Nothing about the locks is reported.
+    #[arg(long = "bench-floor", hide = true)]
+    pub bench_floor: bool,
 }
 
 impl LockArgs {

@@ -127,7 +127,12 @@ pub fn run(env: &Env) -> Result<Value> {
             args: vec!["exec".into(), "/bin/true".into()],
         },
     ];
-    let tracers = Tracer::all(env);
+    let mut tracers = Tracer::all(env);
+    // The floor's BPF cost is read from bpf_stats: only then is it a column.
+    if env.bpf_stats {
+        tracers.push(Tracer::Floor);
+    }
+    let floor_ti = tracers.iter().position(|t| *t == Tracer::Floor);
     let mut cells: Vec<Vec<Cell>> = tracers
         .iter()
         .map(|_| loads.iter().map(|_| Cell::default()).collect())
@@ -155,6 +160,9 @@ pub fn run(env: &Env) -> Result<Value> {
             let s = match t {
                 Tracer::None => Session::none(),
                 Tracer::Bpftrace => Session::bpftrace(env, &tag, &script)?,
+                Tracer::Floor => {
+                    Session::xtlock_as(env, t, &tag, &[&watched], &["--bench-floor".into()])?
+                }
                 t => Session::xtlock_as(env, t, &tag, &[&watched], &[])?,
             };
             // One lock cycle, and wait until the tracer printed it: attached and reading.
@@ -163,7 +171,8 @@ pub fn run(env: &Env) -> Result<Value> {
                 env,
                 &["flock".into(), p(&watched), "--cycles".into(), "1".into()],
             )?;
-            if !s.wait_output_past(before, Duration::from_secs(10)) {
+            // The floor reports no lock events: nothing to wait for.
+            if t != Tracer::Floor && !s.wait_output_past(before, Duration::from_secs(10)) {
                 canary_missed[ti] += 1;
             }
             let bg = if t == Tracer::None {
@@ -276,7 +285,7 @@ pub fn run(env: &Env) -> Result<Value> {
         out_loads.insert(l.key.into(), Value::Object(per));
     }
     table(&rows);
-    if n > 3 {
+    if tracers.get(3) == Some(&Tracer::Baseline) {
         // The baseline build, for A/B: same runs, interleaved.
         let mut rows = vec![vec![
             "operation".to_string(),
@@ -346,6 +355,7 @@ pub fn run(env: &Env) -> Result<Value> {
         background[2].show()
     );
     let mut prog_json = Vec::new();
+    let mut floor_json = Value::Null;
     if !progs.is_empty() {
         println!("\n  BPF programs (kernel.bpf_stats_enabled): ns per run x runs per operation = ns per operation");
         let mut rows = vec![vec![
@@ -354,8 +364,10 @@ pub fn run(env: &Env) -> Result<Value> {
             "runs/op".into(),
             "ns/op".into(),
         ]];
+        // (tracer, load) -> ns of BPF per operation, all programs.
+        let mut totals: BTreeMap<(usize, usize), f64> = BTreeMap::new();
         for (li, l) in loads.iter().enumerate() {
-            for ti in [1, 2] {
+            for ti in [1, 2].into_iter().chain(floor_ti) {
                 let mut total = 0.0;
                 for ((t, lj, name), (ns, runs)) in &progs {
                     if *t != ti || *lj != li || runs.median() < 0.01 {
@@ -380,9 +392,29 @@ pub fn run(env: &Env) -> Result<Value> {
                     String::new(),
                     num(total),
                 ]);
+                totals.insert((ti, li), total);
             }
         }
         table(&rows);
+        // The watched cycle (load 0) as a multiple of the floor, beside bpftrace's script.
+        if let Some(fi) = floor_ti {
+            let (x, b, f) = (
+                totals.get(&(1, 0)).copied().unwrap_or(0.0),
+                totals.get(&(2, 0)).copied().unwrap_or(0.0),
+                totals.get(&(fi, 0)).copied().unwrap_or(0.0),
+            );
+            println!(
+                "  watched lock cycle, BPF ns: xtlock {} = {:.2}x the floor ({} ns: empty programs \
+                 on the same tp_btf hook); bpftrace's script {}; xtlock / bpftrace {:.2}",
+                num(x),
+                x / f.max(1e-9),
+                num(f),
+                num(b),
+                x / b.max(1e-9)
+            );
+            floor_json = json!({"xtlock_ns": x, "floor_ns": f, "bpftrace_ns": b,
+                "xtlock_over_floor": x / f.max(1e-9), "xtlock_over_bpftrace": x / b.max(1e-9)});
+        }
     }
     println!(
         "\n  events lost during these runs: xtlock {} (summary lost_events; {} holds reported for {} \
@@ -412,6 +444,7 @@ pub fn run(env: &Env) -> Result<Value> {
         "canary_missed": canary_missed,
         "tracer_background_cpu_ns_per_s": {"xtlock": background[1].json(), "bpftrace": background[2].json()},
         "bpf_programs": prog_json,
+        "watched_cycle_floor": floor_json,
         "bpftrace_script": script,
     }))
 }

@@ -21,6 +21,9 @@ pub enum Tracer {
     /// An older xtlock build (`--baseline`), for A/B in the same run.
     Baseline,
     Bpftrace,
+    /// This tree's xtlock with `--bench-floor`: empty programs on the lock hook, the floor
+    /// its lock path is measured against.
+    Floor,
 }
 
 impl Tracer {
@@ -30,12 +33,13 @@ impl Tracer {
             Tracer::Xtlock => "xtlock",
             Tracer::Baseline => "xtlock-baseline",
             Tracer::Bpftrace => "bpftrace",
+            Tracer::Floor => "floor",
         }
     }
 
     /// This tree's xtlock or the baseline build.
     pub fn is_xtlock(self) -> bool {
-        matches!(self, Tracer::Xtlock | Tracer::Baseline)
+        matches!(self, Tracer::Xtlock | Tracer::Baseline | Tracer::Floor)
     }
 
     /// The tracers of a bench: untraced, xtlock, bpftrace, and the baseline last when given.
@@ -325,7 +329,7 @@ impl Session {
             sleep(Duration::from_millis(20));
         };
         let mut s = match self.tracer {
-            Tracer::Xtlock | Tracer::Baseline => read_xtlock(&self.out)?,
+            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor => read_xtlock(&self.out)?,
             Tracer::Bpftrace => read_bpftrace(&self.out, &self.err)?,
             Tracer::None => Stopped::default(),
         };

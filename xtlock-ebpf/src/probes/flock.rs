@@ -148,6 +148,13 @@ pub fn flock_lock_inode_btf(ctx: BtfTracePointContext) -> u32 {
     0
 }
 
+/// The floor the lock hook is measured against (`xtlock trace --bench-floor`, for `cargo xtask
+/// bench`): the same attach point and type as [`flock_lock_inode_btf`], and no work at all.
+#[btf_tracepoint(function = "flock_lock_inode")]
+pub fn flock_lock_inode_btf_floor(_ctx: BtfTracePointContext) -> u32 {
+    0
+}
+
 /// A lock request on a watched lock: its event, and the start or end of a blocking wait.
 #[inline(always)]
 fn on_request(r: &Request) {

@@ -75,6 +75,7 @@ pub fn load(
         locks: locks.to_vec(),
         ring_bytes: ring_mib << 20,
         no_attach: lock_args.attach_filter()?,
+        floor: lock_args.bench_floor,
     };
     Ok(Probes::load_with_drops(
         &opts,

@@ -90,7 +90,12 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     /// Attach types ruled out (`--no-attach`).
     pub no_attach: AttachFilter,
+    /// Benchmarks only (`--bench-floor`): the lock hook runs an empty program on tp_btf.
+    pub floor: bool,
 }
+
+/// The empty program `--bench-floor` puts on the lock hook's tp_btf.
+const FLOOR_PROGRAM: &str = "flock_lock_inode_btf_floor";
 
 /// What the drop hook counts and samples.
 #[derive(Clone, Debug)]
@@ -250,10 +255,17 @@ impl Probes {
                 }
                 _ => {
                     let not_asked = counts_packets(hook.program) && drops.is_none();
+                    let floor = opts.floor && hook.required;
                     let raw = hook
                         .raw_program
                         .filter(|_| !not_asked)
+                        .map(|raw| if floor { FLOOR_PROGRAM } else { raw })
                         .map(|raw| attach_raw(&mut ebpf, hook, raw, &disc));
+                    if let (true, Some(Err(why))) = (floor, &raw) {
+                        return Err(ProbeError::Required {
+                            why: format!("--bench-floor needs the lock hook on tp_btf: {why}"),
+                        });
+                    }
                     if let Some(Err(why)) = &raw {
                         tracing::debug!(
                             hook = hook.program,
