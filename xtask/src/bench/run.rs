@@ -24,6 +24,9 @@ pub enum Tracer {
     /// This tree's xtlock with `--bench-floor`: empty programs on the lock hook, the floor
     /// its lock path is measured against.
     Floor,
+    /// A bpftrace script that only keeps a hold histogram per holder in the kernel (streams
+    /// nothing): what issue 33 holds the lock path to.
+    BpftraceHist,
 }
 
 impl Tracer {
@@ -34,6 +37,7 @@ impl Tracer {
             Tracer::Baseline => "xtlock-baseline",
             Tracer::Bpftrace => "bpftrace",
             Tracer::Floor => "floor",
+            Tracer::BpftraceHist => "bpftrace-hist",
         }
     }
 
@@ -330,7 +334,7 @@ impl Session {
         };
         let mut s = match self.tracer {
             Tracer::Xtlock | Tracer::Baseline | Tracer::Floor => read_xtlock(&self.out)?,
-            Tracer::Bpftrace => read_bpftrace(&self.out, &self.err)?,
+            Tracer::Bpftrace | Tracer::BpftraceHist => read_bpftrace(&self.out, &self.err)?,
             Tracer::None => Stopped::default(),
         };
         s.cpu_ns = cpu;
