@@ -97,7 +97,10 @@ fn icmp_limits_off(ns: &str) -> Vec<Sysctl> {
         .arg("/proc/sys/net/ipv4/icmp_msgs_burst")
         .status()
         .is_ok_and(|s| s.success());
-    let values = [("icmp_msgs_per_sec", "1000000"), ("icmp_msgs_burst", "1000000")];
+    let values = [
+        ("icmp_msgs_per_sec", "1000000"),
+        ("icmp_msgs_burst", "1000000"),
+    ];
     if per_netns {
         for (k, v) in values {
             NetnsPair::exec(ns, "sysctl", &["-qw", &format!("net.ipv4.{k}={v}")]);

@@ -563,13 +563,23 @@ pub struct HoldNow {
     pub seq: u64,
 }
 
+/// Drop reasons a [`HoldDropSlot`] counts apart: the first this many distinct reasons a CPU
+/// sees during a hold claim an entry each; drops of further reasons are in `count` only.
+/// Holds rarely see more than two or three reasons; 6 keeps the slot in one cache line.
+pub const HOLD_DROP_REASONS: usize = 6;
+
 /// Drops counted during one hold on one CPU (`HOLD_DROPS`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HoldDropSlot {
     /// The hold's `HoldNow::start_ns`; a different value means the slot holds another hold.
     pub start_ns: u64,
+    /// Every drop of the hold on this CPU, whatever its reason.
     pub count: u64,
+    /// Per reason: `reasons[i]` (the kernel's `skb_drop_reason`) was dropped `counts[i]`
+    /// times; an entry with count 0 is free.
+    pub reasons: [u32; HOLD_DROP_REASONS],
+    pub counts: [u32; HOLD_DROP_REASONS],
 }
 
 /// `RefusalKey::kind`: an ICMP destination unreachable the node sent (`icmp:icmp_send`,
@@ -1011,6 +1021,7 @@ mod tests {
         assert_eq!(size_of::<RefusalKey>(), 40);
         assert_eq!(size_of::<RefusalConfig>(), 20 * 4);
         assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
+        assert_eq!(size_of::<HoldDropSlot>(), 64);
         // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
         assert_eq!(size_of::<ProbeConfig>(), 54 * 4 + 8);

@@ -555,11 +555,16 @@ pub struct RefusalCounts {
 }
 
 /// Drops during one hold, counted in the kernel while it went on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HoldDropCount {
     /// The hold's acquire time (its lock event's).
     pub start_ns: u64,
     pub count: u64,
+    /// Per drop reason (`skb_drop_reason`), sorted: exact, counted in the kernel. Their sum
+    /// falls short of `count` by drops of reasons the kernel had no room to count apart
+    /// (more than `xtlock_common::HOLD_DROP_REASONS` on one CPU in one hold). Empty in
+    /// captures made before xtlock counted them.
+    pub by_reason: Vec<(u32, u64)>,
 }
 
 /// Conntrack statistics counters (`/proc/net/stat/nf_conntrack`, summed over CPUs).

@@ -19,8 +19,8 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, TracePointContext},
 };
 use xtlock_common::{
-    drop_cache_slot, DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET,
-    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
+    drop_cache_slot, DropEvent, DropKey, EventKind, HoldDropSlot, ProbeConfig, DROP_FAMILY_INET,
+    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_REASONS, HOLD_DROP_SLOTS,
 };
 
 use crate::{
@@ -139,7 +139,7 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
         reason,
         netns,
     });
-    count_for_hold();
+    count_for_hold(reason);
     if !take_token() {
         return;
     }
@@ -195,9 +195,11 @@ fn count_drop(key: &DropKey) {
     count_in(&DROP_COUNTS, &DROP_OVERFLOW, key);
 }
 
-/// Adds the drop to the hold of a watched lock in progress, if one is.
+/// Adds the drop to the hold of a watched lock in progress, if one is, and to its reason's
+/// entry in the hold's slot: no map lookup beyond the slot's, entries claimed in order so
+/// the first free one ends the search (at most `HOLD_DROP_REASONS` compares, unrolled).
 #[inline(always)]
-fn count_for_hold() {
+fn count_for_hold(reason: u32) {
     let Some(h) = HOLD_NOW.get(0) else {
         return;
     };
@@ -209,12 +211,23 @@ fn count_for_hold() {
         return;
     };
     // SAFETY: per-CPU slot; this CPU is the only writer.
-    unsafe {
-        if (*slot).start_ns == start_ns {
-            (*slot).count += 1;
-        } else {
-            (*slot).start_ns = start_ns;
-            (*slot).count = 1;
+    let s = unsafe { &mut *slot };
+    if s.start_ns != start_ns {
+        *s = HoldDropSlot {
+            start_ns,
+            ..HoldDropSlot::default()
+        };
+    }
+    s.count += 1;
+    for i in 0..HOLD_DROP_REASONS {
+        if s.counts[i] == 0 {
+            s.reasons[i] = reason;
+            s.counts[i] = 1;
+            return;
+        }
+        if s.reasons[i] == reason {
+            s.counts[i] = s.counts[i].wrapping_add(1);
+            return;
         }
     }
 }

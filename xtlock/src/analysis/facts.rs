@@ -842,10 +842,15 @@ pub struct HoldDropsFact {
     pub hold_ns: u64,
     /// Watched drops while the hold went on, counted in the kernel: exact.
     pub dropped: u64,
-    /// Sampled drops inside the hold, by class and by reason name: what the drops were.
+    /// What the drops were, by class and by reason name: exact when `exact_reasons` (the
+    /// kernel counted each reason during the hold; drops of reasons it had no room for are
+    /// under `(other reasons)`), else from the samples inside the hold.
     pub by_class: BTreeMap<DropClass, u64>,
     pub by_reason: BTreeMap<String, u64>,
     pub samples: u64,
+    /// Whether `by_reason` and `by_class` are the kernel's exact counts (captures made before
+    /// it counted reasons per hold have samples only).
+    pub exact_reasons: bool,
 }
 
 /// How the node turned a connection away.

@@ -478,20 +478,27 @@ impl Probes {
         Ok(())
     }
 
-    /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of
-    /// a CPU that still holds an older hold's count adds to that hold.
-    pub fn hold_drop_counts(&self) -> Result<Vec<(u64, u64)>, ProbeError> {
+    /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs, with the
+    /// reasons each CPU counted apart. A slot of a CPU that still holds an older hold's
+    /// count adds to that hold.
+    pub fn hold_drop_counts(&self) -> Result<Vec<HoldDrops>, ProbeError> {
         let arr = self.per_cpu_array::<xtlock_common::HoldDropSlot>("HOLD_DROPS")?;
-        let mut by_hold: std::collections::BTreeMap<u64, u64> = Default::default();
+        let mut by_hold: std::collections::BTreeMap<u64, HoldDrops> = Default::default();
         for i in 0..xtlock_common::HOLD_DROP_SLOTS {
             let per_cpu = arr
                 .get(&i, 0)
                 .map_err(|e| ProbeError::Load(format!("reading HOLD_DROPS: {e}")))?;
             for slot in per_cpu.iter().filter(|s| s.start_ns != 0) {
-                *by_hold.entry(slot.start_ns).or_default() += slot.count;
+                by_hold
+                    .entry(slot.start_ns)
+                    .or_insert_with(|| HoldDrops {
+                        start_ns: slot.start_ns,
+                        ..Default::default()
+                    })
+                    .add(slot);
             }
         }
-        Ok(by_hold.into_iter().collect())
+        Ok(by_hold.into_values().collect())
     }
 
     /// The per-CPU array map `name` of the object.
@@ -706,6 +713,32 @@ fn merge_drop_counts<'a>(
         }
     }
     by_key.into_iter().collect()
+}
+
+/// The drops the kernel counted during one hold, summed over CPUs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HoldDrops {
+    pub start_ns: u64,
+    pub count: u64,
+    /// Per reason, sorted; drops of reasons a CPU had no entry left for are in `count` only.
+    pub by_reason: Vec<(u32, u64)>,
+}
+
+impl HoldDrops {
+    /// Adds one CPU's slot.
+    fn add(&mut self, slot: &xtlock_common::HoldDropSlot) {
+        self.count += slot.count;
+        for (&r, &n) in slot.reasons.iter().zip(&slot.counts) {
+            if n == 0 {
+                // Entries are claimed in order: the first free one ends them.
+                break;
+            }
+            match self.by_reason.binary_search_by_key(&r, |&(k, _)| k) {
+                Ok(i) => self.by_reason[i].1 += u64::from(n),
+                Err(i) => self.by_reason.insert(i, (r, u64::from(n))),
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -490,8 +490,8 @@ pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
 }
 
 pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
-    // What the drops were, from the samples inside the hold: one kind is named, several are
-    // counted as sampled.
+    // What the drops were (the kernel's exact counts, or the samples inside the hold of an
+    // older capture): one kind is named, several are counted.
     let classes: Vec<String> = h
         .by_class
         .iter()
@@ -517,6 +517,7 @@ pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
     let kinds = match classes.len() {
         0 => String::new(),
         1 => format!(" ({})", classes[0]),
+        _ if h.exact_reasons => format!(" ({})", classes.join(", ")),
         _ => format!(" (sampled: {})", classes.join(", ")),
     };
     format!(

@@ -189,6 +189,7 @@ fn min_hold_filters_short_holds() {
             by_class: [(DropClass::NetfilterRuleDrop, 3)].into(),
             by_reason: [("NETFILTER_DROP".to_string(), 3)].into(),
             samples: 3,
+            exact_reasons: true,
         })
     };
     let text = render(
