@@ -9,7 +9,10 @@
 //! tied to a hold with no guess about intervals. Refusals are rare next to drops (one per
 //! refused connection), so no cache sits in front of the map. Offsets come from the
 //! tracepoints' format files (`REFUSAL_CONFIG`) and BTF (`CONFIG`).
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{kprobe, tracepoint},
+    programs::{ProbeContext, TracePointContext},
+};
 use xtlock_common::{
     AnsweredSkb, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6, NO_FIELD,
     REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
@@ -69,25 +72,49 @@ pub fn icmp_send(ctx: TracePointContext) -> u32 {
     if opt_field::<i32>(&ctx, c.icmp_type) != Some(ICMP_DEST_UNREACH) {
         return 0;
     }
-    let mut key = blank(REFUSAL_ICMP_UNREACH);
-    if let Some(code) = opt_field::<i32>(&ctx, c.icmp_code) {
-        key.detail = code as u32;
-    }
+    let code = opt_field::<i32>(&ctx, c.icmp_code);
     let skb: u64 = opt_field(&ctx, c.icmp_skb).unwrap_or(0);
-    // The refused packet's own headers: the tracepoint has ports only for UDP.
-    if skb == 0 || cfg(|c| &c.skb_ok) == 0 || read_dest(skb, &mut key).is_none() {
+    icmp_unreach(skb, code, |key| {
+        // The tracepoint's own fields: ports only for UDP.
         if let Some(a) = opt_field::<[u8; 4]>(&ctx, c.icmp_daddr) {
             key.addr[..4].copy_from_slice(&a);
             key.family = DROP_FAMILY_INET;
         }
         key.port = opt_field(&ctx, c.icmp_dport).unwrap_or(0);
+    });
+    0
+}
+
+/// The fallback of `icmp_send` where the tracepoint does not exist (5.10, for one; Debian's
+/// 6.1 has it): `__icmp_send(struct sk_buff *skb_in, int type, int code, ...)` at
+/// its entry, the prototype checked against BTF by userspace. At the entry, so a message
+/// the ICMP rate limits then hold back is counted too (the tracepoint fires after them).
+#[kprobe]
+pub fn icmp_send_kprobe(ctx: ProbeContext) -> u32 {
+    if ctx.arg::<i32>(1) != Some(ICMP_DEST_UNREACH) {
+        return 0;
+    }
+    let skb: u64 = ctx.arg(0).unwrap_or(0);
+    icmp_unreach(skb, ctx.arg::<i32>(2), |_| {});
+    0
+}
+
+/// Counts an ICMP destination unreachable answering `skb`: the destination from the
+/// refused packet's own headers, else from `fallback`.
+#[inline(always)]
+fn icmp_unreach(skb: u64, code: Option<i32>, fallback: impl FnOnce(&mut RefusalKey)) {
+    let mut key = blank(REFUSAL_ICMP_UNREACH);
+    if let Some(code) = code {
+        key.detail = code as u32;
+    }
+    if skb == 0 || cfg(|c| &c.skb_ok) == 0 || read_dest(skb, &mut key).is_none() {
+        fallback(&mut key);
     }
     key.netns = netns(skb, 0);
     if skb != 0 {
         answered(skb);
     }
     count(&mut key);
-    0
 }
 
 #[inline(always)]

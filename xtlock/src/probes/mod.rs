@@ -276,10 +276,35 @@ impl Probes {
                         // Why not tp_btf, as the function hooks say why not fentry.
                         attach.push_str(&format!(" (fallback; tp_btf: {})", first_line(r)));
                     }
-                    tp.err().map(|why| match raw {
+                    let err = tp.err().map(|why| match raw {
                         Some(Err(r)) => format!("{why}; tp_btf: {r}"),
                         _ => why,
-                    })
+                    });
+                    // A missing tracepoint's function, hooked instead.
+                    match (err, hooks::backup_of(hook.program)) {
+                        (Some(why), Some(fb)) if !not_asked => {
+                            match kfunc::attach_after(
+                                &mut ebpf,
+                                fb,
+                                &disc.kfunc,
+                                vec![format!("tracepoint: {why}")],
+                            ) {
+                                Ok(a) => {
+                                    attach = a.describe;
+                                    None
+                                }
+                                Err(fn_why) => {
+                                    attach.push_str(&format!(
+                                        ", else {} ({})",
+                                        kfunc::candidates_text(fb),
+                                        fb.name
+                                    ));
+                                    Some(fn_why)
+                                }
+                            }
+                        }
+                        (err, _) => err,
+                    }
                 }
             };
             if hook.required {
@@ -373,7 +398,7 @@ impl Probes {
             return Vec::new();
         }
         let mut wanted: Vec<&KfuncHook> = ready.clone();
-        wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+        wanted.extend(hooks::tracepoint_fallbacks());
         // Parsed only for hooks that need it (seconds on a slow machine): their setup, or
         // the prototypes of what they read (in the module's BTF, split on vmlinux's).
         let btf = ready
