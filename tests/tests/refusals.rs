@@ -312,6 +312,36 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
             })
             .count();
         assert_eq!(dropped, 0, "{}", trace.dump());
+        // Sampled refusals carry the refused SYN's 5-tuple: the client's address and port to
+        // the REJECTed one; never more samples than refusals.
+        let sampled: Vec<&Value> = trace
+            .of_type("refusal")
+            .into_iter()
+            .filter(|r| r["kind"] == "icmp_unreachable" && r["hold"]["agent"] == "kube-proxy")
+            .collect();
+        assert!(
+            !sampled.is_empty() && sampled.len() as u64 <= icmp.refused,
+            "{} samples of {} refusals\n{}",
+            sampled.len(),
+            icmp.refused,
+            trace.dump()
+        );
+        for r in &sampled {
+            let p = &r["packet"];
+            assert_eq!(
+                (&p["proto"], &p["saddr"], &p["daddr"], &p["dport"]),
+                (
+                    &Value::from("tcp"),
+                    &Value::from(ns.addr_a.as_str()),
+                    &Value::from(ns.addr_b.as_str()),
+                    &Value::from(ICMP_PORT)
+                ),
+                "{r}"
+            );
+            assert!(u(&p["sport"]) >= 1024, "the client's ephemeral port: {r}");
+            assert_eq!(r["dest"], dest(ICMP_PORT).as_str(), "{r}");
+            assert_eq!(u(&r["netns"]), nb, "{r}");
+        }
     }
     if have[1] && stack_resets_traced() {
         // The stack's reset for the closed port, with its reason.
@@ -352,4 +382,17 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
         .cloned()
         .collect();
     assert_eq!(replayed, live, "report of the capture vs the live trace");
+    // The samples too.
+    let of_type = |v: Vec<Value>| -> Vec<Value> {
+        v.into_iter()
+            .filter(|v: &Value| v["type"] == "refusal")
+            .collect()
+    };
+    let live: Vec<Value> = trace.of_type("refusal").into_iter().cloned().collect();
+    assert!(!live.is_empty());
+    assert_eq!(
+        of_type(xtlock_tests::report_events(&cap)),
+        live,
+        "sampled refusals: capture vs live"
+    );
 }

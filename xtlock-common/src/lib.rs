@@ -93,6 +93,9 @@ pub enum EventKind {
     /// IPVS: a connection scheduled, a packet on a stale connection, a stale connection's
     /// entry expired, or a real-server table change (`IpvsEvent::op`).
     Ipvs = 11,
+    /// One sampled refusal with the refused connection's addresses (rate limited; the
+    /// exact counts travel separately, per `RefusalKey`).
+    Refusal = 12,
 }
 
 impl EventKind {
@@ -109,6 +112,7 @@ impl EventKind {
             9 => Self::ConntrackFail,
             10 => Self::XtReplace,
             11 => Self::Ipvs,
+            12 => Self::Refusal,
             _ => return None,
         })
     }
@@ -398,6 +402,30 @@ pub struct ConntrackFailEvent {
     pub dport: u16,
     pub _pad: u32,
     pub comm: [u8; COMM_LEN],
+}
+
+/// One refusal, sampled under a per-CPU rate limit (the drop samples' budget, kept apart),
+/// with the refused packet's addresses: the client's SYN or datagram for ICMP unreachable and
+/// resets sent, the reset's ends (local `saddr`, peer `daddr`) for resets received.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusalEvent {
+    pub hdr: EventHeader,
+    /// `RefusalKey::hold_start_ns`: the hold in progress, 0 for none.
+    pub hold_start_ns: u64,
+    pub netns: u32,
+    /// ICMP code or reset reason; [`REFUSAL_NO_DETAIL`] when the kernel gives none.
+    pub detail: u32,
+    /// `REFUSAL_*`.
+    pub kind: u8,
+    /// `DROP_FAMILY_*` of the addresses; `DROP_FAMILY_NONE` when none could be read.
+    pub family: u8,
+    pub l4proto: u8,
+    pub _pad: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
 }
 
 /// Where the conntrack hooks find what they read, from the BTF of the module that has
@@ -944,6 +972,7 @@ mod pod {
     unsafe impl aya::Pod for XtReplaceEvent {}
     unsafe impl aya::Pod for ConntrackFailEvent {}
     unsafe impl aya::Pod for DropEvent {}
+    unsafe impl aya::Pod for RefusalEvent {}
     unsafe impl aya::Pod for IpvsEvent {}
 }
 
@@ -962,6 +991,7 @@ pub mod sizes {
     pub const IPVS: usize = size_of::<IpvsEvent>();
     pub const CONNTRACK_FAIL: usize = size_of::<ConntrackFailEvent>();
     pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
+    pub const REFUSAL: usize = size_of::<RefusalEvent>();
 }
 
 #[cfg(test)]
@@ -1022,6 +1052,7 @@ mod tests {
         assert_eq!(size_of::<RefusalConfig>(), 20 * 4);
         assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
         assert_eq!(size_of::<HoldDropSlot>(), 64);
+        assert_eq!(size_of::<RefusalEvent>(), 80);
         // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
         assert_eq!(size_of::<ProbeConfig>(), 54 * 4 + 8);
@@ -1054,6 +1085,7 @@ mod tests {
             EventKind::ConntrackFail,
             EventKind::XtReplace,
             EventKind::Ipvs,
+            EventKind::Refusal,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

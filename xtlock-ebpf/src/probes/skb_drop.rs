@@ -24,7 +24,10 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{btf_read, cfg, count_in, field, field_fast, header, kread, netns_of, now, reserve},
+    emit::{
+        btf_read, cfg, count_in, field, field_fast, header, kread, netns_of, now, reserve,
+        take_token,
+    },
     probes::refusal::was_answered,
     CONFIG, DROP_CACHE, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
@@ -140,7 +143,7 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
         netns,
     });
     count_for_hold(reason);
-    if !take_token() {
+    if !take_token(&DROP_RATE) {
         return;
     }
     let protocol = protocol();
@@ -230,32 +233,6 @@ fn count_for_hold(reason: u32) {
             return;
         }
     }
-}
-
-/// GCRA rate limiter per CPU: at most `burst` samples at once, then one per interval.
-#[inline(always)]
-fn take_token() -> bool {
-    // SAFETY: one field of the frozen CONFIG, read as `cfg` does for u32 fields.
-    let interval = unsafe { core::ptr::read_volatile(&CONFIG.drop_sample_interval_ns) };
-    if interval == 0 {
-        return false;
-    }
-    let Some(tat) = DROP_RATE.get_ptr_mut(0) else {
-        return false;
-    };
-    let now = now();
-    // SAFETY: per-CPU slot; this CPU is the only writer.
-    let t = unsafe { *tat };
-    let t = if t > now { t } else { now };
-    // No overflow: userspace keeps interval * burst around one second.
-    let burst = cfg(|c| &c.drop_sample_burst) as u32;
-    let tolerance = interval.wrapping_mul(u64::from(burst.saturating_sub(1)));
-    if t - now > tolerance {
-        return false;
-    }
-    // SAFETY: as above.
-    unsafe { *tat = t + interval };
-    true
 }
 
 /// Addresses, protocol and ports of an IPv4/IPv6 packet, from its network header.

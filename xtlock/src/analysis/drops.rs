@@ -135,7 +135,7 @@ fn packet_info(s: &DropSample) -> Option<PacketInfo> {
     packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport)
 }
 
-fn packet(
+pub(super) fn packet(
     l4proto: u8,
     saddr: Option<IpAddr>,
     daddr: Option<IpAddr>,

@@ -52,6 +52,8 @@ pub enum Output {
     RefusalCount(RefusalCountFact),
     /// The refusals that happened while one hold lasted.
     HoldRefusals(HoldRefusalsFact),
+    /// One refusal sampled in the kernel, with the refused connection.
+    Refusal(RefusalFact),
 }
 
 impl Output {
@@ -78,6 +80,7 @@ impl Output {
             Output::IpvsCount(c) => c.ts_ns,
             Output::RefusalCount(r) => r.ts_ns,
             Output::HoldRefusals(h) => h.start_ns,
+            Output::Refusal(r) => r.ts_ns,
         }
     }
 }
@@ -891,6 +894,27 @@ pub struct RefusalCountFact {
     pub dest: String,
     pub count: u64,
     /// The hold in progress when they happened, counted in the kernel: exact.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
+/// One refusal sampled in the kernel (rate limited, like drop samples; the counts are
+/// exact apart): `{"type":"refusal",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RefusalFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    pub kind: RefusalKind,
+    pub detail: String,
+    /// As in [`RefusalCountFact`]: the refused destination, the peer for resets received.
+    pub dest: String,
+    /// The refused packet's addresses, protocol and ports, when its header was read (ICMP
+    /// unreachable and resets sent, IPv4); resets received have `dest` only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketInfo>,
+    /// The task that was running (often softirq context: unrelated).
+    pub pid: u32,
+    /// The hold in progress, as the kernel tagged it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hold: Option<HoldRef>,
 }

@@ -17,9 +17,10 @@ use xtlock_common::{
 
 use super::drops::add;
 use super::facts::{
-    HoldFact, HoldRef, HoldRefusalsFact, Output, RefusalCountFact, RefusalGroup, RefusalKind,
+    HoldFact, HoldRef, HoldRefusalsFact, Output, RefusalCountFact, RefusalFact, RefusalGroup,
+    RefusalKind,
 };
-use crate::decode::{RefusalCount, RefusalCounts};
+use crate::decode::{RefusalCount, RefusalCounts, RefusalSample};
 
 /// Ended holds remembered for counts that arrive after them.
 const MAX_ENDED_HOLDS: usize = 1024;
@@ -194,6 +195,26 @@ impl RefusalTracker {
         for t in done {
             self.report(t, out);
         }
+    }
+
+    /// A sampled refusal: a fact of its own, with the refused packet where it was read.
+    pub fn on_sample(&mut self, s: &RefusalSample, open: &[HoldRef], out: &mut impl FnMut(Output)) {
+        let Some(kind) = kind_of(s.kind) else {
+            return;
+        };
+        let packet = (s.l4proto != 0)
+            .then(|| super::drops::packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport))
+            .flatten();
+        out(Output::Refusal(RefusalFact {
+            ts_ns: s.ts_ns,
+            netns: s.netns,
+            kind,
+            detail: self.detail(kind, s.detail),
+            dest: dest_text(s.daddr, s.dport),
+            packet,
+            pid: s.tgid,
+            hold: self.hold(s.hold_start_ns, open),
+        }));
     }
 
     fn fact(

@@ -6,8 +6,8 @@ use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
-    HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalKind,
-    StallFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalFact,
+    RefusalKind, StallFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
 
@@ -460,6 +460,21 @@ pub(crate) fn refusal_count_text(f: &RefusalCountFact) -> String {
         human_ns(f.interval_ns),
         f.netns
     );
+    if let Some(h) = &f.hold {
+        s.push_str(&during(std::slice::from_ref(h)));
+    }
+    s
+}
+
+/// One sampled refusal: "refused: tcp 10.0.0.9:40312 -> 10.96.0.15:80 (ICMP port
+/// unreachable), netns N during ...".
+pub(crate) fn refusal_text(f: &RefusalFact) -> String {
+    let what = refusal_group_text(f.kind, &f.detail, &f.dest, 1);
+    let mut s = match &f.packet {
+        Some(p) => format!("sample: {what}: {}", packet_text(p)),
+        None => format!("sample: {what}"),
+    };
+    s.push_str(&format!(", netns {}", f.netns));
     if let Some(h) = &f.hold {
         s.push_str(&during(std::slice::from_ref(h)));
     }

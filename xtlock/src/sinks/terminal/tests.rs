@@ -417,3 +417,41 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
     let text = render(&[f("evil\x1b[2Jagent")], opts());
     assert!(!text.contains('\x1b'), "{text:?}");
 }
+
+/// A sampled refusal names the refused connection, shown with the drop samples only.
+#[test]
+fn refusal_samples_name_the_refused_connection() {
+    use crate::analysis::{PacketInfo, RefusalFact, RefusalKind};
+    let f = Output::Refusal(RefusalFact {
+        ts_ns: 2_000_000_000,
+        netns: 7,
+        kind: RefusalKind::IcmpUnreachable,
+        detail: "port unreachable".into(),
+        dest: "10.96.0.15:80".into(),
+        packet: Some(PacketInfo {
+            proto: "tcp".into(),
+            saddr: "10.0.0.9".into(),
+            daddr: "10.96.0.15".into(),
+            sport: Some(40312),
+            dport: Some(80),
+            icmp_type: None,
+            icmp_code: None,
+        }),
+        pid: 0,
+        hold: None,
+    });
+    let opts = |show| TerminalOptions {
+        time: TimeFormat::None,
+        show_drop_samples: show,
+        ..Default::default()
+    };
+    assert!(!render(std::slice::from_ref(&f), opts(false)).contains("sample"));
+    let text = render(&[f], opts(true));
+    assert!(
+        text.contains(
+            "sample: 1 connection to 10.96.0.15:80 refused (ICMP port unreachable): tcp \
+             10.0.0.9:40312 -> 10.96.0.15:80, netns 7"
+        ),
+        "{text}"
+    );
+}
