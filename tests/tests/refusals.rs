@@ -297,6 +297,9 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
             .cloned()
             .unwrap();
         assert_eq!(g["detail"], "port unreachable", "{g}");
+        // The group's example is one of its sampled SYNs.
+        assert_eq!(g["example"]["dport"], ICMP_PORT, "{g}");
+        assert_eq!(g["example"]["saddr"], ns.addr_a.as_str(), "{g}");
         // The REJECTed SYNs were answered: said as refusals, not again as drops. Every drop
         // here is sampled (fewer than the sample budget), so no sample means no drop. Those
         // of the hold: under QEMU/TCG the hook's first run after attaching is translated as

@@ -927,6 +927,9 @@ pub struct RefusalGroup {
     pub dest: String,
     pub netns: u32,
     pub count: u64,
+    /// One refused packet of the group, from the samples (absent when none was sampled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<PacketInfo>,
 }
 
 /// The refusals that happened while one hold lasted: `{"type":"hold_refusals",...}`.

@@ -17,8 +17,8 @@ use xtlock_common::{
 
 use super::drops::add;
 use super::facts::{
-    HoldFact, HoldRef, HoldRefusalsFact, Output, RefusalCountFact, RefusalFact, RefusalGroup,
-    RefusalKind,
+    HoldFact, HoldRef, HoldRefusalsFact, Output, PacketInfo, RefusalCountFact, RefusalFact,
+    RefusalGroup, RefusalKind,
 };
 use crate::decode::{RefusalCount, RefusalCounts, RefusalSample};
 
@@ -56,6 +56,8 @@ type GroupKey = (RefusalKind, String, String, u32);
 struct Tally {
     hold: HoldRef,
     groups: BTreeMap<GroupKey, u64>,
+    /// The first sampled packet of each group.
+    examples: BTreeMap<GroupKey, PacketInfo>,
 }
 
 #[derive(Debug, Default)]
@@ -205,7 +207,7 @@ impl RefusalTracker {
         let packet = (s.l4proto != 0)
             .then(|| super::drops::packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport))
             .flatten();
-        out(Output::Refusal(RefusalFact {
+        let f = RefusalFact {
             ts_ns: s.ts_ns,
             netns: s.netns,
             kind,
@@ -214,7 +216,20 @@ impl RefusalTracker {
             packet,
             pid: s.tgid,
             hold: self.hold(s.hold_start_ns, open),
-        }));
+        };
+        // The hold's group gets it as its example (the counts add the number).
+        if let (Some(h), Some(p)) = (&f.hold, &f.packet) {
+            let key = (f.kind, f.detail.clone(), f.dest.clone(), f.netns);
+            self.tally(h, key.clone(), 0);
+            if let Some(t) = self
+                .tallies
+                .iter_mut()
+                .find(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
+            {
+                t.examples.entry(key).or_insert_with(|| p.clone());
+            }
+        }
+        out(Output::Refusal(f));
     }
 
     fn fact(
@@ -248,6 +263,7 @@ impl RefusalTracker {
                 self.tallies.push(Tally {
                     hold: h.clone(),
                     groups: BTreeMap::new(),
+                    examples: BTreeMap::new(),
                 });
                 self.tallies.len() - 1
             }
@@ -261,15 +277,23 @@ impl RefusalTracker {
     }
 
     fn report(&mut self, t: Tally, out: &mut impl FnMut(Output)) {
+        let mut examples = t.examples;
         let mut groups: Vec<RefusalGroup> = t
             .groups
             .into_iter()
-            .map(|((kind, detail, dest, netns), count)| RefusalGroup {
-                kind,
-                detail,
-                dest,
-                netns,
-                count,
+            // A sample's group whose count did not come (cannot happen: each is counted).
+            .filter(|(_, count)| *count > 0)
+            .map(|(key, count)| {
+                let example = examples.remove(&key);
+                let (kind, detail, dest, netns) = key;
+                RefusalGroup {
+                    kind,
+                    detail,
+                    dest,
+                    netns,
+                    count,
+                    example,
+                }
             })
             .collect();
         groups.sort_by_key(|g| std::cmp::Reverse(g.count));

@@ -326,6 +326,7 @@ fn refusals_are_counted_by_kind_and_holding_agent() {
                 dest: "10.96.0.15:80".into(),
                 netns: 7,
                 count: 37,
+                example: None,
             }],
         }),
     ] {

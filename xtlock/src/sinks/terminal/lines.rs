@@ -482,13 +482,20 @@ pub(crate) fn refusal_text(f: &RefusalFact) -> String {
 }
 
 /// "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable) during kube-proxy's
-/// 2.10 s hold of /run/xtables.lock (pid 42)": the three largest groups, and how many more.
+/// 2.10 s hold of /run/xtables.lock (pid 42)": the three largest groups (each with a sampled
+/// packet, when there is one), and how many more.
 pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
     let mut groups: Vec<String> = h
         .groups
         .iter()
         .take(3)
-        .map(|g| refusal_group_text(g.kind, &g.detail, &g.dest, g.count))
+        .map(|g| {
+            let text = refusal_group_text(g.kind, &g.detail, &g.dest, g.count);
+            match &g.example {
+                Some(p) => format!("{text} (e.g. {})", packet_text(p)),
+                None => text,
+            }
+        })
         .collect();
     if h.groups.len() > 3 {
         let rest: u64 = h.groups.iter().skip(3).map(|g| g.count).sum();

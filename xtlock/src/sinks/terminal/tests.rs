@@ -379,6 +379,7 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
         dest: dest.into(),
         netns: 1,
         count,
+        example: None,
     };
     let f = |agent: &str| {
         Output::HoldRefusals(HoldRefusalsFact {
@@ -414,6 +415,18 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
         ),
         "{text}"
     );
+    let Output::HoldRefusals(mut with_example) = f("kube-proxy") else {
+        unreachable!()
+    };
+    with_example.groups[0].example = Some(refused_syn());
+    let text = render(&[Output::HoldRefusals(with_example)], opts());
+    assert!(
+        text.contains(
+            "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable) (e.g. tcp \
+             10.0.0.9:40312 -> 10.96.0.15:80), 19 connections"
+        ),
+        "{text}"
+    );
     let text = render(&[f("evil\x1b[2Jagent")], opts());
     assert!(!text.contains('\x1b'), "{text:?}");
 }
@@ -421,22 +434,14 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
 /// A sampled refusal names the refused connection, shown with the drop samples only.
 #[test]
 fn refusal_samples_name_the_refused_connection() {
-    use crate::analysis::{PacketInfo, RefusalFact, RefusalKind};
+    use crate::analysis::{RefusalFact, RefusalKind};
     let f = Output::Refusal(RefusalFact {
         ts_ns: 2_000_000_000,
         netns: 7,
         kind: RefusalKind::IcmpUnreachable,
         detail: "port unreachable".into(),
         dest: "10.96.0.15:80".into(),
-        packet: Some(PacketInfo {
-            proto: "tcp".into(),
-            saddr: "10.0.0.9".into(),
-            daddr: "10.96.0.15".into(),
-            sport: Some(40312),
-            dport: Some(80),
-            icmp_type: None,
-            icmp_code: None,
-        }),
+        packet: Some(refused_syn()),
         pid: 0,
         hold: None,
     });
@@ -454,4 +459,17 @@ fn refusal_samples_name_the_refused_connection() {
         ),
         "{text}"
     );
+}
+
+/// A client's SYN to a Service port, as a refusal sample reads it.
+fn refused_syn() -> crate::analysis::PacketInfo {
+    crate::analysis::PacketInfo {
+        proto: "tcp".into(),
+        saddr: "10.0.0.9".into(),
+        daddr: "10.96.0.15".into(),
+        sport: Some(40312),
+        dport: Some(80),
+        icmp_type: None,
+        icmp_code: None,
+    }
 }
