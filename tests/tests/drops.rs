@@ -36,6 +36,18 @@ fn samples(trace: &xtlock_tests::Trace, netns: u64) -> Vec<&Value> {
         .collect()
 }
 
+/// A `-j DROP` rule for UDP to `port` in namespace `ns`, put in under `lock` (not the
+/// watched one, which a test may hold).
+fn drop_rule(ns: &str, port: u16, lock: &std::path::Path) {
+    let ok = std::process::Command::new("ip")
+        .args(["netns", "exec", ns, "iptables-legacy", "-w", "-A", "INPUT"])
+        .args(["-p", "udp", "--dport", &port.to_string(), "-j", "DROP"])
+        .env("XTABLES_LOCKFILE", lock)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
+
 /// A DROP rule for one port: xtlock's count equals the rule's packet counter, and packets to
 /// another port (no listener: NO_SOCKET, not a watched reason here) are not counted.
 /// The drop hook on `tp_btf` (its first choice where the kernel has BTF) and on the perf
@@ -295,23 +307,7 @@ fn drops_during_a_hold_are_reported_with_the_hold() {
     let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "3000"], &[], None);
     kp.ts("acquired", T);
     // The rule goes in through another lock file (the watched one is held).
-    let out = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns.b,
-            "iptables-legacy",
-            "-w",
-            "-A",
-            "INPUT",
-            "-p",
-            "udp",
-        ])
-        .args(["--dport", "5555", "-j", "DROP"])
-        .env("XTABLES_LOCKFILE", &other_lock)
-        .status()
-        .unwrap();
-    assert!(out.success());
+    drop_rule(&ns.b, 5555, &other_lock);
     std::thread::sleep(Duration::from_millis(200));
     send_udp(&s, &ns.a, &ns.addr_b, 5555, 321, 1);
     kp.ts("released", T);
@@ -327,12 +323,8 @@ fn drops_during_a_hold_are_reported_with_the_hold() {
     // Counted in the kernel while the hold went on: exact.
     assert_eq!(u(&h["dropped"]), rule, "{h}");
     assert!(u(&h["samples"]) > 0, "{h}");
-    // What they were, from the samples inside the hold.
-    assert_eq!(
-        u(&h["by_class"]["netfilter_rule_drop"]),
-        u(&h["samples"]),
-        "{h}"
-    );
+    // What they were: counted by reason in the kernel, exact.
+    assert_eq!(u(&h["by_class"]["netfilter_rule_drop"]), rule, "{h}");
     // Every drop count of that rule names the hold.
     let inode = NetnsPair::inode(&ns.b);
     for d in trace.of_type("drop_count") {
@@ -362,21 +354,7 @@ fn drops_between_holds_belong_to_neither() {
     let other_lock = s.lock_file("other.lock");
     let lock_s = lock.to_str().unwrap();
     let ns = NetnsPair::new("xtd-betw", 205);
-    let rule = std::process::Command::new("ip")
-        .args([
-            "netns",
-            "exec",
-            &ns.b,
-            "iptables-legacy",
-            "-w",
-            "-A",
-            "INPUT",
-        ])
-        .args(["-p", "udp", "--dport", "5556", "-j", "DROP"])
-        .env("XTABLES_LOCKFILE", &other_lock)
-        .status()
-        .unwrap();
-    assert!(rule.success());
+    drop_rule(&ns.b, 5556, &other_lock);
     let b_path = NetnsPair::path(&ns.b);
     let tracer = Tracer::start(
         &[&lock],
@@ -414,6 +392,57 @@ fn drops_between_holds_belong_to_neither() {
     assert_eq!(of("kube-proxy"), [50], "{}", trace.dump());
     assert!(of("calico-node").is_empty(), "{}", trace.dump());
     assert_eq!(u(&trace.summary()["drops"]["during_holds"]), 50);
+}
+
+/// More drops of one reason inside a hold than the sample budget lets through: the hold's
+/// drops by reason are the kernel's exact count, equal to the DROP rule's own packet counter,
+/// not the number of samples.
+#[test]
+fn a_holds_drops_by_reason_are_exact_past_the_sample_budget() {
+    if !require_bpf("a_holds_drops_by_reason_are_exact_past_the_sample_budget") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("drops-reasons");
+    let lock = s.lock_file("xtables.lock");
+    let other_lock = s.lock_file("other.lock");
+    let lock_s = lock.to_str().unwrap();
+    let ns = NetnsPair::new("xtd-reas", 206);
+    drop_rule(&ns.b, 5557, &other_lock);
+    let b_path = NetnsPair::path(&ns.b);
+    // 5 samples a second per CPU: far fewer than the 250 drops.
+    let tracer = Tracer::start(
+        &[&lock],
+        Duration::from_secs(7),
+        &[
+            "--netns",
+            &b_path,
+            "--drop-reasons",
+            "NETFILTER_DROP",
+            "--drop-samples",
+            "5/s",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    let mut kp = Agent::spawn(&s.agent("kube-proxy"), &["hold", lock_s, "1500"], &[], None);
+    kp.ts("acquired", T);
+    let sent = send_udp(&s, &ns.a, &ns.addr_b, 5557, 250, 5);
+    kp.ts("released", T);
+    assert_eq!(kp.wait(), 0);
+    let trace = tracer.finish();
+    assert_eq!(sent, 250);
+    let truth = iptables_packets(&ns.b, "INPUT", "dpt:5557");
+    assert_eq!(truth, 250, "the rule saw every datagram");
+    let hd = trace.of_type("hold_drops");
+    let mine: Vec<&&Value> = hd.iter().filter(|h| h["agent"] == "kube-proxy").collect();
+    assert_eq!(mine.len(), 1, "{}", trace.dump());
+    let h = mine[0];
+    assert!(u(&h["samples"]) < truth / 2, "the budget must bind: {h}");
+    assert_eq!(u(&h["dropped"]), truth, "{h}");
+    assert_eq!(u(&h["by_reason"]["NETFILTER_DROP"]), truth, "{h}");
+    assert_eq!(h["exact_reasons"], true, "{h}");
+    let classes: u64 = h["by_class"].as_object().unwrap().values().map(u).sum();
+    assert_eq!(classes, truth, "{h}");
 }
 
 /// A reason this kernel does not have is refused, saying what to do.

@@ -159,7 +159,8 @@ fn run_story(story: Story) {
     let ns = NetnsPair::new(story.name, story.subnet);
     let capture = s.dir.join("rules.xtlock");
     let mut c = Command::new(xtlock_bin());
-    c.args(["trace", "--json", "--duration", "9s", "--no-drops"])
+    // Stopped once the story is told (under TCG a story takes far longer than here).
+    c.args(["trace", "--json", "--duration", "300s", "--no-drops"])
         .arg("--lock-file")
         .arg(&lock)
         .arg("--record")
@@ -179,6 +180,7 @@ fn run_story(story: Story) {
         );
         truth(&ns.a);
     }
+    tracer.interrupt();
     let trace = tracer.finish();
     let dump = trace.dump();
     // This namespace's: other tests may write rules elsewhere meanwhile.

@@ -93,6 +93,9 @@ pub enum EventKind {
     /// IPVS: a connection scheduled, a packet on a stale connection, a stale connection's
     /// entry expired, or a real-server table change (`IpvsEvent::op`).
     Ipvs = 11,
+    /// One sampled refusal with the refused connection's addresses (rate limited; the
+    /// exact counts travel separately, per `RefusalKey`).
+    Refusal = 12,
 }
 
 impl EventKind {
@@ -109,6 +112,7 @@ impl EventKind {
             9 => Self::ConntrackFail,
             10 => Self::XtReplace,
             11 => Self::Ipvs,
+            12 => Self::Refusal,
             _ => return None,
         })
     }
@@ -400,6 +404,30 @@ pub struct ConntrackFailEvent {
     pub comm: [u8; COMM_LEN],
 }
 
+/// One refusal, sampled under a per-CPU rate limit (the drop samples' budget, kept apart),
+/// with the refused packet's addresses: the client's SYN or datagram for ICMP unreachable and
+/// resets sent, the reset's ends (local `saddr`, peer `daddr`) for resets received.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusalEvent {
+    pub hdr: EventHeader,
+    /// `RefusalKey::hold_start_ns`: the hold in progress, 0 for none.
+    pub hold_start_ns: u64,
+    pub netns: u32,
+    /// ICMP code or reset reason; [`REFUSAL_NO_DETAIL`] when the kernel gives none.
+    pub detail: u32,
+    /// `REFUSAL_*`.
+    pub kind: u8,
+    /// `DROP_FAMILY_*` of the addresses; `DROP_FAMILY_NONE` when none could be read.
+    pub family: u8,
+    pub l4proto: u8,
+    pub _pad: u8,
+    pub sport: u16,
+    pub dport: u16,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+}
+
 /// Where the conntrack hooks find what they read, from the BTF of the module that has
 /// `struct nf_conn` (or vmlinux). Kept in a map, not in [`ProbeConfig`], because nf_conntrack
 /// may load after xtlock started. Offsets in bytes; the tuple's are from the tuple's start.
@@ -563,13 +591,23 @@ pub struct HoldNow {
     pub seq: u64,
 }
 
+/// Drop reasons a [`HoldDropSlot`] counts apart: the first this many distinct reasons a CPU
+/// sees during a hold claim an entry each; drops of further reasons are in `count` only.
+/// Holds rarely see more than two or three reasons; 6 keeps the slot in one cache line.
+pub const HOLD_DROP_REASONS: usize = 6;
+
 /// Drops counted during one hold on one CPU (`HOLD_DROPS`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HoldDropSlot {
     /// The hold's `HoldNow::start_ns`; a different value means the slot holds another hold.
     pub start_ns: u64,
+    /// Every drop of the hold on this CPU, whatever its reason.
     pub count: u64,
+    /// Per reason: `reasons[i]` (the kernel's `skb_drop_reason`) was dropped `counts[i]`
+    /// times; an entry with count 0 is free.
+    pub reasons: [u32; HOLD_DROP_REASONS],
+    pub counts: [u32; HOLD_DROP_REASONS],
 }
 
 /// `RefusalKey::kind`: an ICMP destination unreachable the node sent (`icmp:icmp_send`,
@@ -934,6 +972,7 @@ mod pod {
     unsafe impl aya::Pod for XtReplaceEvent {}
     unsafe impl aya::Pod for ConntrackFailEvent {}
     unsafe impl aya::Pod for DropEvent {}
+    unsafe impl aya::Pod for RefusalEvent {}
     unsafe impl aya::Pod for IpvsEvent {}
 }
 
@@ -952,6 +991,7 @@ pub mod sizes {
     pub const IPVS: usize = size_of::<IpvsEvent>();
     pub const CONNTRACK_FAIL: usize = size_of::<ConntrackFailEvent>();
     pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
+    pub const REFUSAL: usize = size_of::<RefusalEvent>();
 }
 
 #[cfg(test)]
@@ -1011,6 +1051,8 @@ mod tests {
         assert_eq!(size_of::<RefusalKey>(), 40);
         assert_eq!(size_of::<RefusalConfig>(), 20 * 4);
         assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
+        assert_eq!(size_of::<HoldDropSlot>(), 64);
+        assert_eq!(size_of::<RefusalEvent>(), 80);
         // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
         assert_eq!(size_of::<ProbeConfig>(), 54 * 4 + 8);
@@ -1043,6 +1085,7 @@ mod tests {
             EventKind::ConntrackFail,
             EventKind::XtReplace,
             EventKind::Ipvs,
+            EventKind::Refusal,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

@@ -208,3 +208,30 @@ pub fn netns_of(skb: u64, dev: u64) -> u32 {
     }
     kread(net, off(|c| &c.net_ns_inum)).unwrap_or(0)
 }
+
+/// GCRA rate limiter per CPU (`rate`: its state): at most `burst` samples at once, then one
+/// per interval.
+#[inline(always)]
+pub fn take_token(rate: &PerCpuArray<u64>) -> bool {
+    // SAFETY: one field of the frozen CONFIG, read as `cfg` does for u32 fields.
+    let interval = unsafe { core::ptr::read_volatile(&CONFIG.drop_sample_interval_ns) };
+    if interval == 0 {
+        return false;
+    }
+    let Some(tat) = rate.get_ptr_mut(0) else {
+        return false;
+    };
+    let now = now();
+    // SAFETY: per-CPU slot; this CPU is the only writer.
+    let t = unsafe { *tat };
+    let t = if t > now { t } else { now };
+    // No overflow: userspace keeps interval * burst around one second.
+    let burst = cfg(|c| &c.drop_sample_burst) as u32;
+    let tolerance = interval.wrapping_mul(u64::from(burst.saturating_sub(1)));
+    if t - now > tolerance {
+        return false;
+    }
+    // SAFETY: as above.
+    unsafe { *tat = t + interval };
+    true
+}

@@ -171,6 +171,11 @@ static HOLD_DROPS: PerCpuArray<HoldDropSlot> = PerCpuArray::with_max_entries(HOL
 #[map]
 static DROP_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
+/// Refusal-sample rate limiter per CPU, like `DROP_RATE` and with its budget, kept apart so a
+/// drop storm does not silence refusal samples.
+#[map]
+static REFUSAL_RATE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
 /// Field offsets of the refusal tracepoints (one entry), written by userspace before they
 /// attach.
 #[map]

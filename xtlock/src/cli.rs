@@ -311,7 +311,8 @@ pub struct TraceArgs {
 #[command(next_help_heading = "Packet drops and conntrack")]
 pub struct DropArgs {
     /// Drop samples (with addresses) sent from the kernel, per second per CPU, e.g. 100/s;
-    /// 0 for counts only. Counts stay exact whatever the rate.
+    /// 0 for counts only. Refusal samples get the same budget, apart. Counts stay exact
+    /// whatever the rate.
     #[arg(long, value_name = "N/s", default_value = "100/s", value_parser = parse_rate)]
     pub drop_samples: u32,
     /// Drop reasons to watch, as this kernel spells them (e.g. NETFILTER_DROP,NO_SOCKET;

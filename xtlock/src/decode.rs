@@ -266,6 +266,25 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 dport: e.dport,
             })
         }
+        K::Refusal => {
+            need(kind, b, sizes::REFUSAL)?;
+            let e: common::RefusalEvent = read(b);
+            let addr = |a: &[u8; 16]| ip_addr(e.family, a);
+            Event::Refusal(RefusalSample {
+                ts_ns: hdr.ts_ns,
+                tgid: hdr.tgid,
+                hold_start_ns: e.hold_start_ns,
+                netns: e.netns,
+                kind: e.kind,
+                detail: e.detail,
+                l4proto: e.l4proto,
+                // Without the packet's header only the destination is known.
+                saddr: (e.l4proto != 0).then(|| addr(&e.saddr)).flatten(),
+                daddr: addr(&e.daddr),
+                sport: e.sport,
+                dport: e.dport,
+            })
+        }
         K::Drop => {
             need(kind, b, sizes::DROP)?;
             let e: common::DropEvent = read(b);

@@ -495,6 +495,27 @@ pub struct DropSample {
     pub dport: u16,
 }
 
+/// One refusal sampled in the kernel (rate limited: exact numbers come from
+/// [`RefusalCounts`]), with the refused packet's addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefusalSample {
+    pub ts_ns: u64,
+    pub tgid: u32,
+    /// The hold in progress when it happened (its acquire time); 0: none.
+    pub hold_start_ns: u64,
+    pub netns: u32,
+    /// `xtlock_common::REFUSAL_*`.
+    pub kind: u8,
+    /// ICMP code or reset reason; `xtlock_common::REFUSAL_NO_DETAIL` when none.
+    pub detail: u32,
+    /// IP protocol; 0 when the packet's header was not read (only the destination known).
+    pub l4proto: u8,
+    pub saddr: Option<IpAddr>,
+    pub daddr: Option<IpAddr>,
+    pub sport: u16,
+    pub dport: u16,
+}
+
 /// Drops of one (location, reason, netns) in one interval.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DropCount {
@@ -555,11 +576,16 @@ pub struct RefusalCounts {
 }
 
 /// Drops during one hold, counted in the kernel while it went on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HoldDropCount {
     /// The hold's acquire time (its lock event's).
     pub start_ns: u64,
     pub count: u64,
+    /// Per drop reason (`skb_drop_reason`), sorted: exact, counted in the kernel. Their sum
+    /// falls short of `count` by drops of reasons the kernel had no room to count apart
+    /// (more than `xtlock_common::HOLD_DROP_REASONS` on one CPU in one hold). Empty in
+    /// captures made before xtlock counted them.
+    pub by_reason: Vec<(u32, u64)>,
 }
 
 /// Conntrack statistics counters (`/proc/net/stat/nf_conntrack`, summed over CPUs).
@@ -938,6 +964,8 @@ pub enum Event {
     Drop(DropSample),
     /// A connection conntrack refused (kernel event).
     ConntrackFail(ConntrackFail),
+    /// A sampled refusal (kernel event).
+    Refusal(RefusalSample),
     XtReplace(XtReplaceEvent),
     /// Synthetic: a hold that began before tracing did.
     LockSeed(LockSeed),
@@ -990,6 +1018,7 @@ impl Event {
             Event::Lost { ts_ns, .. } => *ts_ns,
             Event::Drop(e) => e.ts_ns,
             Event::ConntrackFail(e) => e.ts_ns,
+            Event::Refusal(e) => e.ts_ns,
             Event::XtReplace(e) => e.ts_ns,
             Event::LockSeed(e) => e.ts_ns,
             Event::DropCounts(e) => e.ts_ns,

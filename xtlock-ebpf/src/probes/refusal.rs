@@ -9,15 +9,18 @@
 //! tied to a hold with no guess about intervals. Refusals are rare next to drops (one per
 //! refused connection), so no cache sits in front of the map. Offsets come from the
 //! tracepoints' format files (`REFUSAL_CONFIG`) and BTF (`CONFIG`).
-use aya_ebpf::{macros::tracepoint, programs::TracePointContext};
+use aya_ebpf::{
+    macros::{kprobe, tracepoint},
+    programs::{ProbeContext, TracePointContext},
+};
 use xtlock_common::{
-    AnsweredSkb, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6, NO_FIELD,
-    REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
+    AnsweredSkb, EventKind, RefusalEvent, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6,
+    NO_FIELD, REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
 };
 
 use crate::{
-    emit::{cfg, count_in, field, kread, netns_of, now},
-    ANSWERED, HOLD_NOW, REFUSAL_CONFIG, REFUSAL_COUNTS, REFUSAL_OVERFLOW,
+    emit::{cfg, count_in, field, header, kread, netns_of, now, reserve, take_token},
+    ANSWERED, HOLD_NOW, REFUSAL_CONFIG, REFUSAL_COUNTS, REFUSAL_OVERFLOW, REFUSAL_RATE,
 };
 
 const AF_INET: u16 = 2;
@@ -45,6 +48,7 @@ pub fn tcp_send_reset(ctx: TracePointContext) -> u32 {
         answered(skb);
     }
     count(&mut key);
+    sample(&key, skb);
     0
 }
 
@@ -58,6 +62,7 @@ pub fn tcp_receive_reset(ctx: TracePointContext) -> u32 {
     let sk: u64 = opt_field(&ctx, c.rrst_sk).unwrap_or(0);
     key.netns = netns(0, sk);
     count(&mut key);
+    sample(&key, 0);
     0
 }
 
@@ -69,25 +74,50 @@ pub fn icmp_send(ctx: TracePointContext) -> u32 {
     if opt_field::<i32>(&ctx, c.icmp_type) != Some(ICMP_DEST_UNREACH) {
         return 0;
     }
-    let mut key = blank(REFUSAL_ICMP_UNREACH);
-    if let Some(code) = opt_field::<i32>(&ctx, c.icmp_code) {
-        key.detail = code as u32;
-    }
+    let code = opt_field::<i32>(&ctx, c.icmp_code);
     let skb: u64 = opt_field(&ctx, c.icmp_skb).unwrap_or(0);
-    // The refused packet's own headers: the tracepoint has ports only for UDP.
-    if skb == 0 || cfg(|c| &c.skb_ok) == 0 || read_dest(skb, &mut key).is_none() {
+    icmp_unreach(skb, code, |key| {
+        // The tracepoint's own fields: ports only for UDP.
         if let Some(a) = opt_field::<[u8; 4]>(&ctx, c.icmp_daddr) {
             key.addr[..4].copy_from_slice(&a);
             key.family = DROP_FAMILY_INET;
         }
         key.port = opt_field(&ctx, c.icmp_dport).unwrap_or(0);
+    });
+    0
+}
+
+/// The fallback of `icmp_send` where the tracepoint does not exist (5.10, for one; Debian's
+/// 6.1 has it): `__icmp_send(struct sk_buff *skb_in, int type, int code, ...)` at
+/// its entry, the prototype checked against BTF by userspace. At the entry, so a message
+/// the ICMP rate limits then hold back is counted too (the tracepoint fires after them).
+#[kprobe]
+pub fn icmp_send_kprobe(ctx: ProbeContext) -> u32 {
+    if ctx.arg::<i32>(1) != Some(ICMP_DEST_UNREACH) {
+        return 0;
+    }
+    let skb: u64 = ctx.arg(0).unwrap_or(0);
+    icmp_unreach(skb, ctx.arg::<i32>(2), |_| {});
+    0
+}
+
+/// Counts an ICMP destination unreachable answering `skb`: the destination from the
+/// refused packet's own headers, else from `fallback`.
+#[inline(always)]
+fn icmp_unreach(skb: u64, code: Option<i32>, fallback: impl FnOnce(&mut RefusalKey)) {
+    let mut key = blank(REFUSAL_ICMP_UNREACH);
+    if let Some(code) = code {
+        key.detail = code as u32;
+    }
+    if skb == 0 || cfg(|c| &c.skb_ok) == 0 || read_dest(skb, &mut key).is_none() {
+        fallback(&mut key);
     }
     key.netns = netns(skb, 0);
     if skb != 0 {
         answered(skb);
     }
     count(&mut key);
-    0
+    sample(&key, skb);
 }
 
 #[inline(always)]
@@ -147,6 +177,19 @@ fn read_end(ctx: &TracePointContext, a: &TpAddr, key: &mut RefusalKey) {
 /// Destination address and port of the IPv4 packet `skb` (what the client asked for).
 #[inline(always)]
 fn read_dest(skb: u64, key: &mut RefusalKey) -> Option<()> {
+    let (hdr, ports) = ipv4(skb)?;
+    key.family = DROP_FAMILY_INET;
+    key.addr[..4].copy_from_slice(&hdr[16..20]);
+    if let Some((_, dport)) = ports {
+        key.port = dport;
+    }
+    Some(())
+}
+
+/// The IPv4 header of the packet `skb`, and its TCP/UDP ports (first fragment only); `None`
+/// when it is not IPv4 or cannot be read.
+#[inline(always)]
+fn ipv4(skb: u64) -> Option<([u8; 20], Option<(u16, u16)>)> {
     let head: u64 = kread(skb, cfg(|c| &c.skb_head) as u32)?;
     let nh: u16 = kread(skb, cfg(|c| &c.skb_network_header) as u32)?;
     if head == 0 || nh == HEADER_UNSET {
@@ -157,14 +200,18 @@ fn read_dest(skb: u64, key: &mut RefusalKey) -> Option<()> {
     if hdr[0] >> 4 != 4 {
         return None;
     }
-    key.family = DROP_FAMILY_INET;
-    key.addr[..4].copy_from_slice(&hdr[16..20]);
     let frag_off = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
-    if frag_off == 0 && (hdr[9] == IPPROTO_TCP || hdr[9] == IPPROTO_UDP) {
-        let ports: [u8; 4] = kread(ip + u64::from(hdr[0] & 0x0f) * 4, 0)?;
-        key.port = u16::from_be_bytes([ports[2], ports[3]]);
-    }
-    Some(())
+    let ports = if frag_off == 0 && (hdr[9] == IPPROTO_TCP || hdr[9] == IPPROTO_UDP) {
+        kread::<[u8; 4]>(ip + u64::from(hdr[0] & 0x0f) * 4, 0).map(|p| {
+            (
+                u16::from_be_bytes([p[0], p[1]]),
+                u16::from_be_bytes([p[2], p[3]]),
+            )
+        })
+    } else {
+        None
+    };
+    Some((hdr, ports))
 }
 
 /// The packet's netns (its device's, else its socket's), else the socket's.
@@ -188,6 +235,54 @@ fn netns(skb: u64, sk: u64) -> u32 {
         return 0;
     }
     kread(net, cfg(|c| &c.net_ns_inum) as u32).unwrap_or(0)
+}
+
+/// A sample of the refusal when this CPU has a token: the refused packet's addresses and
+/// ports from `skb` (IPv4), else the key's destination alone.
+#[inline(always)]
+fn sample(key: &RefusalKey, skb: u64) {
+    if !take_token(&REFUSAL_RATE) {
+        return;
+    }
+    let Some(mut entry) = reserve::<RefusalEvent>() else {
+        return;
+    };
+    let mut ev = RefusalEvent {
+        hdr: header(EventKind::Refusal, now()),
+        hold_start_ns: key.hold_start_ns,
+        netns: key.netns,
+        detail: key.detail,
+        kind: key.kind,
+        family: key.family,
+        l4proto: 0,
+        _pad: 0,
+        sport: 0,
+        dport: key.port,
+        saddr: [0; 16],
+        daddr: key.addr,
+    };
+    if skb != 0 && cfg(|c| &c.skb_ok) != 0 {
+        let _ = read_tuple(skb, &mut ev);
+    }
+    entry.write(ev);
+    entry.submit(crate::emit::wake_flags());
+}
+
+/// The IPv4 packet's addresses, protocol and ports (rare: samples only).
+#[inline(always)]
+fn read_tuple(skb: u64, ev: &mut RefusalEvent) -> Option<()> {
+    let (hdr, ports) = ipv4(skb)?;
+    ev.family = DROP_FAMILY_INET;
+    ev.l4proto = hdr[9];
+    ev.saddr = [0; 16];
+    ev.daddr = [0; 16];
+    ev.saddr[..4].copy_from_slice(&hdr[12..16]);
+    ev.daddr[..4].copy_from_slice(&hdr[16..20]);
+    if let Some((sport, dport)) = ports {
+        ev.sport = sport;
+        ev.dport = dport;
+    }
+    Some(())
 }
 
 /// Remembers the packet answered, for the drop hook (see `ANSWERED`).

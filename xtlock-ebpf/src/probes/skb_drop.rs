@@ -19,12 +19,15 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, TracePointContext},
 };
 use xtlock_common::{
-    drop_cache_slot, DropEvent, DropKey, EventKind, ProbeConfig, DROP_FAMILY_INET,
-    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
+    drop_cache_slot, DropEvent, DropKey, EventKind, HoldDropSlot, ProbeConfig, DROP_FAMILY_INET,
+    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_REASONS, HOLD_DROP_SLOTS,
 };
 
 use crate::{
-    emit::{btf_read, cfg, count_in, field, field_fast, header, kread, netns_of, now, reserve},
+    emit::{
+        btf_read, cfg, count_in, field, field_fast, header, kread, netns_of, now, reserve,
+        take_token,
+    },
     probes::refusal::was_answered,
     CONFIG, DROP_CACHE, DROP_COUNTS, DROP_OVERFLOW, DROP_RATE, DROP_REASONS, HOLD_DROPS, HOLD_NOW,
 };
@@ -139,8 +142,8 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
         reason,
         netns,
     });
-    count_for_hold();
-    if !take_token() {
+    count_for_hold(reason);
+    if !take_token(&DROP_RATE) {
         return;
     }
     let protocol = protocol();
@@ -195,9 +198,11 @@ fn count_drop(key: &DropKey) {
     count_in(&DROP_COUNTS, &DROP_OVERFLOW, key);
 }
 
-/// Adds the drop to the hold of a watched lock in progress, if one is.
+/// Adds the drop to the hold of a watched lock in progress, if one is, and to its reason's
+/// entry in the hold's slot: no map lookup beyond the slot's, entries claimed in order so
+/// the first free one ends the search (at most `HOLD_DROP_REASONS` compares, unrolled).
 #[inline(always)]
-fn count_for_hold() {
+fn count_for_hold(reason: u32) {
     let Some(h) = HOLD_NOW.get(0) else {
         return;
     };
@@ -209,40 +214,25 @@ fn count_for_hold() {
         return;
     };
     // SAFETY: per-CPU slot; this CPU is the only writer.
-    unsafe {
-        if (*slot).start_ns == start_ns {
-            (*slot).count += 1;
-        } else {
-            (*slot).start_ns = start_ns;
-            (*slot).count = 1;
+    let s = unsafe { &mut *slot };
+    if s.start_ns != start_ns {
+        *s = HoldDropSlot {
+            start_ns,
+            ..HoldDropSlot::default()
+        };
+    }
+    s.count += 1;
+    for i in 0..HOLD_DROP_REASONS {
+        if s.counts[i] == 0 {
+            s.reasons[i] = reason;
+            s.counts[i] = 1;
+            return;
+        }
+        if s.reasons[i] == reason {
+            s.counts[i] = s.counts[i].wrapping_add(1);
+            return;
         }
     }
-}
-
-/// GCRA rate limiter per CPU: at most `burst` samples at once, then one per interval.
-#[inline(always)]
-fn take_token() -> bool {
-    // SAFETY: one field of the frozen CONFIG, read as `cfg` does for u32 fields.
-    let interval = unsafe { core::ptr::read_volatile(&CONFIG.drop_sample_interval_ns) };
-    if interval == 0 {
-        return false;
-    }
-    let Some(tat) = DROP_RATE.get_ptr_mut(0) else {
-        return false;
-    };
-    let now = now();
-    // SAFETY: per-CPU slot; this CPU is the only writer.
-    let t = unsafe { *tat };
-    let t = if t > now { t } else { now };
-    // No overflow: userspace keeps interval * burst around one second.
-    let burst = cfg(|c| &c.drop_sample_burst) as u32;
-    let tolerance = interval.wrapping_mul(u64::from(burst.saturating_sub(1)));
-    if t - now > tolerance {
-        return false;
-    }
-    // SAFETY: as above.
-    unsafe { *tat = t + interval };
-    true
 }
 
 /// Addresses, protocol and ports of an IPv4/IPv6 packet, from its network header.

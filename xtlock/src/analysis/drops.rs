@@ -84,6 +84,8 @@ struct Tally {
     by_class: BTreeMap<DropClass, u64>,
     by_reason: BTreeMap<String, u64>,
     samples: u64,
+    /// The kernel's per-reason counts of the read that gave `dropped`, when it had them.
+    kernel_reasons: Option<Vec<(u32, u64)>>,
 }
 
 #[derive(Debug, Default)]
@@ -133,7 +135,7 @@ fn packet_info(s: &DropSample) -> Option<PacketInfo> {
     packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport)
 }
 
-fn packet(
+pub(super) fn packet(
     l4proto: u8,
     saddr: Option<IpAddr>,
     daddr: Option<IpAddr>,
@@ -544,6 +546,9 @@ impl DropTracker {
             for hc in &c.holds {
                 if let Some(h) = by_start.get(&hc.start_ns) {
                     if let Some(t) = self.tally(h) {
+                        if hc.count >= t.dropped && !hc.by_reason.is_empty() {
+                            t.kernel_reasons = Some(hc.by_reason.clone());
+                        }
                         t.dropped = t.dropped.max(hc.count);
                     }
                 }
@@ -579,10 +584,48 @@ impl DropTracker {
             .collect();
     }
 
+    /// A hold's drops by reason name and by class from the kernel's exact per-reason counts.
+    /// A reason other than NETFILTER_DROP is class `other`; NETFILTER_DROP drops are split
+    /// among the netfilter classes as the hold's samples were (conntrack's refusals and a
+    /// rule's share that reason, and only the conntrack deltas tell them apart), all of
+    /// them `netfilter_drop` without samples. Reasons the kernel had no room for are
+    /// `(other reasons)`.
+    fn exact_kinds(
+        &self,
+        t: &Tally,
+        kernel: &[(u32, u64)],
+    ) -> (BTreeMap<DropClass, u64>, BTreeMap<String, u64>) {
+        let mut by_reason = BTreeMap::new();
+        let mut by_class = BTreeMap::new();
+        let mut netfilter = 0;
+        for &(r, n) in kernel {
+            let name = self.reason_name(r);
+            if name == "NETFILTER_DROP" {
+                netfilter += n;
+            } else {
+                *by_class.entry(DropClass::Other).or_default() += n;
+            }
+            add(&mut by_reason, &name, n);
+        }
+        let named: u64 = kernel.iter().map(|&(_, n)| n).sum();
+        let rest = t.dropped.saturating_sub(named);
+        if rest > 0 {
+            add(&mut by_reason, "(other reasons)", rest);
+            *by_class.entry(DropClass::Other).or_default() += rest;
+        }
+        for (class, n) in split_like(netfilter, &t.by_class) {
+            *by_class.entry(class).or_default() += n;
+        }
+        (by_class, by_reason)
+    }
+
     fn report(&mut self, t: Tally, out: &mut impl FnMut(Output)) {
         if t.dropped == 0 && t.samples == 0 {
             return;
         }
+        let exact = t.kernel_reasons.as_deref().map(|k| self.exact_kinds(&t, k));
+        let exact_reasons = exact.is_some();
+        let (by_class, by_reason) = exact.unwrap_or((t.by_class, t.by_reason));
         let f = HoldDropsFact {
             lock: t.hold.lock,
             pid: t.hold.pid,
@@ -593,9 +636,10 @@ impl DropTracker {
             // Each sample is a packet dropped inside the hold: a floor for a kernel count
             // that missed the hold (not read yet, or a capture without per-hold counts).
             dropped: t.dropped.max(t.samples),
-            by_class: t.by_class,
-            by_reason: t.by_reason,
+            by_class,
+            by_reason,
             samples: t.samples,
+            exact_reasons,
         };
         self.stats.during_holds += f.dropped;
         self.worst.push(f.clone());
@@ -637,8 +681,50 @@ impl Tally {
             by_class: BTreeMap::new(),
             by_reason: BTreeMap::new(),
             samples: 0,
+            kernel_reasons: None,
         }
     }
+}
+
+/// `n` NETFILTER_DROP drops split among the netfilter classes in the proportions of the
+/// sampled ones (largest remainders, so the parts add up to `n`); all `netfilter_drop`
+/// when no netfilter drop was sampled.
+fn split_like(n: u64, sampled: &BTreeMap<DropClass, u64>) -> Vec<(DropClass, u64)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let nf: Vec<(DropClass, u64)> = sampled
+        .iter()
+        .filter(|(c, k)| **c != DropClass::Other && **k > 0)
+        .map(|(c, k)| (*c, *k))
+        .collect();
+    let total: u64 = nf.iter().map(|(_, k)| k).sum();
+    if total == 0 {
+        return vec![(DropClass::NetfilterDrop, n)];
+    }
+    let wide = |x: u64| u128::from(x);
+    let mut parts: Vec<(DropClass, u64, u128)> = nf
+        .iter()
+        .map(|&(c, k)| {
+            let p = wide(n) * wide(k);
+            // Below n: the quotient fits in u64.
+            (c, (p / wide(total)) as u64, p % wide(total))
+        })
+        .collect();
+    let mut left = n - parts.iter().map(|p| p.1).sum::<u64>();
+    parts.sort_by_key(|p| std::cmp::Reverse(p.2));
+    for p in &mut parts {
+        if left == 0 {
+            break;
+        }
+        p.1 += 1;
+        left -= 1;
+    }
+    parts
+        .into_iter()
+        .filter(|p| p.1 > 0)
+        .map(|(c, k, _)| (c, k))
+        .collect()
 }
 
 #[cfg(test)]

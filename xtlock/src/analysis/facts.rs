@@ -52,6 +52,8 @@ pub enum Output {
     RefusalCount(RefusalCountFact),
     /// The refusals that happened while one hold lasted.
     HoldRefusals(HoldRefusalsFact),
+    /// One refusal sampled in the kernel, with the refused connection.
+    Refusal(RefusalFact),
 }
 
 impl Output {
@@ -78,6 +80,7 @@ impl Output {
             Output::IpvsCount(c) => c.ts_ns,
             Output::RefusalCount(r) => r.ts_ns,
             Output::HoldRefusals(h) => h.start_ns,
+            Output::Refusal(r) => r.ts_ns,
         }
     }
 }
@@ -842,10 +845,15 @@ pub struct HoldDropsFact {
     pub hold_ns: u64,
     /// Watched drops while the hold went on, counted in the kernel: exact.
     pub dropped: u64,
-    /// Sampled drops inside the hold, by class and by reason name: what the drops were.
+    /// What the drops were, by class and by reason name: exact when `exact_reasons` (the
+    /// kernel counted each reason during the hold; drops of reasons it had no room for are
+    /// under `(other reasons)`), else from the samples inside the hold.
     pub by_class: BTreeMap<DropClass, u64>,
     pub by_reason: BTreeMap<String, u64>,
     pub samples: u64,
+    /// Whether `by_reason` and `by_class` are the kernel's exact counts (captures made before
+    /// it counted reasons per hold have samples only).
+    pub exact_reasons: bool,
 }
 
 /// How the node turned a connection away.
@@ -894,6 +902,27 @@ pub struct RefusalCountFact {
     pub rule: Option<String>,
 }
 
+/// One refusal sampled in the kernel (rate limited, like drop samples; the counts are
+/// exact apart): `{"type":"refusal",...}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RefusalFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    pub kind: RefusalKind,
+    pub detail: String,
+    /// As in [`RefusalCountFact`]: the refused destination, the peer for resets received.
+    pub dest: String,
+    /// The refused packet's addresses, protocol and ports, when its header was read (ICMP
+    /// unreachable and resets sent, IPv4); resets received have `dest` only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub packet: Option<PacketInfo>,
+    /// The task that was running (often softirq context: unrelated).
+    pub pid: u32,
+    /// The hold in progress, as the kernel tagged it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+}
+
 /// Refusals of one kind to one destination inside a hold.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RefusalGroup {
@@ -905,6 +934,9 @@ pub struct RefusalGroup {
     /// The REJECT rule behind them, when the rule reads know it (see [`RefusalCountFact`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rule: Option<String>,
+    /// One refused packet of the group, from the samples (absent when none was sampled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<PacketInfo>,
 }
 
 /// The refusals that happened while one hold lasted: `{"type":"hold_refusals",...}`.

@@ -922,6 +922,7 @@ impl LockMachine {
             Event::Exec(_)
             | Event::Proc(_)
             | Event::Drop(_)
+            | Event::Refusal(_)
             | Event::ConntrackFail(_)
             | Event::DropCounts(_)
             | Event::Conntrack(_)

@@ -25,7 +25,7 @@ pub use facts::{
     ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
     ExitFact, FailedTryFact, ForeignChange, HoldDropsFact, HoldFact, HoldRef, HoldRefusalsFact,
     HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output,
-    PacketInfo, RefusalCountFact, RefusalGroup, RefusalKind, Restored, RuleChangeFact,
+    PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup, RefusalKind, Restored, RuleChangeFact,
     RuleWriteFact, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use iptables_run::IptablesRun;
@@ -127,6 +127,12 @@ impl Analyzer {
                 let hold = self.hold_at(s.ts_ns);
                 self.drops
                     .on_sample(s, hold, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::Refusal(s) => {
+                let open = self.holds_overlapping(s.ts_ns, s.ts_ns);
+                self.refusals
+                    .on_sample(s, &open, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::ConntrackFail(c) => {

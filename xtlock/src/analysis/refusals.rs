@@ -17,9 +17,10 @@ use xtlock_common::{
 
 use super::drops::add;
 use super::facts::{
-    HoldFact, HoldRef, HoldRefusalsFact, Output, RefusalCountFact, RefusalGroup, RefusalKind,
+    HoldFact, HoldRef, HoldRefusalsFact, Output, PacketInfo, RefusalCountFact, RefusalFact,
+    RefusalGroup, RefusalKind,
 };
-use crate::decode::{RefusalCount, RefusalCounts};
+use crate::decode::{RefusalCount, RefusalCounts, RefusalSample};
 
 /// Ended holds remembered for counts that arrive after them.
 const MAX_ENDED_HOLDS: usize = 1024;
@@ -58,6 +59,8 @@ struct Tally {
     /// A count of each group, to name the rule behind it when the hold is reported (the
     /// first counts of a namespace may come before its table was read).
     first: BTreeMap<GroupKey, RefusalCount>,
+    /// The first sampled packet of each group.
+    examples: BTreeMap<GroupKey, PacketInfo>,
 }
 
 #[derive(Debug, Default)]
@@ -200,7 +203,7 @@ impl RefusalTracker {
                     h,
                     (f.kind, f.detail.clone(), f.dest.clone(), f.netns),
                     f.count,
-                    rc,
+                    Some(rc),
                 );
             }
             out(Output::RefusalCount(f));
@@ -220,6 +223,39 @@ impl RefusalTracker {
         for t in done {
             self.report(t, rule_of, out);
         }
+    }
+
+    /// A sampled refusal: a fact of its own, with the refused packet where it was read.
+    pub fn on_sample(&mut self, s: &RefusalSample, open: &[HoldRef], out: &mut impl FnMut(Output)) {
+        let Some(kind) = kind_of(s.kind) else {
+            return;
+        };
+        let packet = (s.l4proto != 0)
+            .then(|| super::drops::packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport))
+            .flatten();
+        let f = RefusalFact {
+            ts_ns: s.ts_ns,
+            netns: s.netns,
+            kind,
+            detail: self.detail(kind, s.detail),
+            dest: dest_text(s.daddr, s.dport),
+            packet,
+            pid: s.tgid,
+            hold: self.hold(s.hold_start_ns, open),
+        };
+        // The hold's group gets it as its example (the counts add the number).
+        if let (Some(h), Some(p)) = (&f.hold, &f.packet) {
+            let key = (f.kind, f.detail.clone(), f.dest.clone(), f.netns);
+            self.tally(h, key.clone(), 0, None);
+            if let Some(t) = self
+                .tallies
+                .iter_mut()
+                .find(|t| t.hold.start_ns == h.start_ns && t.hold.lock == h.lock)
+            {
+                t.examples.entry(key).or_insert_with(|| p.clone());
+            }
+        }
+        out(Output::Refusal(f));
     }
 
     fn fact(
@@ -243,7 +279,8 @@ impl RefusalTracker {
         })
     }
 
-    fn tally(&mut self, h: &HoldRef, key: GroupKey, n: u64, rc: &RefusalCount) {
+    /// Adds `n` to a hold's group; `rc`, a count of it, names its rule when reported.
+    fn tally(&mut self, h: &HoldRef, key: GroupKey, n: u64, rc: Option<&RefusalCount>) {
         let i = match self
             .tallies
             .iter()
@@ -255,6 +292,7 @@ impl RefusalTracker {
                     hold: h.clone(),
                     groups: BTreeMap::new(),
                     first: BTreeMap::new(),
+                    examples: BTreeMap::new(),
                 });
                 self.tallies.len() - 1
             }
@@ -264,7 +302,9 @@ impl RefusalTracker {
         if t.hold.hold_ns.is_none() {
             t.hold.hold_ns = h.hold_ns;
         }
-        t.first.entry(key.clone()).or_insert(*rc);
+        if let Some(rc) = rc {
+            t.first.entry(key.clone()).or_insert(*rc);
+        }
         *t.groups.entry(key).or_default() += n;
     }
 
@@ -274,11 +314,15 @@ impl RefusalTracker {
         rule_of: &dyn Fn(&RefusalCount) -> Option<String>,
         out: &mut impl FnMut(Output),
     ) {
+        let mut examples = t.examples;
         let mut groups: Vec<RefusalGroup> = t
             .groups
             .into_iter()
+            // A sample's group whose count did not come (cannot happen: each is counted).
+            .filter(|(_, count)| *count > 0)
             .map(|(key, count)| {
                 let rule = t.first.get(&key).and_then(rule_of);
+                let example = examples.remove(&key);
                 let (kind, detail, dest, netns) = key;
                 RefusalGroup {
                     kind,
@@ -287,6 +331,7 @@ impl RefusalTracker {
                     netns,
                     count,
                     rule,
+                    example,
                 }
             })
             .collect();

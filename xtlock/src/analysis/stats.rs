@@ -394,7 +394,7 @@ impl Stats {
             // Counted by the IPVS tracker.
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
             // Counted by the refusal tracker.
-            Output::RefusalCount(_) | Output::HoldRefusals(_) => {}
+            Output::RefusalCount(_) | Output::HoldRefusals(_) | Output::Refusal(_) => {}
         }
     }
 

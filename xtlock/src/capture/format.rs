@@ -541,6 +541,15 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
                 put_varint(out, h.start_ns);
                 put_varint(out, h.count);
             }
+            // Then each hold's reasons, in the same order (appended later still: readers of
+            // the per-hold counts alone stop before them).
+            for h in &c.holds {
+                put_varint(out, h.by_reason.len() as u64);
+                for &(reason, n) in &h.by_reason {
+                    put_varint(out, u64::from(reason));
+                    put_varint(out, n);
+                }
+            }
             KIND_DROP_COUNTS
         }
         Event::Conntrack(c) => {
@@ -736,7 +745,24 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                     holds.push(HoldDropCount {
                         start_ns: r.varint("start_ns")?,
                         count: r.varint("count")?,
+                        by_reason: Vec::new(),
                     });
+                }
+            }
+            // Each hold's drops per reason, absent in captures from before they were counted.
+            if r.remaining() > 0 {
+                for h in &mut holds {
+                    let k = r.varint("hold reasons")?;
+                    if k > r.remaining() as u64 / 2 {
+                        return Err(format!(
+                            "{k} hold reasons exceed the {} bytes left",
+                            r.remaining()
+                        ));
+                    }
+                    for _ in 0..k {
+                        h.by_reason
+                            .push((r.u32("hold reason")?, r.varint("hold reason count")?));
+                    }
                 }
             }
             Event::DropCounts(DropCounts {

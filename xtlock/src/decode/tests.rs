@@ -32,6 +32,45 @@ fn conntrack_fail_decodes() {
     assert!(decode(&bytes(&e)[..60]).is_err());
 }
 
+/// A sampled refusal: its tuple when the packet was read; the destination alone (no
+/// made-up source) when it was not.
+#[test]
+fn refusal_sample_decodes() {
+    let mut saddr = [0u8; 16];
+    saddr[..4].copy_from_slice(&[10, 0, 0, 9]);
+    let mut daddr = [0u8; 16];
+    daddr[..4].copy_from_slice(&[10, 96, 0, 15]);
+    let mut e = common::RefusalEvent {
+        hdr: header(common::EventKind::Refusal, 5, 5, 1000),
+        hold_start_ns: 900,
+        netns: 7,
+        detail: 3,
+        kind: common::REFUSAL_ICMP_UNREACH,
+        family: common::DROP_FAMILY_INET,
+        l4proto: 6,
+        _pad: 0,
+        sport: 40312,
+        dport: 80,
+        saddr,
+        daddr,
+    };
+    let Event::Refusal(r) = decode(&bytes(&e)).unwrap() else {
+        panic!("not a refusal");
+    };
+    assert_eq!(r.saddr, Some("10.0.0.9".parse().unwrap()));
+    assert_eq!(r.daddr, Some("10.96.0.15".parse().unwrap()));
+    assert_eq!(
+        (r.sport, r.dport, r.netns, r.hold_start_ns),
+        (40312, 80, 7, 900)
+    );
+    e.l4proto = 0;
+    let Event::Refusal(r) = decode(&bytes(&e)).unwrap() else {
+        panic!("not a refusal");
+    };
+    assert_eq!((r.saddr, r.dport), (None, 80));
+    assert!(decode(&bytes(&e)[..60]).is_err());
+}
+
 /// An event header: kind, process, thread and time.
 fn header(kind: common::EventKind, tgid: u32, tid: u32, ts_ns: u64) -> common::EventHeader {
     common::EventHeader {

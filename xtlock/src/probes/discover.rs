@@ -90,7 +90,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     let raw_lock = discover_raw_lock(&mut config, &btf);
     let raw_drop = discover_raw_drop(&mut config, &btf);
     let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
-    wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+    wanted.extend(super::hooks::tracepoint_fallbacks());
     let kfunc = kfunc::discover(
         tracefs,
         btf.as_ref().map_err(|e| e.to_string()),

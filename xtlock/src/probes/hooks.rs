@@ -111,6 +111,50 @@ pub const GETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
     Some(("getsockopt_syscall_fexit", "getsockopt_syscall_kretprobe")),
 );
 
+/// `__icmp_send` at its entry: counts ICMP refusals where `icmp:icmp_send` does not exist.
+pub const ICMP_SEND_FN: KfuncHook = KfuncHook {
+    name: "icmp_send_fn",
+    purpose: "ICMP destination unreachable sent (icmp_send's fallback), seen at the entry of \
+              the function behind the tracepoint: messages the ICMP rate limits then hold \
+              back are counted too",
+    // `icmp_send` itself before __icmp_send took an options argument (Linux 5.6).
+    functions: &["__icmp_send", "icmp_send"],
+    module: None,
+    fentry: None,
+    fexit: None,
+    kprobe: Some("icmp_send_kprobe"),
+    kretprobe: None,
+    kprobe_first: None,
+    setup: None,
+    // `void __icmp_send(struct sk_buff *skb_in, int type, int code, __be32 info, ...)`.
+    reads: Some(Reads {
+        args: &[Want::Ptr("sk_buff"), Want::Int, Want::Int],
+        fexit_params: None,
+        ret: Want::Any,
+    }),
+};
+
+/// Function hooks tried when a tracepoint hook cannot attach (the tracepoint is missing on
+/// older kernels): unlike [`Hook::fallback`], the tracepoint stays the first choice, since
+/// it fires where the kernel means it (after rate limits) at no kprobe's cost.
+pub const TRACEPOINT_BACKUPS: &[(&str, &KfuncHook)] = &[(REFUSAL_PROGRAMS[0], &ICMP_SEND_FN)];
+
+/// The function hook tried when `program`'s tracepoint cannot attach, if it has one.
+pub fn backup_of(program: &str) -> Option<&'static KfuncHook> {
+    TRACEPOINT_BACKUPS
+        .iter()
+        .find(|(p, _)| *p == program)
+        .map(|(_, k)| *k)
+}
+
+/// Every function hook the tracepoint hooks may fall back on (for discovery).
+pub fn tracepoint_fallbacks() -> impl Iterator<Item = &'static KfuncHook> {
+    HOOKS
+        .iter()
+        .filter_map(|h| h.fallback)
+        .chain(TRACEPOINT_BACKUPS.iter().map(|(_, k)| *k))
+}
+
 /// Every name `--no-attach HOOK:KIND` accepts: tracepoint hooks and their categories,
 /// kernel-function hooks and fallbacks.
 pub fn hook_names() -> Vec<&'static str> {
@@ -119,6 +163,7 @@ pub fn hook_names() -> Vec<&'static str> {
         names.extend([h.program, h.category]);
         names.extend(h.fallback.map(|f| f.name));
     }
+    names.extend(TRACEPOINT_BACKUPS.iter().map(|(_, k)| k.name));
     names.extend(KFUNC_HOOKS.iter().map(|k| k.name));
     names.sort_unstable();
     names.dedup();
@@ -300,10 +345,10 @@ pub const HOOKS: &[Hook] = &[
         paired_with: None,
         raw_program: None,
         missing: Some(
-            "recent kernels have icmp:icmp_send (Debian's 6.1 too); without it ICMP refusals \
-             are not counted (a REJECTed packet stays counted as a netfilter drop), and the \
-             function behind it (__icmp_send) needs a kprobe, which xtlock does not attach for \
-             this yet",
+            "recent kernels have icmp:icmp_send (Debian's 6.1 too, 5.10 not); without it \
+             xtlock hooks the function behind it, __icmp_send, with a kprobe (icmp_send_fn); \
+             without either, ICMP refusals are not counted (a REJECTed packet stays counted \
+             as a netfilter drop)",
         ),
     },
     Hook {

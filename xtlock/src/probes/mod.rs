@@ -288,10 +288,35 @@ impl Probes {
                         // Why not tp_btf, as the function hooks say why not fentry.
                         attach.push_str(&format!(" (fallback; tp_btf: {})", first_line(r)));
                     }
-                    tp.err().map(|why| match raw {
+                    let err = tp.err().map(|why| match raw {
                         Some(Err(r)) => format!("{why}; tp_btf: {r}"),
                         _ => why,
-                    })
+                    });
+                    // A missing tracepoint's function, hooked instead.
+                    match (err, hooks::backup_of(hook.program)) {
+                        (Some(why), Some(fb)) if !not_asked => {
+                            match kfunc::attach_after(
+                                &mut ebpf,
+                                fb,
+                                &disc.kfunc,
+                                vec![format!("tracepoint: {why}")],
+                            ) {
+                                Ok(a) => {
+                                    attach = a.describe;
+                                    None
+                                }
+                                Err(fn_why) => {
+                                    attach.push_str(&format!(
+                                        ", else {} ({})",
+                                        kfunc::candidates_text(fb),
+                                        fb.name
+                                    ));
+                                    Some(fn_why)
+                                }
+                            }
+                        }
+                        (err, _) => err,
+                    }
                 }
             };
             if hook.required {
@@ -385,7 +410,7 @@ impl Probes {
             return Vec::new();
         }
         let mut wanted: Vec<&KfuncHook> = ready.clone();
-        wanted.extend(HOOKS.iter().filter_map(|h| h.fallback));
+        wanted.extend(hooks::tracepoint_fallbacks());
         // Parsed only for hooks that need it (seconds on a slow machine): their setup, or
         // the prototypes of what they read (in the module's BTF, split on vmlinux's).
         let btf = ready
@@ -490,20 +515,27 @@ impl Probes {
         Ok(())
     }
 
-    /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs. A slot of
-    /// a CPU that still holds an older hold's count adds to that hold.
-    pub fn hold_drop_counts(&self) -> Result<Vec<(u64, u64)>, ProbeError> {
+    /// Drops counted during holds (`HOLD_DROPS`): per hold start, summed over CPUs, with the
+    /// reasons each CPU counted apart. A slot of a CPU that still holds an older hold's
+    /// count adds to that hold.
+    pub fn hold_drop_counts(&self) -> Result<Vec<HoldDrops>, ProbeError> {
         let arr = self.per_cpu_array::<xtlock_common::HoldDropSlot>("HOLD_DROPS")?;
-        let mut by_hold: std::collections::BTreeMap<u64, u64> = Default::default();
+        let mut by_hold: std::collections::BTreeMap<u64, HoldDrops> = Default::default();
         for i in 0..xtlock_common::HOLD_DROP_SLOTS {
             let per_cpu = arr
                 .get(&i, 0)
                 .map_err(|e| ProbeError::Load(format!("reading HOLD_DROPS: {e}")))?;
             for slot in per_cpu.iter().filter(|s| s.start_ns != 0) {
-                *by_hold.entry(slot.start_ns).or_default() += slot.count;
+                by_hold
+                    .entry(slot.start_ns)
+                    .or_insert_with(|| HoldDrops {
+                        start_ns: slot.start_ns,
+                        ..Default::default()
+                    })
+                    .add(slot);
             }
         }
-        Ok(by_hold.into_iter().collect())
+        Ok(by_hold.into_values().collect())
     }
 
     /// The per-CPU array map `name` of the object.
@@ -718,6 +750,32 @@ fn merge_drop_counts<'a>(
         }
     }
     by_key.into_iter().collect()
+}
+
+/// The drops the kernel counted during one hold, summed over CPUs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HoldDrops {
+    pub start_ns: u64,
+    pub count: u64,
+    /// Per reason, sorted; drops of reasons a CPU had no entry left for are in `count` only.
+    pub by_reason: Vec<(u32, u64)>,
+}
+
+impl HoldDrops {
+    /// Adds one CPU's slot.
+    fn add(&mut self, slot: &xtlock_common::HoldDropSlot) {
+        self.count += slot.count;
+        for (&r, &n) in slot.reasons.iter().zip(&slot.counts) {
+            if n == 0 {
+                // Entries are claimed in order: the first free one ends them.
+                break;
+            }
+            match self.by_reason.binary_search_by_key(&r, |&(k, _)| k) {
+                Ok(i) => self.by_reason[i].1 += u64::from(n),
+                Err(i) => self.by_reason.insert(i, (r, u64::from(n))),
+            }
+        }
+    }
 }
 
 #[cfg(test)]

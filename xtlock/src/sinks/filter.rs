@@ -214,6 +214,7 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
             pids: [h.pid, 0],
         }),
         Output::RefusalCount(r) => v.extend(r.hold.iter().map(hold_ref)),
+        Output::Refusal(r) => v.extend(r.hold.iter().map(hold_ref)),
         Output::Drop(d) => v.extend(d.hold.iter().map(hold_ref)),
         Output::ConntrackRefused(c) => v.extend(c.hold.iter().map(hold_ref)),
         Output::DropCount(d) => v.extend(d.holds.iter().map(hold_ref)),

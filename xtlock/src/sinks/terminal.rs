@@ -12,7 +12,8 @@ use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
 pub(crate) use lines::{
-    hold_drops_text, hold_refusals_text, ipvs_text, mixed_backends_text, rule_change_lines,
+    hold_drops_text, hold_refusals_text, ipvs_text, mixed_backends_text, refusal_text,
+    rule_change_lines,
 };
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
@@ -324,6 +325,8 @@ impl<W: Write> Sink for TerminalSink<W> {
                     }
                 }
                 Output::RefusalCount(r) => Some(refusal_count_text(r)),
+                // Samples, like drop samples: shown when asked for.
+                Output::Refusal(r) => self.opts.show_drop_samples.then(|| refusal_text(r)),
                 // Said whatever the hold's length: a refused client is never noise.
                 Output::HoldRefusals(h) => Some(hold_refusals_text(h)),
             };

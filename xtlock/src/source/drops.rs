@@ -524,7 +524,7 @@ impl DropPoller {
         &mut self,
         totals: DropTotals,
         overflow: u64,
-        hold_totals: Vec<(u64, u64)>,
+        hold_totals: Vec<crate::probes::HoldDrops>,
         now_ns: u64,
         interval_ns: u64,
         out: &mut Vec<Event>,
@@ -554,9 +554,15 @@ impl DropPoller {
         // the kernel still has, so it stays as small as the kernel's.
         let mut holds = Vec::new();
         let mut seen = HashMap::with_capacity(hold_totals.len());
-        for (start_ns, count) in hold_totals {
+        for h in hold_totals {
+            let (start_ns, count) = (h.start_ns, h.count);
+            // The reasons' counts move only with the total.
             if self.prev_holds.get(&start_ns) != Some(&count) {
-                holds.push(HoldDropCount { start_ns, count });
+                holds.push(HoldDropCount {
+                    start_ns,
+                    count,
+                    by_reason: h.by_reason,
+                });
             }
             seen.insert(start_ns, count);
         }

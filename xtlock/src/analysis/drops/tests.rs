@@ -53,8 +53,17 @@ fn counts(ts: u64, c: &[(u64, u32, u64)]) -> Event {
     counts_in_holds(ts, c, &[])
 }
 
+/// A hold's count as the kernel gives it: (hold start, drops so far, by reason).
+type HoldCount = (u64, u64, Vec<(u32, u64)>);
+
 /// Drop counts with the kernel's per-hold counts: (hold start, drops so far).
 fn counts_in_holds(ts: u64, c: &[(u64, u32, u64)], holds: &[(u64, u64)]) -> Event {
+    let holds: Vec<HoldCount> = holds.iter().map(|&(s, n)| (s, n, Vec::new())).collect();
+    counts_with_reasons(ts, c, &holds)
+}
+
+/// Drop counts with the kernel's per-hold counts and their reasons.
+fn counts_with_reasons(ts: u64, c: &[(u64, u32, u64)], holds: &[HoldCount]) -> Event {
     Event::DropCounts(DropCounts {
         ts_ns: ts,
         interval_ns: S,
@@ -70,7 +79,13 @@ fn counts_in_holds(ts: u64, c: &[(u64, u32, u64)], holds: &[(u64, u64)]) -> Even
         overflow: 0,
         holds: holds
             .iter()
-            .map(|&(start_ns, count)| crate::decode::HoldDropCount { start_ns, count })
+            .map(
+                |(start_ns, count, by_reason)| crate::decode::HoldDropCount {
+                    start_ns: *start_ns,
+                    count: *count,
+                    by_reason: by_reason.clone(),
+                },
+            )
             .collect(),
     })
 }
@@ -222,6 +237,68 @@ fn drops_during_a_hold_are_reported_with_it() {
         "!! 1,206 packets dropped (netfilter rule drop) during kube-proxy's \
          2.30 s hold of /run/xtables.lock (pid 100)"
     );
+}
+
+/// The kernel's per-reason counts of a hold make its reasons exact, whatever was sampled:
+/// 1,206 drops with one sample say NETFILTER_DROP 1,200 and NO_SOCKET 5, one drop of a
+/// reason the kernel had no room for, and classes that add up to the whole.
+#[test]
+fn the_kernels_reasons_of_a_hold_are_exact() {
+    let mut a = setup();
+    a.process_collect(&lock(S + S / 2, LockOp::Acquired { exclusive: true }));
+    a.process_collect(&ct(2 * S, 0, 0, 1));
+    a.process_collect(&sample(2 * S + 1, NF, 12));
+    a.process_collect(&counts_with_reasons(
+        3 * S,
+        &[(NF, 12, 1200), (UDP, 3, 6)],
+        &[(S + S / 2, 1100, vec![(3, 5), (12, 1095)])],
+    ));
+    a.process_collect(&lock(3 * S + 800_000_000, LockOp::Released));
+    let out = a.process_collect(&counts_with_reasons(
+        4 * S,
+        &[(NF, 12, 6)],
+        &[(S + S / 2, 1206, vec![(3, 5), (12, 1200)])],
+    ));
+    let hd = hold_drops(&out);
+    assert_eq!(hd.len(), 1, "{out:?}");
+    let h = hd[0];
+    assert!(h.exact_reasons);
+    assert_eq!(h.dropped, 1206);
+    assert_eq!(h.samples, 1);
+    assert_eq!(h.by_reason["NETFILTER_DROP"], 1200);
+    assert_eq!(h.by_reason["NO_SOCKET"], 5);
+    assert_eq!(h.by_reason["(other reasons)"], 1);
+    // NETFILTER_DROP as sampled (a rule's: conntrack refused none); the rest `other`.
+    assert_eq!(h.by_class[&DropClass::NetfilterRuleDrop], 1200);
+    assert_eq!(h.by_class[&DropClass::Other], 6);
+    assert_eq!(h.by_class.values().sum::<u64>(), 1206);
+    let text = crate::sinks::terminal::hold_drops_text(h);
+    assert!(
+        text.starts_with("!! 1,206 packets dropped (1,200 netfilter rule drop, 6 other:"),
+        "{text}"
+    );
+}
+
+#[test]
+fn netfilter_drops_split_like_the_samples() {
+    let sampled = [
+        (DropClass::ConntrackTableFull, 1),
+        (DropClass::NetfilterRuleDrop, 2),
+        (DropClass::Other, 9),
+    ]
+    .into();
+    let got = split_like(100, &sampled);
+    assert_eq!(got.iter().map(|p| p.1).sum::<u64>(), 100);
+    assert!(got.contains(&(DropClass::NetfilterRuleDrop, 67)), "{got:?}");
+    assert!(
+        got.contains(&(DropClass::ConntrackTableFull, 33)),
+        "{got:?}"
+    );
+    assert_eq!(
+        split_like(7, &Default::default()),
+        [(DropClass::NetfilterDrop, 7)]
+    );
+    assert!(split_like(0, &sampled).is_empty());
 }
 
 #[test]

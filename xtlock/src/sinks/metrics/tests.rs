@@ -328,6 +328,7 @@ fn refusals_are_counted_by_kind_and_holding_agent() {
                 netns: 7,
                 count: 37,
                 rule: None,
+                example: None,
             }],
         }),
     ] {

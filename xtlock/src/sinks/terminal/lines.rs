@@ -6,8 +6,8 @@ use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
-    HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalKind,
-    StallFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalFact,
+    RefusalKind, StallFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
 
@@ -481,14 +481,36 @@ pub(crate) fn refusal_count_text(f: &RefusalCountFact) -> String {
     s
 }
 
+/// One sampled refusal: "refused: tcp 10.0.0.9:40312 -> 10.96.0.15:80 (ICMP port
+/// unreachable), netns N during ...".
+pub(crate) fn refusal_text(f: &RefusalFact) -> String {
+    let what = refusal_group_text(f.kind, &f.detail, &f.dest, 1, None);
+    let mut s = match &f.packet {
+        Some(p) => format!("sample: {what}: {}", packet_text(p)),
+        None => format!("sample: {what}"),
+    };
+    s.push_str(&format!(", netns {}", f.netns));
+    if let Some(h) = &f.hold {
+        s.push_str(&during(std::slice::from_ref(h)));
+    }
+    s
+}
+
 /// "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable) during kube-proxy's
-/// 2.10 s hold of /run/xtables.lock (pid 42)": the three largest groups, and how many more.
+/// 2.10 s hold of /run/xtables.lock (pid 42)": the three largest groups (each with a sampled
+/// packet, when there is one), and how many more.
 pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
     let mut groups: Vec<String> = h
         .groups
         .iter()
         .take(3)
-        .map(|g| refusal_group_text(g.kind, &g.detail, &g.dest, g.count, g.rule.as_deref()))
+        .map(|g| {
+            let text = refusal_group_text(g.kind, &g.detail, &g.dest, g.count, g.rule.as_deref());
+            match &g.example {
+                Some(p) => format!("{text} (e.g. {})", packet_text(p)),
+                None => text,
+            }
+        })
         .collect();
     if h.groups.len() > 3 {
         let rest: u64 = h.groups.iter().skip(3).map(|g| g.count).sum();
@@ -505,8 +527,8 @@ pub(crate) fn hold_refusals_text(h: &HoldRefusalsFact) -> String {
 }
 
 pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
-    // What the drops were, from the samples inside the hold: one kind is named, several are
-    // counted as sampled.
+    // What the drops were (the kernel's exact counts, or the samples inside the hold of an
+    // older capture): one kind is named, several are counted.
     let classes: Vec<String> = h
         .by_class
         .iter()
@@ -532,6 +554,7 @@ pub(crate) fn hold_drops_text(h: &HoldDropsFact) -> String {
     let kinds = match classes.len() {
         0 => String::new(),
         1 => format!(" ({})", classes[0]),
+        _ if h.exact_reasons => format!(" ({})", classes.join(", ")),
         _ => format!(" (sampled: {})", classes.join(", ")),
     };
     format!(

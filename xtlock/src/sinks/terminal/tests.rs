@@ -189,6 +189,7 @@ fn min_hold_filters_short_holds() {
             by_class: [(DropClass::NetfilterRuleDrop, 3)].into(),
             by_reason: [("NETFILTER_DROP".to_string(), 3)].into(),
             samples: 3,
+            exact_reasons: true,
         })
     };
     let text = render(
@@ -379,6 +380,7 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
         netns: 1,
         count,
         rule: None,
+        example: None,
     };
     let f = |agent: &str| {
         Output::HoldRefusals(HoldRefusalsFact {
@@ -418,6 +420,62 @@ fn hold_refusals_say_who_was_refused_during_whose_hold() {
         ),
         "{text}"
     );
+    let Output::HoldRefusals(mut with_example) = f("kube-proxy") else {
+        unreachable!()
+    };
+    with_example.groups[0].example = Some(refused_syn());
+    let text = render(&[Output::HoldRefusals(with_example)], opts());
+    assert!(
+        text.contains(
+            "!! 37 connections to 10.96.0.15:80 refused (ICMP port unreachable) by rule \
+             \"default/web:http has no endpoints\" (e.g. tcp 10.0.0.9:40312 -> 10.96.0.15:80), \
+             19 connections"
+        ),
+        "{text}"
+    );
     let text = render(&[f("evil\x1b[2Jagent")], opts());
     assert!(!text.contains('\x1b'), "{text:?}");
+}
+
+/// A sampled refusal names the refused connection, shown with the drop samples only.
+#[test]
+fn refusal_samples_name_the_refused_connection() {
+    use crate::analysis::{RefusalFact, RefusalKind};
+    let f = Output::Refusal(RefusalFact {
+        ts_ns: 2_000_000_000,
+        netns: 7,
+        kind: RefusalKind::IcmpUnreachable,
+        detail: "port unreachable".into(),
+        dest: "10.96.0.15:80".into(),
+        packet: Some(refused_syn()),
+        pid: 0,
+        hold: None,
+    });
+    let opts = |show| TerminalOptions {
+        time: TimeFormat::None,
+        show_drop_samples: show,
+        ..Default::default()
+    };
+    assert!(!render(std::slice::from_ref(&f), opts(false)).contains("sample"));
+    let text = render(&[f], opts(true));
+    assert!(
+        text.contains(
+            "sample: 1 connection to 10.96.0.15:80 refused (ICMP port unreachable): tcp \
+             10.0.0.9:40312 -> 10.96.0.15:80, netns 7"
+        ),
+        "{text}"
+    );
+}
+
+/// A client's SYN to a Service port, as a refusal sample reads it.
+fn refused_syn() -> crate::analysis::PacketInfo {
+    crate::analysis::PacketInfo {
+        proto: "tcp".into(),
+        saddr: "10.0.0.9".into(),
+        daddr: "10.96.0.15".into(),
+        sport: Some(40312),
+        dport: Some(80),
+        icmp_type: None,
+        icmp_code: None,
+    }
 }
