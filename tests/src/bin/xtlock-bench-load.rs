@@ -12,6 +12,8 @@
 //!   udp DST_IP PORT [--size B] [--batch N]
 //!                             UDP datagrams of B bytes to DST_IP:PORT with sendmmsg(),
 //!                             N per call; `cycles` counts datagrams the kernel accepted
+//!   connect DST_IP PORT       TCP connects to DST_IP:PORT one after another; `cycles` counts
+//!                             those refused (ECONNREFUSED: an ICMP unreachable or a reset)
 //!   ruleset SERVICES ENDPOINTS
 //!                             print kube-proxy's tables for that many Services (the tests'
 //!                             `kube_proxy_ruleset`), for `iptables-restore`; no JSON
@@ -182,7 +184,7 @@ fn udp(o: &Opts, dst: &str, port: &str) -> Result<()> {
 fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((cmd, rest)) = args.split_first() else {
-        bail!("usage: xtlock-bench-load flock PATH | getppid | exec [PROG] | udp DST PORT | ruleset SERVICES ENDPOINTS  [--secs S | --cycles N] [--rate R] [--ready]");
+        bail!("usage: xtlock-bench-load flock PATH | getppid | exec [PROG] | udp DST PORT | connect DST PORT | ruleset SERVICES ENDPOINTS  [--secs S | --cycles N] [--rate R] [--ready]");
     };
     let o = parse(rest)?;
     match (cmd.as_str(), o.pos.as_slice()) {
@@ -219,6 +221,18 @@ fn run() -> Result<()> {
             })
         }
         ("udp", [dst, port]) => udp(&o, dst, port),
+        ("connect", [dst, port]) => {
+            let addr = std::net::SocketAddr::new(dst.parse()?, port.parse()?);
+            drive(
+                &o,
+                "connect",
+                1,
+                || match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(1),
+                    _ => Ok(0),
+                },
+            )
+        }
         ("ruleset", [services, endpoints]) => {
             let text = xtlock_tests::kube_proxy_ruleset(services.parse()?, endpoints.parse()?);
             std::io::stdout().write_all(text.as_bytes())?;

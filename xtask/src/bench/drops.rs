@@ -40,19 +40,19 @@ tracepoint:skb:kfree_skb {
 "#;
 
 /// Two namespaces joined by a veth pair, a DROP rule in the receiving one; removed on drop.
-struct Net {
-    a: String,
+pub(super) struct Net {
+    pub(super) a: String,
     b: String,
     /// Inode number of the receiving namespace, as xtlock and bpftrace name it.
-    b_inum: u64,
+    pub(super) b_inum: u64,
 }
 
 const SRC: &str = "10.231.77.1";
-const DST: &str = "10.231.77.2";
+pub(super) const DST: &str = "10.231.77.2";
 const PORT: &str = "9";
 
 impl Net {
-    fn new() -> Result<Self> {
+    pub(super) fn new() -> Result<Self> {
         let id = std::process::id();
         let mut net = Net {
             a: format!("xtlbench-{id}-a"),
@@ -94,7 +94,7 @@ impl Net {
         Ok(net)
     }
 
-    fn iptables(&self, args: &[&str]) -> Result<String> {
+    pub(super) fn iptables(&self, args: &[&str]) -> Result<String> {
         let out = Command::new("ip")
             .args(["netns", "exec", &self.b, "iptables-legacy", "-w", "10"])
             .args(args)
@@ -107,6 +107,15 @@ impl Net {
             );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Runs `cmd args` in the receiving namespace.
+    pub(super) fn exec_b(&self, args: &[&str]) -> Result<()> {
+        quiet(
+            Command::new("ip")
+                .args(["netns", "exec", &self.b])
+                .args(args),
+        )
     }
 
     /// Packets counted by the DROP rule.

@@ -11,6 +11,8 @@
 //! 6 `capture`: bytes per event on disk (reported with `collector`).
 //! 7 `rules`: reading a ~30,000-rule table back after each write: the writer's time and
 //!     xtlock's CPU per write, with and without the reads, beside `iptables-save`.
+//! 8 `refusals`: TCP connects into a REJECT rule: refused/s and exact counts against the
+//!     clients' and the rule's.
 //!
 //! Every figure is the median of `--reps` runs with its spread ((max - min) / median), because
 //! the machines this runs on are often shared and noisy; the load average is recorded before
@@ -25,6 +27,7 @@ use crate::{setup, sh};
 mod collector;
 mod drops;
 mod lockpath;
+mod refusals;
 mod ring;
 mod rules;
 mod run;
@@ -32,7 +35,8 @@ mod stats;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Benches to run, comma-separated: lock, drops, collector, ring, rules (default: all). The
+    /// Benches to run, comma-separated: lock, drops, collector, ring, rules, refusals (default:
+    /// all). The
     /// capture-size figures come with `collector`.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
@@ -78,7 +82,7 @@ pub struct Env {
     pub machine: Value,
 }
 
-const ALL: [&str; 5] = ["lock", "drops", "collector", "ring", "rules"];
+const ALL: [&str; 6] = ["lock", "drops", "collector", "ring", "rules", "refusals"];
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let selected: Vec<String> = if args.only.is_empty() {
@@ -88,15 +92,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     for s in &selected {
         if !ALL.contains(&s.as_str()) && s != "capture" {
-            bail!("unknown bench `{s}` (lock, drops, collector, ring, rules)");
+            bail!("unknown bench `{s}` (lock, drops, collector, ring, rules, refusals)");
         }
     }
     let needs_root = selected
         .iter()
-        .any(|s| matches!(s.as_str(), "lock" | "drops" | "ring" | "rules"));
+        .any(|s| matches!(s.as_str(), "lock" | "drops" | "ring" | "rules" | "refusals"));
     if needs_root && !sh::is_root() {
         bail!(
-            "the lock, drops, ring and rules benches load BPF programs: run as root (or --only collector)"
+            "the lock, drops, ring, rules and refusals benches load BPF programs: run as root (or --only collector)"
         );
     }
     let root = sh::workspace_root();
@@ -181,6 +185,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             }
             "ring" => (ring::run(&env)?, None),
             "rules" => (rules::run(&env)?, None),
+            "refusals" => (refusals::run(&env)?, None),
             _ => unreachable!("checked above"),
         };
         let took = t.elapsed().as_secs_f64();
