@@ -473,6 +473,17 @@ impl Trace {
         self.events.iter().filter(|e| e["type"] == t).collect()
     }
 
+    /// The summary's ranking of foreign rule changes names `writer` changing `owner`'s.
+    pub fn assert_foreign_change(&self, writer: &str, owner: &str) {
+        let summary = self.summary();
+        assert!(
+            summary["foreign_changes"]
+                .as_array()
+                .is_some_and(|f| f.iter().any(|r| r[0] == writer && r[1] == owner)),
+            "no foreign change of {owner}'s by {writer} in the summary: {summary}"
+        );
+    }
+
     pub fn summary(&self) -> &Value {
         let last = self.events.last().expect("no output at all");
         assert_eq!(last["type"], "summary", "the summary must be the last line");

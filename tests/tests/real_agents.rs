@@ -830,13 +830,5 @@ fn firewalld_reload_removes_kube_proxys_chains() {
     assert_eq!(said, back_said.len(), "a chain put back said twice\n{dump}");
     assert_eq!(back_said, chains_gone, "chains put back\n{dump}");
     // The summary's ranking of foreign changes names the pair.
-    assert!(
-        trace.summary()["foreign_changes"]
-            .as_array()
-            .is_some_and(|f| f
-                .iter()
-                .any(|r| r[0] == "firewalld" && r[1] == "kube-proxy")),
-        "{}",
-        trace.summary()
-    );
+    trace.assert_foreign_change("firewalld", "kube-proxy");
 }

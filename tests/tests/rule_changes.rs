@@ -193,15 +193,7 @@ fn run_story(story: Story) {
     };
     let live = mine(&trace.events);
     assert_story(&live, &dump, story.table, story.lost);
-    assert!(
-        trace.summary()["foreign_changes"]
-            .as_array()
-            .is_some_and(|f| f
-                .iter()
-                .any(|r| r[0] == "firewalld" && r[1] == "kube-proxy")),
-        "{}",
-        trace.summary()
-    );
+    trace.assert_foreign_change("firewalld", "kube-proxy");
 
     // The capture says the same.
     let replayed = mine(&xtlock_tests::report_events(&capture));

@@ -264,12 +264,8 @@ pub fn run(env: &Env) -> Result<Value> {
             eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
             net.iptables(&["-Z", "INPUT"])?;
             let tag = format!("drops-{}-{rep}", t.name());
-            let s = match t {
-                Tracer::None => Session::none(),
-                Tracer::Bpftrace => Session::bpftrace(env, &tag, SCRIPT)?,
-                // As shipped: default drop reasons and sample rate.
-                t => Session::xtlock_as(env, t, &tag, &[&xtlock_lock], &[])?,
-            };
+            // xtlock as shipped: default drop reasons and sample rate.
+            let s = Session::of(env, t, &tag, SCRIPT, &[&xtlock_lock], &[])?;
             let ids = if env.bpf_stats {
                 s.prog_ids()
             } else {

@@ -188,15 +188,12 @@ pub fn run(env: &Env) -> Result<Value> {
             let t = tracers[ti];
             eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
             let tag = format!("lock-{}-{rep}", t.name());
-            let s = match t {
-                Tracer::None => Session::none(),
-                Tracer::Bpftrace => Session::bpftrace(env, &tag, &script)?,
-                Tracer::Floor => {
-                    Session::xtlock_as(env, t, &tag, &[&watched], &["--bench-floor".into()])?
-                }
-                Tracer::BpftraceHist => Session::bpftrace(env, &tag, &hist_script)?,
-                t => Session::xtlock_as(env, t, &tag, &[&watched], &[])?,
+            let bt = if t == Tracer::BpftraceHist {
+                &hist_script
+            } else {
+                &script
             };
+            let s = Session::of(env, t, &tag, bt, &[&watched], &[])?;
             // One lock cycle, and wait until the tracer printed it: attached and reading.
             let before = s.out_len();
             run::load(

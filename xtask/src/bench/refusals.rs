@@ -104,11 +104,7 @@ pub fn run(env: &Env) -> Result<Value> {
             eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
             net.iptables(&["-Z", "INPUT"])?;
             let tag = format!("refusals-{}-{rep}", t.name());
-            let s = match t {
-                Tracer::None => Session::none(),
-                Tracer::Bpftrace => Session::bpftrace(env, &tag, SCRIPT)?,
-                t => Session::xtlock_as(env, t, &tag, &[&lock], &[])?,
-            };
+            let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &[])?;
             let c0 = s.cpu_ns();
             let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
             let c1 = s.cpu_ns();

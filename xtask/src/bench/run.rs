@@ -162,6 +162,28 @@ impl Session {
         }
     }
 
+    /// Tracer `t`'s session, ready: none, bpftrace running `script`, or xtlock (this tree's,
+    /// the baseline, or the floor's empty programs) watching `locks` with `extra`.
+    pub fn of(
+        env: &Env,
+        t: Tracer,
+        tag: &str,
+        script: &str,
+        locks: &[&Path],
+        extra: &[String],
+    ) -> Result<Self> {
+        match t {
+            Tracer::None => Ok(Session::none()),
+            Tracer::Bpftrace | Tracer::BpftraceHist => Session::bpftrace(env, tag, script),
+            Tracer::Floor => {
+                let mut args = extra.to_vec();
+                args.push("--bench-floor".into());
+                Session::xtlock_as(env, t, tag, locks, &args)
+            }
+            Tracer::Xtlock | Tracer::Baseline => Session::xtlock_as(env, t, tag, locks, extra),
+        }
+    }
+
     /// `xtlock trace --json` watching `locks`, ready once it logged that it is tracing.
     pub fn xtlock(env: &Env, tag: &str, locks: &[&Path], extra: &[String]) -> Result<Self> {
         Self::xtlock_as(env, Tracer::Xtlock, tag, locks, extra)

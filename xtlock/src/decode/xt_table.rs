@@ -308,7 +308,26 @@ fn ip_parts(e: &[u8]) -> Vec<String> {
             p.push(format!("{}{opt} {a}/{}", not(flag), m.count_ones()));
         }
     }
-    for (name, mask, flag, opt) in [(16, 48, 0x01u8, "-i"), (32, 64, 0x02, "-o")] {
+    iface_parts(e, [(16, 48), (32, 64)], not, &mut p);
+    let proto = u16_at(e, 80).unwrap_or(0);
+    if proto != 0 {
+        p.push(format!("{}-p {}", not(0x40), proto_name(proto)));
+    }
+    if e[82] & 0x01 != 0 {
+        p.push(format!("{}-f", not(0x20)));
+    }
+    p
+}
+
+/// `-i`/`-o` parts from the (name, mask) offsets of the input and output interfaces; the
+/// same flags (`IPT_INV_VIA_IN`/`OUT` = `IP6T_INV_VIA_IN`/`OUT`) in both families.
+fn iface_parts(
+    e: &[u8],
+    at: [(usize, usize); 2],
+    not: impl Fn(u8) -> &'static str,
+    p: &mut Vec<String>,
+) {
+    for ((name, mask), (flag, opt)) in at.into_iter().zip([(0x01u8, "-i"), (0x02, "-o")]) {
         let n = name_at(e, name, 16);
         if !n.is_empty() {
             // A mask shorter than the name plus its NUL is a wildcard (`eth+`).
@@ -320,22 +339,18 @@ fn ip_parts(e: &[u8]) -> Vec<String> {
             ));
         }
     }
-    let proto = u16_at(e, 80).unwrap_or(0);
-    if proto != 0 {
-        let name = match proto {
-            1 => "icmp".to_string(),
-            6 => "tcp".to_string(),
-            17 => "udp".to_string(),
-            58 => "ipv6-icmp".to_string(),
-            132 => "sctp".to_string(),
-            n => n.to_string(),
-        };
-        p.push(format!("{}-p {name}", not(0x40)));
+}
+
+/// A protocol number as `iptables-save` names it.
+fn proto_name(proto: u16) -> String {
+    match proto {
+        1 => "icmp".to_string(),
+        6 => "tcp".to_string(),
+        17 => "udp".to_string(),
+        58 => "ipv6-icmp".to_string(),
+        132 => "sctp".to_string(),
+        n => n.to_string(),
     }
-    if e[82] & 0x01 != 0 {
-        p.push(format!("{}-f", not(0x20)));
-    }
-    p
 }
 
 /// `ip6t_ip6`'s parts: addresses, interfaces, protocol.
@@ -350,28 +365,11 @@ fn ip6_parts(e: &[u8]) -> Vec<String> {
             p.push(format!("{}{opt} {a}/{}", not(flag), m.count_ones()));
         }
     }
-    for (name, mask, flag, opt) in [(64, 96, 0x01u8, "-i"), (80, 112, 0x02, "-o")] {
-        let n = name_at(e, name, 16);
-        if !n.is_empty() {
-            let plus = e[mask + n.len().min(15)] == 0;
-            p.push(format!(
-                "{}{opt} {n}{}",
-                not(flag),
-                if plus { "+" } else { "" }
-            ));
-        }
-    }
+    iface_parts(e, [(64, 96), (80, 112)], not, &mut p);
     // `IP6T_F_PROTO`: the protocol is matched only when this flag says so.
-    let proto = u16_at(e, 128).unwrap_or(0);
     if flags & 0x01 != 0 {
-        let name = match proto {
-            6 => "tcp".to_string(),
-            17 => "udp".to_string(),
-            58 => "ipv6-icmp".to_string(),
-            132 => "sctp".to_string(),
-            n => n.to_string(),
-        };
-        p.push(format!("{}-p {name}", not(0x40)));
+        let proto = u16_at(e, 128).unwrap_or(0);
+        p.push(format!("{}-p {}", not(0x40), proto_name(proto)));
     }
     p
 }

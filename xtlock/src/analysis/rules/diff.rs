@@ -12,6 +12,9 @@ use crate::event::{Rule, RuleTable};
 #[derive(Clone, Debug, Default)]
 pub struct TableModel {
     pub chains: BTreeMap<String, ChainModel>,
+    /// Its `REJECT` rules with their chains, found once per read: refusals are matched
+    /// against these every second, not against every rule of the table.
+    pub rejects: Vec<(String, Rule)>,
 }
 
 #[derive(Clone, Debug)]
@@ -41,7 +44,13 @@ impl TableModel {
                 },
             );
         }
-        Some(TableModel { chains })
+        let rejects = chains
+            .iter()
+            .flat_map(|(name, c)| c.rules.iter().map(move |r| (name, r)))
+            .filter(|(_, r)| r.target().starts_with("-j REJECT"))
+            .map(|(name, r)| (name.clone(), r.clone()))
+            .collect();
+        Some(TableModel { chains, rejects })
     }
 
     /// Chains reachable from a built-in chain by jumps and gotos.
@@ -182,6 +191,7 @@ mod tests {
                     )
                 })
                 .collect(),
+            rejects: Vec::new(),
         }
     }
 

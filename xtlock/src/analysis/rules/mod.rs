@@ -489,19 +489,25 @@ impl RuleTracker {
         let std::net::IpAddr::V4(addr) = addr else {
             return None;
         };
+        let filter = |ns: u32| {
+            self.tables
+                .get(&(ns, "ip".to_string(), "filter".to_string()))
+        };
+        let models: Vec<&TableModel> = match netns {
+            Some(ns) => filter(ns).into_iter().collect(),
+            None => self
+                .tables
+                .iter()
+                .filter(|((_, f, t), _)| f == "ip" && t == "filter")
+                .map(|(_, m)| m)
+                .collect(),
+        };
         let mut found: Vec<String> = Vec::new();
-        for ((ns, family, table), model) in &self.tables {
-            if family != "ip" || table != "filter" || netns.is_some_and(|n| n != *ns) {
-                continue;
-            }
-            for (chain, c) in &model.chains {
-                for r in &c.rules {
-                    if rejects::rejects(r, addr, port, answer) {
-                        let n = rejects::name(chain, r);
-                        if !found.contains(&n) {
-                            found.push(n);
-                        }
-                    }
+        for (chain, r) in models.iter().flat_map(|m| &m.rejects) {
+            if rejects::rejects(r, addr, port, answer) {
+                let n = rejects::name(chain, r);
+                if !found.contains(&n) {
+                    found.push(n);
                 }
             }
         }
