@@ -492,6 +492,41 @@ fn hold_taken_before_tracing_is_reported() {
     assert_eq!(waits[0]["outcome"], "acquired", "{dump}");
 }
 
+/// A hold that nothing else touches is kept in the kernel until its release (one record a
+/// hold): one still going when tracing stops is read from the kernel's map and reported as
+/// open, with its holder; kill the holder first and the take goes out with its exit.
+#[test]
+fn a_hold_going_on_at_the_end_is_reported_open() {
+    if !require_bpf("a_hold_going_on_at_the_end_is_reported_open") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("open-at-end");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().unwrap();
+    let kube_proxy = s.agent("kube-proxy");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &["--no-drops"]);
+    let mut kp = Agent::spawn(&kube_proxy, &["hold", lock_s, "600000"], &[], None);
+    kp.ts("acquired", T);
+    // Past a few of userspace's 50 ms ticks: the take is read from the map.
+    std::thread::sleep(Duration::from_millis(400));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let _ = kp.child.kill();
+    let _ = kp.child.wait();
+    let dump = trace.dump();
+    let holds = holds_by(&trace, "kube-proxy");
+    assert_eq!(holds.len(), 1, "{dump}");
+    let h = holds[0];
+    assert_eq!(h["open"], true, "{h}");
+    assert_ne!(
+        h["before_start"], true,
+        "seen taken, not found in /proc/locks: {h}"
+    );
+    assert_eq!(u(&h["pid"]), u64::from(kp.child.id()), "{h}");
+    assert!(u(&h["hold_ns"]) >= 300_000_000, "{h}");
+}
+
 /// A lock file replaced while tracing (a new inode at the same path) is watched too: the
 /// collector notices at its 5 s check and adds the new inode to the in-kernel filter.
 #[test]

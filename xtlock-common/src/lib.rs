@@ -96,6 +96,11 @@ pub enum EventKind {
     /// One sampled refusal with the refused connection's addresses (rate limited; the
     /// exact counts travel separately, per `RefusalKey`).
     Refusal = 12,
+    /// A whole exclusive hold in one record: the take, kept in the kernel (`HoldNow::take`)
+    /// until its release, and the release ([`HoldEvent`]). A take that something else needed
+    /// first (a waiter, the holder's own table write, a sampled drop) went out as a plain
+    /// `Lock` record then, and its release goes out as one too.
+    Hold = 13,
 }
 
 impl EventKind {
@@ -113,6 +118,7 @@ impl EventKind {
             10 => Self::XtReplace,
             11 => Self::Ipvs,
             12 => Self::Refusal,
+            13 => Self::Hold,
             _ => return None,
         })
     }
@@ -150,6 +156,22 @@ pub struct LockEvent {
     /// `F_RDLCK`, `F_WRLCK` or `F_UNLCK`.
     pub fl_type: u8,
     pub _pad: [u8; 3],
+    pub comm: [u8; COMM_LEN],
+}
+
+/// An exclusive hold of a watched lock, taken and released, in one record: half the ring
+/// traffic of a `Lock` record each. The release's owner, inode and device are the take's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HoldEvent {
+    /// The release: kind `Hold`, the releasing task, the release's time.
+    pub hdr: EventHeader,
+    /// The take, exactly as it would have gone out as a `Lock` record.
+    pub take: LockEvent,
+    /// The release's `ret` and `fl_flags` (its `fl_type` is `F_UNLCK`).
+    pub ret: i32,
+    pub fl_flags: u32,
+    /// The releasing task's comm.
     pub comm: [u8; COMM_LEN],
 }
 
@@ -589,6 +611,31 @@ pub struct HoldNow {
     pub owner: u64,
     /// Holds counted so far; picks the hold's counter slot.
     pub seq: u64,
+    /// Sequence lock of `take`: odd while a take is being written, +2 a take.
+    pub take_seq: u64,
+    /// `take_seq` of the last take sent to the ring: `take` waits in the kernel while
+    /// `take_seq` is above it (and even).
+    pub sent_seq: u64,
+    /// The exclusive take not sent yet: it goes out with its release (a `Hold` record), or
+    /// alone when something needs it sooner (a waiter, the holder's table write, fork,
+    /// exit, a sampled drop or refusal in the hold; userspace within 50 ms).
+    pub take: LockEvent,
+}
+
+impl Default for LockEvent {
+    fn default() -> Self {
+        LockEvent {
+            hdr: EventHeader::default(),
+            owner: 0,
+            ino: 0,
+            dev: 0,
+            ret: 0,
+            fl_flags: 0,
+            fl_type: 0,
+            _pad: [0; 3],
+            comm: [0; COMM_LEN],
+        }
+    }
 }
 
 /// Drop reasons a [`HoldDropSlot`] counts apart: the first this many distinct reasons a CPU
@@ -908,6 +955,9 @@ pub struct ProbeConfig {
     pub drop_sample_burst: u32,
     /// Minimum spacing of drop samples per CPU, in ns; 0: no samples at all.
     pub drop_sample_interval_ns: u64,
+    /// A quarter of the ring's bytes: a record wakes userspace only past this much waiting.
+    pub ring_wake_bytes: u32,
+    pub _pad_end: u32,
     /// Non-zero when the offsets below and `net_ns_inum` were found in BTF (nf_tables commit netns).
     pub task_ok: u32,
     /// `task_struct.nsproxy`, `nsproxy.net_ns` (then `net_ns_inum` above: the commit's netns).
@@ -964,6 +1014,7 @@ mod pod {
     // The event records the decoder reads from the ring buffer and from captures.
     unsafe impl aya::Pod for EventHeader {}
     unsafe impl aya::Pod for LockEvent {}
+    unsafe impl aya::Pod for HoldEvent {}
     unsafe impl aya::Pod for FlockCallEvent {}
     unsafe impl aya::Pod for ForkEvent {}
     unsafe impl aya::Pod for ExitEvent {}
@@ -981,6 +1032,7 @@ pub mod sizes {
     use super::*;
     use core::mem::size_of;
     pub const LOCK: usize = size_of::<LockEvent>();
+    pub const HOLD: usize = size_of::<HoldEvent>();
     pub const FLOCK_CALL: usize = size_of::<FlockCallEvent>();
     pub const EXEC: usize = size_of::<ExecEvent>();
     pub const FORK: usize = size_of::<ForkEvent>();
@@ -1029,6 +1081,8 @@ mod tests {
     fn layouts_are_stable() {
         assert_eq!(size_of::<EventHeader>(), 24);
         assert_eq!(size_of::<LockEvent>(), 72);
+        assert_eq!(size_of::<HoldEvent>(), 24 + 72 + 8 + 16);
+        assert_eq!(size_of::<HoldNow>(), 40 + 72);
         assert_eq!(size_of::<FlockCallEvent>(), 64);
         assert_eq!(size_of::<ExecEvent>(), 24 + 128 + 512 + 8 + 16);
         assert_eq!(size_of::<ForkEvent>(), 48);
@@ -1053,9 +1107,9 @@ mod tests {
         assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
         assert_eq!(size_of::<HoldDropSlot>(), 64);
         assert_eq!(size_of::<RefusalEvent>(), 80);
-        // 54 u32 and one u64: no implicit padding (the whole struct is copied into the
+        // 56 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
-        assert_eq!(size_of::<ProbeConfig>(), 54 * 4 + 8);
+        assert_eq!(size_of::<ProbeConfig>(), 56 * 4 + 8);
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);
@@ -1086,6 +1140,7 @@ mod tests {
             EventKind::XtReplace,
             EventKind::Ipvs,
             EventKind::Refusal,
+            EventKind::Hold,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

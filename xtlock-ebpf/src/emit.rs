@@ -49,18 +49,28 @@ pub fn cfg<F: Fn(&ProbeConfig) -> &u32>(f: F) -> usize {
     unsafe { core::ptr::read_volatile(f(&CONFIG)) as usize }
 }
 
-/// Ring buffer flags for a new record: no wakeup unless a quarter of the ring is waiting
-/// (userspace also polls it on a timer), so a steady trickle of events does not cost a
-/// wakeup (an IPI, a VM exit on a virtual machine) per event.
+/// Ring buffer flags for a record of type `T` (`reserved`: reserved already, so counted in
+/// the ring's data): a wakeup only for the record that takes the waiting data past a quarter
+/// of the ring. Userspace reads the rest on its 50 ms tick, and once woken reads until the
+/// ring is empty. Not a wakeup per event while it is idle (an IPI, a VM exit), nor one per
+/// event while it is behind by more than the quarter: that storm of wakeups is what made a
+/// busy consumer cost every record a microsecond. The quarter is in `CONFIG`.
 #[inline(always)]
-pub fn wake_flags() -> u64 {
+pub fn wake_flags<T>(reserved: bool) -> u64 {
     const BPF_RB_NO_WAKEUP: u64 = 1;
     const BPF_RB_FORCE_WAKEUP: u64 = 2;
     const BPF_RB_AVAIL_DATA: u64 = 0;
-    const BPF_RB_RING_SIZE: u64 = 1;
+    // A record's room: its 8-byte header, rounded up to 8 bytes.
+    const HDR: u64 = 8;
+    let len = (core::mem::size_of::<T>() as u64 + HDR + 7) & !7;
     let avail = EVENTS.query(BPF_RB_AVAIL_DATA);
-    let size = EVENTS.query(BPF_RB_RING_SIZE);
-    if avail > size / 4 {
+    let before = if reserved {
+        avail.saturating_sub(len)
+    } else {
+        avail
+    };
+    let quarter = cfg(|c| &c.ring_wake_bytes) as u64;
+    if before <= quarter && before + len > quarter {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP
@@ -139,7 +149,7 @@ pub fn reserve<T: 'static>() -> Option<RingBufEntry<T>> {
 /// Copies a small event into the ring buffer, counting a lost event when it is full.
 #[inline(always)]
 pub fn output<T: 'static>(ev: &T) {
-    if EVENTS.output::<T>(ev, wake_flags()).is_err() {
+    if EVENTS.output::<T>(ev, wake_flags::<T>(false)).is_err() {
         if let Some(n) = LOST.get_ptr_mut(0) {
             // SAFETY: per-CPU slot, this program is the only writer on this CPU.
             unsafe { *n += 1 };

@@ -13,7 +13,11 @@ use xtlock_common::{
     MAX_IPVS_KEYS, MAX_REFUSAL_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
 };
 
+/// Slots of `WAITING`.
+const WAITING_SLOTS: u32 = 4096;
+
 mod emit;
+mod pending;
 mod probes;
 
 /// Tracepoint field offsets of the running kernel, written by userspace before load.
@@ -54,6 +58,8 @@ static CONFIG: ProbeConfig = ProbeConfig {
     sk_net: 0,
     drop_sample_burst: 0,
     drop_sample_interval_ns: 0,
+    ring_wake_bytes: 0,
+    _pad_end: 0,
     task_ok: 0,
     task_nsproxy: 0,
     nsproxy_net_ns: 0,
@@ -96,6 +102,14 @@ static WATCHED_INO: Array<WatchedSlot> = Array::with_max_entries(WATCHED_INO_SLO
 #[map]
 static FLOCK_INFLIGHT: LruHashMap<u32, probes::flock::FlockInflight> =
     LruHashMap::with_max_entries(4096, 0);
+
+/// Deferred calls in `FLOCK_INFLIGHT` by slot `tid % WAITING_SLOTS`: the lock hook looks up
+/// a thread's entry only when its slot counts one. Not atomic (BPF has no atomic add that
+/// every kernel's Rust target offers): a count lost to two colliding threads deferring on
+/// two CPUs at once only ends that wait at the analysis's deadline instead of its call's
+/// return; a count left high (an entry the LRU evicted) only costs lookups.
+#[map]
+static WAITING: Array<u32> = Array::with_max_entries(WAITING_SLOTS, 0);
 
 /// argv read at `execve` entry, by thread id, until the exec succeeds.
 #[map]

@@ -1,6 +1,6 @@
 //! Collector benchmark for `cargo xtask bench` (build it with `--release`):
 //!
-//!   bench_collector gen PATH --events N [--mix node|iptables|lock] [--seed S]
+//!   bench_collector gen PATH --events N [--mix node|iptables|lock|holds] [--seed S]
 //!       writes a capture of N synthetic raw kernel events (the `xtlock_common` structs, byte
 //!       for byte as the ring buffer delivers them) with `CaptureWriter`; prints its size.
 //!   bench_collector run PATH --stage read|decode|analyse|json
@@ -23,7 +23,15 @@
 //! - `iptables`: the worst case for the analysis: every episode is an iptables run as above,
 //!   so a third of the events yield a fact (exec, hold, exit, wait) with its strings.
 //! - `lock`: lock events alone (take, flock return, release, flock return) from a few
-//!   long-lived processes.
+//!   long-lived processes, as builds that hooked the `flock()` syscall sent them.
+//! - `holds`: the same cycles as this build's kernel side sends them: one `Hold` record
+//!   (take and release) a cycle.
+//!
+//! `node` and `iptables` also carry what the rule diffs and refusals add: each kube-proxy
+//! restore is followed by the read of its nat table (a `RuleTable`: 100 services, one or
+//! two chains changed a read, the rest as digests), and about once a second of event time
+//! refusal samples and the kernel's refusal counts (`RefusalCounts`) arrive, during a hold
+//! when one is going on.
 use std::{
     alloc::{GlobalAlloc, Layout, System},
     io,
@@ -36,7 +44,10 @@ use anyhow::{bail, Context as _, Result};
 use xtlock::{
     analysis::{Analyzer, WatchedLock},
     capture::{CaptureHeader, CaptureLock, CaptureReader, CaptureWriter, Record},
-    decode::{Comm, Event, LockOp, ProcInfo},
+    decode::{
+        digest_rules, ChainState, Comm, Event, LockOp, ProcInfo, RefusalCount, RefusalCounts, Rule,
+        RuleTable,
+    },
     sinks::{JsonSink, Sink},
 };
 use xtlock_common as c;
@@ -200,6 +211,66 @@ struct Gen<W: io::Write> {
     ts: u64,
     next_pid: u32,
     n: u64,
+    /// kube-proxy's nat table as last read: chains and rules.
+    nat: Vec<(String, Vec<Rule>)>,
+    /// Event time of the last refusal counts, and the hold going on (its acquire time).
+    last_refusals: u64,
+    hold_now: u64,
+}
+
+/// Services in the generated nat table.
+const SERVICES: usize = 100;
+
+/// A kube-proxy nat table of `SERVICES` services, one endpoint each.
+fn nat_table() -> Vec<(String, Vec<Rule>)> {
+    let rule = |parts: &[&str]| Rule(parts.iter().map(|s| s.to_string()).collect());
+    let mut services = Vec::new();
+    let mut chains = Vec::new();
+    for i in 0..SERVICES {
+        let svc = format!("KUBE-SVC-{i:016X}");
+        let sep = format!("KUBE-SEP-{i:016X}");
+        let ip = format!("10.96.{}.{}/32", i / 200, i % 200 + 1);
+        let comment = format!("\"default/svc-{i}:http cluster IP\"");
+        services.push(rule(&[
+            "-d",
+            &ip,
+            "-p",
+            "tcp",
+            "-m",
+            "comment",
+            "--comment",
+            &comment,
+            "-m",
+            "tcp",
+            "--dport",
+            "80",
+            "-j",
+            &svc,
+        ]));
+        chains.push((
+            svc,
+            vec![rule(&["-m", "comment", "--comment", &comment, "-j", &sep])],
+        ));
+        let pod = format!("10.244.{}.{}:8080", i / 200, i % 200 + 2);
+        chains.push((
+            sep,
+            vec![
+                rule(&["-s", "10.244.0.0/32", "-j", "KUBE-MARK-MASQ"]),
+                rule(&[
+                    "-p",
+                    "tcp",
+                    "-m",
+                    "tcp",
+                    "-j",
+                    "DNAT",
+                    "--to-destination",
+                    &pod,
+                ]),
+            ],
+        ));
+    }
+    chains.insert(0, ("KUBE-SERVICES".into(), services));
+    chains
 }
 
 impl<W: io::Write> Gen<W> {
@@ -398,9 +469,15 @@ impl<W: io::Write> Gen<W> {
         for _ in 0..1 + self.rng.below(2) {
             self.replace(pid)?;
         }
+        self.hold_now = enter;
+        self.refusals()?;
         // Released by the exit (close of the last fd).
         self.lock(pid, owner, c::F_UNLCK, 0, 2, &tool, 200_000)?;
+        self.hold_now = 0;
         self.exit(pid, pid, Some(0), &tool)?;
+        if a.comm == "kube-proxy" && argv[0] == "iptables-restore" {
+            self.rule_table(pid)?;
+        }
 
         if let Some((blocking, lpid, wowner, wenter, wtool, _)) = waiter {
             let e = if blocking { wenter } else { self.tick(50_000) };
@@ -459,6 +536,136 @@ impl<W: io::Write> Gen<W> {
             self.lock(pid, owner, c::F_WRLCK, -11, 2, comm, 2_000)?;
             self.call(pid, owner, enter, -11, c::LOCK_EX | c::LOCK_NB)?;
         }
+        Ok(())
+    }
+
+    /// The read of kube-proxy's nat table after its restore: one or two services' endpoints
+    /// moved, every other chain sent as its digest, as the source does.
+    fn rule_table(&mut self, pid: u32) -> Result<()> {
+        let first = self.nat.is_empty();
+        if first {
+            self.nat = nat_table();
+        }
+        let mut changed = vec![false; self.nat.len()];
+        for _ in 0..1 + self.rng.below(2) {
+            let i = 1 + 2 * self.rng.below(SERVICES as u64) as usize + 1;
+            let port = 1024 + self.rng.below(60_000);
+            if let Some(r) = self.nat[i].1.get_mut(1) {
+                if let Some(to) = r.0.last_mut() {
+                    *to = format!("10.244.{}.{}:{port}", i / 400, i % 200 + 2);
+                }
+                changed[i] = true;
+            }
+        }
+        let ts = self.tick(5 * MS);
+        let chains = self
+            .nat
+            .iter()
+            .zip(&changed)
+            .map(|((name, rules), &ch)| ChainState {
+                name: name.clone(),
+                policy: None,
+                digest: digest_rules(rules),
+                rules: (first || ch).then(|| rules.clone()),
+            })
+            .collect();
+        self.synthetic(&Event::RuleTable(Box::new(RuleTable {
+            ts_ns: ts,
+            netns: 4026531840,
+            family: "ip".into(),
+            table: "nat".into(),
+            after_pid: pid,
+            skipped: String::new(),
+            chains,
+            more: false,
+        })))
+    }
+
+    /// About once a second of event time: refusal samples, and the counts of the second
+    /// (clients of a service with no endpoints, refused by its REJECT rule).
+    fn refusals(&mut self) -> Result<()> {
+        if self.ts < self.last_refusals + 1_000_000_000 {
+            return Ok(());
+        }
+        let interval = self.ts - self.last_refusals;
+        self.last_refusals = self.ts;
+        let mut counts = Vec::new();
+        for _ in 0..1 + self.rng.below(3) {
+            let svc = self.rng.below(SERVICES as u64) as u8;
+            let daddr = [10, 96, 0, svc + 1];
+            for _ in 0..2 {
+                let ts = self.tick(100_000);
+                let mut d = [0u8; 16];
+                d[..4].copy_from_slice(&daddr);
+                let mut s = [0u8; 16];
+                s[..4].copy_from_slice(&[10, 0, 0, 9]);
+                let sport = 40_000 + self.rng.below(20_000) as u16;
+                self.kernel(&c::RefusalEvent {
+                    hdr: hdr(c::EventKind::Refusal, 0, 0, ts),
+                    hold_start_ns: self.hold_now,
+                    netns: 4026531840,
+                    detail: 3,
+                    kind: c::REFUSAL_ICMP_UNREACH,
+                    family: c::DROP_FAMILY_INET,
+                    l4proto: 6,
+                    _pad: 0,
+                    sport,
+                    dport: 80,
+                    saddr: s,
+                    daddr: d,
+                })?;
+            }
+            counts.push(RefusalCount {
+                hold_start_ns: self.hold_now,
+                netns: 4026531840,
+                kind: c::REFUSAL_ICMP_UNREACH,
+                detail: 3,
+                addr: Some(std::net::IpAddr::from(daddr)),
+                port: 80,
+                count: 2 + self.rng.below(50),
+            });
+        }
+        let ts = self.tick(1_000);
+        self.synthetic(&Event::RefusalCounts(RefusalCounts {
+            ts_ns: ts,
+            interval_ns: interval,
+            counts,
+            overflow: 0,
+            reset_reasons: Vec::new(),
+        }))
+    }
+
+    fn synthetic(&mut self, ev: &Event) -> Result<()> {
+        self.w.write_synthetic(ev)?;
+        self.n += 1;
+        Ok(())
+    }
+
+    /// The `holds` stream: a `Hold` record a cycle (take and release, no flock returns: the
+    /// kernel side sends those only for calls that waited).
+    fn hold_cycle(&mut self, pids: &[(u32, u64)]) -> Result<()> {
+        let (pid, owner) = pids[self.rng.below(pids.len() as u64) as usize];
+        let take_ts = self.tick(50_000);
+        let ts = self.tick(2 * MS);
+        self.kernel(&c::HoldEvent {
+            hdr: hdr(c::EventKind::Hold, pid, pid, ts),
+            take: c::LockEvent {
+                hdr: hdr(c::EventKind::Lock, pid, pid, take_ts),
+                owner,
+                ino: LOCK_INO,
+                dev: LOCK_DEV,
+                ret: 0,
+                fl_flags: 130,
+                fl_type: c::F_WRLCK,
+                _pad: [0; 3],
+                comm: comm("kube-proxy"),
+            },
+            ret: 0,
+            fl_flags: 130,
+            comm: comm("kube-proxy"),
+        })?;
+        // A Hold record is two events.
+        self.n += 1;
         Ok(())
     }
 
@@ -532,6 +739,9 @@ fn gen(path: &Path, args: &[String]) -> Result<()> {
         ts: 1_000_000_000_000,
         next_pid: 5000,
         n: 0,
+        nat: Vec::new(),
+        last_refusals: 1_000_000_000_000,
+        hold_now: 0,
     };
     for p in seeds(g.ts) {
         g.w.write_proc(&p)?;
@@ -547,7 +757,8 @@ fn gen(path: &Path, args: &[String]) -> Result<()> {
             },
             "iptables" => g.iptables_run()?,
             "lock" => g.lock_cycle(&lockers)?,
-            m => bail!("unknown --mix {m} (node, iptables or lock)"),
+            "holds" => g.hold_cycle(&lockers)?,
+            m => bail!("unknown --mix {m} (node, iptables, lock or holds)"),
         }
     }
     let stats = g.w.finish()?;

@@ -249,6 +249,15 @@ pub struct LockArgs {
     /// against. Nothing about the locks is reported.
     #[arg(long = "bench-floor", hide = true)]
     pub bench_floor: bool,
+    /// Benchmarks only: like `--bench-floor`, plus the pre-filter and one hold-sized ring
+    /// record a release on the watched lock (dropped by userspace): the floor of streaming
+    /// a record per hold.
+    #[arg(
+        long = "bench-floor-record",
+        hide = true,
+        conflicts_with = "bench_floor"
+    )]
+    pub bench_floor_record: bool,
 }
 
 impl LockArgs {

@@ -43,6 +43,8 @@ pub enum DecodeError {
     TooShort { len: usize },
     #[error("unknown event kind {kind}")]
     UnknownKind { kind: u32 },
+    #[error("a Hold record holds two events: read it with a Decoder")]
+    TwoEvents,
     #[error("{kind:?} record of {len} bytes, expected at least {want}")]
     Truncated {
         kind: common::EventKind,
@@ -73,7 +75,106 @@ fn need(kind: common::EventKind, b: &[u8], want: usize) -> Result<(), DecodeErro
     }
 }
 
-/// Decodes one raw event record.
+/// A `LockEvent` record as an event.
+fn lock_event(e: &common::LockEvent) -> Event {
+    let op = if e.fl_type == common::F_UNLCK {
+        LockOp::Released
+    } else if e.ret == 0 {
+        LockOp::Acquired {
+            exclusive: e.fl_type == common::F_WRLCK,
+        }
+    } else if e.ret == common::FILE_LOCK_DEFERRED {
+        LockOp::Deferred
+    } else {
+        LockOp::Failed { errno: -e.ret }
+    };
+    Event::Lock(LockEvent {
+        ts_ns: e.hdr.ts_ns,
+        tgid: e.hdr.tgid,
+        tid: e.hdr.tid,
+        comm: Comm(e.comm),
+        owner: e.owner,
+        dev: e.dev,
+        ino: e.ino,
+        op,
+        nonblocking: e.fl_flags & common::FL_SLEEP == 0,
+    })
+}
+
+/// The events of one record: one, or two for a `Hold` record (its take and its release),
+/// or none for a take already had.
+#[derive(Debug, Default)]
+pub struct Decoded([Option<Event>; 2]);
+
+impl IntoIterator for Decoded {
+    type Item = Event;
+    type IntoIter = std::iter::Flatten<std::array::IntoIter<Option<Event>, 2>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.into_iter().flatten()
+    }
+}
+
+/// Owners whose last take the decoder remembers; past this many it starts over (a take
+/// then passes, as it would have from a build that sent every take).
+const MAX_OWNERS: usize = 4096;
+
+/// Decodes a stream of records, live or from a capture, the same way: a `Hold` record
+/// becomes its take and its release, and an exclusive take no later than the last one of
+/// its owner is dropped. The kernel's kept take can go out twice (two CPUs racing to send
+/// it, userspace reading it from the map) or, after a rare race on who sent it, again
+/// later; one owner's takes follow each other in time.
+#[derive(Debug, Default)]
+pub struct Decoder {
+    last_take: std::collections::HashMap<u64, u64>,
+}
+
+impl Decoder {
+    pub fn decode(&mut self, b: &[u8]) -> Result<Decoded, DecodeError> {
+        use common::{sizes, EventKind as K};
+        if b.len() >= std::mem::size_of::<common::EventHeader>()
+            && read::<common::EventHeader>(b).kind == K::Hold as u32
+        {
+            need(K::Hold, b, sizes::HOLD)?;
+            let h: common::HoldEvent = read(b);
+            let take = lock_event(&h.take);
+            let release = lock_event(&common::LockEvent {
+                hdr: common::EventHeader {
+                    kind: K::Lock as u32,
+                    ..h.hdr
+                },
+                ret: h.ret,
+                fl_flags: h.fl_flags,
+                fl_type: common::F_UNLCK,
+                comm: h.comm,
+                ..h.take
+            });
+            return Ok(Decoded([self.fresh(take), Some(release)]));
+        }
+        Ok(Decoded([self.fresh(decode(b)?), None]))
+    }
+
+    /// `ev`, unless it is an exclusive take had already.
+    fn fresh(&mut self, ev: Event) -> Option<Event> {
+        let Event::Lock(l) = &ev else {
+            return Some(ev);
+        };
+        if !matches!(l.op, LockOp::Acquired { exclusive: true }) {
+            return Some(ev);
+        }
+        if self.last_take.get(&l.owner).is_some_and(|&t| l.ts_ns <= t) {
+            return None;
+        }
+        if self.last_take.len() >= MAX_OWNERS {
+            self.last_take.clear();
+        }
+        self.last_take.insert(l.owner, l.ts_ns);
+        Some(ev)
+    }
+}
+
+/// Decodes one raw event record of a kind that holds one event (all but `Hold`: a
+/// [`Decoder`] reads those).
 // Inline: lets the caller's instance build the event in its own return slot instead of
 // copying it out of this function's.
 #[inline]
@@ -87,30 +188,9 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
     Ok(match kind {
         K::Lock => {
             need(kind, b, sizes::LOCK)?;
-            let e: common::LockEvent = read(b);
-            let op = if e.fl_type == common::F_UNLCK {
-                LockOp::Released
-            } else if e.ret == 0 {
-                LockOp::Acquired {
-                    exclusive: e.fl_type == common::F_WRLCK,
-                }
-            } else if e.ret == common::FILE_LOCK_DEFERRED {
-                LockOp::Deferred
-            } else {
-                LockOp::Failed { errno: -e.ret }
-            };
-            Event::Lock(LockEvent {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(e.comm),
-                owner: e.owner,
-                dev: e.dev,
-                ino: e.ino,
-                op,
-                nonblocking: e.fl_flags & common::FL_SLEEP == 0,
-            })
+            lock_event(&read(b))
         }
+        K::Hold => return Err(DecodeError::TwoEvents),
         K::FlockCall => {
             need(kind, b, sizes::FLOCK_CALL)?;
             let e: common::FlockCallEvent = read(b);

@@ -53,9 +53,10 @@ const STAGES: [(&str, &str); 4] = [
     ("json", "+ JSON Lines sink (to a null writer)"),
 ];
 
-/// The streams: `node` (a busy node, the headline figure) at `--events`, the other two at a
-/// fifth of it (they only show where the cost goes).
-const STREAMS: [(&str, u64); 3] = [("node", 1), ("iptables", 5), ("lock", 5)];
+/// The streams: `node` (a busy node, the headline figure) at `--events`, the others at a
+/// fifth of it (they only show where the cost goes). `lock` and `holds` are the same lock
+/// cycles as the syscall-hooking builds and this one send them.
+const STREAMS: [(&str, u64); 4] = [("node", 1), ("iptables", 5), ("lock", 5), ("holds", 5)];
 
 pub fn run(env: &Env) -> Result<(Value, Value)> {
     let mut files = Vec::new();
@@ -182,7 +183,8 @@ pub fn run(env: &Env) -> Result<(Value, Value)> {
     Ok((
         json!({
             "what": "read + decode + Analyzer::process (+ JSON sink) of generated captures, single-threaded; events/s per core = events / process CPU seconds; peak RSS = VmHWM of the process running the stage",
-            "events": {"node": env.events, "iptables": env.events / 5, "lock": env.events / 5},
+            "events": {"node": env.events, "iptables": env.events / 5, "lock": env.events / 5,
+                "holds": env.events / 5},
             "reps": env.reps,
             "streams": Value::Object(out),
             "generated": Value::Object(generated),

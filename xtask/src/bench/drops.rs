@@ -312,7 +312,7 @@ pub fn run(env: &Env) -> Result<Value> {
                         get(format!("@drops[{reason}]")),
                     )
                 }
-                Tracer::Xtlock | Tracer::Baseline | Tracer::Floor => {
+                Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord => {
                     let s = st.summary.as_ref();
                     // Same key as bpftrace's: the receiving netns and NETFILTER_DROP. The
                     // namespace may drop other packets meanwhile (IPv6 neighbour discovery

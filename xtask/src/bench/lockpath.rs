@@ -160,9 +160,10 @@ pub fn run(env: &Env) -> Result<Value> {
     // The floor's and the histogram script's BPF costs are read from bpf_stats: only then
     // are they columns.
     if env.bpf_stats {
-        tracers.extend([Tracer::Floor, Tracer::BpftraceHist]);
+        tracers.extend([Tracer::Floor, Tracer::FloorRecord, Tracer::BpftraceHist]);
     }
     let floor_ti = tracers.iter().position(|t| *t == Tracer::Floor);
+    let record_ti = tracers.iter().position(|t| *t == Tracer::FloorRecord);
     let hist_ti = tracers.iter().position(|t| *t == Tracer::BpftraceHist);
     let mut cells: Vec<Vec<Cell>> = tracers
         .iter()
@@ -201,8 +202,10 @@ pub fn run(env: &Env) -> Result<Value> {
                 &["flock".into(), p(&watched), "--cycles".into(), "1".into()],
             )?;
             // The floor and the histogram print nothing per event: nothing to wait for.
-            if !matches!(t, Tracer::Floor | Tracer::BpftraceHist)
-                && !s.wait_output_past(before, Duration::from_secs(10))
+            if !matches!(
+                t,
+                Tracer::Floor | Tracer::FloorRecord | Tracer::BpftraceHist
+            ) && !s.wait_output_past(before, Duration::from_secs(10))
             {
                 canary_missed[ti] += 1;
             }
@@ -398,7 +401,12 @@ pub fn run(env: &Env) -> Result<Value> {
         // (tracer, load) -> ns of BPF per operation, all programs.
         let mut totals: BTreeMap<(usize, usize), f64> = BTreeMap::new();
         for (li, l) in loads.iter().enumerate() {
-            for ti in [1, 2].into_iter().chain(floor_ti).chain(hist_ti) {
+            for ti in [1, 2]
+                .into_iter()
+                .chain(floor_ti)
+                .chain(record_ti)
+                .chain(hist_ti)
+            {
                 let mut total = 0.0;
                 for ((t, lj, name), (ns, runs)) in &progs {
                     if *t != ti || *lj != li || runs.median() < 0.01 {
@@ -428,22 +436,29 @@ pub fn run(env: &Env) -> Result<Value> {
         }
         table(&rows);
         // The watched cycle (load 0) as a multiple of the floor, beside bpftrace's script.
-        if let (Some(fi), Some(hi)) = (floor_ti, hist_ti) {
+        if let (Some(fi), Some(ri), Some(hi)) = (floor_ti, record_ti, hist_ti) {
             let at = |ti: usize| totals.get(&(ti, 0)).copied().unwrap_or(0.0);
-            let (x, b, f, h) = (at(1), at(2), at(fi), at(hi));
+            let (x, b, f, r, h) = (at(1), at(2), at(fi), at(ri), at(hi));
             println!(
                 "  watched lock cycle, BPF ns: xtlock {} = {:.2}x the floor ({} ns: empty programs \
                  on the same tp_btf hook) = {:.2}x bpftrace's hold-histogram script ({}); \
-                 bpftrace's same-job script {}",
+                 bpftrace's same-job script {}\n  the floor of streaming a record a hold \
+                 (pre-filter + one Hold-sized ring record a release): {} ns = {:.2}x the floor; \
+                 xtlock = {:.2}x that",
                 num(x),
                 x / f.max(1e-9),
                 num(f),
                 x / h.max(1e-9),
                 num(h),
                 num(b),
+                num(r),
+                r / f.max(1e-9),
+                x / r.max(1e-9),
             );
             floor_json = json!({"xtlock_ns": x, "floor_ns": f, "bpftrace_ns": b,
-                "bpftrace_hist_ns": h, "xtlock_over_floor": x / f.max(1e-9),
+                "bpftrace_hist_ns": h, "floor_record_ns": r,
+                "xtlock_over_floor": x / f.max(1e-9),
+                "xtlock_over_floor_record": x / r.max(1e-9),
                 "xtlock_over_bpftrace_hist": x / h.max(1e-9)});
         }
     }

@@ -24,6 +24,9 @@ pub enum Tracer {
     /// This tree's xtlock with `--bench-floor`: empty programs on the lock hook, the floor
     /// its lock path is measured against.
     Floor,
+    /// `--bench-floor-record`: the floor plus one hold-sized ring record a release, what
+    /// streaming a record per hold costs at least.
+    FloorRecord,
     /// A bpftrace script that only keeps a hold histogram per holder in the kernel (streams
     /// nothing): what issue 33 holds the lock path to.
     BpftraceHist,
@@ -37,13 +40,17 @@ impl Tracer {
             Tracer::Baseline => "xtlock-baseline",
             Tracer::Bpftrace => "bpftrace",
             Tracer::Floor => "floor",
+            Tracer::FloorRecord => "floor+record",
             Tracer::BpftraceHist => "bpftrace-hist",
         }
     }
 
     /// This tree's xtlock or the baseline build.
     pub fn is_xtlock(self) -> bool {
-        matches!(self, Tracer::Xtlock | Tracer::Baseline | Tracer::Floor)
+        matches!(
+            self,
+            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord
+        )
     }
 
     /// The tracers of a bench: untraced, xtlock, bpftrace, and the baseline last when given.
@@ -175,9 +182,13 @@ impl Session {
         match t {
             Tracer::None => Ok(Session::none()),
             Tracer::Bpftrace | Tracer::BpftraceHist => Session::bpftrace(env, tag, script),
-            Tracer::Floor => {
+            Tracer::Floor | Tracer::FloorRecord => {
                 let mut args = extra.to_vec();
-                args.push("--bench-floor".into());
+                args.push(if t == Tracer::Floor {
+                    "--bench-floor".into()
+                } else {
+                    "--bench-floor-record".into()
+                });
                 Session::xtlock_as(env, t, tag, locks, &args)
             }
             Tracer::Xtlock | Tracer::Baseline => Session::xtlock_as(env, t, tag, locks, extra),
@@ -355,7 +366,9 @@ impl Session {
             sleep(Duration::from_millis(20));
         };
         let mut s = match self.tracer {
-            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor => read_xtlock(&self.out)?,
+            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord => {
+                read_xtlock(&self.out)?
+            }
             Tracer::Bpftrace | Tracer::BpftraceHist => read_bpftrace(&self.out, &self.err)?,
             Tracer::None => Stopped::default(),
         };

@@ -16,14 +16,16 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, TracePointContext},
 };
 use xtlock_common::{
-    EventKind, FlockCallEvent, LockEvent, LockKey, WatchedSlot, FILE_LOCK_DEFERRED, FL_SLEEP,
-    F_RDLCK, F_UNLCK, F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN, SLOT_EMPTY, SLOT_ONE,
-    WATCHED_INO_SLOTS,
+    EventKind, FlockCallEvent, HoldEvent, HoldNow, LockEvent, LockKey, WatchedSlot,
+    FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_UNLCK, F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN,
+    SLOT_EMPTY, SLOT_ONE, WATCHED_INO_SLOTS,
 };
 
 use crate::{
-    emit::{btf_read, cfg, field, field_fast, header, header_of, ids, now, output},
-    FLOCK_INFLIGHT, HOLD_NOW, WATCHED, WATCHED_INO,
+    emit::{
+        btf_read, cfg, field, field_fast, header, header_of, ids, now, output, reserve, wake_flags,
+    },
+    pending, FLOCK_INFLIGHT, WAITING, WAITING_SLOTS, WATCHED, WATCHED_INO,
 };
 
 /// `sa_flags` bit: the interrupted syscall restarts instead of failing with `EINTR`.
@@ -155,6 +157,29 @@ pub fn flock_lock_inode_btf_floor(_ctx: BtfTracePointContext) -> u32 {
     0
 }
 
+/// The floor of streaming holds (`xtlock trace --bench-floor-record`): the attach point of
+/// [`flock_lock_inode_btf`], its inode pre-filter, and one `Hold`-sized ring record at each
+/// release on a watched slot, and nothing else: what sending one record a hold costs at
+/// least (its kind is 0, which userspace counts as undecodable and drops).
+#[btf_tracepoint(function = "flock_lock_inode")]
+pub fn flock_lock_inode_btf_floor_record(ctx: BtfTracePointContext) -> u32 {
+    let inode: *const u8 = ctx.arg(0);
+    if maybe_watched(btf_read(inode, cfg(|c| &c.rfl_inode_ino))).is_none() {
+        return 0;
+    }
+    let fl: *const u8 = ctx.arg(1);
+    if fl.is_null() || btf_read::<u8>(fl, cfg(|c| &c.rfl_type)) != F_UNLCK {
+        return 0;
+    }
+    if let Some(mut e) = reserve::<HoldEvent>() {
+        // SAFETY: a reserved entry of the right size; only the kind is written, so old ring
+        // contents never read as an event.
+        unsafe { (*e.as_mut_ptr()).hdr.kind = 0 };
+        e.submit(wake_flags::<HoldEvent>(true));
+    }
+    0
+}
+
 /// A lock request on a watched lock: its event, and the start or end of a blocking wait.
 #[inline(always)]
 fn on_request(r: &Request) {
@@ -168,11 +193,15 @@ fn on_request(r: &Request) {
     } = r;
     let ts = now();
     let (tgid, tid) = ids();
+    let Some(h) = pending::hold_now() else {
+        return;
+    };
 
     // This thread's deferred call on this lock, if it is one (an entry left by a thread
     // that died waiting, whose tid was reused, is another owner). A zeroed copy and a flag
     // rather than an Option: LLVM loads an Option's payload before testing it, and the
-    // verifiers before 5.12 refuse that read of stack the None path never wrote.
+    // verifiers before 5.12 refuse that read of stack the None path never wrote. Looked up
+    // only while some call waits: an uncontended lock costs no hash lookup.
     let mut w = FlockInflight {
         enter_ns: 0,
         owner: 0,
@@ -181,11 +210,13 @@ fn on_request(r: &Request) {
         cmd: 0,
     };
     let mut waiting = false;
-    // SAFETY: read of our own entry.
-    if let Some(e) = unsafe { FLOCK_INFLIGHT.get(&tid) } {
-        if e.owner == owner && e.ino == ino && e.dev == dev {
-            w = *e;
-            waiting = true;
+    if waits_in_slot(tid) {
+        // SAFETY: read of our own entry.
+        if let Some(e) = unsafe { FLOCK_INFLIGHT.get(&tid) } {
+            if e.owner == owner && e.ino == ino && e.dev == dev {
+                w = *e;
+                waiting = true;
+            }
         }
     }
     if ret == FILE_LOCK_DEFERRED && !waiting {
@@ -196,11 +227,36 @@ fn on_request(r: &Request) {
             dev,
             cmd: flock_cmd(fl_type, fl_flags),
         };
-        let _ = FLOCK_INFLIGHT.insert(&tid, &inflight, 0);
+        if FLOCK_INFLIGHT.insert(&tid, &inflight, 0).is_ok() {
+            add_wait(tid, true);
+        }
     }
 
+    let hdr = header_of(EventKind::Lock, ts, tgid, tid);
+    if ret == 0 && fl_type == F_UNLCK {
+        if let Some(take) = pending::claim_for_release(h, owner, ino, dev) {
+            // The same task's comm is the take's (a rename in between is not worth a call).
+            let comm = if take.hdr.tid == tid {
+                take.comm
+            } else {
+                bpf_get_current_comm().unwrap_or([0; 16])
+            };
+            output(&HoldEvent {
+                hdr: header_of(EventKind::Hold, ts, tgid, tid),
+                take,
+                ret,
+                fl_flags,
+                comm,
+            });
+            note_hold(h, owner, fl_type, ret, ts);
+            return;
+        }
+    } else {
+        // A waiter's request, a failed try, another lock's take: after the kept take.
+        pending::send(h);
+    }
     let ev = LockEvent {
-        hdr: header_of(EventKind::Lock, ts, tgid, tid),
+        hdr,
         owner,
         ino,
         dev,
@@ -210,17 +266,47 @@ fn on_request(r: &Request) {
         _pad: [0; 3],
         comm: bpf_get_current_comm().unwrap_or([0; 16]),
     };
-    output(&ev);
-    note_hold(owner, fl_type, ret, ts);
+    note_hold(h, owner, fl_type, ret, ts);
+    // An exclusive take that did not end a wait is kept until its release; the end of a
+    // wait goes out now, ahead of the call's end below.
+    let kept = ret == 0 && fl_type == F_WRLCK && !waiting && pending::keep(h, &ev);
+    if !kept {
+        output(&ev);
+    }
 
     // A retry after the wait that did not defer again ends the call: granted, or an error.
-    if waiting {
-        if ret != FILE_LOCK_DEFERRED {
-            let _ = FLOCK_INFLIGHT.remove(&tid);
-            // A release by this owner means the waiter died and its files are closing.
-            if fl_type != F_UNLCK {
-                flock_return(&w, ts, i64::from(ret));
-            }
+    if waiting && ret != FILE_LOCK_DEFERRED {
+        if FLOCK_INFLIGHT.remove(&tid).is_ok() {
+            add_wait(tid, false);
+        }
+        // A release by this owner means the waiter died and its files are closing.
+        if fl_type != F_UNLCK {
+            flock_return(&w, ts, i64::from(ret));
+        }
+    }
+}
+
+/// Whether `tid`'s slot of `WAITING` counts a deferred call (its own, or a colliding
+/// thread's).
+#[inline(always)]
+fn waits_in_slot(tid: u32) -> bool {
+    WAITING
+        .get(tid & (WAITING_SLOTS - 1))
+        .is_some_and(|n| *n != 0)
+}
+
+/// Counts a deferred call in (`add`) or out of `tid`'s slot of `WAITING`.
+#[inline(always)]
+fn add_wait(tid: u32, add: bool) {
+    let Some(n) = WAITING.get_ptr_mut(tid & (WAITING_SLOTS - 1)) else {
+        return;
+    };
+    // SAFETY: an entry of the array; see `WAITING` for the race this accepts.
+    unsafe {
+        if add {
+            *n = (*n).saturating_add(1);
+        } else {
+            *n = (*n).saturating_sub(1);
         }
     }
 }
@@ -229,13 +315,10 @@ fn on_request(r: &Request) {
 /// time, which userspace knows it by), the holder's release ends it. Others' releases (a
 /// close of the lock file by a process that did not hold it) leave it alone.
 #[inline(always)]
-fn note_hold(owner: u64, fl_type: u8, ret: i32, ts: u64) {
+fn note_hold(h: *mut HoldNow, owner: u64, fl_type: u8, ret: i32, ts: u64) {
     if ret != 0 {
         return;
     }
-    let Some(h) = HOLD_NOW.get_ptr_mut(0) else {
-        return;
-    };
     // SAFETY: the map's one entry; a racing take on another watched lock can only make the
     // drop hook credit the newer hold, never read out of bounds.
     unsafe {
@@ -252,6 +335,10 @@ fn note_hold(owner: u64, fl_type: u8, ret: i32, ts: u64) {
 #[tracepoint]
 pub fn signal_deliver(ctx: TracePointContext) -> u32 {
     let (_, tid) = ids();
+    // As in `on_request`: no call waits, no lookup.
+    if !waits_in_slot(tid) {
+        return 0;
+    }
     // SAFETY: read of our own entry; removed below.
     let Some(w) = (unsafe { FLOCK_INFLIGHT.get(&tid) }).copied() else {
         return 0;
@@ -264,7 +351,9 @@ pub fn signal_deliver(ctx: TracePointContext) -> u32 {
     if handler <= 1 || flags & SA_RESTART != 0 {
         return 0;
     }
-    let _ = FLOCK_INFLIGHT.remove(&tid);
+    if FLOCK_INFLIGHT.remove(&tid).is_ok() {
+        add_wait(tid, false);
+    }
     flock_return(&w, now(), -EINTR);
     0
 }

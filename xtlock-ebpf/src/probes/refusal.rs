@@ -244,6 +244,8 @@ fn sample(key: &RefusalKey, skb: u64) {
     if !take_token(&REFUSAL_RATE) {
         return;
     }
+    // The sample names its hold: the hold's take goes first.
+    crate::pending::send_any();
     let Some(mut entry) = reserve::<RefusalEvent>() else {
         return;
     };
@@ -265,7 +267,7 @@ fn sample(key: &RefusalKey, skb: u64) {
         let _ = read_tuple(skb, &mut ev);
     }
     entry.write(ev);
-    entry.submit(crate::emit::wake_flags());
+    entry.submit(crate::emit::wake_flags::<RefusalEvent>(true));
 }
 
 /// The IPv4 packet's addresses, protocol and ports (rare: samples only).

@@ -161,12 +161,13 @@ pub(crate) fn enter(
 /// The call returns: one record with the table, its entries and bytes, and the time.
 #[inline(always)]
 pub(crate) fn exit(ret: i64) {
-    let (_, tid) = ids();
+    let (tgid, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
     let Some(enter) = (unsafe { SOCKOPT_INFLIGHT.get(&tid) }).copied() else {
         return;
     };
     let _ = SOCKOPT_INFLIGHT.remove(&tid);
+    crate::pending::send_if_by(tgid);
     let (num_entries, size, head_ok) = if enter.dir == SOCKOPT_GET {
         if enter.optname == XT_SO_GET_INFO {
             // The kernel's answer: `num_entries` and `size` of the table now.

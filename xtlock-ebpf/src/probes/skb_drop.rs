@@ -147,6 +147,8 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
         return;
     }
     let protocol = protocol();
+    // The sample names its hold: the hold's take goes first.
+    crate::pending::send_any();
     let Some(mut entry) = reserve::<DropEvent>() else {
         return;
     };
@@ -174,7 +176,7 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
         let _ = read_packet(&c, skb, &mut ev);
     }
     entry.write(ev);
-    entry.submit(crate::emit::wake_flags());
+    entry.submit(crate::emit::wake_flags::<DropEvent>(true));
 }
 
 /// The exact count: in this CPU's cache slot for the key when the slot is the key's or free,

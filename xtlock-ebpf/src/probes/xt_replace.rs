@@ -21,12 +21,13 @@ fn enter() {
 
 #[inline(always)]
 fn exit() {
-    let (_, tid) = ids();
+    let (tgid, tid) = ids();
     // SAFETY: read of our own entry; removed right after.
     let Some(enter_ns) = (unsafe { XT_INFLIGHT.get(&tid) }).copied() else {
         return;
     };
     let _ = XT_INFLIGHT.remove(&tid);
+    crate::pending::send_if_by(tgid);
     output(&XtReplaceEvent {
         hdr: header(EventKind::XtReplace, now()),
         enter_ns,

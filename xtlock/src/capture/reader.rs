@@ -255,11 +255,15 @@ impl<R: Read> CaptureReader<R> {
         std::iter::from_fn(move || self.next_owned())
     }
 
-    /// Decoded events: kernel records through [`decode::decode`], process and lost records
+    /// Decoded events: kernel records through a [`decode::Decoder`], process and lost records
     /// as `Event::Proc`/`Event::Lost`. Ends after the end record or the first fatal error;
     /// [`CaptureError::Decode`] items are not fatal and iteration goes on after them.
     pub fn events(self) -> Events<R> {
-        Events { reader: self }
+        Events {
+            reader: self,
+            decoder: decode::Decoder::default(),
+            queued: None,
+        }
     }
 
     pub fn stats(&self) -> ReadStats {
@@ -461,6 +465,9 @@ impl<R: Read> CaptureReader<R> {
 /// Iterator of [`CaptureReader::events`].
 pub struct Events<R> {
     reader: CaptureReader<R>,
+    decoder: decode::Decoder,
+    /// The second event of a two-event record (a `Hold`'s release).
+    queued: Option<Event>,
 }
 
 impl<R: Read> Events<R> {
@@ -474,20 +481,37 @@ impl<R: Read> Iterator for Events<R> {
     type Item = Result<Event, CaptureError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let decoded = match self.reader.next_record()? {
-            Ok(Record::Kernel(b)) => decode::decode(b),
-            Ok(Record::Proc(p)) => return Some(Ok(Event::Proc(p))),
-            Ok(Record::Lost { ts_ns, count }) => return Some(Ok(Event::Lost { ts_ns, count })),
-            Ok(Record::Synthetic(ev)) => return Some(Ok(ev)),
-            // The reader is done after the end record.
-            Ok(Record::End(_)) => return None,
-            Err(e) => return Some(Err(e)),
-        };
-        Some(decoded.map_err(|source| CaptureError::Decode {
-            offset: self.reader.block_offset,
-            record: self.reader.seen.saturating_sub(1),
-            error: source,
-        }))
+        if let Some(ev) = self.queued.take() {
+            return Some(Ok(ev));
+        }
+        loop {
+            let decoded = match self.reader.next_record()? {
+                Ok(Record::Kernel(b)) => self.decoder.decode(b),
+                Ok(Record::Proc(p)) => return Some(Ok(Event::Proc(p))),
+                Ok(Record::Lost { ts_ns, count }) => return Some(Ok(Event::Lost { ts_ns, count })),
+                Ok(Record::Synthetic(ev)) => return Some(Ok(ev)),
+                // The reader is done after the end record.
+                Ok(Record::End(_)) => return None,
+                Err(e) => return Some(Err(e)),
+            };
+            match decoded {
+                Ok(evs) => {
+                    let mut evs = evs.into_iter();
+                    // A record of no event (a take had already) reads the next one.
+                    if let Some(first) = evs.next() {
+                        self.queued = evs.next();
+                        return Some(Ok(first));
+                    }
+                }
+                Err(source) => {
+                    return Some(Err(CaptureError::Decode {
+                        offset: self.reader.block_offset,
+                        record: self.reader.seen.saturating_sub(1),
+                        error: source,
+                    }))
+                }
+            }
+        }
     }
 }
 

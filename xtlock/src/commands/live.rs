@@ -75,7 +75,11 @@ pub fn load(
         locks: locks.to_vec(),
         ring_bytes: ring_mib << 20,
         no_attach: lock_args.attach_filter()?,
-        floor: lock_args.bench_floor,
+        floor: if lock_args.bench_floor_record {
+            Some(crate::probes::Floor::Record)
+        } else {
+            lock_args.bench_floor.then_some(crate::probes::Floor::Empty)
+        },
     };
     Ok(Probes::load_with_drops(
         &opts,

@@ -14,7 +14,7 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
             locks: locks.clone(),
             ring_bytes: 1 << 20,
             no_attach: args.locks.attach_filter()?,
-            floor: false,
+            floor: None,
         },
         Some(&probes::DropOptions::default()),
     )?;

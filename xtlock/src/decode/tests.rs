@@ -404,3 +404,88 @@ fn nft_commit_with_and_without_its_batch() {
     };
     assert_eq!(c.batch, None);
 }
+
+fn hold_record(take: common::LockEvent, ts: u64, tid: u32, comm: &str) -> common::HoldEvent {
+    common::HoldEvent {
+        hdr: header(common::EventKind::Hold, take.hdr.tgid, tid, ts),
+        take,
+        ret: 0,
+        fl_flags: 2,
+        comm: Comm::new(comm).0,
+    }
+}
+
+/// A `Hold` record reads as the two `Lock` records it stands for.
+#[test]
+fn a_hold_record_is_its_take_and_release() {
+    let take = lock(common::F_WRLCK, 0, 130);
+    let release = common::LockEvent {
+        hdr: header(common::EventKind::Lock, 10, 12, 5000),
+        fl_type: common::F_UNLCK,
+        fl_flags: 2,
+        comm: Comm::new("iptables-child").0,
+        ..take
+    };
+    let pair: Vec<Event> = Decoder::default()
+        .decode(&bytes(&hold_record(take, 5000, 12, "iptables-child")))
+        .unwrap()
+        .into_iter()
+        .collect();
+    let mut apart = Decoder::default();
+    let want: Vec<Event> = [take, release]
+        .iter()
+        .flat_map(|r| apart.decode(&bytes(r)).unwrap())
+        .collect();
+    assert_eq!(pair, want);
+    assert_eq!(pair.len(), 2);
+    // Without a Decoder it is a clear error, not half of it.
+    assert_eq!(
+        decode(&bytes(&hold_record(take, 5000, 12, "x"))),
+        Err(DecodeError::TwoEvents)
+    );
+    // Cut short: an error that says so.
+    let b = bytes(&hold_record(take, 5000, 12, "x"));
+    assert!(matches!(
+        Decoder::default().decode(&b[..b.len() - 1]),
+        Err(DecodeError::Truncated { .. })
+    ));
+}
+
+/// A take the kernel kept can arrive twice (two CPUs sent it, or userspace read it from
+/// the map first), or again later after a race on who sent it: once is kept, releases and
+/// other owners' takes are not touched.
+#[test]
+fn a_take_sent_twice_is_read_once() {
+    let take = lock(common::F_WRLCK, 0, 130);
+    let mut d = Decoder::default();
+    let n = |d: &mut Decoder, b: Vec<u8>| d.decode(&b).unwrap().into_iter().count();
+    assert_eq!(n(&mut d, bytes(&take)), 1);
+    assert_eq!(n(&mut d, bytes(&take)), 0);
+    // Its Hold record: the release alone.
+    let evs: Vec<Event> = d
+        .decode(&bytes(&hold_record(take, 5000, 11, "iptables")))
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert!(matches!(&evs[..], [Event::Lock(l)] if l.op == LockOp::Released));
+    // An older take of that owner, sent again later: dropped.
+    let older = common::LockEvent {
+        hdr: header(common::EventKind::Lock, 10, 11, 1000),
+        ..take
+    };
+    assert_eq!(n(&mut d, bytes(&older)), 0);
+    // The owner's next take, another owner's take at the same time, a shared take: kept.
+    let next = common::LockEvent {
+        hdr: header(common::EventKind::Lock, 10, 11, 6000),
+        ..take
+    };
+    assert_eq!(n(&mut d, bytes(&next)), 1);
+    let other = common::LockEvent {
+        owner: take.owner + 64,
+        ..take
+    };
+    assert_eq!(n(&mut d, bytes(&other)), 1);
+    let shared = lock(common::F_RDLCK, 0, 130);
+    assert_eq!(n(&mut d, bytes(&shared)), 1);
+    assert_eq!(n(&mut d, bytes(&shared)), 1);
+}

@@ -90,12 +90,28 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     /// Attach types ruled out (`--no-attach`).
     pub no_attach: AttachFilter,
-    /// Benchmarks only (`--bench-floor`): the lock hook runs an empty program on tp_btf.
-    pub floor: bool,
+    /// Benchmarks only (`--bench-floor`, `--bench-floor-record`): the lock hook runs one of
+    /// the floor programs on tp_btf instead.
+    pub floor: Option<Floor>,
 }
 
-/// The empty program `--bench-floor` puts on the lock hook's tp_btf.
-const FLOOR_PROGRAM: &str = "flock_lock_inode_btf_floor";
+/// The floors the lock path is measured against (`cargo xtask bench --only lock`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Floor {
+    /// An empty program: the attach point and type alone.
+    Empty,
+    /// The pre-filter and one `Hold`-sized ring record a release: streaming a hold, at least.
+    Record,
+}
+
+impl Floor {
+    fn program(self) -> &'static str {
+        match self {
+            Floor::Empty => "flock_lock_inode_btf_floor",
+            Floor::Record => "flock_lock_inode_btf_floor_record",
+        }
+    }
+}
 
 /// What the drop hook counts and samples.
 #[derive(Clone, Debug)]
@@ -175,6 +191,8 @@ impl Probes {
                 disc.config.drop_sample_burst = d.samples_per_sec;
             }
         }
+        // A record wakes us only past a quarter of the ring (the poll tick reads the rest).
+        disc.config.ring_wake_bytes = opts.ring_bytes / 4;
         let mut ebpf = EbpfLoader::new()
             .override_global("CONFIG", &disc.config, true)
             .map_max_entries("EVENTS", opts.ring_bytes)
@@ -255,13 +273,13 @@ impl Probes {
                 }
                 _ => {
                     let not_asked = counts_packets(hook.program) && drops.is_none();
-                    let floor = opts.floor && hook.required;
+                    let floor = opts.floor.filter(|_| hook.required);
                     let raw = hook
                         .raw_program
                         .filter(|_| !not_asked)
-                        .map(|raw| if floor { FLOOR_PROGRAM } else { raw })
+                        .map(|raw| floor.map_or(raw, Floor::program))
                         .map(|raw| attach_raw(&mut ebpf, hook, raw, &disc));
-                    if let (true, Some(Err(why))) = (floor, &raw) {
+                    if let (Some(_), Some(Err(why))) = (floor, &raw) {
                         return Err(ProbeError::Required {
                             why: format!("--bench-floor needs the lock hook on tp_btf: {why}"),
                         });
@@ -482,19 +500,32 @@ impl Probes {
         self.counter_totals("REFUSAL_COUNTS", "REFUSAL_OVERFLOW")
     }
 
-    /// The acquire time of the hold the kernel counts refusals and drops for now (`HOLD_NOW`);
-    /// 0 when none is going on.
-    pub fn current_hold_start(&self) -> Result<u64, ProbeError> {
+    fn hold_now(&self) -> Result<xtlock_common::HoldNow, ProbeError> {
         let map = self
             .ebpf
             .map("HOLD_NOW")
             .ok_or_else(|| ProbeError::Load("map HOLD_NOW missing".into()))?;
         let arr: BpfArray<&MapData, xtlock_common::HoldNow> =
             BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-        let h = arr
-            .get(&0, 0)
-            .map_err(|e| ProbeError::Load(format!("reading HOLD_NOW: {e}")))?;
-        Ok(h.start_ns)
+        arr.get(&0, 0)
+            .map_err(|e| ProbeError::Load(format!("reading HOLD_NOW: {e}")))
+    }
+
+    /// The acquire time of the hold the kernel counts refusals and drops for now (`HOLD_NOW`);
+    /// 0 when none is going on.
+    pub fn current_hold_start(&self) -> Result<u64, ProbeError> {
+        Ok(self.hold_now()?.start_ns)
+    }
+
+    /// The exclusive take the lock hook keeps until its release (`HoldNow::take`), if one
+    /// is waiting: read twice, kept only when both reads agree (the hook may be writing it).
+    pub fn waiting_take(&self) -> Result<Option<xtlock_common::LockEvent>, ProbeError> {
+        let a = self.hold_now()?;
+        if a.take_seq & 1 != 0 || a.take_seq <= a.sent_seq {
+            return Ok(None);
+        }
+        let b = self.hold_now()?;
+        Ok((b.take_seq == a.take_seq && b.take == a.take).then_some(a.take))
     }
 
     /// Removes refusal counters of holds that ended (read already): the kernel never counts

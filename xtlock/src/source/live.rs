@@ -31,6 +31,8 @@ pub struct LiveSource {
     pub probes: Probes,
     ring: AsyncFd<RingBuf<MapData>>,
     lost_reported: u64,
+    /// The last take read from the map (owner, time): read once, not every tick.
+    last_take: (u64, u64),
     lost_warned: crate::shared::Throttle,
     tap: Tap,
     /// Drop counters and conntrack statistics, once [`LiveSource::start_drops`] ran.
@@ -45,6 +47,7 @@ pub struct LiveSource {
 /// `ring` so both can be borrowed at once.
 #[derive(Default)]
 struct Tap {
+    decoder: decode::Decoder,
     decode_errors: u64,
     /// The kubelet's names of pods and containers, on a Kubernetes node.
     pods: Option<super::pods::PodDirectory>,
@@ -71,6 +74,7 @@ impl LiveSource {
             probes,
             ring,
             lost_reported: 0,
+            last_take: (0, 0),
             lost_warned: crate::shared::Throttle::new(std::time::Duration::from_secs(60)),
             tap: Tap::default(),
             drops: None,
@@ -98,10 +102,13 @@ impl LiveSource {
     /// Once a second: conntrack deltas, names of new drop locations, drop counts.
     pub fn poll_drops(&mut self) -> Vec<Event> {
         let now = super::monotonic_ns();
-        let mut events = match self.drops.as_mut() {
+        // The counts below may name a hold whose take the kernel still keeps.
+        let mut events = Vec::new();
+        self.waiting_take(&mut events);
+        events.extend(match self.drops.as_mut() {
             Some(poller) => poller.poll(&self.probes, now),
             None => Vec::new(),
-        };
+        });
         events.extend(self.ipvs.poll(&self.probes, now));
         events.extend(self.refusals.poll(&mut self.probes, now));
         if let Some(r) = self.tap.rules.as_mut() {
@@ -112,10 +119,60 @@ impl LiveSource {
             pods.tick(now, &mut named);
             events.extend(named.into_iter().map(|p| Event::Pod(Box::new(p))));
         }
-        for ev in &events {
+        // The take went through the recorder as the kernel record it is.
+        for ev in events.iter().filter(|ev| !matches!(ev, Event::Lock(_))) {
             self.tap.synthetic(ev);
         }
         events
+    }
+
+    /// The exclusive take the kernel keeps until its release, read from the map when it
+    /// is still there (a hold of more than one 50 ms tick, or at the end): recorded and
+    /// decoded as the kernel record it would have been. Records the kernel wrote before it
+    /// kept the take may still be in the ring: the ring is read to its end first, and the
+    /// take only sent if it is still kept then (else its own record said it). Its `Hold`
+    /// record later repeats it, which the decoder drops.
+    fn waiting_take(&mut self, out: &mut Vec<Event>) {
+        let Some(first) = self.read_take() else {
+            return;
+        };
+        let key = (first.owner, first.hdr.ts_ns);
+        if self.last_take == key {
+            return;
+        }
+        let ring = self.ring.get_mut();
+        let mut read = 0;
+        while let Some(item) = ring.next() {
+            self.tap.kernel(&item, out);
+            read += 1;
+            // Not read to its end (a storm): the next tick tries again.
+            if read > BATCH {
+                return;
+            }
+        }
+        match self.read_take() {
+            Some(t) if (t.owner, t.hdr.ts_ns) == key => {}
+            _ => return,
+        }
+        self.last_take = key;
+        // SAFETY: `LockEvent` is plain old data (`#[repr(C)]`, no padding, aya::Pod).
+        let raw = unsafe {
+            std::slice::from_raw_parts(
+                (&raw const first).cast::<u8>(),
+                std::mem::size_of::<xtlock_common::LockEvent>(),
+            )
+        };
+        self.tap.kernel(raw, out);
+    }
+
+    fn read_take(&self) -> Option<xtlock_common::LockEvent> {
+        match self.probes.waiting_take() {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the kept lock take");
+                None
+            }
+        }
     }
 
     /// Names the pods and containers of the processes seen, from the kubelet's log
@@ -228,6 +285,7 @@ impl LiveSource {
             let Some(item) = ring.next() else { break };
             self.tap.kernel(&item, out);
         }
+        self.waiting_take(out);
         self.tap.poll_rules(out);
     }
 
@@ -271,66 +329,70 @@ impl Tap {
             let res = r.kernel(raw);
             self.check(res);
         }
-        match decode::decode(raw) {
-            Ok(ev) => {
-                if let Some(r) = self.rules.as_mut() {
-                    r.on_event(&ev);
-                }
-                let exec = match &ev {
-                    Event::Exec(x) => Some((x.tgid, x.ts_ns, x.filename.clone(), x.argv.clone())),
-                    Event::Fork(f) => {
-                        self.binaries.forked(f.parent_tgid, f.child_tid);
-                        None
-                    }
-                    _ => None,
-                };
-                out.push(ev);
-                // Right behind its exec, before any exit of the same process: the cgroup of
-                // a new program. A container's process is moved to its cgroup by the
-                // runtime after fork, so the parent's would name the runtime.
-                let info = exec.and_then(|(pid, ts, file, argv)| {
-                    let mut info = exec_cgroup(pid, ts);
-                    // An iptables run: which binary, on disk, and its version.
-                    if super::binaries::is_rule_tool(&file) {
-                        let resolved = self.binaries.resolve(pid, &file);
-                        if let Some(r) = self.rules.as_mut() {
-                            let args: Vec<&str> = argv.iter().collect();
-                            let version = resolved.as_ref().and_then(|(_, v)| v.as_deref());
-                            let ancestor = self.binaries.alive_ancestor(pid);
-                            r.on_exec(pid, &args, &file, version, ancestor);
-                        }
-                        if let Some((exe, version)) = resolved {
-                            let i = info.get_or_insert_with(|| decode::ProcInfo {
-                                ts_ns: ts,
-                                pid,
-                                ..Default::default()
-                            });
-                            i.exe = Some(Box::new(decode::ExeInfo { path: exe, version }));
-                        }
-                    }
-                    info
-                });
-                if let Some(info) = info {
-                    if let (Some(pods), Some(cg)) = (self.pods.as_mut(), &info.cgroup) {
-                        let mut named = Vec::new();
-                        pods.see(&crate::kube::parse_cgroup(cg), info.ts_ns, &mut named);
-                        for p in named {
-                            let ev = Event::Pod(Box::new(p));
-                            self.synthetic(&ev);
-                            out.push(ev);
-                        }
-                    }
-                    let ev = Event::Proc(info);
-                    self.synthetic(&ev);
-                    out.push(ev);
-                }
-            }
+        match self.decoder.decode(raw) {
+            Ok(evs) => evs.into_iter().for_each(|ev| self.event(ev, out)),
             Err(e) => {
                 self.decode_errors += 1;
                 if self.decode_errors == 1 {
                     tracing::warn!(error = %e, "undecodable event from the kernel (further ones counted silently)");
                 }
             }
+        }
+    }
+
+    /// One decoded kernel event, and what it asks for at once: its binary's and cgroup's
+    /// names, the pods they name.
+    fn event(&mut self, ev: Event, out: &mut Vec<Event>) {
+        if let Some(r) = self.rules.as_mut() {
+            r.on_event(&ev);
+        }
+        let exec = match &ev {
+            Event::Exec(x) => Some((x.tgid, x.ts_ns, x.filename.clone(), x.argv.clone())),
+            Event::Fork(f) => {
+                self.binaries.forked(f.parent_tgid, f.child_tid);
+                None
+            }
+            _ => None,
+        };
+        out.push(ev);
+        // Right behind its exec, before any exit of the same process: the cgroup of
+        // a new program. A container's process is moved to its cgroup by the
+        // runtime after fork, so the parent's would name the runtime.
+        let info = exec.and_then(|(pid, ts, file, argv)| {
+            let mut info = exec_cgroup(pid, ts);
+            // An iptables run: which binary, on disk, and its version.
+            if super::binaries::is_rule_tool(&file) {
+                let resolved = self.binaries.resolve(pid, &file);
+                if let Some(r) = self.rules.as_mut() {
+                    let args: Vec<&str> = argv.iter().collect();
+                    let version = resolved.as_ref().and_then(|(_, v)| v.as_deref());
+                    let ancestor = self.binaries.alive_ancestor(pid);
+                    r.on_exec(pid, &args, &file, version, ancestor);
+                }
+                if let Some((exe, version)) = resolved {
+                    let i = info.get_or_insert_with(|| decode::ProcInfo {
+                        ts_ns: ts,
+                        pid,
+                        ..Default::default()
+                    });
+                    i.exe = Some(Box::new(decode::ExeInfo { path: exe, version }));
+                }
+            }
+            info
+        });
+        if let Some(info) = info {
+            if let (Some(pods), Some(cg)) = (self.pods.as_mut(), &info.cgroup) {
+                let mut named = Vec::new();
+                pods.see(&crate::kube::parse_cgroup(cg), info.ts_ns, &mut named);
+                for p in named {
+                    let ev = Event::Pod(Box::new(p));
+                    self.synthetic(&ev);
+                    out.push(ev);
+                }
+            }
+            let ev = Event::Proc(info);
+            self.synthetic(&ev);
+            out.push(ev);
         }
     }
 
