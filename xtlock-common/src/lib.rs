@@ -14,7 +14,8 @@ pub const FILENAME_LEN: usize = 128;
 pub const ARGV_SLOTS: usize = 8;
 /// Bytes kept of each argv entry.
 pub const ARG_LEN: usize = 64;
-/// Most lock files one tracer can watch at once.
+/// Most lock files one tracer can watch at once (a power of two: the programs mask indexes
+/// with it).
 pub const MAX_WATCHED_LOCKS: u32 = 16;
 /// Slots of the inode pre-filter: slot `ino % WATCHED_INO_SLOTS` is set for each watched
 /// inode (a power of two).
@@ -611,14 +612,21 @@ pub struct HoldNow {
     pub owner: u64,
     /// Holds counted so far; picks the hold's counter slot.
     pub seq: u64,
+}
+
+/// The exclusive take of one watched lock not sent yet (`KEPT`, at the lock's index): it
+/// goes out with its release (a `Hold` record), or alone when something needs it sooner (a
+/// waiter, the holder's table write, fork, exec or exit, a sampled drop or refusal in the
+/// hold; userspace within 50 ms). One per lock: takes of one lock follow each other (the
+/// lock is exclusive), so only one program writes an entry at a time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeptTake {
     /// Sequence lock of `take`: odd while a take is being written, +2 a take.
     pub take_seq: u64,
     /// `take_seq` of the last take sent to the ring: `take` waits in the kernel while
     /// `take_seq` is above it (and even).
     pub sent_seq: u64,
-    /// The exclusive take not sent yet: it goes out with its release (a `Hold` record), or
-    /// alone when something needs it sooner (a waiter, the holder's table write, fork,
-    /// exit, a sampled drop or refusal in the hold; userspace within 50 ms).
     pub take: LockEvent,
 }
 
@@ -889,9 +897,15 @@ pub struct LockKey {
 pub struct WatchedSlot {
     pub ino: u64,
     pub dev: u32,
-    /// [`SLOT_EMPTY`], [`SLOT_ONE`] or [`SLOT_SHARED`].
+    /// [`SLOT_EMPTY`], [`SLOT_ONE`] or [`SLOT_SHARED`] in its low byte; for `SLOT_ONE`, the
+    /// lock's index (its `WATCHED` value) in the next one.
     pub state: u32,
 }
+
+/// [`WatchedSlot::state`]'s kind.
+pub const SLOT_KIND: u32 = 0xff;
+/// [`WatchedSlot::state`]'s lock index: `(state >> SLOT_INDEX_SHIFT) % MAX_WATCHED_LOCKS`.
+pub const SLOT_INDEX_SHIFT: u32 = 8;
 
 pub const SLOT_EMPTY: u32 = 0;
 pub const SLOT_ONE: u32 = 1;
@@ -1007,6 +1021,7 @@ mod pod {
     unsafe impl aya::Pod for RefusalConfig {}
     unsafe impl aya::Pod for AnsweredSkb {}
     unsafe impl aya::Pod for HoldNow {}
+    unsafe impl aya::Pod for KeptTake {}
     unsafe impl aya::Pod for IpvsKey {}
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}
@@ -1082,7 +1097,8 @@ mod tests {
         assert_eq!(size_of::<EventHeader>(), 24);
         assert_eq!(size_of::<LockEvent>(), 72);
         assert_eq!(size_of::<HoldEvent>(), 24 + 72 + 8 + 16);
-        assert_eq!(size_of::<HoldNow>(), 40 + 72);
+        assert_eq!(size_of::<HoldNow>(), 24);
+        assert_eq!(size_of::<KeptTake>(), 16 + 72);
         assert_eq!(size_of::<FlockCallEvent>(), 64);
         assert_eq!(size_of::<ExecEvent>(), 24 + 128 + 512 + 8 + 16);
         assert_eq!(size_of::<ForkEvent>(), 48);

@@ -50,11 +50,13 @@ pub fn cfg<F: Fn(&ProbeConfig) -> &u32>(f: F) -> usize {
 }
 
 /// Ring buffer flags for a record of type `T` (`reserved`: reserved already, so counted in
-/// the ring's data): a wakeup only for the record that takes the waiting data past a quarter
-/// of the ring. Userspace reads the rest on its 50 ms tick, and once woken reads until the
-/// ring is empty. Not a wakeup per event while it is idle (an IPI, a VM exit), nor one per
-/// event while it is behind by more than the quarter: that storm of wakeups is what made a
-/// busy consumer cost every record a microsecond. The quarter is in `CONFIG`.
+/// the ring's data): a wakeup only for a record that takes the waiting data past a quarter
+/// of the ring, and past each further sixteenth (another CPU's record may cross the quarter
+/// unseen, between this one's query and its write). Userspace reads the rest on its 50 ms
+/// tick, and once woken reads until the ring is empty. So no wakeup per event while it is
+/// idle (an IPI, a VM exit), nor one per event while it lags by more than the quarter: that
+/// storm of wakeups cost a busy consumer's producers up to a microsecond a record. The
+/// quarter is in `CONFIG`.
 #[inline(always)]
 pub fn wake_flags<T>(reserved: bool) -> u64 {
     const BPF_RB_NO_WAKEUP: u64 = 1;
@@ -70,7 +72,9 @@ pub fn wake_flags<T>(reserved: bool) -> u64 {
         avail
     };
     let quarter = cfg(|c| &c.ring_wake_bytes) as u64;
-    if before <= quarter && before + len > quarter {
+    let step = (quarter / 4).max(1);
+    let after = before + len;
+    if after > quarter && after / step != before / step {
         BPF_RB_FORCE_WAKEUP
     } else {
         BPF_RB_NO_WAKEUP

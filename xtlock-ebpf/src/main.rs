@@ -8,9 +8,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use xtlock_common::{
-    AnsweredSkb, DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, LockKey, ProbeConfig,
-    RefusalConfig, RefusalKey, WatchedSlot, DROP_REASON_SLOTS, HOLD_DROP_SLOTS, MAX_DROP_KEYS,
-    MAX_IPVS_KEYS, MAX_REFUSAL_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
+    AnsweredSkb, DropKey, HoldDropSlot, HoldNow, IpvsEvent, IpvsKey, KeptTake, LockKey,
+    ProbeConfig, RefusalConfig, RefusalKey, WatchedSlot, DROP_REASON_SLOTS, HOLD_DROP_SLOTS,
+    MAX_DROP_KEYS, MAX_IPVS_KEYS, MAX_REFUSAL_KEYS, MAX_WATCHED_LOCKS, WATCHED_INO_SLOTS,
 };
 
 /// Slots of `WAITING`.
@@ -170,6 +170,10 @@ static DROP_CACHE: PerCpuArray<xtlock_common::DropCache> = PerCpuArray::with_max
 /// Drops not counted under their key because `DROP_COUNTS` was full, per CPU.
 #[map]
 static DROP_OVERFLOW: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+/// Each watched lock's exclusive take not sent yet, at the lock's index (`pending.rs`).
+#[map]
+static KEPT: Array<KeptTake> = Array::with_max_entries(MAX_WATCHED_LOCKS, 0);
 
 /// The exclusive hold of a watched lock in progress (one entry): the lock hook sets it at an
 /// acquire and clears it at the holder's release; the drop hook counts into its slot.

@@ -18,14 +18,14 @@ use aya_ebpf::{
 use xtlock_common::{
     EventKind, FlockCallEvent, HoldEvent, HoldNow, LockEvent, LockKey, WatchedSlot,
     FILE_LOCK_DEFERRED, FL_SLEEP, F_RDLCK, F_UNLCK, F_WRLCK, LOCK_EX, LOCK_NB, LOCK_SH, LOCK_UN,
-    SLOT_EMPTY, SLOT_ONE, WATCHED_INO_SLOTS,
+    SLOT_EMPTY, SLOT_INDEX_SHIFT, SLOT_KIND, SLOT_ONE, WATCHED_INO_SLOTS,
 };
 
 use crate::{
     emit::{
         btf_read, cfg, field, field_fast, header, header_of, ids, now, output, reserve, wake_flags,
     },
-    pending, FLOCK_INFLIGHT, WAITING, WAITING_SLOTS, WATCHED, WATCHED_INO,
+    pending, FLOCK_INFLIGHT, HOLD_NOW, WAITING, WAITING_SLOTS, WATCHED, WATCHED_INO,
 };
 
 /// `sa_flags` bit: the interrupted syscall restarts instead of failing with `EINTR`.
@@ -68,18 +68,21 @@ fn maybe_watched(ino: u64) -> Option<&'static WatchedSlot> {
         .filter(|s| s.state != SLOT_EMPTY)
 }
 
+/// The lock's index, when `(ino, dev)` is a watched lock.
 #[inline(always)]
-fn watched(slot: &WatchedSlot, ino: u64, dev: u32) -> bool {
-    if slot.state == SLOT_ONE {
-        return slot.ino == ino && slot.dev == dev;
+fn watched(slot: &WatchedSlot, ino: u64, dev: u32) -> Option<u32> {
+    if slot.state & SLOT_KIND == SLOT_ONE {
+        return (slot.ino == ino && slot.dev == dev).then_some(slot.state >> SLOT_INDEX_SHIFT);
     }
     let key = LockKey { ino, dev, _pad: 0 };
     // SAFETY: read-only lookup; userspace only adds keys.
-    unsafe { WATCHED.get(&key) }.is_some()
+    unsafe { WATCHED.get(&key) }.copied()
 }
 
 /// The lock request as the hooks see it.
 struct Request {
+    /// The lock's index (`WATCHED`).
+    index: u32,
     ino: u64,
     dev: u32,
     owner: u64,
@@ -102,10 +105,11 @@ fn try_flock_lock_inode(ctx: &TracePointContext) -> Result<(), i32> {
         return Ok(());
     };
     let dev: u32 = field_fast::<u32, 24>(ctx, cfg(|c| &c.fl_dev))?;
-    if !watched(slot, ino, dev) {
+    let Some(index) = watched(slot, ino, dev) else {
         return Ok(());
-    }
+    };
     on_request(&Request {
+        index,
         ino,
         dev,
         owner: field(ctx, cfg(|c| &c.fl_owner))?,
@@ -130,9 +134,9 @@ pub fn flock_lock_inode_btf(ctx: BtfTracePointContext) -> u32 {
     };
     let sb: *const u8 = btf_read(inode, cfg(|c| &c.rfl_inode_sb));
     let dev: u32 = btf_read(sb, cfg(|c| &c.rfl_sb_dev));
-    if !watched(slot, ino, dev) {
+    let Some(index) = watched(slot, ino, dev) else {
         return 0;
-    }
+    };
     let fl: *const u8 = ctx.arg(1);
     // The verifier wants it checked (tracepoint arguments may be NULL), never NULL here.
     if fl.is_null() {
@@ -140,6 +144,7 @@ pub fn flock_lock_inode_btf(ctx: BtfTracePointContext) -> u32 {
     }
     let ret: u64 = ctx.arg(2);
     on_request(&Request {
+        index,
         ino,
         dev,
         owner: btf_read(fl, cfg(|c| &c.rfl_owner)),
@@ -184,6 +189,7 @@ pub fn flock_lock_inode_btf_floor_record(ctx: BtfTracePointContext) -> u32 {
 #[inline(always)]
 fn on_request(r: &Request) {
     let &Request {
+        index,
         ino,
         dev,
         owner,
@@ -193,7 +199,7 @@ fn on_request(r: &Request) {
     } = r;
     let ts = now();
     let (tgid, tid) = ids();
-    let Some(h) = pending::hold_now() else {
+    let (Some(k), Some(h)) = (pending::kept(index), HOLD_NOW.get_ptr_mut(0)) else {
         return;
     };
 
@@ -234,7 +240,7 @@ fn on_request(r: &Request) {
 
     let hdr = header_of(EventKind::Lock, ts, tgid, tid);
     if ret == 0 && fl_type == F_UNLCK {
-        if let Some(take) = pending::claim_for_release(h, owner, ino, dev) {
+        if let Some(take) = pending::claim_for_release(k, owner, ino, dev) {
             // The same task's comm is the take's (a rename in between is not worth a call).
             let comm = if take.hdr.tid == tid {
                 take.comm
@@ -253,7 +259,7 @@ fn on_request(r: &Request) {
         }
     } else {
         // A waiter's request, a failed try, another lock's take: after the kept take.
-        pending::send(h);
+        pending::send(k);
     }
     let ev = LockEvent {
         hdr,
@@ -269,7 +275,7 @@ fn on_request(r: &Request) {
     note_hold(h, owner, fl_type, ret, ts);
     // An exclusive take that did not end a wait is kept until its release; the end of a
     // wait goes out now, ahead of the call's end below.
-    let kept = ret == 0 && fl_type == F_WRLCK && !waiting && pending::keep(h, &ev);
+    let kept = ret == 0 && fl_type == F_WRLCK && !waiting && pending::keep(k, &ev);
     if !kept {
         output(&ev);
     }

@@ -220,7 +220,7 @@ fn exit() {
     let mut deleted = [0u32; NFT_KINDS];
     added.copy_from_slice(&e.counts[..NFT_KINDS]);
     deleted.copy_from_slice(&e.counts[NFT_KINDS..2 * NFT_KINDS]);
-    crate::pending::send_if_by(crate::emit::ids().0);
+    crate::pending::send_by(Some(crate::emit::ids().0));
     let ev = NftCommitEvent {
         hdr: header(EventKind::NftCommit, now()),
         enter_ns: e.enter_ns,

@@ -127,7 +127,7 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
     let old_pid = old_pid as u32;
     let loc: u32 = field(ctx, cfg(|c| &c.exec_filename))?;
     // A holder's own events come after its take.
-    crate::pending::send_if_by(ids().0);
+    crate::pending::send_by(Some(ids().0));
     let mut entry = reserve::<ExecEvent>().ok_or(0)?;
     let ev = entry.as_mut_ptr();
     // SAFETY: `ev` points at a reserved, writable ring buffer entry of the right size;
@@ -174,7 +174,7 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
 #[tracepoint]
 pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
     let child: i32 = field(&ctx, cfg(|c| &c.fork_child_pid)).unwrap_or(0);
-    crate::pending::send_if_by(ids().0);
+    crate::pending::send_by(Some(ids().0));
     let ev = ForkEvent {
         hdr: header(EventKind::Fork, now()),
         child_tid: child as u32,
@@ -218,7 +218,7 @@ pub fn sched_process_exit(_ctx: TracePointContext) -> u32 {
         code = unsafe { EXIT_CODES.get(&tgid) }.copied();
         let _ = EXIT_CODES.remove(&tgid);
     }
-    crate::pending::send_if_by(tgid);
+    crate::pending::send_by(Some(tgid));
     let ev = ExitEvent {
         hdr: header(EventKind::Exit, now()),
         exit_code: code.unwrap_or(0),

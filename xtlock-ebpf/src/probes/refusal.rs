@@ -245,7 +245,7 @@ fn sample(key: &RefusalKey, skb: u64) {
         return;
     }
     // The sample names its hold: the hold's take goes first.
-    crate::pending::send_any();
+    crate::pending::send_by(None);
     let Some(mut entry) = reserve::<RefusalEvent>() else {
         return;
     };

@@ -167,7 +167,7 @@ pub(crate) fn exit(ret: i64) {
         return;
     };
     let _ = SOCKOPT_INFLIGHT.remove(&tid);
-    crate::pending::send_if_by(tgid);
+    crate::pending::send_by(Some(tgid));
     let (num_entries, size, head_ok) = if enter.dir == SOCKOPT_GET {
         if enter.optname == XT_SO_GET_INFO {
             // The kernel's answer: `num_entries` and `size` of the table now.

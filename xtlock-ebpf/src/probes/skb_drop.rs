@@ -148,7 +148,7 @@ fn on_drop(location: u64, reason: u32, netns: u32, skb: u64, dev: u64, protocol:
     }
     let protocol = protocol();
     // The sample names its hold: the hold's take goes first.
-    crate::pending::send_any();
+    crate::pending::send_by(None);
     let Some(mut entry) = reserve::<DropEvent>() else {
         return;
     };

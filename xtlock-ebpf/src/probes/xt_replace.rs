@@ -27,7 +27,7 @@ fn exit() {
         return;
     };
     let _ = XT_INFLIGHT.remove(&tid);
-    crate::pending::send_if_by(tgid);
+    crate::pending::send_by(Some(tgid));
     output(&XtReplaceEvent {
         hdr: header(EventKind::XtReplace, now()),
         enter_ns,

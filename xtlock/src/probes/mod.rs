@@ -211,8 +211,8 @@ impl Probes {
                     .map_err(|e| ProbeError::Load(format!("watching {}: {e}", l.path.display())))?;
             }
         }
-        for l in &opts.locks {
-            mark_watched_ino(&mut ebpf, l)?;
+        for (i, l) in opts.locks.iter().enumerate() {
+            mark_watched_ino(&mut ebpf, l, i as u32)?;
         }
 
         if let Some(slots) = &drop_slots {
@@ -500,32 +500,46 @@ impl Probes {
         self.counter_totals("REFUSAL_COUNTS", "REFUSAL_OVERFLOW")
     }
 
-    fn hold_now(&self) -> Result<xtlock_common::HoldNow, ProbeError> {
+    /// The acquire time of the hold the kernel counts refusals and drops for now (`HOLD_NOW`);
+    /// 0 when none is going on.
+    pub fn current_hold_start(&self) -> Result<u64, ProbeError> {
         let map = self
             .ebpf
             .map("HOLD_NOW")
             .ok_or_else(|| ProbeError::Load("map HOLD_NOW missing".into()))?;
         let arr: BpfArray<&MapData, xtlock_common::HoldNow> =
             BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-        arr.get(&0, 0)
-            .map_err(|e| ProbeError::Load(format!("reading HOLD_NOW: {e}")))
+        let h = arr
+            .get(&0, 0)
+            .map_err(|e| ProbeError::Load(format!("reading HOLD_NOW: {e}")))?;
+        Ok(h.start_ns)
     }
 
-    /// The acquire time of the hold the kernel counts refusals and drops for now (`HOLD_NOW`);
-    /// 0 when none is going on.
-    pub fn current_hold_start(&self) -> Result<u64, ProbeError> {
-        Ok(self.hold_now()?.start_ns)
-    }
-
-    /// The exclusive take the lock hook keeps until its release (`HoldNow::take`), if one
-    /// is waiting: read twice, kept only when both reads agree (the hook may be writing it).
-    pub fn waiting_take(&self) -> Result<Option<xtlock_common::LockEvent>, ProbeError> {
-        let a = self.hold_now()?;
-        if a.take_seq & 1 != 0 || a.take_seq <= a.sent_seq {
-            return Ok(None);
+    /// The exclusive takes the lock hook keeps until their release (`KEPT`, one entry per
+    /// watched lock) that are waiting now: each read twice, kept only when both reads agree
+    /// (the hook may be writing it).
+    pub fn kept_takes(&self) -> Result<Vec<xtlock_common::LockEvent>, ProbeError> {
+        let map = self
+            .ebpf
+            .map("KEPT")
+            .ok_or_else(|| ProbeError::Load("map KEPT missing".into()))?;
+        let arr: BpfArray<&MapData, xtlock_common::KeptTake> =
+            BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        let read = |i: u32| {
+            arr.get(&i, 0)
+                .map_err(|e| ProbeError::Load(format!("reading KEPT: {e}")))
+        };
+        let mut takes = Vec::new();
+        for i in 0..arr.len() {
+            let a = read(i)?;
+            if a.take_seq & 1 != 0 || a.take_seq <= a.sent_seq {
+                continue;
+            }
+            if read(i)? == a {
+                takes.push(a.take);
+            }
         }
-        let b = self.hold_now()?;
-        Ok((b.take_seq == a.take_seq && b.take == a.take).then_some(a.take))
+        Ok(takes)
     }
 
     /// Removes refusal counters of holds that ended (read already): the kernel never counts
@@ -656,30 +670,32 @@ impl Probes {
             .insert(lock.key(), index, 0)
             .map_err(|e| ProbeError::Load(format!("watching {}: {e}", lock.path.display())))?;
         // After the key: the probe checks this slot first.
-        mark_watched_ino(&mut self.ebpf, lock)
+        mark_watched_ino(&mut self.ebpf, lock, index)
     }
 }
 
-/// Sets the inode pre-filter slot of `lock` (`WATCHED_INO`): its key when the slot was
-/// empty (or had it), else shared (the probe then looks the key up in `WATCHED`).
-fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile) -> Result<(), ProbeError> {
-    use xtlock_common::{WatchedSlot, SLOT_EMPTY, SLOT_ONE, SLOT_SHARED};
+/// Sets the inode pre-filter slot of `lock` (`WATCHED_INO`): its key and `index` when the
+/// slot was empty (or had it), else shared (the probe then looks the key up in `WATCHED`).
+fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile, index: u32) -> Result<(), ProbeError> {
+    use xtlock_common::{
+        WatchedSlot, SLOT_EMPTY, SLOT_INDEX_SHIFT, SLOT_KIND, SLOT_ONE, SLOT_SHARED,
+    };
     let map = ebpf
         .map_mut("WATCHED_INO")
         .ok_or_else(|| ProbeError::Load("map WATCHED_INO missing".into()))?;
     let mut slots: BpfArray<&mut MapData, WatchedSlot> =
         BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
     let key = lock.key();
-    let index = (key.ino % u64::from(xtlock_common::WATCHED_INO_SLOTS)) as u32;
+    let slot = (key.ino % u64::from(xtlock_common::WATCHED_INO_SLOTS)) as u32;
     let err =
         |e: aya::maps::MapError| ProbeError::Load(format!("watching {}: {e}", lock.path.display()));
-    let now = slots.get(&index, 0).map_err(err)?;
+    let now = slots.get(&slot, 0).map_err(err)?;
     let mine = WatchedSlot {
         ino: key.ino,
         dev: key.dev,
-        state: SLOT_ONE,
+        state: SLOT_ONE | (index << SLOT_INDEX_SHIFT),
     };
-    let new = match now.state {
+    let new = match now.state & SLOT_KIND {
         SLOT_EMPTY => mine,
         SLOT_ONE if now == mine => return Ok(()),
         _ => WatchedSlot {
@@ -687,7 +703,7 @@ fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile) -> Result<(), ProbeError> 
             ..now
         },
     };
-    slots.set(index, new, 0).map_err(err)
+    slots.set(slot, new, 0).map_err(err)
 }
 
 /// A module's hook without fentry programs says why: aya 0.14 cannot attach fentry there.

@@ -31,8 +31,8 @@ pub struct LiveSource {
     pub probes: Probes,
     ring: AsyncFd<RingBuf<MapData>>,
     lost_reported: u64,
-    /// The last take read from the map (owner, time): read once, not every tick.
-    last_take: (u64, u64),
+    /// The last takes read from the map (owner, time): each sent once, not every tick.
+    sent_takes: Vec<(u64, u64)>,
     lost_warned: crate::shared::Throttle,
     tap: Tap,
     /// Drop counters and conntrack statistics, once [`LiveSource::start_drops`] ran.
@@ -74,7 +74,7 @@ impl LiveSource {
             probes,
             ring,
             lost_reported: 0,
-            last_take: (0, 0),
+            sent_takes: Vec::new(),
             lost_warned: crate::shared::Throttle::new(std::time::Duration::from_secs(60)),
             tap: Tap::default(),
             drops: None,
@@ -104,7 +104,7 @@ impl LiveSource {
         let now = super::monotonic_ns();
         // The counts below may name a hold whose take the kernel still keeps.
         let mut events = Vec::new();
-        self.waiting_take(&mut events);
+        self.kept_takes(&mut events);
         events.extend(match self.drops.as_mut() {
             Some(poller) => poller.poll(&self.probes, now),
             None => Vec::new(),
@@ -126,18 +126,18 @@ impl LiveSource {
         events
     }
 
-    /// The exclusive take the kernel keeps until its release, read from the map when it
-    /// is still there (a hold of more than one 50 ms tick, or at the end): recorded and
-    /// decoded as the kernel record it would have been. Records the kernel wrote before it
-    /// kept the take may still be in the ring: the ring is read to its end first, and the
-    /// take only sent if it is still kept then (else its own record said it). Its `Hold`
-    /// record later repeats it, which the decoder drops.
-    fn waiting_take(&mut self, out: &mut Vec<Event>) {
-        let Some(first) = self.read_take() else {
-            return;
-        };
-        let key = (first.owner, first.hdr.ts_ns);
-        if self.last_take == key {
+    /// The exclusive takes the kernel keeps until their release, read from the map when
+    /// they are still there (a hold of more than one 50 ms tick, or at the end): recorded
+    /// and decoded as the kernel records they would have been. Records the kernel wrote
+    /// before it kept a take may still be in the ring: the ring is read to its end first,
+    /// and a take only sent if it is still kept then (else its own record said it). Its
+    /// `Hold` record later repeats it, which the decoder drops.
+    fn kept_takes(&mut self, out: &mut Vec<Event>) {
+        let first = self.read_kept();
+        if first
+            .iter()
+            .all(|t| self.sent_takes.contains(&(t.owner, t.hdr.ts_ns)))
+        {
             return;
         }
         let ring = self.ring.get_mut();
@@ -150,29 +150,32 @@ impl LiveSource {
                 return;
             }
         }
-        match self.read_take() {
-            Some(t) if (t.owner, t.hdr.ts_ns) == key => {}
-            _ => return,
+        let again = self.read_kept();
+        for take in first.iter().filter(|t| again.contains(t)) {
+            let key = (take.owner, take.hdr.ts_ns);
+            if self.sent_takes.contains(&key) {
+                continue;
+            }
+            if self.sent_takes.len() >= xtlock_common::MAX_WATCHED_LOCKS as usize {
+                self.sent_takes.remove(0);
+            }
+            self.sent_takes.push(key);
+            // SAFETY: `LockEvent` is plain old data (`#[repr(C)]`, no padding, aya::Pod).
+            let raw = unsafe {
+                std::slice::from_raw_parts(
+                    (take as *const xtlock_common::LockEvent).cast::<u8>(),
+                    std::mem::size_of::<xtlock_common::LockEvent>(),
+                )
+            };
+            self.tap.kernel(raw, out);
         }
-        self.last_take = key;
-        // SAFETY: `LockEvent` is plain old data (`#[repr(C)]`, no padding, aya::Pod).
-        let raw = unsafe {
-            std::slice::from_raw_parts(
-                (&raw const first).cast::<u8>(),
-                std::mem::size_of::<xtlock_common::LockEvent>(),
-            )
-        };
-        self.tap.kernel(raw, out);
     }
 
-    fn read_take(&self) -> Option<xtlock_common::LockEvent> {
-        match self.probes.waiting_take() {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot read the kept lock take");
-                None
-            }
-        }
+    fn read_kept(&self) -> Vec<xtlock_common::LockEvent> {
+        self.probes.kept_takes().unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "cannot read the kept lock takes");
+            Vec::new()
+        })
     }
 
     /// Names the pods and containers of the processes seen, from the kubelet's log
@@ -285,7 +288,7 @@ impl LiveSource {
             let Some(item) = ring.next() else { break };
             self.tap.kernel(&item, out);
         }
-        self.waiting_take(out);
+        self.kept_takes(out);
         self.tap.poll_rules(out);
     }
 
