@@ -583,6 +583,17 @@ mod tests {
     }
 
     #[test]
+    fn arches() {
+        assert_eq!(parse_arches(&[]).unwrap(), [Arch::host()]);
+        assert_eq!(
+            parse_arches(&["arm64".into(), "aarch64".into()]).unwrap(),
+            [Arch::Arm64]
+        );
+        assert_eq!(parse_arches(&["all".into()]).unwrap(), Arch::ALL);
+        assert!(parse_arches(&["s390x".into()]).is_err());
+    }
+
+    #[test]
     fn unknown_instructions_are_refused() {
         let cf = "FROM debian AS build\nRUN x\nFROM scratch\nCOPY --from=build /a /a\nRUN true\n";
         let e = final_stage(cf).expect_err("RUN in a scratch stage");
