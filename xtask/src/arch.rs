@@ -61,7 +61,6 @@ impl Arch {
     }
 
     /// The QEMU system emulator that boots it.
-    #[allow(dead_code)] // vm-test's, next
     pub fn qemu(self) -> &'static str {
         match self {
             Arch::Amd64 => "qemu-system-x86_64",
