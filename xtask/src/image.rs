@@ -14,6 +14,7 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     process::Command,
+    time::Instant,
 };
 
 use anyhow::{bail, ensure, Context as _, Result};
@@ -21,7 +22,7 @@ use clap::Args;
 use serde_json::json;
 use sha2::{Digest as _, Sha256};
 
-use crate::{setup, sh};
+use crate::{arch::Arch, setup, sh};
 
 #[derive(Args, Debug, Default)]
 pub struct ImageArgs {
@@ -32,46 +33,132 @@ pub struct ImageArgs {
     /// Skip `xtask setup` (the Containerfile has run it already).
     #[arg(long)]
     pub no_setup: bool,
+    /// Architectures to build for: amd64, arm64 (comma-separated or repeated; `all` for
+    /// both). Default: this machine's. Another one than the host's is cross-built with
+    /// Debian's cross gcc; with more than one, a multi-arch OCI archive of them all is
+    /// written too.
+    #[arg(long = "arch", value_name = "ARCH", value_delimiter = ',')]
+    pub arches: Vec<String>,
 }
 
-/// What `cargo xtask image` made.
+/// What `cargo xtask image` made for one architecture.
 pub struct Built {
-    /// `target/image/xtlock-VERSION.tar` (docker-archive).
+    /// `target/image/xtlock-VERSION.tar` (docker-archive; the host's architecture), or
+    /// `target/image/xtlock-VERSION-ARCH.tar`.
     pub archive: PathBuf,
     /// `xtlock:VERSION`.
     pub tag: String,
     /// Bytes of the image's one layer (the unpacked image).
     pub layer_bytes: u64,
+    pub arch: Arch,
+    /// The image's parts, for the multi-arch index.
+    oci: OciImage,
+}
+
+impl Built {
+    /// An archive built before (`deploy-test --no-build`), of the host's architecture.
+    pub fn existing(archive: PathBuf, tag: String) -> Built {
+        Built {
+            archive,
+            tag,
+            layer_bytes: 0,
+            arch: Arch::host(),
+            oci: OciImage::default(),
+        }
+    }
+}
+
+/// One architecture's image as OCI blobs.
+#[derive(Default)]
+struct OciImage {
+    config: Vec<u8>,
+    layer: Vec<u8>,
+}
+
+/// `--arch` values: `all`, names, or the host's when none.
+pub fn parse_arches(given: &[String]) -> Result<Vec<Arch>> {
+    let mut v: Vec<Arch> = Vec::new();
+    for a in given {
+        let these = if a.trim() == "all" {
+            Arch::ALL.to_vec()
+        } else {
+            vec![a.parse::<Arch>().with_context(|| format!("--arch {a}"))?]
+        };
+        for a in these {
+            if !v.contains(&a) {
+                v.push(a);
+            }
+        }
+    }
+    if v.is_empty() {
+        v.push(Arch::host());
+    }
+    Ok(v)
 }
 
 pub fn run(args: &ImageArgs) -> Result<()> {
+    let arches = parse_arches(&args.arches)?;
     if !args.no_setup {
         setup::run_build()?;
+        if arches.iter().any(|a| !a.is_host()) {
+            setup::cross()?;
+        }
     }
     let root = sh::workspace_root();
-    let bin = static_binary(&root)?;
+    let mut built = Vec::new();
+    for &arch in &arches {
+        let start = Instant::now();
+        let bin = static_binary_for(&root, arch)?;
+        println!(
+            "{arch}: static binary in {:.1}s",
+            start.elapsed().as_secs_f64()
+        );
+        if args.binary_only {
+            continue;
+        }
+        let b = build_archive(&root, &bin, arch)?;
+        println!(
+            "image {} for {arch}: {} (one layer of {:.1} MiB; the archive is {:.1} MiB)",
+            b.tag,
+            b.archive.display(),
+            mib(b.layer_bytes),
+            mib(fs::metadata(&b.archive)?.len()),
+        );
+        built.push(b);
+    }
     if args.binary_only {
         return Ok(());
     }
-    let built = build_archive(&root, &bin)?;
-    println!(
-        "image {}: {} (one layer of {:.1} MiB; the archive is {:.1} MiB)",
-        built.tag,
-        built.archive.display(),
-        mib(built.layer_bytes),
-        mib(fs::metadata(&built.archive)?.len()),
-    );
-    println!(
-        "load it with `docker load -i {}` (or podman load), then push it where your nodes pull from",
-        built.archive.display()
-    );
+    if built.len() > 1 {
+        let index = write_oci_index(&root, &built)?;
+        println!(
+            "multi-arch image {} ({}): {} (an OCI archive with one image index; `podman load` \
+             takes the image of this machine's architecture from it, `skopeo copy --all \
+             oci-archive:{} docker://REGISTRY/xtlock:{}` pushes them all)",
+            built[0].tag,
+            built
+                .iter()
+                .map(|b| b.arch.name())
+                .collect::<Vec<_>>()
+                .join(", "),
+            index.display(),
+            index.display(),
+            env!("CARGO_PKG_VERSION"),
+        );
+    }
+    if let Some(b) = built.first() {
+        println!(
+            "load it with `docker load -i {}` (or podman load), then push it where your nodes pull from",
+            b.archive.display()
+        );
+    }
     Ok(())
 }
 
 /// Setup, static binary and archive, for `deploy-test`.
 pub fn build(root: &Path) -> Result<Built> {
     let bin = static_binary(root)?;
-    build_archive(root, &bin)
+    build_archive(root, &bin, Arch::host())
 }
 
 fn mib(b: u64) -> f64 {
@@ -82,45 +169,47 @@ pub fn image_dir(root: &Path) -> PathBuf {
     sh::target_dir(root).join("image")
 }
 
-/// The host's target triple (`rustc -vV`).
-fn host_triple() -> Result<String> {
-    let out = sh::capture(Command::new("rustc").arg("-vV")).context("running `rustc -vV`")?;
-    out.lines()
-        .find_map(|l| l.strip_prefix("host: "))
-        .map(str::to_owned)
-        .context("`rustc -vV` printed no host line")
+/// The host's static binary, `target/image/xtlock`.
+pub fn static_binary(root: &Path) -> Result<PathBuf> {
+    static_binary_for(root, Arch::host())
 }
 
-/// `cargo build --release` of xtlock with glibc linked statically (`+crt-static`, set for
-/// the target only so build scripts and proc macros stay dynamic), the real BPF programs
-/// embedded, then stripped into `target/image/xtlock`. Fails when the result is not static.
-pub fn static_binary(root: &Path) -> Result<PathBuf> {
-    let triple = host_triple()?;
-    let flags_var = format!(
-        "CARGO_TARGET_{}_RUSTFLAGS",
-        triple.to_uppercase().replace(['-', '.'], "_")
-    );
-    sh::run(
-        sh::cargo()
-            .current_dir(root)
-            .args(["build", "--release", "--locked", "-p", "xtlock", "--target"])
-            .arg(&triple)
-            .env("XTLOCK_REQUIRE_EBPF", "1")
-            .env(&flags_var, "-C target-feature=+crt-static"),
-    )?;
+/// `cargo build --release` of xtlock for `arch` with glibc linked statically (`+crt-static`,
+/// set for the target only so build scripts and proc macros stay dynamic), the real BPF
+/// programs embedded (built by `xtlock/build.rs` for that architecture: the kprobes read
+/// `pt_regs` the way its kernel lays them out), then stripped into `target/image/xtlock`
+/// (the host's) or `target/image/ARCH/xtlock`. Fails when the result is not static or not
+/// for `arch`.
+pub fn static_binary_for(root: &Path, arch: Arch) -> Result<PathBuf> {
+    arch.check_cross()?;
+    let mut cmd = sh::cargo();
+    cmd.current_dir(root)
+        .args(["build", "--release", "--locked", "-p", "xtlock"])
+        .env("XTLOCK_REQUIRE_EBPF", "1");
+    arch.cargo_args(&mut cmd, true);
+    sh::run(&mut cmd)?;
     let built = sh::target_dir(root)
-        .join(&triple)
+        .join(arch.triple())
         .join("release")
         .join("xtlock");
-    let dir = image_dir(root);
+    let dir = if arch.is_host() {
+        image_dir(root)
+    } else {
+        image_dir(root).join(arch.name())
+    };
     fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let out = dir.join("xtlock");
     // The symbols are for debugging on the build machine; the image carries none.
-    sh::run(Command::new("strip").arg("-o").arg(&out).arg(&built))
-        .context("strip (binutils) the binary")?;
-    ensure_static(&out)?;
+    let strip = if arch.is_host() {
+        "strip".to_owned()
+    } else {
+        format!("{}-strip", arch.gnu_prefix())
+    };
+    sh::run(Command::new(&strip).arg("-o").arg(&out).arg(&built))
+        .with_context(|| format!("{strip} (binutils) the binary"))?;
+    ensure_static(&out, arch)?;
     println!(
-        "ok: {} is statically linked ({:.1} MiB stripped)",
+        "ok: {} is statically linked for {arch} ({:.1} MiB stripped)",
         out.display(),
         mib(fs::metadata(&out)?.len())
     );
@@ -128,7 +217,7 @@ pub fn static_binary(root: &Path) -> Result<PathBuf> {
 }
 
 /// An ELF executable without `PT_INTERP` needs no dynamic loader, hence no libc in the image.
-fn ensure_static(path: &Path) -> Result<()> {
+fn ensure_static(path: &Path, arch: Arch) -> Result<()> {
     use object::{
         read::elf::{ElfFile64, FileHeader as _, ProgramHeader as _},
         Endianness,
@@ -137,6 +226,16 @@ fn ensure_static(path: &Path) -> Result<()> {
     let elf = ElfFile64::<Endianness>::parse(&*data)
         .with_context(|| format!("{} is not a 64-bit ELF file", path.display()))?;
     let endian = elf.endian();
+    let machine = elf.elf_header().e_machine(endian);
+    let want = match arch {
+        Arch::Amd64 => object::elf::EM_X86_64,
+        Arch::Arm64 => object::elf::EM_AARCH64,
+    };
+    ensure!(
+        machine == want,
+        "{} is for ELF machine {machine}, not {arch}",
+        path.display()
+    );
     let headers = elf
         .elf_header()
         .program_headers(endian, &*data)
@@ -269,9 +368,10 @@ fn exec_form(s: &str) -> Result<Vec<String>> {
         .with_context(|| format!("`{s}`: use the JSON exec form (a scratch image has no shell)"))
 }
 
-/// Writes `target/image/xtlock-VERSION.tar` from the Containerfile's final stage, with the
-/// build stage's `/xtlock` being the static binary built here.
-fn build_archive(root: &Path, bin: &Path) -> Result<Built> {
+/// Writes `target/image/xtlock-VERSION.tar` (`xtlock-VERSION-ARCH.tar` for another
+/// architecture than the host's) from the Containerfile's final stage, with the build
+/// stage's `/xtlock` being the static binary built here.
+fn build_archive(root: &Path, bin: &Path, arch: Arch) -> Result<Built> {
     let cf_path = root.join("Containerfile");
     let cf =
         fs::read_to_string(&cf_path).with_context(|| format!("reading {}", cf_path.display()))?;
@@ -303,7 +403,7 @@ fn build_archive(root: &Path, bin: &Path) -> Result<Built> {
     let layer_sha = hex(&Sha256::digest(&layer));
 
     let mut config = json!({
-        "architecture": go_arch(),
+        "architecture": arch.name(),
         "os": "linux",
         "created": "1970-01-01T00:00:00Z",
         "config": {
@@ -332,8 +432,13 @@ fn build_archive(root: &Path, bin: &Path) -> Result<Built> {
     .context("manifest")?;
 
     let dir = image_dir(root);
-    let archive = dir.join(format!("xtlock-{version}.tar"));
-    let tmp = dir.join(format!(".xtlock-{version}.tar.tmp"));
+    let name = if arch.is_host() {
+        format!("xtlock-{version}.tar")
+    } else {
+        format!("xtlock-{version}-{arch}.tar")
+    };
+    let archive = dir.join(&name);
+    let tmp = dir.join(format!(".{name}.tmp"));
     let mut out = tar::Builder::new(
         fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
     );
@@ -357,15 +462,102 @@ fn build_archive(root: &Path, bin: &Path) -> Result<Built> {
         archive,
         tag,
         layer_bytes: layer.len() as u64,
+        arch,
+        oci: OciImage { config, layer },
     })
 }
 
-fn go_arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        other => other,
+/// `target/image/xtlock-VERSION-multiarch.tar`: an OCI image layout in a tar (what
+/// `podman load`, `skopeo copy` and `docker load` of Docker 25+ read as `oci-archive`) whose
+/// `index.json` names one image index, `xtlock:VERSION`, with an image per architecture
+/// (the same config and layer as each docker-archive). Reproducible like those.
+fn write_oci_index(root: &Path, built: &[Built]) -> Result<PathBuf> {
+    const INDEX: &str = "application/vnd.oci.image.index.v1+json";
+    const MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+    let version = env!("CARGO_PKG_VERSION");
+    let mut blobs: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut add = |data: Vec<u8>| -> (String, u64) {
+        let digest = format!("sha256:{}", hex(&Sha256::digest(&data)));
+        let len = data.len() as u64;
+        if !blobs.iter().any(|(d, _)| *d == digest) {
+            blobs.push((digest.clone(), data));
+        }
+        (digest, len)
+    };
+    let mut manifests = Vec::new();
+    for b in built {
+        let (config_digest, config_len) = add(b.oci.config.clone());
+        let (layer_digest, layer_len) = add(b.oci.layer.clone());
+        let manifest = serde_json::to_vec(&json!({
+            "schemaVersion": 2,
+            "mediaType": MANIFEST,
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": config_digest,
+                "size": config_len,
+            },
+            "layers": [{
+                "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                "digest": layer_digest,
+                "size": layer_len,
+            }],
+        }))
+        .context("image manifest")?;
+        let (digest, size) = add(manifest);
+        manifests.push(json!({
+            "mediaType": MANIFEST,
+            "digest": digest,
+            "size": size,
+            "platform": { "architecture": b.arch.name(), "os": "linux" },
+        }));
     }
+    let index = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": INDEX,
+        "manifests": manifests,
+    }))
+    .context("image index")?;
+    let (index_digest, index_len) = add(index);
+    let top = serde_json::to_vec(&json!({
+        "schemaVersion": 2,
+        "mediaType": INDEX,
+        "manifests": [{
+            "mediaType": INDEX,
+            "digest": index_digest,
+            "size": index_len,
+            "annotations": {
+                "org.opencontainers.image.ref.name": version,
+                "io.containerd.image.name": format!("xtlock:{version}"),
+            },
+        }],
+    }))
+    .context("index.json")?;
+
+    let dir = image_dir(root);
+    let archive = dir.join(format!("xtlock-{version}-multiarch.tar"));
+    let tmp = dir.join(format!(".xtlock-{version}-multiarch.tar.tmp"));
+    let mut out = tar::Builder::new(
+        fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+    );
+    out.mode(tar::HeaderMode::Deterministic);
+    let mut put = |name: &str, data: &[u8]| -> Result<()> {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        out.append_data(&mut h, name, data)
+            .with_context(|| format!("writing {name} into the archive"))
+    };
+    put("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#)?;
+    put("index.json", &top)?;
+    for (digest, data) in &blobs {
+        put(&format!("blobs/{}", digest.replacen(':', "/", 1)), data)?;
+    }
+    let mut f = out.into_inner().context("finishing the archive")?;
+    f.flush()?;
+    fs::rename(&tmp, &archive).with_context(|| format!("writing {}", archive.display()))?;
+    Ok(archive)
 }
 
 fn hex(b: &[u8]) -> String {
@@ -388,6 +580,17 @@ mod tests {
         assert_eq!(st.expose, ["9655/tcp"]);
         // The build stage builds the binary the way `cargo xtask image` does.
         assert!(cf.contains("./xtask/run image --binary-only"), "{cf}");
+    }
+
+    #[test]
+    fn arches() {
+        assert_eq!(parse_arches(&[]).unwrap(), [Arch::host()]);
+        assert_eq!(
+            parse_arches(&["arm64".into(), "aarch64".into()]).unwrap(),
+            [Arch::Arm64]
+        );
+        assert_eq!(parse_arches(&["all".into()]).unwrap(), Arch::ALL);
+        assert!(parse_arches(&["s390x".into()]).is_err());
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::{fs, path::Path};
 use anyhow::{bail, Context as _, Result};
 use serde_json::Value;
 
-use crate::vm::kernel::SERIES;
+use crate::{arch::Arch, vm::kernel::SERIES};
 
 const BEGIN: &str = "<!-- BEGIN GENERATED: `cargo xtask kernels-doc` writes this part from the \
                      VM runs' `xtlock probes --json`; do not edit it by hand -->";
@@ -20,6 +20,13 @@ const END: &str = "<!-- END GENERATED -->";
 /// One kernel's results.
 struct Run {
     series: &'static str,
+    /// The guest's architecture: amd64 results are in `<results>/<series>`, the others in
+    /// `<results>/<arch>/<series>`.
+    arch: Arch,
+    /// Seconds from starting QEMU to the first command, and per command its label and
+    /// seconds (`timing`, `commands`).
+    boot: Option<f64>,
+    commands: Vec<(String, f64, i32)>,
     release: String,
     package: String,
     probes: Value,
@@ -42,7 +49,10 @@ pub fn write(results: &Path, doc: &Path) -> Result<bool> {
             "kernels-doc: {} rewritten from {} ({})",
             doc.display(),
             results.display(),
-            runs.iter().map(|r| r.series).collect::<Vec<_>>().join(", ")
+            runs.iter()
+                .map(|r| r.label())
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     } else {
         println!("kernels-doc: {} is up to date", doc.display());
@@ -50,10 +60,28 @@ pub fn write(results: &Path, doc: &Path) -> Result<bool> {
     Ok(true)
 }
 
+impl Run {
+    /// `6.12` (amd64) or `6.12 arm64`: a column of the tables.
+    fn label(&self) -> String {
+        match self.arch {
+            Arch::Amd64 => self.series.to_owned(),
+            a => format!("{} {a}", self.series),
+        }
+    }
+}
+
 fn read_runs(results: &Path) -> Result<Vec<Run>> {
     let mut runs = Vec::new();
-    for (series, _) in SERIES {
-        let dir = results.join(series);
+    let dirs = Arch::ALL.into_iter().flat_map(|arch| {
+        SERIES.iter().map(move |(series, _)| {
+            let dir = match arch {
+                Arch::Amd64 => results.join(series),
+                a => results.join(a.name()).join(series),
+            };
+            (arch, *series, dir)
+        })
+    });
+    for (arch, series, dir) in dirs {
         let Ok(text) = fs::read_to_string(dir.join("probes.json")) else {
             continue;
         };
@@ -74,8 +102,26 @@ fn read_runs(results: &Path) -> Result<Vec<Run>> {
             .collect();
         skips.sort();
         skips.dedup();
+        let boot = fs::read_to_string(dir.join("timing")).ok().and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("boot="))
+                .and_then(|v| v.trim().parse().ok())
+        });
+        let commands = fs::read_to_string(dir.join("commands"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.splitn(3, '\t');
+                let rc = f.next()?.parse().ok()?;
+                let ms: f64 = f.next()?.parse().ok()?;
+                Some((f.next()?.to_owned(), ms / 1000.0, rc))
+            })
+            .collect();
         runs.push(Run {
             series,
+            arch,
+            boot,
+            commands,
             release: field("release"),
             package: field("package"),
             probes,
@@ -182,10 +228,13 @@ fn render(runs: &[Run]) -> String {
     let first = hooks_of(&runs[0]);
 
     o.push_str("## Which hook each feature used\n\n");
-    o.push_str("`-`: not attached (the kernel's table below says why).\n\n");
+    o.push_str(
+        "`-`: not attached (the kernel's table below says why). Columns are x86-64 (amd64) \
+         guests unless they name arm64.\n\n",
+    );
     o.push_str("| Hook | What it gives |");
     for r in runs {
-        o.push_str(&format!(" {} |", r.series));
+        o.push_str(&format!(" {} |", r.label()));
     }
     o.push_str("\n|---|---|");
     o.push_str(&"---|".repeat(runs.len()));
@@ -208,7 +257,7 @@ fn render(runs: &[Run]) -> String {
 
     o.push_str("\n## Features that depend on the kernel\n\n| Feature |");
     for r in runs {
-        o.push_str(&format!(" {} |", r.series));
+        o.push_str(&format!(" {} |", r.label()));
     }
     o.push_str("\n|---|");
     o.push_str(&"---|".repeat(runs.len()));
@@ -235,9 +284,34 @@ fn render(runs: &[Run]) -> String {
 
     for r in runs {
         o.push_str(&format!(
-            "\n## Linux {}: `{}` (Debian's {})\n\n",
-            r.series, r.release, r.package
+            "\n## Linux {} on {}: `{}` (Debian's {})\n\n",
+            r.series,
+            match r.arch {
+                Arch::Amd64 => "x86-64",
+                Arch::Arm64 => "arm64",
+            },
+            r.release,
+            r.package
         ));
+        // The times of the emulated arm64 guests, for CI's budget (amd64's are in
+        // docs/performance.md's CI figures; here they would change the file every run).
+        if r.arch != Arch::Amd64 && !r.commands.is_empty() {
+            let times: Vec<String> = r
+                .commands
+                .iter()
+                .map(|(label, secs, rc)| {
+                    format!(
+                        "{label} {secs:.1} s{}",
+                        if *rc == 0 { "" } else { " (failed)" }
+                    )
+                })
+                .collect();
+            o.push_str(&format!(
+                "Under QEMU/TCG on the CI machine: boot {}; {}.\n\n",
+                r.boot.map_or("?".to_owned(), |b| format!("{b:.1} s")),
+                times.join(", ")
+            ));
+        }
         o.push_str("| Hook | Attached as | Not used there, and why |\n|---|---|---|\n");
         for h in hooks_of(r) {
             let name = h["program"].as_str().unwrap_or("?");

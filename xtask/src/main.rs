@@ -24,6 +24,7 @@ use std::{ffi::OsString, process::ExitCode};
 
 use clap::{Parser, Subcommand};
 
+mod arch;
 mod bench;
 mod deb;
 mod deploy;

@@ -51,8 +51,14 @@ const PIP_DEPLOY_TOOLS: &[(&str, &str)] =
 /// nftables: `nft`, run by the nf_tables commit tests (on the host and, through its root, in the VM).
 /// ipvsadm: the IPVS tests build kube-proxy-style virtual services with it, in the VM (the
 /// guest runs the host's binaries), where the kernel has IPVS.
+///
+/// For the arm64 VM: qemu-system-arm (qemu-system-aarch64, the `virt` machine and its UEFI-less
+/// direct kernel boot) and mmdebstrap, which unpacks the arm64 guest's userland from Debian's
+/// packages without running any of it (`vm::userland`).
 const APT_VM_PACKAGES: &[&str] = &[
     "qemu-system-x86",
+    "qemu-system-arm",
+    "mmdebstrap",
     "busybox-static",
     "xz-utils",
     "nftables",
@@ -75,6 +81,15 @@ const APT_DAEMON_PACKAGES: &[(&str, &str, &[&str])] = &[
 /// into, systemd-analyze verifies its unit; man-db renders the page (`man -l`, also in the
 /// tests of `xtlock man`).
 const APT_DEB_PACKAGES: &[&str] = &["debootstrap", "systemd", "man-db"];
+/// `cargo xtask image --arch arm64` and the arm64 VM's test binaries: Debian's cross gcc (the
+/// linker; no foreign dpkg architecture needed) and glibc for aarch64 to link statically.
+const APT_CROSS_PACKAGES: &[&str] = &[
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
+    "binutils-aarch64-linux-gnu",
+];
+/// The Rust standard library of the cross targets, from rustup.
+const CROSS_TARGETS: &[&str] = &["aarch64-unknown-linux-gnu"];
 /// Without rustup, Debian's cargo runs everything, clippy and rustfmt included.
 const APT_WITHOUT_RUSTUP: &[&str] = &["rust-web-clippy", "rustfmt-web"];
 
@@ -97,7 +112,10 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
   - docker.io, firewalld and dbus-daemon, kept from starting on the host (the tests run them
     in private namespaces)
   - tracefs mounted: mount -t tracefs tracefs /sys/kernel/tracing
-  - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm
+  - for `cargo xtask vm-test`: qemu-system-x86_64, a static busybox, xz, nftables, ipvsadm;
+    for --arch arm64 also qemu-system-aarch64 and mmdebstrap
+  - for arm64 builds: gcc-aarch64-linux-gnu, libc6-dev-arm64-cross and
+    `rustup target add aarch64-unknown-linux-gnu`
   - for `cargo xtask deb --test`: debootstrap, systemd (systemd-analyze) and man-db
   - for `cargo xtask deploy-test`: podman and runc, and from PyPI kubernetes-validate
     and checkov in ~/.cache/xtlock/deploy-tools (a venv)
@@ -126,6 +144,7 @@ pub fn run() -> Result<()> {
     toolchain(rustup)?;
     clippy_fmt(rustup)?;
     bpf_linker()?;
+    cross()?;
     tracefs()?;
     kernel();
     Ok(())
@@ -142,6 +161,56 @@ pub fn run_build() -> Result<()> {
     apt_install("apt packages to build xtlock", APT_BUILD_PACKAGES, &[])?;
     toolchain(rustup)?;
     bpf_linker()?;
+    Ok(())
+}
+
+/// What building for arm64 on this machine needs: Debian's cross gcc and glibc, and the Rust
+/// standard library for aarch64 (`rustup target add`; Debian 12 has no cross package of
+/// it: without rustup it would take `dpkg --add-architecture arm64` and
+/// `libstd-rust-web-dev:arm64`, which setup does not do to a machine).
+pub fn cross() -> Result<()> {
+    apt_install(
+        "apt packages to cross-build for arm64",
+        APT_CROSS_PACKAGES,
+        &["--no-install-recommends"],
+    )?;
+    let sysroot =
+        sh::capture(sh::rustc().args(["--print", "sysroot"])).context("rustc --print sysroot")?;
+    let missing: Vec<&str> = CROSS_TARGETS
+        .iter()
+        .copied()
+        .filter(|t| {
+            !Path::new(sysroot.trim())
+                .join("lib/rustlib")
+                .join(t)
+                .join("lib")
+                .is_dir()
+        })
+        .collect();
+    if missing.is_empty() {
+        println!(
+            "ok: Rust standard library for {} ({})",
+            CROSS_TARGETS.join(" "),
+            sysroot.trim()
+        );
+        return Ok(());
+    }
+    if sh::which("rustup").is_none() {
+        bail!(
+            "no Rust standard library for {} in {}, and no rustup to add it: install rustup \
+             (or, by hand, `dpkg --add-architecture arm64` and libstd-rust-web-dev:arm64)",
+            missing.join(" "),
+            sysroot.trim()
+        );
+    }
+    println!("installing: rustup target add {}", missing.join(" "));
+    sh::run(
+        Command::new("rustup")
+            .args(["target", "add"])
+            .args(&missing),
+    )
+    .context("rustup target add (needs the network)")?;
+    println!("ok: Rust standard library for {}", missing.join(" "));
     Ok(())
 }
 

@@ -89,6 +89,14 @@ pub fn cargo() -> Command {
     Command::new(env::var_os("CARGO").unwrap_or_else(|| OsString::from("cargo")))
 }
 
+/// The rustc that [`cargo`] builds with (for its sysroot).
+pub fn rustc() -> Command {
+    if which("rustup").is_none() && is_executable(Path::new("/usr/bin/rustc")) {
+        return Command::new("/usr/bin/rustc");
+    }
+    Command::new(env::var_os("RUSTC").unwrap_or_else(|| OsString::from("rustc")))
+}
+
 /// A command line for display.
 pub fn show(cmd: &Command) -> String {
     let mut parts = vec![cmd.get_program().to_string_lossy().into_owned()];

@@ -1,6 +1,7 @@
 //! `cargo xtask test [--no-vm] [ARGS...]`: setup, then every check CI runs, each as its own
 //! step: build, test (both with the real BPF programs), vm-test (the integration tests again,
-//! inside a QEMU VM on a stock Debian kernel: see vm.rs), deploy-test (the image under a real
+//! inside a QEMU VM on a stock Debian kernel: see vm.rs), vm-arm64 (some of them on an
+//! arm64 kernel in an emulated aarch64 VM, cross-built), deploy-test (the image under a real
 //! container engine with the DaemonSet's privileges, the manifest and alert checks: see
 //! deploy/), deb (the Debian package installed into a clean Debian root: see deb.rs), clippy,
 //! rustfmt. All steps run (the
@@ -79,6 +80,26 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
         });
     } else {
         steps.push(skipped("vm-test", "the build failed"));
+    }
+    // The same on arm64 (vm.rs's ARM64_MATRIX says which tests and why): the binaries
+    // cross-built for aarch64, a Debian arm64 kernel in qemu-system-aarch64.
+    if no_vm {
+        steps.push(skipped("vm-arm64", "--no-vm"));
+    } else if built {
+        println!("\n== vm-arm64");
+        let start = Instant::now();
+        let (outcome, note) = match vm::run_arm64_default() {
+            Ok(summary) => (Outcome::Ok, summary),
+            Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
+        };
+        steps.push(Step {
+            name: "vm-arm64",
+            outcome,
+            took: start.elapsed(),
+            note,
+        });
+    } else {
+        steps.push(skipped("vm-arm64", "the build failed"));
     }
     // The image and the DaemonSet, in a process of its own (it enters a mount namespace of
     // its own); it makes its own release build of the image. Through cargo, not this

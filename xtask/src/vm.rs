@@ -27,11 +27,12 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
 
-use crate::{setup, sh};
+use crate::{arch::Arch, setup, sh};
 
 mod cpio;
 pub mod kernel;
 pub mod qemu;
+pub mod userland;
 
 use qemu::Accel;
 
@@ -85,13 +86,20 @@ const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbi
 
 #[derive(Args, Debug, Default)]
 pub struct VmArgs {
+    /// The guest's architecture: amd64 (default) or arm64. arm64 boots Debian's
+    /// `linux-image-*-arm64` in qemu-system-aarch64 (TCG: this machine cannot run it on KVM),
+    /// on a root of Debian 12's arm64 packages (`vm/userland.rs`), with the test binaries
+    /// cross-built for aarch64. Its results go to `<results>/arm64/<series>/`.
+    #[arg(long, value_name = "ARCH")]
+    pub arch: Option<String>,
     /// Kernel series to boot, each in its own VM: 5.10, 6.1, 6.12 (comma-separated or
     /// repeated; `all` for every one). Each is the newest `linux-image-<series>.*-amd64`
     /// Debian has, fetched and cached on first use. Results go to `<results>/<series>/`.
     #[arg(long = "kernel", value_name = "SERIES", value_delimiter = ',',
           conflicts_with_all = ["kernel_version", "kernel_deb"])]
     pub kernels: Vec<String>,
-    /// The CI matrix: every series, with the suites [`MATRIX`] gives each.
+    /// The CI matrix: every series, with the suites [`MATRIX`] gives each; with `--arch arm64`,
+    /// CI's arm64 part ([`ARM64_MATRIX`]).
     #[arg(long, conflicts_with_all = ["kernels", "kernel_version", "kernel_deb", "tests", "exec"])]
     pub matrix: bool,
     /// VMs run at once when several kernels are booted (default 1: TCG is CPU-bound).
@@ -139,6 +147,9 @@ pub struct VmArgs {
     /// Use the binaries as they are: no cargo build.
     #[arg(long)]
     pub no_build: bool,
+    /// Test-name filters per test binary (`ARM64_MATRIX`), after `test_args`.
+    #[arg(skip)]
+    pub test_filters: Vec<(String, Vec<String>)>,
     /// Passed to every test binary, e.g. `-- calico --nocapture`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub test_args: Vec<String>,
@@ -167,6 +178,7 @@ impl GuestCommand {
 /// Everything one VM run needs.
 #[derive(Clone, Debug)]
 pub struct Spec {
+    pub arch: Arch,
     pub kernel: kernel::Choice,
     pub commands: Vec<GuestCommand>,
     /// Added to (and overriding) the defaults: PATH, HOME, CI=true, XTLOCK_VM=1,
@@ -284,7 +296,13 @@ impl Report {
 pub fn run(args: &VmArgs) -> Result<()> {
     setup::run()?;
     let start = Instant::now();
-    let result = run_args(args);
+    let arm64_matrix = args.matrix
+        && args.arch.as_deref().and_then(|a| a.parse::<Arch>().ok()) == Some(Arch::Arm64);
+    let result = if arm64_matrix {
+        run_arm64_default()
+    } else {
+        run_args(args)
+    };
     println!("vm-test: {:.1}s in all", start.elapsed().as_secs_f64());
     result.map(|_| ())
 }
@@ -307,6 +325,50 @@ pub fn run_default() -> Result<String> {
     })
 }
 
+/// The arm64 part of CI ([`ARM64_MATRIX`]), after [`run_default`]: the binaries
+/// cross-built for aarch64 (timed: a fresh clone builds them from nothing), each kernel in
+/// an arm64 VM; then docs/kernels.md from every result there is, the arm64 columns and
+/// figures included, when the x86-64 matrix left all of its results. One summary line.
+pub fn run_arm64_default() -> Result<String> {
+    let root = sh::workspace_root();
+    let target = target_dir(&root, None);
+    let mut lines = Vec::new();
+    let mut failures = Vec::new();
+    for (series, tests) in ARM64_MATRIX {
+        let r = run_args(&VmArgs {
+            arch: Some(Arch::Arm64.name().to_owned()),
+            kernels: vec![series.to_string()],
+            tests: tests.iter().map(|(t, _)| t.to_string()).collect(),
+            test_filters: tests
+                .iter()
+                .map(|(t, f)| (t.to_string(), f.iter().map(|s| s.to_string()).collect()))
+                .collect(),
+            // Under TCG the two tests take ~10 min on arm64, more on a loaded machine.
+            timeout: 1500,
+            cpus: 2,
+            memory: 2048,
+            ..VmArgs::default()
+        });
+        match r {
+            Ok(l) => lines.push(l),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    let results = target.join("vm/results");
+    let amd64_all = kernel::SERIES
+        .iter()
+        .all(|(s, _)| results.join(s).join("probes.json").exists());
+    if amd64_all {
+        if let Err(e) = crate::kernels_doc::write(&results, &root.join(KERNELS_DOC)) {
+            failures.push(format!("kernels-doc: {e:#}"));
+        }
+    }
+    if !failures.is_empty() {
+        bail!("{}", failures.join("\n"));
+    }
+    Ok(lines.join("; "))
+}
+
 /// The CI matrix: each kernel series with whether it also runs [`DEFAULT_VARIANTS`]. Every
 /// kernel runs the whole default suite once on the attach types it takes first; the
 /// fallback run (kprobes for the syscall hooks, the perf tracepoint for the lock hook) runs
@@ -325,6 +387,39 @@ pub const MATRIX_LEAVES_OUT: &[(&str, &str, &str)] = &[(
      yet understood",
 )];
 
+/// A test binary and the libtest filters its run takes (none: all its tests).
+pub type TestRun = (&'static str, &'static [&'static str]);
+
+/// The arm64 part of the CI matrix: (series, [(test, libtest filters: none for all)]). CI
+/// has one hour for everything and took ~39 min before arm64 came, so this step gets ~12 min
+/// on the 2-core CI machine, cross-build included: in a fresh clone the aarch64 build of
+/// xtlock and the tests starts from nothing (7-8 min; figures in docs/kernels.md). The
+/// emulated aarch64 guest is about as fast as the x86-64 ones (all are TCG here, and the
+/// tests mostly wait on real time: lock_trace 95 s against 93 s, kernel_hooks 242 s against
+/// 222 s), so the default suite (~10 min) cannot come along, nor all of kernel_hooks. One
+/// kernel, 6.12 (the same attach types as the x86-64 guests: Debian's arm64 6.1 refuses
+/// fentry on the syscall functions, error 524, and runs them on kprobes, which lock_trace
+/// passes too), and what differs on arm64: all of `lock_trace` (the
+/// syscall hooks on `__arm64_sys_*` reading the user `pt_regs` at offsets from BTF: command
+/// lines, exit statuses, table replaces and reads; the lock path), and the two tests of
+/// `kernel_hooks` whose hooks are kprobes on module functions, with arguments the BPF
+/// programs read from arm64's `pt_regs` (conntrack refusals; nf_tables commits of both
+/// backends). The rest of kernel_hooks, `ipvs` and `refusals` pass there too: `cargo xtask
+/// vm-test --arch arm64 --kernel 6.12` runs them all.
+pub const ARM64_MATRIX: &[(&str, &[TestRun])] = &[(
+    "6.12",
+    &[
+        ("lock_trace", &[]),
+        (
+            "kernel_hooks",
+            &[
+                "conntrack_refusals_come_with_their_flows",
+                "both_backends_in_one_netns_are_named",
+            ],
+        ),
+    ],
+)];
+
 /// One VM of a run: its label (`5.10`; empty for a single unnamed kernel) and its spec.
 struct Planned {
     label: String,
@@ -334,18 +429,40 @@ struct Planned {
 fn run_args(args: &VmArgs) -> Result<String> {
     let root = sh::workspace_root();
     let target = target_dir(&root, args.target_dir.as_deref());
+    let arch = match &args.arch {
+        Some(a) => a.parse::<Arch>().with_context(|| format!("--arch {a}"))?,
+        None => Arch::Amd64,
+    };
+    if arch != Arch::Amd64 && args.matrix {
+        bail!("--matrix on {arch}: only arm64 has a matrix besides x86-64's");
+    }
     let mut tests = args.tests.clone();
     let default_suite = tests.is_empty() && args.exec.is_empty();
     if default_suite {
         tests = DEFAULT_TESTS.iter().map(|s| s.to_string()).collect();
     }
     if !args.no_build {
-        build(&root, &target)?;
+        let t = Instant::now();
+        build(&root, &target, arch)?;
+        if arch != Arch::host() {
+            println!(
+                "vm-test: binaries cross-built for {arch} in {:.1}s",
+                t.elapsed().as_secs_f64()
+            );
+        }
     }
     let bins = if tests.is_empty() {
         Vec::new()
     } else {
-        test_binaries(&root, &target, &tests)?
+        let t = Instant::now();
+        let b = test_binaries(&root, &target, &tests, arch)?;
+        if arch != Arch::host() && !args.no_build {
+            println!(
+                "vm-test: test binaries cross-built for {arch} in {:.1}s",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        b
     };
     // (label, kernel, with the variants)
     let kernels: Vec<(String, kernel::Choice, bool)> = if args.matrix {
@@ -384,7 +501,7 @@ fn run_args(args: &VmArgs) -> Result<String> {
     } else {
         vec![(String::new(), single_kernel(args), true)]
     };
-    let xtlock = target.join("debug/xtlock");
+    let xtlock = arch_target(&target, arch).join("debug/xtlock");
     let base_results = args
         .results
         .clone()
@@ -425,12 +542,28 @@ fn run_args(args: &VmArgs) -> Result<String> {
                 println!("vm-test {label}: {name} left out of the matrix: {why}");
                 continue;
             }
+            let filters: Vec<&str> = args
+                .test_filters
+                .iter()
+                .filter(|(t, _)| t == name)
+                .flat_map(|(_, f)| f.iter().map(String::as_str))
+                .collect();
             commands.push(GuestCommand {
-                label: name.clone(),
+                label: if filters.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{name} ({})", filters.join(", "))
+                },
                 // cargo runs integration tests from their package folder.
                 cwd: root.join("tests"),
                 argv: std::iter::once(exe.display().to_string())
                     .chain(args.test_args.iter().cloned())
+                    .chain(
+                        args.test_filters
+                            .iter()
+                            .filter(|(t, _)| t == name)
+                            .flat_map(|(_, f)| f.iter().cloned()),
+                    )
                     .collect(),
             });
         }
@@ -443,14 +576,25 @@ fn run_args(args: &VmArgs) -> Result<String> {
                 e,
             ));
         }
-        let (results, work) = if label.is_empty() {
-            (base_results.clone(), target.join("vm"))
-        } else {
-            (base_results.join(&label), target.join("vm").join(&label))
+        let (results, work) = match (label.is_empty(), arch) {
+            (true, Arch::Amd64) => (base_results.clone(), target.join("vm")),
+            (false, Arch::Amd64) => (base_results.join(&label), target.join("vm").join(&label)),
+            (true, _) => (
+                base_results.join(arch.name()),
+                target.join("vm").join(arch.name()),
+            ),
+            (false, _) => (
+                base_results.join(arch.name()).join(&label),
+                target.join("vm").join(arch.name()).join(&label),
+            ),
+        };
+        let label = match arch {
+            Arch::Amd64 => label,
+            _ => format!("{arch} {label}").trim().to_owned(),
         };
         planned.push(Planned {
             label,
-            spec: spec(args, kernel, commands, &root, &target, results, work)?,
+            spec: spec(args, arch, kernel, commands, &root, &target, results, work)?,
         });
     }
 
@@ -506,7 +650,8 @@ fn run_args(args: &VmArgs) -> Result<String> {
     // after a failed test: `xtlock probes` ran first). Not after a partial run: its skip
     // lists would say "no test skipped" of the tests it left out.
     let ran: Vec<&str> = planned.iter().map(|p| p.label.as_str()).collect();
-    if args.matrix
+    if arch == Arch::Amd64
+        && args.matrix
         && args.test_args.is_empty()
         && kernel::SERIES.iter().all(|(s, _)| ran.contains(s))
     {
@@ -562,8 +707,10 @@ fn single_kernel(args: &VmArgs) -> kernel::Choice {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn spec(
     args: &VmArgs,
+    arch: Arch,
     kernel: kernel::Choice,
     commands: Vec<GuestCommand>,
     root: &Path,
@@ -595,12 +742,19 @@ fn spec(
         Some("tcg") => Some(Accel::Tcg),
         Some(other) => bail!("--accel {other}: expected kvm, tcg or auto"),
     };
+    let mut keep = vec![target.to_path_buf(), root.to_path_buf()];
+    if !arch.is_host() {
+        // With a root of its own the guest sees no host folder unless bound: the unpacked
+        // kernels, where tests find the running kernel's .ko files (ipvs loads ip_vs late).
+        keep.push(kernel::cache_dir().join("kernels"));
+    }
     Ok(Spec {
+        arch,
         kernel,
         commands,
         env,
         modules,
-        keep: vec![target.to_path_buf(), root.to_path_buf()],
+        keep,
         results,
         work,
         timeout: Duration::from_secs(args.timeout),
@@ -664,11 +818,25 @@ fn verdict(report: &Report, spec: &Spec) -> Result<()> {
     }
 }
 
-/// "6.1.0-56", "6.1.0-56-amd64" and "linux-image-6.1.0-56-amd64" all mean 6.1.0-56.
+/// "6.1.0-56", "6.1.0-56-amd64" and "linux-image-6.1.0-56-amd64" all mean 6.1.0-56 (and
+/// so do the same with -arm64).
 fn normalize_version(v: &str) -> String {
     let v = v.trim();
     let v = v.strip_prefix("linux-image-").unwrap_or(v);
-    v.strip_suffix("-amd64").unwrap_or(v).to_owned()
+    Arch::ALL
+        .iter()
+        .find_map(|a| v.strip_suffix(&format!("-{a}")))
+        .unwrap_or(v)
+        .to_owned()
+}
+
+/// Where cargo puts `arch`'s builds: `target` for the host's, `target/TRIPLE` for another.
+pub fn arch_target(target: &Path, arch: Arch) -> PathBuf {
+    if arch.is_host() {
+        target.to_path_buf()
+    } else {
+        target.join(arch.triple())
+    }
 }
 
 pub fn target_dir(root: &Path, given: Option<&Path>) -> PathBuf {
@@ -695,18 +863,52 @@ fn cargo(root: &Path, target: &Path) -> Command {
 
 const EXCLUDE: [&str; 3] = ["--workspace", "--exclude", "xtlock-ebpf"];
 
-fn build(root: &Path, target: &Path) -> Result<()> {
-    sh::run(cargo(root, target).arg("build").args(EXCLUDE).arg("--bins"))
+/// What is built for another architecture than the host's: xtlock and the tests' package
+/// (its helper binaries and integration tests), not xtask and the benches' tools.
+const CROSS_PACKAGES: [&str; 4] = ["-p", "xtlock", "-p", "xtlock-tests"];
+
+/// The package selection of `arch`'s builds.
+fn selection(arch: Arch) -> &'static [&'static str] {
+    if arch.is_host() {
+        &EXCLUDE
+    } else {
+        &CROSS_PACKAGES
+    }
+}
+
+fn build(root: &Path, target: &Path, arch: Arch) -> Result<()> {
+    arch.check_cross()?;
+    let mut cmd = cargo(root, target);
+    cmd.arg("build").args(selection(arch)).arg("--bins");
+    cross_args(&mut cmd, arch);
+    sh::run(&mut cmd)
+}
+
+/// `--target` and the cross linker for another architecture; and there, debug info of line
+/// tables only (backtraces keep their lines): a cross build is from nothing in a fresh
+/// clone, and full debug info is a good part of its time on a 2-core machine. Build
+/// scripts and proc macros, built for the host, are not affected.
+fn cross_args(cmd: &mut Command, arch: Arch) {
+    arch.cargo_args(cmd, false);
+    if !arch.is_host() {
+        cmd.env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only");
+    }
 }
 
 /// The executables of the named integration tests of `xtlock-tests`, built as
 /// `cargo xtask test` builds them (the same workspace selection, so the same features and
 /// nothing rebuilt), but only those targets: a broken unit test elsewhere does not stop them.
-fn test_binaries(root: &Path, target: &Path, names: &[String]) -> Result<Vec<(String, PathBuf)>> {
+fn test_binaries(
+    root: &Path,
+    target: &Path,
+    names: &[String],
+    arch: Arch,
+) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = cargo(root, target);
     cmd.args(["test", "--no-run", "--message-format=json"])
-        .args(EXCLUDE)
-        .args(names.iter().flat_map(|n| ["--test", n.as_str()]))
+        .args(selection(arch));
+    cross_args(&mut cmd, arch);
+    cmd.args(names.iter().flat_map(|n| ["--test", n.as_str()]))
         .stdin(Stdio::null())
         .stdout(Stdio::piped());
     println!("+ {}", sh::show(&cmd));
@@ -784,13 +986,19 @@ fn json_str(text: &str, key: &str) -> Option<String> {
 /// line; Err only when the VM could not be started.
 pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
     let start = Instant::now();
-    for t in ["qemu-system-x86_64", "busybox", "dpkg", "apt-get", "xz"] {
+    for t in [spec.arch.qemu(), "busybox", "dpkg", "apt-get", "xz"] {
         if sh::which(t).is_none() {
-            bail!("{t} is missing: run `cargo xtask setup` (qemu-system-x86, busybox-static, xz-utils)");
+            bail!("{t} is missing: run `cargo xtask setup` (qemu-system-x86, qemu-system-arm, busybox-static, xz-utils)");
         }
     }
     fs::create_dir_all(&spec.work)?;
-    let kernel = kernel::prepare(&spec.kernel, &kernel::cache_dir())?;
+    let kernel = kernel::prepare(&spec.kernel, &kernel::cache_dir(), spec.arch)?;
+    // The guest's root: the host's, or, for another architecture, Debian's packages of it.
+    let userland = if spec.arch.is_host() {
+        None
+    } else {
+        Some(userland::prepare(&kernel::cache_dir(), spec.arch)?)
+    };
     let modules = kernel::Modules::load(&kernel.modules)?;
     let early: Vec<String> = EARLY_MODULES.iter().map(|s| s.to_string()).collect();
     let early = modules.closure(&early)?;
@@ -805,13 +1013,26 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
         "probes.json",
         "kernel",
         "skips",
+        "timing",
     ] {
         let _ = fs::remove_file(results.join(f));
     }
-    let conf = conf(spec, &kernel, &early, &preload, &results)?;
+    let conf = conf(
+        spec,
+        &kernel,
+        &early,
+        &preload,
+        &results,
+        userland.is_some(),
+    )?;
     let initramfs = spec.work.join("initramfs.cpio");
+    let busybox = match &userland {
+        Some(u) => u.join("bin/busybox"),
+        None => sh::which("busybox").context("busybox is missing")?,
+    };
     build_initramfs(
         &initramfs,
+        &busybox,
         &kernel,
         &early,
         &conf,
@@ -819,6 +1040,10 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
     )?;
 
     let (accel, accel_why) = match spec.accel {
+        _ if !spec.arch.is_host() => (
+            Accel::Tcg,
+            format!("an {} guest on an {} host", spec.arch, Arch::host()),
+        ),
         Some(a) => (a, "chosen".to_owned()),
         None => qemu::detect_accel(&spec.work),
     };
@@ -831,25 +1056,45 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
         accel_name = accel.name(),
     );
     let prepare = start.elapsed();
+    let mut shares = vec![
+        (
+            "hostroot",
+            userland.clone().unwrap_or_else(|| "/".into()),
+            true,
+        ),
+        ("results", results.clone(), false),
+    ];
+    if userland.is_some() {
+        shares.push(("hostfs", "/".into(), true));
+    }
     let ended = qemu::boot(&qemu::Boot {
+        arch: spec.arch,
         accel,
         cpus: spec.cpus,
         memory_mb: spec.memory_mb,
         image: &kernel.image,
         initramfs: &initramfs,
-        cmdline: cmdline(accel),
-        shares: vec![
-            ("hostroot", "/".into(), true),
-            ("results", results.clone(), false),
-        ],
+        cmdline: cmdline(spec.arch, accel),
+        shares,
         timeout: spec.timeout,
         console_log: &results.join("console.log"),
         prefix,
     })?;
+    // Boot time, for docs/kernels.md's figures of emulated guests.
+    let _ = fs::write(
+        results.join("timing"),
+        match ended.boot {
+            Some(b) => format!("boot={:.1}\n", b.as_secs_f64()),
+            None => String::new(),
+        },
+    );
     // Which kernel these results are of (`cargo xtask kernels-doc` names it).
     fs::write(
         results.join("kernel"),
-        format!("release={}\npackage={}\n", kernel.release, kernel.package),
+        format!(
+            "release={}\npackage={}\narch={}\n",
+            kernel.release, kernel.package, spec.arch
+        ),
     )?;
     let from_file = fs::read_to_string(results.join("exit-status"))
         .ok()
@@ -893,9 +1138,14 @@ fn absolute(p: &Path) -> Result<PathBuf> {
 /// quiet: the kernel says only warnings and worse. tsc=reliable: TCG's TSC is steady, and
 /// the fallback (HPET) makes every clock read an emulated MMIO access. mitigations=off: the
 /// page-table switches of KPTI are slow under TCG and prove nothing here.
-fn cmdline(accel: Accel) -> String {
-    let mut c = "console=ttyS0 panic=-1 quiet loglevel=4 mitigations=off".to_owned();
-    if accel == Accel::Tcg {
+/// arm64's `virt` machine has its console on the PL011 (ttyAMA0).
+fn cmdline(arch: Arch, accel: Accel) -> String {
+    let console = match arch {
+        Arch::Amd64 => "ttyS0",
+        Arch::Arm64 => "ttyAMA0",
+    };
+    let mut c = format!("console={console} panic=-1 quiet loglevel=4 mitigations=off");
+    if accel == Accel::Tcg && arch == Arch::Amd64 {
         c.push_str(" tsc=reliable no_timer_check");
     }
     c
@@ -916,6 +1166,7 @@ fn conf(
     early: &[String],
     preload: &[String],
     results: &Path,
+    own_root: bool,
 ) -> Result<String> {
     let keep: Vec<String> = spec
         .keep
@@ -931,13 +1182,14 @@ fn conf(
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     Ok(format!(
-        "RELEASE={}\nMSIZE=512000\nEARLY_MODULES={}\nMODULES={}\nMODULES_DIR={}\nRESULTS={}\nKEEP={}\nHOST_EPOCH={epoch}\n",
+        "RELEASE={}\nMSIZE=512000\nEARLY_MODULES={}\nMODULES={}\nMODULES_DIR={}\nRESULTS={}\nKEEP={}\nHOST_EPOCH={epoch}\nHOSTFS={}\n",
         sq(&kernel.release),
         sq(&words(early)),
         sq(&words(preload)),
         sq(&absolute(&kernel.modules)?.display().to_string()),
         sq(&results.display().to_string()),
         sq(&keep.join(" ")),
+        if own_root { "1" } else { "" },
     ))
 }
 
@@ -993,13 +1245,14 @@ step() {
 
 fn build_initramfs(
     out: &Path,
+    busybox_path: &Path,
     kernel: &kernel::Kernel,
     early: &[String],
     conf: &str,
     run: &str,
 ) -> Result<()> {
-    let busybox_path = sh::which("busybox").context("busybox is missing")?;
-    let busybox = fs::read(&busybox_path)?;
+    let busybox =
+        fs::read(busybox_path).with_context(|| format!("reading {}", busybox_path.display()))?;
     if !is_static_elf(&busybox) {
         bail!(
             "{} is not statically linked: install busybox-static",
@@ -1111,6 +1364,7 @@ mod tests {
     #[test]
     fn run_script_quotes_and_orders() {
         let spec = Spec {
+            arch: Arch::Amd64,
             kernel: kernel::Choice::Apt {
                 version: "6.1.0-1".into(),
                 pinned: true,
@@ -1156,6 +1410,7 @@ mod tests {
         assert_eq!(normalize_version("linux-image-6.1.0-56-amd64"), "6.1.0-56");
         assert_eq!(normalize_version("6.1.0-56-amd64"), "6.1.0-56");
         assert_eq!(normalize_version("6.1.0-56"), "6.1.0-56");
+        assert_eq!(normalize_version("6.12.57+deb13-arm64"), "6.12.57+deb13");
     }
 
     #[test]

@@ -122,11 +122,7 @@ pub fn run_steps(args: &DeployArgs) -> Result<String> {
             "{} missing: run `cargo xtask image`",
             archive.display()
         );
-        image::Built {
-            archive,
-            tag: format!("xtlock:{}", env!("CARGO_PKG_VERSION")),
-            layer_bytes: 0,
-        }
+        image::Built::existing(archive, format!("xtlock:{}", env!("CARGO_PKG_VERSION")))
     } else {
         image::build(&root)?
     };

@@ -48,9 +48,19 @@ mount -t tmpfs -o mode=755 overlay /overlay && mkdir /overlay/upper /overlay/wor
 mount -t overlay -o lowerdir=/host,upperdir=/overlay/upper,workdir=/overlay/work overlay /newroot ||
     die "cannot mount the overlay root"
 
+# A guest of another architecture gets a root of its own packages as hostroot (see
+# xtask/src/vm/userland.rs) and the host's root as hostfs, for the kernel's modules and the
+# folders the run needs (KEEP), bound in at their host paths.
+src=/host
+if [ -n "$HOSTFS" ]; then
+    mkdir -p /hostfs
+    nine_p hostfs /hostfs "ro,cache=loose" || die "cannot mount the host's root (9p tag hostfs)"
+    src=/hostfs
+fi
+
 # Modules beyond the initramfs come from the unpacked package on the host; the kernel's own
 # module loader (request_module) runs busybox modprobe from this initramfs.
-mount --bind "/host$MODULES_DIR" "/lib/modules/$RELEASE" || die "cannot bind $MODULES_DIR"
+mount --bind "$src$MODULES_DIR" "/lib/modules/$RELEASE" || die "cannot bind $MODULES_DIR"
 echo /sbin/modprobe >/proc/sys/kernel/modprobe
 
 r=/newroot
@@ -69,13 +79,16 @@ mount -t debugfs debugfs $r/sys/kernel/debug 2>/dev/null
 mount -t bpf bpf $r/sys/fs/bpf 2>/dev/null
 mount -t cgroup2 cgroup2 $r/sys/fs/cgroup 2>/dev/null
 # Host folders the run needs that the tmpfs mounts above hide (a target dir under /tmp...).
+# With a root of its own, every one of them.
 for p in $KEEP; do
-    case "$p" in
-    /tmp/* | /run/* | /var/tmp/* | /dev/shm/*)
-        mkdir -p "$r$p" && mount --bind "/host$p" "$r$p" || die "cannot bind $p"
+    case "$HOSTFS:$p" in
+    1:* | *:/tmp/* | *:/run/* | *:/var/tmp/* | *:/dev/shm/*)
+        mkdir -p "$r$p" && mount --bind "$src$p" "$r$p" || die "cannot bind $p"
         ;;
     esac
 done
+# The unpacked packages' ld.so cache (no maintainer script made it).
+[ -n "$HOSTFS" ] && { chroot $r /sbin/ldconfig || die "ldconfig failed"; }
 mkdir -p "$r$RESULTS"
 nine_p results "$r$RESULTS" "rw" || die "cannot mount the results folder (9p tag results)"
 results_up=1

@@ -17,7 +17,7 @@ use std::{
 
 use anyhow::{bail, Context as _, Result};
 
-use crate::sh;
+use crate::{arch::Arch, sh};
 
 /// The pinned guest kernel: Debian 12's `linux-image-6.1.0-56-amd64` (6.1.192-2, what
 /// `linux-image-amd64` of bookworm-security depended on when this was written). Override
@@ -75,18 +75,21 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// The kernel of `choice`, from the cache or fetched and unpacked into it now.
-pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
+///
+/// `arch`: the kernel's architecture (`linux-image-*-arm64` for arm64, fetched through a
+/// second apt configuration of its own that lists arm64 packages).
+pub fn prepare(choice: &Choice, cache: &Path, arch: Arch) -> Result<Kernel> {
     let kernels = cache.join("kernels");
     fs::create_dir_all(&kernels).with_context(|| format!("creating {}", kernels.display()))?;
     let (key, package) = match choice {
         Choice::Apt { version, .. } => {
-            let p = format!("linux-image-{version}-amd64");
+            let p = format!("linux-image-{version}-{arch}");
             (p.clone(), Some(p))
         }
         Choice::Series(series) => {
-            let p = match newest_of_series(cache, series) {
+            let p = match newest_of_series(cache, series, arch) {
                 Ok(p) => p,
-                Err(e) => match newest_cached(&kernels, series) {
+                Err(e) => match newest_cached(&kernels, series, arch) {
                     // Offline, or Debian unreachable: the newest this cache has.
                     Some(p) => {
                         println!("warning: vm: {e:#}; using {p} from the cache");
@@ -110,7 +113,7 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
         return Ok(k);
     }
     let package = match (choice, package) {
-        (Choice::Apt { pinned, .. }, Some(p)) => Some(resolve(cache, &p, *pinned)?),
+        (Choice::Apt { pinned, .. }, Some(p)) => Some(resolve(cache, &p, *pinned, arch)?),
         (Choice::Series(_), Some(p)) => Some(p),
         _ => None,
     };
@@ -127,7 +130,7 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
     let tmp = kernels.join(format!(".new-{key}-{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp)?;
-    let result = unpack(cache, choice, package.as_deref(), &tmp);
+    let result = unpack(cache, choice, package.as_deref(), &tmp, arch);
     if let Err(e) = result {
         let _ = fs::remove_dir_all(&tmp);
         return Err(e);
@@ -143,8 +146,8 @@ pub fn prepare(choice: &Choice, cache: &Path) -> Result<Kernel> {
 
 /// The package to download for `wanted`: itself when apt knows it (after one `apt-get update`
 /// if needed); for the default pin, else the newest of its series.
-fn resolve(cache: &Path, wanted: &str, pinned: bool) -> Result<String> {
-    let apt = Apt::new(cache)?;
+fn resolve(cache: &Path, wanted: &str, pinned: bool, arch: Arch) -> Result<String> {
+    let apt = Apt::new(cache, arch)?;
     if !apt.fresh() {
         apt.update()?;
     }
@@ -183,8 +186,8 @@ pub fn series_of(version: &str) -> Option<&'static str> {
 }
 
 /// The newest package of `series` apt knows, after refreshing lists older than a day.
-fn newest_of_series(cache: &Path, series: &str) -> Result<String> {
-    let apt = Apt::new(cache)?;
+fn newest_of_series(cache: &Path, series: &str, arch: Arch) -> Result<String> {
+    let apt = Apt::new(cache, arch)?;
     if !apt.fresh() {
         apt.update()?;
     }
@@ -192,23 +195,30 @@ fn newest_of_series(cache: &Path, series: &str) -> Result<String> {
 }
 
 /// The newest kernel of `series` already unpacked in the cache.
-fn newest_cached(kernels: &Path, series: &str) -> Option<String> {
+fn newest_cached(kernels: &Path, series: &str, arch: Arch) -> Option<String> {
     let names = fs::read_dir(kernels)
         .ok()?
         .filter_map(|e| e.ok())
         .filter(|e| e.path().join("info").exists())
         .map(|e| e.file_name().to_string_lossy().into_owned());
-    newest_package(names, series)
+    newest_package(names, series, arch)
 }
 
 /// The newest plain `linux-image-<series>.*-amd64` among `names` (no -rt, -cloud, -dbg or
 /// -unsigned flavour), by the numbers of its version: `5.10.0-46` -> 5, 10, 0, 46;
 /// `6.12.118+deb13` -> 6, 12, 118, 13.
-pub fn newest_package(names: impl IntoIterator<Item = String>, series: &str) -> Option<String> {
+pub fn newest_package(
+    names: impl IntoIterator<Item = String>,
+    series: &str,
+    arch: Arch,
+) -> Option<String> {
+    let suffix = format!("-{arch}");
     names
         .into_iter()
         .filter_map(|n| {
-            let v = n.strip_prefix("linux-image-")?.strip_suffix("-amd64")?;
+            let v = n
+                .strip_prefix("linux-image-")?
+                .strip_suffix(suffix.as_str())?;
             let plain = v
                 .chars()
                 .all(|c| c.is_ascii_digit() || ".-+deb".contains(c));
@@ -225,14 +235,20 @@ fn version_numbers(v: &str) -> Vec<u64> {
         .collect()
 }
 
-/// apt with a configuration of its own under `<cache>/apt`.
+/// apt with a configuration of its own under `<cache>/apt` (`<cache>/apt-arm64` for arm64
+/// kernels: apt lists one architecture there, whatever the host's is).
 struct Apt {
     dir: PathBuf,
+    arch: Arch,
 }
 
 impl Apt {
-    fn new(cache: &Path) -> Result<Self> {
-        let dir = cache.join("apt");
+    fn new(cache: &Path, arch: Arch) -> Result<Self> {
+        let dir = if arch == Arch::Amd64 {
+            cache.join("apt")
+        } else {
+            cache.join(format!("apt-{arch}"))
+        };
         for d in ["lists/partial", "archives/partial"] {
             fs::create_dir_all(dir.join(d))
                 .with_context(|| format!("creating {}", dir.join(d).display()))?;
@@ -257,7 +273,7 @@ impl Apt {
             // Lists of another sources list: fetch anew.
             let _ = fs::remove_file(dir.join("updated"));
         }
-        Ok(Self { dir })
+        Ok(Self { dir, arch })
     }
 
     fn cmd(&self, program: &str) -> Command {
@@ -275,6 +291,10 @@ impl Apt {
             // Files in a root-owned folder: no `_apt` sandbox warning.
             .args(["-o", "APT::Sandbox::User=root"])
             .args(["-o", "Acquire::Languages=none"])
+            .arg("-o")
+            .arg(format!("APT::Architecture={}", self.arch))
+            .arg("-o")
+            .arg(format!("APT::Architectures={}", self.arch))
             .env("DEBIAN_FRONTEND", "noninteractive");
         c
     }
@@ -305,9 +325,10 @@ impl Apt {
     fn newest(&self, series: &str) -> Result<String> {
         let names = sh::capture(self.cmd("apt-cache").args(["pkgnames", "linux-image-"]))
             .unwrap_or_default();
-        newest_package(names.lines().map(str::to_owned), series).with_context(|| {
+        newest_package(names.lines().map(str::to_owned), series, self.arch).with_context(|| {
             format!(
-                "apt knows no linux-image-{series}.*-amd64 (sources: {}/sources.list)",
+                "apt knows no linux-image-{series}.*-{} (sources: {}/sources.list)",
+                self.arch,
                 self.dir.display()
             )
         })
@@ -324,11 +345,17 @@ impl Apt {
 }
 
 /// Fills `dir` with `root/` (the unpacked package), `modules.dep`, the boot image and `info`.
-fn unpack(cache: &Path, choice: &Choice, package: Option<&str>, dir: &Path) -> Result<()> {
+fn unpack(
+    cache: &Path,
+    choice: &Choice,
+    package: Option<&str>,
+    dir: &Path,
+    arch: Arch,
+) -> Result<()> {
     let deb = match (choice, package) {
         (Choice::Deb(deb), _) => deb.clone(),
         (_, Some(p)) => {
-            Apt::new(cache)?.download(p, dir)?;
+            Apt::new(cache, arch)?.download(p, dir)?;
             find_deb(dir)?
         }
         _ => unreachable!("an apt choice always has a package"),
@@ -380,8 +407,13 @@ fn unpack(cache: &Path, choice: &Choice, package: Option<&str>, dir: &Path) -> R
         fs::read_to_string(root.join("boot").join(format!("config-{release}"))).unwrap_or_default();
     let pvh = config.lines().any(|l| l == "CONFIG_PVH=y")
         && extract_vmlinux(&vmlinuz, &dir.join("vmlinux"))?;
+    // arm64's vmlinuz is a gzip-compressed `Image`: unpacked once here rather than by QEMU
+    // at every boot.
+    let gunzipped = !pvh && arch == Arch::Arm64 && gunzip(&vmlinuz, &dir.join("Image"))?;
     let image = if pvh {
         "vmlinux".to_owned()
+    } else if gunzipped {
+        "Image".to_owned()
     } else {
         vmlinuz
             .strip_prefix(dir)
@@ -398,6 +430,27 @@ fn unpack(cache: &Path, choice: &Choice, package: Option<&str>, dir: &Path) -> R
 
 /// Debian 13 compresses modules (`.ko.xz`): busybox insmod in the guest and the tests'
 /// insmod take them uncompressed, so they are unpacked once here.
+/// `gzip -dc in > out` when `in` is gzip; false when it is not.
+fn gunzip(input: &Path, out: &Path) -> Result<bool> {
+    let head = fs::read(input)
+        .with_context(|| format!("reading {}", input.display()))?
+        .get(..2)
+        .map(<[u8]>::to_vec);
+    if head.as_deref() != Some(&b"\x1f\x8b"[..]) {
+        return Ok(false);
+    }
+    let status = Command::new("gzip")
+        .arg("-dc")
+        .arg(input)
+        .stdout(fs::File::create(out).with_context(|| format!("creating {}", out.display()))?)
+        .status()
+        .context("running gzip")?;
+    if !status.success() {
+        bail!("gzip -dc {} failed ({status})", input.display());
+    }
+    Ok(true)
+}
+
 fn decompress_modules(mods: &Path) -> Result<()> {
     let mut found = Vec::new();
     let mut dirs = vec![mods.to_path_buf()];
@@ -620,7 +673,7 @@ kernel/drivers/net/veth.ko:
             "linux-image-amd64",
         ]
         .map(String::from);
-        let newest = |s| newest_package(names.clone(), s);
+        let newest = |s| newest_package(names.clone(), s, Arch::Amd64);
         assert_eq!(
             newest("5.10").as_deref(),
             Some("linux-image-5.10.0-46-amd64")
