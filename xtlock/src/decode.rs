@@ -101,20 +101,6 @@ fn lock_event(e: &common::LockEvent) -> Event {
     })
 }
 
-/// The events of one record: one, or two for a `Hold` record (its take and its release),
-/// or none for a take already had.
-#[derive(Debug, Default)]
-pub struct Decoded([Option<Event>; 2]);
-
-impl IntoIterator for Decoded {
-    type Item = Event;
-    type IntoIter = std::iter::Flatten<std::array::IntoIter<Option<Event>, 2>>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.into_iter().flatten()
-    }
-}
-
 /// Owners whose last take the decoder remembers; past this many it starts over (a take
 /// then passes, as it would have from a build that sent every take).
 const MAX_OWNERS: usize = 4096;
@@ -126,18 +112,24 @@ const MAX_OWNERS: usize = 4096;
 /// later; one owner's takes follow each other in time.
 #[derive(Debug, Default)]
 pub struct Decoder {
-    last_take: std::collections::HashMap<u64, u64>,
+    // foldhash: SipHash here cost every take ~100 ns (owners are kernel addresses, not
+    // attacker-chosen keys worth a keyed hash).
+    last_take: std::collections::HashMap<u64, u64, foldhash::fast::RandomState>,
+    /// A `Hold` record's release, after its take was returned.
+    release: Option<Event>,
 }
 
 impl Decoder {
-    pub fn decode(&mut self, b: &[u8]) -> Result<Decoded, DecodeError> {
+    /// The record's first event (none for a take had already); a `Hold` record's release
+    /// then comes from [`Decoder::pending`]. One event a call, moved once: this is every
+    /// event's path.
+    pub fn decode(&mut self, b: &[u8]) -> Result<Option<Event>, DecodeError> {
         use common::{sizes, EventKind as K};
         if b.len() >= std::mem::size_of::<common::EventHeader>()
             && read::<common::EventHeader>(b).kind == K::Hold as u32
         {
             need(K::Hold, b, sizes::HOLD)?;
             let h: common::HoldEvent = read(b);
-            let take = lock_event(&h.take);
             let release = lock_event(&common::LockEvent {
                 hdr: common::EventHeader {
                     kind: K::Lock as u32,
@@ -149,12 +141,24 @@ impl Decoder {
                 comm: h.comm,
                 ..h.take
             });
-            return Ok(Decoded([self.fresh(take), Some(release)]));
+            return Ok(match self.fresh(lock_event(&h.take)) {
+                Some(take) => {
+                    self.release = Some(release);
+                    Some(take)
+                }
+                None => Some(release),
+            });
         }
-        Ok(Decoded([self.fresh(decode(b)?), None]))
+        Ok(self.fresh(decode(b)?))
+    }
+
+    /// The second event of the last record, if it had one.
+    pub fn pending(&mut self) -> Option<Event> {
+        self.release.take()
     }
 
     /// `ev`, unless it is an exclusive take had already.
+    #[inline]
     fn fresh(&mut self, ev: Event) -> Option<Event> {
         let Event::Lock(l) = &ev else {
             return Some(ev);

@@ -262,7 +262,6 @@ impl<R: Read> CaptureReader<R> {
         Events {
             reader: self,
             decoder: decode::Decoder::default(),
-            queued: None,
         }
     }
 
@@ -465,9 +464,8 @@ impl<R: Read> CaptureReader<R> {
 /// Iterator of [`CaptureReader::events`].
 pub struct Events<R> {
     reader: CaptureReader<R>,
+    /// Also holds the second event of a two-event record (a `Hold`'s release).
     decoder: decode::Decoder,
-    /// The second event of a two-event record (a `Hold`'s release).
-    queued: Option<Event>,
 }
 
 impl<R: Read> Events<R> {
@@ -481,7 +479,7 @@ impl<R: Read> Iterator for Events<R> {
     type Item = Result<Event, CaptureError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if let Some(ev) = self.queued.take() {
+        if let Some(ev) = self.decoder.pending() {
             return Some(Ok(ev));
         }
         loop {
@@ -495,14 +493,9 @@ impl<R: Read> Iterator for Events<R> {
                 Err(e) => return Some(Err(e)),
             };
             match decoded {
-                Ok(evs) => {
-                    let mut evs = evs.into_iter();
-                    // A record of no event (a take had already) reads the next one.
-                    if let Some(first) = evs.next() {
-                        self.queued = evs.next();
-                        return Some(Ok(first));
-                    }
-                }
+                Ok(Some(ev)) => return Some(Ok(ev)),
+                // A take had already: the next record.
+                Ok(None) => {}
                 Err(source) => {
                     return Some(Err(CaptureError::Decode {
                         offset: self.reader.block_offset,

@@ -405,6 +405,13 @@ fn nft_commit_with_and_without_its_batch() {
     assert_eq!(c.batch, None);
 }
 
+/// Every event of one record.
+fn all(d: &mut Decoder, b: &[u8]) -> Vec<Event> {
+    let mut v: Vec<Event> = d.decode(b).unwrap().into_iter().collect();
+    v.extend(d.pending());
+    v
+}
+
 fn hold_record(take: common::LockEvent, ts: u64, tid: u32, comm: &str) -> common::HoldEvent {
     common::HoldEvent {
         hdr: header(common::EventKind::Hold, take.hdr.tgid, tid, ts),
@@ -426,15 +433,14 @@ fn a_hold_record_is_its_take_and_release() {
         comm: Comm::new("iptables-child").0,
         ..take
     };
-    let pair: Vec<Event> = Decoder::default()
-        .decode(&bytes(&hold_record(take, 5000, 12, "iptables-child")))
-        .unwrap()
-        .into_iter()
-        .collect();
+    let pair = all(
+        &mut Decoder::default(),
+        &bytes(&hold_record(take, 5000, 12, "iptables-child")),
+    );
     let mut apart = Decoder::default();
     let want: Vec<Event> = [take, release]
         .iter()
-        .flat_map(|r| apart.decode(&bytes(r)).unwrap())
+        .flat_map(|r| all(&mut apart, &bytes(r)))
         .collect();
     assert_eq!(pair, want);
     assert_eq!(pair.len(), 2);
@@ -458,15 +464,11 @@ fn a_hold_record_is_its_take_and_release() {
 fn a_take_sent_twice_is_read_once() {
     let take = lock(common::F_WRLCK, 0, 130);
     let mut d = Decoder::default();
-    let n = |d: &mut Decoder, b: Vec<u8>| d.decode(&b).unwrap().into_iter().count();
+    let n = |d: &mut Decoder, b: Vec<u8>| all(d, &b).len();
     assert_eq!(n(&mut d, bytes(&take)), 1);
     assert_eq!(n(&mut d, bytes(&take)), 0);
     // Its Hold record: the release alone.
-    let evs: Vec<Event> = d
-        .decode(&bytes(&hold_record(take, 5000, 11, "iptables")))
-        .unwrap()
-        .into_iter()
-        .collect();
+    let evs = all(&mut d, &bytes(&hold_record(take, 5000, 11, "iptables")));
     assert!(matches!(&evs[..], [Event::Lock(l)] if l.op == LockOp::Released));
     // An older take of that owner, sent again later: dropped.
     let older = common::LockEvent {

@@ -333,7 +333,14 @@ impl Tap {
             self.check(res);
         }
         match self.decoder.decode(raw) {
-            Ok(evs) => evs.into_iter().for_each(|ev| self.event(ev, out)),
+            Ok(ev) => {
+                if let Some(ev) = ev {
+                    self.event(ev, out);
+                }
+                if let Some(release) = self.decoder.pending() {
+                    self.event(release, out);
+                }
+            }
             Err(e) => {
                 self.decode_errors += 1;
                 if self.decode_errors == 1 {
