@@ -14,13 +14,19 @@
 //! is the last take sent. Two CPUs may both send the same take (a release racing a waiter,
 //! say): the decoder drops the second, a take being known by its owner and time.
 use core::{
-    ptr::{read_volatile, write_volatile},
+    ptr::{copy_nonoverlapping, read_volatile, write_volatile},
     sync::atomic::{compiler_fence, Ordering},
 };
 
-use xtlock_common::{KeptTake, LockEvent, MAX_WATCHED_LOCKS};
+use aya_ebpf::helpers::bpf_get_current_comm;
+use xtlock_common::{
+    EventHeader, HoldEvent, KeptTake, LockEvent, COMM_LEN, F_WRLCK, MAX_WATCHED_LOCKS,
+};
 
-use crate::{emit::output, KEPT};
+use crate::{
+    emit::{reserve, wake_flags},
+    KEPT,
+};
 
 /// The entry of the lock at `index`.
 #[inline(always)]
@@ -29,26 +35,24 @@ pub fn kept(index: u32) -> Option<*mut KeptTake> {
     KEPT.get_ptr_mut(index & (MAX_WATCHED_LOCKS - 1))
 }
 
-/// The take waiting to be sent, with its `take_seq`, when there is one and it was read
-/// whole.
+/// The waiting take's `take_seq`, when one is waiting and not being written.
 #[inline(always)]
-fn waiting(k: *mut KeptTake) -> Option<(u64, LockEvent)> {
-    // SAFETY: a map entry; torn reads are detected by the sequence numbers.
+fn waiting(k: *mut KeptTake) -> Option<u64> {
+    // SAFETY: a map entry; the copy that follows is checked against the sequence again.
     unsafe {
         let s = read_volatile(&(*k).take_seq);
-        if s & 1 != 0 || s <= read_volatile(&(*k).sent_seq) {
-            return None;
-        }
-        // The copy stays between the two reads of the sequence (x86 keeps loads in order;
-        // the compiler must too).
-        compiler_fence(Ordering::SeqCst);
-        let take = (*k).take;
-        compiler_fence(Ordering::SeqCst);
-        if read_volatile(&(*k).take_seq) != s {
-            return None;
-        }
-        Some((s, take))
+        (s & 1 == 0 && s > read_volatile(&(*k).sent_seq)).then_some(s)
     }
+}
+
+/// Whether the take copied out after reading `take_seq` `s` is whole: the sequence did not
+/// move meanwhile.
+#[inline(always)]
+fn still(k: *mut KeptTake, s: u64) -> bool {
+    // The copy stays before this read (x86 keeps loads in order; the compiler must too).
+    compiler_fence(Ordering::SeqCst);
+    // SAFETY: a map entry.
+    unsafe { read_volatile(&(*k).take_seq) == s }
 }
 
 #[inline(always)]
@@ -62,13 +66,25 @@ fn mark_sent(k: *mut KeptTake, s: u64) {
     }
 }
 
-/// Sends the lock's waiting take, if any.
+/// Sends the lock's waiting take, if any: copied from the map straight into a ring record
+/// (no stack copy: the lock hook's stack is near the verifier's limit on 5.10 and 6.1).
 #[inline(always)]
 pub fn send(k: *mut KeptTake) {
-    if let Some((s, take)) = waiting(k) {
-        output(&take);
-        mark_sent(k, s);
+    let Some(s) = waiting(k) else {
+        return;
+    };
+    let Some(mut e) = reserve::<LockEvent>() else {
+        return;
+    };
+    // SAFETY: a reserved entry of the right size, and a map entry; torn copies are
+    // discarded below.
+    unsafe { copy_nonoverlapping(&raw const (*k).take, e.as_mut_ptr(), 1) };
+    if !still(k, s) {
+        e.discard(0);
+        return;
     }
+    e.submit(wake_flags::<LockEvent>(true));
+    mark_sent(k, s);
 }
 
 /// Sends every lock's waiting take that process `tgid` made (all of them for `None`): the
@@ -81,25 +97,27 @@ pub fn send_by(tgid: Option<u32>) {
         let Some(k) = kept(i) else {
             continue;
         };
-        // SAFETY: plain reads of the entry; `waiting` checks it again.
-        let (s, sent, by) = unsafe {
-            (
-                read_volatile(&(*k).take_seq),
-                read_volatile(&(*k).sent_seq),
-                read_volatile(&(*k).take.hdr.tgid),
-            )
-        };
-        if s > sent && tgid.is_none_or(|t| t == by) {
+        // SAFETY: a plain read of the entry; `send` checks it again.
+        let by = unsafe { read_volatile(&(*k).take.hdr.tgid) };
+        if waiting(k).is_some() && tgid.is_none_or(|t| t == by) {
             send(k);
         }
     }
 }
 
-/// Keeps `take` (an exclusive take, not the end of a wait) until its release. Returns false
-/// when the entry is being written right now (a second inode at the same index: a replaced
-/// lock file still held through its old one): the caller sends the take itself.
+/// An exclusive take (not the end of a wait), written in place into the lock's entry to be
+/// kept until its release. Returns false when the entry is being written right now (a
+/// second inode at the same index: a replaced lock file still held through its old one):
+/// the caller sends the take itself.
 #[inline(always)]
-pub fn keep(k: *mut KeptTake, take: &LockEvent) -> bool {
+pub fn keep(
+    k: *mut KeptTake,
+    hdr: EventHeader,
+    owner: u64,
+    ino: u64,
+    dev: u32,
+    fl_flags: u32,
+) -> bool {
     // A take still waiting: a lost release's, or a shared hold's.
     send(k);
     // SAFETY: a map entry; see the module's text for the protocol.
@@ -110,24 +128,73 @@ pub fn keep(k: *mut KeptTake, take: &LockEvent) -> bool {
         }
         write_volatile(&mut (*k).take_seq, s + 1);
         compiler_fence(Ordering::SeqCst);
-        (*k).take = *take;
+        let t = &raw mut (*k).take;
+        (*t).hdr = hdr;
+        (*t).owner = owner;
+        (*t).ino = ino;
+        (*t).dev = dev;
+        (*t).ret = 0;
+        (*t).fl_flags = fl_flags;
+        (*t).fl_type = F_WRLCK;
+        (*t)._pad = [0; 3];
+        (*t).comm = bpf_get_current_comm().unwrap_or([0; COMM_LEN]);
         compiler_fence(Ordering::SeqCst);
         write_volatile(&mut (*k).take_seq, s + 2);
     }
     true
 }
 
-/// The waiting take, claimed, if it is `owner`'s: its release goes out with it.
+/// The release of `owner`'s kept take: both go out as one `Hold` record (`hdr` its header),
+/// the take copied from the map straight into it. False when the waiting take is not this
+/// owner's (it is sent first) or none waits: the caller sends the release alone.
 #[inline(always)]
-pub fn claim_for_release(k: *mut KeptTake, owner: u64, ino: u64, dev: u32) -> Option<LockEvent> {
-    let (s, take) = waiting(k)?;
-    if take.owner != owner || take.ino != ino || take.dev != dev {
+pub fn release(
+    k: *mut KeptTake,
+    hdr: EventHeader,
+    owner: u64,
+    ino: u64,
+    dev: u32,
+    ret: i32,
+    fl_flags: u32,
+) -> bool {
+    let Some(s) = waiting(k) else {
+        return false;
+    };
+    // SAFETY: plain reads of the entry; the copy below is checked again.
+    let mine = unsafe {
+        read_volatile(&(*k).take.owner) == owner
+            && read_volatile(&(*k).take.ino) == ino
+            && read_volatile(&(*k).take.dev) == dev
+    };
+    if !mine {
         // Somebody else's (a close by a process that does not hold the lock, or the other
         // inode at this index): it goes first.
-        output(&take);
-        mark_sent(k, s);
-        return None;
+        send(k);
+        return false;
     }
+    let Some(mut e) = reserve::<HoldEvent>() else {
+        return false;
+    };
+    let p = e.as_mut_ptr();
+    // SAFETY: a reserved entry of the right size, every field written before submit; a
+    // torn copy is discarded.
+    unsafe {
+        copy_nonoverlapping(&raw const (*k).take, &raw mut (*p).take, 1);
+        if !still(k, s) || (*p).take.owner != owner {
+            e.discard(0);
+            return false;
+        }
+        (*p).hdr = hdr;
+        (*p).ret = ret;
+        (*p).fl_flags = fl_flags;
+        // The same task's comm is the take's (a rename in between is not worth a call).
+        (*p).comm = if (*p).take.hdr.tid == hdr.tid {
+            (*p).take.comm
+        } else {
+            bpf_get_current_comm().unwrap_or([0; COMM_LEN])
+        };
+    }
+    e.submit(wake_flags::<HoldEvent>(true));
     mark_sent(k, s);
-    Some(take)
+    true
 }

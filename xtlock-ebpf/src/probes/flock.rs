@@ -240,20 +240,8 @@ fn on_request(r: &Request) {
 
     let hdr = header_of(EventKind::Lock, ts, tgid, tid);
     if ret == 0 && fl_type == F_UNLCK {
-        if let Some(take) = pending::claim_for_release(k, owner, ino, dev) {
-            // The same task's comm is the take's (a rename in between is not worth a call).
-            let comm = if take.hdr.tid == tid {
-                take.comm
-            } else {
-                bpf_get_current_comm().unwrap_or([0; 16])
-            };
-            output(&HoldEvent {
-                hdr: header_of(EventKind::Hold, ts, tgid, tid),
-                take,
-                ret,
-                fl_flags,
-                comm,
-            });
+        let hold = header_of(EventKind::Hold, ts, tgid, tid);
+        if pending::release(k, hold, owner, ino, dev, ret, fl_flags) {
             note_hold(h, owner, fl_type, ret, ts);
             return;
         }
@@ -261,23 +249,31 @@ fn on_request(r: &Request) {
         // A waiter's request, a failed try, another lock's take: after the kept take.
         pending::send(k);
     }
-    let ev = LockEvent {
-        hdr,
-        owner,
-        ino,
-        dev,
-        ret,
-        fl_flags,
-        fl_type,
-        _pad: [0; 3],
-        comm: bpf_get_current_comm().unwrap_or([0; 16]),
-    };
     note_hold(h, owner, fl_type, ret, ts);
     // An exclusive take that did not end a wait is kept until its release; the end of a
     // wait goes out now, ahead of the call's end below.
-    let kept = ret == 0 && fl_type == F_WRLCK && !waiting && pending::keep(k, &ev);
+    let kept = ret == 0
+        && fl_type == F_WRLCK
+        && !waiting
+        && pending::keep(k, hdr, owner, ino, dev, fl_flags);
     if !kept {
-        output(&ev);
+        // Written in place in the ring: the hook's stack stays small (see `pending::send`).
+        if let Some(mut e) = reserve::<LockEvent>() {
+            let p = e.as_mut_ptr();
+            // SAFETY: a reserved entry of the right size; every field written.
+            unsafe {
+                (*p).hdr = hdr;
+                (*p).owner = owner;
+                (*p).ino = ino;
+                (*p).dev = dev;
+                (*p).ret = ret;
+                (*p).fl_flags = fl_flags;
+                (*p).fl_type = fl_type;
+                (*p)._pad = [0; 3];
+                (*p).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+            }
+            e.submit(wake_flags::<LockEvent>(true));
+        }
     }
 
     // A retry after the wait that did not defer again ends the call: granted, or an error.
