@@ -439,25 +439,12 @@ fn build_archive(root: &Path, bin: &Path, arch: Arch) -> Result<Built> {
     };
     let archive = dir.join(&name);
     let tmp = dir.join(format!(".{name}.tmp"));
-    let mut out = tar::Builder::new(
-        fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
-    );
-    out.mode(tar::HeaderMode::Deterministic);
-    let mut put = |name: &str, data: &[u8]| -> Result<()> {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_mtime(0);
-        h.set_entry_type(tar::EntryType::Regular);
-        out.append_data(&mut h, name, data)
-            .with_context(|| format!("writing {name} into the archive"))
-    };
+    let mut out = Archive::create(&tmp)?;
+    let mut put = |name: &str, data: &[u8]| out.put(name, data);
     put(&format!("{config_sha}.json"), &config)?;
     put(&format!("{layer_sha}/layer.tar"), &layer)?;
     put("manifest.json", &manifest)?;
-    let mut f = out.into_inner().context("finishing the archive")?;
-    f.flush()?;
-    fs::rename(&tmp, &archive).with_context(|| format!("writing {}", archive.display()))?;
+    out.finish(&tmp, &archive)?;
     Ok(Built {
         archive,
         tag,
@@ -536,28 +523,46 @@ fn write_oci_index(root: &Path, built: &[Built]) -> Result<PathBuf> {
     let dir = image_dir(root);
     let archive = dir.join(format!("xtlock-{version}-multiarch.tar"));
     let tmp = dir.join(format!(".xtlock-{version}-multiarch.tar.tmp"));
-    let mut out = tar::Builder::new(
-        fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
-    );
-    out.mode(tar::HeaderMode::Deterministic);
-    let mut put = |name: &str, data: &[u8]| -> Result<()> {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_mtime(0);
-        h.set_entry_type(tar::EntryType::Regular);
-        out.append_data(&mut h, name, data)
-            .with_context(|| format!("writing {name} into the archive"))
-    };
+    let mut out = Archive::create(&tmp)?;
+    let mut put = |name: &str, data: &[u8]| out.put(name, data);
     put("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#)?;
     put("index.json", &top)?;
     for (digest, data) in &blobs {
         put(&format!("blobs/{}", digest.replacen(':', "/", 1)), data)?;
     }
-    let mut f = out.into_inner().context("finishing the archive")?;
-    f.flush()?;
-    fs::rename(&tmp, &archive).with_context(|| format!("writing {}", archive.display()))?;
+    out.finish(&tmp, &archive)?;
     Ok(archive)
+}
+
+/// A reproducible tar (fixed mode, time and order) written to a temporary file, then renamed
+/// into place: the docker-archive and the OCI layout alike.
+struct Archive(tar::Builder<fs::File>);
+
+impl Archive {
+    fn create(tmp: &Path) -> Result<Self> {
+        let mut out = tar::Builder::new(
+            fs::File::create(tmp).with_context(|| format!("creating {}", tmp.display()))?,
+        );
+        out.mode(tar::HeaderMode::Deterministic);
+        Ok(Self(out))
+    }
+
+    fn put(&mut self, name: &str, data: &[u8]) -> Result<()> {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        self.0
+            .append_data(&mut h, name, data)
+            .with_context(|| format!("writing {name} into the archive"))
+    }
+
+    fn finish(self, tmp: &Path, archive: &Path) -> Result<()> {
+        let mut f = self.0.into_inner().context("finishing the archive")?;
+        f.flush()?;
+        fs::rename(tmp, archive).with_context(|| format!("writing {}", archive.display()))
+    }
 }
 
 fn hex(b: &[u8]) -> String {

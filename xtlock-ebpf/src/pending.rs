@@ -106,9 +106,11 @@ pub fn send_by(tgid: Option<u32>) {
 }
 
 /// An exclusive take (not the end of a wait), written in place into the lock's entry to be
-/// kept until its release. Returns false when the entry is being written right now (a
-/// second inode at the same index: a replaced lock file still held through its old one):
-/// the caller sends the take itself.
+/// kept until its release. The caller sent the entry's waiting take first (a lost
+/// release's, or a shared hold's): the lock hook [`send`]s before every request but a
+/// release. Returns false when the entry is being written right now (a second inode at the
+/// same index: a replaced lock file still held through its old one): the caller sends the
+/// take itself.
 #[inline(always)]
 pub fn keep(
     k: *mut KeptTake,
@@ -118,8 +120,6 @@ pub fn keep(
     dev: u32,
     fl_flags: u32,
 ) -> bool {
-    // A take still waiting: a lost release's, or a shared hold's.
-    send(k);
     // SAFETY: a map entry; see the module's text for the protocol.
     unsafe {
         let s = read_volatile(&(*k).take_seq);
