@@ -383,6 +383,83 @@ fn base_tarball(work: &Path) -> Result<PathBuf> {
     Ok(tarball)
 }
 
+/// `./xtask/run trace` (and record, daemon, build) installs only what building xtlock
+/// needs: apt, asked to install that set into this clean root (a simulation: the host's
+/// package lists, the clean root's dpkg status), brings in no daemon, firewall manager,
+/// emulator or test tool ([`setup::NEVER_FOR_USE`]), as a dependency or a recommendation.
+fn use_setup_installs_only_the_build_set(chroot: &Path) -> Result<()> {
+    let plan = setup::apt_plan(setup::Purpose::Use);
+    let simulate = || -> Result<(bool, String)> {
+        let out = Command::new("apt-get")
+            .env("LC_ALL", "C")
+            .args(["-s", "-q", "-o"])
+            .arg(format!(
+                "Dir::State::status={}",
+                chroot.join("var/lib/dpkg/status").display()
+            ))
+            // The host's caches describe the host's installed set, not the root's.
+            .args([
+                "-o",
+                "Dir::Cache::pkgcache=",
+                "-o",
+                "Dir::Cache::srcpkgcache=",
+            ])
+            .args(["install", "-y", "--no-install-recommends"])
+            .args(&plan)
+            .output()
+            .context("running apt-get -s")?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok((out.status.success(), text))
+    };
+    let (mut ok, mut text) = simulate()?;
+    if !ok {
+        // This host's package lists may be missing or old: fetch them once.
+        sh::run(
+            Command::new("apt-get")
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(["-q", "-o", "DPkg::Lock::Timeout=600", "update"]),
+        )?;
+        (ok, text) = simulate()?;
+    }
+    ensure!(
+        ok,
+        "apt-get -s install of the build set into the clean root failed:\n{text}"
+    );
+    let installs: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("Inst "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    let wrong: Vec<&str> = installs
+        .iter()
+        .copied()
+        .filter(|p| setup::never_for_use(p))
+        .collect();
+    ensure!(
+        wrong.is_empty(),
+        "the setup of `./xtask/run trace` would install {} on the node it traces \
+         (apt-get -s in a clean {SUITE} root; plan: {})",
+        wrong.join(" "),
+        plan.join(" ")
+    );
+    let absent: Vec<&&str> = plan.iter().filter(|p| !installs.contains(p)).collect();
+    ensure!(
+        absent.is_empty(),
+        "apt-get -s in the clean root would not install {absent:?} of the build set:\n{text}"
+    );
+    println!(
+        "ok: `./xtask/run trace`'s setup in a clean {SUITE} root: the build set ({} packages) \
+         resolves to {} packages, none of them a daemon, firewall manager, emulator or test tool",
+        plan.len(),
+        installs.len()
+    );
+    Ok(())
+}
+
 /// `sh -euc script sh ARGS...` (add the ARGS) in a mount namespace of its own: whatever
 /// it mounts goes with it.
 fn in_mount_namespace(script: &str) -> Command {
@@ -459,6 +536,7 @@ fn test(root: &Path, deb: &Path, bin: &Path) -> Result<()> {
         "apt-get install -f has something to do:\n{out}"
     );
     println!("ok: apt installs the package into a clean {SUITE} root, nothing else");
+    use_setup_installs_only_the_build_set(&chroot)?;
 
     let version = in_root(&chroot, "xtlock --version")?;
     let want = format!("xtlock {}", env!("CARGO_PKG_VERSION"));

@@ -3,7 +3,9 @@
 //!
 //! - `setup`: installs every prerequisite this machine lacks (apt packages, the `debian` rustup
 //!   toolchain, bpf-linker against LLVM 22, tracefs); quick when all is there.
-//! - `trace [ARGS...]`: setup, release build with the real BPF programs, exec `xtlock trace`.
+//! - `trace|record|daemon [ARGS...]`: setup for use (the build toolchain and tracefs only),
+//!   release build with the real BPF programs, exec `xtlock trace|record|daemon`; `build`:
+//!   the same setup and build.
 //! - `test [--no-vm] [ARGS...]`: setup, then build, test, vm-test, clippy and fmt; extra args go
 //!   to `cargo test`.
 //! - `vm-test [OPTIONS] [-- TEST ARGS]`: integration tests as root inside a QEMU VM that boots a
@@ -45,15 +47,41 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install every missing prerequisite (as root): apt packages, the `debian` toolchain,
-    /// bpf-linker 0.13.0 for LLVM 22, tracefs.
-    Setup,
-    /// Setup, build xtlock in release mode with the BPF programs, and run `xtlock trace ARGS`.
+    /// Install every missing prerequisite of the tests (as root): apt packages, the `debian`
+    /// toolchain, bpf-linker 0.13.0 for LLVM 22, tracefs; `--use` only what building and
+    /// running xtlock needs.
+    Setup {
+        /// Only what building and running xtlock needs, as `trace` installs: no test tools.
+        #[arg(long = "use")]
+        for_use: bool,
+        /// Print the Debian packages this setup would install (when missing), one a line,
+        /// and install nothing.
+        #[arg(long)]
+        plan: bool,
+    },
+    /// Install only what building and running xtlock needs (the build toolchain, bpf-linker,
+    /// tracefs: no test tools), build xtlock in release mode with the BPF programs, and run
+    /// `xtlock trace ARGS`.
     Trace {
         /// Passed to `xtlock trace`, e.g. `cargo xtask trace -- --json`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// As `trace`, for `xtlock record ARGS` (a capture file to analyse later).
+    Record {
+        /// Passed to `xtlock record`, e.g. `cargo xtask record -- -o incident.xtlock`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// As `trace`, for `xtlock daemon ARGS` (metrics on :9655).
+    Daemon {
+        /// Passed to `xtlock daemon`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Install only what building xtlock needs and build it in release mode with the BPF
+    /// programs (target/release/xtlock).
+    Build,
     /// Setup, then build, test (with the BPF programs), the VM tests, clippy and rustfmt; all
     /// must pass.
     Test {
@@ -92,12 +120,33 @@ enum Cmd {
     Bench(bench::BenchArgs),
 }
 
+fn setup_cmd(for_use: bool, plan: bool) -> anyhow::Result<()> {
+    let purpose = if for_use {
+        setup::Purpose::Use
+    } else {
+        setup::Purpose::Test
+    };
+    if plan {
+        for p in setup::apt_plan(purpose) {
+            println!("{p}");
+        }
+        return Ok(());
+    }
+    match purpose {
+        setup::Purpose::Use => setup::run_use("setup --use"),
+        setup::Purpose::Test => setup::run(),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     sh::prepare_env();
     let result = match cli.cmd {
-        Cmd::Setup => setup::run().map(|_| ()),
-        Cmd::Trace { args } => trace::run(&args),
+        Cmd::Setup { for_use, plan } => setup_cmd(for_use, plan),
+        Cmd::Trace { args } => trace::run("trace", &args),
+        Cmd::Record { args } => trace::run("record", &args),
+        Cmd::Daemon { args } => trace::run("daemon", &args),
+        Cmd::Build => trace::build(),
         Cmd::Test { no_vm, args } => test::run(&args, no_vm),
         Cmd::VmTest(args) => vm::run(&args),
         Cmd::KernelsDoc { results } => vm::kernels_doc(results.as_deref()),
@@ -122,8 +171,12 @@ mod tests {
     fn passed(argv: &[&str]) -> Vec<String> {
         let cli = Cli::try_parse_from(argv).expect("parses");
         let args = match cli.cmd {
-            Cmd::Trace { args } | Cmd::Test { args, .. } => args,
-            Cmd::Setup
+            Cmd::Trace { args }
+            | Cmd::Record { args }
+            | Cmd::Daemon { args }
+            | Cmd::Test { args, .. } => args,
+            Cmd::Setup { .. }
+            | Cmd::Build
             | Cmd::Bench(_)
             | Cmd::VmTest(_)
             | Cmd::KernelsDoc { .. }

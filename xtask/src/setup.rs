@@ -25,6 +25,8 @@ const APT_BUILD_PACKAGES: &[&str] = &[
 const APT_PACKAGES: &[&str] = &[
     // What the tests drive and look at.
     "iptables",
+    // `tables.rs` makes the sets a `-m set` rule names (and reads their names back).
+    "ipset",
     "iproute2",
     "conntrack",
     "bpftool",
@@ -121,7 +123,73 @@ xtask setup only knows Debian 12 (apt). Install these by hand:
     and checkov in ~/.cache/xtlock/deploy-tools (a venv)
 and a kernel with BTF (5.8 or newer).";
 
-/// Runs every step; fails on the first one that cannot be done.
+/// What a setup is for: using xtlock (trace, record, daemon, build, image, deb) needs only
+/// the build toolchain and tracefs; testing it needs the tools the tests drive as well.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Purpose {
+    /// Build and run xtlock on the node it traces: never a daemon, a firewall manager, an
+    /// emulator or a test tool.
+    Use,
+    /// Everything `./xtask/run test` and the test drivers need.
+    Test,
+}
+
+/// The apt packages a setup for `purpose` installs (when missing), in the order it
+/// installs them. `Use` is exactly [`APT_BUILD_PACKAGES`]: `deb --test` checks in a clean
+/// Debian root that apt resolves it to no daemon, emulator or test tool.
+pub fn apt_plan(purpose: Purpose) -> Vec<&'static str> {
+    match purpose {
+        Purpose::Use => APT_BUILD_PACKAGES.to_vec(),
+        Purpose::Test => {
+            let mut v: Vec<&str> = [
+                APT_BUILD_PACKAGES,
+                APT_PACKAGES,
+                APT_WITHOUT_RUSTUP,
+                APT_VM_PACKAGES,
+                APT_DEPLOY_PACKAGES,
+                APT_DEB_PACKAGES,
+                APT_CROSS_PACKAGES,
+            ]
+            .concat();
+            v.extend(APT_DAEMON_PACKAGES.iter().map(|(p, _, _)| *p));
+            v
+        }
+    }
+}
+
+/// Packages that have no place on a node being debugged: a setup for [`Purpose::Use`] that
+/// would install one of them (itself or as a dependency) is a bug. Names, or prefixes
+/// ending in `*`.
+pub const NEVER_FOR_USE: &[&str] = &[
+    "docker.io",
+    "containerd",
+    "runc",
+    "podman",
+    "firewalld",
+    "dbus-daemon",
+    "qemu*",
+    "mmdebstrap",
+    "debootstrap",
+    "gcc-aarch64-linux-gnu",
+    "libc6-dev-arm64-cross",
+    "binutils-aarch64-linux-gnu",
+    "prometheus",
+    "bpftrace",
+    "gdb",
+    "man-db",
+    "python3-venv",
+];
+
+/// Whether `package` is one of [`NEVER_FOR_USE`].
+pub fn never_for_use(package: &str) -> bool {
+    let name = package.split(':').next().unwrap_or(package);
+    NEVER_FOR_USE.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => name == *p,
+    })
+}
+
+/// Runs every step of a setup for testing; fails on the first one that cannot be done.
 pub fn run() -> Result<()> {
     if !sh::is_root() {
         bail!(
@@ -150,15 +218,52 @@ pub fn run() -> Result<()> {
     Ok(())
 }
 
+/// What building xtlock and running it on this machine need, and nothing to test it: the
+/// build toolchain, bpf-linker, tracefs. Says what it will install before it does.
+pub fn run_use(what: &str) -> Result<()> {
+    build_steps(what)?;
+    tracefs()?;
+    kernel();
+    Ok(())
+}
+
 /// What building xtlock with its BPF programs needs, and nothing to run or test it: the
 /// Containerfile's build stage (a container, where tracefs cannot be mounted) runs this.
 pub fn run_build() -> Result<()> {
+    build_steps("build")
+}
+
+fn build_steps(what: &str) -> Result<()> {
     if !sh::is_root() {
         bail!("setup installs packages: run it as root (sudo ./xtask/run ...)");
     }
     check_debian()?;
     let rustup = sh::which("rustup").is_some();
-    apt_install("apt packages to build xtlock", APT_BUILD_PACKAGES, &[])?;
+    let missing = missing_packages(APT_BUILD_PACKAGES)?;
+    let linker = bpf_linker_version().as_deref() != Some(BPF_LINKER_VERSION);
+    if !missing.is_empty() || linker {
+        let mut parts = Vec::new();
+        if !missing.is_empty() {
+            parts.push(format!("Debian packages {}", missing.join(" ")));
+        }
+        if linker {
+            parts.push(format!(
+                "bpf-linker {BPF_LINKER_VERSION} (built by cargo install, a few minutes)"
+            ));
+        }
+        println!(
+            "setup for `{what}` installs only what building xtlock needs: {}. \
+             Nothing else: no daemon, firewall manager, emulator or test tool \
+             (`./xtask/run test` installs those).",
+            parts.join("; ")
+        );
+    }
+    // Without recommendations: they bring clang, fonts and X11 libraries a build never uses.
+    apt_install(
+        "apt packages to build xtlock",
+        APT_BUILD_PACKAGES,
+        &["--no-install-recommends"],
+    )?;
     toolchain(rustup)?;
     bpf_linker()?;
     Ok(())
@@ -595,4 +700,31 @@ fn short(version: &str) -> String {
         .take(2)
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_use_plan_is_the_build_set_and_nothing_a_node_should_not_have() {
+        assert_eq!(apt_plan(Purpose::Use), APT_BUILD_PACKAGES);
+        for p in apt_plan(Purpose::Use) {
+            assert!(!never_for_use(p), "{p} is in the use plan");
+        }
+        // The test plan keeps its daemons, emulators and test tools.
+        let test = apt_plan(Purpose::Test);
+        for p in [
+            "docker.io",
+            "firewalld",
+            "qemu-system-x86",
+            "podman",
+            "debootstrap",
+        ] {
+            assert!(test.contains(&p), "{p} missing from the test plan");
+            assert!(never_for_use(p), "{p} not flagged");
+        }
+        assert!(never_for_use("qemu-system-arm:amd64"));
+        assert!(!never_for_use("llvm-22-dev"));
+    }
 }
