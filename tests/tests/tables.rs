@@ -240,3 +240,306 @@ fn table_sizes_match_what_the_tables_hold() {
     assert_eq!(t["ret"].as_i64(), Some(-14), "EFAULT: {t}");
     assert_eq!(u(&bad[0]["replaces"]), 1);
 }
+
+/// kube-proxy's nat and filter tables (services, endpoints by probability, masquerading),
+/// dockerd's (`! -i docker0`, `-o docker0 -m conntrack`), and a firewall's (LOG, REJECT,
+/// limit, iprange, icmp, tcp flags, recent, ...): what `iptables-legacy-restore` loads.
+const KUBE_DOCKER_FIREWALL: &str = r#"*nat
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:DOCKER - [0:0]
+:KUBE-MARK-MASQ - [0:0]
+:KUBE-NODEPORTS - [0:0]
+:KUBE-POSTROUTING - [0:0]
+:KUBE-SEP-AAAAAAAAAAAAAAAA - [0:0]
+:KUBE-SEP-BBBBBBBBBBBBBBBB - [0:0]
+:KUBE-SEP-CCCCCCCCCCCCCCCC - [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SVC-WEBWEBWEBWEBWEBW - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A PREROUTING -m addrtype --dst-type LOCAL -j DOCKER
+-A PREROUTING -p udp -m udp --dport 53 -j DNAT --to-destination 10.96.0.10 --random
+-A PREROUTING -p tcp -m tcp --dport 8000:8100 -j DNAT --to-destination 10.244.9.1-10.244.9.3:9000-9100 --persistent
+-A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A OUTPUT ! -d 127.0.0.0/8 -m addrtype --dst-type LOCAL -j DOCKER
+-A OUTPUT -d 169.254.169.254/32 -p tcp -m tcp --dport 80 -j REDIRECT --to-ports 8181
+-A POSTROUTING -m comment --comment "kubernetes postrouting rules" -j KUBE-POSTROUTING
+-A POSTROUTING -s 172.17.0.0/16 ! -o docker0 -j MASQUERADE
+-A POSTROUTING -s 192.168.100.0/24 -o eth0 -p tcp -j SNAT --to-source 192.0.2.10-192.0.2.20:1024-65535 --persistent
+-A POSTROUTING -s 192.168.101.0/24 -o eth0 -p udp -j MASQUERADE --to-ports 20000-30000 --random
+-A DOCKER -i docker0 -j RETURN
+-A DOCKER ! -i docker0 -p tcp -m tcp --dport 8080 -j DNAT --to-destination 172.17.0.2:80
+-A KUBE-MARK-MASQ -j MARK --or-mark 0x4000
+-A KUBE-NODEPORTS -p tcp -m comment --comment "default/web:http" -m tcp --dport 30080 -j KUBE-SVC-WEBWEBWEBWEBWEBW
+-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN
+-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000
+-A KUBE-POSTROUTING -m comment --comment "kubernetes service traffic requiring SNAT" -j MASQUERADE --random-fully
+-A KUBE-SEP-AAAAAAAAAAAAAAAA -s 10.244.1.5/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
+-A KUBE-SEP-AAAAAAAAAAAAAAAA -p tcp -m comment --comment "default/web:http" -m tcp -j DNAT --to-destination 10.244.1.5:8080
+-A KUBE-SEP-BBBBBBBBBBBBBBBB -s 10.244.2.7/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
+-A KUBE-SEP-BBBBBBBBBBBBBBBB -p tcp -m comment --comment "default/web:http" -m tcp -j DNAT --to-destination 10.244.2.7:8080
+-A KUBE-SEP-CCCCCCCCCCCCCCCC -s 10.244.3.9/32 -m comment --comment "default/web:http" -j KUBE-MARK-MASQ
+-A KUBE-SEP-CCCCCCCCCCCCCCCC -p tcp -m comment --comment "default/web:http" -m tcp -j DNAT --to-destination 10.244.3.9:8080
+-A KUBE-SERVICES -d 10.96.0.20/32 -p tcp -m comment --comment "default/web:http cluster IP" -m tcp --dport 80 -j KUBE-SVC-WEBWEBWEBWEBWEBW
+-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS
+-A KUBE-SVC-WEBWEBWEBWEBWEBW ! -s 10.244.0.0/16 -d 10.96.0.20/32 -p tcp -m comment --comment "default/web:http cluster IP" -m tcp --dport 80 -j KUBE-MARK-MASQ
+-A KUBE-SVC-WEBWEBWEBWEBWEBW -m comment --comment "default/web:http -> 10.244.1.5:8080" -m statistic --mode random --probability 0.33333333349 -j KUBE-SEP-AAAAAAAAAAAAAAAA
+-A KUBE-SVC-WEBWEBWEBWEBWEBW -m comment --comment "default/web:http -> 10.244.2.7:8080" -m statistic --mode random --probability 0.50000000000 -j KUBE-SEP-BBBBBBBBBBBBBBBB
+-A KUBE-SVC-WEBWEBWEBWEBWEBW -m comment --comment "default/web:http -> 10.244.3.9:8080" -j KUBE-SEP-CCCCCCCCCCCCCCCC
+COMMIT
+*filter
+:INPUT ACCEPT [0:0]
+:FORWARD DROP [0:0]
+:OUTPUT ACCEPT [0:0]
+:DOCKER - [0:0]
+:DOCKER-ISOLATION-STAGE-1 - [0:0]
+:DOCKER-USER - [0:0]
+:KUBE-FIREWALL - [0:0]
+:KUBE-FORWARD - [0:0]
+:KUBE-SERVICES - [0:0]
+:LOGDROP - [0:0]
+-A INPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A INPUT -j KUBE-FIREWALL
+-A INPUT -i lo -j ACCEPT
+-A INPUT -m state --state RELATED,ESTABLISHED -j ACCEPT
+-A INPUT -p icmp -m icmp --icmp-type 8 -m limit --limit 5/sec --limit-burst 10 -j ACCEPT
+-A INPUT -p icmp -m icmp --icmp-type 3/4 -j ACCEPT
+-A INPUT -p icmp -m icmp ! --icmp-type any -j DROP
+-A INPUT -p tcp --syn -m conntrack --ctstate NEW -m limit --limit 60/minute -j ACCEPT
+-A INPUT -p tcp ! --syn -m conntrack --ctstate NEW -j DROP
+-A INPUT -p tcp -m tcp --tcp-flags ALL NONE -j DROP
+-A INPUT -p tcp -m tcp --sport 1024:65535 --dport 22 --tcp-option 2 -j ACCEPT
+-A INPUT -p tcp -m multiport --dports 22,80,443,8000:8100 -j ACCEPT
+-A INPUT -p udp -m multiport ! --sports 53,123 -j LOGDROP
+-A INPUT -p tcp -m multiport --ports 5000,6000 -j ACCEPT
+-A INPUT -m iprange --src-range 10.1.0.1-10.1.0.50 -j ACCEPT
+-A INPUT -m iprange ! --dst-range 192.168.0.1-192.168.0.9 -j RETURN
+-A INPUT -p tcp -m tcp --dport 22 -m recent --update --seconds 60 --hitcount 4 --name SSH --rsource -j DROP
+-A INPUT -p tcp -m tcp --dport 22 -m recent --set --name SSH --rsource
+-A INPUT -m pkttype --pkt-type broadcast -j DROP
+-A INPUT -s 10.0.0.0/255.0.255.0 -j DROP
+-A INPUT -s 10.9.0.0/16 -d 10.8.0.1/32 -j ACCEPT
+-A INPUT -f -j DROP
+-A INPUT -p gre -j ACCEPT
+-A INPUT -p 200 -j ACCEPT
+-A INPUT -m conntrack --ctstatus ASSURED,CONFIRMED --ctproto 6 --ctorigdst 10.96.0.0/12 --ctorigdstport 80 --ctdir ORIGINAL -j ACCEPT
+-A INPUT -m conntrack ! --ctorigsrc 10.0.0.1 --ctreplsrcport 1000:2000 --ctexpire 10:100 -j ACCEPT
+-A INPUT -m mark --mark 0x1 -j ACCEPT
+-A INPUT -m connmark --mark 0x2/0xff -j ACCEPT
+-A INPUT -m statistic --mode nth --every 3 --packet 1 -j ACCEPT
+-A INPUT -m addrtype --src-type LOCAL --dst-type UNICAST,BROADCAST --limit-iface-in -j ACCEPT
+-A INPUT -p tcp -g LOGDROP
+-A INPUT -p tcp -j REJECT --reject-with tcp-reset
+-A INPUT -p udp -j REJECT --reject-with icmp-port-unreachable
+-A INPUT -j REJECT --reject-with icmp-admin-prohibited
+-A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
+-A FORWARD -j DOCKER-USER
+-A FORWARD -j DOCKER-ISOLATION-STAGE-1
+-A FORWARD -o docker0 -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT
+-A FORWARD -o docker0 -j DOCKER
+-A FORWARD -i docker0 ! -o docker0 -j ACCEPT
+-A FORWARD -i docker0 -o docker0 -j ACCEPT
+-A FORWARD -m physdev --physdev-is-bridged -j ACCEPT
+-A FORWARD -m physdev --physdev-in veth+ ! --physdev-out eth0 -j ACCEPT
+-A FORWARD -i br+ -o + -j ACCEPT
+-A FORWARD -i + ! -o eth1 -j ACCEPT
+-A OUTPUT -m conntrack --ctstate NEW -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A OUTPUT -j KUBE-FIREWALL
+-A DOCKER -d 172.17.0.2/32 ! -i docker0 -o docker0 -p tcp -m tcp --dport 80 -j ACCEPT
+-A DOCKER-ISOLATION-STAGE-1 -j RETURN
+-A DOCKER-USER -j RETURN
+-A KUBE-FIREWALL ! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block incoming localnet connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP
+-A KUBE-FIREWALL -m comment --comment "kubernetes firewall for dropping marked packets" -m mark --mark 0x8000/0x8000 -j DROP
+-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding rules" -m mark --mark 0x4000/0x4000 -j ACCEPT
+-A KUBE-FORWARD -m comment --comment "kubernetes forwarding conntrack rule" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT
+-A KUBE-SERVICES -d 10.96.0.11/32 -p tcp -m comment --comment "default/nope:http has no endpoints" -m tcp --dport 80 -j REJECT --reject-with icmp-port-unreachable
+-A LOGDROP -m limit --limit 2/min -j LOG --log-prefix "IPTables-Dropped: " --log-level 4
+-A LOGDROP -m comment --comment plain_word -j LOG --log-prefix dropped --log-level 6 --log-tcp-options --log-uid
+-A LOGDROP -j LOG --log-prefix "it's \"quoted\""
+-A LOGDROP -j DROP
+COMMIT
+*mangle
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+-A PREROUTING -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff
+-A PREROUTING -m connmark --mark 0x1 -j MARK --set-mark 0x1
+-A OUTPUT -j CONNMARK --set-xmark 0x1/0xff
+-A OUTPUT -j CONNMARK --save-mark --mask 0xff
+-A FORWARD -o eth0 -p tcp -m tcp --tcp-flags SYN,RST SYN -j TCPMSS --clamp-mss-to-pmtu
+-A FORWARD -o eth1 -p tcp -m tcp --tcp-flags SYN,RST SYN -j TCPMSS --set-mss 1400
+-A POSTROUTING -j MARK --and-mark 0xff
+COMMIT
+*raw
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+-A PREROUTING -p udp -m udp --dport 4789 -j NOTRACK
+-A PREROUTING -p udp -m udp --dport 4790 -j CT --notrack
+-A OUTPUT -p tcp -m tcp --dport 21 -j CT --zone 5
+COMMIT
+"#;
+
+/// Calico's shape: workload interfaces by wildcard, marks, ipsets, negations, multiport.
+const CALICO: &str = r#"*filter
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:cali-FORWARD - [0:0]
+:cali-from-wl-dispatch - [0:0]
+:cali-fw-cali1234abcd - [0:0]
+:cali-to-wl-dispatch - [0:0]
+-A FORWARD -m comment --comment "cali:wUHhoiAYhphO9Mso" -j cali-FORWARD
+-A cali-FORWARD -m comment --comment "cali:vjrMJCRpqwy5oRoX" -j MARK --set-xmark 0x0/0xe0000
+-A cali-FORWARD -i cali+ -m comment --comment "cali:8ZoYfO5HKXWbB3pk" -j cali-from-wl-dispatch
+-A cali-FORWARD -o cali+ -m comment --comment "cali:jdEuaPBe14V2hutn" -j cali-to-wl-dispatch
+-A cali-FORWARD ! -i cali+ ! -o tunl0 -m mark ! --mark 0x10000/0x10000 -j ACCEPT
+-A cali-from-wl-dispatch -i cali1234abcd -m comment --comment "cali:RLo4dwWw0gPYkbvW" -g cali-fw-cali1234abcd
+-A cali-from-wl-dispatch -m comment --comment "cali:Vr4lhzGSRVHtH8U8" -j DROP
+-A cali-fw-cali1234abcd -m comment --comment "cali:Ge2SgwZDzNfpYBCk" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT
+-A cali-fw-cali1234abcd -m comment --comment "cali:GV7OhhzHVP5nEnnT" -m conntrack --ctstate INVALID -j DROP
+-A cali-fw-cali1234abcd -m comment --comment "cali:_FCxgUkvfbWUCQyA" -j MARK --set-xmark 0x0/0x10000
+-A cali-fw-cali1234abcd -p udp -m comment --comment "cali:6bFZGsHqqr2dj6QR" -m udp --dport 4789 -j DROP
+-A cali-fw-cali1234abcd -p tcp -m comment --comment "cali:Xn2xPqKbaBFCyNE8" -m multiport --dports 179,5473 -m set --match-set cali40this-host dst -j ACCEPT
+-A cali-fw-cali1234abcd -m comment --comment "cali:ejPlbl3ZNX7jTy47" -m set ! --match-set cali40all-ipam-pools src -j DROP
+-A cali-fw-cali1234abcd -m set --match-set cali40s:port-set dst,dst --return-nomatch -j ACCEPT
+-A cali-fw-cali1234abcd -m set --match-set cali40this-host src ! --update-counters --packets-gt 10 -j ACCEPT
+-A cali-fw-cali1234abcd -m comment --comment "cali:kvHYMw_Ar6j9eR-f" -m mark --mark 0x10000/0x10000 -j RETURN
+-A cali-to-wl-dispatch -o cali1234abcd -g cali-fw-cali1234abcd
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+:cali-nat-outgoing - [0:0]
+-A POSTROUTING -m comment --comment "cali:O3lYWMrLQYEMJtB5" -j cali-nat-outgoing
+-A cali-nat-outgoing -m comment --comment "cali:flqWnvo8yq4ULQLa" -m set --match-set cali40masq-ipam-pools src -m set ! --match-set cali40all-ipam-pools dst -j MASQUERADE --random-fully
+COMMIT
+"#;
+
+const IP6: &str = r#"*filter
+:INPUT ACCEPT [0:0]
+:FORWARD ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+-A INPUT -s fd00::/8 -p ipv6-icmp -m icmp6 --icmpv6-type 128 -j ACCEPT
+-A INPUT -p ipv6-icmp -m icmp6 --icmpv6-type 1/3 -j ACCEPT
+-A INPUT -i cali+ -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT
+-A INPUT ! -s 2001:db8::1/128 -p tcp -m tcp --dport 22 -j REJECT --reject-with tcp-reset
+-A INPUT -j REJECT --reject-with icmp6-adm-prohibited
+-A INPUT -m iprange --src-range fd00::1-fd00::ff -j DROP
+-A FORWARD -d fd00:10::/64 -m conntrack --ctorigdst fd00:10::/64 -j ACCEPT
+-A FORWARD -s fd00::/ffff:0:ffff:: -j DROP
+-A OUTPUT -o + -m limit --limit 1/hour -j LOG --log-prefix "v6 " --log-level 7
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:INPUT ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:POSTROUTING ACCEPT [0:0]
+-A PREROUTING -d fd00::10/128 -p tcp -m tcp --dport 80 -j DNAT --to-destination [fd00::5]:8080
+-A PREROUTING -d fd00::11/128 -p udp -j DNAT --to-destination fd00::6
+-A POSTROUTING -s fd00::/64 ! -o eth0 -j MASQUERADE --random-fully
+-A POSTROUTING -o eth1 -j SNAT --to-source 2001:db8::1
+-A OUTPUT -p tcp -m tcp --dport 80 -j REDIRECT --to-ports 8080
+COMMIT
+"#;
+
+/// A save's tables as `xtlock rules` prints them: the `# ...` lines and counters dropped.
+fn saved_form(save: &str) -> Vec<String> {
+    save.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| match l.strip_prefix(':') {
+            Some(c) => {
+                let mut w = c.split_whitespace();
+                format!(
+                    ":{} {}",
+                    w.next().unwrap_or_default(),
+                    w.next().unwrap_or_default()
+                )
+            }
+            None => l.to_string(),
+        })
+        .collect()
+}
+
+/// xtlock's rendering of every legacy rule equals `iptables-legacy-save`'s, line for line:
+/// realistic kube-proxy, dockerd, firewall and calico tables (and ip6tables'), loaded by
+/// the real `iptables-legacy-restore` in a private network namespace, then read back by
+/// both.
+#[test]
+fn rules_read_back_as_iptables_save_prints_them() {
+    if !require_bpf("rules_read_back_as_iptables_save_prints_them") {
+        return;
+    }
+    let s = Scratch::new("rules-save");
+    let dir = s.dir.to_str().unwrap().to_owned();
+    write_file(&s.dir, "v4", KUBE_DOCKER_FIREWALL);
+    write_file(&s.dir, "calico", CALICO);
+    write_file(&s.dir, "v6", IP6);
+    let xtlock = xtlock_tests::xtlock_bin();
+    let xtlock = xtlock.to_str().unwrap();
+    let script = format!(
+        "set -e\n\
+         ip link set lo up\n\
+         for s in cali40all-ipam-pools cali40masq-ipam-pools; do ipset create $s hash:net; done\n\
+         ipset create cali40this-host hash:ip\n\
+         ipset create cali40s:port-set hash:ip,port\n\
+         iptables-legacy-restore -w 5 < {dir}/v4\n\
+         iptables-legacy-restore -w 5 --noflush < {dir}/calico\n\
+         ip6tables-legacy-restore -w 5 < {dir}/v6\n\
+         iptables-legacy-save > {dir}/save4\n\
+         ip6tables-legacy-save > {dir}/save6\n\
+         {xtlock} rules > {dir}/ours4\n\
+         {xtlock} rules --ip6 > {dir}/ours6\n"
+    );
+    let out = std::process::Command::new("unshare")
+        .args(["--net", "sh", "-c", &script])
+        .output()
+        .expect("run unshare");
+    assert!(
+        out.status.success(),
+        "the script failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read = |name: &str| {
+        std::fs::read_to_string(Path::new(&dir).join(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    for (save, ours) in [("save4", "ours4"), ("save6", "ours6")] {
+        let (want, got) = (saved_form(&read(save)), saved_form(&read(ours)));
+        let rules = want.iter().filter(|l| l.starts_with("-A ")).count();
+        eprintln!("{save}: {rules} rules, {} lines", want.len());
+        let wrong: Vec<String> = want
+            .iter()
+            .zip(&got)
+            .filter(|(w, g)| w != g)
+            .map(|(w, g)| format!("  save:   {w}\n  xtlock: {g}"))
+            .collect();
+        assert!(
+            wrong.is_empty() && want.len() == got.len(),
+            "{save}: {} lines differ ({} vs {} lines):\n{}",
+            wrong.len(),
+            want.len(),
+            got.len(),
+            wrong.join("\n")
+        );
+        assert!(rules > 10, "{save} holds the rules loaded: {want:?}");
+    }
+    // The loaded rules are all there, the wildcards as written (`-o +` left out, as save).
+    let v4 = read("save4");
+    for needle in [
+        "-A FORWARD -i br+ -j ACCEPT",
+        "-A FORWARD ! -o eth1 -j ACCEPT",
+        "-A cali-FORWARD -i cali+ -m comment",
+        "--probability 0.33333333349 -j KUBE-SEP-AAAAAAAAAAAAAAAA",
+        "-m set ! --match-set cali40all-ipam-pools src",
+    ] {
+        assert!(v4.contains(needle), "{needle} not in\n{v4}");
+    }
+}

@@ -50,6 +50,20 @@ pub enum Command {
     /// Print the xtlock(8) manual page (roff) on stdout: `xtlock man | man -l -`.
     #[command(hide = true)]
     Man,
+    /// Print this network namespace's legacy iptables tables as xtlock reads them, in
+    /// iptables-save's form (tests compare the two).
+    #[command(hide = true)]
+    Rules(RulesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RulesArgs {
+    /// ip6tables' tables instead of iptables'.
+    #[arg(long)]
+    pub ip6: bool,
+    /// A table to print (repeatable); default: every table loaded in this namespace.
+    #[arg(short, long, value_name = "TABLE")]
+    pub table: Vec<String>,
 }
 
 #[derive(Debug, clap::Args)]

@@ -11,7 +11,9 @@ use xtlock_common as common;
 
 use crate::event::shared;
 
+pub mod ipset;
 pub mod nft_table;
+pub(crate) mod xt_ext;
 pub mod xt_table;
 pub use crate::event::*;
 

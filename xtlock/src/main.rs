@@ -52,6 +52,7 @@ fn main() -> ExitCode {
             Command::Daemon(args) => commands::daemon::run(args).await,
             Command::Completions(args) => commands::docs::completions(args),
             Command::Man => commands::docs::man(),
+            Command::Rules(args) => commands::rules::run(args),
         }
     });
     match result {

@@ -6,6 +6,7 @@ pub mod live;
 pub mod probes;
 pub mod record;
 pub mod report;
+pub mod rules;
 pub mod session;
 pub mod trace;
 use crate::{

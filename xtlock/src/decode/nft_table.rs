@@ -23,7 +23,9 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use netlink_packet_core::{NetlinkBuffer, NlaBuffer, NlasIterator};
 
-use super::xt_table::{digest, match_text, target_text, Chain, Rule};
+use super::ipset::SetNames;
+use super::xt_ext::{match_text, target_text};
+use super::xt_table::{digest, Chain, Family, Rule};
 
 /// `NFNL_SUBSYS_NFTABLES`, in the high byte of a message type.
 const NFNL_SUBSYS_NFTABLES: u16 = 10;
@@ -346,6 +348,15 @@ impl Render {
         }
     }
 
+    /// The layout an xt match or target of this table has (`ip6` tables hold IPv6's).
+    fn xt_family(&self) -> Family {
+        if self.l3 == Some(10) {
+            Family::Ipv6
+        } else {
+            Family::Ipv4
+        }
+    }
+
     /// One `NFTA_LIST_ELEM` of the rule's expressions.
     fn expr(&mut self, e: &[u8]) -> Result<(), NftError> {
         let (mut name, mut data) = (None, &[][..]);
@@ -537,13 +548,24 @@ impl Render {
             "match" => {
                 let n = get(1).map(string).unwrap_or_default();
                 let rev = get(2).map_or(Ok(0), |v| be32(v, "match"))? as u8;
-                self.parts
-                    .push(match_text(&n, rev, get(3).unwrap_or_default()));
+                let mut sets = SetNames::default();
+                self.parts.push(match_text(
+                    self.xt_family(),
+                    &n,
+                    rev,
+                    get(3).unwrap_or_default(),
+                    &mut |i| sets.name(i),
+                ));
             }
             "target" => {
                 let n = get(1).map(string).unwrap_or_default();
                 let rev = get(2).map_or(Ok(0), |v| be32(v, "target"))? as u8;
-                self.target = Some(target_text(&n, rev, get(3).unwrap_or_default()));
+                self.target = Some(target_text(
+                    self.xt_family(),
+                    &n,
+                    rev,
+                    get(3).unwrap_or_default(),
+                ));
             }
             "reject" => {
                 let ty = u32_of(1, "reject")?;
@@ -563,10 +585,50 @@ impl Render {
                 } else {
                     "DNAT"
                 };
+                // As iptables-nft-save writes it (`--to-destination 10.244.1.5:8080`) when
+                // the address and port are constants, as kube-proxy's and iptables-nft's are.
+                let imm = |k: u16| -> Option<Vec<u8>> {
+                    let r = be32(get(k)?, "nat").ok()?;
+                    let name = &self.regs.get(&r)?.name;
+                    unhex(name.strip_prefix("0x")?)
+                };
+                let ip = imm(3).and_then(|b| match b.len() {
+                    4 => <[u8; 4]>::try_from(b.as_slice())
+                        .ok()
+                        .map(|a| Ipv4Addr::from(a).to_string()),
+                    16 => <[u8; 16]>::try_from(b.as_slice())
+                        .ok()
+                        .map(|a| format!("[{}]", Ipv6Addr::from(a))),
+                    _ => None,
+                });
+                let port = imm(5).and_then(|b| <[u8; 2]>::try_from(b.as_slice()).ok());
                 let mut t = format!("-j {ty}");
-                for (k, what) in [(3, "addr"), (4, "addr max"), (5, "port"), (6, "port max")] {
-                    if let Some(v) = get(k) {
-                        let _ = write!(t, " {what} {}", self.reg_name(be32(v, "nat")?));
+                let complex = [4u16, 6].iter().any(|k| get(*k).is_some());
+                match ip {
+                    Some(ip) if !complex => {
+                        let ip = match port {
+                            Some(_) => ip,
+                            // Without a port, iptables-save writes the bare IPv6 address.
+                            None => ip.trim_matches(['[', ']']).to_owned(),
+                        };
+                        let to = if ty == "DNAT" {
+                            "destination"
+                        } else {
+                            "source"
+                        };
+                        let _ = write!(t, " --to-{to} {ip}");
+                        if let Some(p) = port {
+                            let _ = write!(t, ":{}", u16::from_be_bytes(p));
+                        }
+                    }
+                    _ => {
+                        for (k, what) in
+                            [(3, "addr"), (4, "addr max"), (5, "port"), (6, "port max")]
+                        {
+                            if let Some(v) = get(k) {
+                                let _ = write!(t, " {what} {}", self.reg_name(be32(v, "nat")?));
+                            }
+                        }
                     }
                 }
                 self.target = Some(t);
@@ -749,6 +811,17 @@ fn ct_key(k: u32) -> String {
     names
         .get(k as usize)
         .map_or_else(|| format!("key{k}"), |s| (*s).to_string())
+}
+
+/// The bytes of `hex`'s text.
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 fn hex(v: &[u8]) -> String {

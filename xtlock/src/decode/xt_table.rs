@@ -6,12 +6,15 @@
 //! architecture, so they are not looked up in BTF.
 //!
 //! A rule is kept as its parts (`-s 10.0.0.0/8`, `-p tcp`, `-m mark --mark 0x8000/0x8000`,
-//! `-j DROP`): the diff compares parts, so a rule that lost a match says which. Matches and
-//! targets xtlock does not decode are shown by name with a digest of their bytes, which is
-//! enough to tell them apart.
+//! `-j DROP`), each worded as `iptables-save` words it (the head here, matches and targets
+//! in `xt_ext.rs`): the diff compares parts, so a rule that lost a match says which. Matches
+//! and targets xtlock does not decode are shown by name with a digest of their bytes, which
+//! is enough to tell them apart.
 
-use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
+
+use super::ipset::SetNames;
+use super::xt_ext::{match_text, prefix_len, target_text};
 
 pub use crate::event::{ChainState, Rule};
 
@@ -97,11 +100,11 @@ pub struct TableInfo {
     pub size: u32,
 }
 
-fn u16_at(b: &[u8], at: usize) -> Option<u16> {
+pub(super) fn u16_at(b: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
 }
 
-fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+pub(super) fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
 }
 
@@ -110,7 +113,7 @@ fn i32_at(b: &[u8], at: usize) -> Option<i32> {
 }
 
 /// A NUL-terminated name of at most `len` bytes at `at`.
-fn name_at(b: &[u8], at: usize, len: usize) -> String {
+pub(super) fn name_at(b: &[u8], at: usize, len: usize) -> String {
     let s = b.get(at..at + len).unwrap_or_default();
     let end = s.iter().position(|&c| c == 0).unwrap_or(s.len());
     String::from_utf8_lossy(&s[..end]).into_owned()
@@ -152,11 +155,23 @@ pub fn parse_table(info: &TableInfo, entries: &[u8]) -> Result<Vec<Chain>, Table
     parse_table_of(Family::Ipv4, info, entries)
 }
 
-/// [`parse_table`] for either family's layout.
+/// [`parse_table`] for either family's layout. Sets of `-m set` matches are named by
+/// asking the kernel, in the current network namespace (as iptables-save does).
 pub fn parse_table_of(
     family: Family,
     info: &TableInfo,
     entries: &[u8],
+) -> Result<Vec<Chain>, TableError> {
+    let mut sets = SetNames::default();
+    parse_table_with(family, info, entries, &mut |i| sets.name(i))
+}
+
+/// [`parse_table_of`] with the sets named by `set_name` (by index).
+pub fn parse_table_with(
+    family: Family,
+    info: &TableInfo,
+    entries: &[u8],
+    set_name: &mut dyn FnMut(u16) -> Option<String>,
 ) -> Result<Vec<Chain>, TableError> {
     let mut raw = Vec::new();
     let mut off = 0usize;
@@ -172,7 +187,7 @@ pub fn parse_table_of(
         let e = entries
             .get(off..off + next)
             .ok_or(bad("runs past the end"))?;
-        raw.push(parse_entry(family, off, e, target_off).ok_or(bad("match or target"))?);
+        raw.push(parse_entry(family, off, e, target_off, set_name).ok_or(bad("match or target"))?);
         off += next;
     }
     if raw.is_empty() {
@@ -254,7 +269,13 @@ fn verdict_text(v: i32, chain_at: impl Fn(usize) -> Option<String>) -> String {
     }
 }
 
-fn parse_entry(family: Family, offset: usize, e: &[u8], target_off: usize) -> Option<Entry> {
+fn parse_entry(
+    family: Family,
+    offset: usize,
+    e: &[u8],
+    target_off: usize,
+    sets: &mut dyn FnMut(u16) -> Option<String>,
+) -> Option<Entry> {
     let mut parts = match family {
         Family::Ipv4 => ip_parts(e),
         Family::Ipv6 => ip6_parts(e),
@@ -267,7 +288,13 @@ fn parse_entry(family: Family, offset: usize, e: &[u8], target_off: usize) -> Op
         }
         let name = name_at(e, at + 2, 29);
         let rev = e[at + 31];
-        parts.push(match_text(&name, rev, &e[at + XT_HEAD_LEN..at + size]));
+        parts.push(match_text(
+            family,
+            &name,
+            rev,
+            &e[at + XT_HEAD_LEN..at + size],
+            sets,
+        ));
         at += size;
     }
     let tsize = usize::from(u16_at(e, target_off)?);
@@ -277,16 +304,20 @@ fn parse_entry(family: Family, offset: usize, e: &[u8], target_off: usize) -> Op
     let goto = family.goto(e);
     match tname.as_str() {
         "" => {
-            verdict = Some(i32_at(tdata, 0)?);
-            // Worded once chains are known; `-g` marks a goto for now.
-            parts.push(if goto { "-g" } else { "-j" }.to_string());
+            let v = i32_at(tdata, 0)?;
+            // A rule without a target: libiptc jumps to the next entry (a fall-through,
+            // which iptables-save leaves out), not to the chain that holds it.
+            if usize::try_from(v).ok() != Some(offset + e.len()) {
+                verdict = Some(v);
+                // Worded once chains are known; `-g` marks a goto for now.
+                parts.push(if goto { "-g" } else { "-j" }.to_string());
+            }
         }
         "ERROR" => {
             error = Some(name_at(tdata, 0, 30));
             parts.push("-j ERROR".to_string());
         }
-        "REJECT" if family == Family::Ipv6 => parts.push(reject6_text(tdata)),
-        t => parts.push(target_text(t, e[target_off + 31], tdata)),
+        t => parts.push(target_text(family, t, e[target_off + 31], tdata)),
     }
     Some(Entry {
         offset,
@@ -296,16 +327,23 @@ fn parse_entry(family: Family, offset: usize, e: &[u8], target_off: usize) -> Op
     })
 }
 
-/// `ipt_ip`'s parts: addresses, interfaces, protocol, fragments.
+/// `ipt_ip`'s parts (`struct ipt_ip`: src, dst, smsk, dmsk, iniface[16], outiface[16],
+/// iniface_mask[16], outiface_mask[16], u16 proto, u8 flags, invflags), as `print_rule4`.
 fn ip_parts(e: &[u8]) -> Vec<String> {
     let mut p = Vec::new();
     let inv = e[83];
     let not = |flag: u8| if inv & flag != 0 { "! " } else { "" };
     for (addr, mask, flag, opt) in [(0, 8, 0x08u8, "-s"), (4, 12, 0x10, "-d")] {
-        let a = Ipv4Addr::from(<[u8; 4]>::try_from(&e[addr..addr + 4]).unwrap_or_default());
-        let m = u32::from_be_bytes(<[u8; 4]>::try_from(&e[mask..mask + 4]).unwrap_or_default());
-        if m != 0 {
-            p.push(format!("{}{opt} {a}/{}", not(flag), m.count_ones()));
+        let a = <[u8; 4]>::try_from(&e[addr..addr + 4]).unwrap_or_default();
+        let m = <[u8; 4]>::try_from(&e[mask..mask + 4]).unwrap_or_default();
+        // `save_ipv4_addr`: shown unless all of address, mask and inversion are zero; the
+        // mask as a prefix length (`/32` too), or dotted when it is not contiguous.
+        if a != [0; 4] || m != [0; 4] || inv & flag != 0 {
+            let mask = match prefix_len(u128::from(u32::from_be_bytes(m)) << 96) {
+                Some(n) => n.min(32).to_string(),
+                None => Ipv4Addr::from(m).to_string(),
+            };
+            p.push(format!("{}{opt} {}/{mask}", not(flag), Ipv4Addr::from(a)));
         }
     }
     iface_parts(e, [(16, 48), (32, 64)], not, &mut p);
@@ -320,74 +358,99 @@ fn ip_parts(e: &[u8]) -> Vec<String> {
 }
 
 /// `-i`/`-o` parts from the (name, mask) offsets of the input and output interfaces; the
-/// same flags (`IPT_INV_VIA_IN`/`OUT` = `IP6T_INV_VIA_IN`/`OUT`) in both families.
+/// same flags (`IPT_INV_VIA_IN`/`OUT` = `IP6T_INV_VIA_IN`/`OUT`) in both families. As
+/// iptables' `save_iface`: the name's bytes under the mask, then `+` when the mask ends
+/// before the name does. The kernel keeps the name as typed (`cali+`, its mask covering
+/// `cali`), so the `+` is the name's own; `-i +` has an empty mask and, as in the save,
+/// no part: it matches every interface.
 fn iface_parts(
     e: &[u8],
     at: [(usize, usize); 2],
     not: impl Fn(u8) -> &'static str,
     p: &mut Vec<String>,
 ) {
+    const IFNAMSIZ: usize = 16;
     for ((name, mask), (flag, opt)) in at.into_iter().zip([(0x01u8, "-i"), (0x02, "-o")]) {
-        let n = name_at(e, name, 16);
-        if !n.is_empty() {
-            // A mask shorter than the name plus its NUL is a wildcard (`eth+`).
-            let plus = e[mask + n.len().min(15)] == 0;
-            p.push(format!(
-                "{}{opt} {n}{}",
-                not(flag),
-                if plus { "+" } else { "" }
-            ));
+        let (n, m) = (&e[name..name + IFNAMSIZ], &e[mask..mask + IFNAMSIZ]);
+        if m[0] == 0 {
+            continue;
         }
+        let mut s = Vec::with_capacity(IFNAMSIZ + 1);
+        let mut prev = 0u8;
+        for (&c, &k) in n.iter().zip(m) {
+            if k == 0 {
+                if prev != 0 {
+                    s.push(b'+');
+                }
+                break;
+            }
+            if c != 0 {
+                s.push(c);
+            }
+            prev = c;
+        }
+        p.push(format!(
+            "{}{opt} {}",
+            not(flag),
+            String::from_utf8_lossy(&s)
+        ));
     }
 }
 
-/// A protocol number as `iptables-save` names it.
+/// A protocol number as `iptables-save` names it: `xtables_chain_protos` first, then
+/// `/etc/protocols` (`getprotobynumber`; Debian's netbase names, for the common ones).
 fn proto_name(proto: u16) -> String {
     match proto {
-        1 => "icmp".to_string(),
-        6 => "tcp".to_string(),
-        17 => "udp".to_string(),
-        58 => "ipv6-icmp".to_string(),
-        132 => "sctp".to_string(),
-        n => n.to_string(),
+        1 => "icmp",
+        2 => "igmp",
+        4 => "ipencap",
+        6 => "tcp",
+        17 => "udp",
+        33 => "dccp",
+        41 => "ipv6",
+        47 => "gre",
+        50 => "esp",
+        51 => "ah",
+        58 => "ipv6-icmp",
+        89 => "ospf",
+        94 => "ipip",
+        103 => "pim",
+        112 => "vrrp",
+        132 => "sctp",
+        135 => "mobility-header",
+        136 => "udplite",
+        n => return n.to_string(),
     }
+    .to_string()
 }
 
-/// `ip6t_ip6`'s parts: addresses, interfaces, protocol.
+/// `ip6t_ip6`'s parts (`struct ip6t_ip6`: src, dst, smsk, dmsk, iniface[16], outiface[16],
+/// iniface_mask[16], outiface_mask[16], u16 proto, u8 tos, flags, invflags), as
+/// `print_rule6`.
 fn ip6_parts(e: &[u8]) -> Vec<String> {
     let mut p = Vec::new();
-    let (flags, inv) = (e[131], e[132]);
+    let inv = e[132];
     let not = |flag: u8| if inv & flag != 0 { "! " } else { "" };
     for (addr, mask, flag, opt) in [(0, 32, 0x08u8, "-s"), (16, 48, 0x10, "-d")] {
         let a = Ipv6Addr::from(<[u8; 16]>::try_from(&e[addr..addr + 16]).unwrap_or([0; 16]));
-        let m = u128::from_be_bytes(<[u8; 16]>::try_from(&e[mask..mask + 16]).unwrap_or([0; 16]));
-        if m != 0 {
-            p.push(format!("{}{opt} {a}/{}", not(flag), m.count_ones()));
+        let m = <[u8; 16]>::try_from(&e[mask..mask + 16]).unwrap_or([0; 16]);
+        // `save_ipv6_addr`: shown when inverted or the mask is not `/0`.
+        let len = prefix_len(u128::from_be_bytes(m));
+        if inv & flag != 0 || len != Some(0) {
+            let mask = match len {
+                Some(n) => n.to_string(),
+                None => Ipv6Addr::from(m).to_string(),
+            };
+            p.push(format!("{}{opt} {a}/{mask}", not(flag)));
         }
     }
     iface_parts(e, [(64, 96), (80, 112)], not, &mut p);
-    // `IP6T_F_PROTO`: the protocol is matched only when this flag says so.
-    if flags & 0x01 != 0 {
-        let proto = u16_at(e, 128).unwrap_or(0);
+    // `save_rule_details`: the protocol when not 0 (`IP6T_F_PROTO` goes with it).
+    let proto = u16_at(e, 128).unwrap_or(0);
+    if proto != 0 {
         p.push(format!("{}-p {}", not(0x40), proto_name(proto)));
     }
     p
-}
-
-/// `ip6t_REJECT`'s answer (its codes differ from IPv4's).
-fn reject6_text(d: &[u8]) -> String {
-    let with = match u32_at(d, 0) {
-        Some(0) => "icmp6-no-route",
-        Some(1) => "icmp6-adm-prohibited",
-        Some(2) => "icmp6-not-neighbour",
-        Some(3) => "icmp6-addr-unreachable",
-        Some(4) => "icmp6-port-unreachable",
-        Some(6) => "tcp-reset",
-        Some(7) => "icmp6-policy-fail",
-        Some(8) => "icmp6-reject-route",
-        _ => "?",
-    };
-    format!("-j REJECT --reject-with {with}")
 }
 
 /// A short digest of bytes xtlock does not decode: equal bytes, equal text.
@@ -398,81 +461,6 @@ pub(crate) fn digest(b: &[u8]) -> String {
         h = (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
     }
     format!("{:012x}", h >> 16)
-}
-
-fn ports(b: &[u8], at: usize) -> Option<String> {
-    let (lo, hi) = (u16_at(b, at)?, u16_at(b, at + 2)?);
-    Some(match (lo, hi) {
-        (0, 0xffff) => String::new(),
-        (l, h) if l == h => l.to_string(),
-        (l, h) => format!("{l}:{h}"),
-    })
-}
-
-pub(crate) fn match_text(name: &str, rev: u8, d: &[u8]) -> String {
-    let decoded = match (name, rev) {
-        ("comment", _) => Some(format!("--comment \"{}\"", name_at(d, 0, 256))),
-        ("mark", 1) => (|| {
-            let (mark, mask, inv) = (u32_at(d, 0)?, u32_at(d, 4)?, *d.get(8)?);
-            Some(format!(
-                "{}--mark {mark:#x}/{mask:#x}",
-                if inv != 0 { "! " } else { "" }
-            ))
-        })(),
-        ("tcp" | "udp", 0) => (|| {
-            let inv = if name == "tcp" {
-                *d.get(11)?
-            } else {
-                *d.get(8)?
-            };
-            let mut s = String::new();
-            for (at, opt, flag) in [(0, "--sport", 0x01u8), (4, "--dport", 0x02)] {
-                let p = ports(d, at)?;
-                if !p.is_empty() {
-                    let not = if inv & flag != 0 { "! " } else { "" };
-                    let _ = write!(s, "{}{not}{opt} {p}", if s.is_empty() { "" } else { " " });
-                }
-            }
-            Some(s)
-        })(),
-        // Shown by name and digest: addrtype, conntrack, multiport, set, statistic, ...
-        _ => None,
-    };
-    match decoded {
-        Some(s) if s.is_empty() => format!("-m {name}"),
-        Some(s) => format!("-m {name} {s}"),
-        None => format!("-m {name} [rev {rev} {}]", digest(d)),
-    }
-}
-
-pub(crate) fn target_text(name: &str, rev: u8, d: &[u8]) -> String {
-    let decoded = match name {
-        "REJECT" => u32_at(d, 0).map(|w| {
-            let with = match w {
-                0 => "icmp-net-unreachable",
-                1 => "icmp-host-unreachable",
-                2 => "icmp-proto-unreachable",
-                3 => "icmp-port-unreachable",
-                5 => "icmp-net-prohibited",
-                6 => "icmp-host-prohibited",
-                7 => "tcp-reset",
-                8 => "icmp-admin-prohibited",
-                _ => "?",
-            };
-            format!("--reject-with {with}")
-        }),
-        "MARK" if rev == 2 => (|| {
-            let (mark, mask) = (u32_at(d, 0)?, u32_at(d, 4)?);
-            Some(format!("--set-xmark {mark:#x}/{mask:#x}"))
-        })(),
-        "MASQUERADE" | "ACCEPT" | "DROP" | "RETURN" | "LOG" | "NOTRACK" => Some(String::new()),
-        _ => None,
-    };
-    match decoded {
-        Some(s) if s.is_empty() => format!("-j {name}"),
-        Some(s) => format!("-j {name} {s}"),
-        None => format!("-j {name} [rev {rev} {}]", digest(d)),
-    }
 }
 
 #[cfg(test)]
@@ -596,6 +584,73 @@ pub(crate) mod tests {
         let (info, b) = filter_table(true);
         let chains = parse_table(&info, &b).unwrap();
         assert_eq!(chains[3].rules[0].matches().count(), 0);
+    }
+
+    #[test]
+    fn interfaces_and_addresses_as_iptables_save_prints_them() {
+        // `! -s 10.0.0.0/255.0.255.0 -d 10.8.0.1/32 -i cali+ -o +`: the kernel keeps `cali+`
+        // with a mask over `cali`, and `+` with no mask at all.
+        let mut e = vec![0u8; IPT_ENTRY_LEN];
+        e[0..4].copy_from_slice(&[10, 0, 0, 0]);
+        e[8..12].copy_from_slice(&[255, 0, 255, 0]);
+        e[4..8].copy_from_slice(&[10, 8, 0, 1]);
+        e[12..16].copy_from_slice(&[255; 4]);
+        e[16..21].copy_from_slice(b"cali+");
+        e[48..52].fill(0xff);
+        e[32] = b'+';
+        e[83] = 0x08;
+        assert_eq!(
+            ip_parts(&e),
+            ["! -s 10.0.0.0/255.0.255.0", "-d 10.8.0.1/32", "-i cali+"]
+        );
+        // `! -o eth0` (mask over the name and its NUL), `-p gre`.
+        let mut e = vec![0u8; IPT_ENTRY_LEN];
+        e[32..36].copy_from_slice(b"eth0");
+        e[64..69].fill(0xff);
+        e[80..82].copy_from_slice(&47u16.to_ne_bytes());
+        e[83] = 0x02;
+        assert_eq!(ip_parts(&e), ["! -o eth0", "-p gre"]);
+        // ip6tables: `-s fd00::/8 -d 2001:db8::1/128 -i br+ -p ipv6-icmp`.
+        let mut e = vec![0u8; IP6T_ENTRY_LEN];
+        e[0] = 0xfd;
+        e[32] = 0xff;
+        e[16..32].copy_from_slice(&"2001:db8::1".parse::<Ipv6Addr>().unwrap().octets());
+        e[48..64].fill(0xff);
+        e[64..67].copy_from_slice(b"br+");
+        e[96..98].fill(0xff);
+        e[128..130].copy_from_slice(&58u16.to_ne_bytes());
+        e[131] = 0x01;
+        assert_eq!(
+            ip6_parts(&e),
+            [
+                "-s fd00::/8",
+                "-d 2001:db8::1/128",
+                "-i br+",
+                "-p ipv6-icmp"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_rule_without_a_target_falls_through() {
+        // INPUT: `-A INPUT -m comment --comment x1` (its verdict: the next entry), policy.
+        let mut comment = vec![0u8; 256];
+        comment[..2].copy_from_slice(b"x1");
+        let len = entry(0, &[("comment", 0, comment.clone())], verdict(0)).len();
+        let mut b = entry(0, &[("comment", 0, comment)], verdict(len as i32));
+        let mut info = TableInfo {
+            valid_hooks: 0b10,
+            hook_entry: [0; 5],
+            underflow: [0; 5],
+            num_entries: 3,
+            size: 0,
+        };
+        info.underflow[1] = b.len() as u32;
+        b.extend(entry(0, &[], verdict(-2)));
+        b.extend(entry(0, &[], error("ERROR")));
+        let chains = parse_table(&info, &b).unwrap();
+        assert_eq!(chains[0].policy.as_deref(), Some("ACCEPT"));
+        assert_eq!(chains[0].rules[0].text(), "-m comment --comment x1");
     }
 
     #[test]

@@ -539,6 +539,9 @@ fn is_bare(rule: &str) -> bool {
     let mut rest = rule;
     if let Some(after) = rest.strip_prefix("-m comment --comment \"") {
         rest = after.split_once("\" ").map_or("", |(_, r)| r);
+    } else if let Some(after) = rest.strip_prefix("-m comment --comment ") {
+        // iptables-save leaves a comment of letters, digits, `_` and `-` unquoted.
+        rest = after.split_once(' ').map_or("", |(_, r)| r);
     }
     rest == "-j DROP" || rest.starts_with("-j REJECT")
 }

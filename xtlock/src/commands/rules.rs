@@ -1,0 +1,125 @@
+//! `xtlock rules` (hidden): the legacy iptables (`--ip6`: ip6tables) tables of the current
+//! network namespace as xtlock reads them after a write, printed the way `iptables-save`
+//! prints them, without counters (`*table`, `:CHAIN POLICY`, `-A CHAIN rule...`, `COMMIT`).
+//! It asks the same reader the traces use (`source::rules`), as if each table had just been
+//! written, so what it prints is what a rule diff compares; `tests/tests/tables.rs` holds
+//! it against `iptables-legacy-save`. Needs CAP_NET_ADMIN (and CAP_SYS_ADMIN: the reader
+//! enters the namespace, here its own).
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+
+use crate::cli::RulesArgs;
+use crate::decode::xt_table::Family;
+use crate::event::{ChainState, Event, TableHead, TableReplaceEvent};
+use crate::source::rules::RuleReader;
+
+/// How long the reader may take for every table asked (a 100k-rule table reads in ~1 s).
+const READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub fn run(args: &RulesArgs) -> anyhow::Result<()> {
+    let family = if args.ip6 { Family::Ipv6 } else { Family::Ipv4 };
+    let tables = if args.table.is_empty() {
+        loaded_tables(family)?
+    } else {
+        args.table.clone()
+    };
+    let netns = {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata("/proc/self/ns/net").context("this network namespace")?;
+        u32::try_from(m.ino()).context("netns inode")?
+    };
+    let mut reader = RuleReader::start().context("starting the rule reader")?;
+    for t in &tables {
+        reader.on_event(&Event::TableReplace(written(family, t, netns)));
+    }
+    let mut events = Vec::new();
+    reader.finish(&mut events, READ_TIMEOUT);
+    let mut out = String::new();
+    for t in &tables {
+        // A large table comes in parts; a chain may continue in the next part.
+        let mut chains: Vec<ChainState> = Vec::new();
+        let mut found = false;
+        for ev in &events {
+            let Event::RuleTable(rt) = ev else { continue };
+            if rt.family != family.name() || &rt.table != t {
+                continue;
+            }
+            found = true;
+            if !rt.skipped.is_empty() {
+                bail!("table {t} not read: {}", rt.skipped);
+            }
+            for c in &rt.chains {
+                match chains.last_mut() {
+                    Some(last) if last.name == c.name => last
+                        .rules
+                        .get_or_insert_with(Vec::new)
+                        .extend(c.rules.iter().flatten().cloned()),
+                    _ => chains.push(c.clone()),
+                }
+            }
+        }
+        if !found {
+            bail!("table {t} not read within {READ_TIMEOUT:?}");
+        }
+        out.push_str(&format!("*{t}\n"));
+        for c in &chains {
+            let policy = c.policy.as_deref().unwrap_or("-");
+            out.push_str(&format!(":{} {policy}\n", c.name));
+        }
+        for c in &chains {
+            for r in c.rules.iter().flatten() {
+                // A rule of no parts (no match, no target) is a bare `-A CHAIN`.
+                let text = r.text();
+                let sep = if text.is_empty() { "" } else { " " };
+                out.push_str(&format!("-A {}{sep}{text}\n", c.name));
+            }
+        }
+        out.push_str("COMMIT\n");
+    }
+    std::io::stdout()
+        .lock()
+        .write_all(out.as_bytes())
+        .context("writing the rules to stdout")
+}
+
+/// The family's tables loaded in this namespace, as iptables-save finds them
+/// (`/proc/net/ip_tables_names`, `ip6_tables_names`).
+fn loaded_tables(family: Family) -> anyhow::Result<Vec<String>> {
+    let path = match family {
+        Family::Ipv4 => "/proc/net/ip_tables_names",
+        Family::Ipv6 => "/proc/net/ip6_tables_names",
+    };
+    let names = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+    Ok(names.lines().map(str::to_string).collect())
+}
+
+/// A successful replace of `table` by this process: what makes the reader read it.
+fn written(family: Family, table: &str, netns: u32) -> TableReplaceEvent {
+    let mut name = [0u8; xtlock_common::XT_TABLE_MAXNAMELEN];
+    let n = table.len().min(name.len() - 1);
+    name[..n].copy_from_slice(&table.as_bytes()[..n]);
+    TableReplaceEvent {
+        ts_ns: 0,
+        enter_ns: 0,
+        tgid: std::process::id(),
+        tid: std::process::id(),
+        level: match family {
+            Family::Ipv4 => xtlock_common::SOL_IP,
+            Family::Ipv6 => xtlock_common::SOL_IPV6,
+        },
+        optname: xtlock_common::XT_SO_SET_REPLACE,
+        optlen: 0,
+        ret: 0,
+        head: Some(Box::new(TableHead {
+            name,
+            entries: 0,
+            bytes: 0,
+        })),
+        head_recorded: true,
+        read: false,
+        netns,
+    }
+}
