@@ -766,6 +766,17 @@ pub fn send_udp(s: &Scratch, from: &str, to: &str, port: u16, count: u64, flows:
     sent[0].parse().unwrap()
 }
 
+/// `CLOCK_MONOTONIC` now, in ns: the clock of xtlock's events and of the helper's lines.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

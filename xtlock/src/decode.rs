@@ -13,6 +13,7 @@ use crate::event::shared;
 
 pub mod ipset;
 pub mod nft_table;
+pub mod xt_bytes;
 pub(crate) mod xt_ext;
 pub mod xt_table;
 pub use crate::event::*;

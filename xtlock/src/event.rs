@@ -943,6 +943,77 @@ impl RuleTable {
     }
 }
 
+/// Why an address is known to live on this node, or why it is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AddrWhy {
+    /// Known: a neighbour entry (ARP/NDP) on a bridge or link (the bridge CNI's pods).
+    Neighbour,
+    /// Known: a host route (`/32`, `/128`) through a link (calico's and cilium's pods).
+    Route,
+    /// Known: an address of this namespace's own links (a hostNetwork endpoint).
+    Local,
+    /// Gone: the link it lived behind was deleted (the pod's veth, with its netns).
+    LinkDeleted,
+    /// Gone: its host route was deleted.
+    RouteDeleted,
+    /// Gone: the local address was deleted.
+    AddressDeleted,
+    /// Gone: the neighbour entry failed (the address stopped answering ARP/NDP).
+    NeighbourFailed,
+}
+
+impl AddrWhy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddrWhy::Neighbour => "neighbour",
+            AddrWhy::Route => "route",
+            AddrWhy::Local => "local",
+            AddrWhy::LinkDeleted => "link deleted",
+            AddrWhy::RouteDeleted => "route deleted",
+            AddrWhy::AddressDeleted => "address deleted",
+            AddrWhy::NeighbourFailed => "neighbour failed",
+        }
+    }
+
+    /// The capture's code of it.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => AddrWhy::Neighbour,
+            1 => AddrWhy::Route,
+            2 => AddrWhy::Local,
+            3 => AddrWhy::LinkDeleted,
+            4 => AddrWhy::RouteDeleted,
+            5 => AddrWhy::AddressDeleted,
+            6 => AddrWhy::NeighbourFailed,
+            _ => return None,
+        })
+    }
+
+    /// Whether this says the address is there (else: gone).
+    pub fn present(self) -> bool {
+        matches!(self, AddrWhy::Neighbour | AddrWhy::Route | AddrWhy::Local)
+    }
+}
+
+/// Synthetic: an address became known to live on this node, or went away, as rtnetlink
+/// told the source (`source/addrs.rs`) in the namespace it watches: where a pod's endpoint
+/// lives, and the time its link, route or address vanished (stamped on receipt of the
+/// kernel's notification, in event time).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AddrPresence {
+    pub ts_ns: u64,
+    /// The network namespace whose links these are (inode).
+    pub netns: u32,
+    pub addr: IpAddr,
+    pub why: AddrWhy,
+    /// The link it lives (lived) behind, as the kernel names it (`veth1a2b`, `cali12ab`).
+    pub link: String,
+}
+
 /// Everything the analysis consumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -994,6 +1065,8 @@ pub enum Event {
     Pod(Box<PodInfo>),
     /// Synthetic: a legacy or nf_tables table as read after a write (see [`RuleTable`]).
     RuleTable(Box<RuleTable>),
+    /// Synthetic: an address appeared on or vanished from this node (see [`AddrPresence`]).
+    Addr(Box<AddrPresence>),
     /// Synthetic, before the first event that carries `addr`: the kernel function it is in
     /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
     KernelSymbol {
@@ -1028,6 +1101,7 @@ impl Event {
             Event::RefusalCounts(e) => e.ts_ns,
             Event::Pod(e) => e.ts_ns,
             Event::RuleTable(t) => t.ts_ns,
+            Event::Addr(a) => a.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }

@@ -27,6 +27,12 @@
 //!                         source port SPORT, one every INTERVAL_MS (the same IPVS
 //!                         connection throughout); print `sent N`
 //!   udpecho PORT          answer every UDP datagram on PORT with the same bytes, until killed
+//!   tcplisten PORT        accept TCP connections on PORT and close them, until killed
+//!   connects ADDR PORT COUNT INTERVAL_MS TIMEOUT_MS
+//!                         start COUNT TCP connects to ADDR:PORT, one every INTERVAL_MS, each
+//!                         given TIMEOUT_MS; print `conn I START_T END_T RESULT` for each (RESULT
+//!                         `ok` or the errno's name: EHOSTUNREACH, ECONNREFUSED, ETIMEDOUT),
+//!                         then `done T`: what the client itself got
 use std::{
     fs::OpenOptions,
     os::{fd::AsRawFd, unix::process::CommandExt},
@@ -292,7 +298,47 @@ fn run() -> anyhow::Result<u8> {
                 let _ = sock.send_to(&buf[..n], from);
             }
         }
-        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT"),
+        ["tcplisten", port] => {
+            let l = std::net::TcpListener::bind(format!("0.0.0.0:{port}"))?;
+            say("listening".into());
+            loop {
+                let _ = l.accept()?;
+            }
+        }
+        ["connects", addr, port, count, interval, timeout] => {
+            let dst: std::net::SocketAddr = format!("{addr}:{port}").parse()?;
+            let (count, interval, timeout): (u32, u64, u64) =
+                (count.parse()?, interval.parse()?, timeout.parse()?);
+            let mut threads = Vec::new();
+            for i in 0..count {
+                threads.push(std::thread::spawn(move || {
+                    let start = now();
+                    let r = std::net::TcpStream::connect_timeout(
+                        &dst,
+                        Duration::from_millis(timeout),
+                    );
+                    let result = match r {
+                        Ok(_) => "ok".to_string(),
+                        Err(e) => match e.raw_os_error() {
+                            Some(libc::EHOSTUNREACH) => "EHOSTUNREACH".into(),
+                            Some(libc::ECONNREFUSED) => "ECONNREFUSED".into(),
+                            Some(libc::ENETUNREACH) => "ENETUNREACH".into(),
+                            Some(libc::ETIMEDOUT) => "ETIMEDOUT".into(),
+                            _ if e.kind() == std::io::ErrorKind::TimedOut => "ETIMEDOUT".into(),
+                            _ => format!("error:{e}"),
+                        },
+                    };
+                    say(format!("conn {i} {start} {} {result}", now()));
+                }));
+                sleep(Duration::from_millis(interval));
+            }
+            for t in threads {
+                let _ = t.join();
+            }
+            say(format!("done {}", now()));
+            Ok(0)
+        }
+        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT | tcplisten PORT | connects ADDR PORT COUNT INTERVAL_MS TIMEOUT_MS"),
     }
 }
 

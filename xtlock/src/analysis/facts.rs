@@ -54,6 +54,8 @@ pub enum Output {
     HoldRefusals(HoldRefusalsFact),
     /// One refusal sampled in the kernel, with the refused connection.
     Refusal(RefusalFact),
+    /// A Service kept routing to an endpoint after it was gone from the node.
+    StaleEndpoint(StaleEndpointFact),
 }
 
 impl Output {
@@ -81,6 +83,7 @@ impl Output {
             Output::RefusalCount(r) => r.ts_ns,
             Output::HoldRefusals(h) => h.start_ns,
             Output::Refusal(r) => r.ts_ns,
+            Output::StaleEndpoint(s) => s.ts_ns,
         }
     }
 }
@@ -1030,4 +1033,59 @@ pub struct IpvsCountFact {
     /// `ok`, `weight_0` (forwarded to a weight-0 backend) or `removed` (dropped or expired).
     pub backend_state: &'static str,
     pub packets: u64,
+}
+
+/// The rule write that stopped a Service routing to a gone endpoint, and why it came when it
+/// did: the writer's wait for the lock (behind whom) and its own hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StaleFix {
+    /// When the rules stopped routing to it: the write's time in the kernel (`exact`), else
+    /// the read that first saw it (an upper bound: no write of that netns was seen).
+    pub ts_ns: u64,
+    pub exact: bool,
+    pub pid: u32,
+    /// The writer's agent (`kube-proxy`); empty when no write was seen.
+    pub agent: SharedStr,
+    /// The writing program (`iptables-legacy-restore`, `nft`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub program: String,
+    /// How long the writer waited for the lock before it could write (0: no wait).
+    pub wait_ns: u64,
+    /// Who it waited behind: (agent, time behind it), first to last.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub behind: Vec<(String, u64)>,
+    /// The writer's own hold of the lock, when it took one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold_ns: Option<u64>,
+}
+
+/// A Service kept routing to an endpoint after the endpoint was gone from this node:
+/// `{"type":"stale_endpoint",...}`. From the rule reads (where each Service routes) and
+/// rtnetlink (when the address vanished); the connections are the node's exact refusal
+/// counts to that endpoint from when it vanished until shortly after the fix.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StaleEndpointFact {
+    /// When the endpoint was gone.
+    pub ts_ns: u64,
+    /// The network namespace whose rules routed to it.
+    pub netns: u32,
+    /// kube-proxy's service port, `ns/svc:port` (or its chain's name without comments).
+    pub service: String,
+    /// `ip:port`.
+    pub endpoint: String,
+    /// Why it was gone: `link deleted`, `route deleted`, `address deleted`, `neighbour failed`.
+    pub gone: &'static str,
+    /// The link it lived behind (the pod's veth).
+    pub link: String,
+    /// How long the rules kept routing to it after it was gone (until the fix, or until
+    /// tracing ended when still routed).
+    pub stale_ns: u64,
+    /// Still routed to when tracing ended (or when its address came back).
+    pub still_routed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fix: Option<StaleFix>,
+    /// Connections the node refused to it meanwhile (ICMP unreachable, resets), exact.
+    pub connections: u64,
+    /// Per kind and detail (`icmp_unreachable: host unreachable`).
+    pub outcomes: BTreeMap<String, u64>,
 }

@@ -932,7 +932,8 @@ impl LockMachine {
             | Event::IpvsCounts(_)
             | Event::RefusalCounts(_)
             | Event::Pod(_)
-            | Event::RuleTable(_) => {}
+            | Event::RuleTable(_)
+            | Event::Addr(_) => {}
         }
     }
 

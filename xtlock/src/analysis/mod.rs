@@ -15,6 +15,7 @@ pub mod lock;
 pub mod procs;
 pub mod refusals;
 pub mod rules;
+pub mod services;
 pub mod stats;
 
 use attribution::{is_xtables_comm, is_xtables_tool, Attributor};
@@ -60,6 +61,9 @@ pub struct Analyzer {
     drops: DropTracker,
     refusals: RefusalTracker,
     ipvs: IpvsTracker,
+    /// Boxed and taken out while an event is processed, so it can watch the facts the other
+    /// subsystems emit (moving a pointer per event, never the tracker).
+    services: Option<Box<services::ServiceTracker>>,
 }
 
 impl Analyzer {
@@ -74,6 +78,7 @@ impl Analyzer {
             drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
             refusals: RefusalTracker::default(),
             ipvs: IpvsTracker::new(),
+            services: Some(Box::default()),
         }
     }
 
@@ -118,6 +123,26 @@ impl Analyzer {
 
     /// Feeds one event; facts it settles go to `out`, in order.
     pub fn process(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
+        let Some(mut services) = self.services.take() else {
+            // Only while a call unwound; nothing to watch with.
+            self.process_event(ev, out);
+            return;
+        };
+        self.process_event(ev, &mut |o: Output| {
+            services.observe(&o);
+            out(o);
+        });
+        let mut out = counted(&mut self.stats, out);
+        match ev {
+            Event::Addr(a) => services.on_addr(a, &mut out),
+            Event::RuleTable(t) => services.on_table(t, &mut out),
+            _ => {}
+        }
+        services.tick(ev.ts_ns(), &mut out);
+        self.services = Some(services);
+    }
+
+    fn process_event(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
         self.stats.observe(ev.ts_ns());
         self.cadence
             .check(ev.ts_ns(), &self.procs, &mut counted(&mut self.stats, out));
@@ -300,6 +325,9 @@ impl Analyzer {
         );
         let mut out = counted(&mut self.stats, out);
         self.ipvs.finish(&mut |f| out(Output::Ipvs(f)));
+        if let Some(s) = self.services.as_mut() {
+            s.finish(ts_ns, &mut out);
+        }
     }
 
     pub fn summary(&self) -> Summary {
@@ -318,6 +346,11 @@ impl Analyzer {
             })
             .collect();
         s.mixed_backends = self.rules.mixed().cloned().collect();
+        s.services = self
+            .services
+            .as_ref()
+            .map(|t| t.summary())
+            .unwrap_or_default();
         s.foreign_changes = self
             .rules
             .foreign()

@@ -160,6 +160,10 @@ pub struct Summary {
     /// past it was not tracked. Absent when none was.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub over_bounds: BTreeMap<String, u64>,
+    /// Where Services route (from the rule reads) and the windows they routed to gone
+    /// endpoints. Absent when no Service was seen.
+    #[serde(skip_serializing_if = "crate::analysis::services::ServiceSummary::is_empty")]
+    pub services: crate::analysis::services::ServiceSummary,
     /// IPVS per (protocol, service, backend): connections, packets, stale packets.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub ipvs: Vec<IpvsBackendRow>,
@@ -395,6 +399,8 @@ impl Stats {
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
             // Counted by the refusal tracker.
             Output::RefusalCount(_) | Output::HoldRefusals(_) | Output::Refusal(_) => {}
+            // Counted by the service tracker.
+            Output::StaleEndpoint(_) => {}
         }
     }
 
@@ -477,6 +483,7 @@ impl Stats {
             host_netns: 0,
             over_bounds: BTreeMap::new(),
             ipvs: Vec::new(),
+            services: Default::default(),
             tables: self.tables.clone(),
             nft: self.nft.clone(),
             syncs: BTreeMap::new(),

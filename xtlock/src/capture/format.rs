@@ -59,6 +59,9 @@ pub const KIND_REFUSAL_COUNTS: u8 = 12;
 /// Synthetic: a legacy table read after a write (skippable: a reader that does not know it
 /// loses only the rule diffs).
 pub const KIND_RULE_TABLE: u8 = 13;
+/// Synthetic: an address appeared on or vanished from this node (skippable: a reader that does
+/// not know it loses only the dead-endpoint times).
+pub const KIND_ADDR: u8 = 14;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -491,8 +494,8 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
     Ok((r.varint("ts_ns")?, r.varint("count")?))
 }
 
-/// The record kind and body of a synthetic event of kinds 5..=13 (drop and refusal records,
-/// lock seeds, pods, rule tables);
+/// The record kind and body of a synthetic event of kinds 5..=14 (drop and refusal records,
+/// lock seeds, pods, rule tables, address presences);
 /// `None` for any other event.
 pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     Some(match ev {
@@ -673,11 +676,24 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_REFUSAL_COUNTS
         }
+        Event::Addr(a) => {
+            put_varint(out, a.ts_ns);
+            put_varint(out, u64::from(a.netns));
+            let (family, addr): (u8, Vec<u8>) = match a.addr {
+                std::net::IpAddr::V4(v) => (4, v.octets().to_vec()),
+                std::net::IpAddr::V6(v) => (6, v.octets().to_vec()),
+            };
+            put_varint(out, u64::from(family));
+            put_bytes(out, &addr);
+            put_varint(out, u64::from(a.why.code()));
+            put_bytes(out, a.link.as_bytes());
+            KIND_ADDR
+        }
         _ => return None,
     })
 }
 
-/// Decodes a body of kind 5..=13 into its event; trailing fields are ignored.
+/// Decodes a body of kind 5..=14 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
@@ -951,6 +967,30 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 overflow,
                 reset_reasons,
             })
+        }
+        KIND_ADDR => {
+            let ts_ns = r.varint("ts_ns")?;
+            let netns = r.u32("netns")?;
+            let family = r.varint("family")?;
+            let bytes = r.bytes("addr")?;
+            let addr = match family {
+                4 => <[u8; 4]>::try_from(bytes).ok().map(std::net::IpAddr::from),
+                6 => <[u8; 16]>::try_from(bytes).ok().map(std::net::IpAddr::from),
+                _ => None,
+            }
+            .ok_or_else(|| format!("address of {} bytes for family {family}", bytes.len()))?;
+            let code = r.varint("why")?;
+            let why = u8::try_from(code)
+                .ok()
+                .and_then(crate::event::AddrWhy::from_code)
+                .ok_or_else(|| format!("unknown address reason {code}"))?;
+            Event::Addr(Box::new(crate::event::AddrPresence {
+                ts_ns,
+                netns,
+                addr,
+                why,
+                link: r.string("link")?,
+            }))
         }
         k => return Err(format!("kind {k} is not a synthetic record")),
     })

@@ -27,8 +27,8 @@ pub enum Record<'a> {
         ts_ns: u64,
         count: u64,
     },
-    /// A synthetic drop record (kinds 5..=8): reason names, a kernel symbol, drop counts or
-    /// conntrack counters, as the event the live source made.
+    /// A synthetic record (kinds 5..=14): reason names, a kernel symbol, drop counts,
+    /// conntrack counters, ..., an address presence, as the event the live source made.
     Synthetic(Event),
     /// The recorder finished cleanly; always the last record.
     End(Trailer),
@@ -221,7 +221,8 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_IPVS_COUNTS
                 | format::KIND_POD
                 | format::KIND_REFUSAL_COUNTS
-                | format::KIND_RULE_TABLE => {
+                | format::KIND_RULE_TABLE
+                | format::KIND_ADDR => {
                     return Some(
                         match format::decode_drop_event(kind, &self.raw[start..end]) {
                             Ok(ev) => {

@@ -101,6 +101,8 @@ pub fn begin(
     if !lock_args.no_rule_reads {
         src.read_rules();
     }
+    // On by default (no flag: it costs one socket and a thread, and reads no packets).
+    src.watch_addrs();
     let mut start = src.seed(&keys);
     let mut drop_setup = Vec::new();
     if !drops.no_drops {

@@ -13,7 +13,7 @@
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use super::xt_table::{digest, name_at, u16_at, u32_at, Family};
+use super::xt_bytes::{digest, name_at, u16_at, u32_at, Family};
 
 /// Names an ipset by its index (a `-m set` rule holds only the index; see `ipset.rs`).
 pub(crate) type SetNames<'a> = dyn FnMut(u16) -> Option<String> + 'a;

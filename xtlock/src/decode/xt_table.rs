@@ -14,6 +14,9 @@
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use super::ipset::SetNames;
+pub(crate) use super::xt_bytes::digest;
+pub use super::xt_bytes::Family;
+use super::xt_bytes::{name_at, u16_at, u32_at};
 use super::xt_ext::{match_text, prefix_len, target_text};
 
 pub use crate::event::{ChainState, Rule};
@@ -23,23 +26,7 @@ pub const IPT_ENTRY_LEN: usize = 112;
 /// `sizeof(struct ip6t_entry)`: `ip6t_ip6` (136), nfcache, offsets, comefrom, counters.
 pub const IP6T_ENTRY_LEN: usize = 168;
 
-/// Which table layout: `ipt_entry` (iptables) or `ip6t_entry` (ip6tables). Everything after
-/// the entry's head (matches, targets, verdicts) is the same `x_tables` format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    Ipv4,
-    Ipv6,
-}
-
 impl Family {
-    /// `family` of a [`crate::event::RuleTable`]: `ip`, `ip6`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Family::Ipv4 => "ip",
-            Family::Ipv6 => "ip6",
-        }
-    }
-
     fn entry_len(self) -> usize {
         match self {
             Family::Ipv4 => IPT_ENTRY_LEN,
@@ -100,23 +87,8 @@ pub struct TableInfo {
     pub size: u32,
 }
 
-pub(super) fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-pub(super) fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
 fn i32_at(b: &[u8], at: usize) -> Option<i32> {
     Some(i32::from_ne_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// A NUL-terminated name of at most `len` bytes at `at`.
-pub(super) fn name_at(b: &[u8], at: usize, len: usize) -> String {
-    let s = b.get(at..at + len).unwrap_or_default();
-    let end = s.iter().position(|&c| c == 0).unwrap_or(s.len());
-    String::from_utf8_lossy(&s[..end]).into_owned()
 }
 
 impl TableInfo {
@@ -451,16 +423,6 @@ fn ip6_parts(e: &[u8]) -> Vec<String> {
         p.push(format!("{}-p {}", not(0x40), proto_name(proto)));
     }
     p
-}
-
-/// A short digest of bytes xtlock does not decode: equal bytes, equal text.
-pub(crate) fn digest(b: &[u8]) -> String {
-    // FNV-1a: stable across runs and versions, unlike std's hasher.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &c in b {
-        h = (h ^ u64::from(c)).wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{:012x}", h >> 16)
 }
 
 #[cfg(test)]

@@ -215,6 +215,16 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
         }),
         Output::RefusalCount(r) => v.extend(r.hold.iter().map(hold_ref)),
         Output::Refusal(r) => v.extend(r.hold.iter().map(hold_ref)),
+        // Through the agent whose write fixed it (or nobody: still routed).
+        Output::StaleEndpoint(f) => {
+            if let Some(fix) = f.fix.as_ref().filter(|x| !x.agent.is_empty()) {
+                v.push(Party {
+                    agent: &fix.agent,
+                    pod: None,
+                    pids: [fix.pid, 0],
+                });
+            }
+        }
         Output::Drop(d) => v.extend(d.hold.iter().map(hold_ref)),
         Output::ConntrackRefused(c) => v.extend(c.hold.iter().map(hold_ref)),
         Output::DropCount(d) => v.extend(d.holds.iter().map(hold_ref)),

@@ -227,6 +227,21 @@ pub struct HoldRefusalLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StaleLabels {
+    /// The agent whose write stopped the routing; `(none)` while still routed.
+    pub agent: String,
+    /// Why the endpoint was gone: `link deleted`, `route deleted`, `address deleted`,
+    /// `neighbour failed`.
+    pub gone: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StaleConnectionLabels {
+    /// `icmp_unreachable: host unreachable`, `reset_sent: ...` (bounded like refusal details).
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct NetnsLabels {
     /// `host` (the daemon's own namespace) or `other` (pods': bounded, not per namespace).
     pub netns: String,
@@ -280,6 +295,12 @@ pub struct Metrics {
     pub conntrack_refused: Family<RefusedLabels, Counter>,
     pub refusals: Family<RefusalLabels, Counter>,
     pub refusals_during_holds: Family<HoldRefusalLabels, Counter>,
+    /// Windows of a Service routing to a gone endpoint: how long, by fixing agent.
+    pub stale_endpoint: Hist<StaleLabels>,
+    /// Connections the node refused to gone endpoints while a Service still routed there.
+    pub stale_connections: Family<StaleConnectionLabels, Counter>,
+    /// Endpoints still routed to while gone, at the last report (the end of tracing).
+    pub stale_still_routed: Counter,
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
@@ -458,6 +479,29 @@ impl Metrics {
              in the kernel per hold, by kind and the holding agent",
             refusals_during_holds.clone(),
         );
+        let stale_endpoint: Hist<StaleLabels> = hist();
+        r.register_with_unit(
+            "stale_endpoint",
+            "How long a Service kept routing to an endpoint after it was gone from the node \
+             (its veth, host route or address deleted, its neighbour failed) until a rule write \
+             stopped it, by the writing agent (`(none)`: still routed when tracing ended)",
+            Unit::Seconds,
+            stale_endpoint.clone(),
+        );
+        let stale_connections = Family::<StaleConnectionLabels, Counter>::default();
+        r.register(
+            "stale_endpoint_connections",
+            "Connections the node refused to a gone endpoint while a Service still routed to \
+             it (exact kernel counts of ICMP unreachable and resets to that ip:port)",
+            stale_connections.clone(),
+        );
+        let stale_still_routed = Counter::default();
+        r.register(
+            "stale_endpoint_unfixed",
+            "Windows of routing to a gone endpoint that no write had ended when reported \
+             (tracing ended, or the address came back)",
+            stale_still_routed.clone(),
+        );
         let drops = Family::<DropLabels, Counter>::default();
         r.register(
             "drops",
@@ -572,6 +616,9 @@ impl Metrics {
             drops,
             refusals,
             refusals_during_holds,
+            stale_endpoint,
+            stale_connections,
+            stale_still_routed,
             conntrack,
             conntrack_entries,
             conntrack_max,
@@ -919,6 +966,30 @@ impl Sink for MetricsSink {
                         .refusals_during_holds
                         .get_or_create(&l)
                         .inc_by(g.count);
+                }
+            }
+            Output::StaleEndpoint(f) => {
+                let agent = match f.fix.as_ref().filter(|x| !x.agent.is_empty()) {
+                    Some(x) => self.agent(&x.agent),
+                    None => "(none)".to_owned(),
+                };
+                let l = StaleLabels {
+                    agent,
+                    gone: f.gone.to_owned(),
+                };
+                self.m
+                    .stale_endpoint
+                    .get_or_create(&l)
+                    .observe(f.stale_ns as f64 / 1e9);
+                if f.still_routed {
+                    self.m.stale_still_routed.inc();
+                }
+                for (what, n) in &f.outcomes {
+                    let outcome = self.refusal_details.label(what);
+                    self.m
+                        .stale_connections
+                        .get_or_create(&StaleConnectionLabels { outcome })
+                        .inc_by(*n);
                 }
             }
             Output::ConntrackRefused(c) => {

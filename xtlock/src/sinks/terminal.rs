@@ -329,6 +329,7 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::Refusal(r) => self.opts.show_drop_samples.then(|| refusal_text(r)),
                 // Said whatever the hold's length: a refused client is never noise.
                 Output::HoldRefusals(h) => Some(hold_refusals_text(h)),
+                Output::StaleEndpoint(f) => Some(stale_endpoint_text(f)),
             };
         if let Some(text) = text {
             self.flush_run()?;

@@ -58,6 +58,8 @@ struct Tap {
     rules: Option<super::rules::RuleReader>,
     /// iptables binaries as resolved on disk, and their versions.
     binaries: super::binaries::Binaries,
+    /// Where this node's addresses live, and when they go (rtnetlink, its own thread).
+    addrs: Option<super::addrs::AddrWatcher>,
 }
 
 impl LiveSource {
@@ -198,6 +200,17 @@ impl LiveSource {
             Ok(r) => self.tap.rules = Some(r),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start the rule reader: rule changes are not diffed")
+            }
+        }
+    }
+
+    /// Follows where this node's addresses live (rtnetlink in this process's namespace), for
+    /// the dead endpoints. Never fatal: without it, only those are not known.
+    pub fn watch_addrs(&mut self) {
+        match super::addrs::AddrWatcher::start() {
+            Ok(w) => self.tap.addrs = Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot open an rtnetlink socket: addresses that vanish from this node are not followed")
             }
         }
     }
@@ -406,10 +419,14 @@ impl Tap {
         }
     }
 
+    /// What the background readers made since the last call: tables read, addresses seen.
     fn poll_rules(&mut self, out: &mut Vec<Event>) {
         let mut tables = Vec::new();
         if let Some(r) = self.rules.as_mut() {
             r.poll(&mut tables);
+        }
+        if let Some(a) = self.addrs.as_mut() {
+            a.poll(&mut tables);
         }
         self.add_tables(tables, out);
     }

@@ -1,8 +1,10 @@
 //! Where events come from. `live`: the kernel's ring buffer (plus /proc for processes that
-//! existed before tracing started, and the kubelet's files for pod names); `file`: a capture.
+//! existed before tracing started, the kubelet's files for pod names, rtnetlink for where the
+//! node's addresses live: `addrs`); `file`: a capture.
 //! Every source yields decoded [`crate::decode::Event`]s, so the analysis and sinks never
 //! know which one they are fed by. The file side of a live source is here too: `recorder`
 //! writes a capture as the source yields it, `rolling` keeps the daemon's set of them.
+pub mod addrs;
 pub mod binaries;
 pub mod drops;
 pub mod file;

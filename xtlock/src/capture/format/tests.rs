@@ -256,6 +256,20 @@ fn drop_records_round_trip() {
             }],
             more: false,
         })),
+        Event::Addr(Box::new(crate::event::AddrPresence {
+            ts_ns: 79,
+            netns: 4026531840,
+            addr: "10.244.1.5".parse().unwrap(),
+            why: crate::event::AddrWhy::Neighbour,
+            link: "veth1a2b".into(),
+        })),
+        Event::Addr(Box::new(crate::event::AddrPresence {
+            ts_ns: 1 << 40,
+            netns: 4026531840,
+            addr: "fd00:10:244::7".parse().unwrap(),
+            why: crate::event::AddrWhy::LinkDeleted,
+            link: "cali12ab".into(),
+        })),
     ];
     for ev in &evs {
         let mut b = Vec::new();
@@ -299,6 +313,33 @@ fn drop_records_round_trip() {
         put_varint(&mut b, v);
     }
     assert!(decode_drop_event(KIND_DROP_COUNTS, &b).is_err());
+}
+
+/// Kind 14 with a reason this build does not know, or an address of the wrong length: an
+/// error, never a panic.
+#[test]
+fn addr_record_damage() {
+    let ev = Event::Addr(Box::new(crate::event::AddrPresence {
+        ts_ns: 1,
+        netns: 2,
+        addr: "10.244.1.5".parse().unwrap(),
+        why: crate::event::AddrWhy::RouteDeleted,
+        link: "cali12ab".into(),
+    }));
+    let mut b = Vec::new();
+    assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_ADDR));
+    // ts_ns, netns, family, addr (1 + 4 bytes), then the reason.
+    let why_at = 1 + 1 + 1 + 5;
+    assert_eq!(b[why_at], crate::event::AddrWhy::RouteDeleted.code());
+    for code in [7u8, 0x7f] {
+        let mut bad = b.clone();
+        bad[why_at] = code;
+        let e = decode_drop_event(KIND_ADDR, &bad).unwrap_err();
+        assert!(e.contains("unknown address reason"), "{e}");
+    }
+    let mut bad = b.clone();
+    bad[2] = 6;
+    assert!(decode_drop_event(KIND_ADDR, &bad).is_err());
 }
 
 #[test]

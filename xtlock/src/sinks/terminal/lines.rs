@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 
 use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
+use crate::analysis::facts::StaleEndpointFact;
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
     HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalFact,
@@ -864,4 +865,80 @@ pub(crate) fn rule_change_lines(c: &crate::analysis::RuleChangeFact) -> Vec<Stri
         ));
     }
     v
+}
+
+/// "!! default/web:http still routed to 10.244.1.7:8080 for 1.62 s after it was gone (link
+/// deleted: veth1a2b): 9 connections refused (icmp_unreachable: host unreachable 9); fixed by
+/// kube-proxy's iptables-legacy-restore (pid 42), which waited 1.41 s behind calico-node,
+/// then held the lock 12.0 ms".
+pub(crate) fn stale_endpoint_text(f: &StaleEndpointFact) -> String {
+    let mut s = format!(
+        "!! {} {} to {} for {} after it was gone ({}{}{})",
+        f.service,
+        if f.still_routed {
+            "still routed"
+        } else {
+            "routed"
+        },
+        f.endpoint,
+        human_ns(f.stale_ns),
+        f.gone,
+        if f.link.is_empty() { "" } else { ": " },
+        f.link
+    );
+    if f.connections > 0 {
+        let outcomes: Vec<String> = f
+            .outcomes
+            .iter()
+            .map(|(what, n)| format!("{what} {n}"))
+            .collect();
+        let _ = write!(
+            s,
+            ": {} connection{} refused ({})",
+            f.connections,
+            if f.connections == 1 { "" } else { "s" },
+            outcomes.join(", ")
+        );
+    } else {
+        s.push_str(": no connection refused");
+    }
+    match &f.fix {
+        None => s.push_str("; still routed when tracing ended"),
+        Some(fix) if fix.agent.is_empty() => {
+            let _ = write!(
+                s,
+                "; no longer routed at a read of the rules (no write seen)"
+            );
+        }
+        Some(fix) => {
+            let _ = write!(s, "; fixed by {}", fix.agent);
+            if !fix.program.is_empty() {
+                let _ = write!(s, "'s {}", fix.program);
+            }
+            let _ = write!(s, " (pid {})", fix.pid);
+            if fix.wait_ns > 0 {
+                // One holder: its name says it; several: how long behind each.
+                let behind: Vec<String> = match fix.behind.as_slice() {
+                    [(a, _)] => vec![a.clone()],
+                    all => all
+                        .iter()
+                        .map(|(a, ns)| format!("{a} {}", human_ns(*ns)))
+                        .collect(),
+                };
+                let _ = write!(s, ", which waited {}", human_ns(fix.wait_ns));
+                if !behind.is_empty() {
+                    let _ = write!(s, " behind {}", behind.join(", "));
+                }
+            }
+            if let Some(h) = fix.hold_ns {
+                let _ = write!(
+                    s,
+                    "{} held the lock {}",
+                    if fix.wait_ns > 0 { ", then" } else { ", which" },
+                    human_ns(h)
+                );
+            }
+        }
+    }
+    s
 }

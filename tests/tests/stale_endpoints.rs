@@ -1,0 +1,482 @@
+//! A Service that keeps routing to a pod that is gone, against the real kernel: a node
+//! (network namespace) with a bridge like the bridge CNI plugin makes, two pods (namespaces
+//! with a veth on it, listening on 8080), a client in a namespace of its own, and a
+//! kube-proxy-shaped nat table written by the real `iptables-legacy-restore`. The client
+//! connects to the Service's cluster IP every 100 ms; the first pod's veth is deleted (as
+//! the bridge plugin's CNI DEL does) while calico-node holds the lock, so kube-proxy's restore
+//! that removes the endpoint waits behind it. The client's own results and the script's
+//! clock are the truth: the stale window within 10 % (or 100 ms), the connections refused to
+//! the dead endpoint exactly the client's EHOSTUNREACH count and the node's own
+//! `Icmp: OutDestUnreachs`, the fix by kube-proxy after waiting behind calico-node; and
+//! `record` + `report` say the same.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use xtlock_tests::{require_bpf, serial, sh, xtlock_bin, Agent, Scratch, Tracer};
+
+const T: Duration = Duration::from_secs(60);
+const SVC: &str = "default/web:http";
+const DEAD: &str = "10.244.1.5";
+const LIVE: &str = "10.244.1.6";
+
+fn u(v: &Value) -> u64 {
+    v.as_u64()
+        .unwrap_or_else(|| panic!("not an unsigned number: {v}"))
+}
+
+/// The namespaces of the scenario, deleted on drop (also when the test fails).
+struct Node {
+    node: String,
+    pods: [String; 2],
+    client: String,
+}
+
+impl Node {
+    fn new(prefix: &str) -> Self {
+        let n = Node {
+            node: format!("{prefix}-node"),
+            pods: [format!("{prefix}-p1"), format!("{prefix}-p2")],
+            client: format!("{prefix}-cl"),
+        };
+        n.delete();
+        for ns in n.all() {
+            sh("ip", &["netns", "add", ns]);
+            sh("ip", &["-n", ns, "link", "set", "lo", "up"]);
+        }
+        let node = n.node.as_str();
+        sh("ip", &["-n", node, "link", "add", "br0", "type", "bridge"]);
+        sh(
+            "ip",
+            &["-n", node, "addr", "add", "10.244.1.1/24", "dev", "br0"],
+        );
+        sh("ip", &["-n", node, "link", "set", "br0", "up"]);
+        for (i, (pod, ip)) in n.pods.iter().zip([DEAD, LIVE]).enumerate() {
+            let veth = format!("vethp{i}");
+            sh(
+                "ip",
+                &[
+                    "-n", node, "link", "add", &veth, "type", "veth", "peer", "name", "eth0",
+                    "netns", pod,
+                ],
+            );
+            sh(
+                "ip",
+                &["-n", node, "link", "set", &veth, "master", "br0", "up"],
+            );
+            sh(
+                "ip",
+                &["-n", pod, "addr", "add", &format!("{ip}/24"), "dev", "eth0"],
+            );
+            sh("ip", &["-n", pod, "link", "set", "eth0", "up"]);
+            sh(
+                "ip",
+                &["-n", pod, "route", "add", "default", "via", "10.244.1.1"],
+            );
+        }
+        let cl = n.client.as_str();
+        sh(
+            "ip",
+            &[
+                "-n", node, "link", "add", "vcl", "type", "veth", "peer", "name", "eth0", "netns",
+                cl,
+            ],
+        );
+        sh(
+            "ip",
+            &["-n", node, "addr", "add", "10.199.0.1/24", "dev", "vcl"],
+        );
+        sh("ip", &["-n", node, "link", "set", "vcl", "up"]);
+        sh(
+            "ip",
+            &["-n", cl, "addr", "add", "10.199.0.2/24", "dev", "eth0"],
+        );
+        sh("ip", &["-n", cl, "link", "set", "eth0", "up"]);
+        sh(
+            "ip",
+            &["-n", cl, "route", "add", "default", "via", "10.199.0.1"],
+        );
+        // The node routes; its neighbour entries for the pods expire and fail fast (a real
+        // node takes up to ~45 s and 3 s: the same states, sooner), and every failure is
+        // answered with its ICMP host unreachable (no per-peer or global ICMP limit), so each
+        // refused connection is one ICMP, as the client counts it.
+        for (k, v) in [
+            ("net.ipv4.ip_forward", "1"),
+            ("net.ipv4.neigh.br0.base_reachable_time_ms", "100"),
+            ("net.ipv4.neigh.br0.delay_first_probe_time", "0"),
+            ("net.ipv4.neigh.br0.ucast_solicit", "1"),
+            ("net.ipv4.neigh.br0.mcast_solicit", "1"),
+            ("net.ipv4.neigh.br0.retrans_time_ms", "100"),
+            ("net.ipv4.icmp_ratelimit", "0"),
+            ("net.ipv4.icmp_msgs_per_sec", "1000000"),
+            ("net.ipv4.icmp_msgs_burst", "1000000"),
+        ] {
+            let path = format!("/proc/sys/{}", k.replace('.', "/"));
+            // icmp_msgs_* are global on kernels before 6.0: left as they are there.
+            if k.starts_with("net.ipv4.icmp_msgs") && !in_ns(node, "test", &["-e", &path]) {
+                continue;
+            }
+            sh(
+                "ip",
+                &["netns", "exec", node, "sysctl", "-qw", &format!("{k}={v}")],
+            );
+        }
+        n
+    }
+
+    fn all(&self) -> impl Iterator<Item = &String> {
+        std::iter::once(&self.node)
+            .chain(self.pods.iter())
+            .chain(std::iter::once(&self.client))
+    }
+
+    fn delete(&self) {
+        for ns in self.all() {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+
+    fn path(ns: &str) -> String {
+        format!("/run/netns/{ns}")
+    }
+
+    fn inode(ns: &str) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(Self::path(ns)).expect("netns").ino()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.delete();
+    }
+}
+
+fn in_ns(ns: &str, prog: &str, args: &[&str]) -> bool {
+    Command::new("nsenter")
+        .arg(format!("--net={}", Node::path(ns)))
+        .arg(prog)
+        .args(args)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// `Icmp: OutDestUnreachs` of namespace `ns` (the kernel's own count of ICMP destination
+/// unreachable messages sent).
+fn out_dest_unreachs(ns: &str) -> u64 {
+    let out = sh(
+        "nsenter",
+        &[
+            &format!("--net={}", Node::path(ns)),
+            "cat",
+            "/proc/net/snmp",
+        ],
+    );
+    let mut icmp = out.lines().filter(|l| l.starts_with("Icmp:"));
+    let (names, values) = (
+        icmp.next().expect("Icmp names"),
+        icmp.next().expect("values"),
+    );
+    let i = names
+        .split_whitespace()
+        .position(|n| n == "OutDestUnreachs")
+        .expect("OutDestUnreachs");
+    values
+        .split_whitespace()
+        .nth(i)
+        .and_then(|v| v.parse().ok())
+        .expect("a number")
+}
+
+/// kube-proxy's nat table for `default/web:http` (10.96.0.10:80) with these endpoints, as
+/// kube-proxy writes it (comments, statistic, KUBE-MARK-MASQ, DNAT).
+fn kube_proxy_nat(endpoints: &[&str]) -> String {
+    let sep = |ip: &str| format!("KUBE-SEP-{:0>16}", ip.replace('.', ""));
+    let svc = "KUBE-SVC-WEB0000000000000";
+    let mut s = String::from(
+        "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n\
+         :POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n",
+    );
+    s.push_str(&format!(":{svc} - [0:0]\n"));
+    for ip in endpoints {
+        s.push_str(&format!(":{} - [0:0]\n", sep(ip)));
+    }
+    s.push_str(
+        "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+         -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n",
+    );
+    s.push_str(&format!(
+        "-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"{SVC} cluster IP\" -m tcp --dport 80 -j {svc}\n"
+    ));
+    for (i, ip) in endpoints.iter().enumerate() {
+        let left = endpoints.len() - i;
+        let stat = if left > 1 {
+            format!(
+                " -m statistic --mode random --probability {:.11}",
+                1.0 / left as f64
+            )
+        } else {
+            String::new()
+        };
+        s.push_str(&format!(
+            "-A {svc} -m comment --comment \"{SVC} -> {ip}:8080\"{stat} -j {}\n",
+            sep(ip)
+        ));
+    }
+    for ip in endpoints {
+        let c = sep(ip);
+        s.push_str(&format!(
+            "-A {c} -s {ip}/32 -m comment --comment \"{SVC}\" -j KUBE-MARK-MASQ\n\
+             -A {c} -p tcp -m comment --comment \"{SVC}\" -m tcp -j DNAT --to-destination {ip}:8080\n"
+        ));
+    }
+    s.push_str("COMMIT\n");
+    s
+}
+
+/// kube-proxy (a helper named so) runs `iptables-legacy-restore -w` in the node's namespace.
+fn kube_proxy(s: &Scratch, node: &str, lock: &Path, rules: &Path) -> Agent {
+    Agent::spawn(
+        Path::new("nsenter"),
+        &[
+            &format!("--net={}", Node::path(node)),
+            s.agent("kube-proxy").to_str().unwrap(),
+            "run",
+            "iptables-legacy-restore",
+            "-w",
+        ],
+        &[("XTABLES_LOCKFILE", lock.to_str().unwrap())],
+        Some(rules),
+    )
+}
+
+#[test]
+fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_late() {
+    if !require_bpf("a_service_routed_to_a_gone_pod_is_said") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("stale-endpoints");
+    let lock = s.lock_file("xtables.lock");
+    let n = Node::new("xtse");
+    let capture = s.dir.join("stale.xtlock");
+    // xtlock runs in the node's network namespace, as a DaemonSet pod with hostNetwork does.
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net={}", Node::path(&n.node)))
+        .arg(xtlock_bin())
+        .args(["trace", "--json", "--duration", "300s", "--lock-file"])
+        .arg(&lock)
+        .arg("--record")
+        .arg(&capture)
+        .args(xtlock_tests::tracer_extra_args());
+    let tracer = Tracer::spawn(c);
+
+    let pods: Vec<Agent> = n
+        .pods
+        .iter()
+        .map(|p| {
+            let mut a = Agent::spawn(
+                Path::new("ip"),
+                &[
+                    "netns",
+                    "exec",
+                    p,
+                    s.agent("web").to_str().unwrap(),
+                    "tcplisten",
+                    "8080",
+                ],
+                &[],
+                None,
+            );
+            a.expect("listening", T);
+            a
+        })
+        .collect();
+    let both = s.dir.join("both.rules");
+    std::fs::write(&both, kube_proxy_nat(&[DEAD, LIVE])).unwrap();
+    let one = s.dir.join("one.rules");
+    std::fs::write(&one, kube_proxy_nat(&[LIVE])).unwrap();
+    assert_eq!(kube_proxy(&s, &n.node, &lock, &both).wait_within(T), 0);
+    // The node has talked to both pods (its neighbour entries exist), and the table's read
+    // has come.
+    for ip in [DEAD, LIVE] {
+        let mut a = Agent::spawn(
+            Path::new("ip"),
+            &[
+                "netns",
+                "exec",
+                &n.node,
+                s.agent("probe").to_str().unwrap(),
+                "connects",
+                ip,
+                "8080",
+                "1",
+                "0",
+                "2000",
+            ],
+            &[],
+            None,
+        );
+        let words = a.expect("conn", T);
+        assert_eq!(words.last().map(String::as_str), Some("ok"), "{words:?}");
+        a.wait();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let icmp_before = out_dest_unreachs(&n.node);
+
+    // 40 connects, one every 100 ms, each given 5 s.
+    let mut client = Agent::spawn(
+        Path::new("ip"),
+        &[
+            "netns",
+            "exec",
+            &n.client,
+            s.agent("client").to_str().unwrap(),
+            "connects",
+            "10.96.0.10",
+            "80",
+            "40",
+            "100",
+            "5000",
+        ],
+        &[],
+        None,
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    let mut calico = Agent::spawn(
+        &s.agent("calico-node"),
+        &["hold", lock.to_str().unwrap(), "1500"],
+        &[],
+        None,
+    );
+    calico.expect("acquired", T);
+    // The bridge plugin's CNI DEL: the pod's end of the veth deleted in its namespace.
+    let del_start = xtlock_tests::monotonic_ns();
+    sh("ip", &["-n", &n.pods[0], "link", "del", "eth0"]);
+    let del_end = xtlock_tests::monotonic_ns();
+    std::thread::sleep(Duration::from_millis(100));
+    let mut restore = kube_proxy(&s, &n.node, &lock, &one);
+    assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
+    let released = calico.ts("released", T);
+    let exited = restore
+        .expect("exit", T)
+        .last()
+        .and_then(|t| t.parse::<u64>().ok())
+        .expect("exit time");
+    client.expect("done", T);
+    assert_eq!(calico.wait(), 0);
+    for mut p in pods {
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+    // The last refused connections are answered up to a neighbour timeout after the fix.
+    std::thread::sleep(Duration::from_millis(1500));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+
+    // What the client got.
+    let results: Vec<&str> = client
+        .seen
+        .iter()
+        .filter(|l| l.starts_with("conn "))
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    assert_eq!(results.len(), 40, "{:?}", client.seen);
+    let unreachable = results.iter().filter(|r| **r == "EHOSTUNREACH").count() as u64;
+    let ok = results.iter().filter(|r| **r == "ok").count();
+    eprintln!(
+        "client: {ok} ok, {unreachable} EHOSTUNREACH, others {:?}",
+        results
+            .iter()
+            .filter(|r| !matches!(**r, "ok" | "EHOSTUNREACH"))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        unreachable > 0,
+        "no connection was DNATed to the dead pod: {:?}",
+        client.seen
+    );
+    assert_eq!(
+        ok + unreachable as usize,
+        40,
+        "connections neither answered nor refused: {:?}",
+        client.seen
+    );
+    let icmp = out_dest_unreachs(&n.node) - icmp_before;
+
+    let netns = Node::inode(&n.node);
+    let mine = |events: &[Value]| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|e| e["type"] == "stale_endpoint" && u(&e["netns"]) == netns)
+            .cloned()
+            .collect()
+    };
+    let live = mine(&trace.events);
+    assert_eq!(live.len(), 1, "one stale window expected:\n{dump}");
+    let f = &live[0];
+    eprintln!("fact: {f}\ntruth: veth deleted at {del_start}..{del_end}, calico released {released}, restore exited {exited}; client {unreachable} EHOSTUNREACH; OutDestUnreachs +{icmp}");
+    assert_eq!(f["service"], SVC, "{f}");
+    assert_eq!(f["endpoint"], format!("{DEAD}:8080"), "{f}");
+    assert_eq!(f["gone"], "link deleted", "{f}");
+    assert_eq!(f["still_routed"], false, "{f}");
+    let fix = &f["fix"];
+    assert_eq!(fix["agent"], "kube-proxy", "{f}");
+    assert_eq!(fix["exact"], true, "{f}");
+    assert!(
+        fix["behind"]
+            .as_array()
+            .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
+        "the fix's wait behind calico-node: {f}"
+    );
+    assert!(u(&fix["wait_ns"]) > 1_000_000_000, "{f}");
+    // Stale from the veth's deletion to the restore's write: between calico's release and
+    // the restore's exit.
+    let stale = u(&f["stale_ns"]);
+    let (lo, hi) = (
+        released.saturating_sub(del_end),
+        exited.saturating_sub(del_start),
+    );
+    let slack = (hi / 10).max(100_000_000);
+    assert!(
+        stale + slack >= lo && stale <= hi + slack,
+        "stale {stale} ns, truth between {lo} and {hi} ns: {f}"
+    );
+    // Every refused connection, exactly: the client's count, the kernel's own.
+    assert_eq!(u(&f["connections"]), unreachable, "{f}");
+    assert_eq!(u(&f["connections"]), icmp, "kernel's OutDestUnreachs: {f}");
+    assert_eq!(
+        u(&f["outcomes"]["icmp_unreachable: host unreachable"]),
+        unreachable,
+        "{f}"
+    );
+    // The summary has it.
+    let sum = &trace.summary()["services"];
+    assert!(u(&sum["stale_windows"]) >= 1, "{sum}");
+
+    // `record` + `report` say the same.
+    let replayed = mine(&xtlock_tests::report_events(&capture));
+    assert_eq!(replayed, live, "report differs from trace");
+    let text = Command::new(xtlock_bin())
+        .args(["report", "--events"])
+        .arg(&capture)
+        .output()
+        .expect("xtlock report");
+    let text = String::from_utf8_lossy(&text.stdout);
+    let line = format!("!! {SVC} routed to {DEAD}:8080 for ");
+    assert!(text.contains(&line), "{text}");
+    if let Some(l) = text.lines().find(|l| l.contains(&line)) {
+        eprintln!("report: {l}");
+    }
+    assert!(
+        text.contains(&format!("{unreachable} connection")) && text.contains("fixed by kube-proxy"),
+        "{text}"
+    );
+}

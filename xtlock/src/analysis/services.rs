@@ -1,0 +1,573 @@
+//! Services that still route to endpoints that are gone. Pure, like the rest of the
+//! analysis: what it knows arrives as events (rule reads, addresses) and as the facts the
+//! other subsystems settle (rule writes, holds, waits, refusal counts).
+//!
+//! **Where each Service routes**, from every rule read (`Event::RuleTable`): kube-proxy's
+//! iptables layout (`KUBE-SVC-*`/`KUBE-SVL-*` jump to `KUBE-SEP-*`, which DNAT to the
+//! endpoint; the service port named by the `ns/svc:port` comments, or by the chain when
+//! comments are absent) and its nftables layout (table `kube-proxy`: an `endpoint-*` chain
+//! that DNATs routes to it; kube-proxy flushes a stale one before deleting it, so an empty one
+//! routes nowhere). One model, service port → endpoints, per network namespace.
+//!
+//! **Dead endpoints**: an address that vanished from this node (`Event::Addr`: the pod's
+//! veth deleted, its host route or address gone, its neighbour failed) while a Service still
+//! routes to it opens a window; the first read that no longer routes to it closes it, with
+//! the write that did it (the last rule write of that netns by the reading's writer) and why
+//! the fix came late (the writer's wait for the lock, behind whom, and its own hold). The
+//! connections the node refused meanwhile (exact counts of ICMP unreachable and resets to that
+//! endpoint, from the refusal counters) are added until [`GRACE_NS`] after the fix: a
+//! neighbour's resolution fails seconds after the SYN that started it.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+
+use serde::Serialize;
+
+use super::facts::{Output, StaleEndpointFact, StaleFix};
+use super::procs::FastMap;
+use crate::event::{AddrPresence, AddrWhy, ChainState, Rule, RuleTable};
+use crate::shared::SharedStr;
+
+/// Refusals to a dead endpoint are counted until this long after the rules stopped routing
+/// to it: the last connections DNATed to it are refused only when the node's neighbour
+/// resolution fails (3 s on Linux's defaults), and counters are read every second.
+pub const GRACE_NS: u64 = 5_000_000_000;
+/// Tables modelled (every netns); past it, new ones are not.
+const MAX_TABLES: usize = 1024;
+/// Chains kept per table (kube-proxy's 10,000-service node has ~60,000).
+const MAX_CHAINS: usize = 250_000;
+/// Open windows; past it, new ones are counted in `over_bound`.
+const MAX_WINDOWS: usize = 4096;
+/// Addresses remembered as gone (a read that routes to one later opens its window).
+const MAX_GONE: usize = 65_536;
+/// Recent rule writes, waits and holds remembered to explain a fix.
+const MAX_RECENT: usize = 1024;
+
+/// What one chain tells about routing.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct ChainInfo {
+    /// Where its DNAT rule sends packets.
+    dnat: Option<SocketAddr>,
+    /// The chains it jumps or goes to.
+    jumps: Vec<String>,
+    /// Its first comment, kube-proxy's `ns/svc:port` (before any ` -> ep` or ` cluster IP`).
+    comment: Option<String>,
+}
+
+/// One table as last read: its chains.
+#[derive(Debug, Default)]
+struct TableRoutes {
+    chains: HashMap<String, ChainInfo>,
+}
+
+/// A service port and one of its endpoints.
+type Route = (String, SocketAddr);
+
+/// A window of routing to a gone endpoint.
+#[derive(Debug)]
+struct Window {
+    netns: u32,
+    service: String,
+    endpoint: SocketAddr,
+    since_ns: u64,
+    why: AddrWhy,
+    link: String,
+    fix: Option<StaleFix>,
+    outcomes: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone)]
+struct Write {
+    ts_ns: u64,
+    netns: u32,
+    pid: u32,
+    agent: SharedStr,
+    program: String,
+}
+
+#[derive(Debug, Clone)]
+struct WaitRef {
+    wait_ns: u64,
+    behind: Vec<(String, u64)>,
+}
+
+/// The `services` block of the summary.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ServiceSummary {
+    /// Service ports and endpoints routed at the end, over every namespace read.
+    pub services: u64,
+    pub endpoints: u64,
+    /// Windows of routing to a gone endpoint, reported.
+    pub stale_windows: u64,
+    /// Of them, still routed when tracing ended.
+    pub still_stale: u64,
+    /// Their time in all (closed ones; open ones up to the end).
+    pub stale_ns: u64,
+    /// Connections refused to them meanwhile, exact.
+    pub connections: u64,
+    /// Windows not tracked (past the bound).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub over_bound: u64,
+}
+
+impl ServiceSummary {
+    pub fn is_empty(&self) -> bool {
+        self.endpoints == 0 && self.stale_windows == 0
+    }
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+#[derive(Debug, Default)]
+pub struct ServiceTracker {
+    tables: HashMap<(u32, String, String), TableRoutes>,
+    /// Reads whose last part has not come yet.
+    partial: HashMap<(u32, String, String), RuleTable>,
+    /// Routed (service, endpoint) per netns, after the last read.
+    routed: FastMap<u32, BTreeSet<Route>>,
+    /// Addresses gone from this node, and how.
+    gone: HashMap<IpAddr, (u64, AddrWhy, String)>,
+    windows: Vec<Window>,
+    writes: VecDeque<Write>,
+    waits: VecDeque<(u32, WaitRef)>,
+    holds: VecDeque<(u32, u64)>,
+    summary: ServiceSummary,
+}
+
+/// `"default/web:http -> 10.244.1.5:8080"`, `"default/web:http cluster IP"` → `default/web:http`.
+fn service_of_comment(c: &str) -> String {
+    let c = c.trim_matches('"');
+    let c = c.split(" -> ").next().unwrap_or(c);
+    c.split(' ').next().unwrap_or(c).to_owned()
+}
+
+/// `--to-destination 10.244.1.5:8080` (iptables-save's words, also for nf_tables' `nat`).
+fn dnat_of(rule: &Rule) -> Option<SocketAddr> {
+    let t = rule.target();
+    if !t.starts_with("-j DNAT") {
+        return None;
+    }
+    let to = t.split("--to-destination ").nth(1)?.split(' ').next()?;
+    // A range or a port range: its first address, its first port.
+    let to = to.split('-').next().unwrap_or(to);
+    if let Ok(sa) = to.parse::<SocketAddr>() {
+        return Some(sa);
+    }
+    to.parse::<IpAddr>().ok().map(|ip| SocketAddr::new(ip, 0))
+}
+
+fn chain_info(rules: &[Rule]) -> ChainInfo {
+    let mut info = ChainInfo::default();
+    for r in rules {
+        if info.dnat.is_none() {
+            info.dnat = dnat_of(r);
+        }
+        if let Some(j) = r.jump() {
+            info.jumps.push(j.to_owned());
+        }
+        if info.comment.is_none() {
+            info.comment = r.comment().map(service_of_comment);
+        }
+    }
+    info
+}
+
+/// `endpoint-XXXXXXXX-ns/svc/tcp/port__10.180.0.1/80` → `ns/svc:port`; likewise for a
+/// `service-…` chain. kube-proxy's nftables chain names carry the service port.
+fn nft_service_of_chain(name: &str) -> Option<String> {
+    let rest = name
+        .strip_prefix("endpoint-")
+        .or_else(|| name.strip_prefix("service-"))?;
+    let (_, rest) = rest.split_once('-')?;
+    let svc = rest.split("__").next()?;
+    let parts: Vec<&str> = svc.split('/').collect();
+    match parts.as_slice() {
+        [ns, name, _proto, port] => Some(format!("{ns}/{name}:{port}")),
+        _ => None,
+    }
+}
+
+impl TableRoutes {
+    fn apply(&mut self, chains: &[ChainState]) {
+        let mut next: HashMap<String, ChainInfo> = HashMap::with_capacity(chains.len());
+        for c in chains.iter().take(MAX_CHAINS) {
+            let info = match &c.rules {
+                Some(rules) => chain_info(rules),
+                // Unchanged since the previous read.
+                None => self.chains.remove(&c.name).unwrap_or_default(),
+            };
+            // Only chains that tell about routing are kept.
+            if info.dnat.is_some() || is_service_chain(&c.name) {
+                next.insert(c.name.clone(), info);
+            }
+        }
+        self.chains = next;
+    }
+
+    fn routes(&self, into: &mut BTreeSet<Route>) {
+        for (name, info) in &self.chains {
+            if name.starts_with("KUBE-SVC-") || name.starts_with("KUBE-SVL-") {
+                for j in info.jumps.iter().filter(|j| j.starts_with("KUBE-SEP-")) {
+                    let Some(sep) = self.chains.get(j) else {
+                        continue;
+                    };
+                    let Some(ep) = sep.dnat else { continue };
+                    let service = sep
+                        .comment
+                        .clone()
+                        .or_else(|| info.comment.clone())
+                        .unwrap_or_else(|| name.clone());
+                    into.insert((service, ep));
+                }
+            } else if name.starts_with("endpoint-") {
+                if let (Some(ep), Some(service)) = (info.dnat, nft_service_of_chain(name)) {
+                    into.insert((service, ep));
+                }
+            }
+        }
+    }
+}
+
+fn is_service_chain(name: &str) -> bool {
+    name.starts_with("KUBE-SVC-") || name.starts_with("KUBE-SVL-")
+}
+
+impl ServiceTracker {
+    /// A rule read: the model of its table, then what stopped (or started) routing.
+    pub fn on_table(&mut self, t: &RuleTable, out: &mut impl FnMut(Output)) {
+        let key = (t.netns, t.family.clone(), t.table.clone());
+        if t.more || self.partial.contains_key(&key) {
+            let whole = match self.partial.remove(&key) {
+                Some(mut p) if p.ts_ns == t.ts_ns => {
+                    p.append(t.clone());
+                    p
+                }
+                _ => t.clone(),
+            };
+            if whole.more {
+                if self.partial.len() < MAX_TABLES {
+                    self.partial.insert(key, whole);
+                }
+            } else {
+                self.on_whole(&whole, out);
+            }
+            return;
+        }
+        self.on_whole(t, out);
+    }
+
+    fn on_whole(&mut self, t: &RuleTable, out: &mut impl FnMut(Output)) {
+        let _ = out;
+        if !t.skipped.is_empty() {
+            return;
+        }
+        let key = (t.netns, t.family.clone(), t.table.clone());
+        if !self.tables.contains_key(&key) && self.tables.len() >= MAX_TABLES {
+            return;
+        }
+        self.tables.entry(key).or_default().apply(&t.chains);
+        let mut now = BTreeSet::new();
+        for ((netns, _, _), table) in &self.tables {
+            if *netns == t.netns {
+                table.routes(&mut now);
+            }
+        }
+        // Routes to addresses already gone open windows (a write that re-added one).
+        let before = self.routed.get(&t.netns);
+        let added: Vec<Route> = now
+            .iter()
+            .filter(|r| before.is_none_or(|b| !b.contains(*r)))
+            .cloned()
+            .collect();
+        for (service, ep) in added {
+            if let Some((since, why, link)) = self.gone.get(&ep.ip()).cloned() {
+                self.open(t.netns, service, ep, since, why, link);
+            }
+        }
+        // Windows whose route this read no longer has: fixed by the reading's writer.
+        let fix = self.fix_for(t);
+        self.windows.retain_mut(|w| {
+            if w.netns != t.netns
+                || w.fix.is_some()
+                || now.contains(&(w.service.clone(), w.endpoint))
+            {
+                return true;
+            }
+            // A write before the address vanished, read after: the rules were right.
+            if fix.exact && fix.ts_ns <= w.since_ns {
+                return false;
+            }
+            w.fix = Some(fix.clone());
+            true
+        });
+        self.routed.insert(t.netns, now);
+    }
+
+    /// The write a read follows: the last rule write of its netns by its writer (else the
+    /// last of its netns), with the writer's wait and hold.
+    fn fix_for(&self, t: &RuleTable) -> StaleFix {
+        let write = self
+            .writes
+            .iter()
+            .rev()
+            .find(|w| w.netns == t.netns && w.pid == t.after_pid && w.ts_ns <= t.ts_ns)
+            .or_else(|| {
+                self.writes
+                    .iter()
+                    .rev()
+                    .find(|w| w.netns == t.netns && w.ts_ns <= t.ts_ns)
+            });
+        let Some(w) = write else {
+            return StaleFix {
+                ts_ns: t.ts_ns,
+                exact: false,
+                pid: t.after_pid,
+                agent: SharedStr::from(""),
+                program: String::new(),
+                wait_ns: 0,
+                behind: Vec::new(),
+                hold_ns: None,
+            };
+        };
+        let wait = self
+            .waits
+            .iter()
+            .rev()
+            .find(|(pid, _)| *pid == w.pid)
+            .map(|(_, r)| r.clone());
+        let hold_ns = self
+            .holds
+            .iter()
+            .rev()
+            .find(|(pid, _)| *pid == w.pid)
+            .map(|(_, h)| *h);
+        StaleFix {
+            ts_ns: w.ts_ns,
+            exact: true,
+            pid: w.pid,
+            agent: w.agent.clone(),
+            program: w.program.clone(),
+            wait_ns: wait.as_ref().map_or(0, |r| r.wait_ns),
+            behind: wait.map(|r| r.behind).unwrap_or_default(),
+            hold_ns,
+        }
+    }
+
+    fn open(
+        &mut self,
+        netns: u32,
+        service: String,
+        endpoint: SocketAddr,
+        since_ns: u64,
+        why: AddrWhy,
+        link: String,
+    ) {
+        if self
+            .windows
+            .iter()
+            .any(|w| w.netns == netns && w.service == service && w.endpoint == endpoint)
+        {
+            return;
+        }
+        if self.windows.len() >= MAX_WINDOWS {
+            self.summary.over_bound += 1;
+            return;
+        }
+        self.windows.push(Window {
+            netns,
+            service,
+            endpoint,
+            since_ns,
+            why,
+            link,
+            fix: None,
+            outcomes: BTreeMap::new(),
+        });
+    }
+
+    /// An address appeared or vanished on this node.
+    pub fn on_addr(&mut self, a: &AddrPresence, out: &mut impl FnMut(Output)) {
+        if a.why.present() {
+            if self.gone.remove(&a.addr).is_some() {
+                // The address is back (a pod's IP reused, a neighbour answering again):
+                // windows of it that the rules had not fixed end here.
+                let ts = a.ts_ns;
+                let mut i = 0;
+                while i < self.windows.len() {
+                    let w = &self.windows[i];
+                    if w.endpoint.ip() == a.addr && w.fix.is_none() {
+                        let w = self.windows.swap_remove(i);
+                        self.report(w, Some(ts), out);
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            return;
+        }
+        if self.gone.contains_key(&a.addr) {
+            return;
+        }
+        if self.gone.len() < MAX_GONE {
+            self.gone.insert(a.addr, (a.ts_ns, a.why, a.link.clone()));
+        }
+        let hits: Vec<(u32, Route)> = self
+            .routed
+            .iter()
+            .flat_map(|(netns, routes)| {
+                routes
+                    .iter()
+                    .filter(|(_, ep)| ep.ip() == a.addr)
+                    .map(move |r| (*netns, r.clone()))
+            })
+            .collect();
+        for (netns, (service, ep)) in hits {
+            self.open(netns, service, ep, a.ts_ns, a.why, a.link.clone());
+        }
+    }
+
+    /// Facts of the other subsystems this one explains fixes and counts connections with.
+    pub fn observe(&mut self, o: &Output) {
+        fn push<T>(q: &mut VecDeque<T>, v: T) {
+            if q.len() >= MAX_RECENT {
+                q.pop_front();
+            }
+            q.push_back(v);
+        }
+        match o {
+            Output::RuleWrite(w) => push(
+                &mut self.writes,
+                Write {
+                    ts_ns: w.ts_ns,
+                    netns: w.netns,
+                    pid: w.pid,
+                    agent: w.agent.clone(),
+                    program: w.program.clone(),
+                },
+            ),
+            Output::Wait(w) => push(
+                &mut self.waits,
+                (
+                    w.pid,
+                    WaitRef {
+                        wait_ns: w.wait_ns,
+                        behind: w
+                            .holders
+                            .iter()
+                            .map(|h| (h.agent.to_string(), h.behind_ns.unwrap_or(0)))
+                            .collect(),
+                    },
+                ),
+            ),
+            Output::Hold(h) => push(&mut self.holds, (h.pid, h.hold_ns)),
+            Output::RefusalCount(c) => {
+                let Ok(dest) = c.dest.parse::<SocketAddr>() else {
+                    return;
+                };
+                // Counts of an interval that ended before the window began are not its.
+                let end = c.ts_ns.saturating_add(c.interval_ns);
+                for w in self.windows.iter_mut() {
+                    if w.endpoint.ip() == dest.ip()
+                        && (w.endpoint.port() == 0 || w.endpoint.port() == dest.port())
+                        && end > w.since_ns
+                    {
+                        let what = if c.detail.is_empty() {
+                            c.kind.as_str().to_owned()
+                        } else {
+                            format!("{}: {}", c.kind.as_str(), c.detail)
+                        };
+                        *w.outcomes.entry(what).or_default() += c.count;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Event time moved on: windows fixed more than [`GRACE_NS`] ago are reported.
+    pub fn tick(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        if self.windows.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.windows.len() {
+            let due = self.windows[i]
+                .fix
+                .as_ref()
+                .is_some_and(|f| ts_ns > f.ts_ns.saturating_add(GRACE_NS));
+            if due {
+                let w = self.windows.swap_remove(i);
+                self.report(w, None, out);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// End of tracing: every window is reported, those still routed as such.
+    pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        let mut windows = std::mem::take(&mut self.windows);
+        windows.sort_by_key(|w| w.since_ns);
+        for w in windows {
+            let end = if w.fix.is_none() { Some(ts_ns) } else { None };
+            self.report(w, end, out);
+        }
+    }
+
+    fn report(&mut self, w: Window, ended_ns: Option<u64>, out: &mut impl FnMut(Output)) {
+        let still_routed = w.fix.is_none();
+        let end = w
+            .fix
+            .as_ref()
+            .map(|f| f.ts_ns)
+            .or(ended_ns)
+            .unwrap_or(w.since_ns);
+        let connections = w.outcomes.values().sum();
+        let f = StaleEndpointFact {
+            ts_ns: w.since_ns,
+            netns: w.netns,
+            service: w.service,
+            endpoint: w.endpoint.to_string(),
+            gone: w.why.as_str(),
+            link: w.link,
+            stale_ns: end.saturating_sub(w.since_ns),
+            still_routed,
+            fix: w.fix,
+            connections,
+            outcomes: w.outcomes,
+        };
+        self.summary.stale_windows += 1;
+        self.summary.still_stale += u64::from(still_routed);
+        self.summary.stale_ns += f.stale_ns;
+        self.summary.connections += connections;
+        out(Output::StaleEndpoint(f));
+    }
+
+    pub fn summary(&self) -> ServiceSummary {
+        let mut s = self.summary.clone();
+        let all: BTreeSet<&Route> = self.routed.values().flatten().collect();
+        s.endpoints = all.len() as u64;
+        s.services = all
+            .iter()
+            .map(|(svc, _)| svc)
+            .collect::<BTreeSet<_>>()
+            .len() as u64;
+        s
+    }
+
+    /// Service ports routed to `ep` in `netns` (tests, and facts that name a Service).
+    pub fn services_of(&self, netns: u32, ep: SocketAddr) -> Vec<&str> {
+        self.routed
+            .get(&netns)
+            .into_iter()
+            .flatten()
+            .filter(|(_, e)| *e == ep)
+            .map(|(s, _)| s.as_str())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,288 @@
+use super::*;
+use crate::analysis::facts::{RefusalCountFact, RefusalKind, RuleWriteFact};
+use crate::analysis::iptables_run::Backend;
+
+const NS: u32 = 4026531840;
+const S: u64 = 1_000_000_000;
+
+fn rule(parts: &[&str]) -> Rule {
+    Rule(parts.iter().map(|p| p.to_string()).collect())
+}
+
+fn chain(name: &str, rules: Vec<Rule>) -> ChainState {
+    ChainState {
+        name: name.into(),
+        policy: None,
+        digest: crate::event::digest_rules(&rules),
+        rules: Some(rules),
+    }
+}
+
+fn sep(name: &str, svc: &str, ep: &str) -> ChainState {
+    let ip = ep.split(':').next().unwrap_or(ep);
+    chain(
+        name,
+        vec![
+            rule(&[
+                &format!("-s {ip}/32"),
+                &format!("-m comment --comment \"{svc}\""),
+                "-j KUBE-MARK-MASQ",
+            ]),
+            rule(&[
+                "-p tcp",
+                &format!("-m comment --comment \"{svc}\""),
+                "-m tcp",
+                &format!("-j DNAT --to-destination {ep}"),
+            ]),
+        ],
+    )
+}
+
+/// kube-proxy's nat table for `default/web:http` with the endpoints given (a SEP chain each).
+fn nat(ts_ns: u64, pid: u32, eps: &[(&str, &str)]) -> RuleTable {
+    let mut svc_rules = Vec::new();
+    let mut chains = vec![chain(
+        "KUBE-SERVICES",
+        vec![rule(&[
+            "-d 10.96.0.10/32",
+            "-p tcp",
+            "-m comment --comment \"default/web:http cluster IP\"",
+            "-m tcp --dport 80",
+            "-j KUBE-SVC-WEB",
+        ])],
+    )];
+    for (i, (name, ep)) in eps.iter().enumerate() {
+        let mut r = vec![format!("-m comment --comment \"default/web:http -> {ep}\"")];
+        if i + 1 < eps.len() {
+            r.push(format!(
+                "-m statistic --mode random --probability {:.11}",
+                1.0 / (eps.len() - i) as f64
+            ));
+        }
+        r.push(format!("-j {name}"));
+        svc_rules.push(Rule(r));
+        chains.push(sep(name, "default/web:http", ep));
+    }
+    chains.push(chain("KUBE-SVC-WEB", svc_rules));
+    RuleTable {
+        ts_ns,
+        netns: NS,
+        family: "ip".into(),
+        table: "nat".into(),
+        after_pid: pid,
+        skipped: String::new(),
+        chains,
+        more: false,
+    }
+}
+
+fn gone(ts_ns: u64, addr: &str) -> AddrPresence {
+    AddrPresence {
+        ts_ns,
+        netns: NS,
+        addr: addr.parse().expect("addr"),
+        why: AddrWhy::LinkDeleted,
+        link: "veth1".into(),
+    }
+}
+
+fn write(ts_ns: u64, pid: u32, agent: &str) -> Output {
+    Output::RuleWrite(RuleWriteFact {
+        ts_ns,
+        pid,
+        agent: agent.into(),
+        backend: Backend::Legacy,
+        program: "iptables-legacy-restore".into(),
+        binary: None,
+        netns: NS,
+        table: Some("ip:nat".into()),
+    })
+}
+
+fn refused(ts_ns: u64, dest: &str, count: u64) -> Output {
+    Output::RefusalCount(RefusalCountFact {
+        ts_ns,
+        interval_ns: S,
+        netns: NS,
+        kind: RefusalKind::IcmpUnreachable,
+        detail: "host unreachable".into(),
+        dest: dest.into(),
+        count,
+        hold: None,
+        rule: None,
+    })
+}
+
+fn facts(
+    t: &mut ServiceTracker,
+    f: impl FnOnce(&mut ServiceTracker, &mut Vec<Output>),
+) -> Vec<StaleEndpointFact> {
+    let mut v = Vec::new();
+    f(t, &mut v);
+    v.into_iter()
+        .filter_map(|o| match o {
+            Output::StaleEndpoint(s) => Some(s),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_model_follows_kube_proxys_iptables_layout() {
+    let mut t = ServiceTracker::default();
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    let ep: SocketAddr = "10.244.1.5:8080".parse().expect("ep");
+    assert_eq!(t.services_of(NS, ep), ["default/web:http"]);
+    let s = t.summary();
+    assert_eq!((s.services, s.endpoints), (1, 2));
+    // Unchanged chains come as digests only: the model keeps them.
+    let mut again = nat(2 * S, 11, &two);
+    for c in &mut again.chains {
+        c.rules = None;
+    }
+    t.on_table(&again, &mut |_| {});
+    assert_eq!(t.summary().endpoints, 2);
+    // Without comments (over 1,000 endpoints), the service chain names the service.
+    let mut bare = nat(3 * S, 12, &two);
+    for c in &mut bare.chains {
+        for r in c.rules.iter_mut().flatten() {
+            r.0.retain(|p| !p.starts_with("-m comment"));
+        }
+    }
+    t.on_table(&bare, &mut |_| {});
+    assert_eq!(t.services_of(NS, ep), ["KUBE-SVC-WEB"]);
+}
+
+#[test]
+fn a_gone_endpoint_is_stale_until_the_write_that_removes_it() {
+    let mut t = ServiceTracker::default();
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    let got = facts(&mut t, |t, v| {
+        t.on_addr(&gone(10 * S, "10.244.1.5"), &mut |o| v.push(o));
+        // kube-proxy's restore waited behind calico-node, then wrote.
+        t.observe(&refused(10 * S, "10.244.1.5:8080", 3));
+        t.observe(&refused(11 * S, "10.244.1.6:8080", 5));
+        t.observe(&write(11 * S + 600_000_000, 77, "kube-proxy"));
+        t.on_table(&nat(11 * S + 700_000_000, 77, &two[1..]), &mut |o| {
+            v.push(o)
+        });
+        // Refused after the fix: connections DNATed before it, failing late.
+        t.observe(&refused(13 * S, "10.244.1.5:8080", 2));
+        t.tick(15 * S, &mut |o| v.push(o));
+        assert!(v.is_empty(), "reported before the grace: {v:?}");
+        t.tick(17 * S, &mut |o| v.push(o));
+    });
+    assert_eq!(got.len(), 1, "{got:?}");
+    let f = &got[0];
+    assert_eq!(f.service, "default/web:http");
+    assert_eq!(f.endpoint, "10.244.1.5:8080");
+    assert_eq!(f.stale_ns, 1_600_000_000);
+    assert!(!f.still_routed);
+    assert_eq!(f.connections, 5);
+    assert_eq!(f.outcomes["icmp_unreachable: host unreachable"], 5);
+    let fix = f.fix.as_ref().expect("fix");
+    assert_eq!((fix.pid, fix.agent.as_ref()), (77, "kube-proxy"));
+    assert!(fix.exact);
+    assert_eq!(t.summary().stale_windows, 1);
+}
+
+#[test]
+fn still_routed_at_the_end_and_writes_before_the_death_are_not_stale() {
+    let mut t = ServiceTracker::default();
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    let got = facts(&mut t, |t, v| {
+        // B: removed by a write before its pod went, read after: not stale.
+        t.observe(&write(2 * S, 20, "kube-proxy"));
+        t.on_addr(&gone(2 * S + 10_000_000, "10.244.1.6"), &mut |o| v.push(o));
+        t.on_table(&nat(2 * S + 60_000_000, 20, &two[..1]), &mut |o| v.push(o));
+        // A: gone, never fixed.
+        t.on_addr(&gone(3 * S, "10.244.1.5"), &mut |o| v.push(o));
+        t.tick(20 * S, &mut |o| v.push(o));
+        t.finish(30 * S, &mut |o| v.push(o));
+    });
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].endpoint, "10.244.1.5:8080");
+    assert!(got[0].still_routed);
+    assert_eq!(got[0].stale_ns, 27 * S);
+}
+
+#[test]
+fn a_read_that_routes_to_an_address_already_gone_opens_its_window() {
+    let mut t = ServiceTracker::default();
+    let got = facts(&mut t, |t, v| {
+        t.on_addr(&gone(S, "10.244.1.5"), &mut |o| v.push(o));
+        t.on_table(
+            &nat(2 * S, 10, &[("KUBE-SEP-A", "10.244.1.5:8080")]),
+            &mut |o| v.push(o),
+        );
+        // The address is back (the IP reused): the window ends there.
+        let mut back = gone(4 * S, "10.244.1.5");
+        back.why = AddrWhy::Neighbour;
+        t.on_addr(&back, &mut |o| v.push(o));
+    });
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].stale_ns, 3 * S);
+    assert!(got[0].still_routed);
+}
+
+#[test]
+fn nftables_mode_endpoint_chains_route_while_they_dnat() {
+    let mut t = ServiceTracker::default();
+    let name = "endpoint-5OJB2KTY-default/web/tcp/http__10.244.1.5/8080";
+    let table = |ts: u64, rules: Vec<Rule>| RuleTable {
+        ts_ns: ts,
+        netns: NS,
+        family: "nft ip".into(),
+        table: "kube-proxy".into(),
+        after_pid: 9,
+        skipped: String::new(),
+        chains: vec![chain(name, rules)],
+        more: false,
+    };
+    t.on_table(
+        &table(
+            S,
+            vec![rule(&[
+                "meta l4proto tcp",
+                "-j DNAT --to-destination 10.244.1.5:8080",
+            ])],
+        ),
+        &mut |_| {},
+    );
+    let ep: SocketAddr = "10.244.1.5:8080".parse().expect("ep");
+    assert_eq!(t.services_of(NS, ep), ["default/web:http"]);
+    // Flushed (deleted a second later): routes nowhere.
+    t.on_table(&table(2 * S, vec![]), &mut |_| {});
+    assert!(t.services_of(NS, ep).is_empty());
+}
+
+#[test]
+fn dnat_targets_parse_as_iptables_save_writes_them() {
+    let d = |t: &str| dnat_of(&rule(&[t]));
+    assert_eq!(
+        d("-j DNAT --to-destination 10.244.1.5:8080"),
+        Some("10.244.1.5:8080".parse().expect("sa"))
+    );
+    assert_eq!(
+        d("-j DNAT --to-destination [fd00::5]:80"),
+        Some("[fd00::5]:80".parse().expect("sa"))
+    );
+    assert_eq!(
+        d("-j DNAT --to-destination 10.0.0.1-10.0.0.9:80-90"),
+        Some(SocketAddr::new("10.0.0.1".parse().expect("ip"), 0))
+    );
+    assert_eq!(d("-j DNAT [rev 2 0123456789ab]"), None);
+    assert_eq!(d("-j MASQUERADE"), None);
+}
