@@ -4,7 +4,8 @@
 //! completing, or keep timing out on the lock.
 //!
 //! A stall is a fact of its own ([`StallFact`]): no completed restore for more than twice the
-//! agent's usual period (the median of its last intervals, once it has a few) while its
+//! agent's usual period (the median of its last intervals, once it has a few; restores less
+//! than [`MIN_PERIOD_NS`] apart are one burst, so a reload or a one-off writer has none) while its
 //! process lives, or [`TIMEOUTS_IN_A_ROW`] restores in a row that gave up on the lock. The
 //! next completed restore ends it (a fact with `stalled: false`). A third shape is a restore
 //! that hangs: one still running after far longer than the agent's usual restore
@@ -26,6 +27,10 @@ use crate::shared::SharedStr;
 const KEEP: usize = 8;
 /// Intervals needed before a period is usual.
 pub const MIN_INTERVALS: usize = 3;
+/// Restores completed closer together than this are one burst, not a cadence (firewalld's
+/// `--reload` runs several a few ms apart; kube-proxy's `minSyncPeriod` is 1 s): a burst adds
+/// no interval, so a period is measured only between syncs at least this far apart.
+pub const MIN_PERIOD_NS: u64 = 1_000_000_000;
 /// Restores in a row that gave up on the lock (exit 4): a stall.
 pub const TIMEOUTS_IN_A_ROW: u32 = 3;
 /// Agents followed; more are not.
@@ -162,10 +167,13 @@ impl Cadence {
                     a.runtimes.push_back(ns);
                 }
                 if let Some(last) = a.last_ok_ns {
-                    if a.intervals.len() == KEEP {
-                        a.intervals.pop_front();
+                    let gap = f.ts_ns.saturating_sub(last);
+                    if gap >= MIN_PERIOD_NS {
+                        if a.intervals.len() == KEEP {
+                            a.intervals.pop_front();
+                        }
+                        a.intervals.push_back(gap);
                     }
-                    a.intervals.push_back(f.ts_ns.saturating_sub(last));
                 }
                 if a.stalled {
                     a.stalled = false;

@@ -1498,6 +1498,40 @@ fn stalls(r: &Run) -> Vec<StallFact> {
         .collect()
 }
 
+/// firewalld's `--reload`: restores a few ms apart, then nothing for minutes while it runs. A
+/// burst is not a period: no stall. The same agent with a real cadence later still stalls.
+#[test]
+fn a_burst_of_restores_is_not_a_cadence() {
+    let mut r = Run::new();
+    r.feed(&node());
+    let restore = |r: &mut Run, ts: u64, pid: u32| {
+        r.feed(&spawn(ts, 60, pid, "firewalld", RESTORE))
+            .feed(&[exit(ts + 2 * MS, pid, "iptables-restor", Some(0))]);
+    };
+    for i in 0..6u32 {
+        restore(&mut r, S + u64::from(i) * 3_600_000, 1000 + i);
+    }
+    for t in [2, 5, 30, 120] {
+        r.feed(&[exit(t * S, 5000 + t as u32, "sh", Some(0))]);
+    }
+    assert!(stalls(&r).is_empty(), "{:?}", stalls(&r));
+    assert_eq!(r.a.summary().syncs["firewalld"].usual_period_ns, None);
+    // Then restores 10 s apart (each a burst of two): a cadence, whose stop is a stall.
+    for i in 0..4u32 {
+        let ts = 200 * S + u64::from(i) * 10 * S;
+        restore(&mut r, ts, 2000 + 2 * i);
+        restore(&mut r, ts + 5 * MS, 2001 + 2 * i);
+    }
+    assert_eq!(
+        r.a.summary().syncs["firewalld"].usual_period_ns,
+        Some(10 * S - 5 * MS)
+    );
+    r.feed(&[exit(260 * S, 6000, "sh", Some(0))]);
+    let s = stalls(&r);
+    assert_eq!(s.len(), 1, "{s:?}");
+    assert_eq!(s[0].reason, "no_sync");
+}
+
 /// kube-proxy's restores every 10 s, then none for 31 s while it runs: a stall, ended by the
 /// next completed restore. Three restores in a row that time out are one too. A process
 /// that is gone does not stall.
