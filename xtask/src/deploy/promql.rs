@@ -272,6 +272,22 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "xtlock_refusals_during_holds_total",
         "moves only when the node refuses connections during a hold (tests/tests/refusals.rs)",
     ),
+    (
+        "xtlock_stale_endpoint_seconds_bucket",
+        "needs a Service still routed to a pod that is gone (tests/tests/stale_endpoints.rs)",
+    ),
+    (
+        "xtlock_stale_endpoint_seconds_count",
+        "needs a Service still routed to a pod that is gone (tests/tests/stale_endpoints.rs)",
+    ),
+    (
+        "xtlock_stale_endpoint_seconds_sum",
+        "needs a Service still routed to a pod that is gone (tests/tests/stale_endpoints.rs)",
+    ),
+    (
+        "xtlock_stale_endpoint_connections_total",
+        "moves only when connections are refused by a gone endpoint a Service still routes to",
+    ),
 ];
 
 /// Every expression parses and reads only series that `expositions` (the daemon's /metrics,
