@@ -135,7 +135,14 @@ impl Analyzer {
         let mut out = counted(&mut self.stats, out);
         match ev {
             Event::Addr(a) => services.on_addr(a, &mut out),
-            Event::RuleTable(t) => services.on_table(t, &mut out),
+            // Assembled once, then diffed and modelled.
+            Event::RuleTable(t) => {
+                if let Some(whole) = self.rules.whole_table(t) {
+                    self.rules
+                        .on_table(&whole, &self.procs, &mut self.attr, &mut out);
+                    services.on_table(&whole);
+                }
+            }
             _ => {}
         }
         services.tick(ev.ts_ns(), &mut out);

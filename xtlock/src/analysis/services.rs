@@ -123,8 +123,6 @@ fn is_zero(n: &u64) -> bool {
 #[derive(Debug, Default)]
 pub struct ServiceTracker {
     tables: HashMap<(u32, String, String), TableRoutes>,
-    /// Reads whose last part has not come yet.
-    partial: HashMap<(u32, String, String), RuleTable>,
     /// Routed (service, endpoint) per netns, after the last read.
     routed: FastMap<u32, BTreeSet<Route>>,
     /// Addresses gone from this node, and how.
@@ -235,31 +233,9 @@ fn is_service_chain(name: &str) -> bool {
 }
 
 impl ServiceTracker {
-    /// A rule read: the model of its table, then what stopped (or started) routing.
-    pub fn on_table(&mut self, t: &RuleTable, out: &mut impl FnMut(Output)) {
-        let key = (t.netns, t.family.clone(), t.table.clone());
-        if t.more || self.partial.contains_key(&key) {
-            let whole = match self.partial.remove(&key) {
-                Some(mut p) if p.ts_ns == t.ts_ns => {
-                    p.append(t.clone());
-                    p
-                }
-                _ => t.clone(),
-            };
-            if whole.more {
-                if self.partial.len() < MAX_TABLES {
-                    self.partial.insert(key, whole);
-                }
-            } else {
-                self.on_whole(&whole, out);
-            }
-            return;
-        }
-        self.on_whole(t, out);
-    }
-
-    fn on_whole(&mut self, t: &RuleTable, out: &mut impl FnMut(Output)) {
-        let _ = out;
+    /// A whole rule read (the rule tracker assembles its parts): the model of its table,
+    /// then what stopped (or started) routing.
+    pub fn on_table(&mut self, t: &RuleTable) {
         if !t.skipped.is_empty() {
             return;
         }

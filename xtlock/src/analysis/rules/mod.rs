@@ -16,6 +16,7 @@ mod diff;
 pub mod owners;
 pub mod rejects;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::Serialize;
@@ -101,6 +102,32 @@ const MAX_TABLES: usize = 1024;
 const MAX_CHAINS_REMEMBERED: usize = 65_536;
 
 impl RuleTracker {
+    /// The whole read `t` completes: `t` itself when it came in one part, the parts joined
+    /// when it is the last of them; `None` while more are to come. A read too large for one
+    /// capture record comes in parts (see `RuleTable::more`); it is diffed once whole.
+    pub fn whole_table<'a>(&mut self, t: &'a RuleTable) -> Option<Cow<'a, RuleTable>> {
+        let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
+        if !t.more && !self.partial.contains_key(&key) {
+            return Some(Cow::Borrowed(t));
+        }
+        let whole = match self.partial.remove(&key) {
+            Some(mut p) if p.ts_ns == t.ts_ns => {
+                p.append(t.clone());
+                p
+            }
+            // A new read while an older one was incomplete (a capture cut short): the older
+            // one is dropped.
+            _ => t.clone(),
+        };
+        if whole.more {
+            if self.partial.len() < MAX_TABLES {
+                self.partial.insert(key, whole);
+            }
+            return None;
+        }
+        Some(Cow::Owned(whole))
+    }
+
     /// A kernel event: a rule write is counted for its agent and its netns.
     pub fn on_event(
         &mut self,
@@ -109,29 +136,9 @@ impl RuleTracker {
         attr: &mut Attributor,
         out: &mut impl FnMut(Output),
     ) {
-        if let Event::RuleTable(t) = ev {
-            let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
-            if t.more || self.partial.contains_key(&key) {
-                // A read in parts: diffed once whole.
-                let whole = match self.partial.remove(&key) {
-                    Some(mut p) if p.ts_ns == t.ts_ns => {
-                        p.append((**t).clone());
-                        p
-                    }
-                    // A new read while an older one was incomplete (a capture cut short):
-                    // the older one is dropped.
-                    _ => (**t).clone(),
-                };
-                if whole.more {
-                    if self.partial.len() < MAX_TABLES {
-                        self.partial.insert(key, whole);
-                    }
-                } else {
-                    self.on_table(&whole, procs, attr, out);
-                }
-                return;
-            }
-            self.on_table(t, procs, attr, out);
+        // Tables come whole through `whole_table` and `on_table` (the Analyzer's, which
+        // hands the same whole read to the service model).
+        if let Event::RuleTable(_) = ev {
             return;
         }
         if let Event::Proc(p) = ev {
@@ -266,8 +273,9 @@ impl RuleTracker {
         }
     }
 
-    /// A table read after a write: what changed since the previous read, and whose it was.
-    fn on_table(
+    /// A table read after a write, whole (see [`Self::whole_table`]): what changed since the
+    /// previous read, and whose it was.
+    pub fn on_table(
         &mut self,
         t: &RuleTable,
         procs: &ProcTable,

@@ -134,7 +134,7 @@ fn the_model_follows_kube_proxys_iptables_layout() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    t.on_table(&nat(S, 10, &two));
     let ep: SocketAddr = "10.244.1.5:8080".parse().expect("ep");
     assert_eq!(t.services_of(NS, ep), ["default/web:http"]);
     let s = t.summary();
@@ -144,7 +144,7 @@ fn the_model_follows_kube_proxys_iptables_layout() {
     for c in &mut again.chains {
         c.rules = None;
     }
-    t.on_table(&again, &mut |_| {});
+    t.on_table(&again);
     assert_eq!(t.summary().endpoints, 2);
     // Without comments (over 1,000 endpoints), the service chain names the service.
     let mut bare = nat(3 * S, 12, &two);
@@ -153,7 +153,7 @@ fn the_model_follows_kube_proxys_iptables_layout() {
             r.0.retain(|p| !p.starts_with("-m comment"));
         }
     }
-    t.on_table(&bare, &mut |_| {});
+    t.on_table(&bare);
     assert_eq!(t.services_of(NS, ep), ["KUBE-SVC-WEB"]);
 }
 
@@ -164,16 +164,14 @@ fn a_gone_endpoint_is_stale_until_the_write_that_removes_it() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    t.on_table(&nat(S, 10, &two));
     let got = facts(&mut t, |t, v| {
         t.on_addr(&gone(10 * S, "10.244.1.5"), &mut |o| v.push(o));
         // kube-proxy's restore waited behind calico-node, then wrote.
         t.observe(&refused(10 * S, "10.244.1.5:8080", 3));
         t.observe(&refused(11 * S, "10.244.1.6:8080", 5));
         t.observe(&write(11 * S + 600_000_000, 77, "kube-proxy"));
-        t.on_table(&nat(11 * S + 700_000_000, 77, &two[1..]), &mut |o| {
-            v.push(o)
-        });
+        t.on_table(&nat(11 * S + 700_000_000, 77, &two[1..]));
         // Refused after the fix: connections DNATed before it, failing late.
         t.observe(&refused(13 * S, "10.244.1.5:8080", 2));
         t.tick(15 * S, &mut |o| v.push(o));
@@ -201,12 +199,12 @@ fn still_routed_at_the_end_and_writes_before_the_death_are_not_stale() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    t.on_table(&nat(S, 10, &two));
     let got = facts(&mut t, |t, v| {
         // B: removed by a write before its pod went, read after: not stale.
         t.observe(&write(2 * S, 20, "kube-proxy"));
         t.on_addr(&gone(2 * S + 10_000_000, "10.244.1.6"), &mut |o| v.push(o));
-        t.on_table(&nat(2 * S + 60_000_000, 20, &two[..1]), &mut |o| v.push(o));
+        t.on_table(&nat(2 * S + 60_000_000, 20, &two[..1]));
         // A: gone, never fixed.
         t.on_addr(&gone(3 * S, "10.244.1.5"), &mut |o| v.push(o));
         t.tick(20 * S, &mut |o| v.push(o));
@@ -223,10 +221,7 @@ fn a_read_that_routes_to_an_address_already_gone_opens_its_window() {
     let mut t = ServiceTracker::default();
     let got = facts(&mut t, |t, v| {
         t.on_addr(&gone(S, "10.244.1.5"), &mut |o| v.push(o));
-        t.on_table(
-            &nat(2 * S, 10, &[("KUBE-SEP-A", "10.244.1.5:8080")]),
-            &mut |o| v.push(o),
-        );
+        t.on_table(&nat(2 * S, 10, &[("KUBE-SEP-A", "10.244.1.5:8080")]));
         // The address is back (the IP reused): the window ends there.
         let mut back = gone(4 * S, "10.244.1.5");
         back.why = AddrWhy::Neighbour;
@@ -251,20 +246,17 @@ fn nftables_mode_endpoint_chains_route_while_they_dnat() {
         chains: vec![chain(name, rules)],
         more: false,
     };
-    t.on_table(
-        &table(
-            S,
-            vec![rule(&[
-                "meta l4proto tcp",
-                "-j DNAT --to-destination 10.244.1.5:8080",
-            ])],
-        ),
-        &mut |_| {},
-    );
+    t.on_table(&table(
+        S,
+        vec![rule(&[
+            "meta l4proto tcp",
+            "-j DNAT --to-destination 10.244.1.5:8080",
+        ])],
+    ));
     let ep: SocketAddr = "10.244.1.5:8080".parse().expect("ep");
     assert_eq!(t.services_of(NS, ep), ["default/web:http"]);
     // Flushed (deleted a second later): routes nowhere.
-    t.on_table(&table(2 * S, vec![]), &mut |_| {});
+    t.on_table(&table(2 * S, vec![]));
     assert!(t.services_of(NS, ep).is_empty());
 }
 
