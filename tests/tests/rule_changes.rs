@@ -350,3 +350,71 @@ fn who_changed_whose_nf_tables_rules() {
         ],
     });
 }
+
+/// Every nf_tables write counts where the nft_commit hook does not attach (this host), also
+/// from a process gone before its exec is read, in a namespace no process lives in: `ip netns
+/// exec NS nft ...` run from this test (whose namespace is the host's). The kernel's record of
+/// the exec names the namespace; the pin in `/run/netns` opens it. Each write is a
+/// `rule_write` with backend nft in NS, its change is read there, and with a legacy write in
+/// the same namespace NS is said mixed. `nft list ruleset` in NS is the truth that the writes
+/// happened; the number of runs is the truth of the count.
+#[test]
+fn nf_tables_writes_of_gone_processes_count_in_their_namespace() {
+    if !require_bpf("nf_tables_writes_of_gone_processes_count_in_their_namespace") {
+        return;
+    }
+    let _g = serial();
+    let ns = NetnsPair::new("xtlock-nw", 53);
+    let mut c = Command::new(xtlock_bin());
+    c.args(["trace", "--json", "--duration", "300s", "--no-drops"])
+        .args(xtlock_tests::tracer_extra_args());
+    let tracer = Tracer::spawn(c);
+    let run = |prog: &str, args: &[&str]| {
+        let mut all = vec!["netns", "exec", ns.a.as_str(), prog];
+        all.extend_from_slice(args);
+        xtlock_tests::sh("ip", &all);
+        // Its read comes before the next write (writes 50 ms apart coalesce into one read).
+        std::thread::sleep(Duration::from_millis(400));
+    };
+    run("nft", &["add", "table", "ip", "xtnw"]);
+    run("nft", &["add", "chain", "ip", "xtnw", "c1"]);
+    run(
+        "nft",
+        &["add", "rule", "ip", "xtnw", "c1", "counter", "accept"],
+    );
+    run("iptables-legacy", &["-w", "-A", "INPUT", "-j", "ACCEPT"]);
+    let truth = NetnsPair::exec(&ns.a, "nft", &["list", "ruleset"]);
+    assert!(
+        truth.contains("chain c1") && truth.contains("accept"),
+        "{truth}"
+    );
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    let netns = NetnsPair::inode(&ns.a);
+    let in_ns = |t: &str| -> Vec<&Value> {
+        trace
+            .of_type(t)
+            .into_iter()
+            .filter(|e| e["netns"].as_u64() == Some(netns))
+            .collect()
+    };
+    let nft_writes: Vec<&Value> = in_ns("rule_write")
+        .into_iter()
+        .filter(|w| w["backend"] == "nft")
+        .collect();
+    assert_eq!(nft_writes.len(), 3, "one per nft run, in NS:\n{dump}");
+    for w in &nft_writes {
+        assert_eq!(w["program"], "nft", "{w}");
+    }
+    let changes = in_ns("rule_change");
+    assert!(
+        changes.iter().any(|c| c["table"] == "xtnw"
+            && c["added"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|r| r[0] == "c1"))),
+        "the rule added to c1 is read in NS:\n{dump}"
+    );
+    let mixed = in_ns("mixed_backends");
+    assert_eq!(mixed.len(), 1, "NS holds both backends:\n{dump}");
+}

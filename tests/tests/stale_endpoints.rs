@@ -1,14 +1,16 @@
 //! A Service that keeps routing to a pod that is gone, against the real kernel: a node
 //! (network namespace) with a bridge like the bridge CNI plugin makes, two pods (namespaces
 //! with a veth on it, listening on 8080), a client in a namespace of its own, and a
-//! kube-proxy-shaped nat table written by the real `iptables-legacy-restore`. The client
+//! kube-proxy-shaped table written by the real `iptables-legacy-restore`, `iptables-nft-restore`
+//! or `nft -f` (kube-proxy's nftables mode: table `kube-proxy`, `endpoint-*` chains). The client
 //! connects to the Service's cluster IP every 100 ms; the first pod's veth is deleted (as
-//! the bridge plugin's CNI DEL does) while calico-node holds the lock, so kube-proxy's restore
-//! that removes the endpoint waits behind it. The client's own results and the script's
+//! the bridge plugin's CNI DEL does); with the legacy backend while calico-node holds the lock,
+//! so kube-proxy's restore that removes the endpoint waits behind it, through nf_tables a second
+//! later (no xtables lock there: the fix is late by kube-proxy's own delay). The client's own results and the script's
 //! clock are the truth: the stale window within 10 % (or 100 ms), the connections refused to
 //! the dead endpoint exactly the client's EHOSTUNREACH count and the node's own
-//! `Icmp: OutDestUnreachs`, the fix by kube-proxy after waiting behind calico-node; and
-//! `record` + `report` say the same.
+//! `Icmp: OutDestUnreachs`, the fix by kube-proxy (after waiting behind calico-node, for
+//! the legacy lock); and `record` + `report` say the same.
 
 use std::path::Path;
 use std::process::Command;
@@ -240,17 +242,97 @@ fn kube_proxy_nat(endpoints: &[&str]) -> String {
     s
 }
 
-/// kube-proxy (a helper named so) runs `iptables-legacy-restore -w` in the node's namespace.
-fn kube_proxy(s: &Scratch, node: &str, lock: &Path, rules: &Path) -> Agent {
+/// kube-proxy's nftables mode: `endpoint-*` chain of `ip` (its name carries the service port
+/// and the endpoint, as kube-proxy's do).
+fn nft_endpoint_chain(ip: &str) -> String {
+    format!(
+        "endpoint-{:0>8}-default/web/tcp/http__{ip}/8080",
+        ip.rsplit('.').next().unwrap_or("0")
+    )
+}
+
+const NFT_SVC_CHAIN: &str = "service-WEB00000-default/web/tcp/http";
+
+/// Table `kube-proxy` as kube-proxy's nftables mode writes it for `default/web:http`
+/// (10.96.0.10:80): the `service-ips` map, a service chain that picks an endpoint chain with
+/// `numgen`, endpoint chains that mark their own pod's traffic and `dnat to` it.
+fn kube_proxy_nft(endpoints: &[&str]) -> String {
+    let mut s = String::from(
+        "add table ip kube-proxy\n\
+         delete table ip kube-proxy\n\
+         table ip kube-proxy {\n\
+         map service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; }\n\
+         chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; jump services ; }\n\
+         chain nat-output { type nat hook output priority -100; policy accept; jump services ; }\n\
+         chain services { ip daddr . meta l4proto . th dport vmap @service-ips ; }\n\
+         chain mark-for-masquerade { meta mark set meta mark or 0x4000 ; }\n",
+    );
+    for ip in endpoints {
+        s.push_str(&format!(
+            "chain {} {{ ip saddr {ip} jump mark-for-masquerade ; meta l4proto tcp dnat to {ip}:8080 ; }}\n",
+            nft_endpoint_chain(ip)
+        ));
+    }
+    s.push_str(&format!(
+        "chain {NFT_SVC_CHAIN} {{ {} ; }}\n",
+        nft_pick(endpoints)
+    ));
+    s.push_str("}\n");
+    s.push_str(&format!(
+        "add element ip kube-proxy service-ips {{ 10.96.0.10 . tcp . 80 : goto {NFT_SVC_CHAIN} }}\n"
+    ));
+    s
+}
+
+fn nft_pick(endpoints: &[&str]) -> String {
+    let arms: Vec<String> = endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| format!("{i} : goto {}", nft_endpoint_chain(ip)))
+        .collect();
+    format!(
+        "numgen random mod {} vmap {{ {} }}",
+        endpoints.len(),
+        arms.join(", ")
+    )
+}
+
+/// kube-proxy's sync that drops `gone` from the Service: the service chain rewritten without
+/// it, and its endpoint chain flushed (deleted by a later sync, as kube-proxy does).
+fn kube_proxy_nft_without(gone: &str, left: &[&str]) -> String {
+    format!(
+        "flush chain ip kube-proxy {NFT_SVC_CHAIN}\n\
+         add rule ip kube-proxy {NFT_SVC_CHAIN} {}\n\
+         flush chain ip kube-proxy {}\n",
+        nft_pick(left),
+        nft_endpoint_chain(gone)
+    )
+}
+
+/// How kube-proxy writes its rules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Backend {
+    /// `iptables-legacy-restore -w`: takes the xtables lock.
+    Legacy,
+    /// `iptables-nft-restore`: the same text, through nf_tables.
+    IptablesNft,
+    /// kube-proxy's nftables mode: `nft -f -`.
+    Nft,
+}
+
+/// kube-proxy (a helper named so) writes `rules` in the node's namespace.
+fn kube_proxy(s: &Scratch, node: &str, lock: &Path, rules: &Path, b: Backend) -> Agent {
+    let net = format!("--net={}", Node::path(node));
+    let kp = s.agent("kube-proxy");
+    let mut args = vec![net.as_str(), kp.to_str().unwrap(), "run"];
+    args.extend_from_slice(match b {
+        Backend::Legacy => &["iptables-legacy-restore", "-w"][..],
+        Backend::IptablesNft => &["iptables-nft-restore"][..],
+        Backend::Nft => &["nft", "-f", "-"][..],
+    });
     Agent::spawn(
         Path::new("nsenter"),
-        &[
-            &format!("--net={}", Node::path(node)),
-            s.agent("kube-proxy").to_str().unwrap(),
-            "run",
-            "iptables-legacy-restore",
-            "-w",
-        ],
+        &args,
         &[("XTABLES_LOCKFILE", lock.to_str().unwrap())],
         Some(rules),
     )
@@ -262,9 +344,34 @@ fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_l
         return;
     }
     let _g = serial();
-    let s = Scratch::new("stale-endpoints");
+    scenario(Backend::Legacy, "xtse");
+}
+
+/// The same through `iptables-nft-restore`: the read-back of nf_tables models the Service,
+/// and the write that fixed it is kube-proxy's, also where the nft_commit hook does not attach.
+#[test]
+fn a_service_written_by_iptables_nft_routed_to_a_gone_pod_is_said() {
+    if !require_bpf("a_service_written_by_iptables_nft_routed_to_a_gone_pod_is_said") {
+        return;
+    }
+    let _g = serial();
+    scenario(Backend::IptablesNft, "xtsn");
+}
+
+/// The same in kube-proxy's nftables mode (`nft -f`, table `kube-proxy`).
+#[test]
+fn a_service_in_kube_proxy_nftables_mode_routed_to_a_gone_pod_is_said() {
+    if !require_bpf("a_service_in_kube_proxy_nftables_mode_routed_to_a_gone_pod_is_said") {
+        return;
+    }
+    let _g = serial();
+    scenario(Backend::Nft, "xtsk");
+}
+
+fn scenario(b: Backend, prefix: &str) {
+    let s = Scratch::new(&format!("stale-endpoints-{prefix}"));
     let lock = s.lock_file("xtables.lock");
-    let n = Node::new("xtse");
+    let n = Node::new(prefix);
     let capture = s.dir.join("stale.xtlock");
     // xtlock runs in the node's network namespace, as a DaemonSet pod with hostNetwork does.
     let mut c = Command::new("nsenter");
@@ -299,10 +406,16 @@ fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_l
         })
         .collect();
     let both = s.dir.join("both.rules");
-    std::fs::write(&both, kube_proxy_nat(&[DEAD, LIVE])).unwrap();
     let one = s.dir.join("one.rules");
-    std::fs::write(&one, kube_proxy_nat(&[LIVE])).unwrap();
-    assert_eq!(kube_proxy(&s, &n.node, &lock, &both).wait_within(T), 0);
+    if b == Backend::Nft {
+        std::fs::write(&both, kube_proxy_nft(&[DEAD, LIVE])).unwrap();
+        std::fs::write(&one, kube_proxy_nft_without(DEAD, &[LIVE])).unwrap();
+    } else {
+        std::fs::write(&both, kube_proxy_nat(&[DEAD, LIVE])).unwrap();
+        std::fs::write(&one, kube_proxy_nat(&[LIVE])).unwrap();
+    }
+    let mut first = kube_proxy(&s, &n.node, &lock, &both, b);
+    assert_eq!(first.wait_within(T), 0, "{:?}", first.seen);
     // The node has talked to both pods (its neighbour entries exist), and the table's read
     // has come.
     for ip in [DEAD, LIVE] {
@@ -349,28 +462,44 @@ fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_l
         None,
     );
     std::thread::sleep(Duration::from_millis(600));
-    let mut calico = Agent::spawn(
-        &s.agent("calico-node"),
-        &["hold", lock.to_str().unwrap(), "1500"],
-        &[],
-        None,
-    );
-    calico.expect("acquired", T);
+    // Legacy: calico-node holds the xtables lock, and kube-proxy's restore waits behind it.
+    let mut calico = (b == Backend::Legacy).then(|| {
+        let mut c = Agent::spawn(
+            &s.agent("calico-node"),
+            &["hold", lock.to_str().unwrap(), "1500"],
+            &[],
+            None,
+        );
+        c.expect("acquired", T);
+        c
+    });
     // The bridge plugin's CNI DEL: the pod's end of the veth deleted in its namespace.
     let del_start = xtlock_tests::monotonic_ns();
     sh("ip", &["-n", &n.pods[0], "link", "del", "eth0"]);
     let del_end = xtlock_tests::monotonic_ns();
-    std::thread::sleep(Duration::from_millis(100));
-    let mut restore = kube_proxy(&s, &n.node, &lock, &one);
+    // Through nf_tables, kube-proxy's sync comes 1.4 s later (its own delay).
+    std::thread::sleep(Duration::from_millis(if b == Backend::Legacy {
+        100
+    } else {
+        1400
+    }));
+    let spawned = xtlock_tests::monotonic_ns();
+    let mut restore = kube_proxy(&s, &n.node, &lock, &one, b);
     assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
-    let released = calico.ts("released", T);
+    // The fix could not come before this: calico's release, or kube-proxy's start.
+    let earliest = match calico.as_mut() {
+        Some(c) => c.ts("released", T),
+        None => spawned,
+    };
     let exited = restore
         .expect("exit", T)
         .last()
         .and_then(|t| t.parse::<u64>().ok())
         .expect("exit time");
     client.expect("done", T);
-    assert_eq!(calico.wait(), 0);
+    if let Some(c) = calico.as_mut() {
+        assert_eq!(c.wait(), 0);
+    }
     for mut p in pods {
         let _ = p.child.kill();
         let _ = p.child.wait();
@@ -419,10 +548,18 @@ fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_l
             .cloned()
             .collect()
     };
+    for w in trace.of_type("rule_write") {
+        eprintln!("{w}");
+    }
     let live = mine(&trace.events);
-    assert_eq!(live.len(), 1, "one stale window expected:\n{dump}");
+    assert_eq!(
+        live.len(),
+        1,
+        "one stale window expected:\n{dump}\nstderr:\n{}",
+        trace.stderr
+    );
     let f = &live[0];
-    eprintln!("fact: {f}\ntruth: veth deleted at {del_start}..{del_end}, calico released {released}, restore exited {exited}; client {unreachable} EHOSTUNREACH; OutDestUnreachs +{icmp}");
+    eprintln!("{b:?} fact: {f}\ntruth: veth deleted at {del_start}..{del_end}, fix not before {earliest}, restore exited {exited}; client {unreachable} EHOSTUNREACH; OutDestUnreachs +{icmp}");
     assert_eq!(f["service"], SVC, "{f}");
     assert_eq!(f["endpoint"], format!("{DEAD}:8080"), "{f}");
     assert_eq!(f["gone"], "link deleted", "{f}");
@@ -430,18 +567,26 @@ fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_l
     let fix = &f["fix"];
     assert_eq!(fix["agent"], "kube-proxy", "{f}");
     assert_eq!(fix["exact"], true, "{f}");
-    assert!(
-        fix["behind"]
-            .as_array()
-            .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
-        "the fix's wait behind calico-node: {f}"
-    );
-    assert!(u(&fix["wait_ns"]) > 1_000_000_000, "{f}");
-    // Stale from the veth's deletion to the restore's write: between calico's release and
-    // the restore's exit.
+    let program = match b {
+        Backend::Legacy => "iptables-legacy-restore",
+        Backend::IptablesNft => "iptables-nft-restore",
+        Backend::Nft => "nft",
+    };
+    assert_eq!(fix["program"], program, "{f}");
+    if b == Backend::Legacy {
+        assert!(
+            fix["behind"]
+                .as_array()
+                .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
+            "the fix's wait behind calico-node: {f}"
+        );
+        assert!(u(&fix["wait_ns"]) > 1_000_000_000, "{f}");
+    }
+    // Stale from the veth's deletion to the restore's write: between calico's release (or
+    // kube-proxy's start) and the restore's exit.
     let stale = u(&f["stale_ns"]);
     let (lo, hi) = (
-        released.saturating_sub(del_end),
+        earliest.saturating_sub(del_end),
         exited.saturating_sub(del_start),
     );
     let slack = (hi / 10).max(100_000_000);

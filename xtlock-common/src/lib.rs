@@ -211,7 +211,14 @@ pub struct ExecEvent {
     /// Non-zero when argv had more entries than `ARGV_SLOTS`.
     pub args_truncated: u32,
     pub comm: [u8; COMM_LEN],
+    /// Appended: the inode of the network namespace the new program runs in (0 unknown).
+    /// Records of older versions end before it (`EXEC_V1_LEN` bytes).
+    pub netns: u32,
+    pub _pad: u32,
 }
+
+/// An `ExecEvent` of versions before `netns` was appended.
+pub const EXEC_V1_LEN: usize = 688;
 
 /// A new task. `hdr.tgid`/`hdr.tid` are the parent's.
 #[repr(C)]
@@ -1100,7 +1107,9 @@ mod tests {
         assert_eq!(size_of::<HoldNow>(), 24);
         assert_eq!(size_of::<KeptTake>(), 16 + 72);
         assert_eq!(size_of::<FlockCallEvent>(), 64);
-        assert_eq!(size_of::<ExecEvent>(), 24 + 128 + 512 + 8 + 16);
+        // Grown only at its end (`netns`): `EXEC_V1_LEN` before.
+        assert_eq!(size_of::<ExecEvent>(), 24 + 128 + 512 + 8 + 16 + 8);
+        assert_eq!(core::mem::offset_of!(ExecEvent, netns), EXEC_V1_LEN);
         assert_eq!(size_of::<ForkEvent>(), 48);
         assert_eq!(size_of::<ExitEvent>(), 48);
         // Grown only at its end (the table head): a reader of either version reads the

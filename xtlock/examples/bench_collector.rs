@@ -318,6 +318,8 @@ impl<W: io::Write> Gen<W> {
             argc: argv.len().min(c::ARGV_SLOTS) as u32,
             args_truncated: u32::from(argv.len() > c::ARGV_SLOTS),
             comm: comm(comm_),
+            netns: 0,
+            _pad: 0,
         };
         let n = filename.len().min(c::FILENAME_LEN - 1);
         e.filename[..n].copy_from_slice(&filename.as_bytes()[..n]);

@@ -214,7 +214,8 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
             })
         }
         K::Exec => {
-            need(kind, b, sizes::EXEC)?;
+            // Records of older versions end before `netns`.
+            need(kind, b, common::EXEC_V1_LEN)?;
             // Field by field from the input: the struct is ~700 bytes, mostly unused slots.
             use std::mem::offset_of;
             type E = common::ExecEvent;
@@ -230,6 +231,11 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 filename: shared(field(offset_of!(E, filename), common::FILENAME_LEN)),
                 argv: Argv::from_slots(args, (argc as usize).min(common::ARGV_SLOTS)),
                 argv_truncated: truncated != 0,
+                netns: if b.len() >= sizes::EXEC {
+                    read(&b[offset_of!(E, netns)..])
+                } else {
+                    0
+                },
             })
         }
         K::Fork => {

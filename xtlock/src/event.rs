@@ -254,6 +254,9 @@ pub struct ExecEvent {
     /// Shared with the process table and the exec fact.
     pub argv: Argv,
     pub argv_truncated: bool,
+    /// Inode of the network namespace the program runs in, read at exec (0 unknown: no BTF
+    /// offsets, or a capture from before it was recorded).
+    pub netns: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, field, header, ids, now, output, reserve, syscall_arg},
+    emit::{cfg, current_netns, field, header, ids, now, output, reserve, syscall_arg},
     EXEC_ARGS, EXEC_SCRATCH, EXIT_CODES,
 };
 
@@ -137,6 +137,9 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), i32> {
         zero((*ev).filename.as_mut_ptr().cast::<u64>(), FILENAME_LEN / 8);
         (*ev).hdr = header(EventKind::Exec, now());
         (*ev).comm = bpf_get_current_comm().unwrap_or([0; 16]);
+        // Known here even when the program is gone before userspace reads this.
+        (*ev).netns = current_netns();
+        (*ev)._pad = 0;
         // __data_loc: low 16 bits offset from the record start, high 16 bits length.
         let src = (ctx.as_ptr() as *const u8).add((loc & 0xffff) as usize);
         if bpf_probe_read_kernel_str_bytes(src, &mut (*ev).filename).is_err() {

@@ -138,8 +138,13 @@ impl Analyzer {
             // Assembled once, then diffed and modelled.
             Event::RuleTable(t) => {
                 if let Some(whole) = self.rules.whole_table(t) {
+                    // The writes a read counts (nf_tables without the commit hook) explain
+                    // the fixes the same read makes.
                     self.rules
-                        .on_table(&whole, &self.procs, &mut self.attr, &mut out);
+                        .on_table(&whole, &self.procs, &mut self.attr, &mut |o: Output| {
+                            services.observe(&o);
+                            out(o);
+                        });
                     services.on_table(&whole);
                 }
             }

@@ -1854,6 +1854,81 @@ fn a_write_names_its_binary() {
     );
 }
 
+/// Where the nft_commit hook does not attach, the read that follows an nf_tables writer's
+/// exit counts its write (once per read, at the writer's exit): kube-proxy's
+/// `iptables-nft-restore` is a write with backend nft, and with calico-node's legacy write
+/// the netns is said mixed. A read with a commit before it adds none.
+#[test]
+fn an_nft_read_without_a_commit_counts_its_writer() {
+    const NS: u32 = 4026532011;
+    let mut r = Run::new();
+    r.feed(&node());
+    r.feed(&spawn(
+        MS,
+        100,
+        500,
+        "kube-proxy",
+        &["iptables-nft-restore", "-w"],
+    ));
+    r.feed(&[Event::Exit(crate::decode::ExitEvent {
+        ts_ns: 2 * MS,
+        tgid: 500,
+        tid: 500,
+        comm: Comm::new("iptables-nft-re"),
+        exit_code: Some(0),
+    })]);
+    let kp: &[(&str, &[&str])] = &[("KUBE-SERVICES", &["-j ACCEPT"])];
+    // Two tables of one read: one write.
+    r.feed(&nft_read(
+        60 * MS,
+        NS,
+        500,
+        &[("nft ip", "nat", kp), ("nft ip", "filter", kp)],
+    ));
+    let writes = |r: &Run| -> Vec<(String, &str, u64, u32)> {
+        r.out
+            .iter()
+            .filter_map(|o| match o {
+                Output::RuleWrite(w) => {
+                    Some((w.agent.to_string(), w.backend.as_str(), w.ts_ns, w.pid))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    assert_eq!(
+        writes(&r),
+        vec![("kube-proxy".to_string(), "nft", 2 * MS, 500)],
+        "{:?}",
+        r.out
+    );
+    r.feed(&spawn(
+        70 * MS,
+        40,
+        600,
+        "calico-node",
+        &["iptables-legacy", "-A", "X"],
+    ));
+    r.feed(&[legacy_replace(71 * MS, 600, NS)]);
+    let mixed: Vec<&MixedBackendsFact> = r
+        .out
+        .iter()
+        .filter_map(|o| match o {
+            Output::MixedBackends(m) => Some(m),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(mixed.len(), 1, "{:?}", r.out);
+    assert_eq!(
+        mixed[0].nft,
+        vec!["kube-proxy (iptables-nft-restore)".to_string()]
+    );
+    // With the hook: the commit is the write, and the read after it adds none.
+    r.feed(&[nft_commit(80 * MS, 500, NS, 3)]);
+    r.feed(&nft_read(90 * MS, NS, 500, &[("nft ip", "nat", kp)]));
+    assert_eq!(writes(&r).len(), 3, "{:?}", writes(&r));
+}
+
 /// (family, table, chains of (name, rules)).
 type NftTableSpec<'a> = (&'a str, &'a str, &'a [(&'a str, &'a [&'a str])]);
 

@@ -196,6 +196,8 @@ fn mixed_ops() -> Vec<Op> {
                     argc: 2,
                     args_truncated: 0,
                     comm: Comm::new("iptables").0,
+                    netns: 0,
+                    _pad: 0,
                 };
                 e.filename[..18].copy_from_slice(b"/usr/sbin/iptables");
                 e.args[0][..8].copy_from_slice(b"iptables");
@@ -1192,6 +1194,8 @@ fn sparse_kernel_records_round_trip() {
             argc: 1,
             args_truncated: 0,
             comm: Comm::new("iptables").0,
+            netns: u32::from_ne_bytes([fill; 4]),
+            _pad: u32::from_ne_bytes([fill; 4]),
         };
         e.filename[..filename.len()].copy_from_slice(filename);
         e.args[0][..8].copy_from_slice(b"iptables");

@@ -603,7 +603,11 @@ impl Render {
                 });
                 let port = imm(5).and_then(|b| <[u8; 2]>::try_from(b.as_slice()).ok());
                 let mut t = format!("-j {ty}");
-                let complex = [4u16, 6].iter().any(|k| get(*k).is_some());
+                // A range only when its maximum differs from its minimum (`nft` loads both
+                // registers, with the same value, for a single address and port).
+                let complex = [(4u16, 3u16), (6, 5)].iter().any(|&(max, min)| {
+                    get(max).is_some() && (imm(max).is_none() || imm(max) != imm(min))
+                });
                 match ip {
                     Some(ip) if !complex => {
                         let ip = match port {

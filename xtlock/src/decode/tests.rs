@@ -204,7 +204,27 @@ fn exec(argc: u32, comm: &str) -> common::ExecEvent {
         argc,
         args_truncated: 0,
         comm: Comm::new(comm).0,
+        netns: 0,
+        _pad: 0,
     }
+}
+
+/// The exec's network namespace, as the kernel saw it; an exec record from before it was
+/// appended (688 bytes) decodes with the namespace unknown.
+#[test]
+fn exec_netns_and_older_records() {
+    let mut e = exec(1, "nft");
+    e.netns = 4026532246;
+    let b = bytes(&e);
+    let Event::Exec(d) = decode(&b).unwrap() else {
+        panic!()
+    };
+    assert_eq!(d.netns, 4026532246);
+    let Event::Exec(old) = decode(&b[..common::EXEC_V1_LEN]).unwrap() else {
+        panic!()
+    };
+    assert_eq!((old.netns, old.comm), (0, d.comm));
+    assert!(decode(&b[..common::EXEC_V1_LEN - 1]).is_err());
 }
 
 #[test]

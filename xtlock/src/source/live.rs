@@ -370,7 +370,7 @@ impl Tap {
             r.on_event(&ev);
         }
         let exec = match &ev {
-            Event::Exec(x) => Some((x.tgid, x.ts_ns, x.filename.clone(), x.argv.clone())),
+            Event::Exec(x) => Some((x.tgid, x.ts_ns, x.filename.clone(), x.argv.clone(), x.netns)),
             Event::Fork(f) => {
                 self.binaries.forked(f.parent_tgid, f.child_tid);
                 None
@@ -381,7 +381,7 @@ impl Tap {
         // Right behind its exec, before any exit of the same process: the cgroup of
         // a new program. A container's process is moved to its cgroup by the
         // runtime after fork, so the parent's would name the runtime.
-        let info = exec.and_then(|(pid, ts, file, argv)| {
+        let info = exec.and_then(|(pid, ts, file, argv, netns)| {
             let mut info = exec_cgroup(pid, ts);
             // An iptables run: which binary, on disk, and its version.
             if super::binaries::is_rule_tool(&file) {
@@ -390,7 +390,7 @@ impl Tap {
                     let args: Vec<&str> = argv.iter().collect();
                     let version = resolved.as_ref().and_then(|(_, v)| v.as_deref());
                     let ancestor = self.binaries.alive_ancestor(pid);
-                    r.on_exec(pid, &args, &file, version, ancestor);
+                    r.on_exec(pid, &args, &file, version, ancestor, netns);
                 }
                 if let Some((exe, version)) = resolved {
                     let i = info.get_or_insert_with(|| decode::ProcInfo {

@@ -171,9 +171,11 @@ impl RuleReader {
     }
 
     /// An exec of a rule tool (`argv`, `filename` as given to execve, `version` as its
-    /// binary carries it): when it writes through nf_tables, its network namespace is
-    /// opened now (through it, or through `ancestor`, still running, when it is gone
-    /// already), for the read after its exit.
+    /// binary carries it, `netns` the inode of its network namespace as the kernel saw it at
+    /// exec, 0 unknown): when it writes through nf_tables, that namespace is opened now, for
+    /// the read after its exit: through the writer, else (it is gone already) through
+    /// `ancestor` if that one lives in the same namespace, else through a pin of it
+    /// (`ip netns`, containerd's `cni-*`) or any process in it ([`open_netns`]).
     pub fn on_exec(
         &mut self,
         pid: u32,
@@ -181,6 +183,7 @@ impl RuleReader {
         filename: &str,
         version: Option<&str>,
         ancestor: Option<u32>,
+        netns: u32,
     ) {
         if !writes_nft(argv, filename, version) {
             return;
@@ -189,10 +192,17 @@ impl RuleReader {
         let open = |p: u32| -> Option<(u32, File)> {
             let f = File::open(format!("/proc/{p}/ns/net")).ok()?;
             let ino = u32::try_from(f.metadata().ok()?.ino()).ok()?;
-            Some((ino, f))
+            (netns == 0 || ino == netns).then_some((ino, f))
         };
-        let Some((ino, f)) = open(pid).or_else(|| ancestor.and_then(open)) else {
-            tracing::debug!(pid, "nf_tables writer gone before its namespace was opened");
+        let found = open(pid)
+            .or_else(|| ancestor.and_then(open))
+            .or_else(|| (netns != 0).then(|| open_netns(netns, pid).map(|f| (netns, f)))?);
+        let Some((ino, f)) = found else {
+            tracing::debug!(
+                pid,
+                netns,
+                "nf_tables writer gone before its namespace was opened, and no pin or process of that namespace found"
+            );
             return;
         };
         tracing::debug!(pid, ?ancestor, netns = ino, "nf_tables writer");
@@ -467,8 +477,8 @@ impl Worker {
 }
 
 /// An open handle on the network namespace with inode `ino`: the writer's (usually gone by
-/// now: an iptables lives milliseconds), ours, one pinned by `ip netns` (`/run/netns`), or
-/// any process's in it (a pod's pause container).
+/// now: an iptables lives milliseconds), ours, one pinned by `ip netns` or containerd
+/// (`/run/netns`, `/var/run/netns`), or any process's in it (a pod's pause container).
 fn open_netns(ino: u32, pid: u32) -> Option<File> {
     use std::os::unix::fs::MetadataExt;
     let try_path = |p: &std::path::Path| -> Option<File> {
@@ -479,8 +489,10 @@ fn open_netns(ino: u32, pid: u32) -> Option<File> {
     if let Some(f) = try_path(&proc_ns(&pid.to_string())).or_else(|| try_path(&proc_ns("self"))) {
         return Some(f);
     }
-    let pinned = std::fs::read_dir("/run/netns")
+    // `ip netns` pins, containerd's `cni-*` ones (where /var/run is not /run's link).
+    let pinned = ["/run/netns", "/var/run/netns"]
         .into_iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
         .flatten()
         .flatten()
         .find_map(|e| try_path(&e.path()));

@@ -20,6 +20,7 @@ pub fn exec(ts: u64, pid: u32, filename: &str, argv: &[&str]) -> Event {
         filename: filename.into(),
         argv: Argv::new(argv),
         argv_truncated: false,
+        netns: 0,
     })
 }
 

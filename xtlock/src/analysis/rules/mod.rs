@@ -172,6 +172,7 @@ impl RuleTracker {
         self.write(ts_ns, pid, netns, backend, &comm, table, procs, attr, out);
     }
 
+    /// One write counted for its agent and netns; returns the agent's name.
     #[allow(clippy::too_many_arguments)]
     fn write(
         &mut self,
@@ -184,7 +185,7 @@ impl RuleTracker {
         procs: &ProcTable,
         attr: &mut Attributor,
         out: &mut impl FnMut(Output),
-    ) {
+    ) -> String {
         let who = attr.get(procs, pid, comm);
         let agent = if who.agent.is_empty() {
             who.comm.to_string()
@@ -242,7 +243,7 @@ impl RuleTracker {
         }));
         // Which netns: unknown (0, an older capture or no BTF) cannot be compared.
         if netns == 0 || (!self.netns.contains_key(&netns) && self.netns.len() >= MAX_NETNS) {
-            return;
+            return agent;
         }
         let n = self.netns.entry(netns).or_default();
         let side = match backend {
@@ -254,14 +255,14 @@ impl RuleTracker {
             side.insert(label);
         }
         if n.legacy.is_empty() || n.nft.is_empty() {
-            return;
+            return agent;
         }
         let fact = MixedBackendsFact {
             ts_ns,
             netns,
             legacy: n.legacy.iter().cloned().collect(),
             nft: n.nft.iter().cloned().collect(),
-            agent,
+            agent: agent.clone(),
             pid,
             backend,
         };
@@ -271,6 +272,38 @@ impl RuleTracker {
             n.said = true;
             out(Output::MixedBackends(fact));
         }
+        agent
+    }
+
+    /// The nf_tables write a read follows when no commit was seen for it: made by the
+    /// writer whose exit asked for the read, at its exit (the write came before it). Reads
+    /// of a burst of writers are coalesced, so a burst counts once (the hook, where it
+    /// attaches, counts each commit).
+    fn nft_write_from_read(
+        &mut self,
+        t: &RuleTable,
+        procs: &ProcTable,
+        attr: &mut Attributor,
+        out: &mut impl FnMut(Output),
+    ) -> Option<String> {
+        let p = procs.get(t.after_pid);
+        let comm = p.map(|p| p.comm).unwrap_or_default();
+        let ts = p
+            .and_then(|p| p.exited.as_ref())
+            .map(|e| e.ts_ns)
+            .filter(|&e| e <= t.ts_ns)
+            .unwrap_or(t.ts_ns);
+        Some(self.write(
+            ts,
+            t.after_pid,
+            t.netns,
+            Backend::Nft,
+            &comm,
+            None,
+            procs,
+            attr,
+            out,
+        ))
     }
 
     /// A table read after a write, whole (see [`Self::whole_table`]): what changed since the
@@ -310,6 +343,15 @@ impl RuleTracker {
             }
             if self.nft_reads.len() > MAX_NETNS {
                 self.nft_reads.clear();
+            }
+            // No commit covered this read (the nft_commit hook does not attach on this
+            // kernel): the write is the one of the nf_tables writer whose exit asked for the
+            // read, counted once per read (see `nft_write_from_read`).
+            let new_read = last.is_none_or(|(l, _)| l != t.ts_ns);
+            if writers.is_empty() && new_read && t.after_pid != 0 {
+                if let Some(agent) = self.nft_write_from_read(t, procs, attr, out) {
+                    writers.push(agent);
+                }
             }
         } else if let Some(p) = self.pending.get_mut(&key) {
             p.retain(|(ts, a)| {
