@@ -21,6 +21,7 @@ use xtlock_tests::{require_bpf, serial, sh, xtlock_bin, Agent, Scratch, Tracer};
 
 const T: Duration = Duration::from_secs(60);
 const SVC: &str = "default/web:http";
+const DNS: &str = "kube-system/dns:dns";
 const DEAD: &str = "10.244.1.5";
 const LIVE: &str = "10.244.1.6";
 
@@ -37,7 +38,10 @@ struct Node {
 }
 
 impl Node {
-    fn new(prefix: &str) -> Self {
+    /// `fast_neighbours`: the node's neighbour entries fail within ~200 ms (each connection
+    /// to a gone pod refused with one ICMP); else Linux's defaults (they stay reachable for
+    /// 15-45 s: connections to a gone pod go unanswered, as on a real node).
+    fn new(prefix: &str, fast_neighbours: bool) -> Self {
         let n = Node {
             node: format!("{prefix}-node"),
             pods: [format!("{prefix}-p1"), format!("{prefix}-p2")],
@@ -104,6 +108,17 @@ impl Node {
         // node takes up to ~45 s and 3 s: the same states, sooner), and every failure is
         // answered with its ICMP host unreachable (no per-peer or global ICMP limit), so each
         // refused connection is one ICMP, as the client counts it.
+        sh(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                node,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ],
+        );
         for (k, v) in [
             ("net.ipv4.ip_forward", "1"),
             ("net.ipv4.neigh.br0.base_reachable_time_ms", "100"),
@@ -115,6 +130,9 @@ impl Node {
             ("net.ipv4.icmp_msgs_per_sec", "1000000"),
             ("net.ipv4.icmp_msgs_burst", "1000000"),
         ] {
+            if !fast_neighbours {
+                break;
+            }
             let path = format!("/proc/sys/{}", k.replace('.', "/"));
             // icmp_msgs_* are global on kernels before 6.0: left as they are there.
             if k.starts_with("net.ipv4.icmp_msgs") && !in_ns(node, "test", &["-e", &path]) {
@@ -198,45 +216,99 @@ fn out_dest_unreachs(ns: &str) -> u64 {
 /// kube-proxy's nat table for `default/web:http` (10.96.0.10:80) with these endpoints, as
 /// kube-proxy writes it (comments, statistic, KUBE-MARK-MASQ, DNAT).
 fn kube_proxy_nat(endpoints: &[&str]) -> String {
-    let sep = |ip: &str| format!("KUBE-SEP-{:0>16}", ip.replace('.', ""));
-    let svc = "KUBE-SVC-WEB0000000000000";
+    nat_table(&[Svc::web(endpoints)])
+}
+
+/// One Service port of a kube-proxy nat table.
+struct Svc<'a> {
+    name: &'a str,
+    chain: &'a str,
+    vip: &'a str,
+    proto: &'a str,
+    port: u16,
+    target: u16,
+    endpoints: &'a [&'a str],
+}
+
+impl<'a> Svc<'a> {
+    fn web(endpoints: &'a [&'a str]) -> Self {
+        Svc {
+            name: SVC,
+            chain: "KUBE-SVC-WEB0000000000000",
+            vip: "10.96.0.10",
+            proto: "tcp",
+            port: 80,
+            target: 8080,
+            endpoints,
+        }
+    }
+
+    fn dns(endpoints: &'a [&'a str]) -> Self {
+        Svc {
+            name: DNS,
+            chain: "KUBE-SVC-DNS0000000000000",
+            vip: "10.96.0.53",
+            proto: "udp",
+            port: 53,
+            target: 5353,
+            endpoints,
+        }
+    }
+}
+
+fn nat_table(svcs: &[Svc]) -> String {
+    let sep =
+        |svc: &Svc, ip: &str| format!("KUBE-SEP-{}{:0>13}", &svc.chain[9..12], ip.replace('.', ""));
     let mut s = String::from(
         "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n\
          :POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n",
     );
-    s.push_str(&format!(":{svc} - [0:0]\n"));
-    for ip in endpoints {
-        s.push_str(&format!(":{} - [0:0]\n", sep(ip)));
+    for svc in svcs {
+        s.push_str(&format!(":{} - [0:0]\n", svc.chain));
+        for ip in svc.endpoints {
+            s.push_str(&format!(":{} - [0:0]\n", sep(svc, ip)));
+        }
     }
     s.push_str(
         "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
          -A KUBE-MARK-MASQ -j MARK --or-mark 0x4000\n",
     );
-    s.push_str(&format!(
-        "-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment \"{SVC} cluster IP\" -m tcp --dport 80 -j {svc}\n"
-    ));
-    for (i, ip) in endpoints.iter().enumerate() {
-        let left = endpoints.len() - i;
-        let stat = if left > 1 {
-            format!(
-                " -m statistic --mode random --probability {:.11}",
-                1.0 / left as f64
-            )
-        } else {
-            String::new()
-        };
+    for svc in svcs {
+        let Svc {
+            name,
+            chain,
+            vip,
+            proto,
+            port,
+            target,
+            endpoints,
+        } = svc;
         s.push_str(&format!(
-            "-A {svc} -m comment --comment \"{SVC} -> {ip}:8080\"{stat} -j {}\n",
-            sep(ip)
+            "-A KUBE-SERVICES -d {vip}/32 -p {proto} -m comment --comment \"{name} cluster IP\" -m {proto} --dport {port} -j {chain}\n"
         ));
-    }
-    for ip in endpoints {
-        let c = sep(ip);
-        s.push_str(&format!(
-            "-A {c} -s {ip}/32 -m comment --comment \"{SVC}\" -j KUBE-MARK-MASQ\n\
-             -A {c} -p tcp -m comment --comment \"{SVC}\" -m tcp -j DNAT --to-destination {ip}:8080\n"
-        ));
+        for (i, ip) in endpoints.iter().enumerate() {
+            let left = endpoints.len() - i;
+            let stat = if left > 1 {
+                format!(
+                    " -m statistic --mode random --probability {:.11}",
+                    1.0 / left as f64
+                )
+            } else {
+                String::new()
+            };
+            s.push_str(&format!(
+                "-A {chain} -m comment --comment \"{name} -> {ip}:{target}\"{stat} -j {}\n",
+                sep(svc, ip)
+            ));
+        }
+        for ip in endpoints.iter() {
+            let c = sep(svc, ip);
+            s.push_str(&format!(
+                "-A {c} -s {ip}/32 -m comment --comment \"{name}\" -j KUBE-MARK-MASQ\n\
+                 -A {c} -p {proto} -m comment --comment \"{name}\" -m {proto} -j DNAT --to-destination {ip}:{target}\n"
+            ));
+        }
     }
     s.push_str("COMMIT\n");
     s
@@ -371,7 +443,7 @@ fn a_service_in_kube_proxy_nftables_mode_routed_to_a_gone_pod_is_said() {
 fn scenario(b: Backend, prefix: &str) {
     let s = Scratch::new(&format!("stale-endpoints-{prefix}"));
     let lock = s.lock_file("xtables.lock");
-    let n = Node::new(prefix);
+    let n = Node::new(prefix, true);
     let capture = s.dir.join("stale.xtlock");
     // xtlock runs in the node's network namespace, as a DaemonSet pod with hostNetwork does.
     let mut c = Command::new("nsenter");
@@ -624,4 +696,234 @@ fn scenario(b: Backend, prefix: &str) {
         text.contains(&format!("{unreachable} connection")) && text.contains("fixed by kube-proxy"),
         "{text}"
     );
+}
+
+/// The count of conntrack entries in namespace `ns` whose reply comes from `ip` (the
+/// `conntrack` tool's own reading).
+fn conntrack_to(ns: &str, proto: &str, ip: &str) -> usize {
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            ns,
+            "conntrack",
+            "-L",
+            "-p",
+            proto,
+            "--reply-src",
+            ip,
+        ])
+        .output()
+        .expect("conntrack -L");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with(proto))
+        .count()
+}
+
+/// As on a real node: the node's neighbour entries keep Linux's default timers, so after the
+/// pod's veth is deleted its neighbour stays reachable and connections DNATed to it go out to
+/// nobody: unanswered, not refused. xtlock reads them from conntrack (TCP entries DNATed to
+/// the gone pod that never saw a reply): exactly the client's own ETIMEDOUTs. A UDP flow to a
+/// second Service (`kube-system/dns:dns`, its one endpoint on the same pod) keeps its
+/// conntrack entry, so conntrack steers it to the dead pod after kube-proxy removed the
+/// endpoint (kubernetes#125467): said with its packets, the `conntrack` tool's count the
+/// truth.
+#[test]
+fn unanswered_connections_and_udp_flows_conntrack_keeps_are_said() {
+    if !require_bpf("unanswered_connections_and_udp_flows_conntrack_keeps_are_said") {
+        return;
+    }
+    let _g = serial();
+    let prefix = "xtsu";
+    let s = Scratch::new("stale-endpoints-unanswered");
+    let lock = s.lock_file("xtables.lock");
+    let n = Node::new(prefix, false);
+    sh(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &n.node,
+            "sysctl",
+            "-qw",
+            "net.netfilter.nf_conntrack_acct=1",
+        ],
+    );
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net={}", Node::path(&n.node)))
+        .arg(xtlock_bin())
+        .args(["trace", "--json", "--duration", "300s", "--lock-file"])
+        .arg(&lock)
+        .args(xtlock_tests::tracer_extra_args());
+    let tracer = Tracer::spawn(c);
+    let mut pods: Vec<Agent> = Vec::new();
+    for p in &n.pods {
+        for mode in [&["tcplisten", "8080"][..], &["udpecho", "5353"][..]] {
+            let mut args = vec!["netns", "exec", p.as_str()];
+            let helper = s.agent("web");
+            args.push(helper.to_str().unwrap());
+            args.extend_from_slice(mode);
+            let mut a = Agent::spawn(Path::new("ip"), &args, &[], None);
+            a.expect("listening", T);
+            pods.push(a);
+        }
+    }
+    let both = s.dir.join("both.rules");
+    std::fs::write(
+        &both,
+        nat_table(&[Svc::web(&[DEAD, LIVE]), Svc::dns(&[DEAD])]),
+    )
+    .unwrap();
+    let one = s.dir.join("one.rules");
+    std::fs::write(&one, nat_table(&[Svc::web(&[LIVE]), Svc::dns(&[])])).unwrap();
+    let mut first = kube_proxy(&s, &n.node, &lock, &both, Backend::Legacy);
+    assert_eq!(first.wait_within(T), 0, "{:?}", first.seen);
+    // The node talks to both pods: its neighbour entries are fresh (reachable for 15-45 s).
+    for ip in [DEAD, LIVE] {
+        let mut a = Agent::spawn(
+            Path::new("ip"),
+            &[
+                "netns",
+                "exec",
+                &n.node,
+                s.agent("probe").to_str().unwrap(),
+                "connects",
+                ip,
+                "8080",
+                "1",
+                "0",
+                "2000",
+            ],
+            &[],
+            None,
+        );
+        let words = a.expect("conn", T);
+        assert_eq!(words.last().map(String::as_str), Some("ok"), "{words:?}");
+        a.wait();
+    }
+    // One UDP flow to the DNS Service, answered by the pod, every 100 ms for 9 s.
+    let mut udp = Agent::spawn(
+        Path::new("ip"),
+        &[
+            "netns",
+            "exec",
+            &n.client,
+            s.agent("resolver").to_str().unwrap(),
+            "udpfrom",
+            "40053",
+            "10.96.0.53",
+            "53",
+            "90",
+            "100",
+        ],
+        &[],
+        None,
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        conntrack_to(&n.node, "udp", DEAD),
+        1,
+        "the DNS flow is DNATed to the pod"
+    );
+    // 30 connects, one every 100 ms, each given 1 s.
+    let mut client = Agent::spawn(
+        Path::new("ip"),
+        &[
+            "netns",
+            "exec",
+            &n.client,
+            s.agent("client").to_str().unwrap(),
+            "connects",
+            "10.96.0.10",
+            "80",
+            "30",
+            "100",
+            "1000",
+        ],
+        &[],
+        None,
+    );
+    std::thread::sleep(Duration::from_millis(600));
+    let del_start = xtlock_tests::monotonic_ns();
+    sh("ip", &["-n", &n.pods[0], "link", "del", "eth0"]);
+    let del_end = xtlock_tests::monotonic_ns();
+    std::thread::sleep(Duration::from_millis(1200));
+    let spawned = xtlock_tests::monotonic_ns();
+    let mut restore = kube_proxy(&s, &n.node, &lock, &one, Backend::Legacy);
+    assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
+    let exited = restore
+        .expect("exit", T)
+        .last()
+        .and_then(|t| t.parse::<u64>().ok())
+        .expect("exit time");
+    client.expect("done", T);
+    // Past the report (5 s after the fix) while the UDP flow still sends.
+    std::thread::sleep(Duration::from_millis(5600));
+    let udp_entries = conntrack_to(&n.node, "udp", DEAD);
+    udp.expect("sent", T);
+    for mut p in pods {
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+
+    let results: Vec<&str> = client
+        .seen
+        .iter()
+        .filter(|l| l.starts_with("conn "))
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    assert_eq!(results.len(), 30, "{:?}", client.seen);
+    let timed_out = results.iter().filter(|r| **r == "ETIMEDOUT").count() as u64;
+    let ok = results.iter().filter(|r| **r == "ok").count() as u64;
+    eprintln!("client: {ok} ok, {timed_out} ETIMEDOUT; UDP entries to the dead pod at the report: {udp_entries}");
+    assert!(
+        timed_out > 0,
+        "no connection was DNATed to the dead pod: {:?}",
+        client.seen
+    );
+    assert_eq!(ok + timed_out, 30, "{:?}", client.seen);
+
+    let netns = Node::inode(&n.node);
+    let facts: Vec<&Value> = trace
+        .of_type("stale_endpoint")
+        .into_iter()
+        .filter(|e| u(&e["netns"]) == netns)
+        .collect();
+    for f in &facts {
+        eprintln!("fact: {f}");
+    }
+    let web = facts
+        .iter()
+        .find(|f| f["service"] == SVC)
+        .unwrap_or_else(|| panic!("no window of {SVC}:\n{dump}"));
+    let dns = facts
+        .iter()
+        .find(|f| f["service"] == DNS)
+        .unwrap_or_else(|| panic!("no window of {DNS}:\n{dump}"));
+    // The TCP Service: every connection DNATed to the dead pod, exactly the client's
+    // timeouts: unanswered (a TCP conntrack entry that never saw a reply), or, when the
+    // neighbour failed before the client gave up on a retransmitted SYN, refused too.
+    assert_eq!(u(&web["connections"]), timed_out, "{web}");
+    assert!(u(&web["outcomes"]["unanswered"]) >= 1, "{web}");
+    assert!(
+        web["conntrack"].is_null(),
+        "failed and closed connections are not flows: {web}"
+    );
+    assert_eq!(web["fix"]["agent"], "kube-proxy", "{web}");
+    let stale = u(&web["stale_ns"]);
+    let (lo, hi) = (spawned - del_end, exited - del_start);
+    assert!(
+        stale + 100_000_000 >= lo && stale <= hi + 100_000_000,
+        "stale {stale} ns, truth between {lo} and {hi}: {web}"
+    );
+    // The UDP Service: conntrack still steers its flow to the dead pod after the fix, as
+    // the conntrack tool says.
+    assert_eq!(udp_entries, 1, "the conntrack tool's count");
+    let ct = &dns["conntrack"];
+    assert_eq!((u(&ct["entries"]), u(&ct["udp"])), (1, 1), "{dns}");
+    assert!(u(&ct["packets"]) > 10, "packets kept following it: {dns}");
 }

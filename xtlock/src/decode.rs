@@ -11,6 +11,7 @@ use xtlock_common as common;
 
 use crate::event::shared;
 
+pub mod ct_entry;
 pub mod ipset;
 pub mod nft_table;
 pub mod xt_bytes;

@@ -1017,6 +1017,66 @@ pub struct AddrPresence {
     pub link: String,
 }
 
+/// One conntrack entry as ctnetlink dumps it (`decode/ct_entry.rs`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CtEntry {
+    /// The kernel's id of the entry (`CTA_ID`): the same connection in successive dumps.
+    pub id: u32,
+    /// IP protocol (6 TCP, 17 UDP, ...).
+    pub proto: u8,
+    /// TCP's conntrack state (`TCP_CONNTRACK_*`: 1 SYN_SENT, 3 ESTABLISHED, ...), 0 for others.
+    pub tcp_state: u8,
+    /// `IPS_*` bits.
+    pub status: u32,
+    /// The original direction: the client and the address it asked for (a Service's).
+    pub orig_src: SocketAddr,
+    pub orig_dst: SocketAddr,
+    /// Where the reply comes from: the endpoint the entry was DNATed to.
+    pub reply_src: SocketAddr,
+    /// Packets of the original direction (0 unless `nf_conntrack_acct` is on).
+    pub packets: u64,
+    /// Seconds left before it expires.
+    pub timeout_s: u32,
+}
+
+impl Default for CtEntry {
+    fn default() -> Self {
+        let any = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
+        CtEntry {
+            id: 0,
+            proto: 0,
+            tcp_state: 0,
+            status: 0,
+            orig_src: any,
+            orig_dst: any,
+            reply_src: any,
+            packets: 0,
+            timeout_s: 0,
+        }
+    }
+}
+
+impl CtEntry {
+    /// It saw a packet of the reply direction (`IPS_SEEN_REPLY`).
+    pub fn replied(&self) -> bool {
+        self.status & (1 << 1) != 0
+    }
+}
+
+/// Synthetic: the conntrack entries whose replies come from an address gone from this node
+/// (read by `source/ct_entries.rs` every second while it stays gone): the connections still
+/// DNATed to a dead endpoint, answered or not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CtEntries {
+    pub ts_ns: u64,
+    /// The network namespace whose conntrack table this is (inode).
+    pub netns: u32,
+    pub addr: IpAddr,
+    pub entries: Vec<CtEntry>,
+    /// Entries past the bound of one read, not listed.
+    pub more: u32,
+}
+
 /// Everything the analysis consumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -1070,6 +1130,8 @@ pub enum Event {
     RuleTable(Box<RuleTable>),
     /// Synthetic: an address appeared on or vanished from this node (see [`AddrPresence`]).
     Addr(Box<AddrPresence>),
+    /// Synthetic: conntrack entries DNATed to an address gone from this node.
+    CtEntries(Box<CtEntries>),
     /// Synthetic, before the first event that carries `addr`: the kernel function it is in
     /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
     KernelSymbol {
@@ -1105,6 +1167,7 @@ impl Event {
             Event::Pod(e) => e.ts_ns,
             Event::RuleTable(t) => t.ts_ns,
             Event::Addr(a) => a.ts_ns,
+            Event::CtEntries(c) => c.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }

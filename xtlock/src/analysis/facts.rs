@@ -1084,8 +1084,27 @@ pub struct StaleEndpointFact {
     pub still_routed: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fix: Option<StaleFix>,
-    /// Connections the node refused to it meanwhile (ICMP unreachable, resets), exact.
+    /// Connections sent to it meanwhile: those the node refused (ICMP unreachable, resets,
+    /// exact from the refusal counters) and those nothing answered (TCP conntrack entries
+    /// DNATed to it that never saw a reply, beyond the refused ones).
     pub connections: u64,
-    /// Per kind and detail (`icmp_unreachable: host unreachable`).
+    /// Per kind and detail (`icmp_unreachable: host unreachable`, `unanswered`).
     pub outcomes: BTreeMap<String, u64>,
+    /// Conntrack entries still DNATed to it when this was said (after the fix): flows that
+    /// conntrack keeps steering to the dead endpoint whatever the rules say (UDP above all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conntrack: Option<StaleConntrack>,
+}
+
+/// Conntrack entries still DNATed to a dead endpoint (see [`StaleEndpointFact::conntrack`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StaleConntrack {
+    pub entries: u64,
+    pub udp: u64,
+    pub tcp: u64,
+    /// Packets that followed them (of the original direction; 0 unless
+    /// `nf_conntrack_acct` is on).
+    pub packets: u64,
+    /// The longest time left before one expires (each packet renews it).
+    pub expires_in_s: u32,
 }

@@ -933,7 +933,8 @@ impl LockMachine {
             | Event::RefusalCounts(_)
             | Event::Pod(_)
             | Event::RuleTable(_)
-            | Event::Addr(_) => {}
+            | Event::Addr(_)
+            | Event::CtEntries(_) => {}
         }
     }
 

@@ -135,6 +135,7 @@ impl Analyzer {
         let mut out = counted(&mut self.stats, out);
         match ev {
             Event::Addr(a) => services.on_addr(a, &mut out),
+            Event::CtEntries(c) => services.on_ct(c),
             // Assembled once, then diffed and modelled.
             Event::RuleTable(t) => {
                 if let Some(whole) = self.rules.whole_table(t) {

@@ -23,9 +23,9 @@ use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
 
-use super::facts::{Output, StaleEndpointFact, StaleFix};
+use super::facts::{Output, StaleConntrack, StaleEndpointFact, StaleFix};
 use super::procs::FastMap;
-use crate::event::{AddrPresence, AddrWhy, ChainState, Rule, RuleTable};
+use crate::event::{AddrPresence, AddrWhy, ChainState, CtEntries, Rule, RuleTable};
 use crate::shared::SharedStr;
 
 /// Refusals to a dead endpoint are counted until this long after the rules stopped routing
@@ -74,7 +74,29 @@ struct Window {
     link: String,
     fix: Option<StaleFix>,
     outcomes: BTreeMap<String, u64>,
+    /// Conntrack entries DNATed to it, by the kernel's id (see [`ServiceTracker::on_ct`]).
+    ct: BTreeMap<u32, CtSeen>,
+    /// The ids of the last read after the fix: what conntrack still steers there.
+    ct_after_fix: Option<Vec<u32>>,
 }
+
+/// One conntrack entry DNATed to a window's endpoint, as last read.
+#[derive(Debug, Clone, Copy)]
+struct CtSeen {
+    proto: u8,
+    /// It saw a reply in some read.
+    replied: bool,
+    packets: u64,
+    timeout_s: u32,
+    /// TCP's conntrack state at the last read.
+    tcp_state: u8,
+}
+
+/// `TCP_CONNTRACK_ESTABLISHED`.
+const TCP_CONNTRACK_ESTABLISHED: u8 = 3;
+
+/// Conntrack entries followed per window.
+const MAX_CT_PER_WINDOW: usize = 4096;
 
 #[derive(Debug, Clone)]
 struct Write {
@@ -360,6 +382,8 @@ impl ServiceTracker {
             link,
             fix: None,
             outcomes: BTreeMap::new(),
+            ct: BTreeMap::new(),
+            ct_after_fix: None,
         });
     }
 
@@ -401,6 +425,43 @@ impl ServiceTracker {
             .collect();
         for (netns, (service, ep)) in hits {
             self.open(netns, service, ep, a.ts_ns, a.why, a.link.clone());
+        }
+    }
+
+    /// A read of the conntrack entries DNATed to an address gone: the connections each of its
+    /// windows sent there (a TCP entry that never saw a reply was not answered), and, once
+    /// the rules were fixed, what conntrack still steers there.
+    pub fn on_ct(&mut self, c: &CtEntries) {
+        for w in self.windows.iter_mut() {
+            if w.endpoint.ip() != c.addr || (c.netns != 0 && w.netns != c.netns) {
+                continue;
+            }
+            let port = w.endpoint.port();
+            let mine = c
+                .entries
+                .iter()
+                .filter(|e| port == 0 || e.reply_src.port() == port);
+            let mut ids = Vec::new();
+            for e in mine {
+                ids.push(e.id);
+                if !w.ct.contains_key(&e.id) && w.ct.len() >= MAX_CT_PER_WINDOW {
+                    continue;
+                }
+                let seen = w.ct.entry(e.id).or_insert(CtSeen {
+                    proto: e.proto,
+                    replied: false,
+                    packets: 0,
+                    timeout_s: 0,
+                    tcp_state: 0,
+                });
+                seen.replied |= e.replied();
+                seen.packets = seen.packets.max(e.packets);
+                seen.timeout_s = e.timeout_s;
+                seen.tcp_state = e.tcp_state;
+            }
+            if w.fix.as_ref().is_some_and(|f| c.ts_ns > f.ts_ns) {
+                w.ct_after_fix = Some(ids);
+            }
         }
     }
 
@@ -500,7 +561,37 @@ impl ServiceTracker {
             .map(|f| f.ts_ns)
             .or(ended_ns)
             .unwrap_or(w.since_ns);
-        let connections = w.outcomes.values().sum();
+        let mut outcomes = w.outcomes;
+        let refused: u64 = outcomes.values().sum();
+        // A refused connection is also a TCP entry without a reply: only those beyond the
+        // refused ones were not answered at all.
+        let unreplied = w.ct.values().filter(|e| e.proto == 6 && !e.replied).count() as u64;
+        let unanswered = unreplied.saturating_sub(refused);
+        if unanswered > 0 {
+            outcomes.insert("unanswered".into(), unanswered);
+        }
+        let connections = refused + unanswered;
+        // What still carries traffic there: UDP (and other) flows, and established TCP
+        // connections; a TCP entry that never saw a reply is a failed connection (counted
+        // above), one closing or closed is done.
+        let flows: Vec<&CtSeen> = w
+            .ct_after_fix
+            .iter()
+            .flatten()
+            .filter_map(|id| w.ct.get(id))
+            .filter(|e| e.proto != 6 || e.tcp_state == TCP_CONNTRACK_ESTABLISHED)
+            .collect();
+        let conntrack = (!flows.is_empty()).then(|| {
+            let mut s = StaleConntrack::default();
+            for e in flows {
+                s.entries += 1;
+                s.udp += u64::from(e.proto == 17);
+                s.tcp += u64::from(e.proto == 6);
+                s.packets += e.packets;
+                s.expires_in_s = s.expires_in_s.max(e.timeout_s);
+            }
+            s
+        });
         let f = StaleEndpointFact {
             ts_ns: w.since_ns,
             netns: w.netns,
@@ -512,7 +603,8 @@ impl ServiceTracker {
             still_routed,
             fix: w.fix,
             connections,
-            outcomes: w.outcomes,
+            outcomes,
+            conntrack,
         };
         self.summary.stale_windows += 1;
         self.summary.still_stale += u64::from(still_routed);

@@ -62,6 +62,11 @@ pub const KIND_RULE_TABLE: u8 = 13;
 /// Synthetic: an address appeared on or vanished from this node (skippable: a reader that does
 /// not know it loses only the dead-endpoint times).
 pub const KIND_ADDR: u8 = 14;
+/// Synthetic: conntrack entries DNATed to an address gone from this node (skippable: a reader
+/// that does not know it loses only the unanswered connections and stale entries).
+pub const KIND_CT_ENTRIES: u8 = 15;
+/// Entries one `ct_entries` record holds at most (the source lists fewer).
+pub const MAX_CT_ENTRIES: u64 = 4096;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
 /// error instead of skipping it. Kinds below it that a reader does not know are skipped.
 pub const KIND_CRITICAL_MIN: u8 = 0x80;
@@ -247,6 +252,24 @@ fn get_varint_long(b: &[u8], pos: &mut usize) -> Option<u64> {
     }
 }
 
+/// An address: its family (4, 6), then its bytes.
+fn put_ip(out: &mut Vec<u8>, a: std::net::IpAddr) {
+    match a {
+        std::net::IpAddr::V4(v) => {
+            put_varint(out, 4);
+            put_bytes(out, &v.octets());
+        }
+        std::net::IpAddr::V6(v) => {
+            put_varint(out, 6);
+            put_bytes(out, &v.octets());
+        }
+    }
+}
+
+fn small(v: u64, what: &'static str) -> Result<u8, String> {
+    u8::try_from(v).map_err(|_| format!("{what}: {v} does not fit 8 bits"))
+}
+
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     put_varint(out, b.len() as u64);
     out.extend_from_slice(b);
@@ -289,6 +312,23 @@ impl<'a> Body<'a> {
         let s = &self.b[self.pos..self.pos + len as usize];
         self.pos += len as usize;
         Ok(s)
+    }
+
+    /// An address as [`put_ip`] writes it: its family (4, 6), then its bytes.
+    fn ip(&mut self, what: &'static str) -> Result<std::net::IpAddr, String> {
+        let family = self.varint(what)?;
+        let bytes = self.bytes(what)?;
+        match family {
+            4 => <[u8; 4]>::try_from(bytes).ok().map(std::net::IpAddr::from),
+            6 => <[u8; 16]>::try_from(bytes).ok().map(std::net::IpAddr::from),
+            _ => None,
+        }
+        .ok_or_else(|| {
+            format!(
+                "{what}: address of {} bytes for family {family}",
+                bytes.len()
+            )
+        })
     }
 
     fn string(&mut self, what: &'static str) -> Result<String, String> {
@@ -689,11 +729,32 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             put_bytes(out, a.link.as_bytes());
             KIND_ADDR
         }
+        Event::CtEntries(c) => {
+            put_varint(out, c.ts_ns);
+            put_varint(out, u64::from(c.netns));
+            put_ip(out, c.addr);
+            put_varint(out, u64::from(c.more));
+            let n = c.entries.len().min(MAX_CT_ENTRIES as usize);
+            put_varint(out, n as u64);
+            for e in &c.entries[..n] {
+                put_varint(out, u64::from(e.id));
+                put_varint(out, u64::from(e.proto));
+                put_varint(out, u64::from(e.tcp_state));
+                put_varint(out, u64::from(e.status));
+                for a in [e.orig_src, e.orig_dst, e.reply_src] {
+                    put_ip(out, a.ip());
+                    put_varint(out, u64::from(a.port()));
+                }
+                put_varint(out, e.packets);
+                put_varint(out, u64::from(e.timeout_s));
+            }
+            KIND_CT_ENTRIES
+        }
         _ => return None,
     })
 }
 
-/// Decodes a body of kind 5..=14 into its event; trailing fields are ignored.
+/// Decodes a body of kind 5..=15 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
@@ -990,6 +1051,45 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 addr,
                 why,
                 link: r.string("link")?,
+            }))
+        }
+        KIND_CT_ENTRIES => {
+            let ts_ns = r.varint("ts_ns")?;
+            let netns = r.u32("netns")?;
+            let addr = r.ip("addr")?;
+            let more = r.u32("more")?;
+            let n = r.varint("entries")?;
+            if n > MAX_CT_ENTRIES {
+                return Err(format!("{n} conntrack entries, more than {MAX_CT_ENTRIES}"));
+            }
+            let mut entries = Vec::with_capacity(n as usize);
+            for _ in 0..n {
+                let mut e = crate::event::CtEntry {
+                    id: r.u32("id")?,
+                    proto: small(r.varint("proto")?, "proto")?,
+                    tcp_state: small(r.varint("tcp_state")?, "tcp_state")?,
+                    status: r.u32("status")?,
+                    ..Default::default()
+                };
+                let mut sock = |what| -> Result<std::net::SocketAddr, String> {
+                    let ip = r.ip(what)?;
+                    let port = u16::try_from(r.varint(what)?)
+                        .map_err(|_| format!("{what}: port out of range"))?;
+                    Ok(std::net::SocketAddr::new(ip, port))
+                };
+                e.orig_src = sock("orig_src")?;
+                e.orig_dst = sock("orig_dst")?;
+                e.reply_src = sock("reply_src")?;
+                e.packets = r.varint("packets")?;
+                e.timeout_s = r.u32("timeout")?;
+                entries.push(e);
+            }
+            Event::CtEntries(Box::new(crate::event::CtEntries {
+                ts_ns,
+                netns,
+                addr,
+                entries,
+                more,
             }))
         }
         k => return Err(format!("kind {k} is not a synthetic record")),

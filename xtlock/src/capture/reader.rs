@@ -222,7 +222,8 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_POD
                 | format::KIND_REFUSAL_COUNTS
                 | format::KIND_RULE_TABLE
-                | format::KIND_ADDR => {
+                | format::KIND_ADDR
+                | format::KIND_CT_ENTRIES => {
                     return Some(
                         match format::decode_drop_event(kind, &self.raw[start..end]) {
                             Ok(ev) => {

@@ -237,8 +237,15 @@ pub struct StaleLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StaleConnectionLabels {
-    /// `icmp_unreachable: host unreachable`, `reset_sent: ...` (bounded like refusal details).
+    /// `icmp_unreachable: host unreachable`, `reset_sent: ...`, `unanswered` (bounded like
+    /// refusal details).
     pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StaleFlowLabels {
+    /// `udp`, `tcp`, `other`.
+    pub proto: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -301,6 +308,7 @@ pub struct Metrics {
     pub stale_connections: Family<StaleConnectionLabels, Counter>,
     /// Endpoints still routed to while gone, at the last report (the end of tracing).
     pub stale_still_routed: Counter,
+    pub stale_flows: Family<StaleFlowLabels, Counter>,
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
@@ -491,8 +499,9 @@ impl Metrics {
         let stale_connections = Family::<StaleConnectionLabels, Counter>::default();
         r.register(
             "stale_endpoint_connections",
-            "Connections the node refused to a gone endpoint while a Service still routed to \
-             it (exact kernel counts of ICMP unreachable and resets to that ip:port)",
+            "Connections sent to a gone endpoint while a Service still routed to it: refused \
+             (exact kernel counts of ICMP unreachable and resets to that ip:port) or \
+             `unanswered` (conntrack entries DNATed to it that never saw a reply)",
             stale_connections.clone(),
         );
         let stale_still_routed = Counter::default();
@@ -501,6 +510,14 @@ impl Metrics {
             "Windows of routing to a gone endpoint that no write had ended when reported \
              (tracing ended, or the address came back)",
             stale_still_routed.clone(),
+        );
+        let stale_flows = Family::<StaleFlowLabels, Counter>::default();
+        r.register(
+            "stale_endpoint_conntrack_flows",
+            "Conntrack entries still DNATed to a gone endpoint after the rules stopped routing \
+             to it, when its window was reported (flows conntrack keeps steering there, UDP \
+             above all), by protocol",
+            stale_flows.clone(),
         );
         let drops = Family::<DropLabels, Counter>::default();
         r.register(
@@ -619,6 +636,7 @@ impl Metrics {
             stale_endpoint,
             stale_connections,
             stale_still_routed,
+            stale_flows,
             conntrack,
             conntrack_entries,
             conntrack_max,
@@ -983,6 +1001,20 @@ impl Sink for MetricsSink {
                     .observe(f.stale_ns as f64 / 1e9);
                 if f.still_routed {
                     self.m.stale_still_routed.inc();
+                }
+                if let Some(c) = &f.conntrack {
+                    for (proto, n) in [
+                        ("udp", c.udp),
+                        ("tcp", c.tcp),
+                        ("other", c.entries - c.udp - c.tcp),
+                    ] {
+                        if n > 0 {
+                            self.m
+                                .stale_flows
+                                .get_or_create(&StaleFlowLabels { proto })
+                                .inc_by(n);
+                        }
+                    }
                 }
                 for (what, n) in &f.outcomes {
                     let outcome = self.refusal_details.label(what);

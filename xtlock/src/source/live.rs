@@ -60,6 +60,8 @@ struct Tap {
     binaries: super::binaries::Binaries,
     /// Where this node's addresses live, and when they go (rtnetlink, its own thread).
     addrs: Option<super::addrs::AddrWatcher>,
+    /// Conntrack entries DNATed to addresses gone (see `source/ct_entries.rs`).
+    ct: Option<super::ct_entries::CtWatch>,
 }
 
 impl LiveSource {
@@ -210,7 +212,14 @@ impl LiveSource {
         match super::addrs::AddrWatcher::start() {
             Ok(w) => self.tap.addrs = Some(w),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot open an rtnetlink socket: addresses that vanish from this node are not followed")
+                tracing::warn!(error = %e, "cannot open an rtnetlink socket: addresses that vanish from this node are not followed");
+                return;
+            }
+        }
+        match super::ct_entries::CtWatch::start(super::addrs::own_netns()) {
+            Ok(c) => self.tap.ct = Some(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot open a netfilter netlink socket: connections to dead endpoints that nothing answers are not counted")
             }
         }
     }
@@ -426,7 +435,16 @@ impl Tap {
             r.poll(&mut tables);
         }
         if let Some(a) = self.addrs.as_mut() {
+            let from = tables.len();
             a.poll(&mut tables);
+            if let Some(c) = self.ct.as_mut() {
+                for ev in &tables[from..] {
+                    c.on_event(ev);
+                }
+            }
+        }
+        if let Some(c) = self.ct.as_mut() {
+            c.poll(&mut tables);
         }
         self.add_tables(tables, out);
     }

@@ -6,6 +6,7 @@
 //! writes a capture as the source yields it, `rolling` keeps the daemon's set of them.
 pub mod addrs;
 pub mod binaries;
+pub mod ct_entries;
 pub mod drops;
 pub mod file;
 pub mod ipvs;

@@ -664,21 +664,8 @@ fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
 }
 
 fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) {
-    let tv = libc::timeval {
-        tv_sec: t.as_secs() as libc::time_t,
-        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
-    };
-    // SAFETY: tv is a valid timeval for the call's duration. Failing leaves the socket
-    // blocking, which the kernel's dump always ends anyway.
-    unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            std::ptr::addr_of!(tv).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        );
-    }
+    // Failing leaves the socket blocking, which the kernel's dump always ends anyway.
+    let _ = super::addrs::set_recv_timeout(sock, t);
 }
 
 #[cfg(test)]

@@ -270,6 +270,31 @@ fn drop_records_round_trip() {
             why: crate::event::AddrWhy::LinkDeleted,
             link: "cali12ab".into(),
         })),
+        Event::CtEntries(Box::new(crate::event::CtEntries {
+            ts_ns: 80,
+            netns: 4026531840,
+            addr: "10.244.1.5".parse().unwrap(),
+            entries: vec![
+                crate::event::CtEntry {
+                    id: 7,
+                    proto: 6,
+                    tcp_state: 1,
+                    status: 0x20,
+                    orig_src: "10.199.0.2:40000".parse().unwrap(),
+                    orig_dst: "10.96.0.10:80".parse().unwrap(),
+                    reply_src: "10.244.1.5:8080".parse().unwrap(),
+                    packets: 3,
+                    timeout_s: 117,
+                },
+                crate::event::CtEntry {
+                    id: u32::MAX,
+                    proto: 17,
+                    reply_src: "[fd00::5]:53".parse().unwrap(),
+                    ..Default::default()
+                },
+            ],
+            more: 2,
+        })),
     ];
     for ev in &evs {
         let mut b = Vec::new();

@@ -892,15 +892,23 @@ pub(crate) fn stale_endpoint_text(f: &StaleEndpointFact) -> String {
             .iter()
             .map(|(what, n)| format!("{what} {n}"))
             .collect();
+        let unanswered = f.outcomes.get("unanswered").copied().unwrap_or(0);
         let _ = write!(
             s,
-            ": {} connection{} refused ({})",
+            ": {} connection{} {} ({})",
             f.connections,
             if f.connections == 1 { "" } else { "s" },
+            if unanswered == f.connections {
+                "unanswered"
+            } else if unanswered == 0 {
+                "refused"
+            } else {
+                "refused or unanswered"
+            },
             outcomes.join(", ")
         );
     } else {
-        s.push_str(": no connection refused");
+        s.push_str(": no connection seen");
     }
     match &f.fix {
         None => s.push_str("; still routed when tracing ended"),
@@ -939,6 +947,22 @@ pub(crate) fn stale_endpoint_text(f: &StaleEndpointFact) -> String {
                 );
             }
         }
+    }
+    if let Some(c) = &f.conntrack {
+        let _ = write!(
+            s,
+            "; conntrack still sends {} flow{} there ({} UDP, {} TCP{}; expires in {} s unless packets keep it)",
+            c.entries,
+            if c.entries == 1 { "" } else { "s" },
+            c.udp,
+            c.tcp,
+            if c.packets > 0 {
+                format!(", {} packets", c.packets)
+            } else {
+                String::new()
+            },
+            c.expires_in_s
+        );
     }
     s
 }

@@ -260,7 +260,7 @@ pub(super) fn request_bytes(m: RouteNetlinkMessage, seq: u32) -> Vec<u8> {
 }
 
 /// The namespace watched: this process's.
-pub(super) fn own_netns() -> u32 {
+pub fn own_netns() -> u32 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self/ns/net")
         .ok()
@@ -357,7 +357,8 @@ pub(super) fn setsockopt_int(
     }
 }
 
-pub(super) fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) -> std::io::Result<()> {
+/// `SO_RCVTIMEO`: how long a read of `sock` may wait (shared by every netlink reader).
+pub fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) -> std::io::Result<()> {
     let tv = libc::timeval {
         tv_sec: t.as_secs() as libc::time_t,
         tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
