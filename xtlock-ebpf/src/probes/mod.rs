@@ -4,6 +4,7 @@ pub mod flock;
 pub mod getsockopt;
 pub mod ipvs;
 pub mod nft_commit;
+pub mod nft_mutex;
 pub mod process;
 pub mod refusal;
 pub mod setsockopt;
