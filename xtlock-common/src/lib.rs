@@ -468,9 +468,11 @@ pub struct NftMutexConfig {
     /// Address of `nf_tables_net_id` (kallsyms, `CONFIG_KALLSYMS_ALL`); 0 when unknown:
     /// then the id is learned from the first wait whose stack proves it (below).
     pub net_id_addr: u64,
-    /// `nf_tables_valid_genid` (start, end): its only mutex is the commit mutex. A wait
-    /// called from it tells which pernet id points to the mutex.
+    /// `nf_tables_valid_genid` and `nft_rcv_nl_event` (start, end): the only mutex each
+    /// takes itself is the commit mutex (a batch's start; a netlink socket's release). A wait
+    /// called from one tells which pernet id points to the mutex.
     pub genid_fn: [u64; 2],
+    pub release_fn: [u64; 2],
     /// `nfnetlink_rcv_batch` (start, end): the only mutex it takes itself is the nfnetlink
     /// subsystem mutex. A wait called from it tells that mutex's address.
     pub batch_fn: [u64; 2],
@@ -1236,7 +1238,7 @@ mod tests {
         assert_eq!(size_of::<CtConfig>(), 48);
         assert_eq!(size_of::<XtReplaceEvent>(), 32);
         assert_eq!(size_of::<NftMutexWaitEvent>(), 24 + 16 + 24 + 32);
-        assert_eq!(size_of::<NftMutexConfig>(), 16 * 4 + 8 + 48);
+        assert_eq!(size_of::<NftMutexConfig>(), 16 * 4 + 8 + 64);
     }
 
     #[test]

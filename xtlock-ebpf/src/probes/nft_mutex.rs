@@ -7,8 +7,9 @@
 //! * **The commit mutex** of the waiter's netns is `&nft_pernet(net)->commit_mutex`:
 //!   `net->gen->ptr[nf_tables_net_id]` plus the member's offset (BTF). The id is read from
 //!   `nf_tables_net_id` where kallsyms has its address; else it is learned once, from the
-//!   first wait whose kernel stack shows `mutex_lock` called by `nf_tables_valid_genid`
-//!   (whose only mutex is the commit mutex): the id whose pernet pointer gives that address.
+//!   first wait whose kernel stack shows `mutex_lock` called by `nf_tables_valid_genid` or
+//!   `nft_rcv_nl_event` (whose only mutex is the commit mutex): the id whose pernet pointer
+//!   gives that address. Until then, waits on other paths to it are not recognised.
 //! * **The nfnetlink subsystem mutex** (`nfnl_lock(NFNL_SUBSYS_NFTABLES)`), one for the
 //!   node, which `nfnetlink_rcv_batch` holds while it waits for the commit mutex: learned
 //!   once, from the first wait whose stack shows `mutex_lock` called by
@@ -133,7 +134,9 @@ fn which(ctx: *mut c_void, c: &NftMutexConfig, net: u64, lock: u64) -> Option<u3
     if caller == 0 {
         return None;
     }
-    if id == 0 && caller >= c.genid_fn[0] && caller < c.genid_fn[1] {
+    let commit_caller = (caller >= c.genid_fn[0] && caller < c.genid_fn[1])
+        || (caller >= c.release_fn[0] && caller < c.release_fn[1]);
+    if id == 0 && commit_caller {
         let gen: u64 = kread(net, c.net_gen).unwrap_or(0);
         if gen == 0 {
             return None;

@@ -27,9 +27,10 @@ pub struct TpOffsets {
 pub struct Symbols {
     /// `nf_tables_net_id` (a data symbol: listed only with `CONFIG_KALLSYMS_ALL`).
     pub net_id: u64,
-    /// Start and end of `nf_tables_valid_genid`, `nfnetlink_rcv_batch`, and the
-    /// scheduler's text.
+    /// Start and end of `nf_tables_valid_genid`, `nft_rcv_nl_event`,
+    /// `nfnetlink_rcv_batch`, and the scheduler's text.
     pub genid_fn: [u64; 2],
+    pub release_fn: [u64; 2],
     pub batch_fn: [u64; 2],
     pub sched_text: [u64; 2],
 }
@@ -72,6 +73,7 @@ pub fn symbols(kallsyms: &str) -> Symbols {
         [start, end]
     };
     s.genid_fn = range("nf_tables_valid_genid");
+    s.release_fn = range("nft_rcv_nl_event");
     s.batch_fn = range("nfnetlink_rcv_batch");
     s
 }
@@ -139,6 +141,7 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         _pad: 0,
         net_id_addr: syms.net_id,
         genid_fn: syms.genid_fn,
+        release_fn: syms.release_fn,
         batch_fn: syms.batch_fn,
         sched_text: syms.sched_text,
     };
@@ -146,7 +149,8 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         "the commit mutex from nf_tables_net_id (kallsyms)".to_string()
     } else {
         "the commit mutex's pernet id learned from the first wait called from \
-         nf_tables_valid_genid (kallsyms lists no nf_tables_net_id: no CONFIG_KALLSYMS_ALL)"
+         nf_tables_valid_genid or nft_rcv_nl_event (kallsyms lists no nf_tables_net_id: no \
+         CONFIG_KALLSYMS_ALL; other waits on it before that one are missed)"
             .to_string()
     };
     let nfnl = if syms.batch_fn.contains(&0) {
