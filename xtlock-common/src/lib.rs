@@ -102,6 +102,10 @@ pub enum EventKind {
     /// first (a waiter, the holder's own table write, a sampled drop) went out as a plain
     /// `Lock` record then, and its release goes out as one too.
     Hold = 13,
+    /// A `sendmsg()` on a `NETLINK_NETFILTER` socket returned: an nf_tables batch (nft and
+    /// iptables-nft send each batch so, their reads with `sendto()`), which held the commit
+    /// mutex for its processing ([`NftSendEvent`]).
+    NftSend = 15,
     /// A wait on an nf_tables mutex (`lock:contention_begin` to `contention_end`): a
     /// network namespace's `commit_mutex`, or nfnetlink's nf_tables subsystem mutex that a
     /// batch holds while it waits for the commit mutex ([`NftMutexWaitEvent`]).
@@ -125,6 +129,7 @@ impl EventKind {
             12 => Self::Refusal,
             13 => Self::Hold,
             14 => Self::NftMutexWait,
+            15 => Self::NftSend,
             _ => return None,
         })
     }
@@ -404,6 +409,23 @@ pub const NFT_MUTEX_COMMIT: u32 = 1;
 /// it until the batch has the commit mutex, so batches of every netns queue on it.
 pub const NFT_MUTEX_NFNL: u32 = 2;
 
+/// One `sendmsg()` on a `NETLINK_NETFILTER` socket, seen at its return (`hdr.ts_ns`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftSendEvent {
+    pub hdr: EventHeader,
+    pub enter_ns: u64,
+    /// Inode of the sender's network namespace; 0 when unknown.
+    pub netns: u32,
+    /// The syscall's return, truncated to 32 bits (bytes sent, or `-errno`).
+    pub ret: i32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// `AF_NETLINK`, `NETLINK_NETFILTER`.
+pub const AF_NETLINK: u16 = 16;
+pub const NETLINK_NETFILTER: u16 = 12;
+
 /// `lock:contention_begin` flags (`LCB_F_*`, include/trace/events/lock.h).
 pub const LCB_F_SPIN: u32 = 1 << 0;
 pub const LCB_F_MUTEX: u32 = 1 << 5;
@@ -464,7 +486,23 @@ pub struct NftMutexConfig {
     pub tp_lock: u32,
     pub tp_flags: u32,
     pub tp_ret: u32,
-    pub _pad: u32,
+    /// Non-zero when the offsets below were found: `sendmsg()` batches are timed.
+    pub send_ok: u32,
+    /// `sys_enter_sendmsg`'s `fd` and `sys_exit_sendmsg`'s `ret` (format files).
+    pub send_fd: u32,
+    pub exit_ret: u32,
+    /// `task_struct.files`, `files_struct.fdt`, `fdtable.fd`, `fdtable.max_fds`,
+    /// `file.private_data`, `socket.file`, `socket.sk`, `sock.__sk_common.skc_family`,
+    /// `sock.sk_protocol` (2 bytes each, since Linux 5.6).
+    pub task_files: u32,
+    pub files_fdt: u32,
+    pub fdt_fd: u32,
+    pub fdt_max_fds: u32,
+    pub file_private: u32,
+    pub socket_file: u32,
+    pub socket_sk: u32,
+    pub sk_family: u32,
+    pub sk_protocol: u32,
     /// Address of `nf_tables_net_id` (kallsyms, `CONFIG_KALLSYMS_ALL`); 0 when unknown:
     /// then the id is learned from the first wait whose stack proves it (below).
     pub net_id_addr: u64,
@@ -1123,6 +1161,7 @@ mod pod {
     unsafe impl aya::Pod for NftConfig {}
     unsafe impl aya::Pod for NftMutexConfig {}
     unsafe impl aya::Pod for NftMutexWaitEvent {}
+    unsafe impl aya::Pod for NftSendEvent {}
     // The event records the decoder reads from the ring buffer and from captures.
     unsafe impl aya::Pod for EventHeader {}
     unsafe impl aya::Pod for LockEvent {}
@@ -1157,6 +1196,7 @@ pub mod sizes {
     pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
     pub const REFUSAL: usize = size_of::<RefusalEvent>();
     pub const NFT_MUTEX_WAIT: usize = size_of::<NftMutexWaitEvent>();
+    pub const NFT_SEND: usize = size_of::<NftSendEvent>();
 }
 
 #[cfg(test)]
@@ -1238,7 +1278,8 @@ mod tests {
         assert_eq!(size_of::<CtConfig>(), 48);
         assert_eq!(size_of::<XtReplaceEvent>(), 32);
         assert_eq!(size_of::<NftMutexWaitEvent>(), 24 + 16 + 24 + 32);
-        assert_eq!(size_of::<NftMutexConfig>(), 16 * 4 + 8 + 64);
+        assert_eq!(size_of::<NftMutexConfig>(), 28 * 4 + 8 + 64);
+        assert_eq!(size_of::<NftSendEvent>(), 24 + 16 + 16);
     }
 
     #[test]
@@ -1258,6 +1299,7 @@ mod tests {
             EventKind::Refusal,
             EventKind::Hold,
             EventKind::NftMutexWait,
+            EventKind::NftSend,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

@@ -154,6 +154,11 @@ static NFT_MUTEX_LEARNED: Array<u64> = Array::with_max_entries(2, 0);
 static NFT_MUTEX_WAITS: LruHashMap<u32, xtlock_common::NftMutexWaitEvent> =
     LruHashMap::with_max_entries(4096, 0);
 
+/// `sendmsg()` calls on a `NETLINK_NETFILTER` socket in progress, by thread id.
+#[map]
+static NFT_SEND_INFLIGHT: LruHashMap<u32, probes::nft_send::SendEnter> =
+    LruHashMap::with_max_entries(1024, 0);
+
 /// `xt_replace_table` calls in progress: entry time by thread id.
 #[map]
 static XT_INFLIGHT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1024, 0);

@@ -344,6 +344,19 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 holder_comm: Comm(e.holder_comm),
             }))
         }
+        K::NftSend => {
+            need(kind, b, sizes::NFT_SEND)?;
+            let e: common::NftSendEvent = read(b);
+            Event::NftSend(Box::new(NftSendEvent {
+                ts_ns: hdr.ts_ns,
+                enter_ns: e.enter_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                netns: e.netns,
+                ret: e.ret,
+            }))
+        }
         K::XtReplace => {
             need(kind, b, sizes::XT_REPLACE)?;
             let e: common::XtReplaceEvent = read(b);

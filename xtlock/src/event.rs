@@ -373,6 +373,20 @@ pub struct NftMutexWaitEvent {
     pub holder_comm: Comm,
 }
 
+/// One nf_tables batch timed from its `sendmsg()` on a `NETLINK_NETFILTER` socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NftSendEvent {
+    /// The syscall's return.
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// Inode of the sender's network namespace; 0 when unknown.
+    pub netns: u32,
+    pub ret: i32,
+}
+
 /// The changes an nf_tables batch carried: its netlink messages per object kind
 /// (`common::NFT_KIND_NAMES`). A message is one change, except a rule deletion without a
 /// handle, which flushes a whole chain, and a set-element message, which carries any number
@@ -1060,6 +1074,8 @@ pub enum Event {
     NftCommit(NftCommitEvent),
     /// A wait on an nf_tables mutex. Boxed: rare, and bigger than most events.
     NftMutexWait(Box<NftMutexWaitEvent>),
+    /// An nf_tables batch's `sendmsg()`. Boxed, like the waits.
+    NftSend(Box<NftSendEvent>),
     Proc(ProcInfo),
     /// The kernel dropped `count` events because the ring buffer was full (since the last
     /// such report).
@@ -1124,6 +1140,7 @@ impl Event {
             Event::TableReplace(e) => e.ts_ns,
             Event::NftCommit(e) => e.ts_ns,
             Event::NftMutexWait(e) => e.ts_ns,
+            Event::NftSend(e) => e.ts_ns,
             Event::Proc(e) => e.ts_ns,
             Event::Lost { ts_ns, .. } => *ts_ns,
             Event::Drop(e) => e.ts_ns,

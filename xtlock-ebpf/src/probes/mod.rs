@@ -5,6 +5,7 @@ pub mod getsockopt;
 pub mod ipvs;
 pub mod nft_commit;
 pub mod nft_mutex;
+pub mod nft_send;
 pub mod process;
 pub mod refusal;
 pub mod setsockopt;

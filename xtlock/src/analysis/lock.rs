@@ -908,6 +908,7 @@ impl LockMachine {
             Event::XtReplace(x) => self.on_xt_replace(x),
             Event::LockSeed(l) => self.on_seed(l, cx, out),
             Event::NftCommit(c) => {
+                self.nft_mutex.commit_hook_seen();
                 let lock = match &self.nft_name {
                     Some((netns, name)) if *netns == c.netns => name.clone(),
                     _ => {
@@ -919,6 +920,11 @@ impl LockMachine {
                 out(Output::Hold(nft_commit_hold(c, lock, cx)))
             }
             Event::NftMutexWait(w) => self.nft_mutex.on_wait(w, cx, out),
+            Event::NftSend(b) => {
+                if let Some(h) = self.nft_mutex.on_send(b, cx) {
+                    out(Output::Hold(h));
+                }
+            }
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
             }

@@ -16,10 +16,10 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::attribution::Attribution;
-use super::facts::{HolderRef, Output, WaitFact, WaitMode, WaitOutcome};
+use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome};
 use super::lock::{nft_commit_lock, Ctx};
 use super::procs::FastMap;
-use crate::decode::{Comm, NftMutex, NftMutexWaitEvent};
+use crate::decode::{Comm, NftMutex, NftMutexWaitEvent, NftSendEvent};
 use crate::shared::SharedStr;
 
 /// Hand-overs kept per mutex.
@@ -48,9 +48,65 @@ struct MutexState {
 #[derive(Debug, Default)]
 pub struct NftMutexWaits {
     mutexes: FastMap<u64, MutexState>,
+    /// Per thread, when its last wait on an nf_tables mutex ended with the mutex taken: a
+    /// batch's hold starts there, not at its `sendmsg()`.
+    acquired: FastMap<u32, u64>,
+    /// The nft_commit hook reports the batches: their `sendmsg()` is not a hold then.
+    commit_hook: bool,
 }
 
+/// Threads whose last acquisition is kept (a batch's comes right before its hold).
+const MAX_ACQUIRED: usize = 4096;
+
 impl NftMutexWaits {
+    /// Holds come from the nft_commit hook (its batch function's entry and return).
+    pub fn commit_hook_seen(&mut self) {
+        self.commit_hook = true;
+    }
+
+    /// An nf_tables batch's `sendmsg()`: a hold of its netns's commit lock, from the call's
+    /// start or, when it waited for an nf_tables mutex, from the end of its last wait, to
+    /// its return. `None` where the nft_commit hook times the batches.
+    pub fn on_send(&mut self, e: &NftSendEvent, cx: &mut Ctx<'_>) -> Option<HoldFact> {
+        let acquired = self.acquired.remove(&e.tid);
+        if self.commit_hook {
+            return None;
+        }
+        let end = e.ts_ns.max(e.enter_ns);
+        let start = acquired
+            .filter(|&a| a >= e.enter_ns && a <= end)
+            .unwrap_or(e.enter_ns);
+        let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
+        Some(HoldFact {
+            lock: nft_commit_lock(e.netns),
+            pid: e.tgid,
+            tid: e.tid,
+            comm: who.comm.clone(),
+            agent: who.agent.clone(),
+            role: who.role,
+            cmdline: who.cmdline.clone(),
+            start_ns: start,
+            hold_ns: end - start,
+            owner: 0,
+            exclusive: true,
+            kernel_ns: end - start,
+            replaces: 0,
+            read_ns: 0,
+            reads: 0,
+            tables: Vec::new(),
+            nft: None,
+            swap_ns: 0,
+            before_start: false,
+            agent_pid: who.agent_pid,
+            released_by: None,
+            pod_uid: who.pod_uid.clone(),
+            container_id: who.container_id.clone(),
+            pod: who.pod.clone(),
+            open: false,
+            incomplete: false,
+        })
+    }
+
     /// One wait: its fact, then its end as a hand-over when it took the mutex.
     pub fn on_wait(
         &mut self,
@@ -103,6 +159,10 @@ impl NftMutexWaits {
             incomplete: false,
         }));
         if e.ret == 0 {
+            if self.acquired.len() >= MAX_ACQUIRED {
+                self.acquired.clear();
+            }
+            self.acquired.insert(e.tid, end);
             if st.changes.len() >= MAX_CHANGES {
                 st.changes.pop_front();
             }

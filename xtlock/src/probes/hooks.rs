@@ -365,6 +365,30 @@ pub const HOOKS: &[Hook] = &[
         ),
     },
     Hook {
+        program: nft_mutex::SEND_ENTER,
+        category: "syscalls",
+        tracepoint: "sys_enter_sendmsg",
+        required: false,
+        purpose: "start of a sendmsg() on a NETLINK_NETFILTER socket: an nf_tables batch \
+                  (nft, iptables-nft), timed as a hold of the commit mutex where nft_commit \
+                  does not attach",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+        missing: None,
+    },
+    Hook {
+        program: nft_mutex::SEND_EXIT,
+        category: "syscalls",
+        tracepoint: "sys_exit_sendmsg",
+        required: false,
+        purpose: "end of an nf_tables batch's sendmsg(): its hold of the commit mutex",
+        fallback: None,
+        paired_with: Some(nft_mutex::SEND_ENTER),
+        raw_program: None,
+        missing: None,
+    },
+    Hook {
         program: REFUSAL_PROGRAMS[0],
         category: "icmp",
         tracepoint: "icmp_send",

@@ -13,6 +13,9 @@ use super::btf::Btf;
 /// Programs of the hook (perf tracepoints; their `tp_btf` twins are tried first).
 pub const BEGIN: &str = "contention_begin";
 pub const END: &str = "contention_end";
+/// Programs timing nf_tables batches from their `sendmsg()` (perf tracepoints).
+pub const SEND_ENTER: &str = "sys_enter_sendmsg";
+pub const SEND_EXIT: &str = "sys_exit_sendmsg";
 
 /// Offsets of the perf tracepoints' fields (from their format files).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -20,6 +23,9 @@ pub struct TpOffsets {
     pub lock: u32,
     pub flags: u32,
     pub ret: u32,
+    /// `sys_enter_sendmsg`'s `fd`, `sys_exit_sendmsg`'s `ret`; `None` when their format
+    /// files lack them.
+    pub send: Option<(u32, u32)>,
 }
 
 /// The kallsyms addresses the hook uses.
@@ -121,8 +127,47 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
     if syms.net_id == 0 && syms.genid_fn.contains(&0) {
         return Err("kallsyms has neither nf_tables_net_id nor nf_tables_valid_genid".into());
     }
+    // Batches timed from sendmsg(): the descriptor's socket, from BTF.
+    let send = tp
+        .send
+        .ok_or_else(|| "no sendmsg tracepoints".to_string())
+        .and_then(|(fd, ret)| {
+            Ok([
+                fd,
+                ret,
+                m("task_struct", "files", 8)?,
+                m("files_struct", "fdt", 8)?,
+                m("fdtable", "fd", 8)?,
+                m("fdtable", "max_fds", 4)?,
+                m("file", "private_data", 8)?,
+                m("socket", "file", 8)?,
+                m("socket", "sk", 8)?,
+                m("sock", "__sk_common.skc_family", 2)?,
+                m("sock", "sk_protocol", 2)?,
+            ])
+        });
+    let send_detail = match &send {
+        Ok(_) => "batches timed from their sendmsg() on a NETLINK_NETFILTER socket (syscall \
+                  tracepoints), less the time they waited for the mutexes, where nft_commit \
+                  does not attach"
+            .to_string(),
+        Err(why) => format!("batches not timed from sendmsg(): {why}"),
+    };
+    let s = send.unwrap_or([0; 11]);
     let config = NftMutexConfig {
         ok: 1,
+        send_ok: u32::from(s != [0; 11]),
+        send_fd: s[0],
+        exit_ret: s[1],
+        task_files: s[2],
+        files_fdt: s[3],
+        fdt_fd: s[4],
+        fdt_max_fds: s[5],
+        file_private: s[6],
+        socket_file: s[7],
+        socket_sk: s[8],
+        sk_family: s[9],
+        sk_protocol: s[10],
         task_nsproxy: m("task_struct", "nsproxy", 8)?,
         nsproxy_net_ns: m("nsproxy", "net_ns", 8)?,
         net_inum: m("net", "ns.inum", 4)?,
@@ -138,7 +183,6 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         tp_lock: tp.lock,
         tp_flags: tp.flags,
         tp_ret: tp.ret,
-        _pad: 0,
         net_id_addr: syms.net_id,
         genid_fn: syms.genid_fn,
         release_fn: syms.release_fn,
@@ -163,7 +207,7 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         config,
         detail: format!(
             "{id}; {nfnl}; nftables_pernet.commit_mutex at +{commit_mutex} from the BTF of \
-             {from}"
+             {from}; {send_detail}"
         ),
     })
 }

@@ -142,3 +142,82 @@ fn two_mutexes_do_not_mix() {
     assert_eq!(w[1].holders[0].pid, 21);
     assert_eq!(w[1].holders[0].behind_ns, Some(80 * MS));
 }
+
+fn send(enter: u64, exit: u64, pid: u32, comm: &str) -> Event {
+    Event::NftSend(Box::new(crate::decode::NftSendEvent {
+        ts_ns: exit,
+        enter_ns: enter,
+        tgid: pid,
+        tid: pid,
+        comm: Comm::new(comm),
+        netns: 4026532500,
+        ret: 1024,
+    }))
+}
+
+fn holds(a: &mut Analyzer, evs: &[Event]) -> Vec<crate::analysis::HoldFact> {
+    let mut v = Vec::new();
+    for e in evs {
+        for o in a.process_collect(e) {
+            if let Output::Hold(h) = o {
+                v.push(h);
+            }
+        }
+    }
+    v
+}
+
+/// A batch's sendmsg() is a hold of its netns's commit lock from where its wait for the
+/// mutexes ended (from the call's start when it did not wait) to its return.
+#[test]
+fn a_batch_holds_from_its_last_wait_to_its_sendmsg_return() {
+    let mut a = Analyzer::new(Vec::new());
+    let h = holds(
+        &mut a,
+        &[
+            send(0, 400 * MS, 10, "nft"),
+            wait(
+                10 * MS,
+                300 * MS,
+                11,
+                "nft",
+                NftMutex::Nfnl,
+                Some((12, "nft")),
+            ),
+            wait(
+                300 * MS,
+                410 * MS,
+                11,
+                "nft",
+                NftMutex::Commit,
+                Some((10, "nft")),
+            ),
+            send(5 * MS, 450 * MS, 11, "nft"),
+        ],
+    );
+    assert_eq!(h.len(), 2);
+    assert_eq!(h[0].lock.as_str(), "nf_tables commit (netns 4026532500)");
+    assert_eq!((h[0].pid, h[0].start_ns, h[0].hold_ns), (10, 0, 400 * MS));
+    assert_eq!(
+        (h[1].pid, h[1].start_ns, h[1].hold_ns),
+        (11, 410 * MS, 40 * MS)
+    );
+}
+
+/// Where the nft_commit hook times the batches, their sendmsg() adds no hold.
+#[test]
+fn no_sendmsg_holds_beside_the_commit_hook() {
+    let mut a = Analyzer::new(Vec::new());
+    let commit = Event::NftCommit(crate::decode::NftCommitEvent {
+        ts_ns: 3 * MS,
+        enter_ns: MS,
+        tgid: 10,
+        tid: 10,
+        netns: 4026532500,
+        comm: Comm::new("nft"),
+        batch: None,
+    });
+    let h = holds(&mut a, &[commit, send(0, 4 * MS, 10, "nft")]);
+    assert_eq!(h.len(), 1, "{h:?}");
+    assert_eq!(h[0].hold_ns, 2 * MS);
+}
