@@ -6,6 +6,9 @@
 //! for the node; a batch holds it while it waits for its netns's commit mutex) is a wait on
 //! "nfnetlink nf_tables mutex".
 //!
+//! A contention that began on a free mutex (its owner letting go: the owner field is clear)
+//! and saw nobody else take it is a spin, behind no one: not reported as a wait.
+//!
 //! Split between holders as waits on the xtables lock are: the owner at the start holds
 //! until the next hand-over seen, and a hand-over is another waiter's wait ending with the
 //! mutex taken (while anyone waits, every taker goes through the mutex's slow path, so each
@@ -127,37 +130,41 @@ impl NftMutexWaits {
             })
             .clone();
         let holders = split(e, &st.changes, cx);
-        let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
         let end = e.ts_ns.max(e.start_ns);
-        out(Output::Wait(WaitFact {
-            lock: name,
-            pid: e.tgid,
-            tid: e.tid,
-            comm: who.comm.clone(),
-            agent: who.agent.clone(),
-            role: who.role,
-            cmdline: who.cmdline.clone(),
-            start_ns: e.start_ns,
-            wait_ns: end - e.start_ns,
-            holders: holders.refs,
-            unknown_ns: holders.unknown_ns,
-            free_ns: 0,
-            other_holders: 0,
-            other_holders_ns: 0,
-            outcome: if e.ret == 0 {
-                WaitOutcome::Acquired
-            } else {
-                WaitOutcome::TimedOut
-            },
-            mode: WaitMode::Blocking,
-            tries: 0,
-            ret: (e.ret != 0).then_some(i64::from(e.ret)),
-            agent_pid: who.agent_pid,
-            pod_uid: who.pod_uid.clone(),
-            container_id: who.container_id.clone(),
-            pod: who.pod.clone(),
-            incomplete: false,
-        }));
+        // Began on a free mutex (its owner letting go) and nobody else took it meanwhile:
+        // the waiter spun and took it, behind no one. Not a wait; still a hand-over.
+        if !holders.refs.is_empty() {
+            let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
+            out(Output::Wait(WaitFact {
+                lock: name,
+                pid: e.tgid,
+                tid: e.tid,
+                comm: who.comm.clone(),
+                agent: who.agent.clone(),
+                role: who.role,
+                cmdline: who.cmdline.clone(),
+                start_ns: e.start_ns,
+                wait_ns: end - e.start_ns,
+                holders: holders.refs,
+                unknown_ns: holders.unknown_ns,
+                free_ns: 0,
+                other_holders: 0,
+                other_holders_ns: 0,
+                outcome: if e.ret == 0 {
+                    WaitOutcome::Acquired
+                } else {
+                    WaitOutcome::TimedOut
+                },
+                mode: WaitMode::Blocking,
+                tries: 0,
+                ret: (e.ret != 0).then_some(i64::from(e.ret)),
+                agent_pid: who.agent_pid,
+                pod_uid: who.pod_uid.clone(),
+                container_id: who.container_id.clone(),
+                pod: who.pod.clone(),
+                incomplete: false,
+            }));
+        }
         if e.ret == 0 {
             if self.acquired.len() >= MAX_ACQUIRED {
                 self.acquired.clear();

@@ -221,3 +221,32 @@ fn no_sendmsg_holds_beside_the_commit_hook() {
     assert_eq!(h.len(), 1, "{h:?}");
     assert_eq!(h[0].hold_ns, 2 * MS);
 }
+
+/// A contention that began on a free mutex and saw no other taker is a spin, not a wait;
+/// its end is still a hand-over for the waits that follow.
+#[test]
+fn a_spin_on_a_free_mutex_is_no_wait() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[
+            wait(10 * MS, 10 * MS + 8_000, 31, "nft", NftMutex::Commit, None),
+            wait(
+                10 * MS + 2_000,
+                30 * MS,
+                32,
+                "nft",
+                NftMutex::Commit,
+                Some((40, "nft")),
+            ),
+        ],
+    );
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert_eq!(w[0].pid, 32);
+    let behind: Vec<(u32, u64)> = w[0]
+        .holders
+        .iter()
+        .map(|h| (h.pid, h.behind_ns.unwrap_or(0)))
+        .collect();
+    assert_eq!(behind, vec![(40, 6_000), (31, 30 * MS - 10 * MS - 8_000)]);
+}
