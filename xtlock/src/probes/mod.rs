@@ -161,6 +161,8 @@ pub struct Probes {
     /// loads), and its tracepoints' field offsets for that.
     nft_mutex_ready: bool,
     nft_mutex_tp: nft_mutex::TpOffsets,
+    /// Tries left once nf_tables is there (each parses vmlinux BTF and kallsyms).
+    nft_mutex_tries: u32,
 }
 
 impl Probes {
@@ -426,15 +428,20 @@ impl Probes {
             rst_reasons: disc.rst_reasons,
             nft_mutex_ready,
             nft_mutex_tp: disc.nft_mutex_tp,
+            nft_mutex_tries: 3,
         })
     }
 
     /// Configures the nf_tables mutex hook once nf_tables is there (a module loaded after
     /// start). Cheap while it is not: a stat.
     fn configure_nft_mutex(&mut self) {
-        if self.nft_mutex_ready || !std::path::Path::new("/sys/module/nf_tables").exists() {
+        if self.nft_mutex_ready
+            || self.nft_mutex_tries == 0
+            || !std::path::Path::new("/sys/module/nf_tables").exists()
+        {
             return;
         }
+        self.nft_mutex_tries -= 1;
         let setup = btf::Btf::vmlinux()
             .map_err(|e| format!("no kernel BTF: {e}"))
             .and_then(|b| {
@@ -442,8 +449,17 @@ impl Probes {
                     .map_err(|e| format!("reading /proc/kallsyms: {e}"))?;
                 nft_mutex::config(&b, self.nft_mutex_tp, &nft_mutex::symbols(&k))
             });
-        // A module still initialising has no BTF or symbols yet: tried again next time.
-        let Ok(setup) = setup else { return };
+        // A module still initialising has no BTF or symbols yet: tried again next time, a
+        // few times.
+        let setup = match setup {
+            Ok(s) => s,
+            Err(why) => {
+                if self.nft_mutex_tries == 0 {
+                    tracing::warn!(%why, "nf_tables loaded, but its mutex waits cannot be recognised");
+                }
+                return;
+            }
+        };
         match kfunc::set_config(&mut self.ebpf, "NFT_MUTEX_CONFIG", setup.config) {
             Ok(()) => {
                 tracing::info!(detail = %setup.detail, "nf_tables loaded: its mutex waits are seen");
