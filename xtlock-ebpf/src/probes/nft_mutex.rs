@@ -172,9 +172,10 @@ fn begin(ctx: *mut c_void, lock: u64, flags: u32) {
         return;
     }
     let (tgid, tid) = ids();
+    // Sleeping after spinning, or spinning again once woken as the first waiter: the same
+    // wait. (contention_end is attached before this program, so every entry gets its end.)
     // SAFETY: read of our own thread's entry.
     if unsafe { NFT_MUTEX_WAITS.get(&tid) }.is_some_and(|w| w.lock == lock) {
-        // Sleeping after spinning: the same wait.
         return;
     }
     // SAFETY: plain helper call.

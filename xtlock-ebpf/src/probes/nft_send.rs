@@ -7,7 +7,8 @@
 //!
 //! The socket is recognised from the descriptor: `current->files->fdt->fd[fd]`, its
 //! `private_data` a `struct socket` that points back to the file, whose `sock` is
-//! `AF_NETLINK` with protocol `NETLINK_NETFILTER`. Offsets from BTF.
+//! `AF_NETLINK` with protocol `NETLINK_NETFILTER`. Offsets from BTF. The exit program is
+//! attached first, so every entry the enter program keeps gets its exit.
 use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_current_task},
     macros::tracepoint,

@@ -76,14 +76,10 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
                     nft_mutex_tp.lock = l;
                     nft_mutex_tp.flags = f;
                 }),
-            nft_mutex::SEND_ENTER => off(&fmt, &["fd"], 8).map(|fd| {
-                let ret = nft_mutex_tp.send.map_or(0, |(_, r)| r);
-                nft_mutex_tp.send = Some((fd, ret));
-            }),
-            nft_mutex::SEND_EXIT => off(&fmt, &["ret"], 8).map(|ret| {
-                // The enter hook comes first in HOOKS; without its fd, nothing is timed.
-                nft_mutex_tp.send = nft_mutex_tp.send.map(|(fd, _)| (fd, ret));
-            }),
+            nft_mutex::SEND_ENTER => {
+                off(&fmt, &["fd"], 8).map(|fd| nft_mutex_tp.send_fd = Some(fd))
+            }
+            nft_mutex::SEND_EXIT => off(&fmt, &["ret"], 8).map(|r| nft_mutex_tp.exit_ret = Some(r)),
             nft_mutex::END => off(&fmt, &["lock_addr"], 8)
                 .and_then(|l| Ok((l, off(&fmt, &["ret"], 4)?)))
                 .and_then(|(l, r)| {

@@ -335,6 +335,20 @@ pub const HOOKS: &[Hook] = &[
         missing: None,
     },
     Hook {
+        program: nft_mutex::END,
+        category: "lock",
+        tracepoint: "contention_end",
+        required: false,
+        purpose: "end of a wait on an nf_tables mutex: its time",
+        fallback: None,
+        paired_with: None,
+        raw_program: Some("contention_end_btf"),
+        missing: Some(
+            "kernel < 5.19: no contention tracepoints; waits on the nf_tables commit mutex \
+             are not seen, its holds are still timed where nft_commit attaches",
+        ),
+    },
+    Hook {
         program: nft_mutex::BEGIN,
         category: "lock",
         tracepoint: "contention_begin",
@@ -351,18 +365,15 @@ pub const HOOKS: &[Hook] = &[
         ),
     },
     Hook {
-        program: nft_mutex::END,
-        category: "lock",
-        tracepoint: "contention_end",
+        program: nft_mutex::SEND_EXIT,
+        category: "syscalls",
+        tracepoint: "sys_exit_sendmsg",
         required: false,
-        purpose: "end of a wait on an nf_tables mutex: its time",
+        purpose: "end of an nf_tables batch's sendmsg(): its hold of the commit mutex",
         fallback: None,
         paired_with: None,
-        raw_program: Some("contention_end_btf"),
-        missing: Some(
-            "kernel < 5.19: no contention tracepoints; waits on the nf_tables commit mutex \
-             are not seen, its holds are still timed where nft_commit attaches",
-        ),
+        raw_program: None,
+        missing: None,
     },
     Hook {
         program: nft_mutex::SEND_ENTER,
@@ -374,17 +385,6 @@ pub const HOOKS: &[Hook] = &[
                   does not attach",
         fallback: None,
         paired_with: None,
-        raw_program: None,
-        missing: None,
-    },
-    Hook {
-        program: nft_mutex::SEND_EXIT,
-        category: "syscalls",
-        tracepoint: "sys_exit_sendmsg",
-        required: false,
-        purpose: "end of an nf_tables batch's sendmsg(): its hold of the commit mutex",
-        fallback: None,
-        paired_with: Some(nft_mutex::SEND_ENTER),
         raw_program: None,
         missing: None,
     },

@@ -25,7 +25,8 @@ pub struct TpOffsets {
     pub ret: u32,
     /// `sys_enter_sendmsg`'s `fd`, `sys_exit_sendmsg`'s `ret`; `None` when their format
     /// files lack them.
-    pub send: Option<(u32, u32)>,
+    pub send_fd: Option<u32>,
+    pub exit_ret: Option<u32>,
 }
 
 /// The kallsyms addresses the hook uses.
@@ -129,7 +130,8 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
     }
     // Batches timed from sendmsg(): the descriptor's socket, from BTF.
     let send = tp
-        .send
+        .send_fd
+        .zip(tp.exit_ret)
         .ok_or_else(|| "no sendmsg tracepoints".to_string())
         .and_then(|(fd, ret)| {
             Ok([
