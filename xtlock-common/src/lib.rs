@@ -102,6 +102,14 @@ pub enum EventKind {
     /// first (a waiter, the holder's own table write, a sampled drop) went out as a plain
     /// `Lock` record then, and its release goes out as one too.
     Hold = 13,
+    /// A `sendmsg()` on a `NETLINK_NETFILTER` socket returned: an nf_tables batch (nft and
+    /// iptables-nft send each batch so, their reads with `sendto()`), which held the commit
+    /// mutex for its processing ([`NftSendEvent`]).
+    NftSend = 15,
+    /// A wait on an nf_tables mutex (`lock:contention_begin` to `contention_end`): a
+    /// network namespace's `commit_mutex`, or nfnetlink's nf_tables subsystem mutex that a
+    /// batch holds while it waits for the commit mutex ([`NftMutexWaitEvent`]).
+    NftMutexWait = 14,
 }
 
 impl EventKind {
@@ -120,6 +128,8 @@ impl EventKind {
             11 => Self::Ipvs,
             12 => Self::Refusal,
             13 => Self::Hold,
+            14 => Self::NftMutexWait,
+            15 => Self::NftSend,
             _ => return None,
         })
     }
@@ -398,6 +408,129 @@ pub struct NftConfig {
     pub skb_data: u32,
     pub skb_len: u32,
 }
+
+/// [`NftMutexWaitEvent::mutex`]: a network namespace's nf_tables `commit_mutex`.
+pub const NFT_MUTEX_COMMIT: u32 = 1;
+/// [`NftMutexWaitEvent::mutex`]: nfnetlink's mutex of the nf_tables subsystem
+/// (`nfnl_lock(NFNL_SUBSYS_NFTABLES)`), one for the whole node: `nfnetlink_rcv_batch` holds
+/// it until the batch has the commit mutex, so batches of every netns queue on it.
+pub const NFT_MUTEX_NFNL: u32 = 2;
+
+/// One `sendmsg()` on a `NETLINK_NETFILTER` socket, seen at its return (`hdr.ts_ns`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftSendEvent {
+    pub hdr: EventHeader,
+    pub enter_ns: u64,
+    /// Inode of the sender's network namespace; 0 when unknown.
+    pub netns: u32,
+    /// The syscall's return, truncated to 32 bits (bytes sent, or `-errno`).
+    pub ret: i32,
+    pub comm: [u8; COMM_LEN],
+}
+
+/// `AF_NETLINK`, `NETLINK_NETFILTER`.
+pub const AF_NETLINK: u16 = 16;
+pub const NETLINK_NETFILTER: u16 = 12;
+
+/// `lock:contention_begin` flags (`LCB_F_*`, include/trace/events/lock.h).
+pub const LCB_F_SPIN: u32 = 1 << 0;
+pub const LCB_F_MUTEX: u32 = 1 << 5;
+
+/// One wait on an nf_tables mutex, sent at its `contention_end`. `hdr` is the waiter and
+/// the end; the holder is the mutex's owner at the wait's first `contention_begin`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NftMutexWaitEvent {
+    pub hdr: EventHeader,
+    /// The first `contention_begin` of the wait (a mutex waiter may begin twice: spinning,
+    /// then sleeping).
+    pub start_ns: u64,
+    /// The mutex's address.
+    pub lock: u64,
+    /// Inode of the waiter's network namespace; 0 when unknown.
+    pub netns: u32,
+    /// [`NFT_MUTEX_COMMIT`] or [`NFT_MUTEX_NFNL`].
+    pub mutex: u32,
+    /// `contention_end`'s `ret` (0: acquired).
+    pub ret: i32,
+    /// Flags of the first `contention_begin` (`LCB_F_*`).
+    pub flags: u32,
+    /// The owner at the start: thread id and process id (0: free, or unreadable).
+    pub holder_tid: u32,
+    pub holder_tgid: u32,
+    pub comm: [u8; COMM_LEN],
+    pub holder_comm: [u8; COMM_LEN],
+}
+
+/// Where the nf_tables mutex hook finds what it reads, from BTF (vmlinux, or the
+/// `nf_tables` module's) and kallsyms. Kept in a map, not in [`ProbeConfig`]: nf_tables may
+/// load after xtlock started. Offsets in bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NftMutexConfig {
+    /// Non-zero once filled.
+    pub ok: u32,
+    /// `task_struct.nsproxy`, `nsproxy.net_ns`, `net.ns.inum`.
+    pub task_nsproxy: u32,
+    pub nsproxy_net_ns: u32,
+    pub net_inum: u32,
+    /// `net.gen`, then `net_generic.ptr` (the pernet data, by id) and `net_generic.s.len`.
+    pub net_gen: u32,
+    pub gen_ptr: u32,
+    pub gen_len: u32,
+    /// `nftables_pernet.commit_mutex`.
+    pub commit_mutex: u32,
+    /// `mutex.owner`: a `task_struct *` with flags in its low 3 bits.
+    pub mutex_owner: u32,
+    /// `task_struct.pid`, `.tgid`, `.comm`.
+    pub task_pid: u32,
+    pub task_tgid: u32,
+    pub task_comm: u32,
+    /// Offsets of `lock_addr`, `flags` (contention_begin) and `ret` (contention_end) in the
+    /// perf tracepoints' records, from their format files (the `tp_btf` programs get them
+    /// as arguments).
+    pub tp_lock: u32,
+    pub tp_flags: u32,
+    pub tp_ret: u32,
+    /// Non-zero when the offsets below were found: `sendmsg()` batches are timed.
+    pub send_ok: u32,
+    /// `sys_enter_sendmsg`'s `fd` and `sys_exit_sendmsg`'s `ret` (format files).
+    pub send_fd: u32,
+    pub exit_ret: u32,
+    /// `task_struct.files`, `files_struct.fdt`, `fdtable.fd`, `fdtable.max_fds`,
+    /// `file.private_data`, `socket.file`, `socket.sk`, `sock.__sk_common.skc_family`,
+    /// `sock.sk_protocol` (2 bytes each, since Linux 5.6).
+    pub task_files: u32,
+    pub files_fdt: u32,
+    pub fdt_fd: u32,
+    pub fdt_max_fds: u32,
+    pub file_private: u32,
+    pub socket_file: u32,
+    pub socket_sk: u32,
+    pub sk_family: u32,
+    pub sk_protocol: u32,
+    /// Address of `nf_tables_net_id` (kallsyms, `CONFIG_KALLSYMS_ALL`); 0 when unknown:
+    /// then the id is learned from the first wait whose stack proves it (below).
+    pub net_id_addr: u64,
+    /// `nf_tables_valid_genid` and `nft_rcv_nl_event` (start, end): the only mutex each
+    /// takes itself is the commit mutex (a batch's start; a netlink socket's release). A wait
+    /// called from one tells which pernet id points to the mutex.
+    pub genid_fn: [u64; 2],
+    pub release_fn: [u64; 2],
+    /// `nfnetlink_rcv_batch` (start, end): the only mutex it takes itself is the nfnetlink
+    /// subsystem mutex. A wait called from it tells that mutex's address.
+    pub batch_fn: [u64; 2],
+    /// `__sched_text_start`, `__sched_text_end`: the mutex's own functions (`mutex_lock`,
+    /// `__mutex_lock`) are there; the first frame past them is the caller.
+    pub sched_text: [u64; 2],
+}
+
+/// Frames of the kernel stack the mutex hook looks at to learn a mutex: the tracepoint's
+/// own frames, `__mutex_lock`, then its caller.
+pub const NFT_MUTEX_STACK: usize = 8;
+/// Pernet ids the learning walk tries at most.
+pub const NFT_MUTEX_MAX_NET_IDS: u32 = 256;
 
 /// One `xt_replace_table` call, seen at its return (`hdr.ts_ns`).
 #[repr(C)]
@@ -1033,6 +1166,9 @@ mod pod {
     unsafe impl aya::Pod for IpvsConfig {}
     unsafe impl aya::Pod for CtConfig {}
     unsafe impl aya::Pod for NftConfig {}
+    unsafe impl aya::Pod for NftMutexConfig {}
+    unsafe impl aya::Pod for NftMutexWaitEvent {}
+    unsafe impl aya::Pod for NftSendEvent {}
     // The event records the decoder reads from the ring buffer and from captures.
     unsafe impl aya::Pod for EventHeader {}
     unsafe impl aya::Pod for LockEvent {}
@@ -1066,6 +1202,8 @@ pub mod sizes {
     pub const CONNTRACK_FAIL: usize = size_of::<ConntrackFailEvent>();
     pub const XT_REPLACE: usize = size_of::<XtReplaceEvent>();
     pub const REFUSAL: usize = size_of::<RefusalEvent>();
+    pub const NFT_MUTEX_WAIT: usize = size_of::<NftMutexWaitEvent>();
+    pub const NFT_SEND: usize = size_of::<NftSendEvent>();
 }
 
 #[cfg(test)]
@@ -1148,6 +1286,9 @@ mod tests {
         assert_eq!(size_of::<ConntrackFailEvent>(), 88);
         assert_eq!(size_of::<CtConfig>(), 48);
         assert_eq!(size_of::<XtReplaceEvent>(), 32);
+        assert_eq!(size_of::<NftMutexWaitEvent>(), 24 + 16 + 24 + 32);
+        assert_eq!(size_of::<NftMutexConfig>(), 28 * 4 + 8 + 64);
+        assert_eq!(size_of::<NftSendEvent>(), 24 + 16 + 16);
     }
 
     #[test]
@@ -1166,6 +1307,8 @@ mod tests {
             EventKind::Ipvs,
             EventKind::Refusal,
             EventKind::Hold,
+            EventKind::NftMutexWait,
+            EventKind::NftSend,
         ] {
             assert_eq!(EventKind::from_u32(k as u32), Some(k));
         }

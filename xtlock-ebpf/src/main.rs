@@ -139,6 +139,26 @@ static NFT_INFLIGHT: LruHashMap<u32, probes::nft_commit::NftEnter> =
 #[map]
 static NFT_CONFIG: Array<xtlock_common::NftConfig> = Array::with_max_entries(1, 0);
 
+/// Where the nf_tables mutex hook finds what it reads (one entry), written by userspace
+/// when nf_tables is there (it may load after start).
+#[map]
+static NFT_MUTEX_CONFIG: Array<xtlock_common::NftMutexConfig> = Array::with_max_entries(1, 0);
+
+/// What the nf_tables mutex hook learned from a stack: the pernet id of nf_tables plus one,
+/// and the address of nfnetlink's nf_tables mutex (0: not yet).
+#[map]
+static NFT_MUTEX_LEARNED: Array<u64> = Array::with_max_entries(2, 0);
+
+/// Waits on an nf_tables mutex in progress, by thread id: the record sent at their end.
+#[map]
+static NFT_MUTEX_WAITS: LruHashMap<u32, xtlock_common::NftMutexWaitEvent> =
+    LruHashMap::with_max_entries(4096, 0);
+
+/// `sendmsg()` calls on a `NETLINK_NETFILTER` socket in progress, by thread id.
+#[map]
+static NFT_SEND_INFLIGHT: LruHashMap<u32, probes::nft_send::SendEnter> =
+    LruHashMap::with_max_entries(1024, 0);
+
 /// `xt_replace_table` calls in progress: entry time by thread id.
 #[map]
 static XT_INFLIGHT: LruHashMap<u32, u64> = LruHashMap::with_max_entries(1024, 0);

@@ -330,6 +330,40 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
                 batch,
             })
         }
+        K::NftMutexWait => {
+            need(kind, b, sizes::NFT_MUTEX_WAIT)?;
+            let e: common::NftMutexWaitEvent = read(b);
+            Event::NftMutexWait(Box::new(NftMutexWaitEvent {
+                ts_ns: hdr.ts_ns,
+                start_ns: e.start_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                netns: e.netns,
+                mutex: if e.mutex == common::NFT_MUTEX_NFNL {
+                    NftMutex::Nfnl
+                } else {
+                    NftMutex::Commit
+                },
+                lock: e.lock,
+                ret: e.ret,
+                holder: (e.holder_tid != 0).then_some((e.holder_tid, e.holder_tgid)),
+                holder_comm: Comm(e.holder_comm),
+            }))
+        }
+        K::NftSend => {
+            need(kind, b, sizes::NFT_SEND)?;
+            let e: common::NftSendEvent = read(b);
+            Event::NftSend(Box::new(NftSendEvent {
+                ts_ns: hdr.ts_ns,
+                enter_ns: e.enter_ns,
+                tgid: hdr.tgid,
+                tid: hdr.tid,
+                comm: Comm(e.comm),
+                netns: e.netns,
+                ret: e.ret,
+            }))
+        }
         K::XtReplace => {
             need(kind, b, sizes::XT_REPLACE)?;
             let e: common::XtReplaceEvent = read(b);

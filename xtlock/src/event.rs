@@ -342,6 +342,54 @@ pub struct NftCommitEvent {
     pub batch: Option<Box<NftBatch>>,
 }
 
+/// Which nf_tables mutex a wait was on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NftMutex {
+    /// A network namespace's `commit_mutex`: one nf_tables transaction at a time per netns.
+    Commit,
+    /// nfnetlink's nf_tables subsystem mutex, one for the node: a batch holds it while it
+    /// waits for its netns's commit mutex, so later batches of every netns queue on it.
+    Nfnl,
+}
+
+/// One wait on an nf_tables mutex (`lock:contention_begin` to `contention_end`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NftMutexWaitEvent {
+    /// The wait's end (`contention_end`).
+    pub ts_ns: u64,
+    /// Its first `contention_begin`.
+    pub start_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// Inode of the waiter's network namespace; 0 when unknown.
+    pub netns: u32,
+    pub mutex: NftMutex,
+    /// The mutex's kernel address.
+    pub lock: u64,
+    /// `contention_end`'s return: 0 when the mutex was taken.
+    pub ret: i32,
+    /// The owner when the wait began: thread and process id (`None`: the mutex was free,
+    /// its owner about to hand it over, or unreadable), and its comm.
+    pub holder: Option<(u32, u32)>,
+    pub holder_comm: Comm,
+}
+
+/// One nf_tables batch timed from its `sendmsg()` on a `NETLINK_NETFILTER` socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NftSendEvent {
+    /// The syscall's return.
+    pub ts_ns: u64,
+    pub enter_ns: u64,
+    pub tgid: u32,
+    pub tid: u32,
+    pub comm: Comm,
+    /// Inode of the sender's network namespace; 0 when unknown.
+    pub netns: u32,
+    pub ret: i32,
+}
+
 /// The changes an nf_tables batch carried: its netlink messages per object kind
 /// (`common::NFT_KIND_NAMES`). A message is one change, except a rule deletion without a
 /// handle, which flushes a whole chain, and a set-element message, which carries any number
@@ -1087,6 +1135,10 @@ pub enum Event {
     Exit(ExitEvent),
     TableReplace(TableReplaceEvent),
     NftCommit(NftCommitEvent),
+    /// A wait on an nf_tables mutex. Boxed: rare, and bigger than most events.
+    NftMutexWait(Box<NftMutexWaitEvent>),
+    /// An nf_tables batch's `sendmsg()`. Boxed, like the waits.
+    NftSend(Box<NftSendEvent>),
     Proc(ProcInfo),
     /// The kernel dropped `count` events because the ring buffer was full (since the last
     /// such report).
@@ -1152,6 +1204,8 @@ impl Event {
             Event::Exit(e) => e.ts_ns,
             Event::TableReplace(e) => e.ts_ns,
             Event::NftCommit(e) => e.ts_ns,
+            Event::NftMutexWait(e) => e.ts_ns,
+            Event::NftSend(e) => e.ts_ns,
             Event::Proc(e) => e.ts_ns,
             Event::Lost { ts_ns, .. } => *ts_ns,
             Event::Drop(e) => e.ts_ns,

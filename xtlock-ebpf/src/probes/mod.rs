@@ -4,6 +4,8 @@ pub mod flock;
 pub mod getsockopt;
 pub mod ipvs;
 pub mod nft_commit;
+pub mod nft_mutex;
+pub mod nft_send;
 pub mod process;
 pub mod refusal;
 pub mod setsockopt;

@@ -802,6 +802,8 @@ pub struct LockMachine {
     /// around it ends: the kernel also swaps tables in when it first builds one in a netns
     /// (`xt_register_table`, under a get or a later syscall), which is no part of a replace.
     swaps: FastMap<u32, (u64, u64)>,
+    /// Waits on the nf_tables mutexes (the second lock's waiters).
+    nft_mutex: super::nft_mutex::NftMutexWaits,
 }
 
 impl LockMachine {
@@ -814,6 +816,7 @@ impl LockMachine {
             nft_name: None,
             over_bounds: Default::default(),
             swaps: FastMap::default(),
+            nft_mutex: Default::default(),
         }
     }
 
@@ -905,6 +908,7 @@ impl LockMachine {
             Event::XtReplace(x) => self.on_xt_replace(x),
             Event::LockSeed(l) => self.on_seed(l, cx, out),
             Event::NftCommit(c) => {
+                self.nft_mutex.commit_hook_seen();
                 let lock = match &self.nft_name {
                     Some((netns, name)) if *netns == c.netns => name.clone(),
                     _ => {
@@ -914,6 +918,12 @@ impl LockMachine {
                     }
                 };
                 out(Output::Hold(nft_commit_hold(c, lock, cx)))
+            }
+            Event::NftMutexWait(w) => self.nft_mutex.on_wait(w, cx, out),
+            Event::NftSend(b) => {
+                if let Some(h) = self.nft_mutex.on_send(b, cx) {
+                    out(Output::Hold(h));
+                }
             }
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);

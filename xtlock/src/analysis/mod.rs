@@ -12,6 +12,7 @@ pub mod facts;
 pub mod iptables_run;
 pub mod ipvs;
 pub mod lock;
+pub mod nft_mutex;
 pub mod procs;
 pub mod refusals;
 pub mod rules;

@@ -425,6 +425,59 @@ fn nft_commit_with_and_without_its_batch() {
     assert_eq!(c.batch, None);
 }
 
+/// An nf_tables mutex wait: which mutex, the holder when it began (none when free), and a
+/// record cut short is an error; a batch's sendmsg() likewise.
+#[test]
+fn nft_mutex_waits_and_sends() {
+    let e = common::NftMutexWaitEvent {
+        hdr: header(common::EventKind::NftMutexWait, 7, 7, 9000),
+        start_ns: 1000,
+        lock: 0xffff_8881_fa49_3670,
+        netns: 4026532177,
+        mutex: common::NFT_MUTEX_NFNL,
+        ret: 0,
+        flags: common::LCB_F_MUTEX | common::LCB_F_SPIN,
+        holder_tid: 8,
+        holder_tgid: 8,
+        comm: Comm::new("nft").0,
+        holder_comm: Comm::new("kube-proxy").0,
+    };
+    let b = bytes(&e);
+    let Event::NftMutexWait(w) = decode(&b).unwrap() else {
+        panic!("not a wait");
+    };
+    assert_eq!((w.start_ns, w.ts_ns, w.tid), (1000, 9000, 7));
+    assert_eq!((w.mutex, w.holder), (NftMutex::Nfnl, Some((8, 8))));
+    assert_eq!(w.holder_comm.as_str().as_ref(), "kube-proxy");
+    let free = common::NftMutexWaitEvent {
+        mutex: common::NFT_MUTEX_COMMIT,
+        holder_tid: 0,
+        holder_tgid: 0,
+        ..e
+    };
+    let Event::NftMutexWait(w) = decode(&bytes(&free)).unwrap() else {
+        panic!("not a wait");
+    };
+    assert_eq!((w.mutex, w.holder), (NftMutex::Commit, None));
+    assert!(decode(&b[..b.len() - 1]).is_err());
+    let s = common::NftSendEvent {
+        hdr: header(common::EventKind::NftSend, 7, 7, 9000),
+        enter_ns: 500,
+        netns: 4026532177,
+        ret: 4096,
+        comm: Comm::new("nft").0,
+    };
+    let b = bytes(&s);
+    let Event::NftSend(e) = decode(&b).unwrap() else {
+        panic!("not a send");
+    };
+    assert_eq!(
+        (e.enter_ns, e.ts_ns, e.netns, e.ret),
+        (500, 9000, 4026532177, 4096)
+    );
+    assert!(decode(&b[..b.len() - 1]).is_err());
+}
+
 /// Every event of one record.
 fn all(d: &mut Decoder, b: &[u8]) -> Vec<Event> {
     let mut v: Vec<Event> = d.decode(b).unwrap().into_iter().collect();

@@ -4,8 +4,8 @@
 use xtlock_common::{ProbeConfig, RefusalConfig, TpAddr, NO_FIELD};
 
 use super::{
-    btf, dropreason::ReasonTable, kfunc, kfunc::AttachFilter, kfunc::KfuncHook, tracefs::Format,
-    Feature, ProbeError, DROP_PROGRAM, HOOKS, KFUNC_HOOKS,
+    btf, dropreason::ReasonTable, kfunc, kfunc::AttachFilter, kfunc::KfuncHook, nft_mutex,
+    tracefs::Format, Feature, ProbeError, DROP_PROGRAM, HOOKS, KFUNC_HOOKS,
 };
 
 /// Field offsets for every hook, and per hook the reason it cannot be used, if any.
@@ -27,6 +27,12 @@ pub struct Discovery {
     pub refusal: RefusalConfig,
     /// TCP reset reasons of this kernel (`enum sk_rst_reason`, empty before Linux 6.10).
     pub rst_reasons: ReasonTable,
+    /// The nf_tables mutex hook's configuration, or why it has none (yet).
+    pub nft_mutex: Result<nft_mutex::Setup, String>,
+    /// Its perf tracepoints' field offsets (kept for a later try when nf_tables loads).
+    pub nft_mutex_tp: nft_mutex::TpOffsets,
+    /// Whether its raw tracepoints can be used, and if not, why.
+    pub raw_nft_mutex: Result<(), String>,
 }
 
 impl Discovery {
@@ -46,6 +52,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     let mut reasons = ReasonTable::default();
     let mut refusal = RefusalConfig::default();
     let mut rst_reasons = ReasonTable::default();
+    let mut nft_mutex_tp = nft_mutex::TpOffsets::default();
     for hook in HOOKS {
         let fmt = match Format::read(tracefs, hook.category, hook.tracepoint)? {
             Some(f) => f,
@@ -63,6 +70,28 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         };
         let filled = match hook.program {
             p if super::REFUSAL_PROGRAMS.contains(&p) => fill_refusal(&mut refusal, p, &fmt),
+            nft_mutex::BEGIN => off(&fmt, &["lock_addr"], 8)
+                .and_then(|l| Ok((l, off(&fmt, &["flags"], 4)?)))
+                .map(|(l, f)| {
+                    nft_mutex_tp.lock = l;
+                    nft_mutex_tp.flags = f;
+                }),
+            nft_mutex::SEND_ENTER => {
+                off(&fmt, &["fd"], 8).map(|fd| nft_mutex_tp.send_fd = Some(fd))
+            }
+            nft_mutex::SEND_EXIT => off(&fmt, &["ret"], 8).map(|r| nft_mutex_tp.exit_ret = Some(r)),
+            nft_mutex::END => off(&fmt, &["lock_addr"], 8)
+                .and_then(|l| Ok((l, off(&fmt, &["ret"], 4)?)))
+                .and_then(|(l, r)| {
+                    if nft_mutex_tp.lock != 0 && nft_mutex_tp.lock != l {
+                        return Err("lock_addr is at different offsets in contention_begin \
+                                    and contention_end"
+                            .into());
+                    }
+                    nft_mutex_tp.lock = l;
+                    nft_mutex_tp.ret = r;
+                    Ok(())
+                }),
             p => fill(&mut config, p, &fmt),
         };
         if let Err(why) = filled {
@@ -89,6 +118,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     discover_syscall_regs(&mut config, &btf);
     let raw_lock = discover_raw_lock(&mut config, &btf);
     let raw_drop = discover_raw_drop(&mut config, &btf);
+    let (nft_mutex, raw_nft_mutex) = discover_nft_mutex(&btf, nft_mutex_tp);
     let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
     wanted.extend(super::hooks::tracepoint_fallbacks());
     let kfunc = kfunc::discover(
@@ -108,7 +138,39 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         raw_drop,
         refusal,
         rst_reasons,
+        nft_mutex,
+        nft_mutex_tp,
+        raw_nft_mutex,
     })
+}
+
+/// The nf_tables mutex hook's configuration (BTF, kallsyms) and whether its raw
+/// tracepoints' prototypes are those it reads.
+fn discover_nft_mutex(
+    btf: &Result<btf::Btf, btf::BtfError>,
+    tp: nft_mutex::TpOffsets,
+) -> (Result<nft_mutex::Setup, String>, Result<(), String>) {
+    let b = match btf {
+        Ok(b) => b,
+        Err(e) => {
+            let why = format!("no kernel BTF: {e}");
+            return (Err(why.clone()), Err(why));
+        }
+    };
+    let raw = nft_mutex::check_raw(
+        nft_mutex::BEGIN,
+        b.fn_typedef_params("btf_trace_contention_begin"),
+    )
+    .and_then(|()| {
+        nft_mutex::check_raw(
+            nft_mutex::END,
+            b.fn_typedef_params("btf_trace_contention_end"),
+        )
+    });
+    let setup = std::fs::read_to_string("/proc/kallsyms")
+        .map_err(|e| format!("reading /proc/kallsyms: {e}"))
+        .and_then(|k| nft_mutex::config(b, tp, &nft_mutex::symbols(&k)));
+    (setup, raw)
 }
 
 /// What the drop hook's raw tracepoint reads: its arguments (`struct sk_buff *`, the

@@ -4,7 +4,7 @@
 use super::{
     conntrack, ipvs,
     kfunc::{KfuncHook, Reads, Want},
-    nft_commit, xt_replace, DROP_PROGRAM,
+    nft_commit, nft_mutex, xt_replace, DROP_PROGRAM,
 };
 
 /// One kernel hook and what it gives the user, in plain words.
@@ -332,6 +332,60 @@ pub const HOOKS: &[Hook] = &[
         fallback: None,
         paired_with: None,
         raw_program: Some("kfree_skb_btf"),
+        missing: None,
+    },
+    Hook {
+        program: nft_mutex::END,
+        category: "lock",
+        tracepoint: "contention_end",
+        required: false,
+        purpose: "end of a wait on an nf_tables mutex: its time",
+        fallback: None,
+        paired_with: None,
+        raw_program: Some("contention_end_btf"),
+        missing: Some(
+            "kernel < 5.19: no contention tracepoints; waits on the nf_tables commit mutex \
+             are not seen, its holds are still timed where nft_commit attaches",
+        ),
+    },
+    Hook {
+        program: nft_mutex::BEGIN,
+        category: "lock",
+        tracepoint: "contention_begin",
+        required: false,
+        purpose: "waits on the nf_tables mutexes (a netns's commit mutex; nfnetlink's \
+                  nf_tables mutex, held by a batch while it waits for the commit mutex): \
+                  the waiter, and the holder when the wait began",
+        fallback: None,
+        paired_with: None,
+        raw_program: Some("contention_begin_btf"),
+        missing: Some(
+            "kernel < 5.19: no contention tracepoints; waits on the nf_tables commit mutex \
+             are not seen, its holds are still timed where nft_commit attaches",
+        ),
+    },
+    Hook {
+        program: nft_mutex::SEND_EXIT,
+        category: "syscalls",
+        tracepoint: "sys_exit_sendmsg",
+        required: false,
+        purpose: "end of an nf_tables batch's sendmsg(): its hold of the commit mutex",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
+        missing: None,
+    },
+    Hook {
+        program: nft_mutex::SEND_ENTER,
+        category: "syscalls",
+        tracepoint: "sys_enter_sendmsg",
+        required: false,
+        purpose: "start of a sendmsg() on a NETLINK_NETFILTER socket: an nf_tables batch \
+                  (nft, iptables-nft), timed as a hold of the commit mutex where nft_commit \
+                  does not attach",
+        fallback: None,
+        paired_with: None,
+        raw_program: None,
         missing: None,
     },
     Hook {

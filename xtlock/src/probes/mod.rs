@@ -10,6 +10,7 @@ mod hooks;
 pub mod ipvs;
 pub mod kfunc;
 pub mod nft_commit;
+pub mod nft_mutex;
 pub mod preflight;
 pub mod tracefs;
 pub mod xt_replace;
@@ -156,6 +157,12 @@ pub struct Probes {
     pub has_drop_reasons: bool,
     /// This kernel's TCP reset reasons (empty when `tcp_send_reset` reports none).
     pub rst_reasons: ReasonTable,
+    /// The nf_tables mutex hook has its configuration (else tried again when nf_tables
+    /// loads), and its tracepoints' field offsets for that.
+    nft_mutex_ready: bool,
+    nft_mutex_tp: nft_mutex::TpOffsets,
+    /// Tries left once nf_tables is there (each parses vmlinux BTF and kallsyms).
+    nft_mutex_tries: u32,
 }
 
 impl Probes {
@@ -236,6 +243,18 @@ impl Probes {
             arr.set(0, disc.refusal, 0)
                 .map_err(|e| ProbeError::Load(format!("refusal hooks' offsets: {e}")))?;
         }
+
+        // Before the hook attaches; without it (nf_tables not there yet) the programs do
+        // nothing until `attach_pending` finds it.
+        let nft_mutex_ready = match &disc.nft_mutex {
+            Ok(setup) => {
+                kfunc::set_config(&mut ebpf, "NFT_MUTEX_CONFIG", setup.config)
+                    .map_err(ProbeError::Load)?;
+                true
+            }
+            Err(_) => false,
+        };
+        disc.features.push(nft_mutex_feature(&disc.nft_mutex));
 
         let mut status: Vec<HookStatus> = Vec::new();
         for hook in HOOKS {
@@ -407,7 +426,52 @@ impl Probes {
             reasons: disc.reasons,
             has_drop_reasons: disc.config.kd_has_reason != 0,
             rst_reasons: disc.rst_reasons,
+            nft_mutex_ready,
+            nft_mutex_tp: disc.nft_mutex_tp,
+            nft_mutex_tries: 3,
         })
+    }
+
+    /// Configures the nf_tables mutex hook once nf_tables is there (a module loaded after
+    /// start). Cheap while it is not: a stat.
+    fn configure_nft_mutex(&mut self) {
+        if self.nft_mutex_ready
+            || self.nft_mutex_tries == 0
+            || !std::path::Path::new("/sys/module/nf_tables").exists()
+        {
+            return;
+        }
+        self.nft_mutex_tries -= 1;
+        let setup = btf::Btf::vmlinux()
+            .map_err(|e| format!("no kernel BTF: {e}"))
+            .and_then(|b| {
+                let k = std::fs::read_to_string("/proc/kallsyms")
+                    .map_err(|e| format!("reading /proc/kallsyms: {e}"))?;
+                nft_mutex::config(&b, self.nft_mutex_tp, &nft_mutex::symbols(&k))
+            });
+        // A module still initialising has no BTF or symbols yet: tried again next time, a
+        // few times.
+        let setup = match setup {
+            Ok(s) => s,
+            Err(why) => {
+                if self.nft_mutex_tries == 0 {
+                    tracing::warn!(%why, "nf_tables loaded, but its mutex waits cannot be recognised");
+                }
+                return;
+            }
+        };
+        match kfunc::set_config(&mut self.ebpf, "NFT_MUTEX_CONFIG", setup.config) {
+            Ok(()) => {
+                tracing::info!(detail = %setup.detail, "nf_tables loaded: its mutex waits are seen");
+                self.nft_mutex_ready = true;
+                let f = nft_mutex_feature(&Ok(setup));
+                match self.features.iter_mut().find(|x| x.name == f.name) {
+                    Some(x) => *x = f,
+                    None => self.features.push(f),
+                }
+            }
+            Err(why) => tracing::warn!(%why, "nf_tables mutex hook not configured"),
+        }
     }
 
     /// Attaches the kernel-function hooks whose module has loaded since start (nf_tables,
@@ -415,6 +479,7 @@ impl Probes {
     /// stat per pending hook's module; kallsyms is read only when one appeared. Returns the
     /// statuses that changed.
     pub fn attach_pending(&mut self) -> Vec<HookStatus> {
+        self.configure_nft_mutex();
         let ready: Vec<&'static KfuncHook> = self
             .pending
             .iter()
@@ -706,6 +771,20 @@ fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile, index: u32) -> Result<(), 
     slots.set(slot, new, 0).map_err(err)
 }
 
+/// What `xtlock probes` says of the nf_tables mutex waits.
+fn nft_mutex_feature(setup: &Result<nft_mutex::Setup, String>) -> Feature {
+    Feature {
+        name: "nf_tables mutex waits",
+        available: setup.is_ok(),
+        detail: match setup {
+            Ok(s) => s.detail.clone(),
+            Err(why) => {
+                format!("{why}; tried again every 5 s while tracing (nf_tables may load later)")
+            }
+        },
+    }
+}
+
 /// A module's hook without fentry programs says why: aya 0.14 cannot attach fentry there.
 fn module_note(hook: &KfuncHook, attach: String) -> String {
     match hook.module {
@@ -769,6 +848,8 @@ fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> 
     }
     if hook.program == DROP_PROGRAM {
         disc.raw_drop.clone()?;
+    } else if hook.program == nft_mutex::BEGIN || hook.program == nft_mutex::END {
+        disc.raw_nft_mutex.clone()?;
     } else {
         disc.raw_lock.clone()?;
     }

@@ -1,0 +1,230 @@
+//! Waits on the nf_tables mutexes, as waits on the second lock.
+//!
+//! The kernel reports each wait whole, at its end (`lock:contention_end`), with the mutex's
+//! owner when it began. A wait on a netns's `commit_mutex` is a wait on the lock its
+//! commits hold, "nf_tables commit (netns N)"; a wait on nfnetlink's nf_tables mutex (one
+//! for the node; a batch holds it while it waits for its netns's commit mutex) is a wait on
+//! "nfnetlink nf_tables mutex".
+//!
+//! A contention that began on a free mutex (its owner letting go: the owner field is clear)
+//! and saw nobody else take it is a spin, behind no one: not reported as a wait.
+//!
+//! Split between holders as waits on the xtables lock are: the owner at the start holds
+//! until the next hand-over seen, and a hand-over is another waiter's wait ending with the
+//! mutex taken (while anyone waits, every taker goes through the mutex's slow path, so each
+//! one is a contention of its own). Waits reach us at their end, in ring order; a wait's
+//! hand-overs end before it does, so they are here by then.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use super::attribution::Attribution;
+use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome};
+use super::lock::{nft_commit_lock, Ctx};
+use super::procs::FastMap;
+use crate::decode::{Comm, NftMutex, NftMutexWaitEvent, NftSendEvent};
+use crate::shared::SharedStr;
+
+/// Hand-overs kept per mutex.
+const MAX_CHANGES: usize = 1024;
+/// Mutexes followed (one per netns that waited, and nfnetlink's).
+const MAX_MUTEXES: usize = 1024;
+
+/// Name of nfnetlink's nf_tables mutex as a lock.
+pub const NFNL_LOCK: &str = "nfnetlink nf_tables mutex";
+
+/// One hand-over: `tgid` took the mutex at `ts_ns`.
+#[derive(Clone, Debug)]
+struct Change {
+    ts_ns: u64,
+    tgid: u32,
+    comm: Comm,
+}
+
+#[derive(Debug, Default)]
+struct MutexState {
+    name: Option<SharedStr>,
+    changes: VecDeque<Change>,
+}
+
+/// The waits' state: per mutex, its recent hand-overs.
+#[derive(Debug, Default)]
+pub struct NftMutexWaits {
+    mutexes: FastMap<u64, MutexState>,
+    /// Per thread, when its last wait on an nf_tables mutex ended with the mutex taken: a
+    /// batch's hold starts there, not at its `sendmsg()`.
+    acquired: FastMap<u32, u64>,
+    /// The nft_commit hook reports the batches: their `sendmsg()` is not a hold then.
+    commit_hook: bool,
+}
+
+/// Threads whose last acquisition is kept (a batch's comes right before its hold).
+const MAX_ACQUIRED: usize = 4096;
+
+impl NftMutexWaits {
+    /// Holds come from the nft_commit hook (its batch function's entry and return).
+    pub fn commit_hook_seen(&mut self) {
+        self.commit_hook = true;
+    }
+
+    /// An nf_tables batch's `sendmsg()`: a hold of its netns's commit lock, from the call's
+    /// start or, when it waited for an nf_tables mutex, from the end of its last wait, to
+    /// its return. `None` where the nft_commit hook times the batches.
+    pub fn on_send(&mut self, e: &NftSendEvent, cx: &mut Ctx<'_>) -> Option<HoldFact> {
+        let acquired = self.acquired.remove(&e.tid);
+        if self.commit_hook {
+            return None;
+        }
+        let end = e.ts_ns.max(e.enter_ns);
+        let start = acquired
+            .filter(|&a| a >= e.enter_ns && a <= end)
+            .unwrap_or(e.enter_ns);
+        let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
+        Some(HoldFact {
+            lock: nft_commit_lock(e.netns),
+            pid: e.tgid,
+            tid: e.tid,
+            comm: who.comm.clone(),
+            agent: who.agent.clone(),
+            role: who.role,
+            cmdline: who.cmdline.clone(),
+            start_ns: start,
+            hold_ns: end - start,
+            owner: 0,
+            exclusive: true,
+            kernel_ns: end - start,
+            replaces: 0,
+            read_ns: 0,
+            reads: 0,
+            tables: Vec::new(),
+            nft: None,
+            swap_ns: 0,
+            before_start: false,
+            agent_pid: who.agent_pid,
+            released_by: None,
+            pod_uid: who.pod_uid.clone(),
+            container_id: who.container_id.clone(),
+            pod: who.pod.clone(),
+            open: false,
+            incomplete: false,
+        })
+    }
+
+    /// One wait: its fact, then its end as a hand-over when it took the mutex.
+    pub fn on_wait(
+        &mut self,
+        e: &NftMutexWaitEvent,
+        cx: &mut Ctx<'_>,
+        out: &mut dyn FnMut(Output),
+    ) {
+        if !self.mutexes.contains_key(&e.lock) && self.mutexes.len() >= MAX_MUTEXES {
+            // A netns gone long ago is the likeliest to be idle: start over.
+            self.mutexes.clear();
+        }
+        let st = self.mutexes.entry(e.lock).or_default();
+        let name = st
+            .name
+            .get_or_insert_with(|| match e.mutex {
+                NftMutex::Commit => nft_commit_lock(e.netns),
+                NftMutex::Nfnl => SharedStr::from(NFNL_LOCK),
+            })
+            .clone();
+        let holders = split(e, &st.changes, cx);
+        let end = e.ts_ns.max(e.start_ns);
+        // Began on a free mutex (its owner letting go) and nobody else took it meanwhile:
+        // the waiter spun and took it, behind no one. Not a wait; still a hand-over.
+        if !holders.refs.is_empty() {
+            let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
+            out(Output::Wait(WaitFact {
+                lock: name,
+                pid: e.tgid,
+                tid: e.tid,
+                comm: who.comm.clone(),
+                agent: who.agent.clone(),
+                role: who.role,
+                cmdline: who.cmdline.clone(),
+                start_ns: e.start_ns,
+                wait_ns: end - e.start_ns,
+                holders: holders.refs,
+                unknown_ns: holders.unknown_ns,
+                free_ns: 0,
+                other_holders: 0,
+                other_holders_ns: 0,
+                outcome: if e.ret == 0 {
+                    WaitOutcome::Acquired
+                } else {
+                    WaitOutcome::TimedOut
+                },
+                mode: WaitMode::Blocking,
+                tries: 0,
+                ret: (e.ret != 0).then_some(i64::from(e.ret)),
+                agent_pid: who.agent_pid,
+                pod_uid: who.pod_uid.clone(),
+                container_id: who.container_id.clone(),
+                pod: who.pod.clone(),
+                incomplete: false,
+            }));
+        }
+        if e.ret == 0 {
+            if self.acquired.len() >= MAX_ACQUIRED {
+                self.acquired.clear();
+            }
+            self.acquired.insert(e.tid, end);
+            if st.changes.len() >= MAX_CHANGES {
+                st.changes.pop_front();
+            }
+            // Kept in time order: a hand-over stamped before the last one goes in its place.
+            let at = st.changes.partition_point(|c| c.ts_ns <= end);
+            st.changes.insert(
+                at,
+                Change {
+                    ts_ns: end,
+                    tgid: e.tgid,
+                    comm: e.comm,
+                },
+            );
+        }
+    }
+}
+
+/// A wait's holders, each with the time behind it.
+struct Split {
+    refs: Vec<HolderRef>,
+    unknown_ns: u64,
+}
+
+/// The holder at the start holds until the first hand-over inside the wait, that one until
+/// the next, the last one until the wait's end.
+fn split(e: &NftMutexWaitEvent, changes: &VecDeque<Change>, cx: &mut Ctx<'_>) -> Split {
+    let end = e.ts_ns.max(e.start_ns);
+    let mut spans: Vec<(Arc<Attribution>, u64)> = Vec::new();
+    if let Some((_, tgid)) = e.holder {
+        spans.push((cx.attr.get(cx.procs, tgid, &e.holder_comm), e.start_ns));
+    }
+    let from = changes.partition_point(|c| c.ts_ns <= e.start_ns);
+    for c in changes.range(from..).take_while(|c| c.ts_ns < end) {
+        spans.push((cx.attr.get(cx.procs, c.tgid, &c.comm), c.ts_ns));
+    }
+    let unknown_ns = match spans.first() {
+        Some((_, t)) => t - e.start_ns,
+        None => end - e.start_ns,
+    };
+    let mut refs: Vec<HolderRef> = Vec::new();
+    for (i, (who, t)) in spans.iter().enumerate() {
+        let until = spans.get(i + 1).map_or(end, |(_, n)| *n);
+        let behind = until.saturating_sub(*t);
+        match refs.iter_mut().find(|r| r.pid == who.pid) {
+            Some(r) => r.behind_ns = Some(r.behind_ns.unwrap_or(0) + behind),
+            None => {
+                let mut r = HolderRef::from(&**who);
+                r.behind_ns = Some(behind);
+                r.from_ns = Some(*t);
+                refs.push(r);
+            }
+        }
+    }
+    Split { refs, unknown_ns }
+}
+
+#[cfg(test)]
+mod tests;

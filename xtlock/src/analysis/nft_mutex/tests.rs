@@ -1,0 +1,252 @@
+use crate::analysis::{Analyzer, Output, WaitFact, WaitOutcome};
+use crate::decode::{Comm, Event, NftMutex, NftMutexWaitEvent};
+
+const MS: u64 = 1_000_000;
+const COMMIT: u64 = 0xffff_8881_fa49_3670;
+const NFNL: u64 = 0xffff_ffff_83c4_a610;
+
+#[allow(clippy::too_many_arguments)]
+fn wait(
+    start: u64,
+    end: u64,
+    pid: u32,
+    comm: &str,
+    mutex: NftMutex,
+    holder: Option<(u32, &str)>,
+) -> Event {
+    Event::NftMutexWait(Box::new(NftMutexWaitEvent {
+        ts_ns: end,
+        start_ns: start,
+        tgid: pid,
+        tid: pid,
+        comm: Comm::new(comm),
+        netns: 4026532500,
+        mutex,
+        lock: match mutex {
+            NftMutex::Commit => COMMIT,
+            NftMutex::Nfnl => NFNL,
+        },
+        ret: 0,
+        holder: holder.map(|(p, _)| (p, p)),
+        holder_comm: Comm::new(holder.map_or("", |(_, c)| c)),
+    }))
+}
+
+fn waits(a: &mut Analyzer, evs: &[Event]) -> Vec<WaitFact> {
+    let mut v = Vec::new();
+    for e in evs {
+        for o in a.process_collect(e) {
+            if let Output::Wait(w) = o {
+                v.push(w);
+            }
+        }
+    }
+    v
+}
+
+/// A wait on a netns's commit mutex is a wait on that netns's nf_tables commit lock, behind
+/// the owner when it began, for its whole time.
+#[test]
+fn a_commit_mutex_wait_is_a_wait_behind_its_owner() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[wait(
+            10 * MS,
+            598 * MS,
+            2588,
+            "nft",
+            NftMutex::Commit,
+            Some((2547, "kube-proxy")),
+        )],
+    );
+    assert_eq!(w.len(), 1);
+    let w = &w[0];
+    assert_eq!(w.lock.as_str(), "nf_tables commit (netns 4026532500)");
+    assert_eq!((w.pid, w.wait_ns), (2588, 588 * MS));
+    assert_eq!(w.outcome, WaitOutcome::Acquired);
+    assert_eq!(w.holders.len(), 1);
+    assert_eq!(w.holders[0].pid, 2547);
+    assert_eq!(w.holders[0].comm.as_str(), "kube-proxy");
+    assert_eq!(w.holders[0].behind_ns, Some(588 * MS));
+    assert_eq!(w.unknown_ns, 0);
+}
+
+/// Waiters queued on nfnetlink's mutex: each later one waits behind the owner at its start,
+/// then behind each waiter that took the mutex before it; the times add up to the wait.
+#[test]
+fn waits_split_between_the_holders_that_took_over() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[
+            wait(
+                100 * MS,
+                600 * MS,
+                11,
+                "nft",
+                NftMutex::Nfnl,
+                Some((10, "nft")),
+            ),
+            wait(
+                200 * MS,
+                610 * MS,
+                12,
+                "iptables-nft",
+                NftMutex::Nfnl,
+                Some((10, "nft")),
+            ),
+            // Free when it began (the owner was handing over): unknown until the first
+            // hand-over seen.
+            wait(300 * MS, 620 * MS, 13, "nft", NftMutex::Nfnl, None),
+        ],
+    );
+    assert_eq!(w.len(), 3);
+    assert!(w.iter().all(|w| w.lock.as_str() == super::NFNL_LOCK));
+    let behind = |w: &WaitFact| -> Vec<(u32, u64)> {
+        w.holders
+            .iter()
+            .map(|h| (h.pid, h.behind_ns.unwrap_or(0)))
+            .collect()
+    };
+    assert_eq!(behind(&w[0]), vec![(10, 500 * MS)]);
+    assert_eq!(behind(&w[1]), vec![(10, 400 * MS), (11, 10 * MS)]);
+    assert_eq!(behind(&w[2]), vec![(11, 10 * MS), (12, 10 * MS)]);
+    assert_eq!(w[2].unknown_ns, 300 * MS);
+    for w in &w {
+        let sum: u64 = w.holders.iter().filter_map(|h| h.behind_ns).sum();
+        assert_eq!(sum + w.unknown_ns, w.wait_ns);
+    }
+}
+
+/// The commit mutexes of two netns are two locks: a hand-over on one is no holder of the
+/// other.
+#[test]
+fn two_mutexes_do_not_mix() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[
+            wait(0, 50 * MS, 21, "nft", NftMutex::Commit, Some((20, "nft"))),
+            wait(
+                10 * MS,
+                90 * MS,
+                22,
+                "nft",
+                NftMutex::Nfnl,
+                Some((21, "nft")),
+            ),
+        ],
+    );
+    assert_eq!(w[1].holders.len(), 1);
+    assert_eq!(w[1].holders[0].pid, 21);
+    assert_eq!(w[1].holders[0].behind_ns, Some(80 * MS));
+}
+
+fn send(enter: u64, exit: u64, pid: u32, comm: &str) -> Event {
+    Event::NftSend(Box::new(crate::decode::NftSendEvent {
+        ts_ns: exit,
+        enter_ns: enter,
+        tgid: pid,
+        tid: pid,
+        comm: Comm::new(comm),
+        netns: 4026532500,
+        ret: 1024,
+    }))
+}
+
+fn holds(a: &mut Analyzer, evs: &[Event]) -> Vec<crate::analysis::HoldFact> {
+    let mut v = Vec::new();
+    for e in evs {
+        for o in a.process_collect(e) {
+            if let Output::Hold(h) = o {
+                v.push(h);
+            }
+        }
+    }
+    v
+}
+
+/// A batch's sendmsg() is a hold of its netns's commit lock from where its wait for the
+/// mutexes ended (from the call's start when it did not wait) to its return.
+#[test]
+fn a_batch_holds_from_its_last_wait_to_its_sendmsg_return() {
+    let mut a = Analyzer::new(Vec::new());
+    let h = holds(
+        &mut a,
+        &[
+            send(0, 400 * MS, 10, "nft"),
+            wait(
+                10 * MS,
+                300 * MS,
+                11,
+                "nft",
+                NftMutex::Nfnl,
+                Some((12, "nft")),
+            ),
+            wait(
+                300 * MS,
+                410 * MS,
+                11,
+                "nft",
+                NftMutex::Commit,
+                Some((10, "nft")),
+            ),
+            send(5 * MS, 450 * MS, 11, "nft"),
+        ],
+    );
+    assert_eq!(h.len(), 2);
+    assert_eq!(h[0].lock.as_str(), "nf_tables commit (netns 4026532500)");
+    assert_eq!((h[0].pid, h[0].start_ns, h[0].hold_ns), (10, 0, 400 * MS));
+    assert_eq!(
+        (h[1].pid, h[1].start_ns, h[1].hold_ns),
+        (11, 410 * MS, 40 * MS)
+    );
+}
+
+/// Where the nft_commit hook times the batches, their sendmsg() adds no hold.
+#[test]
+fn no_sendmsg_holds_beside_the_commit_hook() {
+    let mut a = Analyzer::new(Vec::new());
+    let commit = Event::NftCommit(crate::decode::NftCommitEvent {
+        ts_ns: 3 * MS,
+        enter_ns: MS,
+        tgid: 10,
+        tid: 10,
+        netns: 4026532500,
+        comm: Comm::new("nft"),
+        batch: None,
+    });
+    let h = holds(&mut a, &[commit, send(0, 4 * MS, 10, "nft")]);
+    assert_eq!(h.len(), 1, "{h:?}");
+    assert_eq!(h[0].hold_ns, 2 * MS);
+}
+
+/// A contention that began on a free mutex and saw no other taker is a spin, not a wait;
+/// its end is still a hand-over for the waits that follow.
+#[test]
+fn a_spin_on_a_free_mutex_is_no_wait() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[
+            wait(10 * MS, 10 * MS + 8_000, 31, "nft", NftMutex::Commit, None),
+            wait(
+                10 * MS + 2_000,
+                30 * MS,
+                32,
+                "nft",
+                NftMutex::Commit,
+                Some((40, "nft")),
+            ),
+        ],
+    );
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert_eq!(w[0].pid, 32);
+    let behind: Vec<(u32, u64)> = w[0]
+        .holders
+        .iter()
+        .map(|h| (h.pid, h.behind_ns.unwrap_or(0)))
+        .collect();
+    assert_eq!(behind, vec![(40, 6_000), (31, 30 * MS - 10 * MS - 8_000)]);
+}
