@@ -696,6 +696,29 @@ fn scenario(b: Backend, prefix: &str) {
         text.contains(&format!("{unreachable} connection")) && text.contains("fixed by kube-proxy"),
         "{text}"
     );
+    // And `export` draws the window as a slice of its length.
+    let timeline = s.dir.join("timeline.json");
+    let out = Command::new(xtlock_bin())
+        .arg("export")
+        .arg(&capture)
+        .args(["--format", "perfetto", "-o"])
+        .arg(&timeline)
+        .output()
+        .expect("xtlock export");
+    assert!(out.status.success(), "{out:?}");
+    let v: Value = serde_json::from_slice(&std::fs::read(&timeline).unwrap()).unwrap();
+    let slices: Vec<&Value> = v["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["cat"] == "stale_endpoint" && e["args"]["netns"].as_u64() == Some(netns))
+        .collect();
+    assert_eq!(slices.len(), 1, "{slices:?}");
+    let dur_us = slices[0]["dur"].as_f64().unwrap_or(0.0);
+    assert!(
+        (dur_us * 1000.0 - stale as f64).abs() < 2_000.0,
+        "slice {dur_us} us, window {stale} ns"
+    );
 }
 
 /// The count of conntrack entries in namespace `ns` whose reply comes from `ip` (the

@@ -28,7 +28,8 @@ pub use facts::{
     ExitFact, FailedTryFact, ForeignChange, HoldDropsFact, HoldFact, HoldRef, HoldRefusalsFact,
     HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output,
     PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup, RefusalKind, Restored, RuleChangeFact,
-    RuleWriteFact, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    RuleWriteFact, StaleEndpointFact, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode,
+    WaitOutcome,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;

@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 
 use super::Sink;
 use crate::analysis::procs::FastMap;
-use crate::analysis::{HoldFact, Output, Summary, WaitFact};
+use crate::analysis::{HoldFact, Output, StaleEndpointFact, Summary, WaitFact};
 
 /// `tid` bit for a process's wait track.
 const WAIT_TRACK: u64 = 1 << 31;
@@ -261,6 +261,32 @@ impl<W: Write> PerfettoSink<W> {
         Ok(())
     }
 
+    /// A Service routed to a gone endpoint: a slice from when it was gone to the fix (or the
+    /// end), on a track per (Service, endpoint) in the `stale endpoints` group.
+    fn stale_endpoint(&mut self, f: &StaleEndpointFact) -> io::Result<()> {
+        let pid = self.group("stale endpoints")?;
+        let key = format!("{} -> {}", f.service, f.endpoint);
+        // A stable track per window's key (FNV-1a), clear of the pid-numbered tracks.
+        let tid = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        }) | (1 << 62);
+        self.name_track(pid, tid, || key.clone())?;
+        let name = format!(
+            "{} routed to {} after it was gone ({})",
+            f.service, f.endpoint, f.gone
+        );
+        let args = serde_json::to_value(f).unwrap_or(Value::Null);
+        self.slice(
+            pid,
+            tid,
+            f.ts_ns,
+            f.ts_ns + f.stale_ns,
+            &name,
+            "stale_endpoint",
+            args,
+        )
+    }
+
     /// The waiter counter, then the end of the file.
     fn close(&mut self) -> io::Result<()> {
         self.closed = true;
@@ -413,6 +439,7 @@ impl<W: Write> Sink for PerfettoSink<W> {
                     super::terminal::rule_change_lines(c).join("; "),
                     serde_json::to_value(c).unwrap_or(Value::Null),
                 ),
+            Output::StaleEndpoint(f) => self.stale_endpoint(f),
             Output::MixedBackends(m) => self.instant(
                 m.ts_ns,
                 m.pid,

@@ -479,3 +479,55 @@ fn refused_syn() -> crate::analysis::PacketInfo {
         icmp_code: None,
     }
 }
+
+/// A dead endpoint's line: refused and unanswered connections, the fix, and the flows
+/// conntrack still steers there.
+#[test]
+fn stale_endpoint_line_says_unanswered_and_conntrack_flows() {
+    use crate::analysis::facts::{StaleConntrack, StaleEndpointFact, StaleFix};
+    let mut f = StaleEndpointFact {
+        ts_ns: 1,
+        netns: 4026531840,
+        service: "kube-system/dns:dns".into(),
+        endpoint: "10.244.1.5:5353".into(),
+        gone: "link deleted",
+        link: "vethp0".into(),
+        stale_ns: 1_220_000_000,
+        still_routed: false,
+        fix: Some(StaleFix {
+            ts_ns: 2,
+            exact: true,
+            pid: 42,
+            agent: "kube-proxy".into(),
+            program: "iptables-legacy-restore".into(),
+            wait_ns: 0,
+            behind: Vec::new(),
+            hold_ns: None,
+        }),
+        connections: 10,
+        outcomes: [
+            ("icmp_unreachable: host unreachable".to_string(), 3),
+            ("unanswered".to_string(), 7),
+        ]
+        .into_iter()
+        .collect(),
+        conntrack: Some(StaleConntrack {
+            entries: 1,
+            udp: 1,
+            tcp: 0,
+            packets: 68,
+            expires_in_s: 119,
+        }),
+    };
+    let l = stale_endpoint_text(&f);
+    assert_eq!(
+        l,
+        "!! kube-system/dns:dns routed to 10.244.1.5:5353 for 1.22 s after it was gone (link deleted: vethp0): \
+         10 connections refused or unanswered (icmp_unreachable: host unreachable 3, unanswered 7); \
+         fixed by kube-proxy's iptables-legacy-restore (pid 42); conntrack still sends 1 flow there \
+         (1 UDP, 0 TCP, 68 packets; expires in 119 s unless packets keep it)"
+    );
+    f.outcomes = [("unanswered".to_string(), 10)].into_iter().collect();
+    f.conntrack = None;
+    assert!(stale_endpoint_text(&f).contains(": 10 connections unanswered (unanswered 10);"));
+}
