@@ -97,6 +97,10 @@ impl Ctx<'_> {
 /// whatever the hasher, so a replay is byte-identical.
 type OrderedMap<K, V> = IndexMap<K, V, foldhash::fast::RandomState>;
 
+/// A take this soon after a seed of the same process's hold is the take the seed saw (see
+/// the acquire path): a flock() syscall under emulation can last this long.
+const SEED_RACE_NS: u64 = 1_000_000_000;
+
 /// A hold's key: its owner (the open file description), or for a hold seen in /proc/locks
 /// at start, whose owner is unknown, the pid that held it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -976,6 +980,17 @@ impl LockMachine {
         let key = HoldKey::Owner(e.owner);
         let mut new_deadline = None;
         let mut overflow = false;
+        // The take a /proc/locks seed already saw while its flock() was still in the kernel
+        // (where the take is stamped at the syscall's exit, it comes after the seed read):
+        // one hold, from the take, not the seed and then the take.
+        let seed = HoldKey::Seed(e.tgid);
+        if st
+            .holds
+            .get(&seed)
+            .is_some_and(|h| h.holding() && e.ts_ns.saturating_sub(h.start_ns) <= SEED_RACE_NS)
+        {
+            st.remove_hold(seed);
+        }
         // Same owner, still held: a repeated flock() or a conversion, not a new hold.
         // Unless events were lost since it began: then its release was likely lost.
         if st
