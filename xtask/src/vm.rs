@@ -359,7 +359,9 @@ pub fn run_arm64_default() -> Result<String> {
         .iter()
         .all(|(s, _)| results.join(s).join("probes.json").exists());
     if amd64_all {
-        if let Err(e) = crate::kernels_doc::write(&results, &root.join(KERNELS_DOC)) {
+        let written = kernels_doc_path(&root, &results)
+            .and_then(|doc| crate::kernels_doc::write(&results, &doc));
+        if let Err(e) = written {
             failures.push(format!("kernels-doc: {e:#}"));
         }
     }
@@ -655,21 +657,9 @@ fn run_args(args: &VmArgs) -> Result<String> {
         && args.test_args.is_empty()
         && kernel::SERIES.iter().all(|(s, _)| ran.contains(s))
     {
-        // Under CI the clone's tracked file stays as it is: the fresh table goes beside the
-        // results, to copy in by hand (`cargo xtask kernels-doc`) when it says something new.
-        let doc = if in_ci() {
-            let copy = base_results.join("kernels.md");
-            match std::fs::copy(root.join(KERNELS_DOC), &copy) {
-                Ok(_) => copy,
-                Err(e) => {
-                    failures.push(format!("kernels-doc: copying {KERNELS_DOC}: {e}"));
-                    copy
-                }
-            }
-        } else {
-            root.join(KERNELS_DOC)
-        };
-        if let Err(e) = crate::kernels_doc::write(&base_results, &doc) {
+        let written = kernels_doc_path(&root, &base_results)
+            .and_then(|doc| crate::kernels_doc::write(&base_results, &doc));
+        if let Err(e) = written {
             failures.push(format!("kernels-doc: {e:#}"));
         }
     }
@@ -683,6 +673,20 @@ fn run_args(args: &VmArgs) -> Result<String> {
 
 /// Written from the results of a run of every series.
 const KERNELS_DOC: &str = "docs/kernels.md";
+
+/// Where a run's regenerated docs/kernels.md goes: the tracked file, except under CI, which
+/// leaves the clone's tracked files as they were: there a copy beside the results (to copy
+/// in by hand, `cargo xtask kernels-doc`, when it says something new).
+fn kernels_doc_path(root: &Path, results: &Path) -> Result<PathBuf> {
+    let tracked = root.join(KERNELS_DOC);
+    if !in_ci() {
+        return Ok(tracked);
+    }
+    let copy = results.join("kernels.md");
+    std::fs::copy(&tracked, &copy)
+        .with_context(|| format!("copying {} to {}", tracked.display(), copy.display()))?;
+    Ok(copy)
+}
 
 /// `CI=true` (or `1`): a CI run, which leaves tracked files alone.
 fn in_ci() -> bool {
