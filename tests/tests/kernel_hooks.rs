@@ -798,11 +798,10 @@ fn both_backends_in_one_netns_are_named() {
         binaries("legacy")
     );
     let mixed = trace.of_type("mixed_backends");
+    // Without the nft_commit hook, each nf_tables write is counted from the read that
+    // follows its writer's exit: the same facts on every kernel.
     if !nft_seen {
         assert_plain_not_attached(&nft_status(&[]));
-        assert!(mixed.is_empty(), "{dump}");
-        eprintln!("nf_tables writes are not visible on this kernel: mixed backends not said");
-        return;
     }
     for ino in [mixed_ino, nft_only_ino] {
         let kp = ("kube-proxy".to_string(), "nft".to_string(), ino);
