@@ -1,6 +1,7 @@
 use super::*;
 use crate::analysis::facts::{RefusalCountFact, RefusalKind, RuleWriteFact};
 use crate::analysis::iptables_run::Backend;
+use crate::event::CtEntry;
 
 const NS: u32 = 4026531840;
 const S: u64 = 1_000_000_000;
@@ -277,4 +278,83 @@ fn dnat_targets_parse_as_iptables_save_writes_them() {
     );
     assert_eq!(d("-j DNAT [rev 2 0123456789ab]"), None);
     assert_eq!(d("-j MASQUERADE"), None);
+}
+
+fn ct(id: u32, proto: u8, state: u8, replied: bool, reply_src: &str, packets: u64) -> CtEntry {
+    CtEntry {
+        id,
+        proto,
+        tcp_state: state,
+        status: if replied { 0x22 } else { 0x20 },
+        orig_src: "10.199.0.2:40000".parse().expect("addr"),
+        orig_dst: "10.96.0.10:80".parse().expect("addr"),
+        reply_src: reply_src.parse().expect("addr"),
+        packets,
+        timeout_s: 100,
+    }
+}
+
+fn ct_read(ts_ns: u64, entries: Vec<CtEntry>) -> CtEntries {
+    CtEntries {
+        ts_ns,
+        netns: NS,
+        addr: "10.244.1.5".parse().expect("addr"),
+        entries,
+        more: 0,
+    }
+}
+
+/// Conntrack reads of a gone endpoint: each TCP entry that never saw a reply is a connection
+/// sent there (those beyond the refused ones unanswered, each counted once across reads);
+/// after the fix, what conntrack still steers there is said: a UDP flow and an established
+/// connection, not the failed or closed ones, nor entries to another port.
+#[test]
+fn conntrack_reads_count_unanswered_connections_and_flows_kept() {
+    let mut t = ServiceTracker::default();
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    t.on_table(&nat(S, 10, &two));
+    let ep = "10.244.1.5:8080";
+    let got = facts(&mut t, |t, v| {
+        t.on_addr(&gone(10 * S, "10.244.1.5"), &mut |o| v.push(o));
+        // Three connections unanswered, seen over two reads; one closed before; one to
+        // another port of the pod.
+        t.on_ct(&ct_read(
+            11 * S,
+            vec![
+                ct(1, 6, 1, false, ep, 2),
+                ct(2, 6, 1, false, ep, 1),
+                ct(3, 6, 7, true, ep, 9),
+                ct(4, 6, 1, false, "10.244.1.5:9090", 1),
+            ],
+        ));
+        t.observe(&refused(11 * S, ep, 1));
+        t.on_ct(&ct_read(
+            12 * S,
+            vec![ct(1, 6, 1, false, ep, 3), ct(5, 6, 1, false, ep, 1)],
+        ));
+        t.observe(&write(12 * S + 500_000_000, 77, "kube-proxy"));
+        t.on_table(&nat(12 * S + 600_000_000, 77, &two[1..]));
+        // After the fix: conntrack still steers a UDP flow and an established connection.
+        t.on_ct(&ct_read(
+            13 * S,
+            vec![
+                ct(1, 6, 1, false, ep, 3),
+                ct(6, 17, 0, true, ep, 40),
+                ct(7, 6, 3, true, ep, 12),
+                ct(3, 6, 7, true, ep, 9),
+            ],
+        ));
+        t.tick(18 * S, &mut |o| v.push(o));
+    });
+    assert_eq!(got.len(), 1, "{got:?}");
+    let f = &got[0];
+    // Unreplied TCP entries 1, 2, 5: one of them refused, two unanswered.
+    assert_eq!(f.connections, 3, "{f:?}");
+    assert_eq!(f.outcomes["unanswered"], 2, "{f:?}");
+    assert_eq!(f.outcomes["icmp_unreachable: host unreachable"], 1);
+    let c = f.conntrack.as_ref().expect("flows kept");
+    assert_eq!((c.entries, c.udp, c.tcp, c.packets), (2, 1, 1, 52), "{c:?}");
 }
