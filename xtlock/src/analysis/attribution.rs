@@ -269,6 +269,18 @@ impl Attributor {
     }
 }
 
+/// Where the state machines look processes up. Borrowed per event.
+pub struct Ctx<'a> {
+    pub procs: &'a ProcTable,
+    pub attr: &'a mut Attributor,
+}
+
+impl Ctx<'_> {
+    pub fn who(&mut self, pid: u32, comm: &Comm) -> Arc<Attribution> {
+        self.attr.get(self.procs, pid, comm)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

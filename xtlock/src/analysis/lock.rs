@@ -40,11 +40,13 @@ use std::sync::Arc;
 use indexmap::IndexMap;
 use smallvec::SmallVec;
 
-use super::attribution::{is_locking_comm, Attribution, Attributor};
+pub use super::attribution::Ctx;
+use super::attribution::{is_locking_comm, Attribution};
 use super::facts::{
     FailedTryFact, HoldFact, HolderRef, LostFact, Output, TableTouch, TimeoutFact, WaitFact,
     WaitMode, WaitOutcome, MAX_TABLES_PER_HOLD,
 };
+use super::nft_mutex::nft_commit_lock;
 use super::procs::{FastMap, ProcTable};
 use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
@@ -80,18 +82,6 @@ const MAX_TIMELINE: usize = 4096;
 const CLOCK_SKEW_NS: u64 = 100_000;
 /// Ended holds kept for events that reach us late.
 const RECENT_HOLDS: usize = 8;
-
-/// Where the machine looks things up. Borrowed per event.
-pub struct Ctx<'a> {
-    pub procs: &'a ProcTable,
-    pub attr: &'a mut Attributor,
-}
-
-impl Ctx<'_> {
-    fn who(&mut self, pid: u32, comm: &Comm) -> Arc<Attribution> {
-        self.attr.get(self.procs, pid, comm)
-    }
-}
 
 /// An insertion-ordered map: facts still open at the end come out in the order they began,
 /// whatever the hasher, so a replay is byte-identical.
@@ -1819,15 +1809,6 @@ fn hold_fact(
         pod: who.pod.clone(),
         open,
         incomplete,
-    }
-}
-
-/// Name of the second lock: nf_tables serialises commits per network namespace.
-pub fn nft_commit_lock(netns: u32) -> SharedStr {
-    if netns == 0 {
-        SharedStr::from("nf_tables commit (netns unknown)")
-    } else {
-        SharedStr::from(format!("nf_tables commit (netns {netns})"))
     }
 }
 

@@ -18,9 +18,8 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use super::attribution::Attribution;
+use super::attribution::{Attribution, Ctx};
 use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome};
-use super::lock::{nft_commit_lock, Ctx};
 use super::procs::FastMap;
 use crate::decode::{Comm, NftMutex, NftMutexWaitEvent, NftSendEvent};
 use crate::shared::SharedStr;
@@ -32,6 +31,15 @@ const MAX_MUTEXES: usize = 1024;
 
 /// Name of nfnetlink's nf_tables mutex as a lock.
 pub const NFNL_LOCK: &str = "nfnetlink nf_tables mutex";
+
+/// Name of the second lock: nf_tables serialises commits per network namespace.
+pub fn nft_commit_lock(netns: u32) -> SharedStr {
+    if netns == 0 {
+        SharedStr::from("nf_tables commit (netns unknown)")
+    } else {
+        SharedStr::from(format!("nf_tables commit (netns {netns})"))
+    }
+}
 
 /// One hand-over: `tgid` took the mutex at `ts_ns`.
 #[derive(Clone, Debug)]
@@ -79,7 +87,7 @@ impl NftMutexWaits {
         let start = acquired
             .filter(|&a| a >= e.enter_ns && a <= end)
             .unwrap_or(e.enter_ns);
-        let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
+        let who = cx.who(e.tgid, &e.comm);
         Some(HoldFact {
             lock: nft_commit_lock(e.netns),
             pid: e.tgid,
@@ -134,7 +142,7 @@ impl NftMutexWaits {
         // Began on a free mutex (its owner letting go) and nobody else took it meanwhile:
         // the waiter spun and took it, behind no one. Not a wait; still a hand-over.
         if !holders.refs.is_empty() {
-            let who = cx.attr.get(cx.procs, e.tgid, &e.comm);
+            let who = cx.who(e.tgid, &e.comm);
             out(Output::Wait(WaitFact {
                 lock: name,
                 pid: e.tgid,
@@ -199,11 +207,11 @@ fn split(e: &NftMutexWaitEvent, changes: &VecDeque<Change>, cx: &mut Ctx<'_>) ->
     let end = e.ts_ns.max(e.start_ns);
     let mut spans: Vec<(Arc<Attribution>, u64)> = Vec::new();
     if let Some((_, tgid)) = e.holder {
-        spans.push((cx.attr.get(cx.procs, tgid, &e.holder_comm), e.start_ns));
+        spans.push((cx.who(tgid, &e.holder_comm), e.start_ns));
     }
     let from = changes.partition_point(|c| c.ts_ns <= e.start_ns);
     for c in changes.range(from..).take_while(|c| c.ts_ns < end) {
-        spans.push((cx.attr.get(cx.procs, c.tgid, &c.comm), c.ts_ns));
+        spans.push((cx.who(c.tgid, &c.comm), c.ts_ns));
     }
     let unknown_ns = match spans.first() {
         Some((_, t)) => t - e.start_ns,
