@@ -46,7 +46,7 @@ use super::facts::{
     FailedTryFact, HoldFact, HolderRef, LostFact, Output, TableTouch, TimeoutFact, WaitFact,
     WaitMode, WaitOutcome, MAX_TABLES_PER_HOLD,
 };
-use super::nft_mutex::nft_commit_lock;
+use super::nft_mutex::{nf_tables_hold, nft_commit_lock};
 use super::procs::{FastMap, ProcTable};
 use crate::decode::{
     Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
@@ -1814,36 +1814,8 @@ fn hold_fact(
 
 /// One nf_tables commit as a hold of the second lock, attributed like a file-lock hold.
 fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> HoldFact {
-    let who = cx.who(c.tgid, &c.comm);
-    HoldFact {
-        lock,
-        pid: c.tgid,
-        tid: c.tid,
-        comm: who.comm.clone(),
-        agent: who.agent.clone(),
-        role: who.role,
-        cmdline: who.cmdline.clone(),
-        start_ns: c.enter_ns,
-        hold_ns: c.ts_ns.saturating_sub(c.enter_ns),
-        owner: 0,
-        exclusive: true,
-        // The whole hold is the kernel's; no legacy table replace in it.
-        kernel_ns: c.ts_ns.saturating_sub(c.enter_ns),
-        replaces: 0,
-        read_ns: 0,
-        reads: 0,
-        tables: Vec::new(),
-        nft: c.batch.as_deref().copied(),
-        swap_ns: 0,
-        before_start: false,
-        agent_pid: who.agent_pid,
-        released_by: None,
-        pod_uid: who.pod_uid.clone(),
-        container_id: who.container_id.clone(),
-        pod: who.pod.clone(),
-        open: false,
-        incomplete: false,
-    }
+    let batch = c.batch.as_deref().copied();
+    nf_tables_hold(lock, c.tgid, c.tid, &c.comm, c.enter_ns, c.ts_ns, batch, cx)
 }
 
 /// An iptables-family process by its exec'd file or comm (for exit-4 timeouts).

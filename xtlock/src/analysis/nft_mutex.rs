@@ -21,7 +21,7 @@ use std::sync::Arc;
 use super::attribution::{Attribution, Ctx};
 use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome};
 use super::procs::FastMap;
-use crate::decode::{Comm, NftMutex, NftMutexWaitEvent, NftSendEvent};
+use crate::decode::{Comm, NftBatch, NftMutex, NftMutexWaitEvent, NftSendEvent};
 use crate::shared::SharedStr;
 
 /// Hand-overs kept per mutex.
@@ -38,6 +38,53 @@ pub fn nft_commit_lock(netns: u32) -> SharedStr {
         SharedStr::from("nf_tables commit (netns unknown)")
     } else {
         SharedStr::from(format!("nf_tables commit (netns {netns})"))
+    }
+}
+
+/// A hold of an nf_tables lock from `start_ns` to `end_ns`, all of it in the kernel (a
+/// batch: no legacy table replace in it), attributed like a file-lock hold; with what the
+/// batch changed where the nft_commit hook counted it. One shape for the commit hook's holds
+/// and the `sendmsg()` ones.
+#[allow(clippy::too_many_arguments)]
+pub fn nf_tables_hold(
+    lock: SharedStr,
+    tgid: u32,
+    tid: u32,
+    comm: &Comm,
+    start_ns: u64,
+    end_ns: u64,
+    nft: Option<NftBatch>,
+    cx: &mut Ctx<'_>,
+) -> HoldFact {
+    let who = cx.who(tgid, comm);
+    let hold_ns = end_ns.saturating_sub(start_ns);
+    HoldFact {
+        lock,
+        pid: tgid,
+        tid,
+        comm: who.comm.clone(),
+        agent: who.agent.clone(),
+        role: who.role,
+        cmdline: who.cmdline.clone(),
+        start_ns,
+        hold_ns,
+        owner: 0,
+        exclusive: true,
+        kernel_ns: hold_ns,
+        replaces: 0,
+        read_ns: 0,
+        reads: 0,
+        tables: Vec::new(),
+        nft,
+        swap_ns: 0,
+        before_start: false,
+        agent_pid: who.agent_pid,
+        released_by: None,
+        pod_uid: who.pod_uid.clone(),
+        container_id: who.container_id.clone(),
+        pod: who.pod.clone(),
+        open: false,
+        incomplete: false,
     }
 }
 
@@ -87,35 +134,16 @@ impl NftMutexWaits {
         let start = acquired
             .filter(|&a| a >= e.enter_ns && a <= end)
             .unwrap_or(e.enter_ns);
-        let who = cx.who(e.tgid, &e.comm);
-        Some(HoldFact {
-            lock: nft_commit_lock(e.netns),
-            pid: e.tgid,
-            tid: e.tid,
-            comm: who.comm.clone(),
-            agent: who.agent.clone(),
-            role: who.role,
-            cmdline: who.cmdline.clone(),
-            start_ns: start,
-            hold_ns: end - start,
-            owner: 0,
-            exclusive: true,
-            kernel_ns: end - start,
-            replaces: 0,
-            read_ns: 0,
-            reads: 0,
-            tables: Vec::new(),
-            nft: None,
-            swap_ns: 0,
-            before_start: false,
-            agent_pid: who.agent_pid,
-            released_by: None,
-            pod_uid: who.pod_uid.clone(),
-            container_id: who.container_id.clone(),
-            pod: who.pod.clone(),
-            open: false,
-            incomplete: false,
-        })
+        Some(nf_tables_hold(
+            nft_commit_lock(e.netns),
+            e.tgid,
+            e.tid,
+            &e.comm,
+            start,
+            end,
+            None,
+            cx,
+        ))
     }
 
     /// One wait: its fact, then its end as a hand-over when it took the mutex.

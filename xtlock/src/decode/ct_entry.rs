@@ -7,17 +7,14 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use netlink_packet_core::{NetlinkBuffer, NlaBuffer, NlasIterator};
 
+use super::nft_table::{
+    nlmsg_errno, NFGENMSG, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR, NLM_F_DUMP, NLM_F_REQUEST,
+};
 use crate::event::CtEntry;
 
 const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_NEW: u16 = 0;
 const IPCTNL_MSG_CT_GET: u16 = 1;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 1;
-const NLM_F_DUMP: u16 = 0x300;
-const NLMSG_HDR: usize = 16;
-const NFGENMSG: usize = 4;
 const NLA_F_NESTED: u16 = 0x8000;
 
 // enum ctattr_type
@@ -126,11 +123,7 @@ pub fn messages(datagram: &[u8]) -> Result<Vec<CtMsg>, String> {
                 return Ok(out);
             }
             NLMSG_ERROR => {
-                let errno = payload
-                    .get(0..4)
-                    .and_then(|b| b.try_into().ok())
-                    .map(i32::from_ne_bytes)
-                    .ok_or("short error message")?;
+                let errno = nlmsg_errno(payload).ok_or("short error message")?;
                 out.push(if errno == 0 {
                     CtMsg::Other
                 } else {

@@ -35,14 +35,23 @@ pub const NFT_MSG_GETRULE: u8 = 7;
 pub const NFT_MSG_NEWTABLE: u8 = 0;
 pub const NFT_MSG_NEWCHAIN: u8 = 3;
 pub const NFT_MSG_NEWRULE: u8 = 6;
-const NLMSG_ERROR: u16 = 2;
-const NLMSG_DONE: u16 = 3;
-const NLM_F_REQUEST: u16 = 1;
+pub(super) const NLMSG_ERROR: u16 = 2;
+pub(super) const NLMSG_DONE: u16 = 3;
+pub(super) const NLM_F_REQUEST: u16 = 1;
 const NLM_F_DUMP_INTR: u16 = 16;
-const NLM_F_DUMP: u16 = 0x300;
+pub(super) const NLM_F_DUMP: u16 = 0x300;
 /// `struct nlmsghdr` and `struct nfgenmsg`.
-const NLMSG_HDR: usize = 16;
-const NFGENMSG: usize = 4;
+pub(super) const NLMSG_HDR: usize = 16;
+pub(super) const NFGENMSG: usize = 4;
+
+/// The error code of an `NLMSG_ERROR` message's payload (0: an acknowledgement; else
+/// `-errno`); `None` when too short to hold one.
+pub(super) fn nlmsg_errno(payload: &[u8]) -> Option<i32> {
+    payload
+        .get(0..4)
+        .and_then(|b| b.try_into().ok())
+        .map(i32::from_ne_bytes)
+}
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum NftError {
@@ -102,10 +111,7 @@ pub fn messages(datagram: &[u8]) -> Result<Vec<Msg<'_>>, NftError> {
                 return Ok(out);
             }
             NLMSG_ERROR => {
-                let errno = payload
-                    .get(0..4)
-                    .and_then(|b| b.try_into().ok())
-                    .map(i32::from_ne_bytes)
+                let errno = nlmsg_errno(payload)
                     .ok_or_else(|| NftError::Message("short error message".into()))?;
                 if errno != 0 {
                     let e = std::io::Error::from_raw_os_error(-errno);
