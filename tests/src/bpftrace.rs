@@ -21,6 +21,38 @@ impl Drop for Bpftrace {
     }
 }
 
+/// bpftrace run with `args`, its stdout gathered by a thread (joined for all it printed);
+/// returns once a line passes `ready` (its probes are attached), or panics after 60 s.
+pub fn spawn_bpftrace(
+    args: &[&str],
+    ready: fn(&str) -> bool,
+) -> (Child, std::thread::JoinHandle<String>) {
+    let mut child = Command::new("bpftrace")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn bpftrace");
+    let out = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            if ready(&line) {
+                let _ = tx.send(());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(60)).is_ok(),
+        "bpftrace did not start within 60 s"
+    );
+    (child, reader)
+}
+
 impl Bpftrace {
     pub fn start(file: &std::path::Path) -> Self {
         use std::os::unix::fs::MetadataExt;
@@ -40,30 +72,8 @@ impl Bpftrace {
              interval:ms:200 {{ print(@holds); print(@ended); print(@total_ns); }}
              END {{ clear(@start); }}"
         );
-        let mut child = Command::new("bpftrace")
-            .args(["-e", &script])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn bpftrace");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        let reader = std::thread::spawn(move || {
-            let mut all = String::new();
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.contains("Attaching") {
-                    let _ = tx.send(());
-                }
-                all.push_str(&line);
-                all.push('\n');
-            }
-            all
-        });
         // "Attaching 2 probes..." once the probes are in.
-        assert!(
-            rx.recv_timeout(Duration::from_secs(60)).is_ok(),
-            "bpftrace did not start within 60 s"
-        );
+        let (child, reader) = spawn_bpftrace(&["-e", &script], |l| l.contains("Attaching"));
         Self { child, reader }
     }
 

@@ -20,7 +20,7 @@ use serde_json::Value;
 mod bpftrace;
 mod pods;
 mod smallfs;
-pub use bpftrace::Bpftrace;
+pub use bpftrace::{spawn_bpftrace, Bpftrace};
 pub use pods::{cgroup2_root, kubelet_logs, PodCgroup};
 pub use smallfs::SmallFs;
 

@@ -12,9 +12,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    io::{BufRead, BufReader},
     process::{Child, Command, Stdio},
-    sync::mpsc,
     time::{Duration, Instant},
 };
 
@@ -109,31 +107,10 @@ impl Truth {
              interval:ms:500 {{ print(@callers); }}
              BEGIN {{ printf("ready\n"); }}"#
         );
-        let mut child = Command::new("bpftrace")
-            // Line-buffered: killed at the end, it would lose what a pipe's buffer holds.
-            .args(["-B", "line", "-e", &script])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn bpftrace");
-        let out = child.stdout.take().expect("stdout");
-        let (tx, rx) = mpsc::channel();
-        let reader = std::thread::spawn(move || {
-            let mut all = String::new();
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                // BEGIN runs once every probe is attached.
-                if line == "ready" {
-                    let _ = tx.send(());
-                }
-                all.push_str(&line);
-                all.push('\n');
-            }
-            all
-        });
-        assert!(
-            rx.recv_timeout(Duration::from_secs(60)).is_ok(),
-            "bpftrace did not start within 60 s"
-        );
+        // Line-buffered: killed at the end, it would lose what a pipe's buffer holds.
+        // BEGIN runs once every probe is attached.
+        let (child, reader) =
+            xtlock_tests::spawn_bpftrace(&["-B", "line", "-e", &script], |l| l == "ready");
         Truth { child, reader }
     }
 

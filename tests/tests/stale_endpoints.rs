@@ -177,6 +177,94 @@ impl Drop for Node {
     }
 }
 
+/// `helper` (the test helper named so) run with `args` in namespace `ns`.
+fn helper_in(s: &Scratch, ns: &str, helper: &str, args: &[&str]) -> Agent {
+    let bin = s.agent(helper);
+    let mut all = vec!["netns", "exec", ns, bin.to_str().unwrap()];
+    all.extend_from_slice(args);
+    Agent::spawn(Path::new("ip"), &all, &[], None)
+}
+
+impl Node {
+    /// xtlock in the node's network namespace, as a DaemonSet pod with hostNetwork runs.
+    fn tracer(&self, lock: &Path, capture: Option<&Path>) -> Tracer {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net={}", Node::path(&self.node)))
+            .arg(xtlock_bin())
+            .args(["trace", "--json", "--duration", "300s", "--lock-file"])
+            .arg(lock);
+        if let Some(capture) = capture {
+            c.arg("--record").arg(capture);
+        }
+        c.args(xtlock_tests::tracer_extra_args());
+        Tracer::spawn(c)
+    }
+
+    /// Every pod serves each of `modes` (`tcplisten 8080`, `udpecho 5353`), listening.
+    fn serve(&self, s: &Scratch, modes: &[&[&str]]) -> Vec<Agent> {
+        let mut pods = Vec::new();
+        for p in &self.pods {
+            for mode in modes {
+                let mut a = helper_in(s, p, "web", mode);
+                a.expect("listening", T);
+                pods.push(a);
+            }
+        }
+        pods
+    }
+
+    /// The node talks to both pods: its neighbour entries exist.
+    fn probe_pods(&self, s: &Scratch) {
+        for ip in [DEAD, LIVE] {
+            let args = ["connects", ip, "8080", "1", "0", "2000"];
+            let mut a = helper_in(s, &self.node, "probe", &args);
+            let words = a.expect("conn", T);
+            assert_eq!(words.last().map(String::as_str), Some("ok"), "{words:?}");
+            a.wait();
+        }
+    }
+
+    /// The client connects to the web Service `count` times, `interval_ms` apart, each given
+    /// `timeout_ms`.
+    fn connects(&self, s: &Scratch, count: &str, interval_ms: &str, timeout_ms: &str) -> Agent {
+        let args = [
+            "connects",
+            "10.96.0.10",
+            "80",
+            count,
+            interval_ms,
+            timeout_ms,
+        ];
+        helper_in(s, &self.client, "client", &args)
+    }
+}
+
+/// What each of the client's connects got (`ok`, `EHOSTUNREACH`, `ETIMEDOUT`, ...).
+fn client_results(client: &Agent) -> Vec<&str> {
+    client
+        .seen
+        .iter()
+        .filter(|l| l.starts_with("conn "))
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect()
+}
+
+/// The time a helper's child exited, as the helper said it.
+fn exit_time(a: &mut Agent) -> u64 {
+    a.expect("exit", T)
+        .last()
+        .and_then(|t| t.parse::<u64>().ok())
+        .expect("exit time")
+}
+
+/// The pods' servers, stopped.
+fn stop(pods: Vec<Agent>) {
+    for mut p in pods {
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+}
+
 fn in_ns(ns: &str, prog: &str, args: &[&str]) -> bool {
     Command::new("nsenter")
         .arg(format!("--net={}", Node::path(ns)))
@@ -445,38 +533,8 @@ fn scenario(b: Backend, prefix: &str) {
     let lock = s.lock_file("xtables.lock");
     let n = Node::new(prefix, true);
     let capture = s.dir.join("stale.xtlock");
-    // xtlock runs in the node's network namespace, as a DaemonSet pod with hostNetwork does.
-    let mut c = Command::new("nsenter");
-    c.arg(format!("--net={}", Node::path(&n.node)))
-        .arg(xtlock_bin())
-        .args(["trace", "--json", "--duration", "300s", "--lock-file"])
-        .arg(&lock)
-        .arg("--record")
-        .arg(&capture)
-        .args(xtlock_tests::tracer_extra_args());
-    let tracer = Tracer::spawn(c);
-
-    let pods: Vec<Agent> = n
-        .pods
-        .iter()
-        .map(|p| {
-            let mut a = Agent::spawn(
-                Path::new("ip"),
-                &[
-                    "netns",
-                    "exec",
-                    p,
-                    s.agent("web").to_str().unwrap(),
-                    "tcplisten",
-                    "8080",
-                ],
-                &[],
-                None,
-            );
-            a.expect("listening", T);
-            a
-        })
-        .collect();
+    let tracer = n.tracer(&lock, Some(&capture));
+    let pods = n.serve(&s, &[&["tcplisten", "8080"]]);
     let both = s.dir.join("both.rules");
     let one = s.dir.join("one.rules");
     if b == Backend::Nft {
@@ -490,49 +548,12 @@ fn scenario(b: Backend, prefix: &str) {
     assert_eq!(first.wait_within(T), 0, "{:?}", first.seen);
     // The node has talked to both pods (its neighbour entries exist), and the table's read
     // has come.
-    for ip in [DEAD, LIVE] {
-        let mut a = Agent::spawn(
-            Path::new("ip"),
-            &[
-                "netns",
-                "exec",
-                &n.node,
-                s.agent("probe").to_str().unwrap(),
-                "connects",
-                ip,
-                "8080",
-                "1",
-                "0",
-                "2000",
-            ],
-            &[],
-            None,
-        );
-        let words = a.expect("conn", T);
-        assert_eq!(words.last().map(String::as_str), Some("ok"), "{words:?}");
-        a.wait();
-    }
+    n.probe_pods(&s);
     std::thread::sleep(Duration::from_millis(500));
     let icmp_before = out_dest_unreachs(&n.node);
 
     // 40 connects, one every 100 ms, each given 5 s.
-    let mut client = Agent::spawn(
-        Path::new("ip"),
-        &[
-            "netns",
-            "exec",
-            &n.client,
-            s.agent("client").to_str().unwrap(),
-            "connects",
-            "10.96.0.10",
-            "80",
-            "40",
-            "100",
-            "5000",
-        ],
-        &[],
-        None,
-    );
+    let mut client = n.connects(&s, "40", "100", "5000");
     std::thread::sleep(Duration::from_millis(600));
     // Legacy: calico-node holds the xtables lock, and kube-proxy's restore waits behind it.
     let mut calico = (b == Backend::Legacy).then(|| {
@@ -563,19 +584,12 @@ fn scenario(b: Backend, prefix: &str) {
         Some(c) => c.ts("released", T),
         None => spawned,
     };
-    let exited = restore
-        .expect("exit", T)
-        .last()
-        .and_then(|t| t.parse::<u64>().ok())
-        .expect("exit time");
+    let exited = exit_time(&mut restore);
     client.expect("done", T);
     if let Some(c) = calico.as_mut() {
         assert_eq!(c.wait(), 0);
     }
-    for mut p in pods {
-        let _ = p.child.kill();
-        let _ = p.child.wait();
-    }
+    stop(pods);
     // The last refused connections are answered up to a neighbour timeout after the fix.
     std::thread::sleep(Duration::from_millis(1500));
     tracer.interrupt();
@@ -583,12 +597,7 @@ fn scenario(b: Backend, prefix: &str) {
     let dump = trace.dump();
 
     // What the client got.
-    let results: Vec<&str> = client
-        .seen
-        .iter()
-        .filter(|l| l.starts_with("conn "))
-        .filter_map(|l| l.split_whitespace().nth(4))
-        .collect();
+    let results = client_results(&client);
     assert_eq!(results.len(), 40, "{:?}", client.seen);
     let unreachable = results.iter().filter(|r| **r == "EHOSTUNREACH").count() as u64;
     let ok = results.iter().filter(|r| **r == "ok").count();
@@ -773,25 +782,8 @@ fn unanswered_connections_and_udp_flows_conntrack_keeps_are_said() {
             "net.netfilter.nf_conntrack_acct=1",
         ],
     );
-    let mut c = Command::new("nsenter");
-    c.arg(format!("--net={}", Node::path(&n.node)))
-        .arg(xtlock_bin())
-        .args(["trace", "--json", "--duration", "300s", "--lock-file"])
-        .arg(&lock)
-        .args(xtlock_tests::tracer_extra_args());
-    let tracer = Tracer::spawn(c);
-    let mut pods: Vec<Agent> = Vec::new();
-    for p in &n.pods {
-        for mode in [&["tcplisten", "8080"][..], &["udpecho", "5353"][..]] {
-            let mut args = vec!["netns", "exec", p.as_str()];
-            let helper = s.agent("web");
-            args.push(helper.to_str().unwrap());
-            args.extend_from_slice(mode);
-            let mut a = Agent::spawn(Path::new("ip"), &args, &[], None);
-            a.expect("listening", T);
-            pods.push(a);
-        }
-    }
+    let tracer = n.tracer(&lock, None);
+    let pods = n.serve(&s, &[&["tcplisten", "8080"], &["udpecho", "5353"]]);
     let both = s.dir.join("both.rules");
     std::fs::write(
         &both,
@@ -803,45 +795,13 @@ fn unanswered_connections_and_udp_flows_conntrack_keeps_are_said() {
     let mut first = kube_proxy(&s, &n.node, &lock, &both, Backend::Legacy);
     assert_eq!(first.wait_within(T), 0, "{:?}", first.seen);
     // The node talks to both pods: its neighbour entries are fresh (reachable for 15-45 s).
-    for ip in [DEAD, LIVE] {
-        let mut a = Agent::spawn(
-            Path::new("ip"),
-            &[
-                "netns",
-                "exec",
-                &n.node,
-                s.agent("probe").to_str().unwrap(),
-                "connects",
-                ip,
-                "8080",
-                "1",
-                "0",
-                "2000",
-            ],
-            &[],
-            None,
-        );
-        let words = a.expect("conn", T);
-        assert_eq!(words.last().map(String::as_str), Some("ok"), "{words:?}");
-        a.wait();
-    }
+    n.probe_pods(&s);
     // One UDP flow to the DNS Service, answered by the pod, every 100 ms for 9 s.
-    let mut udp = Agent::spawn(
-        Path::new("ip"),
-        &[
-            "netns",
-            "exec",
-            &n.client,
-            s.agent("resolver").to_str().unwrap(),
-            "udpfrom",
-            "40053",
-            "10.96.0.53",
-            "53",
-            "90",
-            "100",
-        ],
-        &[],
-        None,
+    let mut udp = helper_in(
+        &s,
+        &n.client,
+        "resolver",
+        &["udpfrom", "40053", "10.96.0.53", "53", "90", "100"],
     );
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
@@ -850,23 +810,7 @@ fn unanswered_connections_and_udp_flows_conntrack_keeps_are_said() {
         "the DNS flow is DNATed to the pod"
     );
     // 30 connects, one every 100 ms, each given 1 s.
-    let mut client = Agent::spawn(
-        Path::new("ip"),
-        &[
-            "netns",
-            "exec",
-            &n.client,
-            s.agent("client").to_str().unwrap(),
-            "connects",
-            "10.96.0.10",
-            "80",
-            "30",
-            "100",
-            "1000",
-        ],
-        &[],
-        None,
-    );
+    let mut client = n.connects(&s, "30", "100", "1000");
     std::thread::sleep(Duration::from_millis(600));
     let del_start = xtlock_tests::monotonic_ns();
     sh("ip", &["-n", &n.pods[0], "link", "del", "eth0"]);
@@ -875,30 +819,18 @@ fn unanswered_connections_and_udp_flows_conntrack_keeps_are_said() {
     let spawned = xtlock_tests::monotonic_ns();
     let mut restore = kube_proxy(&s, &n.node, &lock, &one, Backend::Legacy);
     assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
-    let exited = restore
-        .expect("exit", T)
-        .last()
-        .and_then(|t| t.parse::<u64>().ok())
-        .expect("exit time");
+    let exited = exit_time(&mut restore);
     client.expect("done", T);
     // Past the report (5 s after the fix) while the UDP flow still sends.
     std::thread::sleep(Duration::from_millis(5600));
     let udp_entries = conntrack_to(&n.node, "udp", DEAD);
     udp.expect("sent", T);
-    for mut p in pods {
-        let _ = p.child.kill();
-        let _ = p.child.wait();
-    }
+    stop(pods);
     tracer.interrupt();
     let trace = tracer.finish();
     let dump = trace.dump();
 
-    let results: Vec<&str> = client
-        .seen
-        .iter()
-        .filter(|l| l.starts_with("conn "))
-        .filter_map(|l| l.split_whitespace().nth(4))
-        .collect();
+    let results = client_results(&client);
     assert_eq!(results.len(), 30, "{:?}", client.seen);
     let timed_out = results.iter().filter(|r| **r == "ETIMEDOUT").count() as u64;
     let ok = results.iter().filter(|r| **r == "ok").count() as u64;
