@@ -446,8 +446,22 @@ impl Drop for Tracer {
 
 /// `xtlock report --events --json CAPTURE`'s objects, checking it succeeds and prints JSON.
 pub fn report_events(capture: &Path) -> Vec<Value> {
+    report(capture, &["--json"])
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+/// `xtlock report --events` of a capture: its lines, as the terminal says them.
+pub fn report_text(capture: &Path) -> String {
+    report(capture, &[])
+}
+
+/// `xtlock report --events ARGS CAPTURE`'s output; it must succeed.
+fn report(capture: &Path, args: &[&str]) -> String {
     let out = Command::new(xtlock_bin())
-        .args(["report", "--events", "--json"])
+        .args(["report", "--events"])
+        .args(args)
         .arg(capture)
         .output()
         .expect("xtlock report");
@@ -456,10 +470,7 @@ pub fn report_events(capture: &Path) -> Vec<Value> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
-        .collect()
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// What one `xtlock trace --json` run printed.

@@ -882,3 +882,201 @@ fn unanswered_connections_and_udp_flows_conntrack_keeps_are_said() {
     assert_eq!((u(&ct["entries"]), u(&ct["udp"])), (1, 1), "{dns}");
     assert!(u(&ct["packets"]) > 10, "packets kept following it: {dns}");
 }
+
+/// A new pod, calico-style: a namespace with a veth whose node end has no address, and the
+/// node's host route to the pod's IP through it, added at a time the script notes. kube-proxy
+/// routes the web Service to it 1.2 s later, its restore waiting behind calico-node's hold
+/// of the xtables lock (legacy) or on its own delay (nf_tables). xtlock says how long from
+/// the route to the write that first routed to it, and who was late: the script's clock is
+/// the truth, within 10 % (or 100 ms).
+#[test]
+fn a_new_pods_programming_latency_is_measured() {
+    if !require_bpf("a_new_pods_programming_latency_is_measured") {
+        return;
+    }
+    let _g = serial();
+    for (b, prefix) in [(Backend::Legacy, "xtpl"), (Backend::Nft, "xtpk")] {
+        programming_latency(b, prefix);
+    }
+}
+
+/// kube-proxy's restore of `rules` in `node`; with the legacy backend while calico-node
+/// holds the xtables lock for `hold_ms`. Returns the earliest its write could come
+/// (calico's release, else the restore's start) and the restore's exit time.
+fn restore_behind_calico(
+    s: &Scratch,
+    node: &str,
+    lock: &Path,
+    rules: &Path,
+    b: Backend,
+    hold_ms: &str,
+) -> (u64, u64) {
+    let mut calico = (b == Backend::Legacy).then(|| {
+        let mut c = Agent::spawn(
+            &s.agent("calico-node"),
+            &["hold", lock.to_str().unwrap(), hold_ms],
+            &[],
+            None,
+        );
+        c.expect("acquired", T);
+        c
+    });
+    let spawned = xtlock_tests::monotonic_ns();
+    let mut restore = kube_proxy(s, node, lock, rules, b);
+    assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
+    let earliest = match calico.as_mut() {
+        Some(c) => c.ts("released", T),
+        None => spawned,
+    };
+    let exited = exit_time(&mut restore);
+    if let Some(c) = calico.as_mut() {
+        assert_eq!(c.wait(), 0);
+    }
+    (earliest, exited)
+}
+
+fn programming_latency(b: Backend, prefix: &str) {
+    const NEW: &str = "10.244.3.7";
+    let s = Scratch::new(&format!("stale-endpoints-{prefix}"));
+    let lock = s.lock_file("xtables.lock");
+    let n = Node::new(prefix, true);
+    let pod = format!("{prefix}-p3");
+    let _ = Command::new("ip")
+        .args(["netns", "del", &pod])
+        .stderr(std::process::Stdio::null())
+        .status();
+    sh("ip", &["netns", "add", &pod]);
+    struct Del(String);
+    impl Drop for Del {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+    let _del = Del(pod.clone());
+    let capture = s.dir.join("new.xtlock");
+    let tracer = n.tracer(&lock, Some(&capture));
+    let before = s.dir.join("before.rules");
+    let after = s.dir.join("after.rules");
+    if b == Backend::Nft {
+        std::fs::write(&before, kube_proxy_nft(&[LIVE])).unwrap();
+        std::fs::write(&after, kube_proxy_nft(&[LIVE, NEW])).unwrap();
+    } else {
+        std::fs::write(&before, kube_proxy_nat(&[LIVE])).unwrap();
+        std::fs::write(&after, kube_proxy_nat(&[LIVE, NEW])).unwrap();
+    }
+    let mut first = kube_proxy(&s, &n.node, &lock, &before, b);
+    assert_eq!(first.wait_within(T), 0, "{:?}", first.seen);
+    std::thread::sleep(Duration::from_millis(500));
+
+    // The CNI ADD: the veth, the pod's address, the node's host route to it.
+    sh(
+        "ip",
+        &[
+            "-n", &n.node, "link", "add", "calinew", "type", "veth", "peer", "name", "eth0",
+            "netns", &pod,
+        ],
+    );
+    sh("ip", &["-n", &n.node, "link", "set", "calinew", "up"]);
+    sh(
+        "ip",
+        &[
+            "-n",
+            &pod,
+            "addr",
+            "add",
+            &format!("{NEW}/32"),
+            "dev",
+            "eth0",
+        ],
+    );
+    sh("ip", &["-n", &pod, "link", "set", "eth0", "up"]);
+    let up_start = xtlock_tests::monotonic_ns();
+    sh(
+        "ip",
+        &[
+            "-n",
+            &n.node,
+            "route",
+            "add",
+            &format!("{NEW}/32"),
+            "dev",
+            "calinew",
+        ],
+    );
+    let up_end = xtlock_tests::monotonic_ns();
+    std::thread::sleep(Duration::from_millis(if b == Backend::Legacy {
+        100
+    } else {
+        1200
+    }));
+    let (earliest, exited) = restore_behind_calico(&s, &n.node, &lock, &after, b, "1100");
+    std::thread::sleep(Duration::from_millis(700));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+
+    let netns = Node::inode(&n.node);
+    let mine = |events: &[Value]| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|e| e["type"] == "endpoint_programmed" && u(&e["netns"]) == netns)
+            .cloned()
+            .collect()
+    };
+    let live = mine(&trace.events);
+    assert_eq!(
+        live.len(),
+        1,
+        "one new endpoint expected:\n{dump}\nstderr:\n{}",
+        trace.stderr
+    );
+    let f = &live[0];
+    eprintln!("{b:?} fact: {f}\ntruth: route added {up_start}..{up_end}, write not before {earliest}, restore exited {exited}");
+    assert_eq!(f["service"], SVC, "{f}");
+    assert_eq!(f["endpoint"], format!("{NEW}:8080"), "{f}");
+    assert_eq!(
+        (f["up"].as_str(), f["link"].as_str()),
+        (Some("route"), Some("calinew")),
+        "{f}"
+    );
+    let w = &f["write"];
+    assert_eq!(w["agent"], "kube-proxy", "{f}");
+    assert_eq!(w["exact"], true, "{f}");
+    let program = match b {
+        Backend::Nft => "nft",
+        _ => "iptables-legacy-restore",
+    };
+    assert_eq!(w["program"], program, "{f}");
+    if b == Backend::Legacy {
+        assert!(
+            w["behind"]
+                .as_array()
+                .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
+            "the write's wait behind calico-node: {f}"
+        );
+    }
+    let latency = u(&f["latency_ns"]);
+    let (lo, hi) = (
+        earliest.saturating_sub(up_end),
+        exited.saturating_sub(up_start),
+    );
+    let slack = (hi / 10).max(100_000_000);
+    assert!(
+        latency + slack >= lo && latency <= hi + slack,
+        "latency {latency} ns, truth between {lo} and {hi} ns: {f}"
+    );
+    // The old endpoint is not new, and the summary counts one.
+    let sum = &trace.summary()["services"];
+    assert_eq!(u(&sum["programmed"]), 1, "{sum}");
+    // `record` + `report` say the same, in words too.
+    let replayed = mine(&xtlock_tests::report_events(&capture));
+    assert_eq!(replayed, live, "report differs from trace");
+    let text = xtlock_tests::report_text(&capture);
+    let line = format!("{SVC} first routed to new endpoint {NEW}:8080 ");
+    let l = text.lines().find(|l| l.contains(&line));
+    assert!(
+        l.is_some_and(|l| l.contains("by kube-proxy")),
+        "{line}... not in:\n{text}"
+    );
+    eprintln!("report: {}", l.unwrap_or_default());
+}

@@ -62,43 +62,38 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     } else {
         steps.push(skipped("test", "the build failed"));
     }
-    // The same integration tests on another kernel, in a VM; the binaries of the steps above.
+    // The same integration tests on other kernels, in VMs (the binaries of the steps above),
+    // and some on arm64 (vm.rs's ARM64_MATRIX says which and why: cross-built for aarch64, a
+    // Debian arm64 kernel in qemu-system-aarch64): one queue of guests, two at a time.
     if no_vm {
         steps.push(skipped("vm-test", "--no-vm"));
-    } else if built {
-        println!("\n== vm-test");
-        let start = Instant::now();
-        let (outcome, note) = match vm::run_default() {
-            Ok(summary) => (Outcome::Ok, summary),
-            Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
-        };
-        steps.push(Step {
-            name: "vm-test",
-            outcome,
-            took: start.elapsed(),
-            note,
-        });
-    } else {
-        steps.push(skipped("vm-test", "the build failed"));
-    }
-    // The same on arm64 (vm.rs's ARM64_MATRIX says which tests and why): the binaries
-    // cross-built for aarch64, a Debian arm64 kernel in qemu-system-aarch64.
-    if no_vm {
         steps.push(skipped("vm-arm64", "--no-vm"));
     } else if built {
-        println!("\n== vm-arm64");
+        println!("\n== vm-test and vm-arm64");
         let start = Instant::now();
-        let (outcome, note) = match vm::run_arm64_default() {
-            Ok(summary) => (Outcome::Ok, summary),
-            Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
-        };
-        steps.push(Step {
-            name: "vm-arm64",
-            outcome,
-            took: start.elapsed(),
-            note,
-        });
+        let jobs = vm::ci_jobs();
+        let (amd64, arm64) = vm::run_ci(jobs);
+        let took = start.elapsed();
+        for (name, r) in [("vm-test", amd64), ("vm-arm64", arm64)] {
+            let (outcome, note) = match r {
+                Ok(summary) => (Outcome::Ok, summary),
+                Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
+            };
+            steps.push(Step {
+                name,
+                outcome,
+                took,
+                note: if jobs > 1 {
+                    format!("{note} (both steps' guests {jobs} at a time: one time for both)")
+                        .trim_start()
+                        .to_owned()
+                } else {
+                    note
+                },
+            });
+        }
     } else {
+        steps.push(skipped("vm-test", "the build failed"));
         steps.push(skipped("vm-arm64", "the build failed"));
     }
     // The image and the DaemonSet, in a process of its own (it enters a mount namespace of

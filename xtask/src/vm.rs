@@ -27,6 +27,11 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
 
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex},
+};
+
 use crate::{arch::Arch, setup, sh};
 
 mod cpio;
@@ -102,6 +107,10 @@ pub struct VmArgs {
     /// CI's arm64 part ([`ARM64_MATRIX`]).
     #[arg(long, conflicts_with_all = ["kernels", "kernel_version", "kernel_deb", "tests", "exec"])]
     pub matrix: bool,
+    /// What `cargo xtask test` runs: the x86-64 matrix and the arm64 part from one queue,
+    /// `XTLOCK_VM_JOBS` (default 2) guests at a time.
+    #[arg(long, conflicts_with_all = ["matrix", "arch", "kernels", "kernel_version", "kernel_deb", "tests", "exec"])]
+    pub ci: bool,
     /// VMs run at once when several kernels are booted (default 1: TCG is CPU-bound).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub jobs: usize,
@@ -298,7 +307,21 @@ pub fn run(args: &VmArgs) -> Result<()> {
     let start = Instant::now();
     let arm64_matrix = args.matrix
         && args.arch.as_deref().and_then(|a| a.parse::<Arch>().ok()) == Some(Arch::Arm64);
-    let result = if arm64_matrix {
+    let result = if args.ci {
+        let (amd64, arm64) = run_ci(ci_jobs());
+        match (amd64, arm64) {
+            (Ok(a), Ok(b)) => Ok(format!("{a}; {b}")),
+            (a, b) => Err(anyhow::anyhow!(
+                "{}",
+                [a.err(), b.err()]
+                    .into_iter()
+                    .flatten()
+                    .map(|e| format!("{e:#}"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            )),
+        }
+    } else if arm64_matrix {
         run_arm64_default()
     } else {
         run_args(args)
@@ -307,63 +330,142 @@ pub fn run(args: &VmArgs) -> Result<()> {
     result.map(|_| ())
 }
 
-/// The CI matrix as `cargo xtask test` runs it: every kernel of [`MATRIX`], the binaries of
-/// `target_dir` (already built by its build and test steps). Returns one summary line per
-/// kernel.
-pub fn run_default() -> Result<String> {
-    run_args(&VmArgs {
+/// The x86-64 CI matrix as `cargo xtask test` runs it: every kernel of [`MATRIX`], the
+/// binaries of `target_dir` (already built by its build and test steps).
+fn matrix_args() -> VmArgs {
+    VmArgs {
         matrix: true,
         // Under TCG one kernel's suite takes 4-8 min, more on a loaded machine.
         timeout: 1500,
-        jobs: env::var("XTLOCK_VM_JOBS")
-            .ok()
-            .and_then(|j| j.parse().ok())
-            .unwrap_or(1),
         cpus: 2,
         memory: 2048,
         ..VmArgs::default()
-    })
+    }
 }
 
-/// The arm64 part of CI ([`ARM64_MATRIX`]), after [`run_default`]: the binaries
-/// cross-built for aarch64 (timed: a fresh clone builds them from nothing), each kernel in
-/// an arm64 VM; then docs/kernels.md from every result there is, the arm64 columns and
-/// figures included, when the x86-64 matrix left all of its results. One summary line.
-pub fn run_arm64_default() -> Result<String> {
-    let root = sh::workspace_root();
-    let target = target_dir(&root, None);
+/// The arm64 part of CI for one series of [`ARM64_MATRIX`].
+fn arm64_args(series: &str, tests: &[TestRun]) -> VmArgs {
+    VmArgs {
+        arch: Some(Arch::Arm64.name().to_owned()),
+        kernels: vec![series.to_string()],
+        tests: tests.iter().map(|(t, _)| t.to_string()).collect(),
+        test_filters: tests
+            .iter()
+            .map(|(t, f)| (t.to_string(), f.iter().map(|s| s.to_string()).collect()))
+            .collect(),
+        // Under TCG the two tests take ~10 min on arm64, more on a loaded machine.
+        timeout: 1500,
+        cpus: 2,
+        memory: 2048,
+        ..VmArgs::default()
+    }
+}
+
+/// VMs CI runs at once: `XTLOCK_VM_JOBS`, else 2. A TCG guest of these tests keeps ~0.9 of
+/// this machine's 2 cores busy (43 % of both, sampled every 5 s over lock_trace on 6.12:
+/// they mostly wait on real time), so two at a time nearly halve the wall time.
+pub fn ci_jobs() -> usize {
+    env::var("XTLOCK_VM_JOBS")
+        .ok()
+        .and_then(|j| j.parse().ok())
+        .unwrap_or(2)
+        .max(1)
+}
+
+/// CI's VMs: the x86-64 matrix ([`MATRIX`]) and the arm64 part ([`ARM64_MATRIX`]), `jobs`
+/// at a time from one queue, the arm64 guests first, after the aarch64 binaries are
+/// cross-built (a fresh clone builds them from nothing: timed). docs/kernels.md is written from every
+/// result when the x86-64 matrix left all of its results. Returns the x86-64 and arm64
+/// summaries.
+pub fn run_ci(jobs: usize) -> (Result<String>, Result<String>) {
+    let start = Instant::now();
+    let x86 = match plan_args(&matrix_args()) {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            return (
+                Err(e),
+                Err(anyhow::anyhow!("not run: the x86-64 plan failed")),
+            )
+        }
+    };
+    let pool = Pool::default();
+    pool.push(&x86, 0, false);
+    let arm64: Mutex<Vec<(usize, Result<Arc<Plan>>)>> = Mutex::new(Vec::new());
+    let plan_arm64 = || {
+        for (n, (series, tests)) in ARM64_MATRIX.iter().enumerate() {
+            let id = n + 1;
+            let plan = plan_args(&arm64_args(series, tests)).map(Arc::new);
+            if let Ok(p) = &plan {
+                pool.push(p, id, true);
+            }
+            arm64
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, plan));
+        }
+    };
+    // Before any guest: a cross-build alongside a guest slowed it enough to fail 3 timed
+    // tests of lock_trace on 5.10 (guests are fine two at a time, a compiler is not).
+    plan_arm64();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| pool.work());
+        }
+    });
+    println!(
+        "vm-test: {} x86-64 and {} arm64 guest(s) in {:.1}s ({jobs} at a time)",
+        x86.planned.len(),
+        ARM64_MATRIX.len(),
+        start.elapsed().as_secs_f64()
+    );
+    let amd64 = finish(&x86, pool.reports_of(0));
     let mut lines = Vec::new();
     let mut failures = Vec::new();
-    for (series, tests) in ARM64_MATRIX {
-        let r = run_args(&VmArgs {
-            arch: Some(Arch::Arm64.name().to_owned()),
-            kernels: vec![series.to_string()],
-            tests: tests.iter().map(|(t, _)| t.to_string()).collect(),
-            test_filters: tests
-                .iter()
-                .map(|(t, f)| (t.to_string(), f.iter().map(|s| s.to_string()).collect()))
-                .collect(),
-            // Under TCG the two tests take ~10 min on arm64, more on a loaded machine.
-            timeout: 1500,
-            cpus: 2,
-            memory: 2048,
-            ..VmArgs::default()
-        });
-        match r {
+    for (id, plan) in arm64.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        match plan.and_then(|p| finish(&p, pool.reports_of(id))) {
             Ok(l) => lines.push(l),
             Err(e) => failures.push(format!("{e:#}")),
         }
     }
-    let results = target.join("vm/results");
+    // docs/kernels.md again, now with the arm64 columns and figures.
+    if let Err(e) = kernels_doc_with_arm64() {
+        failures.push(format!("kernels-doc: {e:#}"));
+    }
+    let arm = if failures.is_empty() {
+        Ok(lines.join("; "))
+    } else {
+        Err(anyhow::anyhow!("{}", failures.join("\n")))
+    };
+    (amd64, arm)
+}
+
+/// docs/kernels.md from every result there is, the arm64 columns included, when the x86-64
+/// matrix left all of its results (else nothing).
+fn kernels_doc_with_arm64() -> Result<()> {
+    let root = sh::workspace_root();
+    let results = target_dir(&root, None).join("vm/results");
     let amd64_all = kernel::SERIES
         .iter()
         .all(|(s, _)| results.join(s).join("probes.json").exists());
     if amd64_all {
-        let written = kernels_doc_path(&root, &results)
-            .and_then(|doc| crate::kernels_doc::write(&results, &doc));
-        if let Err(e) = written {
-            failures.push(format!("kernels-doc: {e:#}"));
+        let doc = kernels_doc_path(&root, &results)?;
+        crate::kernels_doc::write(&results, &doc)?;
+    }
+    Ok(())
+}
+
+/// `cargo xtask vm-test --matrix --arch arm64`: [`ARM64_MATRIX`] alone, one VM at a time.
+pub fn run_arm64_default() -> Result<String> {
+    let mut lines = Vec::new();
+    let mut failures = Vec::new();
+    for (series, tests) in ARM64_MATRIX {
+        match run_args(&arm64_args(series, tests)) {
+            Ok(l) => lines.push(l),
+            Err(e) => failures.push(format!("{e:#}")),
         }
+    }
+    if let Err(e) = kernels_doc_with_arm64() {
+        failures.push(format!("kernels-doc: {e:#}"));
     }
     if !failures.is_empty() {
         bail!("{}", failures.join("\n"));
@@ -428,7 +530,93 @@ struct Planned {
     spec: Spec,
 }
 
+/// The VMs of one run, planned (binaries built) and not yet started.
+struct Plan {
+    arch: Arch,
+    root: PathBuf,
+    base_results: PathBuf,
+    /// The whole CI matrix of this architecture, without extra test arguments: its
+    /// results make docs/kernels.md.
+    whole_matrix: bool,
+    planned: Vec<Planned>,
+}
+
 fn run_args(args: &VmArgs) -> Result<String> {
+    let plan = Arc::new(plan_args(args)?);
+    let start = Instant::now();
+    let jobs = args.jobs.max(1);
+    let pool = Pool::default();
+    pool.push(&plan, 0, false);
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| pool.work());
+        }
+    });
+    if plan.planned.len() > 1 {
+        println!(
+            "vm-test: {} kernels in {:.1}s ({} at a time)",
+            plan.planned.len(),
+            start.elapsed().as_secs_f64(),
+            jobs
+        );
+    }
+    finish(&plan, pool.reports_of(0))
+}
+
+/// VMs waiting for a worker, and the reports of those that ran: each worker takes the next
+/// VM when its own ends.
+#[derive(Default)]
+struct Pool {
+    /// (plan id, plan, VM index)
+    queue: Mutex<VecDeque<(usize, Arc<Plan>, usize)>>,
+    /// (plan id, VM index, report)
+    reports: Mutex<Vec<(usize, usize, Result<Report>)>>,
+}
+
+impl Pool {
+    /// Queues every VM of `plan` under the id `id`, before the others when `first`.
+    fn push(&self, plan: &Arc<Plan>, id: usize, first: bool) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let jobs = (0..plan.planned.len()).map(|i| (id, plan.clone(), i));
+        if first {
+            for j in jobs.rev() {
+                q.push_front(j);
+            }
+        } else {
+            q.extend(jobs);
+        }
+    }
+
+    /// Runs queued VMs until none is left.
+    fn work(&self) {
+        loop {
+            let next = self
+                .queue
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+            let Some((id, plan, i)) = next else {
+                return;
+            };
+            let p = &plan.planned[i];
+            let r = run_spec_labelled(&p.spec, &p.label);
+            self.reports
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((id, i, r));
+        }
+    }
+
+    /// The reports of plan `id`: (VM index, report).
+    fn reports_of(&self, id: usize) -> Vec<(usize, Result<Report>)> {
+        let mut all = self.reports.lock().unwrap_or_else(|e| e.into_inner());
+        let (mine, rest): (Vec<_>, Vec<_>) = all.drain(..).partition(|(p, _, _)| *p == id);
+        *all = rest;
+        mine.into_iter().map(|(_, i, r)| (i, r)).collect()
+    }
+}
+
+fn plan_args(args: &VmArgs) -> Result<Plan> {
     let root = sh::workspace_root();
     let target = target_dir(&root, args.target_dir.as_deref());
     let arch = match &args.arch {
@@ -600,29 +788,28 @@ fn run_args(args: &VmArgs) -> Result<String> {
         });
     }
 
-    let start = Instant::now();
-    let jobs = args.jobs.max(1);
-    let mut reports: Vec<(usize, Result<Report>)> = Vec::new();
-    for (n, chunk) in planned.chunks(jobs).enumerate() {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = chunk
-                .iter()
-                .enumerate()
-                .map(|(i, p)| {
-                    (
-                        n * jobs + i,
-                        scope.spawn(|| run_spec_labelled(&p.spec, &p.label)),
-                    )
-                })
-                .collect();
-            for (i, h) in handles {
-                let r = h
-                    .join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the VM thread panicked")));
-                reports.push((i, r));
-            }
-        });
-    }
+    let whole_matrix = args.matrix && args.test_args.is_empty();
+    Ok(Plan {
+        arch,
+        root,
+        base_results,
+        whole_matrix,
+        planned,
+    })
+}
+
+/// The verdict of each VM of `plan`, from `reports` ((VM, report), in any order), and
+/// docs/kernels.md after a whole x86-64 matrix; one summary line.
+fn finish(plan: &Plan, mut reports: Vec<(usize, Result<Report>)>) -> Result<String> {
+    let Plan {
+        arch,
+        root,
+        base_results,
+        planned,
+        ..
+    } = plan;
+    let arch = *arch;
+    reports.sort_by_key(|(i, _)| *i);
     let mut lines = Vec::new();
     let mut failures = Vec::new();
     for (i, r) in reports {
@@ -640,25 +827,16 @@ fn run_args(args: &VmArgs) -> Result<String> {
             Err(e) => failures.push(format!("{name}: {e:#}")),
         }
     }
-    if planned.len() > 1 {
-        println!(
-            "vm-test: {} kernels in {:.1}s ({} at a time)",
-            planned.len(),
-            start.elapsed().as_secs_f64(),
-            jobs
-        );
-    }
     // Every series ran the whole matrix: docs/kernels.md from what attached where (even
     // after a failed test: `xtlock probes` ran first). Not after a partial run: its skip
     // lists would say "no test skipped" of the tests it left out.
     let ran: Vec<&str> = planned.iter().map(|p| p.label.as_str()).collect();
     if arch == Arch::Amd64
-        && args.matrix
-        && args.test_args.is_empty()
+        && plan.whole_matrix
         && kernel::SERIES.iter().all(|(s, _)| ran.contains(s))
     {
-        let written = kernels_doc_path(&root, &base_results)
-            .and_then(|doc| crate::kernels_doc::write(&base_results, &doc));
+        let written = kernels_doc_path(root, base_results)
+            .and_then(|doc| crate::kernels_doc::write(base_results, &doc));
         if let Err(e) = written {
             failures.push(format!("kernels-doc: {e:#}"));
         }

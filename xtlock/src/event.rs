@@ -1063,6 +1063,9 @@ pub struct AddrPresence {
     pub why: AddrWhy,
     /// The link it lives (lived) behind, as the kernel names it (`veth1a2b`, `cali12ab`).
     pub link: String,
+    /// Said on the kernel's notification, so `ts_ns` is when it happened (within a read);
+    /// false for what a dump found (at start, after an overrun): it was there before.
+    pub live: bool,
 }
 
 /// One conntrack entry as ctnetlink dumps it (`decode/ct_entry.rs`).

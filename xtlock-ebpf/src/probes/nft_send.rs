@@ -7,17 +7,22 @@
 //!
 //! The socket is recognised from the descriptor: `current->files->fdt->fd[fd]`, its
 //! `private_data` a `struct socket` that points back to the file, whose `sock` is
-//! `AF_NETLINK` with protocol `NETLINK_NETFILTER`. Offsets from BTF. The exit program is
-//! attached first, so every entry the enter program keeps gets its exit.
+//! `AF_NETLINK` with protocol `NETLINK_NETFILTER`. Offsets from BTF. The exit tracepoint is
+//! attached first, so every entry the enter program keeps gets its exit (the function
+//! hooks attach as a pair, microseconds apart).
+//!
+//! As the other syscall hooks, on the syscall's function (fentry, else kprobe) where it
+//! attaches: an enabled syscall tracepoint puts every syscall of the node on the
+//! syscall-tracing path; the tracepoints are the fallback.
 use aya_ebpf::{
     helpers::{bpf_get_current_comm, bpf_get_current_task},
-    macros::tracepoint,
-    programs::TracePointContext,
+    macros::{fentry, fexit, kprobe, kretprobe, tracepoint},
+    programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext, TracePointContext},
 };
 use xtlock_common::{EventKind, NftSendEvent, AF_NETLINK, COMM_LEN, NETLINK_NETFILTER};
 
 use crate::{
-    emit::{field, header, ids, kread, now, output},
+    emit::{field, header, ids, kread, now, output, syscall_arg},
     NFT_MUTEX_CONFIG, NFT_SEND_INFLIGHT,
 };
 
@@ -61,19 +66,20 @@ fn netfilter_socket(c: &xtlock_common::NftMutexConfig, fd: u64) -> Option<u32> {
     kread(net, c.net_inum)
 }
 
-#[tracepoint]
-pub fn sys_enter_sendmsg(ctx: TracePointContext) -> u32 {
+/// A `sendmsg(fd, ...)` begins: kept when `fd` is a `NETLINK_NETFILTER` socket.
+#[inline(always)]
+fn enter(fd: Option<u64>) {
     let Some(c) = NFT_MUTEX_CONFIG.get(0) else {
-        return 0;
+        return;
     };
     if c.send_ok == 0 {
-        return 0;
+        return;
     }
-    let Ok(fd) = field::<u64>(&ctx, c.send_fd as usize) else {
-        return 0;
+    let Some(fd) = fd else {
+        return;
     };
     let Some(netns) = netfilter_socket(c, fd) else {
-        return 0;
+        return;
     };
     let (_, tid) = ids();
     let e = SendEnter {
@@ -82,21 +88,17 @@ pub fn sys_enter_sendmsg(ctx: TracePointContext) -> u32 {
         _pad: 0,
     };
     let _ = NFT_SEND_INFLIGHT.insert(&tid, &e, 0);
-    0
 }
 
-#[tracepoint]
-pub fn sys_exit_sendmsg(ctx: TracePointContext) -> u32 {
+/// The thread's `sendmsg()` returned `ret`: its batch, if its entry was kept.
+#[inline(always)]
+fn exit(ret: i64) {
     let (_, tid) = ids();
     // SAFETY: read of our own thread's entry; removed right after.
     let Some(e) = (unsafe { NFT_SEND_INFLIGHT.get(&tid) }).copied() else {
-        return 0;
+        return;
     };
     let _ = NFT_SEND_INFLIGHT.remove(&tid);
-    let ret: i64 = NFT_MUTEX_CONFIG
-        .get(0)
-        .and_then(|c| field::<i64>(&ctx, c.exit_ret as usize).ok())
-        .unwrap_or(0);
     let ev = NftSendEvent {
         hdr: header(EventKind::NftSend, now()),
         enter_ns: e.enter_ns,
@@ -105,5 +107,47 @@ pub fn sys_exit_sendmsg(ctx: TracePointContext) -> u32 {
         comm: bpf_get_current_comm().unwrap_or([0u8; COMM_LEN]),
     };
     output(&ev);
+}
+
+#[tracepoint]
+pub fn sys_enter_sendmsg(ctx: TracePointContext) -> u32 {
+    let off = NFT_MUTEX_CONFIG.get(0).map_or(0, |c| c.send_fd as usize);
+    enter(field::<u64>(&ctx, off).ok());
+    0
+}
+
+#[tracepoint]
+pub fn sys_exit_sendmsg(ctx: TracePointContext) -> u32 {
+    let ret: i64 = NFT_MUTEX_CONFIG
+        .get(0)
+        .and_then(|c| field::<i64>(&ctx, c.exit_ret as usize).ok())
+        .unwrap_or(0);
+    exit(ret);
+    0
+}
+
+// The same on the syscall's function: `sendmsg(fd, msg, flags)`.
+
+#[fentry(function = "__x64_sys_sendmsg")]
+pub fn sendmsg_syscall_fentry(ctx: FEntryContext) -> u32 {
+    enter(syscall_arg(ctx.arg(0), 0));
+    0
+}
+
+#[fexit(function = "__x64_sys_sendmsg")]
+pub fn sendmsg_syscall_fexit(ctx: FExitContext) -> u32 {
+    exit(ctx.arg(1));
+    0
+}
+
+#[kprobe]
+pub fn sendmsg_syscall_kprobe(ctx: ProbeContext) -> u32 {
+    enter(syscall_arg(ctx.arg(0).unwrap_or(0), 0));
+    0
+}
+
+#[kretprobe]
+pub fn sendmsg_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
+    exit(ctx.ret());
     0
 }

@@ -56,6 +56,8 @@ pub enum Output {
     Refusal(RefusalFact),
     /// A Service kept routing to an endpoint after it was gone from the node.
     StaleEndpoint(StaleEndpointFact),
+    /// A Service first routed to an endpoint whose address came up on the node meanwhile.
+    EndpointProgrammed(EndpointProgrammedFact),
 }
 
 impl Output {
@@ -84,6 +86,7 @@ impl Output {
             Output::HoldRefusals(h) => h.start_ns,
             Output::Refusal(r) => r.ts_ns,
             Output::StaleEndpoint(s) => s.ts_ns,
+            Output::EndpointProgrammed(p) => p.ts_ns,
         }
     }
 }
@@ -1094,6 +1097,32 @@ pub struct StaleEndpointFact {
     /// conntrack keeps steering to the dead endpoint whatever the rules say (UDP above all).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrack: Option<StaleConntrack>,
+}
+
+/// A Service first routed to an endpoint whose address came up on this node while xtlock
+/// watched: `{"type":"endpoint_programmed",...}`. The programming latency, from the address
+/// (the pod's host route, its neighbour entry on the bridge, a local address) to the rule
+/// write that first routed to it: an upper bound of what the node added, since it includes
+/// the pod's readiness and the control plane's endpoint update.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct EndpointProgrammedFact {
+    /// When the address came up.
+    pub ts_ns: u64,
+    /// The network namespace whose rules route to it.
+    pub netns: u32,
+    /// kube-proxy's service port, `ns/svc:port` (or its chain's name without comments).
+    pub service: String,
+    /// `ip:port`.
+    pub endpoint: String,
+    /// How the address came up: `route`, `neighbour`, `local`.
+    pub up: &'static str,
+    /// The link it lives behind (the pod's veth).
+    pub link: String,
+    /// From the address up to the write that first routed to it (to the read that first
+    /// saw it when no write was seen: `write.exact` false).
+    pub latency_ns: u64,
+    /// That write: who, its wait for the lock and behind whom, its own hold.
+    pub write: StaleFix,
 }
 
 /// Conntrack entries still DNATed to a dead endpoint (see [`StaleEndpointFact::conntrack`]).

@@ -24,12 +24,12 @@ use cadence::Cadence;
 pub use drops::DropSummary;
 use drops::DropTracker;
 pub use facts::{
-    ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact, ExecFact,
-    ExitFact, FailedTryFact, ForeignChange, HoldDropsFact, HoldFact, HoldRef, HoldRefusalsFact,
-    HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact, MixedBackendsFact, Output,
-    PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup, RefusalKind, Restored, RuleChangeFact,
-    RuleWriteFact, StaleEndpointFact, StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode,
-    WaitOutcome,
+    ConntrackFact, ConntrackRefusedFact, DestChange, DropClass, DropCountFact, DropFact,
+    EndpointProgrammedFact, ExecFact, ExitFact, FailedTryFact, ForeignChange, HoldDropsFact,
+    HoldFact, HoldRef, HoldRefusalsFact, HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact,
+    MixedBackendsFact, Output, PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup,
+    RefusalKind, Restored, RuleChangeFact, RuleWriteFact, StaleEndpointFact, StallFact, TableTouch,
+    TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;
@@ -148,7 +148,7 @@ impl Analyzer {
                             services.observe(&o);
                             out(o);
                         });
-                    services.on_table(&whole);
+                    services.on_table(&whole, &mut out);
                 }
             }
             _ => {}

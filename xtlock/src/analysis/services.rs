@@ -17,13 +17,19 @@
 //! connections the node refused meanwhile (exact counts of ICMP unreachable and resets to that
 //! endpoint, from the refusal counters) are added until [`GRACE_NS`] after the fix: a
 //! neighbour's resolution fails seconds after the SYN that started it.
+//!
+//! **New endpoints**: an address that came up on this node while xtlock watched (said live,
+//! not found by a dump) and that no Service routed to yet; the first read of an already
+//! modelled table that routes a Service to it says how long that took, with the write that
+//! did it and why it was late (an upper bound of the node's part: it includes the pod's
+//! readiness and the control plane).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
 
-use super::facts::{Output, StaleConntrack, StaleEndpointFact, StaleFix};
+use super::facts::{EndpointProgrammedFact, Output, StaleConntrack, StaleEndpointFact, StaleFix};
 use super::procs::FastMap;
 use crate::event::{AddrPresence, AddrWhy, ChainState, CtEntries, Rule, RuleTable};
 use crate::shared::SharedStr;
@@ -42,6 +48,11 @@ const MAX_WINDOWS: usize = 4096;
 const MAX_GONE: usize = 65_536;
 /// Recent rule writes, waits and holds remembered to explain a fix.
 const MAX_RECENT: usize = 1024;
+/// Addresses that came up, waiting for a Service to route to them.
+const MAX_UP: usize = 65_536;
+/// How long an address that came up is waited for: a pod that is never an endpoint of a
+/// Service (or whose Service is on another node's rules only) is forgotten then.
+const UP_WAIT_NS: u64 = 600_000_000_000;
 
 /// What one chain tells about routing.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -130,6 +141,11 @@ pub struct ServiceSummary {
     /// Windows not tracked (past the bound).
     #[serde(skip_serializing_if = "is_zero")]
     pub over_bound: u64,
+    /// New endpoints whose first routing was seen, and the longest time it took.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub programmed: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub programming_ns_max: u64,
 }
 
 impl ServiceSummary {
@@ -149,6 +165,9 @@ pub struct ServiceTracker {
     routed: FastMap<u32, BTreeSet<Route>>,
     /// Addresses gone from this node, and how.
     gone: HashMap<IpAddr, (u64, AddrWhy, String)>,
+    /// Addresses that came up live and are not yet routed to: when, how, behind which link.
+    up: HashMap<IpAddr, (u64, AddrWhy, String)>,
+    up_swept_ns: u64,
     windows: Vec<Window>,
     writes: VecDeque<Write>,
     waits: VecDeque<(u32, WaitRef)>,
@@ -257,7 +276,7 @@ fn is_service_chain(name: &str) -> bool {
 impl ServiceTracker {
     /// A whole rule read (the rule tracker assembles its parts): the model of its table,
     /// then what stopped (or started) routing.
-    pub fn on_table(&mut self, t: &RuleTable) {
+    pub fn on_table(&mut self, t: &RuleTable, out: &mut impl FnMut(Output)) {
         if !t.skipped.is_empty() {
             return;
         }
@@ -279,13 +298,58 @@ impl ServiceTracker {
             .filter(|r| before.is_none_or(|b| !b.contains(*r)))
             .cloned()
             .collect();
+        // A netns's first read finds routes that were there before: not programmed now.
+        let modelled = before.is_some();
+        let fix = self.fix_for(t);
+        let mut programmed: Vec<IpAddr> = Vec::new();
         for (service, ep) in added {
             if let Some((since, why, link)) = self.gone.get(&ep.ip()).cloned() {
                 self.open(t.netns, service, ep, since, why, link);
+                continue;
             }
+            let Some((up_ns, how, link)) = self.up.get(&ep.ip()).cloned() else {
+                continue;
+            };
+            if up_ns > t.ts_ns {
+                continue;
+            }
+            programmed.push(ep.ip());
+            if !modelled {
+                continue;
+            }
+            // The write that first routed to it; one before the address came up (a
+            // restore that waited for the lock) is the read's time, an upper bound.
+            let at = if fix.exact && fix.ts_ns >= up_ns {
+                fix.ts_ns
+            } else {
+                t.ts_ns
+            };
+            let mut write = fix.clone();
+            if at != fix.ts_ns {
+                write.ts_ns = at;
+                write.exact = false;
+            }
+            let f = EndpointProgrammedFact {
+                ts_ns: up_ns,
+                netns: t.netns,
+                service,
+                endpoint: ep.to_string(),
+                up: how.as_str(),
+                link,
+                latency_ns: at.saturating_sub(up_ns),
+                write,
+            };
+            self.summary.programmed += 1;
+            self.summary.programming_ns_max = self.summary.programming_ns_max.max(f.latency_ns);
+            out(Output::EndpointProgrammed(f));
+        }
+        // Each address once (and not at all when a netns's first read already routes to it):
+        // its other service ports came with the same write, or are another Service's later
+        // choice, not the node's latency.
+        for ip in programmed {
+            self.up.remove(&ip);
         }
         // Windows whose route this read no longer has: fixed by the reading's writer.
-        let fix = self.fix_for(t);
         self.windows.retain_mut(|w| {
             if w.netns != t.netns
                 || w.fix.is_some()
@@ -390,6 +454,15 @@ impl ServiceTracker {
     /// An address appeared or vanished on this node.
     pub fn on_addr(&mut self, a: &AddrPresence, out: &mut impl FnMut(Output)) {
         if a.why.present() {
+            let routed = self
+                .routed
+                .values()
+                .any(|r| r.iter().any(|(_, ep)| ep.ip() == a.addr));
+            if a.live && !routed && self.up.len() < MAX_UP {
+                self.up
+                    .entry(a.addr)
+                    .or_insert((a.ts_ns, a.why, a.link.clone()));
+            }
             if self.gone.remove(&a.addr).is_some() {
                 // The address is back (a pod's IP reused, a neighbour answering again):
                 // windows of it that the rules had not fixed end here.
@@ -407,6 +480,7 @@ impl ServiceTracker {
             }
             return;
         }
+        self.up.remove(&a.addr);
         if self.gone.contains_key(&a.addr) {
             return;
         }
@@ -525,6 +599,12 @@ impl ServiceTracker {
 
     /// Event time moved on: windows fixed more than [`GRACE_NS`] ago are reported.
     pub fn tick(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        // Once a second of event time: addresses no Service took in time are forgotten.
+        if !self.up.is_empty() && ts_ns > self.up_swept_ns.saturating_add(1_000_000_000) {
+            self.up
+                .retain(|_, (t, _, _)| ts_ns.saturating_sub(*t) < UP_WAIT_NS);
+            self.up_swept_ns = ts_ns;
+        }
         if self.windows.is_empty() {
             return;
         }

@@ -400,7 +400,7 @@ impl Stats {
             // Counted by the refusal tracker.
             Output::RefusalCount(_) | Output::HoldRefusals(_) | Output::Refusal(_) => {}
             // Counted by the service tracker.
-            Output::StaleEndpoint(_) => {}
+            Output::StaleEndpoint(_) | Output::EndpointProgrammed(_) => {}
         }
     }
 

@@ -727,6 +727,8 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             put_bytes(out, &addr);
             put_varint(out, u64::from(a.why.code()));
             put_bytes(out, a.link.as_bytes());
+            // Appended (readers skip trailing bytes): bit 0, said live.
+            put_varint(out, u64::from(a.live));
             KIND_ADDR
         }
         Event::CtEntries(c) => {
@@ -1045,12 +1047,16 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 .ok()
                 .and_then(crate::event::AddrWhy::from_code)
                 .ok_or_else(|| format!("unknown address reason {code}"))?;
+            let link = r.string("link")?;
+            // Captures before the flags byte: not known live, so no latency is made of it.
+            let live = r.remaining() > 0 && r.varint("flags")? & 1 != 0;
             Event::Addr(Box::new(crate::event::AddrPresence {
                 ts_ns,
                 netns,
                 addr,
                 why,
-                link: r.string("link")?,
+                link,
+                live,
             }))
         }
         KIND_CT_ENTRIES => {

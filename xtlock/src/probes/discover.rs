@@ -118,12 +118,16 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     discover_syscall_regs(&mut config, &btf);
     let raw_lock = discover_raw_lock(&mut config, &btf);
     let raw_drop = discover_raw_drop(&mut config, &btf);
-    let (nft_mutex, raw_nft_mutex) = discover_nft_mutex(&btf, nft_mutex_tp);
+    // Read once: the kernel formats all of it for each read (5 MB, seconds under emulation).
+    let kallsyms = std::fs::read_to_string("/proc/kallsyms")
+        .map_err(|e| format!("reading /proc/kallsyms: {e}"));
+    let (nft_mutex, raw_nft_mutex) = discover_nft_mutex(&btf, nft_mutex_tp, &kallsyms);
     let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
     wanted.extend(super::hooks::tracepoint_fallbacks());
     let kfunc = kfunc::discover(
         tracefs,
         btf.as_ref().map_err(|e| e.to_string()),
+        kallsyms.as_deref().unwrap_or_default(),
         &wanted,
         filter,
     );
@@ -149,6 +153,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
 fn discover_nft_mutex(
     btf: &Result<btf::Btf, btf::BtfError>,
     tp: nft_mutex::TpOffsets,
+    kallsyms: &Result<String, String>,
 ) -> (Result<nft_mutex::Setup, String>, Result<(), String>) {
     let b = match btf {
         Ok(b) => b,
@@ -167,8 +172,8 @@ fn discover_nft_mutex(
             b.fn_typedef_params("btf_trace_contention_end"),
         )
     });
-    let setup = std::fs::read_to_string("/proc/kallsyms")
-        .map_err(|e| format!("reading /proc/kallsyms: {e}"))
+    let setup = kallsyms
+        .clone()
         .and_then(|k| nft_mutex::config(b, tp, &nft_mutex::symbols(&k)));
     (setup, raw)
 }

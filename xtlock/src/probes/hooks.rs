@@ -103,6 +103,13 @@ pub const SETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
     ("setsockopt_syscall_fentry", "setsockopt_syscall_kprobe"),
     Some(("setsockopt_syscall_fexit", "setsockopt_syscall_kretprobe")),
 );
+pub const SENDMSG_SYSCALL: KfuncHook = syscall_fn(
+    "sendmsg_syscall",
+    "nf_tables batches timed from their sendmsg()",
+    &["__x64_sys_sendmsg", "__arm64_sys_sendmsg"],
+    ("sendmsg_syscall_fentry", "sendmsg_syscall_kprobe"),
+    Some(("sendmsg_syscall_fexit", "sendmsg_syscall_kretprobe")),
+);
 pub const GETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
     "getsockopt_syscall",
     "legacy table reads",
@@ -370,7 +377,9 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_exit_sendmsg",
         required: false,
         purpose: "end of an nf_tables batch's sendmsg(): its hold of the commit mutex",
-        fallback: None,
+        // First, with the syscall's function: the exit tracepoint attaches before the
+        // entry's when the function cannot be hooked (see nft_send.rs).
+        fallback: Some(&SENDMSG_SYSCALL),
         paired_with: None,
         raw_program: None,
         missing: None,
@@ -384,7 +393,7 @@ pub const HOOKS: &[Hook] = &[
                   (nft, iptables-nft), timed as a hold of the commit mutex where nft_commit \
                   does not attach",
         fallback: None,
-        paired_with: None,
+        paired_with: Some(nft_mutex::SEND_EXIT),
         raw_program: None,
         missing: None,
     },

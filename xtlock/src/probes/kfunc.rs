@@ -471,10 +471,11 @@ fn module_present(name: &str) -> bool {
 }
 
 /// Reads the facts of the running kernel for `hooks` (`btf`: its parsed vmlinux BTF, or why
-/// not).
+/// not; `kallsyms`: /proc/kallsyms, read by the caller, empty if it could not be).
 pub fn discover(
     tracefs: &Path,
     btf: Result<&super::btf::Btf, String>,
+    kallsyms: &str,
     hooks: &[&KfuncHook],
     filter: AttachFilter,
 ) -> KernelFacts {
@@ -482,9 +483,7 @@ pub fn discover(
         .iter()
         .flat_map(|h| h.functions.iter().copied())
         .collect();
-    let symbols = std::fs::read_to_string("/proc/kallsyms")
-        .map(|t| kallsyms_functions(&t, &wanted))
-        .unwrap_or_default();
+    let symbols = kallsyms_functions(kallsyms, &wanted);
     let mut facts = KernelFacts {
         symbols,
         kprobes: Path::new("/sys/bus/event_source/devices/kprobe").exists()

@@ -225,6 +225,16 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
                 });
             }
         }
+        // Through the agent whose write first routed to it.
+        Output::EndpointProgrammed(f) => {
+            if !f.write.agent.is_empty() {
+                v.push(Party {
+                    agent: &f.write.agent,
+                    pod: None,
+                    pids: [f.write.pid, 0],
+                });
+            }
+        }
         Output::Drop(d) => v.extend(d.hold.iter().map(hold_ref)),
         Output::ConntrackRefused(c) => v.extend(c.hold.iter().map(hold_ref)),
         Output::DropCount(d) => v.extend(d.holds.iter().map(hold_ref)),

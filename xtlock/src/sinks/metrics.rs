@@ -227,6 +227,14 @@ pub struct HoldRefusalLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProgrammedLabels {
+    /// The agent whose write first routed to the endpoint; `(none)`: no write was seen.
+    pub agent: String,
+    /// How its address came up: `route`, `neighbour`, `local`.
+    pub up: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StaleLabels {
     /// The agent whose write stopped the routing; `(none)` while still routed.
     pub agent: String,
@@ -309,6 +317,8 @@ pub struct Metrics {
     /// Endpoints still routed to while gone, at the last report (the end of tracing).
     pub stale_still_routed: Counter,
     pub stale_flows: Family<StaleFlowLabels, Counter>,
+    /// New endpoints: from their address up to the first write routing to them.
+    pub endpoint_programming: Hist<ProgrammedLabels>,
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
@@ -511,6 +521,16 @@ impl Metrics {
              (tracing ended, or the address came back)",
             stale_still_routed.clone(),
         );
+        let endpoint_programming: Hist<ProgrammedLabels> = hist();
+        r.register_with_unit(
+            "endpoint_programming",
+            "New endpoints: from the moment their address came up on the node (a pod's host \
+             route, its neighbour entry on the bridge, a local address) to the rule write that \
+             first routed a Service to them, by the writing agent and how the address came up. \
+             An upper bound of the node's part: it includes the pod's readiness",
+            Unit::Seconds,
+            endpoint_programming.clone(),
+        );
         let stale_flows = Family::<StaleFlowLabels, Counter>::default();
         r.register(
             "stale_endpoint_conntrack_flows",
@@ -637,6 +657,7 @@ impl Metrics {
             stale_connections,
             stale_still_routed,
             stale_flows,
+            endpoint_programming,
             conntrack,
             conntrack_entries,
             conntrack_max,
@@ -985,6 +1006,20 @@ impl Sink for MetricsSink {
                         .get_or_create(&l)
                         .inc_by(g.count);
                 }
+            }
+            Output::EndpointProgrammed(f) => {
+                let agent = if f.write.agent.is_empty() {
+                    "(none)".to_owned()
+                } else {
+                    self.agent(&f.write.agent)
+                };
+                self.m
+                    .endpoint_programming
+                    .get_or_create(&ProgrammedLabels {
+                        agent,
+                        up: f.up.to_owned(),
+                    })
+                    .observe(f.latency_ns as f64 / 1e9);
             }
             Output::StaleEndpoint(f) => {
                 let agent = match f.fix.as_ref().filter(|x| !x.agent.is_empty()) {

@@ -440,6 +440,18 @@ impl<W: Write> Sink for PerfettoSink<W> {
                     serde_json::to_value(c).unwrap_or(Value::Null),
                 ),
             Output::StaleEndpoint(f) => self.stale_endpoint(f),
+            // At the write that first routed to it, on its writer's track.
+            Output::EndpointProgrammed(f) => self.instant(
+                f.ts_ns.saturating_add(f.latency_ns),
+                f.write.pid,
+                if f.write.agent.is_empty() {
+                    "(no write seen)"
+                } else {
+                    &f.write.agent
+                },
+                super::terminal::endpoint_programmed_text(f),
+                serde_json::to_value(f).unwrap_or(Value::Null),
+            ),
             Output::MixedBackends(m) => self.instant(
                 m.ts_ns,
                 m.pid,

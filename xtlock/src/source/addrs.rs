@@ -114,6 +114,8 @@ pub struct AddrState {
     shown: BTreeSet<(IpAddr, AddrWhy, u32)>,
     /// During a dump: the state is incomplete, nothing is said until its end.
     dumping: bool,
+    /// Saying what a dump found: not live (see [`AddrPresence::live`]).
+    from_dump: bool,
     /// Entries a bound dropped.
     pub dropped: u64,
 }
@@ -130,6 +132,7 @@ impl AddrState {
             locals: BTreeSet::new(),
             shown: BTreeSet::new(),
             dumping: false,
+            from_dump: false,
             dropped: 0,
         }
     }
@@ -152,9 +155,11 @@ impl AddrState {
         addrs.extend(self.neighs.keys().map(|k| k.0));
         addrs.extend(self.routes.keys().copied());
         addrs.extend(self.locals.iter().map(|k| k.0));
+        self.from_dump = true;
         for a in addrs {
             self.sync(a, ts_ns, out);
         }
+        self.from_dump = false;
         self.old_names.clear();
     }
 
@@ -394,6 +399,7 @@ impl AddrState {
             addr,
             why,
             link: self.name(link),
+            live: !self.from_dump,
         }
     }
 }

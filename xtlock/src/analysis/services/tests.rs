@@ -84,6 +84,7 @@ fn gone(ts_ns: u64, addr: &str) -> AddrPresence {
         addr: addr.parse().expect("addr"),
         why: AddrWhy::LinkDeleted,
         link: "veth1".into(),
+        live: true,
     }
 }
 
@@ -135,7 +136,7 @@ fn the_model_follows_kube_proxys_iptables_layout() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two));
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
     let ep: SocketAddr = "10.244.1.5:8080".parse().expect("ep");
     assert_eq!(t.services_of(NS, ep), ["default/web:http"]);
     let s = t.summary();
@@ -145,7 +146,7 @@ fn the_model_follows_kube_proxys_iptables_layout() {
     for c in &mut again.chains {
         c.rules = None;
     }
-    t.on_table(&again);
+    t.on_table(&again, &mut |_| {});
     assert_eq!(t.summary().endpoints, 2);
     // Without comments (over 1,000 endpoints), the service chain names the service.
     let mut bare = nat(3 * S, 12, &two);
@@ -154,7 +155,7 @@ fn the_model_follows_kube_proxys_iptables_layout() {
             r.0.retain(|p| !p.starts_with("-m comment"));
         }
     }
-    t.on_table(&bare);
+    t.on_table(&bare, &mut |_| {});
     assert_eq!(t.services_of(NS, ep), ["KUBE-SVC-WEB"]);
 }
 
@@ -165,14 +166,14 @@ fn a_gone_endpoint_is_stale_until_the_write_that_removes_it() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two));
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
     let got = facts(&mut t, |t, v| {
         t.on_addr(&gone(10 * S, "10.244.1.5"), &mut |o| v.push(o));
         // kube-proxy's restore waited behind calico-node, then wrote.
         t.observe(&refused(10 * S, "10.244.1.5:8080", 3));
         t.observe(&refused(11 * S, "10.244.1.6:8080", 5));
         t.observe(&write(11 * S + 600_000_000, 77, "kube-proxy"));
-        t.on_table(&nat(11 * S + 700_000_000, 77, &two[1..]));
+        t.on_table(&nat(11 * S + 700_000_000, 77, &two[1..]), &mut |_| {});
         // Refused after the fix: connections DNATed before it, failing late.
         t.observe(&refused(13 * S, "10.244.1.5:8080", 2));
         t.tick(15 * S, &mut |o| v.push(o));
@@ -200,12 +201,12 @@ fn still_routed_at_the_end_and_writes_before_the_death_are_not_stale() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two));
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
     let got = facts(&mut t, |t, v| {
         // B: removed by a write before its pod went, read after: not stale.
         t.observe(&write(2 * S, 20, "kube-proxy"));
         t.on_addr(&gone(2 * S + 10_000_000, "10.244.1.6"), &mut |o| v.push(o));
-        t.on_table(&nat(2 * S + 60_000_000, 20, &two[..1]));
+        t.on_table(&nat(2 * S + 60_000_000, 20, &two[..1]), &mut |_| {});
         // A: gone, never fixed.
         t.on_addr(&gone(3 * S, "10.244.1.5"), &mut |o| v.push(o));
         t.tick(20 * S, &mut |o| v.push(o));
@@ -222,7 +223,10 @@ fn a_read_that_routes_to_an_address_already_gone_opens_its_window() {
     let mut t = ServiceTracker::default();
     let got = facts(&mut t, |t, v| {
         t.on_addr(&gone(S, "10.244.1.5"), &mut |o| v.push(o));
-        t.on_table(&nat(2 * S, 10, &[("KUBE-SEP-A", "10.244.1.5:8080")]));
+        t.on_table(
+            &nat(2 * S, 10, &[("KUBE-SEP-A", "10.244.1.5:8080")]),
+            &mut |_| {},
+        );
         // The address is back (the IP reused): the window ends there.
         let mut back = gone(4 * S, "10.244.1.5");
         back.why = AddrWhy::Neighbour;
@@ -247,17 +251,20 @@ fn nftables_mode_endpoint_chains_route_while_they_dnat() {
         chains: vec![chain(name, rules)],
         more: false,
     };
-    t.on_table(&table(
-        S,
-        vec![rule(&[
-            "meta l4proto tcp",
-            "-j DNAT --to-destination 10.244.1.5:8080",
-        ])],
-    ));
+    t.on_table(
+        &table(
+            S,
+            vec![rule(&[
+                "meta l4proto tcp",
+                "-j DNAT --to-destination 10.244.1.5:8080",
+            ])],
+        ),
+        &mut |_| {},
+    );
     let ep: SocketAddr = "10.244.1.5:8080".parse().expect("ep");
     assert_eq!(t.services_of(NS, ep), ["default/web:http"]);
     // Flushed (deleted a second later): routes nowhere.
-    t.on_table(&table(2 * S, vec![]));
+    t.on_table(&table(2 * S, vec![]), &mut |_| {});
     assert!(t.services_of(NS, ep).is_empty());
 }
 
@@ -315,7 +322,7 @@ fn conntrack_reads_count_unanswered_connections_and_flows_kept() {
         ("KUBE-SEP-A", "10.244.1.5:8080"),
         ("KUBE-SEP-B", "10.244.1.6:8080"),
     ];
-    t.on_table(&nat(S, 10, &two));
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
     let ep = "10.244.1.5:8080";
     let got = facts(&mut t, |t, v| {
         t.on_addr(&gone(10 * S, "10.244.1.5"), &mut |o| v.push(o));
@@ -336,7 +343,7 @@ fn conntrack_reads_count_unanswered_connections_and_flows_kept() {
             vec![ct(1, 6, 1, false, ep, 3), ct(5, 6, 1, false, ep, 1)],
         ));
         t.observe(&write(12 * S + 500_000_000, 77, "kube-proxy"));
-        t.on_table(&nat(12 * S + 600_000_000, 77, &two[1..]));
+        t.on_table(&nat(12 * S + 600_000_000, 77, &two[1..]), &mut |_| {});
         // After the fix: conntrack still steers a UDP flow and an established connection.
         t.on_ct(&ct_read(
             13 * S,
@@ -357,4 +364,86 @@ fn conntrack_reads_count_unanswered_connections_and_flows_kept() {
     assert_eq!(f.outcomes["icmp_unreachable: host unreachable"], 1);
     let c = f.conntrack.as_ref().expect("flows kept");
     assert_eq!((c.entries, c.udp, c.tcp, c.packets), (2, 1, 1, 52), "{c:?}");
+}
+
+fn up(ts_ns: u64, addr: &str, live: bool) -> AddrPresence {
+    AddrPresence {
+        ts_ns,
+        netns: NS,
+        addr: addr.parse().expect("addr"),
+        why: AddrWhy::Route,
+        link: "cali2".into(),
+        live,
+    }
+}
+
+fn programmed(v: Vec<Output>) -> Vec<EndpointProgrammedFact> {
+    v.into_iter()
+        .filter_map(|o| match o {
+            Output::EndpointProgrammed(p) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_new_endpoint_is_timed_from_its_address_to_the_write_that_routes_to_it() {
+    let mut t = ServiceTracker::default();
+    let a = [("KUBE-SEP-A", "10.244.1.5:8080")];
+    let ab = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    let mut v = Vec::new();
+    // Found by the dump at start: there before, never timed.
+    t.on_addr(&up(S / 2, "10.244.1.7", false), &mut |o| v.push(o));
+    t.on_table(&nat(S, 10, &a), &mut |o| v.push(o));
+    // The new pod's route comes up; an unrelated write (A only) is read meanwhile.
+    t.on_addr(&up(5 * S, "10.244.1.6", true), &mut |o| v.push(o));
+    t.observe(&write(5 * S + 200_000_000, 11, "kube-proxy"));
+    t.on_table(&nat(5 * S + 210_000_000, 11, &a), &mut |o| v.push(o));
+    // kube-proxy routes to B.
+    t.observe(&write(6 * S + 500_000_000, 12, "kube-proxy"));
+    t.on_table(&nat(6 * S + 520_000_000, 12, &ab), &mut |o| v.push(o));
+    // Read again: said once.
+    t.observe(&write(7 * S, 13, "kube-proxy"));
+    t.on_table(&nat(7 * S + 10_000_000, 13, &ab), &mut |o| v.push(o));
+    let got = programmed(v);
+    assert_eq!(got.len(), 1, "{got:?}");
+    let p = &got[0];
+    assert_eq!(
+        (p.service.as_str(), p.endpoint.as_str()),
+        ("default/web:http", "10.244.1.6:8080")
+    );
+    assert_eq!(p.latency_ns, 1_500_000_000);
+    assert_eq!((p.up, p.link.as_str()), ("route", "cali2"));
+    assert!(p.write.exact);
+    assert_eq!((p.write.pid, p.write.agent.as_ref()), (12, "kube-proxy"));
+    let s = t.summary();
+    assert_eq!((s.programmed, s.programming_ns_max), (1, 1_500_000_000));
+}
+
+#[test]
+fn a_first_read_an_address_already_routed_or_gone_make_no_latency() {
+    let mut t = ServiceTracker::default();
+    let ab = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    let mut v = Vec::new();
+    // Up live, but the first read of the netns finds it routed: it was before.
+    t.on_addr(&up(S, "10.244.1.6", true), &mut |o| v.push(o));
+    t.on_table(&nat(2 * S, 10, &ab), &mut |o| v.push(o));
+    // Up again while routed (a moved route): not new.
+    t.on_addr(&up(3 * S, "10.244.1.5", true), &mut |o| v.push(o));
+    t.on_table(&nat(4 * S, 11, &ab[..1]), &mut |o| v.push(o));
+    t.on_table(&nat(5 * S, 12, &ab), &mut |o| v.push(o));
+    // Up, then gone before any Service took it.
+    t.on_addr(&up(6 * S, "10.244.1.8", true), &mut |o| v.push(o));
+    t.on_addr(&gone(7 * S, "10.244.1.8"), &mut |o| v.push(o));
+    // Up and never routed: forgotten after the wait.
+    t.on_addr(&up(8 * S, "10.244.1.9", true), &mut |o| v.push(o));
+    t.tick(8 * S + UP_WAIT_NS + 2 * S, &mut |o| v.push(o));
+    assert!(t.up.is_empty(), "{:?}", t.up);
+    assert!(programmed(v).is_empty());
 }

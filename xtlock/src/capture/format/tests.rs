@@ -262,6 +262,7 @@ fn drop_records_round_trip() {
             addr: "10.244.1.5".parse().unwrap(),
             why: crate::event::AddrWhy::Neighbour,
             link: "veth1a2b".into(),
+            live: false,
         })),
         Event::Addr(Box::new(crate::event::AddrPresence {
             ts_ns: 1 << 40,
@@ -269,6 +270,7 @@ fn drop_records_round_trip() {
             addr: "fd00:10:244::7".parse().unwrap(),
             why: crate::event::AddrWhy::LinkDeleted,
             link: "cali12ab".into(),
+            live: true,
         })),
         Event::CtEntries(Box::new(crate::event::CtEntries {
             ts_ns: 80,
@@ -327,6 +329,17 @@ fn drop_records_round_trip() {
                     assert!(!t.more);
                     assert_eq!(t.chains, full.chains);
                 }
+                // Cut just before the flags: a record from before them, not known live.
+                (Ok(Event::Addr(a)), Event::Addr(full)) => {
+                    assert!(!a.live);
+                    assert_eq!(
+                        *a,
+                        crate::event::AddrPresence {
+                            live: false,
+                            ..(**full).clone()
+                        }
+                    );
+                }
                 (Ok(other), _) => panic!("{other:?} decoded from {n} bytes of {ev:?}"),
             }
         }
@@ -350,6 +363,7 @@ fn addr_record_damage() {
         addr: "10.244.1.5".parse().unwrap(),
         why: crate::event::AddrWhy::RouteDeleted,
         link: "cali12ab".into(),
+        live: true,
     }));
     let mut b = Vec::new();
     assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_ADDR));
