@@ -8,12 +8,14 @@
 //!
 //! The byte layout is specified in `docs/capture-format.md`; [`format`] implements it.
 
+pub mod damage;
 pub mod format;
 pub mod reader;
 pub mod writer;
 
 use std::{fmt, io};
 
+pub use damage::{DamageSummary, DamagedRegion, Shortfall};
 pub use format::{CaptureHeader, CaptureLock, CaptureProbe, Trailer, FORMAT_VERSION};
 pub use reader::{CaptureReader, Events, OwnedRecord, ReadStats, Record};
 pub use writer::{CaptureStats, CaptureWriter};
@@ -62,7 +64,8 @@ pub enum CaptureError {
         partial: Option<(u64, u64)>,
         events: u64,
     },
-    /// The bytes at `offset` are not what the format says; nothing after it can be trusted.
+    /// The bytes at `offset` are not what the format says, and reading cannot go on past them
+    /// (the file header, or an end record that disagrees with an undamaged file).
     #[error(
         "offset {offset}: {problem}: the file is damaged after this point; {} before it \
          were read",
@@ -73,6 +76,10 @@ pub enum CaptureError {
         problem: Damage,
         events: u64,
     },
+    /// A damaged stretch of blocks the reader skipped: not fatal, reading went on at the next
+    /// intact block (or the file ended; the error that says so comes next).
+    #[error("{0}")]
+    Skipped(Box<DamagedRegion>),
     /// A kernel record that `decode` rejects (often an event kind from a newer xtlock). Not
     /// fatal: the next record can still be read.
     #[error("offset {offset} (block record {record}): kernel event not decoded: {error}")]
@@ -98,6 +105,7 @@ impl CaptureError {
             | CaptureError::CutShort { offset, .. }
             | CaptureError::Damaged { offset, .. }
             | CaptureError::Decode { offset, .. } => Some(*offset),
+            CaptureError::Skipped(r) => Some(r.offset),
             CaptureError::NotACapture => Some(0),
             _ => None,
         }
@@ -122,9 +130,10 @@ impl CaptureError {
         )
     }
 
-    /// Reading can go on after this error (a single undecodable kernel event).
+    /// Reading can go on after this error (a single undecodable kernel event, or damage that
+    /// was skipped).
     pub fn is_recoverable(&self) -> bool {
-        matches!(self, CaptureError::Decode { .. })
+        matches!(self, CaptureError::Decode { .. } | CaptureError::Skipped(_))
     }
 }
 
@@ -143,7 +152,7 @@ pub enum Damage {
     BlockMagic { found: Vec<u8> },
     #[error("block header checksum mismatch (expected {expected:#010x}, found {found:#010x})")]
     BlockHeaderChecksum { expected: u32, found: u32 },
-    #[error("block checksum mismatch (expected {expected:#010x}, found {found:#010x})")]
+    #[error("payload checksum mismatch (expected {expected:#010x}, found {found:#010x})")]
     BlockChecksum { expected: u32, found: u32 },
     #[error("block sequence number {found}, expected {expected}")]
     Sequence { expected: u32, found: u32 },

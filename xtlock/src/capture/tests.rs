@@ -8,7 +8,7 @@ use xtlock_common as common;
 use super::{
     format::{self, BlockHeader, BLOCK_HEADER_LEN},
     CaptureError, CaptureHeader, CaptureLock, CaptureProbe, CaptureReader, CaptureWriter, Damage,
-    OwnedRecord, Trailer,
+    DamageSummary, DamagedRegion, OwnedRecord, Trailer,
 };
 use crate::decode::{self, Comm, Event, ProcInfo};
 
@@ -133,11 +133,13 @@ fn write_ops(header: &CaptureHeader, ops: &[Op], finish: bool) -> (Vec<u8>, Vec<
     (buf, want)
 }
 
-/// Everything a reader returns: header (or the open error), records, and the error that
-/// ended reading, if any.
+/// Everything a reader returns: header (or the open error), records, the damage skipped, and
+/// the error that ended reading, if any.
 struct ReadBack {
     header: Option<CaptureHeader>,
     records: Vec<OwnedRecord>,
+    skipped: Vec<DamagedRegion>,
+    damage: Option<DamageSummary>,
     error: Option<CaptureError>,
 }
 
@@ -148,15 +150,25 @@ fn read_all(bytes: &[u8]) -> ReadBack {
             return ReadBack {
                 header: None,
                 records: Vec::new(),
+                skipped: Vec::new(),
+                damage: None,
                 error: Some(e),
             }
         }
     };
     let mut records = Vec::new();
+    let mut skipped = Vec::new();
     let mut error = None;
     while let Some(rec) = r.next_owned() {
         match rec {
-            Ok(rec) => records.push(rec),
+            Ok(rec) => {
+                assert!(error.is_none(), "a record after {error:?}");
+                records.push(rec);
+            }
+            Err(CaptureError::Skipped(region)) => {
+                assert!(error.is_none(), "skipped damage after {error:?}");
+                skipped.push(*region);
+            }
             Err(e) => {
                 assert!(error.is_none(), "a second error after {:?}", error);
                 error = Some(e);
@@ -165,9 +177,17 @@ fn read_all(bytes: &[u8]) -> ReadBack {
     }
     // The reader stays done.
     assert!(r.next_record().is_none());
+    let damage = r.damage();
+    // The summary names every place the records said was skipped, and only those.
+    assert_eq!(
+        damage.as_ref().map_or(&[][..], |d| &d.regions[..]),
+        &skipped[..]
+    );
     ReadBack {
         header: Some(header),
         records,
+        skipped,
+        damage,
         error,
     }
 }
@@ -419,31 +439,44 @@ fn not_a_capture_and_newer_versions() {
 }
 
 #[test]
-fn checksum_error_names_offset_and_events() {
+fn checksum_error_names_offset_and_what_was_skipped() {
     let h = CaptureHeader::default();
     let ev = as_bytes(&lock_event(1, 2, common::F_WRLCK, 0));
     let ops = [
         Op::Kernel(ev.clone()),
         Op::Kernel(ev.clone()),
         Op::Flush,
+        Op::Kernel(ev.clone()),
+        Op::Flush,
         Op::Kernel(ev),
     ];
-    let (mut bytes, _) = write_ops(&h, &ops, true);
+    let (mut bytes, want) = write_ops(&h, &ops, true);
     let starts = block_starts(&bytes);
-    let second = starts[1];
+    let (second, third) = (starts[1], starts[2]);
     bytes[second + BLOCK_HEADER_LEN + 1] ^= 0x10;
     let got = read_all(&bytes);
-    assert_eq!(got.records.len(), 2);
-    let msg = got.error.unwrap().to_string();
+    assert!(got.error.is_none(), "{:?}", got.error);
+    // The second block's one event is missing, the third block's are read.
+    assert_eq!(got.records.len(), 4);
+    assert_eq!(got.records[..2], want[..2]);
+    assert_eq!(got.records[2..], want[3..]);
+    let msg = got.skipped[0].to_string();
     assert!(
         msg.starts_with(&format!(
-            "offset {second}: block checksum mismatch (expected 0x"
+            "offset {second} (block 1): payload checksum mismatch (expected 0x"
         )),
         "{msg}"
     );
     assert!(
-        msg.ends_with(": the file is damaged after this point; 2 events before it were read"),
+        msg.ends_with(&format!(
+            "; 1 block (1 record) skipped, reading went on at offset {third}"
+        )),
         "{msg}"
+    );
+    assert_eq!(
+        got.damage.unwrap().lines()[1],
+        "the end-of-capture record's totals are short by what the damage took: 1 block, \
+         1 kernel event not read"
     );
 }
 
@@ -481,6 +514,7 @@ fn truncation_at_every_byte() {
         let got = read_all(&bytes[..len]);
         let e = got.error.expect("a truncated capture must say so");
         assert!(want.starts_with(&got.records), "len {len}");
+        assert!(got.skipped.is_empty(), "len {len}: {:?}", got.skipped);
         if len >= hlen {
             assert!(matches!(e, CaptureError::CutShort { .. }), "len {len}: {e}");
             assert!(got.records.len() < want.len());
@@ -501,57 +535,100 @@ fn block_of(starts: &[usize], pos: usize) -> usize {
     *starts.iter().rev().find(|&&s| s <= pos).unwrap()
 }
 
-fn check_damaged(bytes: &[u8], want: &[OwnedRecord], starts: &[usize], pos: usize) {
+/// The records of an intact capture, each with the offset of its block.
+fn records_by_block(bytes: &[u8]) -> Vec<(usize, OwnedRecord)> {
+    let (_, mut r) = CaptureReader::new(bytes).unwrap();
+    let mut out = Vec::new();
+    while let Some(rec) = r.next_owned() {
+        out.push((r.block_offset() as usize, rec.unwrap()));
+    }
+    out
+}
+
+/// The records of `by_block` outside the blocks at `skipped`.
+fn records_but(by_block: &[(usize, OwnedRecord)], skipped: &[usize]) -> Vec<OwnedRecord> {
+    by_block
+        .iter()
+        .filter(|(b, _)| !skipped.contains(b))
+        .map(|(_, r)| r.clone())
+        .collect()
+}
+
+/// `bytes` is damaged at `pos` only: in the file header, which is fatal, or in one block,
+/// whose records (only) are skipped, the place named, and reading goes on at the next block.
+fn check_damaged(bytes: &[u8], by_block: &[(usize, OwnedRecord)], starts: &[usize], pos: usize) {
     let got = read_all(bytes);
-    let e = got
-        .error
-        .unwrap_or_else(|| panic!("damage at {pos} not detected"));
-    assert!(want.starts_with(&got.records), "pos {pos}");
-    if pos >= starts[0] {
-        let block = block_of(starts, pos) as u64;
-        match &e {
-            CaptureError::Damaged {
-                offset, problem, ..
-            } => {
-                assert_eq!(*offset, block, "pos {pos}: {e}");
-                assert!(
-                    matches!(
-                        problem,
-                        Damage::BlockMagic { .. }
-                            | Damage::BlockHeaderChecksum { .. }
-                            | Damage::BlockChecksum { .. }
-                    ),
-                    "pos {pos}: {e}"
-                );
-            }
-            _ => panic!("pos {pos}: {e}"),
-        }
-        assert!(e.to_string().starts_with(&format!("offset {block}: ")));
-    } else {
+    if pos < starts[0] {
         assert!(got.header.is_none(), "pos {pos}: damaged header accepted");
+        return;
+    }
+    let block = block_of(starts, pos);
+    let index = starts.iter().position(|&s| s == block).unwrap();
+    assert_eq!(got.records, records_but(by_block, &[block]), "pos {pos}");
+    let [region] = &got.skipped[..] else {
+        panic!("pos {pos}: skipped {:?}", got.skipped);
+    };
+    assert_eq!(region.offset, block as u64, "pos {pos}: {region}");
+    assert_eq!(region.block, index as u32, "pos {pos}: {region}");
+    assert!(
+        matches!(
+            region.problem,
+            Damage::BlockMagic { .. }
+                | Damage::BlockHeaderChecksum { .. }
+                | Damage::BlockChecksum { .. }
+        ),
+        "pos {pos}: {region}"
+    );
+    assert!(region
+        .to_string()
+        .starts_with(&format!("offset {block} (block {index}): ")));
+    match starts.get(index + 1) {
+        Some(&next) => {
+            if matches!(region.problem, Damage::BlockChecksum { .. }) {
+                // Its header held: it says how many records went.
+                let n = by_block.iter().filter(|(b, _)| *b == block).count();
+                assert_eq!(region.records_lost, Some(n as u64), "pos {pos}: {region}");
+            }
+            assert!(got.error.is_none(), "pos {pos}: {:?}", got.error);
+            assert_eq!(region.resumed_at, Some(next as u64), "pos {pos}");
+            assert_eq!(region.blocks_lost, Some(1), "pos {pos}");
+            let short = got.damage.unwrap().shortfall.unwrap();
+            assert_eq!(short.expected.blocks, short.read.blocks + 1, "pos {pos}");
+        }
+        None => {
+            // The last block held the end record: the capture ends without one.
+            assert!(
+                matches!(got.error, Some(CaptureError::CutShort { .. })),
+                "pos {pos}: {:?}",
+                got.error
+            );
+            assert_eq!(region.resumed_at, None, "pos {pos}");
+        }
     }
 }
 
 #[test]
 fn flipped_byte_at_every_position() {
-    let (bytes, want) = small_capture();
+    let (bytes, _) = small_capture();
     let starts = block_starts(&bytes);
+    let by_block = records_by_block(&bytes);
     for pos in 0..bytes.len() {
         let mut b = bytes.clone();
         b[pos] ^= 0xff;
-        check_damaged(&b, &want, &starts, pos);
+        check_damaged(&b, &by_block, &starts, pos);
     }
 }
 
 #[test]
 fn flipped_bit_at_every_position() {
-    let (bytes, want) = small_capture();
+    let (bytes, _) = small_capture();
     let starts = block_starts(&bytes);
+    let by_block = records_by_block(&bytes);
     for pos in 0..bytes.len() {
         for bit in 0..8 {
             let mut b = bytes.clone();
             b[pos] ^= 1 << bit;
-            check_damaged(&b, &want, &starts, pos);
+            check_damaged(&b, &by_block, &starts, pos);
         }
     }
 }
@@ -636,17 +713,20 @@ fn impossible_lengths_are_errors_not_allocations() {
     let crc = crc32fast::hash(&b[..28]);
     b[28..32].copy_from_slice(&crc.to_le_bytes());
     file.extend(b);
-    let e = read_all(&file).error.unwrap();
+    let got = read_all(&file);
     assert!(
         matches!(
-            e,
-            CaptureError::Damaged {
+            got.skipped[..],
+            [DamagedRegion {
                 problem: Damage::BlockTooLarge { .. },
+                resumed_at: None,
                 ..
-            }
+            }]
         ),
-        "{e}"
+        "{:?}",
+        got.skipped
     );
+    assert!(got.error.unwrap().is_cut_short());
 
     let mut file = file_header();
     file[10..14].copy_from_slice(&u32::MAX.to_le_bytes());
@@ -657,8 +737,10 @@ fn impossible_lengths_are_errors_not_allocations() {
     let mut file = file_header();
     let payload = [1u8, 0xff, 0xff, 0xff, 0xff, 0x0f, 0, 0];
     file.extend(craft_block(0, 1, payload.len() as u32, 0, &payload));
-    let e = read_all(&file).error.unwrap();
-    assert!(e.to_string().contains("runs past"), "{e}");
+    let got = read_all(&file);
+    let msg = got.skipped[0].to_string();
+    assert!(msg.contains("runs past"), "{msg}");
+    assert!(got.error.unwrap().is_cut_short());
 }
 
 #[test]
@@ -674,18 +756,29 @@ fn trailer_mismatch_and_record_count_are_damage() {
     let e = read_all(&file).error.unwrap();
     assert!(e.to_string().contains("says kernel events 5"), "{e}");
 
+    // Fewer records than the header says: the block's records are read, the count said.
     let mut file = file_header();
     file.extend(craft_block(0, 2, 4, 0, &[3, 2, 0, 0]));
-    let e = read_all(&file).error.unwrap();
-    assert!(e.to_string().contains("its header says 2"), "{e}");
+    let got = read_all(&file);
+    assert_eq!(got.records, [OwnedRecord::Lost { ts_ns: 0, count: 0 }]);
+    let msg = got.skipped[0].to_string();
+    assert!(msg.contains("its header says 2"), "{msg}");
+    assert!(got.error.unwrap().is_cut_short());
 
+    // A sequence gap between intact blocks: they are read, the gap said.
     let mut file = file_header();
-    file.extend(craft_block(1, 0, 0, 0, &[]));
-    let e = read_all(&file).error.unwrap();
-    assert!(
-        e.to_string().contains("sequence number 1, expected 0"),
-        "{e}"
+    file.extend(craft_block(1, 1, 4, 0, &[3, 2, 7, 0]));
+    let got = read_all(&file);
+    assert_eq!(got.records, [OwnedRecord::Lost { ts_ns: 7, count: 0 }]);
+    let hlen = file_header().len();
+    assert_eq!(
+        got.skipped[0].to_string(),
+        format!(
+            "offset {hlen} (block 0): block sequence number 1, expected 0; 1 block missing, \
+             reading went on at offset {hlen}"
+        )
     );
+    assert!(got.error.unwrap().is_cut_short());
 }
 
 /// A Write that accepts `left` bytes, then fails.
@@ -1344,20 +1437,24 @@ fn corrupt_sparse_bodies_are_damage() {
     ] {
         let file = one_record_capture(format::KIND_KERNEL_SPARSE, &body);
         let got = read_all(&file);
-        let e = got.error.expect("a bad sparse body is an error");
+        let [region] = &got.skipped[..] else {
+            panic!("{body:?}: a bad sparse body is damage: {:?}", got.skipped);
+        };
         assert!(
             matches!(
-                e,
-                CaptureError::Damaged {
+                region,
+                DamagedRegion {
                     problem: Damage::Record { record: 0, .. },
-                    events: 0,
+                    partial: true,
                     ..
                 }
             ),
-            "{body:?}: {e}"
+            "{body:?}: {region}"
         );
-        assert!(e.to_string().contains(why), "{body:?}: {e}");
+        assert!(region.to_string().contains(why), "{body:?}: {region}");
+        // The end record went with the rest of the block.
         assert!(got.records.is_empty());
+        assert!(got.error.unwrap().is_cut_short());
     }
     // An empty event is well formed (and decodes as too short, like a plain one).
     let got = read_all(&one_record_capture(format::KIND_KERNEL_SPARSE, &[0]));
@@ -1411,12 +1508,519 @@ proptest! {
             prop_assert!(n <= buf.len() && n <= format::MAX_SPARSE_KERNEL_LEN);
         }
         let got = read_all(&one_record_capture(format::KIND_KERNEL_SPARSE, &body));
-        if let Some(e) = got.error {
-            let is_record_damage = matches!(
-                e,
-                CaptureError::Damaged { problem: Damage::Record { .. }, .. }
-            );
-            prop_assert!(is_record_damage, "{}", e);
+        for region in &got.skipped {
+            let is_record_damage = matches!(region.problem, Damage::Record { .. });
+            prop_assert!(is_record_damage, "{}", region);
         }
+        if let Some(e) = got.error {
+            prop_assert!(e.is_cut_short(), "{}", e);
+        }
+    }
+}
+
+// Damage is skipped: the reader reads on from the next intact block and says what it lost.
+
+/// 300 lock events and a process record in 9 blocks of the real writer (the end record in the
+/// last); the blocks' offsets, and each record with its block's offset.
+fn nine_blocks() -> (Vec<u8>, Vec<usize>, Vec<(usize, OwnedRecord)>) {
+    let mut ops = vec![Op::Proc(proc_info(412_000))];
+    for (i, ev) in lock_stream(300).into_iter().enumerate() {
+        ops.push(Op::Kernel(ev));
+        if i % 34 == 33 {
+            ops.push(Op::Flush);
+        }
+    }
+    let (bytes, want) = write_ops(&sample_header(), &ops, true);
+    let starts = block_starts(&bytes);
+    assert_eq!(starts.len(), 9);
+    let by_block = records_by_block(&bytes);
+    let records: Vec<_> = by_block.iter().map(|(_, r)| r.clone()).collect();
+    assert_eq!(records, want);
+    (bytes, starts, by_block)
+}
+
+fn records_in(by_block: &[(usize, OwnedRecord)], block: usize) -> u64 {
+    by_block.iter().filter(|(b, _)| *b == block).count() as u64
+}
+
+#[test]
+fn flipped_payload_byte_skips_exactly_that_block() {
+    let (mut bytes, starts, by_block) = nine_blocks();
+    let (b3, b4) = (starts[3], starts[4]);
+    let payload = b3 + BLOCK_HEADER_LEN;
+    bytes[payload + 17] ^= 0x01;
+    let got = read_all(&bytes);
+    assert!(got.error.is_none(), "{:?}", got.error);
+    // Every record of the 8 other blocks, the end record included; none of block 3's.
+    assert_eq!(got.records, records_but(&by_block, &[b3]));
+    let n3 = records_in(&by_block, b3);
+    assert_eq!(n3, 34);
+    let region = &got.skipped[0];
+    assert_eq!(
+        *region,
+        DamagedRegion {
+            offset: b3 as u64,
+            block: 3,
+            problem: region.problem.clone(),
+            partial: false,
+            blocks_lost: Some(1),
+            records_lost: Some(n3),
+            bytes: (b4 - b3) as u64,
+            resumed_at: Some(b4 as u64),
+        }
+    );
+    let expected = u32::from_le_bytes(bytes[b3 + 24..b3 + 28].try_into().unwrap());
+    let found = crc32fast::hash(&bytes[payload..b4]);
+    // What `report` says, word for word.
+    assert_eq!(
+        got.damage.unwrap().lines(),
+        [
+            format!(
+                "capture damaged in 1 place: offset {b3} (block 3): payload checksum mismatch \
+                 (expected {expected:#010x}, found {found:#010x}); 1 block (34 records) \
+                 skipped, reading went on at offset {b4}"
+            ),
+            "the end-of-capture record's totals are short by what the damage took: 1 block, \
+             34 kernel events not read"
+                .to_string(),
+        ]
+    );
+}
+
+#[test]
+fn flipped_header_byte_skips_exactly_that_block() {
+    let (bytes, starts, by_block) = nine_blocks();
+    let (b3, b4) = (starts[3], starts[4]);
+    // Magic, sequence number, records, lengths, compression, both checksums.
+    for at in [0, 2, 5, 9, 13, 17, 20, 25, 30] {
+        let mut b = bytes.clone();
+        b[b3 + at] ^= 0x40;
+        let got = read_all(&b);
+        assert!(got.error.is_none(), "{at}: {:?}", got.error);
+        assert_eq!(got.records, records_but(&by_block, &[b3]), "{at}");
+        let [region] = &got.skipped[..] else {
+            panic!("{at}: {:?}", got.skipped);
+        };
+        assert_eq!(region.offset, b3 as u64, "{at}");
+        assert_eq!(region.block, 3, "{at}");
+        assert_eq!(region.blocks_lost, Some(1), "{at}");
+        assert_eq!(region.resumed_at, Some(b4 as u64), "{at}");
+        if at < 4 {
+            assert!(
+                matches!(region.problem, Damage::BlockMagic { .. }),
+                "{region}"
+            );
+        } else {
+            assert!(
+                matches!(region.problem, Damage::BlockHeaderChecksum { .. }),
+                "{region}"
+            );
+        }
+        // The header that would say how many records is the damaged one.
+        assert_eq!(region.records_lost, None, "{at}");
+        assert!(
+            region.to_string().ends_with(&format!(
+                "; 1 block skipped, reading went on at offset {b4}"
+            )),
+            "{region}"
+        );
+        // The end record knows: 34 events.
+        let short = got.damage.unwrap().shortfall.unwrap();
+        assert_eq!(short.expected.kernel_events - short.read.kernel_events, 34);
+    }
+}
+
+/// `bytes` with block `index` rebuilt, uncompressed, after `edit` changed its records.
+fn rebuild_block(bytes: &[u8], index: usize, edit: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let starts = block_starts(bytes);
+    let at = starts[index];
+    let hb: [u8; BLOCK_HEADER_LEN] = bytes[at..at + BLOCK_HEADER_LEN].try_into().unwrap();
+    let h = BlockHeader::decode(&hb);
+    let stored = &bytes[at + BLOCK_HEADER_LEN..at + BLOCK_HEADER_LEN + h.stored_len as usize];
+    let mut raw = if h.compression == format::COMPRESSION_LZ4 {
+        lz4_flex::block::decompress(stored, h.raw_len as usize).unwrap()
+    } else {
+        stored.to_vec()
+    };
+    edit(&mut raw);
+    let mut out = bytes[..at].to_vec();
+    out.extend(craft_block(h.seq, h.records, raw.len() as u32, 0, &raw));
+    out.extend_from_slice(&bytes[at + BLOCK_HEADER_LEN + stored.len()..]);
+    out
+}
+
+/// Start of record `n` in a block's records, and of its length varint.
+fn record_at(raw: &[u8], n: usize) -> (usize, usize) {
+    let mut pos = 0;
+    for _ in 0..n {
+        let mut p = pos + 1;
+        let len = format::get_varint(raw, &mut p).unwrap();
+        pos = p + len as usize;
+    }
+    (pos, pos + 1)
+}
+
+#[test]
+fn malformed_record_drops_the_rest_of_its_block() {
+    let (bytes, _, by_block) = nine_blocks();
+    let b3 = block_starts(&bytes)[3];
+    // Record 5's length runs past the block; the block's checksums are made to hold.
+    let bad = rebuild_block(&bytes, 3, |raw| {
+        let (start, len_at) = record_at(raw, 5);
+        assert_eq!(raw[start], format::KIND_KERNEL);
+        let mut p = len_at;
+        format::get_varint(raw, &mut p).unwrap();
+        raw.splice(len_at..p, varints(&[0x0fff_ffff]));
+    });
+    let starts = block_starts(&bad);
+    let got = read_all(&bad);
+    assert!(got.error.is_none(), "{:?}", got.error);
+    // Block 3's first 5 records are read, its other 29 dropped, the later blocks read.
+    let mut want = Vec::new();
+    let mut in_3 = 0;
+    for (b, r) in &by_block {
+        if *b == b3 {
+            in_3 += 1;
+            if in_3 > 5 {
+                continue;
+            }
+        }
+        want.push(r.clone());
+    }
+    assert_eq!(got.records, want);
+    let [region] = &got.skipped[..] else {
+        panic!("{:?}", got.skipped);
+    };
+    assert!(
+        matches!(&region.problem, Damage::Record { record: 5, reason } if reason.contains("runs past")),
+        "{region}"
+    );
+    assert!(region.partial);
+    assert_eq!(region.offset, b3 as u64);
+    assert_eq!(region.blocks_lost, Some(0));
+    assert_eq!(region.records_lost, Some(29));
+    assert_eq!(region.resumed_at, Some(starts[4] as u64));
+    assert!(
+        region.to_string().ends_with(&format!(
+            "; the rest of the block (29 records) skipped, reading went on at offset {}",
+            starts[4]
+        )),
+        "{region}"
+    );
+    let short = got.damage.unwrap().shortfall.unwrap();
+    assert_eq!(short.expected.blocks, short.read.blocks);
+    assert_eq!(short.expected.kernel_events - short.read.kernel_events, 29);
+
+    // A body that does not decode (a process record cut in two) does the same.
+    let bad = rebuild_block(&bytes, 0, |raw| {
+        assert_eq!(raw[0], format::KIND_PROC);
+        let mut p = 1;
+        let len = format::get_varint(raw, &mut p).unwrap() as usize;
+        let half = len / 2;
+        raw.drain(p + half..p + len);
+        raw.splice(1..p, varints(&[half as u64]));
+    });
+    let got = read_all(&bad);
+    let b0 = block_starts(&bytes)[0];
+    assert_eq!(
+        got.records,
+        records_but(&by_block, &[b0]),
+        "{:?}",
+        got.skipped
+    );
+    assert!(
+        matches!(got.skipped[0].problem, Damage::Record { record: 0, .. }),
+        "{}",
+        got.skipped[0]
+    );
+    assert_eq!(got.skipped[0].records_lost, Some(35));
+}
+
+#[test]
+fn damage_in_two_places() {
+    let (mut bytes, starts, by_block) = nine_blocks();
+    bytes[starts[2] + BLOCK_HEADER_LEN + 3] ^= 0x80;
+    bytes[starts[6] + 12] ^= 0x01;
+    let got = read_all(&bytes);
+    assert!(got.error.is_none(), "{:?}", got.error);
+    assert_eq!(got.records, records_but(&by_block, &[starts[2], starts[6]]));
+    let offsets: Vec<_> = got
+        .skipped
+        .iter()
+        .map(|r| (r.offset, r.resumed_at))
+        .collect();
+    assert_eq!(
+        offsets,
+        [
+            (starts[2] as u64, Some(starts[3] as u64)),
+            (starts[6] as u64, Some(starts[7] as u64)),
+        ]
+    );
+    let lines = got.damage.unwrap().lines();
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    assert_eq!(lines[0], "capture damaged in 2 places:");
+    assert!(
+        lines[1].starts_with(&format!(
+            "damage 1 of 2: offset {} (block 2): payload checksum mismatch",
+            starts[2]
+        )),
+        "{lines:?}"
+    );
+    assert!(
+        lines[2].starts_with(&format!(
+            "damage 2 of 2: offset {} (block 6): block header checksum mismatch",
+            starts[6]
+        )),
+        "{lines:?}"
+    );
+    assert_eq!(
+        lines[3],
+        "the end-of-capture record's totals are short by what the damage took: 2 blocks, \
+         68 kernel events not read"
+    );
+
+    // Two damaged blocks in a row are one place, two blocks long.
+    let (mut bytes, starts, by_block) = nine_blocks();
+    bytes[starts[3] + BLOCK_HEADER_LEN + 3] ^= 0x80;
+    bytes[starts[4] + BLOCK_HEADER_LEN + 3] ^= 0x80;
+    let got = read_all(&bytes);
+    assert_eq!(got.records, records_but(&by_block, &[starts[3], starts[4]]));
+    let [region] = &got.skipped[..] else {
+        panic!("{:?}", got.skipped);
+    };
+    assert_eq!(region.resumed_at, Some(starts[5] as u64));
+    assert_eq!(region.blocks_lost, Some(2));
+    assert_eq!(region.records_lost, Some(68));
+    assert!(
+        region
+            .to_string()
+            .contains("; 2 blocks (68 records) skipped"),
+        "{region}"
+    );
+}
+
+#[test]
+fn garbage_between_blocks_is_skipped() {
+    let (bytes, starts, by_block) = nine_blocks();
+    let b5 = starts[5];
+    // Garbage with false starts: the magic, and the magic with a header that does not hold.
+    let mut junk = b"XTLBXTL garbage X".to_vec();
+    junk.extend_from_slice(&bytes[starts[2]..starts[2] + 27]);
+    junk.extend_from_slice(&[0xaa; 40]);
+    let mut bad = bytes[..b5].to_vec();
+    bad.extend_from_slice(&junk);
+    bad.extend_from_slice(&bytes[b5..]);
+    let got = read_all(&bad);
+    assert!(got.error.is_none(), "{:?}", got.error);
+    let all: Vec<_> = by_block.iter().map(|(_, r)| r.clone()).collect();
+    assert_eq!(got.records, all);
+    let [region] = &got.skipped[..] else {
+        panic!("{:?}", got.skipped);
+    };
+    assert_eq!(region.offset, b5 as u64);
+    assert_eq!(region.blocks_lost, Some(0));
+    assert_eq!(region.records_lost, Some(0));
+    let resumed = b5 + junk.len();
+    assert_eq!(region.resumed_at, Some(resumed as u64));
+    // The magic is there, the header after it does not hold.
+    assert!(
+        matches!(region.problem, Damage::BlockHeaderChecksum { .. }),
+        "{region}"
+    );
+    assert!(
+        region.to_string().ends_with(&format!(
+            "; {} bytes holding no block skipped, reading went on at offset {resumed}",
+            junk.len()
+        )),
+        "{region}"
+    );
+    assert_eq!(
+        got.damage.unwrap().lines()[1],
+        "the end-of-capture record's totals match what was read: nothing was lost"
+    );
+}
+
+#[test]
+fn a_missing_block_is_counted_by_sequence_numbers() {
+    let (bytes, starts, by_block) = nine_blocks();
+    let mut bad = bytes[..starts[4]].to_vec();
+    bad.extend_from_slice(&bytes[starts[5]..]);
+    let got = read_all(&bad);
+    assert!(got.error.is_none(), "{:?}", got.error);
+    assert_eq!(got.records, records_but(&by_block, &[starts[4]]));
+    let [region] = &got.skipped[..] else {
+        panic!("{:?}", got.skipped);
+    };
+    assert_eq!(
+        region.to_string(),
+        format!(
+            "offset {0} (block 4): block sequence number 5, expected 4; 1 block missing, \
+             reading went on at offset {0}",
+            starts[4]
+        )
+    );
+    // Numbers going backwards tell nothing.
+    assert_eq!(super::reader::gap(4, 5), Some(1));
+    assert_eq!(super::reader::gap(u32::MAX, 1), Some(2));
+    assert_eq!(super::reader::gap(5, 4), None);
+}
+
+#[test]
+fn damage_at_the_end_reads_as_cut_short_after_it() {
+    let (mut bytes, starts, by_block) = nine_blocks();
+    bytes[starts[8] + BLOCK_HEADER_LEN + 3] ^= 0x80;
+    let got = read_all(&bytes);
+    assert_eq!(got.records, records_but(&by_block, &[starts[8]]));
+    let [region] = &got.skipped[..] else {
+        panic!("{:?}", got.skipped);
+    };
+    assert_eq!(region.resumed_at, None);
+    assert_eq!(region.blocks_lost, None);
+    assert!(
+        region.to_string().ends_with(&format!(
+            "; everything from there ({} bytes) skipped: no intact block follows before the \
+             end of the file",
+            super::thousands((bytes.len() - starts[8]) as u64)
+        )),
+        "{region}"
+    );
+    let e = got.error.unwrap();
+    assert!(
+        matches!(e, CaptureError::CutShort { offset, partial: None, .. } if offset == bytes.len() as u64),
+        "{e}"
+    );
+}
+
+/// `report` and `export` read through the file source: damage is skipped and summed up, not
+/// an error that ends the report.
+#[test]
+fn file_source_reads_past_damage() {
+    let (mut bytes, starts, _) = nine_blocks();
+    let dir = std::env::temp_dir().join(format!("xtlock-capture-damage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("damaged.xtcap");
+    let count = |bytes: &[u8]| {
+        std::fs::write(&path, bytes).unwrap();
+        let mut src = crate::source::file::FileSource::open(&path).unwrap();
+        let mut n = 0u64;
+        let end = src
+            .for_each(|_| {
+                n += 1;
+                Ok(())
+            })
+            .unwrap();
+        (n, end)
+    };
+    let (all, end) = count(&bytes);
+    assert!(end.damage.is_none() && end.damaged.is_none() && end.cut_short.is_none());
+    bytes[starts[3] + BLOCK_HEADER_LEN + 9] ^= 0x04;
+    let (n, end) = count(&bytes);
+    assert!(end.damaged.is_none(), "{:?}", end.damaged);
+    assert!(end.cut_short.is_none(), "{:?}", end.cut_short);
+    assert!(n < all && n >= all - 34, "{n} of {all}");
+    let d = end.damage.unwrap();
+    assert!(
+        d.lines()[0].starts_with(&format!(
+            "capture damaged in 1 place: offset {} (block 3): payload checksum mismatch",
+            starts[3]
+        )),
+        "{d}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Records read back are ones written, in order: `got` is a subsequence of `want`.
+fn is_subsequence(got: &[OwnedRecord], want: &[OwnedRecord]) -> bool {
+    let mut want = want.iter();
+    got.iter().all(|g| want.any(|w| w == g))
+}
+
+#[test]
+fn flipped_byte_anywhere_never_invents_records() {
+    let mut ops = Vec::new();
+    for (i, ev) in lock_stream(40).into_iter().enumerate() {
+        ops.push(Op::Kernel(ev));
+        if i % 5 == 4 {
+            ops.push(Op::Flush);
+        }
+    }
+    let (bytes, want) = write_ops(&CaptureHeader::default(), &ops, true);
+    assert!(block_starts(&bytes).len() >= 8);
+    let hlen = header_len(&bytes);
+    for pos in hlen..bytes.len() {
+        for flip in [0x01, 0x80, 0xff] {
+            let mut b = bytes.clone();
+            b[pos] ^= flip;
+            let got = read_all(&b);
+            assert!(is_subsequence(&got.records, &want), "pos {pos}");
+            assert_eq!(got.skipped.len(), 1, "pos {pos}");
+            // At most one block (the damaged one) is lost.
+            assert!(got.records.len() + 6 >= want.len(), "pos {pos}");
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Harm {
+    Flip(usize, u8),
+    Insert(usize, Vec<u8>),
+    Delete(usize, usize),
+}
+
+fn harm_strategy() -> impl Strategy<Value = Harm> {
+    prop_oneof![
+        (any::<usize>(), 1u8..=255).prop_map(|(at, x)| Harm::Flip(at, x)),
+        (
+            any::<usize>(),
+            proptest::collection::vec(
+                prop_oneof![Just(b'X'), Just(b'T'), Just(b'L'), Just(b'B'), any::<u8>()],
+                1..80
+            )
+        )
+            .prop_map(|(at, b)| Harm::Insert(at, b)),
+        (any::<usize>(), 1usize..200).prop_map(|(at, n)| Harm::Delete(at, n)),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Whatever is flipped, inserted or cut out after the file header, the reader does not
+    /// panic, returns only records that were written, in order, and ends with an end record
+    /// or an error.
+    #[test]
+    fn prop_damage_never_invents_records(harms in proptest::collection::vec(harm_strategy(), 1..5)) {
+        let mut ops = Vec::new();
+        for (i, ev) in lock_stream(60).into_iter().enumerate() {
+            ops.push(Op::Kernel(ev));
+            if i % 7 == 6 {
+                ops.push(Op::Flush);
+            }
+        }
+        let (mut bytes, want) = write_ops(&CaptureHeader::default(), &ops, true);
+        let hlen = header_len(&bytes);
+        for harm in harms {
+            let span = bytes.len() - hlen;
+            match harm {
+                Harm::Flip(at, x) => bytes[hlen + at % span] ^= x,
+                Harm::Insert(at, b) => {
+                    let at = hlen + at % (span + 1);
+                    bytes.splice(at..at, b);
+                }
+                Harm::Delete(at, n) => {
+                    let at = hlen + at % span;
+                    let end = (at + n).min(bytes.len());
+                    bytes.drain(at..end);
+                }
+            }
+            if bytes.len() == hlen {
+                break;
+            }
+        }
+        let got = read_all(&bytes);
+        prop_assert!(got.header.is_some());
+        prop_assert!(is_subsequence(&got.records, &want));
+        let ended = got.error.is_some() || matches!(got.records.last(), Some(OwnedRecord::End(_)));
+        prop_assert!(ended);
     }
 }

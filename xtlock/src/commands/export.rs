@@ -24,6 +24,7 @@ pub fn run(args: &ExportArgs) -> anyhow::Result<()> {
     let end = src.for_each(|ev| pipe.feed(ev))?;
     pipe.finish(end.last_ts_ns)
         .with_context(|| format!("writing {}", args.output.display()))?;
+    end.warn_damage("timeline");
     if let Some(e) = &end.cut_short {
         tracing::warn!("{e}; the timeline covers what was recorded until then");
     }

@@ -71,6 +71,7 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
             "kernel events in the capture could not be decoded and were skipped"
         );
     }
+    end.warn_damage("report");
     if let Some(e) = end.cut_short {
         tracing::warn!("{e}; the report covers what was recorded until then");
     }

@@ -4,7 +4,7 @@
 use std::{fs::File, io::BufReader, path::Path};
 
 use crate::{
-    capture::{CaptureError, CaptureHeader, CaptureReader},
+    capture::{CaptureError, CaptureHeader, CaptureReader, DamageSummary},
     decode::Event,
     lockfiles::WatchedLock,
 };
@@ -17,11 +17,26 @@ pub struct Ending {
     /// The capture stops without its end record (the recorder was killed): what was read is
     /// good, but later events are missing.
     pub cut_short: Option<CaptureError>,
-    /// The file is damaged or from a newer xtlock from this point on; what came before was
-    /// read.
+    /// Damaged places that were skipped: reading went on after each (what they took, as far
+    /// as the sequence numbers and the end record tell).
+    pub damage: Option<DamageSummary>,
+    /// The file is damaged beyond repair (its header, or an end record that contradicts an
+    /// intact file) or from a newer xtlock from this point on; what came before was read.
     pub damaged: Option<CaptureError>,
     /// Timestamp of the last event read.
     pub last_ts_ns: u64,
+}
+
+impl Ending {
+    /// Logs the damaged places skipped, if any, and that `what` (the report, the timeline)
+    /// covers the rest of the capture.
+    pub fn warn_damage(&self, what: &str) {
+        let Some(d) = &self.damage else { return };
+        for line in d.lines() {
+            tracing::warn!("{line}");
+        }
+        tracing::warn!("the {what} covers everything else in the capture");
+    }
 }
 
 pub struct FileSource {
@@ -51,7 +66,8 @@ impl FileSource {
             .collect()
     }
 
-    /// Feeds every event to `f`, in file order; reading stops at the first damage.
+    /// Feeds every event to `f`, in file order; damaged blocks are skipped (see
+    /// [`Ending::damage`]), reading stops at the first fatal error.
     pub fn for_each(
         &mut self,
         mut f: impl FnMut(&Event) -> std::io::Result<()>,
@@ -60,12 +76,15 @@ impl FileSource {
         let Some(reader) = self.reader.take() else {
             return Ok(end);
         };
-        for item in reader.events() {
+        let mut events = reader.events();
+        for item in events.by_ref() {
             match item {
                 Ok(ev) => {
                     end.last_ts_ns = end.last_ts_ns.max(ev.ts_ns());
                     f(&ev)?;
                 }
+                // Said all together at the end, with what the end record tells of them.
+                Err(CaptureError::Skipped(_)) => {}
                 Err(e) if e.is_recoverable() => {
                     end.undecoded += 1;
                     if end.undecoded == 1 {
@@ -82,6 +101,7 @@ impl FileSource {
                 }
             }
         }
+        end.damage = events.reader().damage();
         Ok(end)
     }
 }
