@@ -21,7 +21,7 @@ use aya::{
     maps::{
         Array as BpfArray, HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, RingBuf,
     },
-    programs::{BtfTracePoint, Program, TracePoint},
+    programs::{BtfTracePoint, TracePoint},
     Ebpf, EbpfLoader,
 };
 use xtlock_common::{DropKey, IpvsKey, LockKey, RefusalKey};
@@ -163,40 +163,6 @@ pub struct Probes {
     nft_mutex_tp: nft_mutex::TpOffsets,
     /// Tries left once nf_tables is there (each parses vmlinux BTF and kallsyms).
     nft_mutex_tries: u32,
-}
-
-/// Threads detaching the programs at the end (see `Drop for Probes`).
-const DETACH_THREADS: usize = 8;
-
-impl Drop for Probes {
-    /// Each detach waits out an RCU grace period (tracepoint, kprobe and trampoline
-    /// unregistration): one after another, xtlock's took 1.1 s on this 2-core machine and
-    /// several seconds under emulation. From a few threads at once the waits overlap.
-    fn drop(&mut self) {
-        let mut programs: Vec<&mut Program> = self.ebpf.programs_mut().map(|(_, p)| p).collect();
-        let per_thread = programs.len().div_ceil(DETACH_THREADS).max(1);
-        let detach = |chunk: &mut [&mut Program]| {
-            for p in chunk {
-                // Errors are moot at exit: the descriptors close with the process anyway.
-                let _ = match p {
-                    Program::TracePoint(p) => p.unload(),
-                    Program::BtfTracePoint(p) => p.unload(),
-                    Program::KProbe(p) => p.unload(),
-                    Program::FEntry(p) => p.unload(),
-                    Program::FExit(p) => p.unload(),
-                    _ => Ok(()),
-                };
-            }
-        };
-        std::thread::scope(|s| {
-            for chunk in programs.chunks_mut(per_thread) {
-                // No thread to be had: that share detaches when the object drops, in turn.
-                if let Err(e) = std::thread::Builder::new().spawn_scoped(s, move || detach(chunk)) {
-                    tracing::debug!(error = %e, "no thread to detach programs with");
-                }
-            }
-        });
-    }
 }
 
 impl Probes {
