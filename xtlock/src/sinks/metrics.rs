@@ -70,6 +70,9 @@ pub struct PodLabels {
 
 /// Distinct table names in `table_entries` (the kernel has five per family).
 pub const MAX_TABLES: usize = 16;
+/// Distinct `lock` label values: the watched lock files, and an nf_tables commit lock per
+/// network namespace written through nf_tables (one per pod on a node whose pods run nft).
+pub const MAX_LOCKS: usize = 32;
 /// Distinct (namespace, workload) pairs kept as label values.
 pub const MAX_PODS: usize = 64;
 
@@ -780,6 +783,7 @@ pub struct MetricsSink {
     ipvs_series: Capped,
     /// Table names come from the replacing process's memory: capped like agents.
     tables: Capped,
+    locks: Capped,
     /// The daemon's own network namespace (inode), labelled `host`.
     host_netns: Option<u32>,
 }
@@ -794,6 +798,7 @@ impl MetricsSink {
             refusal_details: Capped::new(MAX_REFUSAL_DETAILS),
             ipvs_series: Capped::new(MAX_IPVS_SERIES),
             tables: Capped::new(MAX_TABLES),
+            locks: Capped::new(MAX_LOCKS),
             host_netns,
         }
     }
@@ -843,7 +848,7 @@ impl Sink for MetricsSink {
             // An open hold (still held when tracing ended) is not a finished duration.
             Output::Hold(h) if !h.open => {
                 let l = HoldLabels {
-                    lock: h.lock.to_string(),
+                    lock: self.locks.label(&h.lock),
                     agent: self.agent(&h.agent),
                     role: h.role.to_owned(),
                     pod: PodLabels::of(&mut self.pods, h.pod.as_deref()),
@@ -897,9 +902,10 @@ impl Sink for MetricsSink {
                 let behind = w.behind_by_agent("(none)", OTHER);
                 let agent = self.agent(&w.agent);
                 let pod = PodLabels::of(&mut self.pods, w.pod.as_deref());
+                let lock = self.locks.label(&w.lock);
                 for (holder, ns) in behind {
                     let l = WaitLabels {
-                        lock: w.lock.to_string(),
+                        lock: lock.clone(),
                         agent: agent.clone(),
                         holder_agent: self.agent(holder),
                         pod: pod.clone(),
@@ -909,7 +915,7 @@ impl Sink for MetricsSink {
             }
             Output::FailedTry(f) => {
                 let l = LockAgentLabels {
-                    lock: f.lock.to_string(),
+                    lock: self.locks.label(&f.lock),
                     agent: self.agent(&f.agent),
                 };
                 self.m.failed_attempts.get_or_create(&l).inc();

@@ -236,6 +236,27 @@ fn agents_are_capped() {
     assert!(text.contains("agent=\"(other)\""), "{text}");
 }
 
+/// One nf_tables commit lock per network namespace: the `lock` label is capped too.
+#[test]
+fn locks_are_capped() {
+    let m = Arc::new(Metrics::new("k"));
+    let mut s = MetricsSink::new(m.clone(), None);
+    for i in 0..(MAX_LOCKS + 10) {
+        let mut h = hold("kube-proxy", 1000);
+        if let Output::Hold(f) = &mut h {
+            f.lock = crate::analysis::nft_mutex::nft_commit_lock(4026532000 + i as u32);
+        }
+        s.output(&h).unwrap();
+    }
+    let text = m.encode().unwrap();
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("xtlock_lock_hold_seconds_count{"))
+        .count();
+    assert_eq!(series, MAX_LOCKS + 1, "{text}");
+    assert!(text.contains("lock=\"(other)\""), "{text}");
+}
+
 #[test]
 fn holder_info_follows_open_holds() {
     let m = Metrics::new("k");
