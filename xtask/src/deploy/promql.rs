@@ -288,6 +288,16 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "xtlock_stale_endpoint_connections_total",
         "moves only when connections are refused by a gone endpoint a Service still routes to",
     ),
+    (
+        "xtlock_endpoint_programming_seconds_bucket",
+        "needs a pod's address to come up and a write to route a Service to it \
+         (tests/tests/stale_endpoints.rs)",
+    ),
+    (
+        "xtlock_endpoint_programming_seconds_count",
+        "needs a pod's address to come up and a write to route a Service to it \
+         (tests/tests/stale_endpoints.rs)",
+    ),
 ];
 
 /// Every expression parses and reads only series that `expositions` (the daemon's /metrics,
