@@ -293,11 +293,6 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "needs a pod's address to come up and a write to route a Service to it \
          (tests/tests/stale_endpoints.rs)",
     ),
-    (
-        "xtlock_endpoint_programming_seconds_count",
-        "needs a pod's address to come up and a write to route a Service to it \
-         (tests/tests/stale_endpoints.rs)",
-    ),
 ];
 
 /// Every expression parses and reads only series that `expositions` (the daemon's /metrics,
