@@ -481,6 +481,36 @@ enum Backend {
 }
 
 /// kube-proxy (a helper named so) writes `rules` in the node's namespace.
+/// The facts of type `kind` about namespace `netns`.
+fn of_netns(events: &[Value], kind: &str, netns: u64) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|e| e["type"] == kind && u(&e["netns"]) == netns)
+        .cloned()
+        .collect()
+}
+
+/// The write a fact (`f`) names is kube-proxy's restore through `b`, timed in the kernel,
+/// and through the legacy lock it waited behind calico-node.
+fn assert_kube_proxys_write(w: &Value, b: Backend, f: &Value) {
+    assert_eq!(w["agent"], "kube-proxy", "{f}");
+    assert_eq!(w["exact"], true, "{f}");
+    let program = match b {
+        Backend::Legacy => "iptables-legacy-restore",
+        Backend::IptablesNft => "iptables-nft-restore",
+        Backend::Nft => "nft",
+    };
+    assert_eq!(w["program"], program, "{f}");
+    if b == Backend::Legacy {
+        assert!(
+            w["behind"]
+                .as_array()
+                .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
+            "the write's wait behind calico-node: {f}"
+        );
+    }
+}
+
 fn kube_proxy(s: &Scratch, node: &str, lock: &Path, rules: &Path, b: Backend) -> Agent {
     let net = format!("--net={}", Node::path(node));
     let kp = s.agent("kube-proxy");
@@ -622,13 +652,7 @@ fn scenario(b: Backend, prefix: &str) {
     let icmp = out_dest_unreachs(&n.node) - icmp_before;
 
     let netns = Node::inode(&n.node);
-    let mine = |events: &[Value]| -> Vec<Value> {
-        events
-            .iter()
-            .filter(|e| e["type"] == "stale_endpoint" && u(&e["netns"]) == netns)
-            .cloned()
-            .collect()
-    };
+    let mine = |events: &[Value]| of_netns(events, "stale_endpoint", netns);
     for w in trace.of_type("rule_write") {
         eprintln!("{w}");
     }
@@ -646,21 +670,8 @@ fn scenario(b: Backend, prefix: &str) {
     assert_eq!(f["gone"], "link deleted", "{f}");
     assert_eq!(f["still_routed"], false, "{f}");
     let fix = &f["fix"];
-    assert_eq!(fix["agent"], "kube-proxy", "{f}");
-    assert_eq!(fix["exact"], true, "{f}");
-    let program = match b {
-        Backend::Legacy => "iptables-legacy-restore",
-        Backend::IptablesNft => "iptables-nft-restore",
-        Backend::Nft => "nft",
-    };
-    assert_eq!(fix["program"], program, "{f}");
+    assert_kube_proxys_write(fix, b, f);
     if b == Backend::Legacy {
-        assert!(
-            fix["behind"]
-                .as_array()
-                .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
-            "the fix's wait behind calico-node: {f}"
-        );
         assert!(u(&fix["wait_ns"]) > 1_000_000_000, "{f}");
     }
     // Stale from the veth's deletion to the restore's write: between calico's release (or
@@ -1016,13 +1027,7 @@ fn programming_latency(b: Backend, prefix: &str) {
     let dump = trace.dump();
 
     let netns = Node::inode(&n.node);
-    let mine = |events: &[Value]| -> Vec<Value> {
-        events
-            .iter()
-            .filter(|e| e["type"] == "endpoint_programmed" && u(&e["netns"]) == netns)
-            .cloned()
-            .collect()
-    };
+    let mine = |events: &[Value]| of_netns(events, "endpoint_programmed", netns);
     let live = mine(&trace.events);
     assert_eq!(
         live.len(),
@@ -1039,22 +1044,7 @@ fn programming_latency(b: Backend, prefix: &str) {
         (Some("route"), Some("calinew")),
         "{f}"
     );
-    let w = &f["write"];
-    assert_eq!(w["agent"], "kube-proxy", "{f}");
-    assert_eq!(w["exact"], true, "{f}");
-    let program = match b {
-        Backend::Nft => "nft",
-        _ => "iptables-legacy-restore",
-    };
-    assert_eq!(w["program"], program, "{f}");
-    if b == Backend::Legacy {
-        assert!(
-            w["behind"]
-                .as_array()
-                .is_some_and(|b| b.iter().any(|h| h[0] == "calico-node")),
-            "the write's wait behind calico-node: {f}"
-        );
-    }
+    assert_kube_proxys_write(&f["write"], b, f);
     let latency = u(&f["latency_ns"]);
     let (lo, hi) = (
         earliest.saturating_sub(up_end),

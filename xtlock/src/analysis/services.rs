@@ -454,11 +454,13 @@ impl ServiceTracker {
     /// An address appeared or vanished on this node.
     pub fn on_addr(&mut self, a: &AddrPresence, out: &mut impl FnMut(Output)) {
         if a.why.present() {
-            let routed = self
-                .routed
-                .values()
-                .any(|r| r.iter().any(|(_, ep)| ep.ip() == a.addr));
-            if a.live && !routed && self.up.len() < MAX_UP {
+            // Only a live one can be new; the routes are scanned only then.
+            let routed = || {
+                self.routed
+                    .values()
+                    .any(|r| r.iter().any(|(_, ep)| ep.ip() == a.addr))
+            };
+            if a.live && self.up.len() < MAX_UP && !routed() {
                 self.up
                     .entry(a.addr)
                     .or_insert((a.ts_ns, a.why, a.link.clone()));

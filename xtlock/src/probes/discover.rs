@@ -173,8 +173,9 @@ fn discover_nft_mutex(
         )
     });
     let setup = kallsyms
-        .clone()
-        .and_then(|k| nft_mutex::config(b, tp, &nft_mutex::symbols(&k)));
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|k| nft_mutex::config(b, tp, &nft_mutex::symbols(k)));
     (setup, raw)
 }
 

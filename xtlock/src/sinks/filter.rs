@@ -18,6 +18,7 @@ use serde::Serialize;
 use smallvec::SmallVec;
 
 use super::Sink;
+use crate::analysis::facts::StaleFix;
 use crate::analysis::{HoldRef, HolderRef, Output, Summary};
 use crate::kube::PodName;
 
@@ -132,6 +133,15 @@ fn hold_ref(h: &HoldRef) -> Party<'_> {
     }
 }
 
+/// The agent of a rule write a service fact names (none when no write was seen).
+fn writer(w: &StaleFix) -> Option<Party<'_>> {
+    (!w.agent.is_empty()).then_some(Party {
+        agent: &w.agent,
+        pod: None,
+        pids: [w.pid, 0],
+    })
+}
+
 fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
     let mut v = SmallVec::new();
     match o {
@@ -216,25 +226,9 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
         Output::RefusalCount(r) => v.extend(r.hold.iter().map(hold_ref)),
         Output::Refusal(r) => v.extend(r.hold.iter().map(hold_ref)),
         // Through the agent whose write fixed it (or nobody: still routed).
-        Output::StaleEndpoint(f) => {
-            if let Some(fix) = f.fix.as_ref().filter(|x| !x.agent.is_empty()) {
-                v.push(Party {
-                    agent: &fix.agent,
-                    pod: None,
-                    pids: [fix.pid, 0],
-                });
-            }
-        }
+        Output::StaleEndpoint(f) => v.extend(f.fix.as_ref().and_then(writer)),
         // Through the agent whose write first routed to it.
-        Output::EndpointProgrammed(f) => {
-            if !f.write.agent.is_empty() {
-                v.push(Party {
-                    agent: &f.write.agent,
-                    pod: None,
-                    pids: [f.write.pid, 0],
-                });
-            }
-        }
+        Output::EndpointProgrammed(f) => v.extend(writer(&f.write)),
         Output::Drop(d) => v.extend(d.hold.iter().map(hold_ref)),
         Output::ConntrackRefused(c) => v.extend(c.hold.iter().map(hold_ref)),
         Output::DropCount(d) => v.extend(d.holds.iter().map(hold_ref)),

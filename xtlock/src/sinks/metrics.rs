@@ -18,6 +18,7 @@ use prometheus_client::{
 };
 
 use super::Sink;
+use crate::analysis::facts::StaleFix;
 use crate::analysis::{Output, Summary};
 
 /// Distinct agents kept as label values; more are `(other)`.
@@ -808,6 +809,14 @@ impl MetricsSink {
         self.agents.label(a)
     }
 
+    /// The agent of the rule write a service fact names; `(none)` when no write was seen.
+    fn writer(&mut self, w: Option<&StaleFix>) -> String {
+        match w.filter(|w| !w.agent.is_empty()) {
+            Some(w) => self.agent(&w.agent),
+            None => "(none)".to_owned(),
+        }
+    }
+
     /// IPVS labels, `(other)` past the series cap.
     fn ipvs(&mut self, protocol: &str, service: &str, backend: &str) -> IpvsLabels {
         let key = format!("{protocol}\0{service}\0{backend}");
@@ -1014,11 +1023,7 @@ impl Sink for MetricsSink {
                 }
             }
             Output::EndpointProgrammed(f) => {
-                let agent = if f.write.agent.is_empty() {
-                    "(none)".to_owned()
-                } else {
-                    self.agent(&f.write.agent)
-                };
+                let agent = self.writer(Some(&f.write));
                 self.m
                     .endpoint_programming
                     .get_or_create(&ProgrammedLabels {
@@ -1028,10 +1033,7 @@ impl Sink for MetricsSink {
                     .observe(f.latency_ns as f64 / 1e9);
             }
             Output::StaleEndpoint(f) => {
-                let agent = match f.fix.as_ref().filter(|x| !x.agent.is_empty()) {
-                    Some(x) => self.agent(&x.agent),
-                    None => "(none)".to_owned(),
-                };
+                let agent = self.writer(f.fix.as_ref());
                 let l = StaleLabels {
                     agent,
                     gone: f.gone.to_owned(),

@@ -220,6 +220,13 @@ fn holds_and_waits_become_histograms() {
     assert!(text.contains("xtlock_build_info{version=\""), "{text}");
 }
 
+/// The series of `xtlock_lock_hold_seconds` in an exposition.
+fn hold_series(text: &str) -> usize {
+    text.lines()
+        .filter(|l| l.starts_with("xtlock_lock_hold_seconds_count{"))
+        .count()
+}
+
 #[test]
 fn agents_are_capped() {
     let m = Arc::new(Metrics::new("k"));
@@ -228,10 +235,7 @@ fn agents_are_capped() {
         s.output(&hold(&format!("agent{i}"), 1000)).unwrap();
     }
     let text = m.encode().unwrap();
-    let series = text
-        .lines()
-        .filter(|l| l.starts_with("xtlock_lock_hold_seconds_count{"))
-        .count();
+    let series = hold_series(&text);
     assert_eq!(series, MAX_AGENTS + 1, "{text}");
     assert!(text.contains("agent=\"(other)\""), "{text}");
 }
@@ -249,10 +253,7 @@ fn locks_are_capped() {
         s.output(&h).unwrap();
     }
     let text = m.encode().unwrap();
-    let series = text
-        .lines()
-        .filter(|l| l.starts_with("xtlock_lock_hold_seconds_count{"))
-        .count();
+    let series = hold_series(&text);
     assert_eq!(series, MAX_LOCKS + 1, "{text}");
     assert!(text.contains("lock=\"(other)\""), "{text}");
 }
