@@ -92,10 +92,12 @@ fn build() -> anyhow::Result<()> {
         .context("workspace root")?
         .join("xtlock-ebpf");
     let root_dir = ebpf_dir.to_str().context("non-UTF-8 path")?;
-    // aya-ebpf uses a few unstable features; allow them for that crate only, on the
-    // Debian stable compiler. aya-build passes this through to the BPF build only.
+    // aya-ebpf uses a few unstable features, and the programs (crate `xtlock`) one: the
+    // atomic add intrinsic, the only way to BPF's atomic add (the target has no
+    // `AtomicU64::fetch_add`). Allowed for those two crates only, on the Debian stable
+    // compiler; aya-build passes this through to the BPF build only.
     // SAFETY: build scripts are single-threaded; nothing else reads the environment now.
-    unsafe { env::set_var("RUSTC_BOOTSTRAP", "aya_ebpf") };
+    unsafe { env::set_var("RUSTC_BOOTSTRAP", "aya_ebpf,xtlock") };
     let package = aya_build::Package {
         name: "xtlock-ebpf",
         root_dir,

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use xtlock_common::{EventHeader, EventKind, ProbeConfig};
 
-use crate::{CONFIG, EVENTS, LOST};
+use crate::{CONFIG, EVENTS, INFLIGHT, INFLIGHT_SLOTS, LOST};
 
 /// Reads a `T` at `base + offset` of kernel memory: struct members at offsets userspace
 /// found in BTF (every offset in the configs is a `u32`).
@@ -104,6 +104,39 @@ pub fn field_fast<T: Copy, const OFF: usize>(
     } else {
         field(ctx, offset)
     }
+}
+
+/// Counts a kept call in (`1`) or out (`-1`) of `tid`'s slot of `INFLIGHT` and its total.
+#[inline(always)]
+pub fn inflight_add(tid: u32, delta: i64) {
+    for i in [tid & (INFLIGHT_SLOTS - 1), INFLIGHT_SLOTS] {
+        let Some(p) = INFLIGHT.get_ptr_mut(i) else {
+            return;
+        };
+        // SAFETY: an entry of the array, valid for the program's run; the add is atomic, as
+        // two CPUs may count in one slot at once. Its result unused: a plain atomic add,
+        // which every kernel's verifier takes (fetching needs Linux 5.12).
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+                p,
+                delta as u64,
+            )
+        };
+    }
+}
+
+/// Whether any kept call is in flight: one array load, no helper call.
+#[inline(always)]
+pub fn inflight_any() -> bool {
+    INFLIGHT.get(INFLIGHT_SLOTS).is_some_and(|n| *n != 0)
+}
+
+/// Whether `tid`'s slot of `INFLIGHT` counts a kept call (its own, or a colliding thread's).
+#[inline(always)]
+pub fn inflight_in_slot(tid: u32) -> bool {
+    INFLIGHT
+        .get(tid & (INFLIGHT_SLOTS - 1))
+        .is_some_and(|n| *n != 0)
 }
 
 /// (tgid, tid) of the current task.
@@ -227,6 +260,12 @@ pub fn netns_of(skb: u64, dev: u64) -> u32 {
 /// per interval.
 #[inline(always)]
 pub fn take_token(rate: &PerCpuArray<u64>) -> bool {
+    take_token_at(rate, now)
+}
+
+/// [`take_token`] with the time already read (`now`, called only when sampling is on).
+#[inline(always)]
+pub fn take_token_at(rate: &PerCpuArray<u64>, now: impl FnOnce() -> u64) -> bool {
     // SAFETY: one field of the frozen CONFIG, read as `cfg` does for u32 fields.
     let interval = unsafe { core::ptr::read_volatile(&CONFIG.drop_sample_interval_ns) };
     if interval == 0 {

@@ -2,6 +2,9 @@
 //! `probes/<hook>.rs`. Event layouts come from `xtlock-common`.
 #![no_std]
 #![no_main]
+// BPF's atomic add (see `emit::inflight_add`).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 use aya_ebpf::{
     macros::map,
@@ -15,6 +18,8 @@ use xtlock_common::{
 
 /// Slots of `WAITING`.
 const WAITING_SLOTS: u32 = 4096;
+/// Slots of `INFLIGHT`.
+const INFLIGHT_SLOTS: u32 = 4096;
 
 mod emit;
 mod pending;
@@ -123,6 +128,15 @@ static EXEC_SCRATCH: PerCpuArray<probes::process::ExecArgs> = PerCpuArray::with_
 /// `exit_group()` status by process id, until the leader thread exits.
 #[map]
 static EXIT_CODES: LruHashMap<u32, i32> = LruHashMap::with_max_entries(8192, 0);
+
+/// Calls kept in `SOCKOPT_INFLIGHT` and `NFT_SEND_INFLIGHT`, by slot `tid % INFLIGHT_SLOTS`,
+/// and all of them in the last entry: the exit hooks of getsockopt, setsockopt and sendmsg
+/// run for every such call on the node (an `SO_ERROR` read after each non-blocking connect),
+/// and look their thread up in a hash only when a kept call is in flight and their slot
+/// counts one. Atomic adds, so no call is missed; a count left high (an entry the LRU
+/// evicted, an exit never seen) only costs lookups.
+#[map]
+static INFLIGHT: Array<u64> = Array::with_max_entries(INFLIGHT_SLOTS + 1, 0);
 
 /// xtables `setsockopt()` and `getsockopt()` calls in progress, by thread id.
 #[map]

@@ -1,14 +1,18 @@
 //! Bench 8 `refusals`: a refusal storm. TCP connects from one network namespace to another,
 //! one after another from each core, into a `REJECT` rule (ICMP port unreachable): refused
-//! connections per second with no tracer, with a bpftrace script counting the same
-//! tracepoint (`icmp:icmp_send`, type 3, per namespace), and with `xtlock trace`; each count
-//! against the clients' own ECONNREFUSED count and the rule's packet counter.
+//! connections per second with no tracer, with bpftrace running the one-liners for the same
+//! jobs (`count()` per type and code on `icmp:icmp_send`, per reason and location on
+//! `skb:kfree_skb`), and with `xtlock trace`; each count against the clients' own
+//! ECONNREFUSED count and the rule's packet counter. With `--bpf-stats`, the BPF time each
+//! tracer's programs spent per refused connection (every program it loaded), per program.
+use std::collections::BTreeMap;
+
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
 use super::{
     drops::{Net, DST},
-    run::{self, Session, Tracer},
+    run::{self, BpfStats, ProgStats, Session, Tracer},
     stats::{num, table, Dist},
     Env,
 };
@@ -16,12 +20,15 @@ use super::{
 /// The refused port: a `REJECT` rule's, as kube-proxy's for a Service with no endpoints.
 const PORT: &str = "10";
 
+/// The one-liners for the jobs xtlock's programs do on a refused connection: ICMP errors
+/// sent, by type and code, and packets freed, by reason and location.
 const SCRIPT: &str = r#"BEGIN { printf("READY\n"); }
-tracepoint:icmp:icmp_send /args->type == 3/ {
-  $skb = (struct sk_buff *)args->skbaddr;
-  @refused[$skb->dev->nd_net.net->ns.inum] = count();
-}
+tracepoint:icmp:icmp_send { @icmp[args->type, args->code] = count(); }
+tracepoint:skb:kfree_skb { @drops[args->reason, args->location] = count(); }
 "#;
+
+/// bpftrace's count of port unreachables (type 3, code 3).
+const BPFTRACE_KEY: &str = "@icmp[3, 3]";
 
 #[derive(Default)]
 struct Col {
@@ -32,6 +39,10 @@ struct Col {
     tracer_cpu_per: Dist,
     /// Per run: (the tracer's count, the clients' refusals, the rule's counter).
     counts: Vec<(Option<u64>, u64, u64)>,
+    /// `--bpf-stats`: BPF ns per refused connection, all the tracer's programs.
+    bpf_ns_per: Dist,
+    /// `--bpf-stats`, per program: (ns per run, runs per refused connection).
+    progs: BTreeMap<String, (Dist, Dist)>,
 }
 
 impl Net {
@@ -84,7 +95,10 @@ pub fn run(env: &Env) -> Result<Value> {
             println!("  (could not set {kv} in the namespace: {e:#})");
         }
     }
-    let tracers = [Tracer::None, Tracer::Bpftrace, Tracer::Xtlock];
+    let mut tracers = vec![Tracer::None, Tracer::Bpftrace, Tracer::Xtlock];
+    if env.baseline.is_some() {
+        tracers.push(Tracer::Baseline);
+    }
     let mut cols: Vec<Col> = tracers.iter().map(|_| Col::default()).collect();
     let secs = format!("{}", env.secs * 2.0);
     let args: Vec<Vec<String>> = (0..clients)
@@ -97,6 +111,7 @@ pub fn run(env: &Env) -> Result<Value> {
         .collect();
     let lock = env.scratch.join("refusals.lock");
     std::fs::write(&lock, b"")?;
+    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
     for rep in 0..env.reps {
         for i in 0..tracers.len() {
             let ti = (i + rep) % tracers.len();
@@ -105,15 +120,33 @@ pub fn run(env: &Env) -> Result<Value> {
             net.iptables(&["-Z", "INPUT"])?;
             let tag = format!("refusals-{}-{rep}", t.name());
             let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &[])?;
+            let ids = if env.bpf_stats {
+                s.prog_ids()
+            } else {
+                Vec::new()
+            };
+            let p0 = ProgStats::read(&ids);
             let c0 = s.cpu_ns();
             let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
             let c1 = s.cpu_ns();
+            let p1 = ProgStats::read(&ids);
             let out = s.out.clone();
             let st = s.stop()?;
             let rule = net.reject_counter()?;
             let refused: u64 = r.iter().map(|l| l.cycles).sum();
             let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
             let col = &mut cols[ti];
+            if env.bpf_stats && t != Tracer::None {
+                let ran = p1.since(&p0);
+                let per = |v: u64| v as f64 / refused.max(1) as f64;
+                col.bpf_ns_per
+                    .push(per(ran.iter().map(|(_, _, ns)| ns).sum()));
+                for (name, runs, ns) in ran {
+                    let e = col.progs.entry(name).or_default();
+                    e.0.push(ns as f64 / runs.max(1) as f64);
+                    e.1.push(per(runs));
+                }
+            }
             col.rate.push(refused as f64 / wall);
             let cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
             col.cpu_per.push(cpu as f64 / refused.max(1) as f64);
@@ -122,7 +155,7 @@ pub fn run(env: &Env) -> Result<Value> {
                 Tracer::Bpftrace => Some(
                     st.maps
                         .iter()
-                        .find(|(k, _)| *k == format!("@refused[{}]", net.b_inum))
+                        .find(|(k, _)| k == BPFTRACE_KEY)
                         .map_or(0, |(_, v)| *v),
                 ),
                 _ => xtlock_count(&out, net.b_inum),
@@ -187,10 +220,46 @@ pub fn run(env: &Env) -> Result<Value> {
             "tracer_cpu_ns_per_refusal": c.tracer_cpu_per.json(),
             "counts": c.counts.iter().map(|(n, r, k)| json!({"counted": n, "clients": r, "rule": k})).collect::<Vec<_>>(),
             "exact": exact,
+            "bpf_ns_per_refusal": c.bpf_ns_per.json(),
+            "programs": c.progs.iter().map(|(name, (ns, runs))| json!({
+                "program": name, "ns_per_run": ns.json(), "runs_per_refusal": runs.json(),
+            })).collect::<Vec<_>>(),
         }));
     }
     table(&rows);
     println!("  ({} refusals/s at most untraced)", num(base));
+    if env.bpf_stats {
+        println!(
+            "\n  BPF programs (kernel.bpf_stats_enabled), per refused connection: ns per run x \
+             runs per refusal; programs that ran fewer than 0.01 times a refusal left out"
+        );
+        let mut rows = vec![vec![
+            "tracer / program".to_string(),
+            "ns/run".into(),
+            "runs/refusal".into(),
+            "ns/refusal".into(),
+        ]];
+        for (t, c) in tracers.iter().zip(&cols).skip(1) {
+            rows.push(vec![
+                format!("{} (all its programs)", t.name()),
+                "".into(),
+                "".into(),
+                c.bpf_ns_per.show(),
+            ]);
+            for (name, (ns, runs)) in &c.progs {
+                if runs.median() < 0.01 {
+                    continue;
+                }
+                rows.push(vec![
+                    format!("  {name}"),
+                    ns.show(),
+                    format!("{:.2}", runs.median()),
+                    format!("{:.0}", ns.median() * runs.median()),
+                ]);
+            }
+        }
+        table(&rows);
+    }
     Ok(json!({
         "clients": clients,
         "secs_per_run": env.secs * 2.0,

@@ -9,13 +9,13 @@ use aya_ebpf::{
 };
 use xtlock_common::SOCKOPT_GET;
 
-use super::setsockopt::{enter, exit};
-use crate::emit::{cfg, field, syscall_arg};
+use super::setsockopt::{enter, exit, ARG1, ARG2, EXIT_RET};
+use crate::emit::{cfg, field, field_fast, syscall_arg};
 
 #[tracepoint]
 pub fn sys_enter_getsockopt(ctx: TracePointContext) -> u32 {
-    let level: u64 = field(&ctx, cfg(|c| &c.gso_level)).unwrap_or(u64::MAX);
-    let optname: u64 = field(&ctx, cfg(|c| &c.gso_optname)).unwrap_or(u64::MAX);
+    let level: u64 = field_fast::<u64, ARG1>(&ctx, cfg(|c| &c.gso_level)).unwrap_or(u64::MAX);
+    let optname: u64 = field_fast::<u64, ARG2>(&ctx, cfg(|c| &c.gso_optname)).unwrap_or(u64::MAX);
     enter(
         SOCKOPT_GET,
         level,
@@ -28,7 +28,7 @@ pub fn sys_enter_getsockopt(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_exit_getsockopt(ctx: TracePointContext) -> u32 {
-    exit(field(&ctx, cfg(|c| &c.sys_exit_ret)).unwrap_or(0));
+    exit(|| field_fast::<i64, EXIT_RET>(&ctx, cfg(|c| &c.sys_exit_ret)).unwrap_or(0));
     0
 }
 
@@ -55,7 +55,7 @@ pub fn getsockopt_syscall_fentry(ctx: FEntryContext) -> u32 {
 
 #[fexit(function = "__x64_sys_getsockopt")]
 pub fn getsockopt_syscall_fexit(ctx: FExitContext) -> u32 {
-    exit(ctx.arg(1));
+    exit(|| ctx.arg(1));
     0
 }
 
@@ -67,6 +67,6 @@ pub fn getsockopt_syscall_kprobe(ctx: ProbeContext) -> u32 {
 
 #[kretprobe]
 pub fn getsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
-    exit(ctx.ret());
+    exit(|| ctx.ret());
     0
 }

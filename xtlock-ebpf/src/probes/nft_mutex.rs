@@ -35,7 +35,9 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{field, header_of, ids, kread, now, output},
+    emit::{
+        field, header_of, ids, inflight_add, inflight_any, inflight_in_slot, kread, now, output,
+    },
     NFT_MUTEX_CONFIG, NFT_MUTEX_LEARNED, NFT_MUTEX_WAITS,
 };
 
@@ -175,7 +177,10 @@ fn begin(ctx: *mut c_void, lock: u64, flags: u32) {
     // Sleeping after spinning, or spinning again once woken as the first waiter: the same
     // wait. (contention_end is attached before this program, so every entry gets its end.)
     // SAFETY: read of our own thread's entry.
-    if unsafe { NFT_MUTEX_WAITS.get(&tid) }.is_some_and(|w| w.lock == lock) {
+    if inflight_any()
+        && inflight_in_slot(tid)
+        && unsafe { NFT_MUTEX_WAITS.get(&tid) }.is_some_and(|w| w.lock == lock)
+    {
         return;
     }
     // SAFETY: plain helper call.
@@ -216,12 +221,22 @@ fn begin(ctx: *mut c_void, lock: u64, flags: u32) {
         comm: bpf_get_current_comm().unwrap_or([0u8; COMM_LEN]),
         holder_comm,
     };
-    let _ = NFT_MUTEX_WAITS.insert(&tid, &w, 0);
+    if NFT_MUTEX_WAITS.insert(&tid, &w, 0).is_ok() {
+        inflight_add(tid, 1);
+    }
 }
 
 #[inline(always)]
 fn end(lock: u64, ret: i32) {
+    // Every contended lock of the node ends here: a hash lookup only while a kept wait may
+    // be this thread's (see `INFLIGHT`).
+    if !inflight_any() {
+        return;
+    }
     let (_, tid) = ids();
+    if !inflight_in_slot(tid) {
+        return;
+    }
     // SAFETY: read of our own thread's entry; removed right after.
     let Some(w) = (unsafe { NFT_MUTEX_WAITS.get(&tid) }).copied() else {
         return;
@@ -231,6 +246,7 @@ fn end(lock: u64, ret: i32) {
         return;
     }
     let _ = NFT_MUTEX_WAITS.remove(&tid);
+    inflight_add(tid, -1);
     let mut ev = w;
     ev.hdr.ts_ns = now();
     ev.ret = ret;

@@ -22,7 +22,10 @@ use aya_ebpf::{
 use xtlock_common::{EventKind, NftSendEvent, AF_NETLINK, COMM_LEN, NETLINK_NETFILTER};
 
 use crate::{
-    emit::{field, header, ids, kread, now, output, syscall_arg},
+    emit::{
+        field, header, ids, inflight_add, inflight_any, inflight_in_slot, kread, now, output,
+        syscall_arg,
+    },
     NFT_MUTEX_CONFIG, NFT_SEND_INFLIGHT,
 };
 
@@ -87,18 +90,30 @@ fn enter(fd: Option<u64>) {
         netns,
         _pad: 0,
     };
-    let _ = NFT_SEND_INFLIGHT.insert(&tid, &e, 0);
+    if NFT_SEND_INFLIGHT.insert(&tid, &e, 0).is_ok() {
+        inflight_add(tid, 1);
+    }
 }
 
-/// The thread's `sendmsg()` returned `ret`: its batch, if its entry was kept.
+/// The thread's `sendmsg()` returned `ret`: its batch, if its entry was kept. Every
+/// `sendmsg()` of the node returns here: its thread's slot of `INFLIGHT` says first whether
+/// a kept call may be its own.
 #[inline(always)]
-fn exit(ret: i64) {
+fn exit(ret: impl FnOnce() -> i64) {
+    if !inflight_any() {
+        return;
+    }
     let (_, tid) = ids();
+    if !inflight_in_slot(tid) {
+        return;
+    }
     // SAFETY: read of our own thread's entry; removed right after.
     let Some(e) = (unsafe { NFT_SEND_INFLIGHT.get(&tid) }).copied() else {
         return;
     };
     let _ = NFT_SEND_INFLIGHT.remove(&tid);
+    inflight_add(tid, -1);
+    let ret = ret();
     let ev = NftSendEvent {
         hdr: header(EventKind::NftSend, now()),
         enter_ns: e.enter_ns,
@@ -118,11 +133,12 @@ pub fn sys_enter_sendmsg(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_exit_sendmsg(ctx: TracePointContext) -> u32 {
-    let ret: i64 = NFT_MUTEX_CONFIG
-        .get(0)
-        .and_then(|c| field::<i64>(&ctx, c.exit_ret as usize).ok())
-        .unwrap_or(0);
-    exit(ret);
+    exit(|| {
+        NFT_MUTEX_CONFIG
+            .get(0)
+            .and_then(|c| field::<i64>(&ctx, c.exit_ret as usize).ok())
+            .unwrap_or(0)
+    });
     0
 }
 
@@ -136,7 +152,7 @@ pub fn sendmsg_syscall_fentry(ctx: FEntryContext) -> u32 {
 
 #[fexit(function = "__x64_sys_sendmsg")]
 pub fn sendmsg_syscall_fexit(ctx: FExitContext) -> u32 {
-    exit(ctx.arg(1));
+    exit(|| ctx.arg(1));
     0
 }
 
@@ -148,6 +164,6 @@ pub fn sendmsg_syscall_kprobe(ctx: ProbeContext) -> u32 {
 
 #[kretprobe]
 pub fn sendmsg_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
-    exit(ctx.ret());
+    exit(|| ctx.ret());
     0
 }

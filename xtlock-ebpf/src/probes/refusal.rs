@@ -10,8 +10,8 @@
 //! refused connection), so no cache sits in front of the map. Offsets come from the
 //! tracepoints' format files (`REFUSAL_CONFIG`) and BTF (`CONFIG`).
 use aya_ebpf::{
-    macros::{kprobe, tracepoint},
-    programs::{ProbeContext, TracePointContext},
+    macros::{btf_tracepoint, kprobe, tracepoint},
+    programs::{BtfTracePointContext, ProbeContext, TracePointContext},
 };
 use xtlock_common::{
     AnsweredSkb, EventKind, RefusalEvent, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6,
@@ -19,7 +19,10 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, count_in, field, header, kread, netns_of, now, reserve, take_token},
+    emit::{
+        btf_read, cfg, count_in, field, header, kread, netns_of, now, reserve, take_token,
+        take_token_at,
+    },
     ANSWERED, HOLD_NOW, REFUSAL_CONFIG, REFUSAL_COUNTS, REFUSAL_OVERFLOW, REFUSAL_RATE,
 };
 
@@ -85,6 +88,68 @@ pub fn icmp_send(ctx: TracePointContext) -> u32 {
         key.port = opt_field(&ctx, c.icmp_dport).unwrap_or(0);
     });
     0
+}
+
+/// `icmp_send` as a BTF raw tracepoint, `(const struct sk_buff *skb, int type, int code)`:
+/// no record is built before it runs, and the `sk_buff` (its head, device, netns) is read
+/// with plain loads instead of helper calls; only the packet's bytes need one.
+#[btf_tracepoint(function = "icmp_send")]
+pub fn icmp_send_btf(ctx: BtfTracePointContext) -> u32 {
+    if ctx.arg::<i32>(1) != ICMP_DEST_UNREACH {
+        return 0;
+    }
+    let skb: *const u8 = ctx.arg(0);
+    let mut key = blank(REFUSAL_ICMP_UNREACH);
+    key.detail = ctx.arg::<i32>(2) as u32;
+    if cfg(|c| &c.skb_ok) != 0 && !skb.is_null() {
+        let head: u64 = btf_read(skb, cfg(|c| &c.skb_head));
+        let nh: u16 = btf_read(skb, cfg(|c| &c.skb_network_header));
+        if head != 0 && nh != HEADER_UNSET {
+            let _ = dest_at(head + u64::from(nh), &mut key);
+        }
+        let dev: *const u8 = btf_read(skb, cfg(|c| &c.skb_dev));
+        let net: *const u8 = if dev.is_null() {
+            core::ptr::null()
+        } else {
+            btf_read(dev, cfg(|c| &c.dev_nd_net))
+        };
+        if !net.is_null() {
+            key.netns = btf_read(net, cfg(|c| &c.net_ns_inum));
+        }
+    }
+    // One clock read for the answered packet and the sampler.
+    let t = now();
+    if !skb.is_null() {
+        answered_at(skb as u64, t);
+    }
+    count(&mut key);
+    if take_token_at(&REFUSAL_RATE, || t) {
+        send_sample(&key, skb as u64);
+    }
+    0
+}
+
+/// Destination address and port of the IPv4 packet whose header is at `ip`: one read of
+/// the header and the ports when the header has no options (a SYN's), else two.
+#[inline(always)]
+fn dest_at(ip: u64, key: &mut RefusalKey) -> Option<()> {
+    let b: [u8; 24] = kread(ip, 0)?;
+    if b[0] >> 4 != 4 {
+        return None;
+    }
+    key.family = DROP_FAMILY_INET;
+    key.addr[..4].copy_from_slice(&b[16..20]);
+    let frag_off = u16::from_be_bytes([b[6], b[7]]) & 0x1fff;
+    if frag_off != 0 || (b[9] != IPPROTO_TCP && b[9] != IPPROTO_UDP) {
+        return Some(());
+    }
+    let ihl = u64::from(b[0] & 0x0f) * 4;
+    key.port = if ihl == 20 {
+        u16::from_be_bytes([b[22], b[23]])
+    } else {
+        kread::<[u8; 4]>(ip + ihl, 0).map_or(0, |p| u16::from_be_bytes([p[2], p[3]]))
+    };
+    Some(())
 }
 
 /// The fallback of `icmp_send` where the tracepoint does not exist (5.10, for one; Debian's
@@ -241,9 +306,14 @@ fn netns(skb: u64, sk: u64) -> u32 {
 /// ports from `skb` (IPv4), else the key's destination alone.
 #[inline(always)]
 fn sample(key: &RefusalKey, skb: u64) {
-    if !take_token(&REFUSAL_RATE) {
-        return;
+    if take_token(&REFUSAL_RATE) {
+        send_sample(key, skb);
     }
+}
+
+/// The sample, its token taken.
+#[inline(always)]
+fn send_sample(key: &RefusalKey, skb: u64) {
     // The sample names its hold: the hold's take goes first.
     crate::pending::send_by(None);
     let Some(mut entry) = reserve::<RefusalEvent>() else {
@@ -290,9 +360,15 @@ fn read_tuple(skb: u64, ev: &mut RefusalEvent) -> Option<()> {
 /// Remembers the packet answered, for the drop hook (see `ANSWERED`).
 #[inline(always)]
 fn answered(skb: u64) {
+    answered_at(skb, now());
+}
+
+/// [`answered`] at `ts_ns`.
+#[inline(always)]
+fn answered_at(skb: u64, ts_ns: u64) {
     if let Some(a) = ANSWERED.get_ptr_mut(0) {
         // SAFETY: per-CPU slot; this CPU is the only writer.
-        unsafe { *a = AnsweredSkb { skb, ts_ns: now() } };
+        unsafe { *a = AnsweredSkb { skb, ts_ns } };
     }
 }
 

@@ -12,7 +12,10 @@ use xtlock_common::{
 };
 
 use crate::{
-    emit::{cfg, current_netns, field, header, ids, now, output, syscall_arg},
+    emit::{
+        cfg, current_netns, field, field_fast, header, ids, inflight_add, inflight_any,
+        inflight_in_slot, now, output, syscall_arg,
+    },
     SOCKOPT_INFLIGHT,
 };
 
@@ -55,10 +58,18 @@ fn is_xtables(level: u32, optname: u32, dir: u32) -> bool {
     (level == SOL_IP && (xt || ebt)) || (level == SOL_IPV6 && xt)
 }
 
+/// Where a syscall's arguments sit in every kernel's `sys_enter_*` record (after the common
+/// fields and `__syscall_nr`, 8 bytes each): read with direct loads there, the helper only
+/// for another layout.
+pub(crate) const ARG1: usize = 24;
+pub(crate) const ARG2: usize = 32;
+/// `ret` of every `sys_exit_*` record.
+pub(crate) const EXIT_RET: usize = 16;
+
 #[tracepoint]
 pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
-    let level: u64 = field(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
-    let optname: u64 = field(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
+    let level: u64 = field_fast::<u64, ARG1>(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
+    let optname: u64 = field_fast::<u64, ARG2>(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
     enter(
         0,
         level,
@@ -71,7 +82,7 @@ pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
 
 #[tracepoint]
 pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
-    exit(field(&ctx, cfg(|c| &c.sys_exit_ret)).unwrap_or(0));
+    exit(|| field_fast::<i64, EXIT_RET>(&ctx, cfg(|c| &c.sys_exit_ret)).unwrap_or(0));
     0
 }
 
@@ -98,7 +109,7 @@ pub fn setsockopt_syscall_fentry(ctx: FEntryContext) -> u32 {
 
 #[fexit(function = "__x64_sys_setsockopt")]
 pub fn setsockopt_syscall_fexit(ctx: FExitContext) -> u32 {
-    exit(ctx.arg(1));
+    exit(|| ctx.arg(1));
     0
 }
 
@@ -110,7 +121,7 @@ pub fn setsockopt_syscall_kprobe(ctx: ProbeContext) -> u32 {
 
 #[kretprobe]
 pub fn setsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
-    exit(ctx.ret());
+    exit(|| ctx.ret());
     0
 }
 
@@ -155,18 +166,30 @@ pub(crate) fn enter(
             size: 0,
         }),
     };
-    let _ = SOCKOPT_INFLIGHT.insert(&tid, &enter, 0);
+    if SOCKOPT_INFLIGHT.insert(&tid, &enter, 0).is_ok() {
+        inflight_add(tid, 1);
+    }
 }
 
-/// The call returns: one record with the table, its entries and bytes, and the time.
+/// The call returns: one record with the table, its entries and bytes, and the time. Every
+/// call of the node returns here: its thread's slot of `INFLIGHT` says first whether any
+/// kept call may be its own, and its return value is read only then.
 #[inline(always)]
-pub(crate) fn exit(ret: i64) {
+pub(crate) fn exit(ret: impl FnOnce() -> i64) {
+    if !inflight_any() {
+        return;
+    }
     let (tgid, tid) = ids();
+    if !inflight_in_slot(tid) {
+        return;
+    }
     // SAFETY: read of our own entry; removed right after.
     let Some(enter) = (unsafe { SOCKOPT_INFLIGHT.get(&tid) }).copied() else {
         return;
     };
     let _ = SOCKOPT_INFLIGHT.remove(&tid);
+    inflight_add(tid, -1);
+    let ret = ret();
     crate::pending::send_by(Some(tgid));
     let (num_entries, size, head_ok) = if enter.dir == SOCKOPT_GET {
         if enter.optname == XT_SO_GET_INFO {

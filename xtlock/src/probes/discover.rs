@@ -23,6 +23,8 @@ pub struct Discovery {
     pub raw_lock: Result<(), String>,
     /// Whether the drop hook's raw tracepoint can be used, and if not, why.
     pub raw_drop: Result<(), String>,
+    /// Whether the ICMP refusal hook's raw tracepoint can be used, and if not, why.
+    pub raw_icmp: Result<(), String>,
     /// Field offsets of the refusal tracepoints.
     pub refusal: RefusalConfig,
     /// TCP reset reasons of this kernel (`enum sk_rst_reason`, empty before Linux 6.10).
@@ -118,6 +120,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     discover_syscall_regs(&mut config, &btf);
     let raw_lock = discover_raw_lock(&mut config, &btf);
     let raw_drop = discover_raw_drop(&mut config, &btf);
+    let raw_icmp = discover_raw_icmp(&config, &btf);
     // Read once: the kernel formats all of it for each read (5 MB, seconds under emulation).
     let kallsyms = std::fs::read_to_string("/proc/kallsyms")
         .map_err(|e| format!("reading /proc/kallsyms: {e}"));
@@ -140,6 +143,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         btf: btf.ok(),
         raw_lock,
         raw_drop,
+        raw_icmp,
         refusal,
         rst_reasons,
         nft_mutex,
@@ -218,6 +222,32 @@ fn discover_raw_drop(
     Ok(())
 }
 
+/// Whether the raw tracepoint `tp`'s arguments in BTF (after the context's `void *`) are
+/// `args`, as the program reads them.
+fn check_raw_proto(b: &btf::Btf, tp: &str, args: &[&str]) -> Result<(), String> {
+    match b.fn_typedef_params(&format!("btf_trace_{tp}")) {
+        Some(p) if p.first().map(String::as_str) == Some("void *") && p[1..] == *args => Ok(()),
+        Some(p) => Err(format!(
+            "its arguments are ({}), expected ({})",
+            p[1.min(p.len())..].join(", "),
+            args.join(", ")
+        )),
+        None => Err(format!("no btf_trace_{tp} prototype in BTF")),
+    }
+}
+
+/// Whether the ICMP refusal hook's raw tracepoint reads what it expects: `icmp_send`'s
+/// prototype (`const struct sk_buff *`, `int type`, `int code`) and the `sk_buff` members
+/// the drop hook found (head, network header, device, its netns).
+fn discover_raw_icmp(c: &ProbeConfig, btf: &Result<btf::Btf, btf::BtfError>) -> Result<(), String> {
+    let b = btf.as_ref().map_err(|e| format!("no kernel BTF: {e}"))?;
+    check_raw_proto(b, "icmp_send", &["struct sk_buff *", "int", "int"])?;
+    if c.skb_ok == 0 {
+        return Err("the sk_buff members it reads were not found in BTF".into());
+    }
+    Ok(())
+}
+
 /// What the lock hook's raw tracepoint reads, from BTF: its arguments (`struct inode *`,
 /// `struct file_lock *`, `int ret`, checked against the tracepoint's prototype) and the
 /// members it reads through them. The lock request's fields moved into `file_lock.c` (a
@@ -228,18 +258,11 @@ fn discover_raw_lock(
     btf: &Result<btf::Btf, btf::BtfError>,
 ) -> Result<(), String> {
     let b = btf.as_ref().map_err(|e| format!("no kernel BTF: {e}"))?;
-    const PROTO: [&str; 4] = ["void *", "struct inode *", "struct file_lock *", "int"];
-    match b.fn_typedef_params("btf_trace_flock_lock_inode") {
-        Some(p) if p == PROTO => {}
-        Some(p) => {
-            return Err(format!(
-                "its arguments are ({}), expected ({})",
-                p[1.min(p.len())..].join(", "),
-                PROTO[1..].join(", ")
-            ))
-        }
-        None => return Err("no btf_trace_flock_lock_inode prototype in BTF".into()),
-    }
+    check_raw_proto(
+        b,
+        "flock_lock_inode",
+        &["struct inode *", "struct file_lock *", "int"],
+    )?;
     let m = |strukt: &str, paths: &[&str], size: u32| -> Result<u32, String> {
         let mut why = String::new();
         for p in paths {

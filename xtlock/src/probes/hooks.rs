@@ -406,7 +406,7 @@ pub const HOOKS: &[Hook] = &[
                   the stack's own), counted per destination and hold",
         fallback: None,
         paired_with: None,
-        raw_program: None,
+        raw_program: Some("icmp_send_btf"),
         missing: Some(
             "recent kernels have icmp:icmp_send (Debian's 6.1 too, 5.10 not); without it \
              xtlock hooks the function behind it, __icmp_send, with a kprobe (icmp_send_fn); \

@@ -850,6 +850,8 @@ fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> 
     }
     if hook.program == DROP_PROGRAM {
         disc.raw_drop.clone()?;
+    } else if hook.program == hooks::REFUSAL_PROGRAMS[0] {
+        disc.raw_icmp.clone()?;
     } else if hook.program == nft_mutex::BEGIN || hook.program == nft_mutex::END {
         disc.raw_nft_mutex.clone()?;
     } else {
