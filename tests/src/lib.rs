@@ -561,6 +561,65 @@ pub fn kube_proxy_ruleset(services: usize, endpoints: usize) -> String {
     s
 }
 
+/// The start of table `ip kube-proxy` as kube-proxy's nftables mode writes it (the table
+/// replaced whole): the `service-ips` verdict map, the hooks that jump to `services`, which
+/// looks the packet up in the map, and `mark-for-masquerade`; the service and endpoint
+/// chains follow, then the closing brace.
+pub const KUBE_PROXY_NFT_HEAD: &str = "add table ip kube-proxy\n\
+     delete table ip kube-proxy\n\
+     table ip kube-proxy {\n\
+     map service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; }\n\
+     chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; jump services ; }\n\
+     chain nat-output { type nat hook output priority -100; policy accept; jump services ; }\n\
+     chain services { ip daddr . meta l4proto . th dport vmap @service-ips ; }\n\
+     chain mark-for-masquerade { meta mark set meta mark or 0x4000 ; }\n";
+
+/// A kube-proxy-nftables-shaped `nft -f` input: table `ip kube-proxy` with the
+/// `service-ips` verdict map, a `service-*` chain per service (masquerade for traffic from
+/// outside the pod range, then `numgen` over its endpoints) and an `endpoint-*` chain per
+/// endpoint (masquerade of its own pod's traffic, `dnat to` it), named as kube-proxy names
+/// them: 2 rules per service and 2 per endpoint.
+pub fn kube_proxy_nft_ruleset(services: usize, endpoints: usize) -> String {
+    let mut s = String::from(KUBE_PROXY_NFT_HEAD);
+    for i in 0..services {
+        let (a, b) = (i / 250, i % 250);
+        let svc = format!("service-{i:08X}-ns/svc-{i}/tcp/http");
+        let mut arms = Vec::with_capacity(endpoints);
+        for j in 0..endpoints {
+            // Pods in 10.128.0.0/10: endpoint n of the node at its own address.
+            let n = i * endpoints + j;
+            let ip = format!("10.{}.{}.{}", 128 + n / 65_536, n / 256 % 256, n % 256);
+            let chain = format!("endpoint-{n:08X}-ns/svc-{i}/tcp/http__{ip}/8080");
+            s.push_str(&format!(
+                "chain {chain} {{ ip saddr {ip} jump mark-for-masquerade ; meta l4proto tcp dnat to {ip}:8080 ; }}\n"
+            ));
+            arms.push(format!("{j} : goto {chain}"));
+        }
+        s.push_str(&format!(
+            "chain {svc} {{ ip daddr 10.96.{a}.{b} tcp dport 80 ip saddr != 10.128.0.0/10 jump mark-for-masquerade ; numgen random mod {endpoints} vmap {{ {} }} ; }}\n",
+            arms.join(", ")
+        ));
+    }
+    s.push_str("}\n");
+    for chunk in (0..services).collect::<Vec<_>>().chunks(1000) {
+        let elems: Vec<String> = chunk
+            .iter()
+            .map(|i| {
+                format!(
+                    "10.96.{}.{} . tcp . 80 : goto service-{i:08X}-ns/svc-{i}/tcp/http",
+                    i / 250,
+                    i % 250
+                )
+            })
+            .collect();
+        s.push_str(&format!(
+            "add element ip kube-proxy service-ips {{ {} }}\n",
+            elems.join(", ")
+        ));
+    }
+    s
+}
+
 /// Writes `text` to a file in `dir`.
 pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);

@@ -418,3 +418,120 @@ fn nf_tables_writes_of_gone_processes_count_in_their_namespace() {
     let mixed = in_ns("mixed_backends");
     assert_eq!(mixed.len(), 1, "NS holds both backends:\n{dump}");
 }
+
+/// A namespace of more than 1,000 nf_tables chains is read chain by chain (a dump of every
+/// rule costs the kernel the square of the ruleset): kube-proxy's nftables table for 200
+/// services of 5 endpoints (1,204 chains, 2,400 rules), then kube-proxy's kind of change, one
+/// endpoint chain flushed and refilled in one transaction. The change read is exactly that
+/// chain's, and the Service model holds every service port and endpoint: `nft list chain` is
+/// the truth of the change, the generator's counts of the model.
+#[test]
+fn a_namespace_of_over_1000_chains_is_read_chain_by_chain() {
+    if !require_bpf("a_namespace_of_over_1000_chains_is_read_chain_by_chain") {
+        return;
+    }
+    let _g = serial();
+    let ns = NetnsPair::new("xtlock-nbig", 57);
+    let s = Scratch::new("nbig");
+    let load = xtlock_tests::write_file(
+        &s.dir,
+        "kube-proxy.nft",
+        &xtlock_tests::kube_proxy_nft_ruleset(200, 5),
+    );
+    let nft_f = |file: &Path| {
+        xtlock_tests::sh(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                ns.a.as_str(),
+                "nft",
+                "-f",
+                file.to_str().unwrap(),
+            ],
+        );
+    };
+    nft_f(&load);
+    // Endpoint 7: service 1's third, at 10.128.0.7.
+    let chain = "endpoint-00000007-ns/svc-1/tcp/http__10.128.0.7/8080";
+    let change = xtlock_tests::write_file(
+        &s.dir,
+        "change.nft",
+        &format!(
+            "flush chain ip kube-proxy {chain}\n\
+             add rule ip kube-proxy {chain} meta l4proto tcp dnat to 10.128.0.7:9090\n"
+        ),
+    );
+    let mut c = Command::new(xtlock_bin());
+    c.args(["trace", "--json", "--duration", "300s", "--no-drops"])
+        .args(xtlock_tests::tracer_extra_args());
+    let tracer = Tracer::spawn(c);
+    // The namespace's first read after a write is its baseline.
+    xtlock_tests::sh(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            ns.a.as_str(),
+            "nft",
+            "add",
+            "table",
+            "ip",
+            "xtnbig",
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    nft_f(&change);
+    std::thread::sleep(Duration::from_secs(3));
+    let truth = NetnsPair::exec(&ns.a, "nft", &["list", "chain", "ip", "kube-proxy", chain]);
+    assert!(
+        truth.contains("dnat to 10.128.0.7:9090") && !truth.contains("ip saddr"),
+        "{truth}"
+    );
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    let netns = NetnsPair::inode(&ns.a);
+    let changes: Vec<&Value> = trace
+        .of_type("rule_change")
+        .into_iter()
+        .filter(|e| e["netns"].as_u64() == Some(netns) && e["table"] == "kube-proxy")
+        .collect();
+    assert_eq!(changes.len(), 1, "one change of table kube-proxy:\n{dump}");
+    let chains_of = |k: &str| -> Vec<String> {
+        changes[0][k]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|r| r[0].as_str().unwrap_or("").to_string())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    assert_eq!(
+        chains_of("added"),
+        vec![chain.to_string()],
+        "{}",
+        changes[0]
+    );
+    assert_eq!(
+        chains_of("removed"),
+        vec![chain.to_string(), chain.to_string()],
+        "both of its rules removed: {}",
+        changes[0]
+    );
+    assert!(
+        changes[0]["skipped"].is_null(),
+        "read, not skipped: {}",
+        changes[0]
+    );
+    let summary = trace.of_type("summary").into_iter().last().cloned();
+    let services = summary.as_ref().map(|s| s["services"].clone());
+    assert_eq!(
+        services
+            .as_ref()
+            .map(|s| (s["services"].as_u64(), s["endpoints"].as_u64())),
+        Some((Some(200), Some(1000))),
+        "the model holds every service port and endpoint: {services:?}"
+    );
+}

@@ -417,16 +417,7 @@ const NFT_SVC_CHAIN: &str = "service-WEB00000-default/web/tcp/http";
 /// (10.96.0.10:80): the `service-ips` map, a service chain that picks an endpoint chain with
 /// `numgen`, endpoint chains that mark their own pod's traffic and `dnat to` it.
 fn kube_proxy_nft(endpoints: &[&str]) -> String {
-    let mut s = String::from(
-        "add table ip kube-proxy\n\
-         delete table ip kube-proxy\n\
-         table ip kube-proxy {\n\
-         map service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; }\n\
-         chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; jump services ; }\n\
-         chain nat-output { type nat hook output priority -100; policy accept; jump services ; }\n\
-         chain services { ip daddr . meta l4proto . th dport vmap @service-ips ; }\n\
-         chain mark-for-masquerade { meta mark set meta mark or 0x4000 ; }\n",
-    );
+    let mut s = String::from(xtlock_tests::KUBE_PROXY_NFT_HEAD);
     for ip in endpoints {
         s.push_str(&format!(
             "chain {} {{ ip saddr {ip} jump mark-for-masquerade ; meta l4proto tcp dnat to {ip}:8080 ; }}\n",

@@ -17,6 +17,9 @@
 //!   ruleset SERVICES ENDPOINTS
 //!                             print kube-proxy's tables for that many Services (the tests'
 //!                             `kube_proxy_ruleset`), for `iptables-restore`; no JSON
+//!   nft-ruleset SERVICES ENDPOINTS
+//!                             the same in kube-proxy's nftables mode (`kube_proxy_nft_ruleset`),
+//!                             for `nft -f`; no JSON
 //!
 //! Options for all: `--secs S` (default 1) or `--cycles N`, `--ready`: print `ready` and
 //! wait for a line on stdin before starting (so several generators start together).
@@ -184,7 +187,7 @@ fn udp(o: &Opts, dst: &str, port: &str) -> Result<()> {
 fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((cmd, rest)) = args.split_first() else {
-        bail!("usage: xtlock-bench-load flock PATH | getppid | exec [PROG] | udp DST PORT | connect DST PORT | ruleset SERVICES ENDPOINTS  [--secs S | --cycles N] [--rate R] [--ready]");
+        bail!("usage: xtlock-bench-load flock PATH | getppid | exec [PROG] | udp DST PORT | connect DST PORT | ruleset SERVICES ENDPOINTS | nft-ruleset SERVICES ENDPOINTS  [--secs S | --cycles N] [--rate R] [--ready]");
     };
     let o = parse(rest)?;
     match (cmd.as_str(), o.pos.as_slice()) {
@@ -235,6 +238,11 @@ fn run() -> Result<()> {
         }
         ("ruleset", [services, endpoints]) => {
             let text = xtlock_tests::kube_proxy_ruleset(services.parse()?, endpoints.parse()?);
+            std::io::stdout().write_all(text.as_bytes())?;
+            Ok(())
+        }
+        ("nft-ruleset", [services, endpoints]) => {
+            let text = xtlock_tests::kube_proxy_nft_ruleset(services.parse()?, endpoints.parse()?);
             std::io::stdout().write_all(text.as_bytes())?;
             Ok(())
         }

@@ -12,7 +12,9 @@
 //! 7 `rules`: reading a ~30,000-rule table back after each write: the writer's time and
 //!     xtlock's CPU per write, with and without the reads, beside `iptables-save`.
 //! 8 `refusals`: TCP connects into a REJECT rule: refused/s and exact counts against the
-//!     clients' and the rule's.
+//!     clients' and the rule's (`--bpf-stats`: BPF ns per refused connection, per program).
+//! 9 `nft-rules`: reading a 10,000-service kube-proxy nftables ruleset (~120,000 rules) back
+//!     after each small transaction: the writer's time, xtlock's CPU per read, its peak RSS.
 //!
 //! Every figure is the median of `--reps` runs with its spread ((max - min) / median), because
 //! the machines this runs on are often shared and noisy; the load average is recorded before
@@ -27,6 +29,7 @@ use crate::{setup, sh};
 mod collector;
 mod drops;
 mod lockpath;
+mod nft_rules;
 mod refusals;
 mod ring;
 mod rules;
@@ -35,7 +38,7 @@ mod stats;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Benches to run, comma-separated: lock, drops, collector, ring, rules, refusals (default:
+    /// Benches to run, comma-separated: lock, drops, collector, ring, rules, nft-rules, refusals (default:
     /// all). The
     /// capture-size figures come with `collector`.
     #[arg(long, value_delimiter = ',')]
@@ -55,12 +58,12 @@ pub struct BenchArgs {
     /// Use the release binaries already built instead of running `cargo build --release`.
     #[arg(long)]
     pub no_build: bool,
-    /// Lock and drop benches: also turn on `kernel.bpf_stats_enabled` and report the BPF
+    /// Lock, drop and refusal benches: also turn on `kernel.bpf_stats_enabled` and report the BPF
     /// programs' runs per operation (per dropped packet) and ns per run (costs some ns per
     /// run itself; restored after).
     #[arg(long)]
     pub bpf_stats: bool,
-    /// Lock and drop benches: also run this xtlock binary (an older build), as a column of
+    /// Lock, drop and refusal benches: also run this xtlock binary (an older build), as a column of
     /// its own interleaved with the others: A/B in one run on the same machine state.
     #[arg(long)]
     pub baseline: Option<PathBuf>,
@@ -82,7 +85,15 @@ pub struct Env {
     pub machine: Value,
 }
 
-const ALL: [&str; 6] = ["lock", "drops", "collector", "ring", "rules", "refusals"];
+const ALL: [&str; 7] = [
+    "lock",
+    "drops",
+    "collector",
+    "ring",
+    "rules",
+    "nft-rules",
+    "refusals",
+];
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let selected: Vec<String> = if args.only.is_empty() {
@@ -92,15 +103,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     for s in &selected {
         if !ALL.contains(&s.as_str()) && s != "capture" {
-            bail!("unknown bench `{s}` (lock, drops, collector, ring, rules, refusals)");
+            bail!("unknown bench `{s}` (lock, drops, collector, ring, rules, nft-rules, refusals)");
         }
     }
-    let needs_root = selected
-        .iter()
-        .any(|s| matches!(s.as_str(), "lock" | "drops" | "ring" | "rules" | "refusals"));
+    let needs_root = selected.iter().any(|s| {
+        matches!(
+            s.as_str(),
+            "lock" | "drops" | "ring" | "rules" | "nft-rules" | "refusals"
+        )
+    });
     if needs_root && !sh::is_root() {
         bail!(
-            "the lock, drops, ring, rules and refusals benches load BPF programs: run as root (or --only collector)"
+            "the lock, drops, ring, rules, nft-rules and refusals benches load BPF programs: run as root (or --only collector)"
         );
     }
     let root = sh::workspace_root();
@@ -185,6 +199,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             }
             "ring" => (ring::run(&env)?, None),
             "rules" => (rules::run(&env)?, None),
+            "nft-rules" => (nft_rules::run(&env)?, None),
             "refusals" => (refusals::run(&env)?, None),
             _ => unreachable!("checked above"),
         };

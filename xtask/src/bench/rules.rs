@@ -29,17 +29,17 @@ const ENDPOINTS: usize = 2;
 const WRITES: usize = 10;
 
 /// A network namespace removed on drop.
-struct Netns(String);
+pub(super) struct Netns(String);
 
 impl Netns {
-    fn new() -> Result<Self> {
-        let name = format!("xtlbench-rules-{}", std::process::id());
+    pub(super) fn new(what: &str) -> Result<Self> {
+        let name = format!("xtlbench-{what}-{}", std::process::id());
         let _ = Command::new("ip").args(["netns", "del", &name]).output();
         output(Command::new("ip").args(["netns", "add", &name]))?;
         Ok(Netns(name))
     }
 
-    fn cmd(&self, prog: &str) -> Command {
+    pub(super) fn cmd(&self, prog: &str) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.0, prog]);
         c
@@ -52,12 +52,101 @@ impl Drop for Netns {
     }
 }
 
-fn output(c: &mut Command) -> Result<String> {
+pub(super) fn output(c: &mut Command) -> Result<String> {
     let out = c.output().with_context(|| format!("{c:?}"))?;
     if !out.status.success() {
         bail!("{c:?}: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// No tracer (`extra` None), or `xtlock trace --no-drops` with `extra` watching `lock`.
+pub(super) fn traced(
+    env: &Env,
+    tag: &str,
+    lock: &std::path::Path,
+    extra: Option<&[&str]>,
+) -> Result<Session> {
+    let Some(extra) = extra else {
+        return Ok(Session::none());
+    };
+    let mut args: Vec<String> = vec!["--no-drops".into()];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Session::xtlock(env, tag, &[lock], &args)
+}
+
+/// kube-proxy's rules for `services` of `endpoints` each, from the load generator's `what`
+/// (`ruleset`: iptables-restore's input; `nft-ruleset`: nft's), in a scratch file.
+pub(super) fn generated(
+    env: &Env,
+    what: &str,
+    services: usize,
+    endpoints: usize,
+) -> Result<std::path::PathBuf> {
+    let file = env.scratch.join(format!("{what}.txt"));
+    let text = output(
+        Command::new(&env.load)
+            .arg(what)
+            .arg(services.to_string())
+            .arg(endpoints.to_string()),
+    )?;
+    fs::write(&file, text)?;
+    Ok(file)
+}
+
+/// Waits until the tracer's CPU grows by less than `quiet_ns` in `every` (its reads are
+/// over), at most `max`.
+pub(super) fn settle(session: &Session, every: Duration, quiet_ns: u64, max: Duration) {
+    let mut cpu = session.cpu_ns();
+    let t = Instant::now();
+    while t.elapsed() < max {
+        std::thread::sleep(every);
+        let now = session.cpu_ns();
+        if now.saturating_sub(cpu) < quiet_ns {
+            return;
+        }
+        cpu = now;
+    }
+}
+
+/// The `rule_change` facts xtlock printed (`--json`) to `out`: how many, and the reads it
+/// skipped (counted, each reason once).
+#[derive(Default)]
+pub(super) struct RuleFacts {
+    pub facts: usize,
+    pub skipped: u64,
+    pub why: Vec<String>,
+}
+
+impl RuleFacts {
+    pub(super) fn read(out: &std::path::Path) -> Self {
+        let text = fs::read_to_string(out).unwrap_or_default();
+        let mut r = RuleFacts::default();
+        for v in text
+            .lines()
+            .filter(|l| l.contains("\"type\":\"rule_change\""))
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["type"] == "rule_change")
+        {
+            r.facts += 1;
+            if let Some(why) = v["skipped"].as_str() {
+                r.skipped += 1;
+                if !r.why.iter().any(|w| w == why) {
+                    r.why.push(why.to_string());
+                }
+            }
+        }
+        r
+    }
+
+    /// `(N reads skipped: why; why)`.
+    pub(super) fn skipped_text(skipped: u64, why: &[String]) -> String {
+        if why.is_empty() {
+            format!("{skipped} reads skipped")
+        } else {
+            format!("{skipped} reads skipped: {}", why.join("; "))
+        }
+    }
 }
 
 #[derive(Default)]
@@ -74,18 +163,11 @@ struct Column {
 }
 
 pub fn run(env: &Env) -> Result<Value> {
-    let ns = Netns::new()?;
+    let ns = Netns::new("rules")?;
     let lock = env.scratch.join("rules.lock");
     fs::write(&lock, b"")?;
     // kube-proxy's tables, as the tests make them (filter and nat; the writes go to nat).
-    let rules_file = env.scratch.join("rules.txt");
-    let text = output(
-        Command::new(&env.load)
-            .arg("ruleset")
-            .arg(SERVICES.to_string())
-            .arg(ENDPOINTS.to_string()),
-    )?;
-    fs::write(&rules_file, text)?;
+    let rules_file = generated(env, "ruleset", SERVICES, ENDPOINTS)?;
     let t = Instant::now();
     output(
         ns.cmd("iptables-legacy-restore")
@@ -113,14 +195,7 @@ pub fn run(env: &Env) -> Result<Value> {
         save(&mut ns.cmd("iptables-legacy-save"))?;
         save_ms.push(t.elapsed().as_secs_f64() * 1e3);
         for ((name, extra), col) in configs.iter().zip(cols.iter_mut()) {
-            let session = match extra {
-                None => Session::none(),
-                Some(extra) => {
-                    let mut args: Vec<String> = vec!["--no-drops".into()];
-                    args.extend(extra.iter().map(|s| s.to_string()));
-                    Session::xtlock(env, &format!("rules-{rep}-{name}"), &[&lock], &args)?
-                }
-            };
+            let session = traced(env, &format!("rules-{rep}-{name}"), &lock, *extra)?;
             let cpu0 = session.cpu_ns();
             let mut took = Dist::default();
             for w in 0..WRITES {
@@ -144,36 +219,26 @@ pub fn run(env: &Env) -> Result<Value> {
                 took.push(t.elapsed().as_secs_f64() * 1e3);
             }
             // The last reads finish: xtlock's CPU stops growing.
-            let mut cpu = session.cpu_ns();
-            let settle = Instant::now();
-            while settle.elapsed() < Duration::from_secs(20) {
-                std::thread::sleep(Duration::from_millis(300));
-                let now = session.cpu_ns();
-                if now.saturating_sub(cpu) < 3_000_000 {
-                    break;
-                }
-                cpu = now;
-            }
+            settle(
+                &session,
+                Duration::from_millis(300),
+                3_000_000,
+                Duration::from_secs(20),
+            );
             let cpu = session.cpu_ns().saturating_sub(cpu0);
             let out = session.out.clone();
             let stopped = session.stop()?;
             col.write_ms.push(took.median());
             if extra.is_some() {
                 col.cpu_ms.push(cpu as f64 / 1e6 / WRITES as f64);
-                let text = fs::read_to_string(&out).unwrap_or_default();
-                let facts: Vec<Value> = text
-                    .lines()
-                    .filter(|l| l.contains("\"type\":\"rule_change\""))
-                    .filter_map(|l| serde_json::from_str(l).ok())
-                    .filter(|v: &Value| v["type"] == "rule_change")
-                    .collect();
-                for why in facts.iter().filter_map(|v| v["skipped"].as_str()) {
-                    col.skipped += 1;
-                    if !col.why.iter().any(|w| w == why) {
-                        col.why.push(why.to_string());
+                let f = RuleFacts::read(&out);
+                col.skipped += f.skipped;
+                for w in f.why {
+                    if !col.why.contains(&w) {
+                        col.why.push(w);
                     }
                 }
-                col.reads.push(facts.len() as f64 / WRITES as f64);
+                col.reads.push(f.facts as f64 / WRITES as f64);
                 if stopped.lost_events > 0 {
                     println!("  ({name}: {} events lost)", stopped.lost_events);
                 }
@@ -208,16 +273,11 @@ pub fn run(env: &Env) -> Result<Value> {
     let writer_delay = on.write_ms.median() - off.write_ms.median();
     println!(
         "  iptables-legacy-save -t nat: {}  |  a read + parse + diff: {} ms of xtlock CPU; \
-         the writer: {:+.1} ms a write with reads on ({} reads skipped{})",
+         the writer: {:+.1} ms a write with reads on ({})",
         save_ms.show(),
         num(per_read_cpu),
         writer_delay,
-        on.skipped,
-        if on.why.is_empty() {
-            String::new()
-        } else {
-            format!(": {}", on.why.join("; "))
-        }
+        RuleFacts::skipped_text(on.skipped, &on.why),
     );
     Ok(json!({
         "rules": rules,

@@ -76,6 +76,32 @@ pub fn dump_request(msg: u8, seq: u32) -> [u8; NLMSG_HDR + NFGENMSG] {
     b
 }
 
+/// The request for one dump of the rules of one chain (`NFTA_RULE_TABLE`,
+/// `NFTA_RULE_CHAIN`, in the chain's family): the kernel walks that chain alone, where a dump
+/// of every rule walks again past all it sent for each answer (quadratic in the ruleset).
+pub fn chain_rules_request(family: u8, table: &str, chain: &str, seq: u32) -> Vec<u8> {
+    let mut b = Vec::with_capacity(NLMSG_HDR + NFGENMSG + 8 + table.len() + chain.len() + 8);
+    b.extend_from_slice(&[0u8; NLMSG_HDR]);
+    b[4..6]
+        .copy_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_GETRULE)).to_ne_bytes());
+    b[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    b[8..12].copy_from_slice(&seq.to_ne_bytes());
+    // nfgenmsg: the family, NFNETLINK_V0, res_id 0.
+    b.extend_from_slice(&[family, 0, 0, 0]);
+    for (ty, v) in [(1u16, table), (2u16, chain)] {
+        // A NUL-terminated string attribute, padded to 4 bytes.
+        let len = 4 + v.len() + 1;
+        b.extend_from_slice(&(len as u16).to_ne_bytes());
+        b.extend_from_slice(&ty.to_ne_bytes());
+        b.extend_from_slice(v.as_bytes());
+        b.push(0);
+        b.resize(b.len().next_multiple_of(4), 0);
+    }
+    let total = b.len() as u32;
+    b[0..4].copy_from_slice(&total.to_ne_bytes());
+    b
+}
+
 /// One netlink message of a dump's answer.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Msg<'a> {
@@ -1043,6 +1069,27 @@ pub(crate) mod tests {
 
     fn nested(kind: u16, parts: &[Vec<u8>]) -> Vec<u8> {
         nla(kind | 0x8000, &parts.concat())
+    }
+
+    #[test]
+    fn a_chains_rules_are_asked_for_by_table_and_chain() {
+        let r = chain_rules_request(2, "kube-proxy", "service-X-ns/web/tcp/http", 7);
+        let mut want = Vec::new();
+        // nlmsghdr: length, NFT_MSG_GETRULE of nf_tables, REQUEST | DUMP, seq 7, port 0.
+        let body = [
+            vec![2, 0, 0, 0],
+            nla(1, &s("kube-proxy")),
+            nla(2, &s("service-X-ns/web/tcp/http")),
+        ]
+        .concat();
+        want.extend(((16 + body.len()) as u32).to_ne_bytes());
+        want.extend(((10u16 << 8) | 7).to_ne_bytes());
+        want.extend(0x301u16.to_ne_bytes());
+        want.extend(7u32.to_ne_bytes());
+        want.extend(0u32.to_ne_bytes());
+        want.extend(body);
+        assert_eq!(r, want);
+        assert_eq!(r.len() % 4, 0);
     }
 
     fn s(v: &str) -> Vec<u8> {

@@ -36,8 +36,10 @@ const QUIET: Duration = Duration::from_millis(50);
 /// A burst is read this long after its first write at the latest.
 const MAX_WAIT: Duration = Duration::from_secs(1);
 /// A network namespace whose nf_tables tables hold more rules than this, all together, is
-/// not diffed (a dump of 50,000 rules is ~15 MB of netlink).
-pub const MAX_NFT_RULES: usize = 50_000;
+/// not diffed. kube-proxy's nftables mode writes 2 rules per service and 2 per endpoint: a
+/// node of a 10,000-service, 50,000-endpoint cluster has ~120,000, its read's CPU and memory
+/// measured by `cargo xtask bench --only nft-rules` (docs/performance.md).
+pub const MAX_NFT_RULES: usize = 300_000;
 /// Tables whose chain digests are remembered (legacy and nf_tables, every netns).
 const MAX_TABLES_REMEMBERED: usize = 16_384;
 /// Writers through nf_tables still running, remembered with their network namespace.
@@ -578,9 +580,13 @@ fn getsockopt(
     }
 }
 
-/// Every nf_tables table of the current network namespace, read whole: three dumps (tables,
-/// chains, rules) at one ruleset generation, read again (at most three times) when a commit
-/// came between them.
+/// Every nf_tables table of the current network namespace, read whole: dumps of its tables,
+/// chains and rules at one ruleset generation, read again (at most three times) when a
+/// commit came between them. The rules come in one dump while the namespace has at most
+/// [`PER_CHAIN_FROM`] chains, else one dump per chain: the kernel's dump of every rule walks
+/// again past all it has sent for each answer, so its time grows with the square of the
+/// ruleset (63 % of xtlock's CPU, all of it in `__nf_tables_dump_rules`, reading 60,000
+/// rules), where a chain's dump walks that chain alone.
 fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
     use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
     let mut sock = Socket::new(NETLINK_NETFILTER)
@@ -589,78 +595,126 @@ fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
         .and_then(|_| sock.connect(&SocketAddr::new(0, 0)))
         .map_err(|e| format!("cannot bind a netfilter netlink socket: {e}"))?;
     set_recv_timeout(&sock, NFT_RECV_TIMEOUT);
+    let mut buf: Vec<u8> = Vec::with_capacity(1 << 17);
     for _ in 0..3 {
-        let mut generation: Option<u16> = None;
-        let mut again = false;
-        let mut tables = Vec::new();
-        let mut chains = Vec::new();
-        let mut rules = Vec::new();
-        for (i, msg) in [
-            nft_table::NFT_MSG_GETTABLE,
-            nft_table::NFT_MSG_GETCHAIN,
-            nft_table::NFT_MSG_GETRULE,
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let s = seq.wrapping_add(i as u32);
-            sock.send(&nft_table::dump_request(msg, s), 0)
-                .map_err(|e| format!("cannot ask for the nf_tables dump: {e}"))?;
-            let mut buf: Vec<u8> = Vec::with_capacity(1 << 17);
-            'dump: loop {
-                buf.clear();
-                sock.recv(&mut buf, 0).map_err(|e| {
-                    format!("cannot read the nf_tables dump: {e} (needs CAP_NET_ADMIN)")
-                })?;
-                let msgs = nft_table::messages(&buf).map_err(|e| match e {
-                    nft_table::NftError::Kernel(_, errno) => format!(
-                        "the kernel refused the nf_tables dump: {} (needs CAP_NET_ADMIN)",
-                        std::io::Error::from_raw_os_error(errno)
-                    ),
-                    e => e.to_string(),
-                })?;
-                for m in msgs {
-                    let Msg::Object {
-                        msg: kind,
-                        family,
-                        generation: g,
-                        interrupted,
-                        attrs,
-                    } = m
-                    else {
-                        if m == Msg::Done {
-                            break 'dump;
-                        }
-                        continue;
-                    };
-                    again |= interrupted || generation.is_some_and(|was| was != g);
-                    generation = Some(g);
-                    let e = |e: nft_table::NftError| e.to_string();
-                    match kind {
-                        nft_table::NFT_MSG_NEWTABLE => {
-                            tables.push((family, nft_table::parse_table(attrs).map_err(e)?))
-                        }
-                        nft_table::NFT_MSG_NEWCHAIN => {
-                            chains.push((family, nft_table::parse_chain(attrs).map_err(e)?))
-                        }
-                        nft_table::NFT_MSG_NEWRULE => {
-                            if rules.len() >= MAX_NFT_RULES {
-                                return Err(format!(
-                                    "too large to diff: more than {MAX_NFT_RULES} rules"
-                                ));
-                            }
-                            rules.push((family, nft_table::parse_rule(family, attrs).map_err(e)?))
-                        }
-                        _ => {}
-                    }
+        let mut d = Dumped::default();
+        let mut seq = seq;
+        for msg in [nft_table::NFT_MSG_GETTABLE, nft_table::NFT_MSG_GETCHAIN] {
+            seq = seq.wrapping_add(1);
+            dump(&sock, &nft_table::dump_request(msg, seq), &mut buf, &mut d)?;
+        }
+        let mut whole = d.chains.len() <= PER_CHAIN_FROM;
+        if !whole {
+            let chains: Vec<(u8, String, String)> = d
+                .chains
+                .iter()
+                .map(|(f, c)| (*f, c.table.clone(), c.name.clone()))
+                .collect();
+            for (family, table, chain) in chains {
+                seq = seq.wrapping_add(1);
+                let req = nft_table::chain_rules_request(family, &table, &chain, seq);
+                let before = d.rules.len();
+                dump(&sock, &req, &mut buf, &mut d)?;
+                // A kernel that ignored the filter answered with other chains' rules too:
+                // the whole dump instead.
+                if d.rules[before..]
+                    .iter()
+                    .any(|(f, r)| *f != family || r.table != table || r.chain != chain)
+                {
+                    tracing::debug!("nf_tables dump by chain not filtered: one dump instead");
+                    d.rules.clear();
+                    whole = true;
+                    break;
+                }
+                if d.again {
+                    break;
                 }
             }
         }
-        if !again {
-            return Ok(nft_table::assemble(tables, chains, rules));
+        if whole && !d.again {
+            seq = seq.wrapping_add(1);
+            let req = nft_table::dump_request(nft_table::NFT_MSG_GETRULE, seq);
+            dump(&sock, &req, &mut buf, &mut d)?;
+        }
+        if !d.again {
+            return Ok(nft_table::assemble(d.tables, d.chains, d.rules));
         }
     }
     Err("the ruleset kept changing while it was read".into())
+}
+
+/// Namespaces with more chains than this have their rules dumped chain by chain (see
+/// [`read_nft`]): a round trip per chain costs more than one dump of a small ruleset.
+const PER_CHAIN_FROM: usize = 1000;
+
+/// What the dumps of one read gave.
+#[derive(Default)]
+struct Dumped {
+    tables: Vec<(u8, String)>,
+    chains: Vec<(u8, nft_table::NftChain)>,
+    rules: Vec<(u8, nft_table::NftRule)>,
+    generation: Option<u16>,
+    /// A commit came between two messages: read again.
+    again: bool,
+}
+
+/// Sends one dump request and takes its answer into `d`.
+fn dump(
+    sock: &netlink_sys::Socket,
+    req: &[u8],
+    buf: &mut Vec<u8>,
+    d: &mut Dumped,
+) -> Result<(), String> {
+    sock.send(req, 0)
+        .map_err(|e| format!("cannot ask for the nf_tables dump: {e}"))?;
+    loop {
+        buf.clear();
+        sock.recv(buf, 0)
+            .map_err(|e| format!("cannot read the nf_tables dump: {e} (needs CAP_NET_ADMIN)"))?;
+        let msgs = nft_table::messages(buf).map_err(|e| match e {
+            nft_table::NftError::Kernel(_, errno) => format!(
+                "the kernel refused the nf_tables dump: {} (needs CAP_NET_ADMIN)",
+                std::io::Error::from_raw_os_error(errno)
+            ),
+            e => e.to_string(),
+        })?;
+        for m in msgs {
+            let Msg::Object {
+                msg: kind,
+                family,
+                generation: g,
+                interrupted,
+                attrs,
+            } = m
+            else {
+                if m == Msg::Done {
+                    return Ok(());
+                }
+                continue;
+            };
+            d.again |= interrupted || d.generation.is_some_and(|was| was != g);
+            d.generation = Some(g);
+            let e = |e: nft_table::NftError| e.to_string();
+            match kind {
+                nft_table::NFT_MSG_NEWTABLE => d
+                    .tables
+                    .push((family, nft_table::parse_table(attrs).map_err(e)?)),
+                nft_table::NFT_MSG_NEWCHAIN => d
+                    .chains
+                    .push((family, nft_table::parse_chain(attrs).map_err(e)?)),
+                nft_table::NFT_MSG_NEWRULE => {
+                    if d.rules.len() >= MAX_NFT_RULES {
+                        return Err(format!(
+                            "too large to diff: more than {MAX_NFT_RULES} rules"
+                        ));
+                    }
+                    d.rules
+                        .push((family, nft_table::parse_rule(family, attrs).map_err(e)?))
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) {
