@@ -685,13 +685,34 @@ fn scenario(b: Backend, prefix: &str) {
         unreachable,
         "{f}"
     );
+    // Said live as the window opened, at the veth's deletion, long before it closed.
+    let opens = of_netns(&trace.events, "stale_endpoint_open", netns);
+    assert_eq!(opens.len(), 1, "one opening:\n{dump}");
+    let o = &opens[0];
+    assert_eq!(
+        (&o["service"], &o["endpoint"], &o["gone"]),
+        (&f["service"], &f["endpoint"], &f["gone"]),
+        "{o}"
+    );
+    let at = u(&o["ts_ns"]);
+    assert!(
+        at + 100_000_000 >= del_start && at <= del_end + 100_000_000,
+        "opened at {at}, the veth deleted at {del_start}..{del_end}: {o}"
+    );
+    let pos = |e: &Value| trace.events.iter().position(|x| x == e);
+    assert!(pos(o) < pos(f), "the opening comes before the close");
     // The summary has it.
     let sum = &trace.summary()["services"];
     assert!(u(&sum["stale_windows"]) >= 1, "{sum}");
 
     // `record` + `report` say the same.
-    let replayed = mine(&xtlock_tests::report_events(&capture));
-    assert_eq!(replayed, live, "report differs from trace");
+    let report = xtlock_tests::report_events(&capture);
+    assert_eq!(mine(&report), live, "report differs from trace");
+    assert_eq!(
+        of_netns(&report, "stale_endpoint_open", netns),
+        opens,
+        "report's opening differs from trace's"
+    );
     let text = Command::new(xtlock_bin())
         .args(["report", "--events"])
         .arg(&capture)

@@ -54,6 +54,8 @@ pub enum Output {
     HoldRefusals(HoldRefusalsFact),
     /// One refusal sampled in the kernel, with the refused connection.
     Refusal(RefusalFact),
+    /// A Service routes to an endpoint already gone from the node: said as the window opens.
+    StaleEndpointOpen(StaleEndpointOpenFact),
     /// A Service kept routing to an endpoint after it was gone from the node.
     StaleEndpoint(StaleEndpointFact),
     /// A Service first routed to an endpoint whose address came up on the node meanwhile.
@@ -85,6 +87,7 @@ impl Output {
             Output::RefusalCount(r) => r.ts_ns,
             Output::HoldRefusals(h) => h.start_ns,
             Output::Refusal(r) => r.ts_ns,
+            Output::StaleEndpointOpen(s) => s.ts_ns,
             Output::StaleEndpoint(s) => s.ts_ns,
             Output::EndpointProgrammed(p) => p.ts_ns,
         }
@@ -1097,6 +1100,27 @@ pub struct StaleEndpointFact {
     /// conntrack keeps steering to the dead endpoint whatever the rules say (UDP above all).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conntrack: Option<StaleConntrack>,
+}
+
+/// A Service routes to an endpoint already gone from this node, said as soon as xtlock knows
+/// (the address gone while a Service routed to it, or a read that routes to an address gone
+/// before): `{"type":"stale_endpoint_open",...}`. The `stale_endpoint` fact of the same
+/// service and endpoint closes it, with how long it lasted and what clients got.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct StaleEndpointOpenFact {
+    /// When xtlock knew: the address's disappearance, or the read that routes to it.
+    pub ts_ns: u64,
+    /// When the endpoint was gone.
+    pub gone_ns: u64,
+    /// The network namespace whose rules route to it.
+    pub netns: u32,
+    pub service: String,
+    /// `ip:port`.
+    pub endpoint: String,
+    /// Why it is gone, as in `stale_endpoint`.
+    pub gone: &'static str,
+    /// The link it lived behind.
+    pub link: String,
 }
 
 /// A Service first routed to an endpoint whose address came up on this node while xtlock

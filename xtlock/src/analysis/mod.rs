@@ -28,8 +28,8 @@ pub use facts::{
     EndpointProgrammedFact, ExecFact, ExitFact, FailedTryFact, ForeignChange, HoldDropsFact,
     HoldFact, HoldRef, HoldRefusalsFact, HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact,
     MixedBackendsFact, Output, PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup,
-    RefusalKind, Restored, RuleChangeFact, RuleWriteFact, StaleEndpointFact, StallFact, TableTouch,
-    TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    RefusalKind, Restored, RuleChangeFact, RuleWriteFact, StaleEndpointFact, StaleEndpointOpenFact,
+    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;

@@ -29,7 +29,10 @@ use std::net::{IpAddr, SocketAddr};
 
 use serde::Serialize;
 
-use super::facts::{EndpointProgrammedFact, Output, StaleConntrack, StaleEndpointFact, StaleFix};
+use super::facts::{
+    EndpointProgrammedFact, Output, StaleConntrack, StaleEndpointFact, StaleEndpointOpenFact,
+    StaleFix,
+};
 use super::procs::FastMap;
 use crate::event::{AddrPresence, AddrWhy, ChainState, CtEntries, Rule, RuleTable};
 use crate::shared::SharedStr;
@@ -304,7 +307,7 @@ impl ServiceTracker {
         let mut programmed: Vec<IpAddr> = Vec::new();
         for (service, ep) in added {
             if let Some((since, why, link)) = self.gone.get(&ep.ip()).cloned() {
-                self.open(t.netns, service, ep, since, why, link);
+                self.open(t.ts_ns, t.netns, service, ep, since, why, link, out);
                 continue;
             }
             let Some((up_ns, how, link)) = self.up.get(&ep.ip()).cloned() else {
@@ -417,14 +420,19 @@ impl ServiceTracker {
         }
     }
 
+    /// Opens the window of `service` routing to `endpoint`, gone since `since_ns`, and says
+    /// so (at `ts_ns`, when this was learned).
+    #[allow(clippy::too_many_arguments)]
     fn open(
         &mut self,
+        ts_ns: u64,
         netns: u32,
         service: String,
         endpoint: SocketAddr,
         since_ns: u64,
         why: AddrWhy,
         link: String,
+        out: &mut impl FnMut(Output),
     ) {
         if self
             .windows
@@ -437,6 +445,15 @@ impl ServiceTracker {
             self.summary.over_bound += 1;
             return;
         }
+        out(Output::StaleEndpointOpen(StaleEndpointOpenFact {
+            ts_ns: ts_ns.max(since_ns),
+            gone_ns: since_ns,
+            netns,
+            service: service.clone(),
+            endpoint: endpoint.to_string(),
+            gone: why.as_str(),
+            link: link.clone(),
+        }));
         self.windows.push(Window {
             netns,
             service,
@@ -500,7 +517,16 @@ impl ServiceTracker {
             })
             .collect();
         for (netns, (service, ep)) in hits {
-            self.open(netns, service, ep, a.ts_ns, a.why, a.link.clone());
+            self.open(
+                a.ts_ns,
+                netns,
+                service,
+                ep,
+                a.ts_ns,
+                a.why,
+                a.link.clone(),
+                out,
+            );
         }
     }
 

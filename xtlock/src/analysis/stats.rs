@@ -400,7 +400,9 @@ impl Stats {
             // Counted by the refusal tracker.
             Output::RefusalCount(_) | Output::HoldRefusals(_) | Output::Refusal(_) => {}
             // Counted by the service tracker.
-            Output::StaleEndpoint(_) | Output::EndpointProgrammed(_) => {}
+            Output::StaleEndpointOpen(_)
+            | Output::StaleEndpoint(_)
+            | Output::EndpointProgrammed(_) => {}
         }
     }
 

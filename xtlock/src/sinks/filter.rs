@@ -225,6 +225,8 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
         }),
         Output::RefusalCount(r) => v.extend(r.hold.iter().map(hold_ref)),
         Output::Refusal(r) => v.extend(r.hold.iter().map(hold_ref)),
+        // No write yet: nobody's.
+        Output::StaleEndpointOpen(_) => {}
         // Through the agent whose write fixed it (or nobody: still routed).
         Output::StaleEndpoint(f) => v.extend(f.fix.as_ref().and_then(writer)),
         // Through the agent whose write first routed to it.

@@ -320,6 +320,8 @@ pub struct Metrics {
     pub stale_connections: Family<StaleConnectionLabels, Counter>,
     /// Endpoints still routed to while gone, at the last report (the end of tracing).
     pub stale_still_routed: Counter,
+    /// (Service port, endpoint) pairs routed to an endpoint gone from the node, now.
+    pub stale_routed_now: Gauge,
     pub stale_flows: Family<StaleFlowLabels, Counter>,
     /// New endpoints: from their address up to the first write routing to them.
     pub endpoint_programming: Hist<ProgrammedLabels>,
@@ -525,6 +527,14 @@ impl Metrics {
              (tracing ended, or the address came back)",
             stale_still_routed.clone(),
         );
+        let stale_routed_now = Gauge::default();
+        r.register(
+            "stale_endpoints_routed",
+            "Service ports routing to an endpoint gone from the node now, one per (Service \
+             port, endpoint): up as xtlock sees the endpoint gone while routed, down when a \
+             rule write stops routing to it",
+            stale_routed_now.clone(),
+        );
         let endpoint_programming: Hist<ProgrammedLabels> = hist();
         r.register_with_unit(
             "endpoint_programming",
@@ -660,6 +670,7 @@ impl Metrics {
             stale_endpoint,
             stale_connections,
             stale_still_routed,
+            stale_routed_now,
             stale_flows,
             endpoint_programming,
             conntrack,
@@ -1032,7 +1043,12 @@ impl Sink for MetricsSink {
                     })
                     .observe(f.latency_ns as f64 / 1e9);
             }
+            Output::StaleEndpointOpen(_) => {
+                self.m.stale_routed_now.inc();
+            }
             Output::StaleEndpoint(f) => {
+                // Every closed window was said open first.
+                self.m.stale_routed_now.dec();
                 let agent = self.writer(f.fix.as_ref());
                 let l = StaleLabels {
                     agent,

@@ -23,7 +23,9 @@ use serde_json::{json, Value};
 
 use super::Sink;
 use crate::analysis::procs::FastMap;
-use crate::analysis::{HoldFact, Output, StaleEndpointFact, Summary, WaitFact};
+use crate::analysis::{
+    HoldFact, Output, StaleEndpointFact, StaleEndpointOpenFact, Summary, WaitFact,
+};
 
 /// `tid` bit for a process's wait track.
 const WAIT_TRACK: u64 = 1 << 31;
@@ -263,14 +265,28 @@ impl<W: Write> PerfettoSink<W> {
 
     /// A Service routed to a gone endpoint: a slice from when it was gone to the fix (or the
     /// end), on a track per (Service, endpoint) in the `stale endpoints` group.
-    fn stale_endpoint(&mut self, f: &StaleEndpointFact) -> io::Result<()> {
+    /// The track of a (service, endpoint) window: a stable id from its key (FNV-1a), clear
+    /// of the pid-numbered tracks, in the "stale endpoints" group.
+    fn stale_track(&mut self, service: &str, endpoint: &str) -> io::Result<(u64, u64)> {
         let pid = self.group("stale endpoints")?;
-        let key = format!("{} -> {}", f.service, f.endpoint);
-        // A stable track per window's key (FNV-1a), clear of the pid-numbered tracks.
+        let key = format!("{service} -> {endpoint}");
         let tid = key.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         }) | (1 << 62);
         self.name_track(pid, tid, || key.clone())?;
+        Ok((pid, tid))
+    }
+
+    fn stale_endpoint_open(&mut self, f: &StaleEndpointOpenFact) -> io::Result<()> {
+        let (pid, tid) = self.stale_track(&f.service, &f.endpoint)?;
+        let args = serde_json::to_value(f).unwrap_or(Value::Null);
+        self.write(&json!({"ph": "i", "s": "t", "cat": "stale_endpoint_open",
+                           "name": super::terminal::stale_endpoint_open_text(f),
+                           "pid": pid, "tid": tid, "ts": us(f.ts_ns), "args": args}))
+    }
+
+    fn stale_endpoint(&mut self, f: &StaleEndpointFact) -> io::Result<()> {
+        let (pid, tid) = self.stale_track(&f.service, &f.endpoint)?;
         let name = format!(
             "{} routed to {} after it was gone ({})",
             f.service, f.endpoint, f.gone
@@ -440,6 +456,9 @@ impl<W: Write> Sink for PerfettoSink<W> {
                     serde_json::to_value(c).unwrap_or(Value::Null),
                 ),
             Output::StaleEndpoint(f) => self.stale_endpoint(f),
+            // The window's slice comes when it closes; its opening is an instant on the same
+            // track.
+            Output::StaleEndpointOpen(f) => self.stale_endpoint_open(f),
             // At the write that first routed to it, on its writer's track.
             Output::EndpointProgrammed(f) => self.instant(
                 f.ts_ns.saturating_add(f.latency_ns),

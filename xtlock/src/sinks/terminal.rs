@@ -13,7 +13,7 @@ use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
 pub(crate) use lines::{
     endpoint_programmed_text, hold_drops_text, hold_refusals_text, ipvs_text, mixed_backends_text,
-    refusal_text, rule_change_lines,
+    refusal_text, rule_change_lines, stale_endpoint_open_text,
 };
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
@@ -329,6 +329,7 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::Refusal(r) => self.opts.show_drop_samples.then(|| refusal_text(r)),
                 // Said whatever the hold's length: a refused client is never noise.
                 Output::HoldRefusals(h) => Some(hold_refusals_text(h)),
+                Output::StaleEndpointOpen(f) => Some(stale_endpoint_open_text(f)),
                 Output::StaleEndpoint(f) => Some(stale_endpoint_text(f)),
                 Output::EndpointProgrammed(f) => Some(endpoint_programmed_text(f)),
             };

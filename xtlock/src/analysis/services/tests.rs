@@ -177,7 +177,11 @@ fn a_gone_endpoint_is_stale_until_the_write_that_removes_it() {
         // Refused after the fix: connections DNATed before it, failing late.
         t.observe(&refused(13 * S, "10.244.1.5:8080", 2));
         t.tick(15 * S, &mut |o| v.push(o));
-        assert!(v.is_empty(), "reported before the grace: {v:?}");
+        // Said open at once; closed only after the grace.
+        assert!(
+            v.iter().all(|o| matches!(o, Output::StaleEndpointOpen(_))),
+            "reported before the grace: {v:?}"
+        );
         t.tick(17 * S, &mut |o| v.push(o));
     });
     assert_eq!(got.len(), 1, "{got:?}");
@@ -446,4 +450,66 @@ fn a_first_read_an_address_already_routed_or_gone_make_no_latency() {
     t.tick(8 * S + UP_WAIT_NS + 2 * S, &mut |o| v.push(o));
     assert!(t.up.is_empty(), "{:?}", t.up);
     assert!(programmed(v).is_empty());
+}
+
+/// The opening facts of `v`, in order.
+fn opened(v: &[Output]) -> Vec<&StaleEndpointOpenFact> {
+    v.iter()
+        .filter_map(|o| match o {
+            Output::StaleEndpointOpen(f) => Some(f),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_window_is_said_when_it_opens_before_it_closes() {
+    let mut t = ServiceTracker::default();
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    let mut v = Vec::new();
+    // Gone while routed: said at once, at the disappearance.
+    t.on_addr(&gone(10 * S, "10.244.1.5"), &mut |o| v.push(o));
+    let o = opened(&v);
+    assert_eq!(o.len(), 1, "{v:?}");
+    assert_eq!(
+        (
+            o[0].ts_ns,
+            o[0].gone_ns,
+            o[0].service.as_str(),
+            o[0].endpoint.as_str()
+        ),
+        (10 * S, 10 * S, "default/web:http", "10.244.1.5:8080")
+    );
+    assert_eq!(v.len(), 1, "nothing else yet: {v:?}");
+    // A second disappearance of the same address opens nothing new.
+    t.on_addr(&gone(10 * S + 1, "10.244.1.5"), &mut |o| v.push(o));
+    assert_eq!(opened(&v).len(), 1, "{v:?}");
+    // Fixed, then closed after the grace: the close comes after the opening.
+    t.observe(&write(11 * S, 77, "kube-proxy"));
+    t.on_table(&nat(11 * S + 1, 77, &two[1..]), &mut |o| v.push(o));
+    t.tick(17 * S, &mut |o| v.push(o));
+    let kinds: Vec<&str> = v
+        .iter()
+        .map(|o| match o {
+            Output::StaleEndpointOpen(_) => "open",
+            Output::StaleEndpoint(_) => "close",
+            _ => "other",
+        })
+        .collect();
+    assert_eq!(kinds, ["open", "close"]);
+    // A read that routes to an address gone before: said at the read, with how long ago.
+    let mut w = Vec::new();
+    t.on_addr(&gone(20 * S, "10.244.1.9"), &mut |o| w.push(o));
+    assert!(opened(&w).is_empty(), "routed by nothing yet: {w:?}");
+    t.on_table(
+        &nat(22 * S, 78, &[("KUBE-SEP-C", "10.244.1.9:8080")]),
+        &mut |o| w.push(o),
+    );
+    let o = opened(&w);
+    assert_eq!(o.len(), 1, "{w:?}");
+    assert_eq!((o[0].ts_ns, o[0].gone_ns), (22 * S, 20 * S));
 }

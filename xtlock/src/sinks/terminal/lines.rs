@@ -4,7 +4,9 @@ use std::fmt::Write as _;
 
 use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
-use crate::analysis::facts::{EndpointProgrammedFact, StaleEndpointFact, StaleFix};
+use crate::analysis::facts::{
+    EndpointProgrammedFact, StaleEndpointFact, StaleEndpointOpenFact, StaleFix,
+};
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
     HoldDropsFact, HoldFact, HoldRefusalsFact, HolderRef, IpvsFact, RefusalCountFact, RefusalFact,
@@ -918,6 +920,26 @@ pub(crate) fn endpoint_programmed_text(f: &EndpointProgrammedFact) -> String {
     } else {
         let _ = write!(s, ", by {}", writer_text(&f.write));
     }
+    s
+}
+
+/// "!! default/web:http routes to 10.244.1.7:8080, gone from the node (link deleted:
+/// veth1a2b): its clients fail until a rule write stops routing there" (with "for 2.10 s
+/// already" when a read found the route after the endpoint was gone).
+pub(crate) fn stale_endpoint_open_text(f: &StaleEndpointOpenFact) -> String {
+    let mut s = format!(
+        "!! {} routes to {}, gone from the node ({}{}{})",
+        f.service,
+        f.endpoint,
+        f.gone,
+        if f.link.is_empty() { "" } else { ": " },
+        f.link
+    );
+    let already = f.ts_ns.saturating_sub(f.gone_ns);
+    if already > 0 {
+        let _ = write!(s, " for {} already", human_ns(already));
+    }
+    s.push_str(": its clients fail until a rule write stops routing there");
     s
 }
 

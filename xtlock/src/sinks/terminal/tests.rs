@@ -531,3 +531,24 @@ fn stale_endpoint_line_says_unanswered_and_conntrack_flows() {
     f.conntrack = None;
     assert!(stale_endpoint_text(&f).contains(": 10 connections unanswered (unanswered 10);"));
 }
+
+#[test]
+fn an_open_stale_window_says_what_clients_get_now() {
+    let mut f = crate::analysis::StaleEndpointOpenFact {
+        ts_ns: 5_000_000_000,
+        gone_ns: 5_000_000_000,
+        netns: 4026531840,
+        service: "default/web:http".into(),
+        endpoint: "10.244.1.7:8080".into(),
+        gone: "link deleted",
+        link: "veth1a2b".into(),
+    };
+    assert_eq!(
+        stale_endpoint_open_text(&f),
+        "!! default/web:http routes to 10.244.1.7:8080, gone from the node (link deleted: \
+         veth1a2b): its clients fail until a rule write stops routing there"
+    );
+    // Found by a read after the endpoint was gone.
+    f.ts_ns += 2_100_000_000;
+    assert!(stale_endpoint_open_text(&f).contains("(link deleted: veth1a2b) for 2.10 s already:"));
+}
