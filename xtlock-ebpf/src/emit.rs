@@ -116,12 +116,18 @@ pub fn inflight_add(tid: u32, delta: i64) {
         // SAFETY: an entry of the array, valid for the program's run; the add is atomic, as
         // two CPUs may count in one slot at once. Its result unused: a plain atomic add,
         // which every kernel's verifier takes (fetching needs Linux 5.12).
+        #[cfg(target_arch = "bpf")]
         unsafe {
             core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(
                 p,
                 delta as u64,
             )
         };
+        // A host build (type checks only; never loaded): the same add, atomically.
+        #[cfg(not(target_arch = "bpf"))]
+        // SAFETY: as above.
+        unsafe { core::sync::atomic::AtomicU64::from_ptr(p) }
+            .fetch_add(delta as u64, core::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -2,9 +2,10 @@
 //! `probes/<hook>.rs`. Event layouts come from `xtlock-common`.
 #![no_std]
 #![no_main]
-// BPF's atomic add (see `emit::inflight_add`).
-#![feature(core_intrinsics)]
-#![allow(internal_features)]
+// BPF's atomic add (see `emit::inflight_add`); a host build of this crate (`cargo test
+// --workspace` on stable) has no use for it.
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 use aya_ebpf::{
     macros::map,
