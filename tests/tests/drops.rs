@@ -155,7 +155,9 @@ fn conntrack_table_full_matches_conntrack_stats() {
     NetnsPair::conntrack_on(&ns.b);
     let b_path = NetnsPair::path(&ns.b);
     let before = conntrack_stat(&ns.b, "drop");
-    let dmesg_before = xtlock_tests::sh("dmesg", &[]).lines().count();
+    // The kernel log's newest time: the ring holds a fixed number of bytes, so on a node up
+    // for long its line count stops growing, and the lines after the start are told by time.
+    let dmesg_before = dmesg_time(xtlock_tests::sh("dmesg", &[]).lines().last().unwrap_or(""));
     let tracer = Tracer::start(
         &[&lock],
         Duration::from_secs(5),
@@ -210,7 +212,7 @@ fn conntrack_table_full_matches_conntrack_stats() {
     assert!(
         dmesg
             .lines()
-            .skip(dmesg_before)
+            .filter(|l| dmesg_time(l) > dmesg_before)
             .any(|l| l.contains("nf_conntrack: table full")),
         "no `table full` message from the kernel"
     );
@@ -484,4 +486,16 @@ fn unknown_reason_is_a_clear_error() {
         err.contains("/run/netns/xtlock-no-such-ns") && err.contains("/run/netns/NAME"),
         "{err}"
     );
+}
+
+/// The time of a `dmesg` line (`[49533.732164] ...`), in microseconds; 0 when it has none.
+fn dmesg_time(line: &str) -> u64 {
+    line.trim_start()
+        .strip_prefix('[')
+        .and_then(|r| r.split_once(']'))
+        .and_then(|(t, _)| {
+            let (s, us) = t.trim().split_once('.')?;
+            Some(s.parse::<u64>().ok()? * 1_000_000 + us.parse::<u64>().ok()?)
+        })
+        .unwrap_or(0)
 }
