@@ -129,29 +129,6 @@ pub fn icmp_send_btf(ctx: BtfTracePointContext) -> u32 {
     0
 }
 
-/// Destination address and port of the IPv4 packet whose header is at `ip`: one read of
-/// the header and the ports when the header has no options (a SYN's), else two.
-#[inline(always)]
-fn dest_at(ip: u64, key: &mut RefusalKey) -> Option<()> {
-    let b: [u8; 24] = kread(ip, 0)?;
-    if b[0] >> 4 != 4 {
-        return None;
-    }
-    key.family = DROP_FAMILY_INET;
-    key.addr[..4].copy_from_slice(&b[16..20]);
-    let frag_off = u16::from_be_bytes([b[6], b[7]]) & 0x1fff;
-    if frag_off != 0 || (b[9] != IPPROTO_TCP && b[9] != IPPROTO_UDP) {
-        return Some(());
-    }
-    let ihl = u64::from(b[0] & 0x0f) * 4;
-    key.port = if ihl == 20 {
-        u16::from_be_bytes([b[22], b[23]])
-    } else {
-        kread::<[u8; 4]>(ip + ihl, 0).map_or(0, |p| u16::from_be_bytes([p[2], p[3]]))
-    };
-    Some(())
-}
-
 /// The fallback of `icmp_send` where the tracepoint does not exist (5.10, for one; Debian's
 /// 6.1 has it): `__icmp_send(struct sk_buff *skb_in, int type, int code, ...)` at
 /// its entry, the prototype checked against BTF by userspace. At the entry, so a message
@@ -242,13 +219,24 @@ fn read_end(ctx: &TracePointContext, a: &TpAddr, key: &mut RefusalKey) {
 /// Destination address and port of the IPv4 packet `skb` (what the client asked for).
 #[inline(always)]
 fn read_dest(skb: u64, key: &mut RefusalKey) -> Option<()> {
-    let (hdr, ports) = ipv4(skb)?;
+    set_dest(key, ipv4(skb)?);
+    Some(())
+}
+
+/// [`read_dest`] of the IPv4 header at `ip`.
+#[inline(always)]
+fn dest_at(ip: u64, key: &mut RefusalKey) -> Option<()> {
+    set_dest(key, ipv4_at(ip)?);
+    Some(())
+}
+
+#[inline(always)]
+fn set_dest(key: &mut RefusalKey, (hdr, ports): ([u8; 20], Option<(u16, u16)>)) {
     key.family = DROP_FAMILY_INET;
     key.addr[..4].copy_from_slice(&hdr[16..20]);
     if let Some((_, dport)) = ports {
         key.port = dport;
     }
-    Some(())
 }
 
 /// The IPv4 header of the packet `skb`, and its TCP/UDP ports (first fragment only); `None`
@@ -260,14 +248,28 @@ fn ipv4(skb: u64) -> Option<([u8; 20], Option<(u16, u16)>)> {
     if head == 0 || nh == HEADER_UNSET {
         return None;
     }
-    let ip = head + u64::from(nh);
-    let hdr: [u8; 20] = kread(ip, 0)?;
-    if hdr[0] >> 4 != 4 {
+    ipv4_at(head + u64::from(nh))
+}
+
+/// [`ipv4`] of the header at `ip`: one read of the header and the ports when the header has
+/// no options (a SYN's), else a second one for the ports.
+#[inline(always)]
+fn ipv4_at(ip: u64) -> Option<([u8; 20], Option<(u16, u16)>)> {
+    let b: [u8; 24] = kread(ip, 0)?;
+    if b[0] >> 4 != 4 {
         return None;
     }
-    let frag_off = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
-    let ports = if frag_off == 0 && (hdr[9] == IPPROTO_TCP || hdr[9] == IPPROTO_UDP) {
-        kread::<[u8; 4]>(ip + u64::from(hdr[0] & 0x0f) * 4, 0).map(|p| {
+    let mut hdr = [0u8; 20];
+    hdr.copy_from_slice(&b[..20]);
+    let frag_off = u16::from_be_bytes([b[6], b[7]]) & 0x1fff;
+    let ports = if frag_off == 0 && (b[9] == IPPROTO_TCP || b[9] == IPPROTO_UDP) {
+        let ihl = u64::from(b[0] & 0x0f) * 4;
+        let p = if ihl == 20 {
+            Some([b[20], b[21], b[22], b[23]])
+        } else {
+            kread::<[u8; 4]>(ip + ihl, 0)
+        };
+        p.map(|p| {
             (
                 u16::from_be_bytes([p[0], p[1]]),
                 u16::from_be_bytes([p[2], p[3]]),

@@ -605,21 +605,18 @@ fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
         }
         let mut whole = d.chains.len() <= PER_CHAIN_FROM;
         if !whole {
-            let chains: Vec<(u8, String, String)> = d
-                .chains
-                .iter()
-                .map(|(f, c)| (*f, c.table.clone(), c.name.clone()))
-                .collect();
-            for (family, table, chain) in chains {
+            // Rule dumps add no chains: the list is lent out while they fill `d`.
+            let chains = std::mem::take(&mut d.chains);
+            for (family, c) in &chains {
                 seq = seq.wrapping_add(1);
-                let req = nft_table::chain_rules_request(family, &table, &chain, seq);
+                let req = nft_table::chain_rules_request(*family, &c.table, &c.name, seq);
                 let before = d.rules.len();
                 dump(&sock, &req, &mut buf, &mut d)?;
                 // A kernel that ignored the filter answered with other chains' rules too:
                 // the whole dump instead.
                 if d.rules[before..]
                     .iter()
-                    .any(|(f, r)| *f != family || r.table != table || r.chain != chain)
+                    .any(|(f, r)| f != family || r.table != c.table || r.chain != c.name)
                 {
                     tracing::debug!("nf_tables dump by chain not filtered: one dump instead");
                     d.rules.clear();
@@ -630,6 +627,7 @@ fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
                     break;
                 }
             }
+            d.chains = chains;
         }
         if whole && !d.again {
             seq = seq.wrapping_add(1);
