@@ -159,6 +159,9 @@ pub struct VmArgs {
     /// Test-name filters per test binary (`ARM64_MATRIX`), after `test_args`.
     #[arg(skip)]
     pub test_filters: Vec<(String, Vec<String>)>,
+    /// Builds say only warnings and errors (`cargo --quiet`).
+    #[arg(skip)]
+    pub quiet_build: bool,
     /// Passed to every test binary, e.g. `-- calico --nocapture`.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     pub test_args: Vec<String>,
@@ -308,7 +311,7 @@ pub fn run(args: &VmArgs) -> Result<()> {
     let arm64_matrix = args.matrix
         && args.arch.as_deref().and_then(|a| a.parse::<Arch>().ok()) == Some(Arch::Arm64);
     let result = if args.ci {
-        let (amd64, arm64) = run_ci(ci_jobs());
+        let (amd64, arm64) = run_ci(ci_jobs(), None);
         match (amd64, arm64) {
             (Ok(a), Ok(b)) => Ok(format!("{a}; {b}")),
             (a, b) => Err(anyhow::anyhow!(
@@ -377,7 +380,7 @@ pub fn ci_jobs() -> usize {
 /// cross-built (a fresh clone builds them from nothing: timed). docs/kernels.md is written from every
 /// result when the x86-64 matrix left all of its results. Returns the x86-64 and arm64
 /// summaries.
-pub fn run_ci(jobs: usize) -> (Result<String>, Result<String>) {
+pub fn run_ci(jobs: usize, arm64: Option<Arm64Plans>) -> (Result<String>, Result<String>) {
     let start = Instant::now();
     let x86 = match plan_args(&matrix_args()) {
         Ok(p) => Arc::new(p),
@@ -390,23 +393,15 @@ pub fn run_ci(jobs: usize) -> (Result<String>, Result<String>) {
     };
     let pool = Pool::default();
     pool.push(&x86, 0, false);
-    let arm64: Mutex<Vec<(usize, Result<Arc<Plan>>)>> = Mutex::new(Vec::new());
-    let plan_arm64 = || {
-        for (n, (series, tests)) in ARM64_MATRIX.iter().enumerate() {
-            let id = n + 1;
-            let plan = plan_args(&arm64_args(series, tests)).map(Arc::new);
-            if let Ok(p) = &plan {
-                pool.push(p, id, true);
-            }
-            arm64
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((id, plan));
-        }
-    };
     // Before any guest: a cross-build alongside a guest slowed it enough to fail 3 timed
     // tests of lock_trace on 5.10 (guests are fine two at a time, a compiler is not).
-    plan_arm64();
+    // `cargo xtask test` builds them earlier, beside the host's tests (see plan_arm64_ci).
+    let arm64 = arm64.unwrap_or_else(|| plan_arm64_ci(false));
+    for (id, plan) in &arm64 {
+        if let Ok(p) = plan {
+            pool.push(p, *id, true);
+        }
+    }
     std::thread::scope(|scope| {
         for _ in 0..jobs {
             scope.spawn(|| pool.work());
@@ -421,7 +416,7 @@ pub fn run_ci(jobs: usize) -> (Result<String>, Result<String>) {
     let amd64 = finish(&x86, pool.reports_of(0));
     let mut lines = Vec::new();
     let mut failures = Vec::new();
-    for (id, plan) in arm64.into_inner().unwrap_or_else(|e| e.into_inner()) {
+    for (id, plan) in arm64 {
         match plan.and_then(|p| finish(&p, pool.reports_of(id))) {
             Ok(l) => lines.push(l),
             Err(e) => failures.push(format!("{e:#}")),
@@ -437,6 +432,24 @@ pub fn run_ci(jobs: usize) -> (Result<String>, Result<String>) {
         Err(anyhow::anyhow!("{}", failures.join("\n")))
     };
     (amd64, arm)
+}
+
+/// The planned arm64 guests of CI, by queue id (1, 2, ...), or why one could not be planned.
+pub type Arm64Plans = Vec<(usize, Result<Arc<Plan>>)>;
+
+/// Plans CI's arm64 guests: cross-builds their binaries, fetches their kernels, makes their
+/// initramfs. `quiet`: cargo says only warnings and errors (built beside the host's tests,
+/// whose output it would interleave).
+pub fn plan_arm64_ci(quiet: bool) -> Arm64Plans {
+    ARM64_MATRIX
+        .iter()
+        .enumerate()
+        .map(|(n, (series, tests))| {
+            let mut args = arm64_args(series, tests);
+            args.quiet_build = quiet;
+            (n + 1, plan_args(&args).map(Arc::new))
+        })
+        .collect()
 }
 
 /// docs/kernels.md from every result there is, the arm64 columns included, when the x86-64
@@ -531,7 +544,7 @@ struct Planned {
 }
 
 /// The VMs of one run, planned (binaries built) and not yet started.
-struct Plan {
+pub struct Plan {
     arch: Arch,
     root: PathBuf,
     base_results: PathBuf,
@@ -633,7 +646,7 @@ fn plan_args(args: &VmArgs) -> Result<Plan> {
     }
     if !args.no_build {
         let t = Instant::now();
-        build(&root, &target, arch)?;
+        build(&root, &target, arch, args.quiet_build)?;
         if arch != Arch::host() {
             println!(
                 "vm-test: binaries cross-built for {arch} in {:.1}s",
@@ -645,7 +658,7 @@ fn plan_args(args: &VmArgs) -> Result<Plan> {
         Vec::new()
     } else {
         let t = Instant::now();
-        let b = test_binaries(&root, &target, &tests, arch)?;
+        let b = test_binaries(&root, &target, &tests, arch, args.quiet_build)?;
         if arch != Arch::host() && !args.no_build {
             println!(
                 "vm-test: test binaries cross-built for {arch} in {:.1}s",
@@ -1077,10 +1090,13 @@ fn selection(arch: Arch) -> &'static [&'static str] {
     }
 }
 
-fn build(root: &Path, target: &Path, arch: Arch) -> Result<()> {
+fn build(root: &Path, target: &Path, arch: Arch, quiet: bool) -> Result<()> {
     arch.check_cross()?;
     let mut cmd = cargo(root, target);
     cmd.arg("build").args(selection(arch)).arg("--bins");
+    if quiet {
+        cmd.arg("--quiet");
+    }
     cross_args(&mut cmd, arch);
     sh::run(&mut cmd)
 }
@@ -1104,10 +1120,14 @@ fn test_binaries(
     target: &Path,
     names: &[String],
     arch: Arch,
+    quiet: bool,
 ) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = cargo(root, target);
     cmd.args(["test", "--no-run", "--message-format=json"])
         .args(selection(arch));
+    if quiet {
+        cmd.arg("--quiet");
+    }
     cross_args(&mut cmd, arch);
     cmd.args(names.iter().flat_map(|n| ["--test", n.as_str()]))
         .stdin(Stdio::null())
