@@ -662,3 +662,123 @@ fn ipvs_hooks_attach_when_the_module_loads() {
     assert_eq!(sched[0]["backend"], backend.as_str());
     assert_eq!(counted(&t, &backend, &["ok"]), 20);
 }
+
+/// kube-proxy's ipvs mode, a pod gone while its real server keeps weight 1: xtlock reads the
+/// IPVS table over netlink (no hook needed) in the node's namespace, where the pod's veth
+/// vanishes, and says the window from the veth's deletion to the weight 0 that ended it (the
+/// graceful termination kube-proxy does), with ipvsadm named where the IPVS hooks attach.
+/// The script's clock is the truth: within 100 ms with the hooks, else within the read period
+/// (the fix is then the first read without the route).
+#[test]
+fn a_real_server_whose_pod_is_gone_is_said() {
+    if !require_bpf("a_real_server_whose_pod_is_gone_is_said") {
+        return;
+    }
+    let _g = serial();
+    if !Path::new("/sys/module/ip_vs").exists() && !in_vm() {
+        skip_on_this_kernel(
+            "a_real_server_whose_pod_is_gone_is_said",
+            "IPVS (the ip_vs module; the VM runs it: `cargo xtask vm-test --test ipvs`)",
+        );
+        return;
+    }
+    let scratch = Scratch::new("ipvs-gone");
+    let lab = Lab::new(&scratch);
+    let client = scratch.agent("dnsclient");
+    let lock = scratch.lock_file("xtables.lock");
+    let capture = scratch.dir.join("gone.xtlock");
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{NODE}"))
+        .arg(xtlock_bin())
+        .args([
+            "trace",
+            "--json",
+            "--duration",
+            "120s",
+            "--no-drops",
+            "--lock-file",
+        ])
+        .arg(&lock)
+        .arg("--record")
+        .arg(&capture);
+    let tracer = Tracer::spawn(c);
+    // The node resolves both pods (its neighbour entries say where they live).
+    send(&client, 41001, 2, 50);
+    send(&client, 41002, 2, 50);
+    sleep(Duration::from_millis(1500));
+    let (dead, live) = (BACKENDS[0].1, BACKENDS[1].1);
+    let del_start = xtlock_tests::monotonic_ns();
+    ns(BACKENDS[0].0, "ip", &["link", "del", "xip1"]);
+    let del_end = xtlock_tests::monotonic_ns();
+    sleep(Duration::from_millis(1500));
+    let svc = format!("{VIP}:53");
+    let rs = format!("{dead}:53");
+    let fix_start = xtlock_tests::monotonic_ns();
+    ns(
+        NODE,
+        "ipvsadm",
+        &["-e", "-u", &svc, "-r", &rs, "-m", "-w", "0"],
+    );
+    let fix_end = xtlock_tests::monotonic_ns();
+    // Drained: removed 2 s later, as kube-proxy does once its connections are gone.
+    sleep(Duration::from_millis(2000));
+    ns(NODE, "ipvsadm", &["-d", "-u", &svc, "-r", &rs]);
+    let removed = xtlock_tests::monotonic_ns();
+    // The next read, then the report 5 s after the fix.
+    sleep(Duration::from_millis(5000));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    drop(lab);
+
+    let facts: Vec<&Value> = trace
+        .of_type("stale_endpoint")
+        .into_iter()
+        .filter(|f| f["service"] == format!("udp/{svc}"))
+        .collect();
+    assert_eq!(facts.len(), 1, "one window, of the gone pod only:\n{dump}");
+    let f = facts[0];
+    eprintln!("fact: {f}");
+    assert_eq!(f["endpoint"], rs, "{f}");
+    assert_ne!(f["endpoint"], format!("{live}:53"), "{f}");
+    assert_eq!(f["gone"], "link deleted", "{f}");
+    assert_eq!(f["still_routed"], false, "{f}");
+    let fix = &f["fix"];
+    let stale = f["stale_ns"].as_u64().expect("stale_ns");
+    // The fix at the hooks' exact time, else at the first read after it.
+    let late = if fix["exact"] == true {
+        assert_eq!(fix["agent"], "ipvsadm", "{f}");
+        0
+    } else {
+        1_100_000_000
+    };
+    let (lo, hi) = (fix_start - del_end, fix_end - del_start + late);
+    assert!(
+        stale + 100_000_000 >= lo && stale <= hi + 100_000_000,
+        "stale {stale} ns, truth between {lo} and {hi}: {f}"
+    );
+    // Its time at weight 0, from read to read (each up to a period late).
+    let drained = trace.of_type("ipvs_drained");
+    assert_eq!(drained.len(), 1, "{dump}");
+    let d = drained[0];
+    eprintln!("drained: {d}");
+    assert_eq!(
+        (&d["endpoint"], &d["removed"]),
+        (&rs.clone().into(), &true.into()),
+        "{d}"
+    );
+    assert_eq!(d["gone"], "link deleted", "{d}");
+    let took = d["drained_ns"].as_u64().expect("drained_ns");
+    let truth = removed - fix_end;
+    assert!(
+        took + 1_100_000_000 >= truth && took <= truth + 1_100_000_000,
+        "at weight 0 for {took} ns, truth {truth}: {d}"
+    );
+    // `record` + `report` say the same.
+    let report = xtlock_tests::report_events(&capture);
+    for kind in ["stale_endpoint", "ipvs_drained"] {
+        let live: Vec<&Value> = trace.of_type(kind);
+        let again: Vec<&Value> = report.iter().filter(|e| e["type"] == kind).collect();
+        assert_eq!(again, live, "report differs from trace: {kind}");
+    }
+}

@@ -1082,3 +1082,270 @@ fn programming_latency(b: Backend, prefix: &str) {
     );
     eprintln!("report: {}", l.unwrap_or_default());
 }
+
+/// A second node (a namespace routed from the first through a veth) and a pod on it behind
+/// its own bridge, as another node of the cluster with its bridge CNI: deleted on drop.
+struct OtherNode {
+    node: String,
+    pod: String,
+}
+
+const REMOTE: &str = "10.244.2.5";
+
+impl OtherNode {
+    fn new(prefix: &str, first: &Node) -> Self {
+        let o = OtherNode {
+            node: format!("{prefix}-n2"),
+            pod: format!("{prefix}-rp"),
+        };
+        o.delete();
+        let (n2, pod, n1) = (o.node.as_str(), o.pod.as_str(), first.node.as_str());
+        for ns in [n2, pod] {
+            sh("ip", &["netns", "add", ns]);
+            sh("ip", &["-n", ns, "link", "set", "lo", "up"]);
+        }
+        sh(
+            "ip",
+            &[
+                "-n", n1, "link", "add", "vn2", "type", "veth", "peer", "name", "eth0", "netns", n2,
+            ],
+        );
+        sh(
+            "ip",
+            &["-n", n1, "addr", "add", "10.198.0.1/24", "dev", "vn2"],
+        );
+        sh("ip", &["-n", n1, "link", "set", "vn2", "up"]);
+        sh(
+            "ip",
+            &[
+                "-n",
+                n1,
+                "route",
+                "add",
+                "10.244.2.0/24",
+                "via",
+                "10.198.0.2",
+            ],
+        );
+        sh(
+            "ip",
+            &["-n", n2, "addr", "add", "10.198.0.2/24", "dev", "eth0"],
+        );
+        sh("ip", &["-n", n2, "link", "set", "eth0", "up"]);
+        sh(
+            "ip",
+            &["-n", n2, "route", "add", "default", "via", "10.198.0.1"],
+        );
+        sh("ip", &["-n", n2, "link", "add", "br0", "type", "bridge"]);
+        sh(
+            "ip",
+            &["-n", n2, "addr", "add", "10.244.2.1/24", "dev", "br0"],
+        );
+        sh("ip", &["-n", n2, "link", "set", "br0", "up"]);
+        sh(
+            "ip",
+            &[
+                "-n", n2, "link", "add", "vethr", "type", "veth", "peer", "name", "eth0", "netns",
+                pod,
+            ],
+        );
+        sh(
+            "ip",
+            &["-n", n2, "link", "set", "vethr", "master", "br0", "up"],
+        );
+        sh(
+            "ip",
+            &[
+                "-n",
+                pod,
+                "addr",
+                "add",
+                &format!("{REMOTE}/24"),
+                "dev",
+                "eth0",
+            ],
+        );
+        sh("ip", &["-n", pod, "link", "set", "eth0", "up"]);
+        sh(
+            "ip",
+            &["-n", pod, "route", "add", "default", "via", "10.244.2.1"],
+        );
+        sh(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                n2,
+                "sysctl",
+                "-qw",
+                "net.ipv4.ip_forward=1",
+            ],
+        );
+        o
+    }
+
+    fn delete(&self) {
+        for ns in [&self.node, &self.pod] {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
+impl Drop for OtherNode {
+    fn drop(&mut self) {
+        self.delete();
+    }
+}
+
+/// A pod on another node dies (its CNI DEL there): nothing vanishes from this node, whose
+/// kube-proxy keeps routing the web Service to it until its restore a few seconds later. The
+/// connections DNATed to it go unanswered, which conntrack shows: the endpoint is said dead
+/// as it goes quiet, and its window says exactly the client's timed-out connections and
+/// kube-proxy's fix. The client's own results and the script's clock are the truth; the
+/// window's start is when a conntrack scan (every second) first saw its first unanswered
+/// connection, so it is late by up to a second after that connection began.
+#[test]
+fn an_endpoint_on_another_node_that_stops_answering_is_said() {
+    if !require_bpf("an_endpoint_on_another_node_that_stops_answering_is_said") {
+        return;
+    }
+    let _g = serial();
+    let prefix = "xtsr";
+    let s = Scratch::new("stale-endpoints-remote");
+    let lock = s.lock_file("xtables.lock");
+    let n = Node::new(prefix, false);
+    let other = OtherNode::new(prefix, &n);
+    let capture = s.dir.join("remote.xtlock");
+    let tracer = n.tracer(&lock, Some(&capture));
+    let mut pods = n.serve(&s, &[&["tcplisten", "8080"]]);
+    let mut remote = helper_in(&s, &other.pod, "web", &["tcplisten", "8080"]);
+    remote.expect("listening", T);
+    pods.push(remote);
+    let both = s.dir.join("both.rules");
+    std::fs::write(&both, kube_proxy_nat(&[REMOTE, LIVE])).unwrap();
+    let one = s.dir.join("one.rules");
+    std::fs::write(&one, kube_proxy_nat(&[LIVE])).unwrap();
+    let mut first = kube_proxy(&s, &n.node, &lock, &both, Backend::Legacy);
+    assert_eq!(first.wait_within(T), 0, "{:?}", first.seen);
+    // 80 connects, one every 100 ms, each given 1 s.
+    let mut client = n.connects(&s, "80", "100", "1000");
+    std::thread::sleep(Duration::from_millis(800));
+    let del_start = xtlock_tests::monotonic_ns();
+    sh("ip", &["-n", &other.pod, "link", "del", "eth0"]);
+    // Said dead after two connections went 2 s unanswered; kube-proxy learns it later.
+    std::thread::sleep(Duration::from_millis(4500));
+    let spawned = xtlock_tests::monotonic_ns();
+    let mut restore = kube_proxy(&s, &n.node, &lock, &one, Backend::Legacy);
+    assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
+    let exited = exit_time(&mut restore);
+    client.expect("done", T);
+    // Past the report (5 s after the fix).
+    std::thread::sleep(Duration::from_millis(5600));
+    stop(pods);
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+
+    let results = client_results(&client);
+    assert_eq!(results.len(), 80, "{:?}", client.seen);
+    let failed = results.iter().filter(|r| **r != "ok").count() as u64;
+    eprintln!("client: {failed} of 80 failed: {results:?}");
+    assert!(
+        failed >= 2,
+        "too few connections DNATed to the dead pod: {:?}",
+        client.seen
+    );
+
+    let netns = Node::inode(&n.node);
+    let facts = of_netns(&trace.events, "stale_endpoint", netns);
+    let f = facts
+        .iter()
+        .find(|f| f["endpoint"] == format!("{REMOTE}:8080"))
+        .unwrap_or_else(|| panic!("no window of the remote pod:\n{dump}"));
+    eprintln!("fact: {f}");
+    assert_eq!(
+        (&f["service"], &f["gone"]),
+        (&SVC.into(), &"unanswered".into()),
+        "{f}"
+    );
+    // Exactly the client's failed connections, each unanswered.
+    assert_eq!(u(&f["connections"]), failed, "{f}");
+    assert_eq!(u(&f["outcomes"]["unanswered"]), failed, "{f}");
+    assert_eq!(f["fix"]["agent"], "kube-proxy", "{f}");
+    assert_eq!(f["still_routed"], false, "{f}");
+    // Dead since the first connection that failed, as a scan saw it.
+    let first_failed: u64 = client
+        .seen
+        .iter()
+        .filter(|l| l.starts_with("conn ") && !l.ends_with(" ok"))
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .min()
+        .expect("a failed connection's start");
+    assert!(
+        first_failed + 100_000_000 >= del_start,
+        "failed before the pod went"
+    );
+    let since = u(&f["ts_ns"]);
+    let late = 100_000_000 + CT_SCAN_NS;
+    assert!(
+        since + 100_000_000 >= first_failed && since <= first_failed + late,
+        "dead since {since}, the first failed connection at {first_failed}: {f}"
+    );
+    let stale = u(&f["stale_ns"]);
+    let (lo, hi) = (
+        spawned.saturating_sub(first_failed + late),
+        exited - first_failed,
+    );
+    assert!(
+        stale + 100_000_000 >= lo && stale <= hi + 100_000_000,
+        "stale {stale} ns, truth between {lo} and {hi}: {f}"
+    );
+    // Said as it went quiet, before the fix and the close.
+    let opens = of_netns(&trace.events, "stale_endpoint_open", netns);
+    assert_eq!(opens.len(), 1, "one opening:\n{dump}");
+    assert_eq!(opens[0]["gone"], "unanswered", "{}", opens[0]);
+    assert_eq!(u(&opens[0]["gone_ns"]), since, "{}", opens[0]);
+    let pos = |e: &Value| trace.events.iter().position(|x| x == e);
+    assert!(
+        pos(&opens[0]) < pos(f),
+        "the opening comes before the close"
+    );
+    // `record` + `report` say the same (the unanswered endpoint is its own record kind).
+    let report = xtlock_tests::report_events(&capture);
+    assert_eq!(
+        of_netns(&report, "stale_endpoint", netns),
+        facts,
+        "report differs"
+    );
+    assert_eq!(of_netns(&report, "stale_endpoint_open", netns), opens);
+    let text = Command::new(xtlock_bin())
+        .args(["report", "--events"])
+        .arg(&capture)
+        .output()
+        .expect("xtlock report");
+    let text = String::from_utf8_lossy(&text.stdout);
+    for l in text.lines().filter(|l| l.contains(REMOTE)) {
+        eprintln!("report: {l}");
+    }
+    let head = format!("!! {SVC} routed to {REMOTE}:8080 for ");
+    let counted = format!(": {failed} connections unanswered");
+    assert!(
+        text.lines().any(|l| l.contains(&head)
+            && l.contains("after it stopped answering")
+            && l.contains(&counted)),
+        "{text}"
+    );
+    // The live pod was never said dead.
+    assert!(
+        facts
+            .iter()
+            .all(|f| f["endpoint"] != format!("{LIVE}:8080")),
+        "{dump}"
+    );
+}
+
+/// How often xtlock scans conntrack for unanswered connections (its source's PERIOD).
+const CT_SCAN_NS: u64 = 1_000_000_000;

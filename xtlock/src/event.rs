@@ -1011,6 +1011,11 @@ pub enum AddrWhy {
     AddressDeleted,
     /// Gone: the neighbour entry failed (the address stopped answering ARP/NDP).
     NeighbourFailed,
+    /// Dead wherever it lives (this node or another): TCP connections DNATed to it went
+    /// unanswered (conntrack: SYN sent, no reply), as `source/ct_entries.rs` scans for.
+    Unanswered,
+    /// Answering again: a connection DNATed to it after it was said unanswered got a reply.
+    Answering,
 }
 
 impl AddrWhy {
@@ -1023,6 +1028,8 @@ impl AddrWhy {
             AddrWhy::RouteDeleted => "route deleted",
             AddrWhy::AddressDeleted => "address deleted",
             AddrWhy::NeighbourFailed => "neighbour failed",
+            AddrWhy::Unanswered => "unanswered",
+            AddrWhy::Answering => "answering",
         }
     }
 
@@ -1040,13 +1047,18 @@ impl AddrWhy {
             4 => AddrWhy::RouteDeleted,
             5 => AddrWhy::AddressDeleted,
             6 => AddrWhy::NeighbourFailed,
+            7 => AddrWhy::Unanswered,
+            8 => AddrWhy::Answering,
             _ => return None,
         })
     }
 
     /// Whether this says the address is there (else: gone).
     pub fn present(self) -> bool {
-        matches!(self, AddrWhy::Neighbour | AddrWhy::Route | AddrWhy::Local)
+        matches!(
+            self,
+            AddrWhy::Neighbour | AddrWhy::Route | AddrWhy::Local | AddrWhy::Answering
+        )
     }
 }
 
@@ -1128,6 +1140,37 @@ pub struct CtEntries {
     pub more: u32,
 }
 
+/// One real server of an IPVS virtual server, as `ipvsadm -Ln` lists it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct IpvsDest {
+    pub addr: SocketAddr,
+    /// 0: no new connections go there (kube-proxy's graceful termination).
+    pub weight: u32,
+    pub active: u32,
+    pub inactive: u32,
+}
+
+/// One IPVS virtual server: protocol and address, or a firewall mark.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct IpvsService {
+    /// IP protocol (6 TCP, 17 UDP, 132 SCTP); 0 for a firewall-mark service.
+    pub proto: u8,
+    /// `None` for a firewall-mark service.
+    pub addr: Option<SocketAddr>,
+    pub fwmark: u32,
+    pub dests: Vec<IpvsDest>,
+}
+
+/// Synthetic: the IPVS table of a network namespace, read over generic netlink
+/// (`source/ipvs_table.rs`) when it changed: where kube-proxy's ipvs mode routes each Service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IpvsTable {
+    pub ts_ns: u64,
+    pub netns: u32,
+    /// Sorted.
+    pub services: Vec<IpvsService>,
+}
+
 /// Everything the analysis consumes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -1187,6 +1230,8 @@ pub enum Event {
     Addr(Box<AddrPresence>),
     /// Synthetic: conntrack entries DNATed to an address gone from this node.
     CtEntries(Box<CtEntries>),
+    /// Synthetic: the IPVS virtual servers and their real servers, read over netlink.
+    IpvsTable(Box<IpvsTable>),
     /// Synthetic, before the first event that carries `addr`: the kernel function it is in
     /// (from /proc/kallsyms), so a capture is readable where the kernel is not.
     KernelSymbol {
@@ -1225,6 +1270,7 @@ impl Event {
             Event::RuleTable(t) => t.ts_ns,
             Event::Addr(a) => a.ts_ns,
             Event::CtEntries(c) => c.ts_ns,
+            Event::IpvsTable(t) => t.ts_ns,
             Event::DropSetup { ts_ns, .. } | Event::KernelSymbol { ts_ns, .. } => *ts_ns,
         }
     }

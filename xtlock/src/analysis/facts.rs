@@ -60,6 +60,9 @@ pub enum Output {
     StaleEndpoint(StaleEndpointFact),
     /// A Service first routed to an endpoint whose address came up on the node meanwhile.
     EndpointProgrammed(EndpointProgrammedFact),
+    /// An IPVS real server's time at weight 0, from the read that found it there to its
+    /// removal (or the end of tracing).
+    IpvsDrained(IpvsDrainedFact),
 }
 
 impl Output {
@@ -90,6 +93,7 @@ impl Output {
             Output::StaleEndpointOpen(s) => s.ts_ns,
             Output::StaleEndpoint(s) => s.ts_ns,
             Output::EndpointProgrammed(p) => p.ts_ns,
+            Output::IpvsDrained(d) => d.ts_ns,
         }
     }
 }
@@ -1079,7 +1083,9 @@ pub struct StaleEndpointFact {
     pub service: String,
     /// `ip:port`.
     pub endpoint: String,
-    /// Why it was gone: `link deleted`, `route deleted`, `address deleted`, `neighbour failed`.
+    /// Why it was gone: `link deleted`, `route deleted`, `address deleted`, `neighbour failed`;
+    /// or `unanswered`: an endpoint anywhere (another node's pod) whose DNATed TCP connections
+    /// got no reply.
     pub gone: &'static str,
     /// The link it lived behind (the pod's veth).
     pub link: String,
@@ -1147,6 +1153,30 @@ pub struct EndpointProgrammedFact {
     pub latency_ns: u64,
     /// That write: who, its wait for the lock and behind whom, its own hold.
     pub write: StaleFix,
+}
+
+/// An IPVS real server kept at weight 0 (kube-proxy's graceful termination: no new
+/// connections, the old ones drain) until it was removed, or still there when tracing ended:
+/// `{"type":"ipvs_drained",...}`. One that lingers keeps its clients' old connections (UDP
+/// flows above all) on a pod that may be gone.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct IpvsDrainedFact {
+    /// The first read that found it at weight 0.
+    pub ts_ns: u64,
+    pub netns: u32,
+    /// The virtual server, `udp/10.96.0.10:53`.
+    pub service: String,
+    pub endpoint: String,
+    /// From `ts_ns` to the read that found it removed, or to the end of tracing.
+    pub drained_ns: u64,
+    /// Removed (else still at weight 0 when tracing ended).
+    pub removed: bool,
+    /// Its connections at the last read that listed it (`ipvsadm -Ln`'s ActiveConn, InActConn).
+    pub active: u32,
+    pub inactive: u32,
+    /// Why its address is gone from the node, when it is (`link deleted`, `unanswered`...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gone: Option<&'static str>,
 }
 
 /// Conntrack entries still DNATed to a dead endpoint (see [`StaleEndpointFact::conntrack`]).

@@ -938,7 +938,8 @@ impl LockMachine {
             | Event::Pod(_)
             | Event::RuleTable(_)
             | Event::Addr(_)
-            | Event::CtEntries(_) => {}
+            | Event::CtEntries(_)
+            | Event::IpvsTable(_) => {}
         }
     }
 

@@ -138,6 +138,7 @@ impl Analyzer {
         match ev {
             Event::Addr(a) => services.on_addr(a, &mut out),
             Event::CtEntries(c) => services.on_ct(c),
+            Event::IpvsTable(t) => services.on_ipvs(t, &mut out),
             // Assembled once, then diffed and modelled.
             Event::RuleTable(t) => {
                 if let Some(whole) = self.rules.whole_table(t) {

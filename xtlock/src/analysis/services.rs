@@ -10,8 +10,9 @@
 //! routes nowhere). One model, service port → endpoints, per network namespace.
 //!
 //! **Dead endpoints**: an address that vanished from this node (`Event::Addr`: the pod's
-//! veth deleted, its host route or address gone, its neighbour failed) while a Service still
-//! routes to it opens a window; the first read that no longer routes to it closes it, with
+//! veth deleted, its host route or address gone, its neighbour failed), or an endpoint
+//! anywhere whose DNATed connections go unanswered (conntrack, `AddrWhy::Unanswered`: how
+//! pods on other nodes are seen dead), while a Service still routes to it opens a window; the first read that no longer routes to it closes it, with
 //! the write that did it (the last rule write of that netns by the reading's writer) and why
 //! the fix came late (the writer's wait for the lock, behind whom, and its own hold). The
 //! connections the node refused meanwhile (exact counts of ICMP unreachable and resets to that
@@ -30,11 +31,13 @@ use std::net::{IpAddr, SocketAddr};
 use serde::Serialize;
 
 use super::facts::{
-    EndpointProgrammedFact, Output, StaleConntrack, StaleEndpointFact, StaleEndpointOpenFact,
-    StaleFix,
+    EndpointProgrammedFact, IpvsDrainedFact, Output, StaleConntrack, StaleEndpointFact,
+    StaleEndpointOpenFact, StaleFix,
 };
 use super::procs::FastMap;
-use crate::event::{AddrPresence, AddrWhy, ChainState, CtEntries, Rule, RuleTable};
+use crate::event::{
+    AddrPresence, AddrWhy, ChainState, CtEntries, IpvsService, IpvsTable, Rule, RuleTable,
+};
 use crate::shared::SharedStr;
 
 /// Refusals to a dead endpoint are counted until this long after the rules stopped routing
@@ -66,6 +69,37 @@ struct ChainInfo {
     jumps: Vec<String>,
     /// Its first comment, kube-proxy's `ns/svc:port` (before any ` -> ep` or ` cluster IP`).
     comment: Option<String>,
+}
+
+/// An IPVS real server at weight 0.
+#[derive(Debug, Clone, Copy)]
+struct Drain {
+    since_ns: u64,
+    active: u32,
+    inactive: u32,
+}
+
+/// The netns and time of a read of rules or of IPVS.
+struct Read {
+    netns: u32,
+    ts_ns: u64,
+}
+
+/// An IPVS change the hooks saw (the writer of a real server's removal or weight).
+#[derive(Debug, Clone)]
+struct IpvsChange {
+    ts_ns: u64,
+    pid: u32,
+    agent: SharedStr,
+    program: String,
+}
+
+/// `tcp/10.96.0.10:80` (`fwmark/5`): an IPVS virtual server, as a Service port's name.
+fn ipvs_service_name(svc: &IpvsService) -> String {
+    match svc.addr {
+        Some(a) => format!("{}/{a}", super::ipvs::proto_name(svc.proto)),
+        None => format!("fwmark/{}", svc.fwmark),
+    }
 }
 
 /// One table as last read: its chains.
@@ -166,6 +200,13 @@ pub struct ServiceTracker {
     tables: HashMap<(u32, String, String), TableRoutes>,
     /// Routed (service, endpoint) per netns, after the last read.
     routed: FastMap<u32, BTreeSet<Route>>,
+    /// IPVS's routes per netns (real servers of weight above 0), as last read.
+    ipvs: FastMap<u32, BTreeSet<Route>>,
+    /// The last IPVS read's time, and the IPVS changes the hooks saw.
+    ipvs_read_ns: u64,
+    ipvs_changes: VecDeque<IpvsChange>,
+    /// IPVS real servers at weight 0: since which read, and their connections at the last.
+    draining: HashMap<(u32, String, SocketAddr), Drain>,
     /// Addresses gone from this node, and how.
     gone: HashMap<IpAddr, (u64, AddrWhy, String)>,
     /// Addresses that came up live and are not yet routed to: when, how, behind which link.
@@ -288,12 +329,133 @@ impl ServiceTracker {
             return;
         }
         self.tables.entry(key).or_default().apply(&t.chains);
+        let fix = self.fix_for(t);
+        self.routes_read(t.netns, t.ts_ns, fix, false, out);
+    }
+
+    /// An IPVS table read (kube-proxy's ipvs mode): its real servers of weight above 0 are
+    /// where its virtual servers route new connections, as the rules' DNATs are.
+    pub fn on_ipvs(&mut self, t: &IpvsTable, out: &mut impl FnMut(Output)) {
+        if !self.ipvs.contains_key(&t.netns) && self.ipvs.len() >= MAX_TABLES {
+            return;
+        }
+        let mut routes = BTreeSet::new();
+        let mut listed = HashMap::new();
+        for svc in &t.services {
+            let name = ipvs_service_name(svc);
+            for d in &svc.dests {
+                if d.weight > 0 {
+                    routes.insert((name.clone(), d.addr));
+                } else if self.draining.len() < MAX_WINDOWS {
+                    let e = self
+                        .draining
+                        .entry((t.netns, name.clone(), d.addr))
+                        .or_insert(Drain {
+                            since_ns: t.ts_ns,
+                            active: 0,
+                            inactive: 0,
+                        });
+                    (e.active, e.inactive) = (d.active, d.inactive);
+                }
+                listed.insert((name.clone(), d.addr), d.weight);
+            }
+        }
+        // Real servers no longer at weight 0: removed (drained), or weighted again.
+        let done: Vec<(u32, String, SocketAddr)> = self
+            .draining
+            .keys()
+            .filter(|k| k.0 == t.netns && listed.get(&(k.1.clone(), k.2)) != Some(&0))
+            .cloned()
+            .collect();
+        for k in done {
+            let Some(d) = self.draining.remove(&k) else {
+                continue;
+            };
+            if !listed.contains_key(&(k.1.clone(), k.2)) {
+                self.drained(k, d, t.ts_ns, true, out);
+            }
+        }
+        // The netns's first IPVS read finds what was there before.
+        let first = self.ipvs.insert(t.netns, routes).is_none();
+        let fix = self.ipvs_fix(t.ts_ns);
+        self.ipvs_read_ns = t.ts_ns;
+        self.routes_read(t.netns, t.ts_ns, fix, first, out);
+    }
+
+    fn drained(
+        &mut self,
+        (netns, service, endpoint): (u32, String, SocketAddr),
+        d: Drain,
+        end_ns: u64,
+        removed: bool,
+        out: &mut impl FnMut(Output),
+    ) {
+        out(Output::IpvsDrained(IpvsDrainedFact {
+            ts_ns: d.since_ns,
+            netns,
+            service,
+            endpoint: endpoint.to_string(),
+            drained_ns: end_ns.saturating_sub(d.since_ns),
+            removed,
+            active: d.active,
+            inactive: d.inactive,
+            gone: self.gone.get(&endpoint.ip()).map(|g| g.1.as_str()),
+        }));
+    }
+
+    /// The last IPVS change the hooks saw since the previous IPVS read (who removed the real
+    /// server or set its weight to 0); else the read's time, not exact.
+    fn ipvs_fix(&self, ts_ns: u64) -> StaleFix {
+        let change = self
+            .ipvs_changes
+            .iter()
+            .rev()
+            .find(|c| c.ts_ns <= ts_ns && c.ts_ns >= self.ipvs_read_ns);
+        match change {
+            Some(c) => StaleFix {
+                ts_ns: c.ts_ns,
+                exact: true,
+                pid: c.pid,
+                agent: c.agent.clone(),
+                program: c.program.clone(),
+                wait_ns: 0,
+                behind: Vec::new(),
+                hold_ns: None,
+            },
+            None => StaleFix {
+                ts_ns,
+                exact: false,
+                pid: 0,
+                agent: SharedStr::from(""),
+                program: String::new(),
+                wait_ns: 0,
+                behind: Vec::new(),
+                hold_ns: None,
+            },
+        }
+    }
+
+    /// What a read of `netns`'s rules or IPVS table changed: the routes of both, then the
+    /// windows opened (routes to addresses already gone), the new endpoints programmed, and
+    /// the windows fixed (by `fix`). `first`: the source's first read of that netns.
+    fn routes_read(
+        &mut self,
+        netns: u32,
+        ts_ns: u64,
+        fix: StaleFix,
+        first: bool,
+        out: &mut impl FnMut(Output),
+    ) {
         let mut now = BTreeSet::new();
-        for ((netns, _, _), table) in &self.tables {
-            if *netns == t.netns {
+        for ((n, _, _), table) in &self.tables {
+            if *n == netns {
                 table.routes(&mut now);
             }
         }
+        if let Some(ipvs) = self.ipvs.get(&netns) {
+            now.extend(ipvs.iter().cloned());
+        }
+        let t = Read { netns, ts_ns };
         // Routes to addresses already gone open windows (a write that re-added one).
         let before = self.routed.get(&t.netns);
         let added: Vec<Route> = now
@@ -302,8 +464,7 @@ impl ServiceTracker {
             .cloned()
             .collect();
         // A netns's first read finds routes that were there before: not programmed now.
-        let modelled = before.is_some();
-        let fix = self.fix_for(t);
+        let modelled = before.is_some() && !first;
         let mut programmed: Vec<IpAddr> = Vec::new();
         for (service, ep) in added {
             if let Some((since, why, link)) = self.gone.get(&ep.ip()).cloned() {
@@ -477,7 +638,8 @@ impl ServiceTracker {
                     .values()
                     .any(|r| r.iter().any(|(_, ep)| ep.ip() == a.addr))
             };
-            if a.live && self.up.len() < MAX_UP && !routed() {
+            // An endpoint answering again is not a new one.
+            if a.live && a.why != AddrWhy::Answering && self.up.len() < MAX_UP && !routed() {
                 self.up
                     .entry(a.addr)
                     .or_insert((a.ts_ns, a.why, a.link.clone()));
@@ -506,9 +668,13 @@ impl ServiceTracker {
         if self.gone.len() < MAX_GONE {
             self.gone.insert(a.addr, (a.ts_ns, a.why, a.link.clone()));
         }
+        // Gone from this node: dead for every namespace that routes there. Unanswered: as
+        // that namespace's conntrack saw it.
+        let scope = (a.why == AddrWhy::Unanswered).then_some(a.netns);
         let hits: Vec<(u32, Route)> = self
             .routed
             .iter()
+            .filter(|(netns, _)| scope.is_none_or(|s| s == **netns))
             .flat_map(|(netns, routes)| {
                 routes
                     .iter()
@@ -601,14 +767,30 @@ impl ServiceTracker {
                 ),
             ),
             Output::Hold(h) => push(&mut self.holds, (h.pid, h.hold_ns)),
+            // Who stopped IPVS from routing to a real server (where the hooks attach).
+            Output::Ipvs(f) if matches!(f.event, "dest_removed" | "dest_edited") => {
+                if let (Some(pid), Some(comm)) = (f.pid, f.comm.as_ref()) {
+                    push(
+                        &mut self.ipvs_changes,
+                        IpvsChange {
+                            ts_ns: f.ts_ns,
+                            pid,
+                            agent: SharedStr::from(comm.as_str()),
+                            program: comm.clone(),
+                        },
+                    );
+                }
+            }
             Output::RefusalCount(c) => {
                 let Ok(dest) = c.dest.parse::<SocketAddr>() else {
                     return;
                 };
-                // Counts of an interval that ended before the window began are not its.
+                // Counts of an interval that ended before the window began are not its, nor
+                // those of another namespace (another node's refusals of the same address).
                 let end = c.ts_ns.saturating_add(c.interval_ns);
                 for w in self.windows.iter_mut() {
-                    if w.endpoint.ip() == dest.ip()
+                    if w.netns == c.netns
+                        && w.endpoint.ip() == dest.ip()
                         && (w.endpoint.port() == 0 || w.endpoint.port() == dest.port())
                         && end > w.since_ns
                     {
@@ -653,6 +835,11 @@ impl ServiceTracker {
 
     /// End of tracing: every window is reported, those still routed as such.
     pub fn finish(&mut self, ts_ns: u64, out: &mut impl FnMut(Output)) {
+        let mut draining: Vec<_> = self.draining.drain().collect();
+        draining.sort_by_key(|(_, d)| d.since_ns);
+        for (k, d) in draining {
+            self.drained(k, d, ts_ns, false, out);
+        }
         let mut windows = std::mem::take(&mut self.windows);
         windows.sort_by_key(|w| w.since_ns);
         for w in windows {

@@ -402,7 +402,8 @@ impl Stats {
             // Counted by the service tracker.
             Output::StaleEndpointOpen(_)
             | Output::StaleEndpoint(_)
-            | Output::EndpointProgrammed(_) => {}
+            | Output::EndpointProgrammed(_)
+            | Output::IpvsDrained(_) => {}
         }
     }
 

@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::event::AddrWhy;
+
 use crate::decode::{
     Comm, ConntrackCounters, ConntrackStats, DropCount, DropCounts, Event, HoldDropCount,
     IpvsCounts, LockSeed, ProcInfo, RefusalCount, RefusalCounts,
@@ -65,6 +67,16 @@ pub const KIND_ADDR: u8 = 14;
 /// Synthetic: conntrack entries DNATed to an address gone from this node (skippable: a reader
 /// that does not know it loses only the unanswered connections and stale entries).
 pub const KIND_CT_ENTRIES: u8 = 15;
+/// Synthetic: an endpoint anywhere whose DNATed connections went unanswered, or that answers
+/// again (skippable: a reader that does not know it loses only those windows). Its own kind:
+/// kind 14's readers take an unknown reason for damage.
+pub const KIND_ENDPOINT_ANSWERS: u8 = 16;
+/// Synthetic: the IPVS virtual and real servers of a namespace, read over netlink when they
+/// changed (skippable: a reader that does not know it loses only IPVS's dead endpoints).
+pub const KIND_IPVS_TABLE: u8 = 17;
+/// Virtual servers, and real servers in all, one `ipvs_table` record holds at most.
+pub const MAX_IPVS_SERVICES: u64 = 65_536;
+pub const MAX_IPVS_DESTS: u64 = 1 << 20;
 /// Entries one `ct_entries` record holds at most (the source lists fewer).
 pub const MAX_CT_ENTRIES: u64 = 4096;
 /// Kinds from here up must be understood: a reader that does not know one stops with an
@@ -716,6 +728,13 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_REFUSAL_COUNTS
         }
+        Event::Addr(a) if matches!(a.why, AddrWhy::Unanswered | AddrWhy::Answering) => {
+            put_varint(out, a.ts_ns);
+            put_varint(out, u64::from(a.netns));
+            put_ip(out, a.addr);
+            put_varint(out, u64::from(a.why == AddrWhy::Answering));
+            KIND_ENDPOINT_ANSWERS
+        }
         Event::Addr(a) => {
             put_varint(out, a.ts_ns);
             put_varint(out, u64::from(a.netns));
@@ -730,6 +749,38 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             // Appended (readers skip trailing bytes): bit 0, said live.
             put_varint(out, u64::from(a.live));
             KIND_ADDR
+        }
+        Event::IpvsTable(t) => {
+            put_varint(out, t.ts_ns);
+            put_varint(out, u64::from(t.netns));
+            let services = &t.services[..t.services.len().min(MAX_IPVS_SERVICES as usize)];
+            put_varint(out, services.len() as u64);
+            let mut dests_left = MAX_IPVS_DESTS as usize;
+            for svc in services {
+                put_varint(out, u64::from(svc.proto));
+                match svc.addr {
+                    Some(a) => {
+                        put_varint(out, 1);
+                        put_ip(out, a.ip());
+                        put_varint(out, u64::from(a.port()));
+                    }
+                    None => {
+                        put_varint(out, 0);
+                        put_varint(out, u64::from(svc.fwmark));
+                    }
+                }
+                let dests = &svc.dests[..svc.dests.len().min(dests_left)];
+                dests_left -= dests.len();
+                put_varint(out, dests.len() as u64);
+                for d in dests {
+                    put_ip(out, d.addr.ip());
+                    put_varint(out, u64::from(d.addr.port()));
+                    put_varint(out, u64::from(d.weight));
+                    put_varint(out, u64::from(d.active));
+                    put_varint(out, u64::from(d.inactive));
+                }
+            }
+            KIND_IPVS_TABLE
         }
         Event::CtEntries(c) => {
             put_varint(out, c.ts_ns);
@@ -1045,7 +1096,9 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
             let code = r.varint("why")?;
             let why = u8::try_from(code)
                 .ok()
-                .and_then(crate::event::AddrWhy::from_code)
+                .and_then(AddrWhy::from_code)
+                // Kind 16's reasons are not kind 14's.
+                .filter(|w| !matches!(w, AddrWhy::Unanswered | AddrWhy::Answering))
                 .ok_or_else(|| format!("unknown address reason {code}"))?;
             let link = r.string("link")?;
             // Captures before the flags byte: not known live, so no latency is made of it.
@@ -1057,6 +1110,76 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 why,
                 link,
                 live,
+            }))
+        }
+        KIND_ENDPOINT_ANSWERS => {
+            let ts_ns = r.varint("ts_ns")?;
+            let netns = r.u32("netns")?;
+            let addr = r.ip("addr")?;
+            let why = match r.varint("answering")? {
+                0 => AddrWhy::Unanswered,
+                1 => AddrWhy::Answering,
+                n => return Err(format!("answering is {n}, not 0 or 1")),
+            };
+            Event::Addr(Box::new(crate::event::AddrPresence {
+                ts_ns,
+                netns,
+                addr,
+                why,
+                link: String::new(),
+                live: true,
+            }))
+        }
+        KIND_IPVS_TABLE => {
+            let ts_ns = r.varint("ts_ns")?;
+            let netns = r.u32("netns")?;
+            let n = r.varint("services")?;
+            if n > MAX_IPVS_SERVICES {
+                return Err(format!("{n} IPVS services, more than {MAX_IPVS_SERVICES}"));
+            }
+            // Each takes bytes: a count past what is left is damage, not an allocation.
+            let mut services = Vec::with_capacity((n as usize).min(r.remaining()));
+            let mut dests_left = MAX_IPVS_DESTS;
+            for _ in 0..n {
+                let proto = small(r.varint("proto")?, "proto")?;
+                let (addr, fwmark) = match r.varint("has_addr")? {
+                    1 => {
+                        let ip = r.ip("addr")?;
+                        let port = u16::try_from(r.varint("port")?)
+                            .map_err(|_| "service port out of range".to_string())?;
+                        (Some(std::net::SocketAddr::new(ip, port)), 0)
+                    }
+                    0 => (None, r.u32("fwmark")?),
+                    v => return Err(format!("has_addr is {v}, not 0 or 1")),
+                };
+                let m = r.varint("dests")?;
+                if m > dests_left {
+                    return Err(format!("more than {MAX_IPVS_DESTS} IPVS real servers"));
+                }
+                dests_left -= m;
+                let mut dests = Vec::with_capacity((m as usize).min(r.remaining()));
+                for _ in 0..m {
+                    let ip = r.ip("dest")?;
+                    let port = u16::try_from(r.varint("dest port")?)
+                        .map_err(|_| "real server port out of range".to_string())?;
+                    dests.push(crate::event::IpvsDest {
+                        addr: std::net::SocketAddr::new(ip, port),
+                        weight: r.u32("weight")?,
+                        active: r.u32("active")?,
+                        inactive: r.u32("inactive")?,
+                    });
+                }
+                services.push(crate::event::IpvsService {
+                    proto,
+                    addr,
+                    fwmark,
+                    dests,
+                });
+            }
+            Event::IpvsTable(Box::new(crate::event::IpvsTable {
+                ts_ns,
+                netns,
+                services,
             }))
         }
         KIND_CT_ENTRIES => {

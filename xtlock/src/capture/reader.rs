@@ -275,6 +275,8 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_REFUSAL_COUNTS
                 | format::KIND_RULE_TABLE
                 | format::KIND_ADDR
+                | format::KIND_ENDPOINT_ANSWERS
+                | format::KIND_IPVS_TABLE
                 | format::KIND_CT_ENTRIES => {
                     match format::decode_drop_event(kind, &self.raw[start..end]) {
                         Ok(ev) => {

@@ -26,6 +26,7 @@ const CTA_TIMEOUT: u16 = 7;
 const CTA_COUNTERS_ORIG: u16 = 9;
 const CTA_ID: u16 = 12;
 const CTA_FILTER: u16 = 25;
+const CTA_STATUS_MASK: u16 = 26;
 // enum ctattr_tuple, ctattr_ip, ctattr_l4proto
 const CTA_TUPLE_IP: u16 = 1;
 const CTA_TUPLE_PROTO: u16 = 2;
@@ -49,6 +50,9 @@ const CTA_FILTER_FLAG_CTA_IP_SRC: u32 = 1 << 0;
 pub const IPS_SEEN_REPLY: u32 = 1 << 1;
 /// `IPS_DST_NAT`: its destination was rewritten (a Service's DNAT).
 pub const IPS_DST_NAT: u32 = 1 << 5;
+
+/// `TCP_CONNTRACK_SYN_SENT`: a connection's SYN went out, nothing came back yet.
+pub const TCP_CONNTRACK_SYN_SENT: u8 = 1;
 
 /// One datagram of the answer.
 #[derive(Debug, PartialEq, Eq)]
@@ -97,6 +101,25 @@ pub fn dump_request(seq: u32, addr: IpAddr, filter: bool) -> Vec<u8> {
         );
         body.extend_from_slice(&nested(CTA_FILTER, &f));
     }
+    request(seq, &body)
+}
+
+/// A dump of the entries of every family that were DNATed and never saw a reply: the
+/// connections sent to a Service's endpoint that nothing answered. The kernel filters by
+/// status (`CTA_STATUS` under `CTA_STATUS_MASK`, 5.19+); an older one ignores the filter and
+/// answers every entry, which the caller notices (an entry that does not match) and says.
+pub fn unanswered_request(seq: u32) -> Vec<u8> {
+    let mut body = vec![libc::AF_UNSPEC as u8, 0, 0, 0];
+    put_attr(&mut body, CTA_STATUS, &IPS_DST_NAT.to_be_bytes());
+    put_attr(
+        &mut body,
+        CTA_STATUS_MASK,
+        &(IPS_DST_NAT | IPS_SEEN_REPLY).to_be_bytes(),
+    );
+    request(seq, &body)
+}
+
+fn request(seq: u32, body: &[u8]) -> Vec<u8> {
     let len = NLMSG_HDR + body.len();
     let mut b = Vec::with_capacity(len);
     b.extend_from_slice(&(len as u32).to_ne_bytes());
@@ -104,20 +127,16 @@ pub fn dump_request(seq: u32, addr: IpAddr, filter: bool) -> Vec<u8> {
     b.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
     b.extend_from_slice(&seq.to_ne_bytes());
     b.extend_from_slice(&0u32.to_ne_bytes());
-    b.extend_from_slice(&body);
+    b.extend_from_slice(body);
     b
 }
 
 /// The messages of one datagram of a dump; an entry that does not parse is skipped (`Other`).
 pub fn messages(datagram: &[u8]) -> Result<Vec<CtMsg>, String> {
     let mut out = Vec::new();
-    let mut at = 0usize;
-    while at < datagram.len() {
-        let rest = &datagram[at..];
-        let nl = NetlinkBuffer::new_checked(rest).map_err(|e| e.to_string())?;
-        let len = nl.length() as usize;
-        let payload = rest.get(NLMSG_HDR..len).ok_or("short netlink message")?;
-        match nl.message_type() {
+    for m in framed(datagram) {
+        let (ty, payload) = m?;
+        match ty {
             NLMSG_DONE => {
                 out.push(CtMsg::Done);
                 return Ok(out);
@@ -140,13 +159,38 @@ pub fn messages(datagram: &[u8]) -> Result<Vec<CtMsg>, String> {
             }
             _ => out.push(CtMsg::Other),
         }
-        at += len.div_ceil(4).max(1) * 4;
     }
     Ok(out)
 }
 
+/// The netlink messages of one datagram: each one's type and payload (after its header). A
+/// message that does not frame is an error, and ends the datagram.
+pub(super) fn framed(datagram: &[u8]) -> impl Iterator<Item = Result<(u16, &[u8]), String>> {
+    let mut at = 0usize;
+    std::iter::from_fn(move || {
+        let rest = datagram.get(at..).filter(|r| !r.is_empty())?;
+        let one = NetlinkBuffer::new_checked(rest)
+            .map_err(|e| e.to_string())
+            .and_then(|nl| {
+                let len = nl.length() as usize;
+                let payload = rest.get(NLMSG_HDR..len).ok_or("short netlink message")?;
+                Ok((nl.message_type(), payload, len))
+            });
+        Some(match one {
+            Ok((ty, payload, len)) => {
+                at += len.div_ceil(4).max(1) * 4;
+                Ok((ty, payload))
+            }
+            Err(e) => {
+                at = datagram.len();
+                Err(e)
+            }
+        })
+    })
+}
+
 /// The attributes of `b` by type (flags masked off); parsing stops at a malformed one.
-fn attrs(b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+pub(super) fn attrs(b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     NlasIterator::new(b).map_while(|a| {
         let a: NlaBuffer<&[u8]> = a.ok()?;
         let (kind, len) = (a.kind() & !NLA_F_NESTED & 0x3fff, usize::from(a.length()));
@@ -155,7 +199,7 @@ fn attrs(b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
     })
 }
 
-fn be<const N: usize>(v: &[u8]) -> Option<[u8; N]> {
+pub(super) fn be<const N: usize>(v: &[u8]) -> Option<[u8; N]> {
     v.get(..N)?.try_into().ok()
 }
 

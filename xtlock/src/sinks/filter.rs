@@ -231,6 +231,8 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
         Output::StaleEndpoint(f) => v.extend(f.fix.as_ref().and_then(writer)),
         // Through the agent whose write first routed to it.
         Output::EndpointProgrammed(f) => v.extend(writer(&f.write)),
+        // The netlink read does not say who set the weight.
+        Output::IpvsDrained(_) => {}
         Output::Drop(d) => v.extend(d.hold.iter().map(hold_ref)),
         Output::ConntrackRefused(c) => v.extend(c.hold.iter().map(hold_ref)),
         Output::DropCount(d) => v.extend(d.holds.iter().map(hold_ref)),

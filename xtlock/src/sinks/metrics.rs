@@ -239,11 +239,18 @@ pub struct ProgrammedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DrainedLabels {
+    /// `true`: removed; `false`: still at weight 0 when tracing ended.
+    pub removed: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StaleLabels {
     /// The agent whose write stopped the routing; `(none)` while still routed.
     pub agent: String,
     /// Why the endpoint was gone: `link deleted`, `route deleted`, `address deleted`,
-    /// `neighbour failed`.
+    /// `neighbour failed`, or `unanswered` (anywhere, on other nodes too: its connections got
+    /// no reply).
     pub gone: String,
 }
 
@@ -325,6 +332,8 @@ pub struct Metrics {
     pub stale_flows: Family<StaleFlowLabels, Counter>,
     /// New endpoints: from their address up to the first write routing to them.
     pub endpoint_programming: Hist<ProgrammedLabels>,
+    /// IPVS real servers' time at weight 0 before removal (or the end).
+    pub ipvs_drained: Hist<DrainedLabels>,
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
@@ -507,7 +516,8 @@ impl Metrics {
         r.register_with_unit(
             "stale_endpoint",
             "How long a Service kept routing to an endpoint after it was gone from the node \
-             (its veth, host route or address deleted, its neighbour failed) until a rule write \
+             (its veth, host route or address deleted, its neighbour failed) or stopped answering \
+             (anywhere: its DNATed connections got no reply) until a rule write \
              stopped it, by the writing agent (`(none)`: still routed when tracing ended)",
             Unit::Seconds,
             stale_endpoint.clone(),
@@ -544,6 +554,16 @@ impl Metrics {
              An upper bound of the node's part: it includes the pod's readiness",
             Unit::Seconds,
             endpoint_programming.clone(),
+        );
+        let ipvs_drained: Hist<DrainedLabels> = hist();
+        r.register_with_unit(
+            "ipvs_drained",
+            "How long an IPVS real server stayed at weight 0 (kube-proxy's graceful termination: \
+             no new connections, the old ones drain) from the netlink read that found it there \
+             to the one that found it removed (`removed=\"false\"`: still there when tracing \
+             ended). One that lingers keeps old connections on a pod that may be gone",
+            Unit::Seconds,
+            ipvs_drained.clone(),
         );
         let stale_flows = Family::<StaleFlowLabels, Counter>::default();
         r.register(
@@ -673,6 +693,7 @@ impl Metrics {
             stale_routed_now,
             stale_flows,
             endpoint_programming,
+            ipvs_drained,
             conntrack,
             conntrack_entries,
             conntrack_max,
@@ -1045,6 +1066,14 @@ impl Sink for MetricsSink {
             }
             Output::StaleEndpointOpen(_) => {
                 self.m.stale_routed_now.inc();
+            }
+            Output::IpvsDrained(f) => {
+                self.m
+                    .ipvs_drained
+                    .get_or_create(&DrainedLabels {
+                        removed: f.removed.to_string(),
+                    })
+                    .observe(f.drained_ns as f64 / 1e9);
             }
             Output::StaleEndpoint(f) => {
                 // Every closed window was said open first.

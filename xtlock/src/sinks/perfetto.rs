@@ -471,6 +471,13 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 super::terminal::endpoint_programmed_text(f),
                 serde_json::to_value(f).unwrap_or(Value::Null),
             ),
+            Output::IpvsDrained(f) => self.instant(
+                f.ts_ns,
+                0,
+                "IPVS",
+                super::terminal::ipvs_drained_text(f),
+                serde_json::to_value(f).unwrap_or(Value::Null),
+            ),
             Output::MixedBackends(m) => self.instant(
                 m.ts_ns,
                 m.pid,

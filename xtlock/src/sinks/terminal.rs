@@ -12,8 +12,8 @@ use super::{human_bytes, human_ns, Sink};
 use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
 pub(crate) use lines::{
-    endpoint_programmed_text, hold_drops_text, hold_refusals_text, ipvs_text, mixed_backends_text,
-    refusal_text, rule_change_lines, stale_endpoint_open_text,
+    endpoint_programmed_text, hold_drops_text, hold_refusals_text, ipvs_drained_text, ipvs_text,
+    mixed_backends_text, refusal_text, rule_change_lines, stale_endpoint_open_text,
 };
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
@@ -332,6 +332,7 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::StaleEndpointOpen(f) => Some(stale_endpoint_open_text(f)),
                 Output::StaleEndpoint(f) => Some(stale_endpoint_text(f)),
                 Output::EndpointProgrammed(f) => Some(endpoint_programmed_text(f)),
+                Output::IpvsDrained(f) => Some(ipvs_drained_text(f)),
             };
         if let Some(text) = text {
             self.flush_run()?;

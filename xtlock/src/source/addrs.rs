@@ -29,6 +29,9 @@ pub const CHANNEL: usize = 16_384;
 
 pub type Mac = [u8; 6];
 
+/// How long a deleted neighbour waits for its link's deletion (both come from one kernel
+/// call, read together).
+const FLUSH_WINDOW_NS: u64 = 1_000_000_000;
 /// `NUD_*` states whose neighbour answered (or is configured): the address is there.
 const NUD_USABLE: u16 = 0x02 | 0x04 | 0x08 | 0x10 | 0x80;
 const NUD_FAILED: u16 = 0x20;
@@ -112,6 +115,10 @@ pub struct AddrState {
     locals: BTreeSet<(IpAddr, u32)>,
     /// Presences said and not gone: (addr, why, link index).
     shown: BTreeSet<(IpAddr, AddrWhy, u32)>,
+    /// Neighbours whose entry was deleted while their link was up, and when: garbage
+    /// collection, unless the link's deletion follows (the kernel flushes a deleted link's
+    /// neighbours before its DELLINK), which makes them gone at that time.
+    flushed: Vec<(IpAddr, u32, u64)>,
     /// During a dump: the state is incomplete, nothing is said until its end.
     dumping: bool,
     /// Saying what a dump found: not live (see [`AddrPresence::live`]).
@@ -131,6 +138,7 @@ impl AddrState {
             routes: HashMap::new(),
             locals: BTreeSet::new(),
             shown: BTreeSet::new(),
+            flushed: Vec::new(),
             dumping: false,
             from_dump: false,
             dropped: 0,
@@ -191,6 +199,17 @@ impl AddrState {
                     self.sync(a, ts_ns, out);
                 }
                 touched.clear();
+                // Its neighbours, flushed just before: gone with it, when they were flushed
+                // (unless said present elsewhere meanwhile).
+                let flushed = std::mem::take(&mut self.flushed);
+                for (addr, link, at) in flushed {
+                    let recent = ts_ns.saturating_sub(at) < FLUSH_WINDOW_NS;
+                    if link != index {
+                        self.flushed.push((addr, link, at));
+                    } else if recent && !self.shown.iter().any(|k| k.0 == addr) {
+                        out.push(self.presence(at, addr, AddrWhy::LinkDeleted, link));
+                    }
+                }
                 self.links.remove(&index);
                 self.neighs.retain(|k, _| k.1 != index);
                 self.routes.retain(|_, oif| *oif != index);
@@ -223,8 +242,18 @@ impl AddrState {
                 touched.push(addr);
             }
             Msg::NeighDeleted { link, addr } => {
-                // Garbage collection: the pod may still be there, so only forgotten.
+                // Garbage collection: the pod may still be there, so only forgotten. Unless
+                // it lived on that link itself (a routed veth, not a bridge port) and the
+                // link's deletion follows: the kernel flushes a link's neighbours before its
+                // DELLINK, so it is kept a second for that.
                 if self.neighs.remove(&(addr, link)).is_some() {
+                    if self.shown.contains(&(addr, AddrWhy::Neighbour, link)) {
+                        self.flushed
+                            .retain(|(_, _, at)| ts_ns.saturating_sub(*at) < FLUSH_WINDOW_NS);
+                        if self.flushed.len() < MAX_ENTRIES {
+                            self.flushed.push((addr, link, ts_ns));
+                        }
+                    }
                     touched.push(addr);
                 }
             }

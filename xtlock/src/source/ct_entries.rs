@@ -6,17 +6,27 @@
 //! conntrack keeps steering to it after the rules stopped (kubernetes#125467). Observed only,
 //! never deleted: the SRE decides.
 //!
+//! Endpoints anywhere (on other nodes too) that stop answering: every [`PERIOD`] the worker
+//! also dumps the DNATed entries that never saw a reply (the kernel filters by status,
+//! 5.19+), and an endpoint with [`UNANSWERED_MIN`] TCP connections whose SYN went
+//! [`UNANSWERED_AFTER`] without a reply is said unanswered (`AddrWhy::Unanswered`, stamped
+//! when a scan first saw the oldest of them), then followed as a gone address is, until a
+//! connection sent to it later is answered (`AddrWhy::Answering`).
+//!
 //! Bounded: at most [`MAX_WATCHED`] addresses, each for at most [`WATCH`] after it went, at
-//! most [`MAX_LISTED`] entries listed per read (the rest counted in `more`). Costs nothing
-//! while no address is gone.
+//! most [`MAX_LISTED`] entries listed per read (the rest counted in `more`), at most
+//! [`MAX_PENDING`] unanswered connections remembered. While no address is gone, one filtered
+//! dump a second, of the connections nothing answered yet. Every dump walks the whole table
+//! in the kernel: on a big one (100,000 entries: ~43 ms) the rounds space out so that they
+//! take at most 2 % of a CPU.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::decode::ct_entry::{self, CtMsg, IPS_DST_NAT};
-use crate::event::{CtEntries, Event};
+use crate::decode::ct_entry::{self, CtMsg, IPS_DST_NAT, IPS_SEEN_REPLY, TCP_CONNTRACK_SYN_SENT};
+use crate::event::{AddrPresence, AddrWhy, CtEntries, CtEntry, Event};
 
 /// How often the entries of a gone address are read.
 pub const PERIOD: Duration = Duration::from_secs(1);
@@ -27,6 +37,15 @@ pub const WATCH: Duration = Duration::from_secs(300);
 pub const MAX_WATCHED: usize = 64;
 /// Entries listed per address and read.
 pub const MAX_LISTED: usize = 1024;
+/// A DNATed TCP connection whose SYN went this long without a reply is unanswered: the
+/// client's first retransmission (1 s) went unanswered too.
+pub const UNANSWERED_AFTER: Duration = Duration::from_secs(2);
+/// Unanswered connections that make an endpoint unanswered (one lost SYN is not a dead pod).
+pub const UNANSWERED_MIN: usize = 2;
+/// Unanswered connections remembered between scans.
+pub const MAX_PENDING: usize = 65_536;
+/// A round of dumps takes at most 1 / BUDGET of the time between rounds.
+const BUDGET: u32 = 50;
 /// How long one dump may wait for the kernel's next answer.
 const RECV_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -56,6 +75,8 @@ impl CtWatch {
             watched: HashMap::new(),
             seq: 0,
             filter: true,
+            scan: true,
+            pending: HashMap::new(),
             buf: Vec::with_capacity(1 << 16),
         };
         std::thread::Builder::new()
@@ -86,6 +107,9 @@ struct Watched {
     since: Instant,
     /// The last read listed entries (then an empty read is said once, as their end).
     listed: bool,
+    /// Followed because its connections went unanswered: the entries of its first read
+    /// (`None` before it), so that a later connection's reply says it answers again.
+    unanswered: Option<Option<HashSet<u32>>>,
 }
 
 struct Worker {
@@ -97,6 +121,11 @@ struct Worker {
     seq: u32,
     /// The kernel filters by the reply's source (5.9+); off once it refused.
     filter: bool,
+    /// The unanswered scan; off once the kernel showed it does not filter by status.
+    scan: bool,
+    /// Unanswered DNATed TCP connections by the kernel's id: their endpoint and when a scan
+    /// first saw them (event time).
+    pending: HashMap<u32, (IpAddr, u64)>,
     buf: Vec<u8>,
 }
 
@@ -107,20 +136,7 @@ impl Worker {
             let wait = next.saturating_duration_since(Instant::now());
             match self.cmds.recv_timeout(wait) {
                 Ok(Cmd::Gone(a)) => {
-                    if !self.watched.contains_key(&a) && self.watched.len() >= MAX_WATCHED {
-                        if let Some(oldest) = self
-                            .watched
-                            .iter()
-                            .min_by_key(|(_, w)| w.since)
-                            .map(|(a, _)| *a)
-                        {
-                            self.watched.remove(&oldest);
-                        }
-                    }
-                    self.watched.entry(a).or_insert(Watched {
-                        since: Instant::now(),
-                        listed: false,
-                    });
+                    self.watch(a, None);
                     continue;
                 }
                 Ok(Cmd::Back(a)) => {
@@ -131,8 +147,11 @@ impl Worker {
                 // The live source is gone: so is this.
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
-            next = Instant::now() + PERIOD;
+            let round = Instant::now();
             self.watched.retain(|_, w| w.since.elapsed() < WATCH);
+            if self.scan {
+                self.scan_unanswered();
+            }
             let addrs: Vec<IpAddr> = self.watched.keys().copied().collect();
             for addr in addrs {
                 match self.read(addr) {
@@ -140,6 +159,13 @@ impl Worker {
                         let Some(w) = self.watched.get_mut(&addr) else {
                             continue;
                         };
+                        if let Some(first) = w.unanswered.as_mut() {
+                            if answered_again(first, &entries) {
+                                self.watched.remove(&addr);
+                                self.say(addr, AddrWhy::Answering, super::monotonic_ns());
+                                continue;
+                            }
+                        }
                         let listed = !entries.is_empty() || more > 0;
                         if !listed && !w.listed {
                             continue;
@@ -162,45 +188,135 @@ impl Worker {
                     }
                 }
             }
+            // Each dump walks the whole table in the kernel (~0.4 ms per 1,000 entries
+            // here): on a big table the rounds space out to keep them under 2 % of a CPU.
+            next = Instant::now() + PERIOD.max(round.elapsed() * BUDGET);
         }
+    }
+
+    /// Follows `addr` (dropping the oldest past [`MAX_WATCHED`]); `unanswered` when its
+    /// connections went unanswered rather than its address away.
+    fn watch(&mut self, addr: IpAddr, unanswered: Option<Option<HashSet<u32>>>) {
+        if !self.watched.contains_key(&addr) && self.watched.len() >= MAX_WATCHED {
+            if let Some(oldest) = self
+                .watched
+                .iter()
+                .min_by_key(|(_, w)| w.since)
+                .map(|(a, _)| *a)
+            {
+                self.watched.remove(&oldest);
+            }
+        }
+        self.watched.entry(addr).or_insert(Watched {
+            since: Instant::now(),
+            listed: false,
+            unanswered,
+        });
+    }
+
+    /// An address said unanswered or answering again, as the rtnetlink watcher says gone
+    /// and back.
+    fn say(&mut self, addr: IpAddr, why: AddrWhy, ts_ns: u64) {
+        let ev = Event::Addr(Box::new(AddrPresence {
+            ts_ns,
+            netns: self.netns,
+            addr,
+            why,
+            link: String::new(),
+            live: true,
+        }));
+        if self.events.try_send(ev).is_err() {
+            tracing::debug!(%addr, "unanswered endpoint not handed over: queue full");
+        }
+    }
+
+    /// One dump of the DNATed connections nothing answered yet; endpoints with enough of
+    /// them unanswered long enough are said so and followed.
+    fn scan_unanswered(&mut self) {
+        // Asking a node without conntrack would load its modules (nfnetlink asks for the
+        // subsystem): nothing to scan there anyway.
+        if !std::path::Path::new("/sys/module/nf_conntrack").exists() {
+            return;
+        }
+        let now = super::monotonic_ns();
+        self.seq = self.seq.wrapping_add(1);
+        let request = ct_entry::unanswered_request(self.seq);
+        let mut unfiltered = false;
+        let mut seen = HashSet::new();
+        let pending = &mut self.pending;
+        let done = dump(&self.sock, &mut self.buf, &request, |e| {
+            if e.status & (IPS_DST_NAT | IPS_SEEN_REPLY) != IPS_DST_NAT {
+                unfiltered = true;
+                return;
+            }
+            if e.proto != 6 || e.tcp_state != TCP_CONNTRACK_SYN_SENT {
+                return;
+            }
+            seen.insert(e.id);
+            if pending.len() < MAX_PENDING {
+                pending.entry(e.id).or_insert((e.reply_src.ip(), now));
+            }
+        });
+        match done {
+            Ok(None) | Ok(Some(libc::ENOENT)) => {}
+            Ok(Some(errno)) => {
+                return self.stop_scan(&format!(
+                    "the kernel refused the dump: {}",
+                    std::io::Error::from_raw_os_error(errno)
+                ))
+            }
+            Err(e) => return self.stop_scan(&e),
+        }
+        if unfiltered {
+            return self.stop_scan(
+                "this kernel does not filter conntrack dumps by status (Linux 5.19+), and                  reading every entry each second costs too much",
+            );
+        }
+        self.pending.retain(|id, _| seen.contains(id));
+        let after = UNANSWERED_AFTER.as_nanos() as u64;
+        let mut by_endpoint: HashMap<IpAddr, (usize, u64)> = HashMap::new();
+        for (ip, first) in self.pending.values() {
+            if now.saturating_sub(*first) >= after {
+                let e = by_endpoint.entry(*ip).or_insert((0, u64::MAX));
+                e.0 += 1;
+                e.1 = e.1.min(*first);
+            }
+        }
+        for (ip, (n, since)) in by_endpoint {
+            if n < UNANSWERED_MIN || self.watched.contains_key(&ip) {
+                continue;
+            }
+            self.watch(ip, Some(None));
+            self.say(ip, AddrWhy::Unanswered, since);
+        }
+    }
+
+    fn stop_scan(&mut self, why: &str) {
+        tracing::warn!(
+            why,
+            "endpoints that stop answering (on other nodes too) are not followed; those gone              from this node still are"
+        );
+        self.scan = false;
+        self.pending.clear();
     }
 
     /// The entries DNATed to `addr` (their reply comes from it), at most [`MAX_LISTED`], and
     /// how many more.
-    fn read(&mut self, addr: IpAddr) -> Result<(Vec<crate::event::CtEntry>, u32), String> {
+    fn read(&mut self, addr: IpAddr) -> Result<(Vec<CtEntry>, u32), String> {
         loop {
             self.seq = self.seq.wrapping_add(1);
-            self.sock
-                .send(&ct_entry::dump_request(self.seq, addr, self.filter), 0)
-                .map_err(|e| format!("cannot ask for the conntrack entries: {e}"))?;
+            let request = ct_entry::dump_request(self.seq, addr, self.filter);
             let (mut entries, mut more) = (Vec::new(), 0u32);
-            let mut refused = None;
-            'dump: loop {
-                self.buf.clear();
-                self.sock.recv(&mut self.buf, 0).map_err(|e| {
-                    format!("cannot read the conntrack dump: {e} (needs CAP_NET_ADMIN)")
-                })?;
-                for m in ct_entry::messages(&self.buf)? {
-                    match m {
-                        CtMsg::Entry(e) => {
-                            if e.reply_src.ip() != addr || e.status & IPS_DST_NAT == 0 {
-                                continue;
-                            }
-                            if entries.len() < MAX_LISTED {
-                                entries.push(e);
-                            } else {
-                                more = more.saturating_add(1);
-                            }
-                        }
-                        CtMsg::Done => break 'dump,
-                        CtMsg::Error(errno) => {
-                            refused = Some(errno);
-                            break 'dump;
-                        }
-                        CtMsg::Other => {}
-                    }
+            let refused = dump(&self.sock, &mut self.buf, &request, |e| {
+                if e.reply_src.ip() != addr || e.status & IPS_DST_NAT == 0 {
+                    return;
                 }
-            }
+                if entries.len() < MAX_LISTED {
+                    entries.push(e);
+                } else {
+                    more = more.saturating_add(1);
+                }
+            })?;
             match refused {
                 None => return Ok((entries, more)),
                 // No conntrack in this namespace (the module not loaded): nothing to list.
@@ -218,6 +334,45 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// Sends `request` and hands every entry of the answer to `each`; the kernel's refusal as
+/// its errno.
+fn dump(
+    sock: &netlink_sys::Socket,
+    buf: &mut Vec<u8>,
+    request: &[u8],
+    mut each: impl FnMut(CtEntry),
+) -> Result<Option<i32>, String> {
+    sock.send(request, 0)
+        .map_err(|e| format!("cannot ask for the conntrack entries: {e}"))?;
+    loop {
+        buf.clear();
+        sock.recv(buf, 0)
+            .map_err(|e| format!("cannot read the conntrack dump: {e} (needs CAP_NET_ADMIN)"))?;
+        for m in ct_entry::messages(buf)? {
+            match m {
+                CtMsg::Entry(e) => each(e),
+                CtMsg::Done => return Ok(None),
+                CtMsg::Error(errno) => return Ok(Some(errno)),
+                CtMsg::Other => {}
+            }
+        }
+    }
+}
+
+/// A connection sent to an unanswered endpoint after its first read was answered. The first
+/// call keeps the entries there were (answered before it went quiet, or not at all).
+fn answered_again(first: &mut Option<HashSet<u32>>, entries: &[CtEntry]) -> bool {
+    match first {
+        None => {
+            *first = Some(entries.iter().map(|e| e.id).collect());
+            false
+        }
+        Some(known) => entries
+            .iter()
+            .any(|e| e.replied() && !known.contains(&e.id)),
     }
 }
 

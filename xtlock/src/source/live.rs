@@ -62,6 +62,7 @@ struct Tap {
     addrs: Option<super::addrs::AddrWatcher>,
     /// Conntrack entries DNATed to addresses gone (see `source/ct_entries.rs`).
     ct: Option<super::ct_entries::CtWatch>,
+    ipvs_table: Option<super::ipvs_table::IpvsReader>,
 }
 
 impl LiveSource {
@@ -214,6 +215,12 @@ impl LiveSource {
             Err(e) => {
                 tracing::warn!(error = %e, "cannot open an rtnetlink socket: addresses that vanish from this node are not followed");
                 return;
+            }
+        }
+        match super::ipvs_table::IpvsReader::start(super::addrs::own_netns()) {
+            Ok(r) => self.tap.ipvs_table = Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot open a generic netlink socket: IPVS real servers are not checked for dead endpoints")
             }
         }
         match super::ct_entries::CtWatch::start(super::addrs::own_netns()) {
@@ -445,6 +452,9 @@ impl Tap {
         }
         if let Some(c) = self.ct.as_mut() {
             c.poll(&mut tables);
+        }
+        if let Some(r) = self.ipvs_table.as_mut() {
+            r.poll(&mut tables);
         }
         self.add_tables(tables, out);
     }

@@ -10,6 +10,7 @@ pub mod ct_entries;
 pub mod drops;
 pub mod file;
 pub mod ipvs;
+pub mod ipvs_table;
 pub mod live;
 pub mod pods;
 pub mod procfs;

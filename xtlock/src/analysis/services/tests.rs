@@ -513,3 +513,143 @@ fn a_window_is_said_when_it_opens_before_it_closes() {
     assert_eq!(o.len(), 1, "{w:?}");
     assert_eq!((o[0].ts_ns, o[0].gone_ns), (22 * S, 20 * S));
 }
+
+/// An endpoint on another node: no address of this node vanishes, but conntrack showed its
+/// connections unanswered. Its window opens in the namespace whose conntrack saw it (not in
+/// another that routes to the same address), and ends when it answers again, without making
+/// it a new endpoint.
+#[test]
+fn an_unanswered_endpoint_is_dead_where_it_went_unanswered_until_it_answers() {
+    let mut t = ServiceTracker::default();
+    let remote = [("KUBE-SEP-R", "10.244.2.5:8080")];
+    t.on_table(&nat(S, 10, &remote), &mut |_| {});
+    let mut other = nat(S, 10, &remote);
+    other.netns = NS + 1;
+    t.on_table(&other, &mut |_| {});
+    let mut opened = Vec::new();
+    let got = facts(&mut t, |t, v| {
+        let mut quiet = gone(3 * S, "10.244.2.5");
+        quiet.why = AddrWhy::Unanswered;
+        quiet.link = String::new();
+        t.on_addr(&quiet, &mut |o| {
+            if let Output::StaleEndpointOpen(f) = &o {
+                opened.push((f.netns, f.gone));
+            }
+            v.push(o)
+        });
+        let mut back = quiet.clone();
+        back.ts_ns = 9 * S;
+        back.why = AddrWhy::Answering;
+        t.on_addr(&back, &mut |o| v.push(o));
+    });
+    assert_eq!(opened, [(NS, "unanswered")]);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].netns, got[0].stale_ns), (NS, 6 * S));
+    assert!(got[0].still_routed);
+    assert!(t.up.is_empty(), "answering again is not a new endpoint");
+}
+
+fn ipvs(ts_ns: u64, dests: &[(&str, u32)]) -> crate::event::IpvsTable {
+    crate::event::IpvsTable {
+        ts_ns,
+        netns: NS,
+        services: vec![crate::event::IpvsService {
+            proto: 17,
+            addr: Some("10.96.0.10:53".parse().expect("vip")),
+            fwmark: 0,
+            dests: dests
+                .iter()
+                .map(|(a, w)| crate::event::IpvsDest {
+                    addr: a.parse().expect("dest"),
+                    weight: *w,
+                    active: 0,
+                    inactive: 0,
+                })
+                .collect(),
+        }],
+    }
+}
+
+/// kube-proxy's ipvs mode: a real server whose pod is gone, still of weight 1, is routed to
+/// until ipvsadm sets it to weight 0 (graceful termination: no new connections), which the
+/// hooks name; a real server already at weight 0 routes nothing.
+#[test]
+fn an_ipvs_real_server_whose_address_is_gone_is_stale_until_its_weight_is_0() {
+    let mut t = ServiceTracker::default();
+    let mut drained = Vec::new();
+    t.on_ipvs(
+        &ipvs(
+            S,
+            &[
+                ("10.244.1.5:5353", 1),
+                ("10.244.1.6:5353", 1),
+                ("10.244.1.7:5353", 0),
+            ],
+        ),
+        &mut |_| {},
+    );
+    assert_eq!(t.summary().endpoints, 2);
+    let got = facts(&mut t, |t, v| {
+        t.on_addr(&gone(2 * S, "10.244.1.5"), &mut |o| v.push(o));
+        t.on_addr(&gone(2 * S, "10.244.1.7"), &mut |o| v.push(o));
+        t.observe(&Output::Ipvs(crate::analysis::facts::IpvsFact {
+            ts_ns: 3 * S,
+            event: "dest_edited",
+            protocol: "udp",
+            service: "10.96.0.10:53".into(),
+            backend: "10.244.1.5:5353".into(),
+            client: None,
+            weight: 0,
+            pid: Some(42),
+            comm: Some("ipvsadm".into()),
+            ret: Some(0),
+            backend_state: None,
+            action: None,
+            packets: None,
+            first_packet_ns: None,
+            last_packet_ns: None,
+            entry_left_ns: None,
+            expired_ns: None,
+            change: None,
+        }));
+        t.on_ipvs(
+            &ipvs(
+                3 * S + 400_000_000,
+                &[("10.244.1.5:5353", 0), ("10.244.1.6:5353", 1)],
+            ),
+            &mut |o| v.push(o),
+        );
+        t.tick(10 * S, &mut |o| v.push(o));
+        // Drained and removed 2 s after its weight went to 0.
+        t.on_ipvs(
+            &ipvs(5 * S + 400_000_000, &[("10.244.1.6:5353", 1)]),
+            &mut |o| v.push(o),
+        );
+        drained.extend(v.iter().filter_map(|o| match o {
+            Output::IpvsDrained(d) => Some(d.clone()),
+            _ => None,
+        }));
+    });
+    // 10.244.1.7 was at weight 0 from the first read, and 10.244.1.5 from its second.
+    assert_eq!(drained.len(), 2, "{drained:?}");
+    let d = drained
+        .iter()
+        .find(|d| d.endpoint == "10.244.1.5:5353")
+        .expect("drained");
+    assert_eq!(
+        (d.drained_ns, d.removed, d.gone),
+        (2 * S, true, Some("link deleted"))
+    );
+    assert_eq!(got.len(), 1, "{got:?}");
+    let f = &got[0];
+    assert_eq!(
+        (f.service.as_str(), f.endpoint.as_str()),
+        ("udp/10.96.0.10:53", "10.244.1.5:5353")
+    );
+    assert_eq!(f.stale_ns, S);
+    let fix = f.fix.as_ref().expect("fixed");
+    assert_eq!(
+        (fix.pid, fix.agent.as_ref(), fix.exact),
+        (42, "ipvsadm", true)
+    );
+}

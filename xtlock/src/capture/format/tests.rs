@@ -401,3 +401,75 @@ fn file_header_layout() {
         serde_json::from_str(r#"{"hostname":"a","from_the_future":[1]}"#).unwrap();
     assert_eq!(back.hostname, "a");
 }
+
+/// Kind 16: an endpoint said unanswered, then answering, round-trips; its flag is 0 or 1.
+#[test]
+fn endpoint_answers_records_round_trip() {
+    for why in [
+        crate::event::AddrWhy::Unanswered,
+        crate::event::AddrWhy::Answering,
+    ] {
+        let ev = Event::Addr(Box::new(crate::event::AddrPresence {
+            ts_ns: 7,
+            netns: 4026531840,
+            addr: "10.244.2.5".parse().unwrap(),
+            why,
+            link: String::new(),
+            live: true,
+        }));
+        let mut b = Vec::new();
+        assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_ENDPOINT_ANSWERS));
+        assert_eq!(decode_drop_event(KIND_ENDPOINT_ANSWERS, &b).unwrap(), ev);
+        let mut bad = b.clone();
+        *bad.last_mut().unwrap() = 2;
+        assert!(decode_drop_event(KIND_ENDPOINT_ANSWERS, &bad).is_err());
+    }
+}
+
+/// Kind 17: an IPVS table round-trips (an address service, a firewall-mark one); damage is an
+/// error, never a panic or a huge allocation.
+#[test]
+fn ipvs_table_records_round_trip() {
+    use crate::event::{IpvsDest, IpvsService, IpvsTable};
+    let ev = Event::IpvsTable(Box::new(IpvsTable {
+        ts_ns: 9,
+        netns: 4026531840,
+        services: vec![
+            IpvsService {
+                proto: 6,
+                addr: Some("10.96.0.10:80".parse().unwrap()),
+                fwmark: 0,
+                dests: vec![
+                    IpvsDest {
+                        addr: "10.244.1.5:8080".parse().unwrap(),
+                        weight: 1,
+                        active: 2,
+                        inactive: 3,
+                    },
+                    IpvsDest {
+                        addr: "[fd00::5]:8080".parse().unwrap(),
+                        weight: 0,
+                        active: 0,
+                        inactive: 0,
+                    },
+                ],
+            },
+            IpvsService {
+                proto: 0,
+                addr: None,
+                fwmark: 5,
+                dests: Vec::new(),
+            },
+        ],
+    }));
+    let mut b = Vec::new();
+    assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_IPVS_TABLE));
+    assert_eq!(decode_drop_event(KIND_IPVS_TABLE, &b).unwrap(), ev);
+    for cut in 0..b.len() {
+        assert!(decode_drop_event(KIND_IPVS_TABLE, &b[..cut]).is_err());
+    }
+    // A service count far past the bytes left.
+    let mut huge = b[..b.len()].to_vec();
+    huge[6] = 0xff;
+    let _ = decode_drop_event(KIND_IPVS_TABLE, &huge);
+}

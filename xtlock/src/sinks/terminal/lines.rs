@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::facts::{
-    EndpointProgrammedFact, StaleEndpointFact, StaleEndpointOpenFact, StaleFix,
+    EndpointProgrammedFact, IpvsDrainedFact, StaleEndpointFact, StaleEndpointOpenFact, StaleFix,
 };
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
@@ -13,6 +13,7 @@ use crate::analysis::{
     RefusalKind, StallFact, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
 use crate::capture::thousands;
+use crate::event::AddrWhy;
 
 pub(crate) fn on_lock(lock: &str) -> String {
     if lock == DEFAULT_LOCK {
@@ -923,18 +924,58 @@ pub(crate) fn endpoint_programmed_text(f: &EndpointProgrammedFact) -> String {
     s
 }
 
+/// "udp/10.96.0.10:53 real server 10.0.1.5:53 at weight 0 for 5.20 s until it was removed
+/// (2 connections left at the last read; its address gone: link deleted)".
+pub(crate) fn ipvs_drained_text(f: &IpvsDrainedFact) -> String {
+    let mut s = format!(
+        "{} real server {} at weight 0 for {} {}",
+        f.service,
+        f.endpoint,
+        human_ns(f.drained_ns),
+        if f.removed {
+            "until it was removed"
+        } else {
+            "and still there when tracing ended"
+        }
+    );
+    let conns = u64::from(f.active) + u64::from(f.inactive);
+    let _ = write!(
+        s,
+        " ({} connection{} left at the last read: {} active, {} inactive",
+        conns,
+        if conns == 1 { "" } else { "s" },
+        f.active,
+        f.inactive
+    );
+    if let Some(gone) = f.gone {
+        let _ = write!(s, "; its address gone: {gone}");
+    }
+    s.push(')');
+    s
+}
+
+/// Why an endpoint anywhere is said dead: what conntrack showed.
+const UNANSWERED_WHY: &str = "its TCP connections got no reply";
+
 /// "!! default/web:http routes to 10.244.1.7:8080, gone from the node (link deleted:
 /// veth1a2b): its clients fail until a rule write stops routing there" (with "for 2.10 s
 /// already" when a read found the route after the endpoint was gone).
 pub(crate) fn stale_endpoint_open_text(f: &StaleEndpointOpenFact) -> String {
-    let mut s = format!(
-        "!! {} routes to {}, gone from the node ({}{}{})",
-        f.service,
-        f.endpoint,
-        f.gone,
-        if f.link.is_empty() { "" } else { ": " },
-        f.link
-    );
+    let mut s = if f.gone == AddrWhy::Unanswered.as_str() {
+        format!(
+            "!! {} routes to {}, which stopped answering ({})",
+            f.service, f.endpoint, UNANSWERED_WHY
+        )
+    } else {
+        format!(
+            "!! {} routes to {}, gone from the node ({}{}{})",
+            f.service,
+            f.endpoint,
+            f.gone,
+            if f.link.is_empty() { "" } else { ": " },
+            f.link
+        )
+    };
     let already = f.ts_ns.saturating_sub(f.gone_ns);
     if already > 0 {
         let _ = write!(s, " for {} already", human_ns(already));
@@ -948,8 +989,18 @@ pub(crate) fn stale_endpoint_open_text(f: &StaleEndpointOpenFact) -> String {
 /// kube-proxy's iptables-legacy-restore (pid 42), which waited 1.41 s behind calico-node,
 /// then held the lock 12.0 ms".
 pub(crate) fn stale_endpoint_text(f: &StaleEndpointFact) -> String {
+    let after = if f.gone == AddrWhy::Unanswered.as_str() {
+        format!("after it stopped answering ({UNANSWERED_WHY})")
+    } else {
+        format!(
+            "after it was gone ({}{}{})",
+            f.gone,
+            if f.link.is_empty() { "" } else { ": " },
+            f.link
+        )
+    };
     let mut s = format!(
-        "!! {} {} to {} for {} after it was gone ({}{}{})",
+        "!! {} {} to {} for {} {after}",
         f.service,
         if f.still_routed {
             "still routed"
@@ -958,9 +1009,6 @@ pub(crate) fn stale_endpoint_text(f: &StaleEndpointFact) -> String {
         },
         f.endpoint,
         human_ns(f.stale_ns),
-        f.gone,
-        if f.link.is_empty() { "" } else { ": " },
-        f.link
     );
     if f.connections > 0 {
         let outcomes: Vec<String> = f

@@ -530,6 +530,15 @@ fn stale_endpoint_line_says_unanswered_and_conntrack_flows() {
     f.outcomes = [("unanswered".to_string(), 10)].into_iter().collect();
     f.conntrack = None;
     assert!(stale_endpoint_text(&f).contains(": 10 connections unanswered (unanswered 10);"));
+    f.gone = "unanswered";
+    f.link = String::new();
+    assert!(
+        stale_endpoint_text(&f).contains(
+            " after it stopped answering (its TCP connections got no reply): 10 connections"
+        ),
+        "{}",
+        stale_endpoint_text(&f)
+    );
 }
 
 #[test]
@@ -551,4 +560,13 @@ fn an_open_stale_window_says_what_clients_get_now() {
     // Found by a read after the endpoint was gone.
     f.ts_ns += 2_100_000_000;
     assert!(stale_endpoint_open_text(&f).contains("(link deleted: veth1a2b) for 2.10 s already:"));
+    // An endpoint anywhere whose connections went unanswered.
+    f.ts_ns = f.gone_ns;
+    f.gone = "unanswered";
+    f.link = String::new();
+    assert_eq!(
+        stale_endpoint_open_text(&f),
+        "!! default/web:http routes to 10.244.1.7:8080, which stopped answering (its TCP \
+         connections got no reply): its clients fail until a rule write stops routing there"
+    );
 }

@@ -604,3 +604,47 @@ fn live_pod_deletion() {
         (seen - t0) as f64 / 1e6,
     );
 }
+
+/// A pod on a routed veth (no bridge): deleting the veth flushes its neighbour first, then
+/// deletes the link; the pod is gone with the link, at the flush. A neighbour collected on a
+/// link that stays, or whose link goes much later, is only forgotten.
+#[test]
+fn neighbour_flushed_with_its_link_is_gone() {
+    let mut st = AddrState::new(4026531840);
+    let mut out = Vec::new();
+    st.begin_dump();
+    st.apply(link(7, "xin1"), 1, &mut out);
+    st.apply(link(8, "xin2"), 1, &mut out);
+    st.end_dump(2, &mut out);
+    st.apply(neigh(7, "10.0.1.5", Some(MAC1), REACHABLE), 3, &mut out);
+    st.apply(neigh(8, "10.0.2.6", Some(MAC2), REACHABLE), 3, &mut out);
+    out.clear();
+    let del = |link, addr: &str| Msg::NeighDeleted {
+        link,
+        addr: ip(addr),
+    };
+    st.apply(del(7, "10.0.1.5"), 100, &mut out);
+    st.apply(del(8, "10.0.2.6"), 100, &mut out);
+    assert!(out.is_empty(), "{out:?}");
+    st.apply(
+        Msg::LinkDeleted {
+            index: 7,
+            name: "xin1".into(),
+        },
+        150,
+        &mut out,
+    );
+    assert_eq!(said(&out), [one("10.0.1.5", AddrWhy::LinkDeleted, "xin1")]);
+    assert_eq!(out[0].ts_ns, 100);
+    out.clear();
+    // xin2's neighbour was collected; its link goes 2 s later.
+    st.apply(
+        Msg::LinkDeleted {
+            index: 8,
+            name: "xin2".into(),
+        },
+        2_000_000_200,
+        &mut out,
+    );
+    assert!(out.is_empty(), "{out:?}");
+}
