@@ -43,6 +43,7 @@ impl IpvsReader {
             family: None,
             seq: 0,
             last: None,
+            warned: false,
             buf: Vec::with_capacity(1 << 16),
         };
         std::thread::Builder::new()
@@ -65,6 +66,8 @@ struct Worker {
     seq: u32,
     /// The last table handed over.
     last: Option<Vec<IpvsService>>,
+    /// The last read failed, and said so.
+    warned: bool,
     buf: Vec<u8>,
 }
 
@@ -75,10 +78,19 @@ impl Worker {
             // Asking for the family without the module would load it.
             if Path::new("/sys/module/ip_vs").exists() {
                 match self.read() {
-                    Ok(services) => self.hand_over(services),
+                    Ok(services) => {
+                        self.hand_over(services);
+                        self.warned = false;
+                    }
+                    // Said once until a read works again (the module may be unloading); the
+                    // family is asked for anew.
                     Err(e) => {
-                        tracing::warn!(error = %e, "cannot read the IPVS table: IPVS real servers are not checked for dead endpoints");
-                        return;
+                        if !self.warned {
+                            tracing::warn!(error = %e, "cannot read the IPVS table: IPVS real servers are not checked for dead endpoints until it can");
+                        }
+                        self.warned = true;
+                        self.family = None;
+                        self.drain();
                     }
                 }
             } else if self.last.as_ref().is_some_and(|l| !l.is_empty()) {
@@ -86,6 +98,16 @@ impl Worker {
                 self.hand_over(Vec::new());
             }
             std::thread::sleep(PERIOD.max(start.elapsed() * BUDGET));
+        }
+    }
+
+    /// Whatever is left of an answer that failed halfway, so the next one starts clean.
+    fn drain(&mut self) {
+        loop {
+            self.buf.clear();
+            if self.sock.recv(&mut self.buf, libc::MSG_DONTWAIT).is_err() || self.buf.is_empty() {
+                return;
+            }
         }
     }
 
