@@ -269,7 +269,8 @@ impl Worker {
         }
         if unfiltered {
             return self.stop_scan(
-                "this kernel does not filter conntrack dumps by status (Linux 5.19+), and                  reading every entry each second costs too much",
+                "this kernel does not filter conntrack dumps by status (Linux 5.19+), and reading \
+                 every entry each second costs too much",
             );
         }
         self.pending.retain(|id, _| seen.contains(id));
@@ -294,7 +295,8 @@ impl Worker {
     fn stop_scan(&mut self, why: &str) {
         tracing::warn!(
             why,
-            "endpoints that stop answering (on other nodes too) are not followed; those gone              from this node still are"
+            "endpoints that stop answering (on other nodes too) are not followed; those gone \
+             from this node still are"
         );
         self.scan = false;
         self.pending.clear();
