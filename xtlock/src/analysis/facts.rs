@@ -1069,6 +1069,22 @@ pub struct StaleFix {
     pub hold_ns: Option<u64>,
 }
 
+impl StaleFix {
+    /// No write was seen: the read at `ts_ns` (after `pid`'s exit, or 0) found the route gone.
+    pub fn unseen(ts_ns: u64, pid: u32) -> Self {
+        StaleFix {
+            ts_ns,
+            exact: false,
+            pid,
+            agent: SharedStr::from(""),
+            program: String::new(),
+            wait_ns: 0,
+            behind: Vec::new(),
+            hold_ns: None,
+        }
+    }
+}
+
 /// A Service kept routing to an endpoint after the endpoint was gone from this node:
 /// `{"type":"stale_endpoint",...}`. From the rule reads (where each Service routes) and
 /// rtnetlink (when the address vanished); the connections are the node's exact refusal

@@ -12,9 +12,10 @@
 //! **Dead endpoints**: an address that vanished from this node (`Event::Addr`: the pod's
 //! veth deleted, its host route or address gone, its neighbour failed), or an endpoint
 //! anywhere whose DNATed connections go unanswered (conntrack, `AddrWhy::Unanswered`: how
-//! pods on other nodes are seen dead), while a Service still routes to it opens a window; the first read that no longer routes to it closes it, with
-//! the write that did it (the last rule write of that netns by the reading's writer) and why
-//! the fix came late (the writer's wait for the lock, behind whom, and its own hold). The
+//! pods on other nodes are seen dead), while a Service still routes to it opens a window;
+//! the first read that no longer routes to it closes it, with the write that did it (the
+//! last rule write of that netns by the reading's writer) and why the fix came late (the
+//! writer's wait for the lock, behind whom, and its own hold). The
 //! connections the node refused meanwhile (exact counts of ICMP unreachable and resets to that
 //! endpoint, from the refusal counters) are added until [`GRACE_NS`] after the fix: a
 //! neighbour's resolution fails seconds after the SYN that started it.
@@ -77,12 +78,6 @@ struct Drain {
     since_ns: u64,
     active: u32,
     inactive: u32,
-}
-
-/// The netns and time of a read of rules or of IPVS.
-struct Read {
-    netns: u32,
-    ts_ns: u64,
 }
 
 /// An IPVS change the hooks saw (the writer of a real server's removal or weight).
@@ -413,25 +408,12 @@ impl ServiceTracker {
             .find(|c| c.ts_ns <= ts_ns && c.ts_ns >= self.ipvs_read_ns);
         match change {
             Some(c) => StaleFix {
-                ts_ns: c.ts_ns,
                 exact: true,
-                pid: c.pid,
                 agent: c.agent.clone(),
                 program: c.program.clone(),
-                wait_ns: 0,
-                behind: Vec::new(),
-                hold_ns: None,
+                ..StaleFix::unseen(c.ts_ns, c.pid)
             },
-            None => StaleFix {
-                ts_ns,
-                exact: false,
-                pid: 0,
-                agent: SharedStr::from(""),
-                program: String::new(),
-                wait_ns: 0,
-                behind: Vec::new(),
-                hold_ns: None,
-            },
+            None => StaleFix::unseen(ts_ns, 0),
         }
     }
 
@@ -455,9 +437,8 @@ impl ServiceTracker {
         if let Some(ipvs) = self.ipvs.get(&netns) {
             now.extend(ipvs.iter().cloned());
         }
-        let t = Read { netns, ts_ns };
         // Routes to addresses already gone open windows (a write that re-added one).
-        let before = self.routed.get(&t.netns);
+        let before = self.routed.get(&netns);
         let added: Vec<Route> = now
             .iter()
             .filter(|r| before.is_none_or(|b| !b.contains(*r)))
@@ -468,13 +449,13 @@ impl ServiceTracker {
         let mut programmed: Vec<IpAddr> = Vec::new();
         for (service, ep) in added {
             if let Some((since, why, link)) = self.gone.get(&ep.ip()).cloned() {
-                self.open(t.ts_ns, t.netns, service, ep, since, why, link, out);
+                self.open(ts_ns, netns, service, ep, since, why, link, out);
                 continue;
             }
             let Some((up_ns, how, link)) = self.up.get(&ep.ip()).cloned() else {
                 continue;
             };
-            if up_ns > t.ts_ns {
+            if up_ns > ts_ns {
                 continue;
             }
             programmed.push(ep.ip());
@@ -486,7 +467,7 @@ impl ServiceTracker {
             let at = if fix.exact && fix.ts_ns >= up_ns {
                 fix.ts_ns
             } else {
-                t.ts_ns
+                ts_ns
             };
             let mut write = fix.clone();
             if at != fix.ts_ns {
@@ -495,7 +476,7 @@ impl ServiceTracker {
             }
             let f = EndpointProgrammedFact {
                 ts_ns: up_ns,
-                netns: t.netns,
+                netns,
                 service,
                 endpoint: ep.to_string(),
                 up: how.as_str(),
@@ -515,9 +496,7 @@ impl ServiceTracker {
         }
         // Windows whose route this read no longer has: fixed by the reading's writer.
         self.windows.retain_mut(|w| {
-            if w.netns != t.netns
-                || w.fix.is_some()
-                || now.contains(&(w.service.clone(), w.endpoint))
+            if w.netns != netns || w.fix.is_some() || now.contains(&(w.service.clone(), w.endpoint))
             {
                 return true;
             }
@@ -528,7 +507,7 @@ impl ServiceTracker {
             w.fix = Some(fix.clone());
             true
         });
-        self.routed.insert(t.netns, now);
+        self.routed.insert(netns, now);
     }
 
     /// The write a read follows: the last rule write of its netns by its writer (else the
@@ -546,16 +525,7 @@ impl ServiceTracker {
                     .find(|w| w.netns == t.netns && w.ts_ns <= t.ts_ns)
             });
         let Some(w) = write else {
-            return StaleFix {
-                ts_ns: t.ts_ns,
-                exact: false,
-                pid: t.after_pid,
-                agent: SharedStr::from(""),
-                program: String::new(),
-                wait_ns: 0,
-                behind: Vec::new(),
-                hold_ns: None,
-            };
+            return StaleFix::unseen(t.ts_ns, t.after_pid);
         };
         let wait = self
             .waits

@@ -265,6 +265,12 @@ fn get_varint_long(b: &[u8], pos: &mut usize) -> Option<u64> {
 }
 
 /// An address: its family (4, 6), then its bytes.
+/// An address as [`put_ip`] writes it, then its port (a varint).
+fn put_sock(out: &mut Vec<u8>, a: std::net::SocketAddr) {
+    put_ip(out, a.ip());
+    put_varint(out, u64::from(a.port()));
+}
+
 fn put_ip(out: &mut Vec<u8>, a: std::net::IpAddr) {
     match a {
         std::net::IpAddr::V4(v) => {
@@ -324,6 +330,14 @@ impl<'a> Body<'a> {
         let s = &self.b[self.pos..self.pos + len as usize];
         self.pos += len as usize;
         Ok(s)
+    }
+
+    /// An address and port as [`put_sock`] writes them.
+    fn sock(&mut self, what: &'static str) -> Result<std::net::SocketAddr, String> {
+        let ip = self.ip(what)?;
+        let port =
+            u16::try_from(self.varint(what)?).map_err(|_| format!("{what}: port out of range"))?;
+        Ok(std::net::SocketAddr::new(ip, port))
     }
 
     /// An address as [`put_ip`] writes it: its family (4, 6), then its bytes.
@@ -761,8 +775,7 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
                 match svc.addr {
                     Some(a) => {
                         put_varint(out, 1);
-                        put_ip(out, a.ip());
-                        put_varint(out, u64::from(a.port()));
+                        put_sock(out, a);
                     }
                     None => {
                         put_varint(out, 0);
@@ -773,8 +786,7 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
                 dests_left -= dests.len();
                 put_varint(out, dests.len() as u64);
                 for d in dests {
-                    put_ip(out, d.addr.ip());
-                    put_varint(out, u64::from(d.addr.port()));
+                    put_sock(out, d.addr);
                     put_varint(out, u64::from(d.weight));
                     put_varint(out, u64::from(d.active));
                     put_varint(out, u64::from(d.inactive));
@@ -795,8 +807,7 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
                 put_varint(out, u64::from(e.tcp_state));
                 put_varint(out, u64::from(e.status));
                 for a in [e.orig_src, e.orig_dst, e.reply_src] {
-                    put_ip(out, a.ip());
-                    put_varint(out, u64::from(a.port()));
+                    put_sock(out, a);
                 }
                 put_varint(out, e.packets);
                 put_varint(out, u64::from(e.timeout_s));
@@ -1143,12 +1154,7 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
             for _ in 0..n {
                 let proto = small(r.varint("proto")?, "proto")?;
                 let (addr, fwmark) = match r.varint("has_addr")? {
-                    1 => {
-                        let ip = r.ip("addr")?;
-                        let port = u16::try_from(r.varint("port")?)
-                            .map_err(|_| "service port out of range".to_string())?;
-                        (Some(std::net::SocketAddr::new(ip, port)), 0)
-                    }
+                    1 => (Some(r.sock("service")?), 0),
                     0 => (None, r.u32("fwmark")?),
                     v => return Err(format!("has_addr is {v}, not 0 or 1")),
                 };
@@ -1159,11 +1165,8 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 dests_left -= m;
                 let mut dests = Vec::with_capacity((m as usize).min(r.remaining()));
                 for _ in 0..m {
-                    let ip = r.ip("dest")?;
-                    let port = u16::try_from(r.varint("dest port")?)
-                        .map_err(|_| "real server port out of range".to_string())?;
                     dests.push(crate::event::IpvsDest {
-                        addr: std::net::SocketAddr::new(ip, port),
+                        addr: r.sock("real server")?,
                         weight: r.u32("weight")?,
                         active: r.u32("active")?,
                         inactive: r.u32("inactive")?,
@@ -1200,15 +1203,9 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                     status: r.u32("status")?,
                     ..Default::default()
                 };
-                let mut sock = |what| -> Result<std::net::SocketAddr, String> {
-                    let ip = r.ip(what)?;
-                    let port = u16::try_from(r.varint(what)?)
-                        .map_err(|_| format!("{what}: port out of range"))?;
-                    Ok(std::net::SocketAddr::new(ip, port))
-                };
-                e.orig_src = sock("orig_src")?;
-                e.orig_dst = sock("orig_dst")?;
-                e.reply_src = sock("reply_src")?;
+                e.orig_src = r.sock("orig_src")?;
+                e.orig_dst = r.sock("orig_dst")?;
+                e.reply_src = r.sock("reply_src")?;
                 e.packets = r.varint("packets")?;
                 e.timeout_s = r.u32("timeout")?;
                 entries.push(e);

@@ -64,7 +64,7 @@ pub enum CtMsg {
     Other,
 }
 
-fn put_attr(b: &mut Vec<u8>, kind: u16, value: &[u8]) {
+pub(super) fn put_attr(b: &mut Vec<u8>, kind: u16, value: &[u8]) {
     let len = 4 + value.len();
     b.extend_from_slice(&(len as u16).to_ne_bytes());
     b.extend_from_slice(&kind.to_ne_bytes());
@@ -72,7 +72,7 @@ fn put_attr(b: &mut Vec<u8>, kind: u16, value: &[u8]) {
     b.resize(b.len().div_ceil(4) * 4, 0);
 }
 
-fn nested(kind: u16, inner: &[u8]) -> Vec<u8> {
+pub(super) fn nested(kind: u16, inner: &[u8]) -> Vec<u8> {
     let mut b = Vec::new();
     put_attr(&mut b, kind | NLA_F_NESTED, inner);
     b

@@ -5,7 +5,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use super::ct_entry::{attrs, be, framed};
+use super::ct_entry::{attrs, be, framed, nested, put_attr};
 use super::nft_table::{
     nlmsg_errno, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR, NLM_F_DUMP, NLM_F_REQUEST,
 };
@@ -34,7 +34,6 @@ const IPVS_DEST_ATTR_WEIGHT: u16 = 4;
 const IPVS_DEST_ATTR_ACTIVE_CONNS: u16 = 7;
 const IPVS_DEST_ATTR_INACT_CONNS: u16 = 8;
 const IPVS_DEST_ATTR_ADDR_FAMILY: u16 = 11;
-const NLA_F_NESTED: u16 = 0x8000;
 
 /// One message of an answer.
 #[derive(Debug, PartialEq, Eq)]
@@ -47,14 +46,6 @@ pub enum IpvsMsg {
     /// The kernel refused (`errno`): `ENOENT` when no family of that name is registered.
     Error(i32),
     Other,
-}
-
-fn put_attr(b: &mut Vec<u8>, kind: u16, value: &[u8]) {
-    let len = 4 + value.len();
-    b.extend_from_slice(&(len as u16).to_ne_bytes());
-    b.extend_from_slice(&kind.to_ne_bytes());
-    b.extend_from_slice(value);
-    b.resize(b.len().div_ceil(4) * 4, 0);
 }
 
 fn message(ty: u16, flags: u16, seq: u32, cmd: u8, version: u8, attrs: &[u8]) -> Vec<u8> {
@@ -93,11 +84,7 @@ pub fn services_request(family: u16, seq: u32) -> Vec<u8> {
 /// address and port, or the firewall mark).
 pub fn dests_request(family: u16, seq: u32, svc: &IpvsService) -> Vec<u8> {
     let mut s = Vec::new();
-    let af = match svc.addr {
-        Some(SocketAddr::V6(_)) => libc::AF_INET6 as u16,
-        _ => libc::AF_INET as u16,
-    };
-    put_attr(&mut s, IPVS_SVC_ATTR_AF, &af.to_ne_bytes());
+    put_attr(&mut s, IPVS_SVC_ATTR_AF, &service_af(svc).to_ne_bytes());
     match svc.addr {
         Some(a) => {
             put_attr(
@@ -110,15 +97,13 @@ pub fn dests_request(family: u16, seq: u32, svc: &IpvsService) -> Vec<u8> {
         }
         None => put_attr(&mut s, IPVS_SVC_ATTR_FWMARK, &svc.fwmark.to_ne_bytes()),
     }
-    let mut a = Vec::new();
-    put_attr(&mut a, IPVS_CMD_ATTR_SERVICE | NLA_F_NESTED, &s);
     message(
         family,
         NLM_F_REQUEST | NLM_F_DUMP,
         seq,
         IPVS_CMD_GET_DEST,
         IPVS_GENL_VERSION,
-        &a,
+        &nested(IPVS_CMD_ATTR_SERVICE, &s),
     )
 }
 
@@ -265,12 +250,6 @@ mod tests {
 
     fn answer(ty: u16, cmd: u8, attrs: &[u8]) -> Vec<u8> {
         message(ty, 0, 1, cmd, 1, attrs)
-    }
-
-    fn nested(kind: u16, inner: &[u8]) -> Vec<u8> {
-        let mut b = Vec::new();
-        put_attr(&mut b, kind | NLA_F_NESTED, inner);
-        b
     }
 
     #[test]

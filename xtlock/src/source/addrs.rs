@@ -206,7 +206,7 @@ impl AddrState {
                     let recent = ts_ns.saturating_sub(at) < FLUSH_WINDOW_NS;
                     if link != index {
                         self.flushed.push((addr, link, at));
-                    } else if recent && !self.shown.iter().any(|k| k.0 == addr) {
+                    } else if recent && !self.said_present(addr) {
                         out.push(self.presence(at, addr, AddrWhy::LinkDeleted, link));
                     }
                 }
@@ -321,6 +321,14 @@ impl AddrState {
         for a in touched {
             self.sync(a, ts_ns, out);
         }
+    }
+
+    /// Whether some presence of `addr` is said now.
+    fn said_present(&self, addr: IpAddr) -> bool {
+        self.shown
+            .range((addr, AddrWhy::Neighbour, 0)..=(addr, AddrWhy::Local, u32::MAX))
+            .next()
+            .is_some()
     }
 
     fn alive(&self, link: u32) -> bool {
