@@ -1235,8 +1235,9 @@ fn an_endpoint_on_another_node_that_stops_answering_is_said() {
     std::thread::sleep(Duration::from_millis(800));
     let del_start = xtlock_tests::monotonic_ns();
     sh("ip", &["-n", &other.pod, "link", "del", "eth0"]);
-    // Said dead after two connections went 2 s unanswered; kube-proxy learns it later.
-    std::thread::sleep(Duration::from_millis(4500));
+    // Said dead after two connections went 2 s unanswered and the next scan saw no answer;
+    // kube-proxy learns it later.
+    std::thread::sleep(Duration::from_millis(6000));
     let spawned = xtlock_tests::monotonic_ns();
     let mut restore = kube_proxy(&s, &n.node, &lock, &one, Backend::Legacy);
     assert_eq!(restore.wait_within(T), 0, "{:?}", restore.seen);
@@ -1349,3 +1350,96 @@ fn an_endpoint_on_another_node_that_stops_answering_is_said() {
 
 /// How often xtlock scans conntrack for unanswered connections (its source's PERIOD).
 const CT_SCAN_NS: u64 = 1_000_000_000;
+
+/// An endpoint that answers some clients is not dead: a policy on the other node drops one
+/// client's connections to it (as a NetworkPolicy would) while the node's own connections to
+/// the same Service are answered. The dropped client's connections go unanswered, but no
+/// window opens: an alarm here would teach users to ignore the real ones.
+#[test]
+fn an_endpoint_that_answers_other_clients_is_not_said_dead() {
+    if !require_bpf("an_endpoint_that_answers_other_clients_is_not_said_dead") {
+        return;
+    }
+    let _g = serial();
+    let prefix = "xtsp";
+    let s = Scratch::new("stale-endpoints-policy");
+    let lock = s.lock_file("xtables.lock");
+    let n = Node::new(prefix, false);
+    let other = OtherNode::new(prefix, &n);
+    let tracer = n.tracer(&lock, None);
+    let mut remote = helper_in(&s, &other.pod, "web", &["tcplisten", "8080"]);
+    remote.expect("listening", T);
+    let rules = s.dir.join("remote.rules");
+    std::fs::write(&rules, kube_proxy_nat(&[REMOTE])).unwrap();
+    let mut kp = kube_proxy(&s, &n.node, &lock, &rules, Backend::Legacy);
+    assert_eq!(kp.wait_within(T), 0, "{:?}", kp.seen);
+    // The node's own connections to the cluster IP need a route out before their DNAT.
+    sh(
+        "ip",
+        &[
+            "-n",
+            &n.node,
+            "route",
+            "add",
+            "default",
+            "via",
+            "10.198.0.2",
+        ],
+    );
+    // The other node drops the client's packets to the pod; the node's own get through.
+    sh(
+        "ip",
+        &[
+            "netns",
+            "exec",
+            &other.node,
+            "iptables-legacy",
+            "-A",
+            "FORWARD",
+            "-s",
+            "10.199.0.2",
+            "-d",
+            REMOTE,
+            "-j",
+            "DROP",
+        ],
+    );
+    // 40 connects each, 200 ms apart, each given 1 s: the client's all go unanswered.
+    let mut client = n.connects(&s, "40", "200", "1000");
+    let args = ["connects", "10.96.0.10", "80", "40", "200", "1000"];
+    let mut local = helper_in(&s, &n.node, "probe", &args);
+    client.expect("done", T);
+    local.expect("done", T);
+    remote.child.kill().ok();
+    remote.child.wait().ok();
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+
+    let failed = client_results(&client)
+        .iter()
+        .filter(|r| **r != "ok")
+        .count();
+    let answered = client_results(&local)
+        .iter()
+        .filter(|r| **r == "ok")
+        .count();
+    eprintln!("client: {failed} of 40 unanswered; node: {answered} of 40 answered");
+    assert_eq!(
+        failed, 40,
+        "the policy drops every client connection: {:?}",
+        client.seen
+    );
+    assert_eq!(
+        answered, 40,
+        "the node's own are answered: {:?}",
+        local.seen
+    );
+    let netns = Node::inode(&n.node);
+    for kind in ["stale_endpoint_open", "stale_endpoint"] {
+        assert!(
+            of_netns(&trace.events, kind, netns).is_empty(),
+            "an endpoint answering others is said dead ({kind}):\n{dump}"
+        );
+    }
+}

@@ -9,9 +9,11 @@
 //! Endpoints anywhere (on other nodes too) that stop answering: every [`PERIOD`] the worker
 //! also dumps the DNATed entries that never saw a reply (the kernel filters by status,
 //! 5.19+), and an endpoint with [`UNANSWERED_MIN`] TCP connections whose SYN went
-//! [`UNANSWERED_AFTER`] without a reply is said unanswered (`AddrWhy::Unanswered`, stamped
-//! when a scan first saw the oldest of them), then followed as a gone address is, until a
-//! connection sent to it later is answered (`AddrWhy::Answering`).
+//! [`UNANSWERED_AFTER`] without a reply, and that answered no new connection by the next
+//! scan, is said unanswered (`AddrWhy::Unanswered`, stamped when a scan first saw the oldest
+//! of them), then followed as a gone address is, until a connection sent to it later is
+//! answered (`AddrWhy::Answering`). One that answers others (a NetworkPolicy dropping one
+//! client) is not: its unanswered connections are then not counted again.
 //!
 //! Bounded: at most [`MAX_WATCHED`] addresses, each for at most [`WATCH`] after it went, at
 //! most [`MAX_LISTED`] entries listed per read (the rest counted in `more`), at most
@@ -77,6 +79,8 @@ impl CtWatch {
             filter: true,
             scan: true,
             pending: HashMap::new(),
+            probation: HashMap::new(),
+            excused: HashSet::new(),
             buf: Vec::with_capacity(1 << 16),
         };
         std::thread::Builder::new()
@@ -107,9 +111,16 @@ struct Watched {
     since: Instant,
     /// The last read listed entries (then an empty read is said once, as their end).
     listed: bool,
-    /// Followed because its connections went unanswered: the entries of its first read
-    /// (`None` before it), so that a later connection's reply says it answers again.
-    unanswered: Option<Option<HashSet<u32>>>,
+    why: Follow,
+}
+
+/// Why an address is followed.
+enum Follow {
+    /// rtnetlink said it gone.
+    Gone,
+    /// Its connections went unanswered: the entries to it when it was said so, so that a
+    /// later connection's reply says it answers again.
+    Unanswered(HashSet<u32>),
 }
 
 struct Worker {
@@ -126,6 +137,13 @@ struct Worker {
     /// Unanswered DNATed TCP connections by the kernel's id: their endpoint and when a scan
     /// first saw them (event time).
     pending: HashMap<u32, (IpAddr, u64)>,
+    /// Endpoints with enough unanswered connections at the last scan, and the answered
+    /// entries to them then. One is said unanswered only if no new connection to it was
+    /// answered by the next scan: an endpoint that answers others is not dead (a
+    /// NetworkPolicy that drops one client, a full accept queue).
+    probation: HashMap<IpAddr, HashSet<u32>>,
+    /// Unanswered connections to an endpoint seen answering others: not counted again.
+    excused: HashSet<u32>,
     buf: Vec<u8>,
 }
 
@@ -136,7 +154,7 @@ impl Worker {
             let wait = next.saturating_duration_since(Instant::now());
             match self.cmds.recv_timeout(wait) {
                 Ok(Cmd::Gone(a)) => {
-                    self.watch(a, None);
+                    self.watch(a, Follow::Gone);
                     continue;
                 }
                 Ok(Cmd::Back(a)) => {
@@ -159,9 +177,10 @@ impl Worker {
                         let Some(w) = self.watched.get_mut(&addr) else {
                             continue;
                         };
-                        if let Some(first) = w.unanswered.as_mut() {
-                            if answered_again(first, &entries) {
+                        if let Follow::Unanswered(known) = &w.why {
+                            if answered_again(known, &entries) {
                                 self.watched.remove(&addr);
+                                self.excuse(addr);
                                 self.say(addr, AddrWhy::Answering, super::monotonic_ns());
                                 continue;
                             }
@@ -194,9 +213,8 @@ impl Worker {
         }
     }
 
-    /// Follows `addr` (dropping the oldest past [`MAX_WATCHED`]); `unanswered` when its
-    /// connections went unanswered rather than its address away.
-    fn watch(&mut self, addr: IpAddr, unanswered: Option<Option<HashSet<u32>>>) {
+    /// Follows `addr` (dropping the oldest past [`MAX_WATCHED`]).
+    fn watch(&mut self, addr: IpAddr, why: Follow) {
         if !self.watched.contains_key(&addr) && self.watched.len() >= MAX_WATCHED {
             if let Some(oldest) = self
                 .watched
@@ -210,7 +228,7 @@ impl Worker {
         self.watched.entry(addr).or_insert(Watched {
             since: Instant::now(),
             listed: false,
-            unanswered,
+            why,
         });
     }
 
@@ -243,7 +261,7 @@ impl Worker {
         let request = ct_entry::unanswered_request(self.seq);
         let mut unfiltered = false;
         let mut seen = HashSet::new();
-        let pending = &mut self.pending;
+        let (pending, excused) = (&mut self.pending, &self.excused);
         let done = dump(&self.sock, &mut self.buf, &request, |e| {
             if e.status & (IPS_DST_NAT | IPS_SEEN_REPLY) != IPS_DST_NAT {
                 unfiltered = true;
@@ -253,7 +271,7 @@ impl Worker {
                 return;
             }
             seen.insert(e.id);
-            if pending.len() < MAX_PENDING {
+            if !excused.contains(&e.id) && pending.len() < MAX_PENDING {
                 pending.entry(e.id).or_insert((e.reply_src.ip(), now));
             }
         });
@@ -274,6 +292,7 @@ impl Worker {
             );
         }
         self.pending.retain(|id, _| seen.contains(id));
+        self.excused.retain(|id| seen.contains(id));
         let after = UNANSWERED_AFTER.as_nanos() as u64;
         let mut by_endpoint: HashMap<IpAddr, (usize, u64)> = HashMap::new();
         for (ip, first) in self.pending.values() {
@@ -283,13 +302,53 @@ impl Worker {
                 e.1 = e.1.min(*first);
             }
         }
-        for (ip, (n, since)) in by_endpoint {
-            if n < UNANSWERED_MIN || self.watched.contains_key(&ip) {
-                continue;
+        let candidates: Vec<(IpAddr, u64)> = by_endpoint
+            .into_iter()
+            .filter(|(ip, (n, _))| *n >= UNANSWERED_MIN && !self.watched.contains_key(ip))
+            .map(|(ip, (_, since))| (ip, since))
+            .collect();
+        self.probation
+            .retain(|ip, _| candidates.iter().any(|(c, _)| c == ip));
+        for (ip, since) in candidates {
+            let entries = match self.read(ip) {
+                Ok((entries, _)) => entries,
+                Err(e) => {
+                    tracing::debug!(%ip, error = %e, "cannot read an unanswered endpoint's entries");
+                    continue;
+                }
+            };
+            let answered: HashSet<u32> = entries
+                .iter()
+                .filter(|e| e.replied())
+                .map(|e| e.id)
+                .collect();
+            match self.probation.remove(&ip) {
+                None => {
+                    self.probation.insert(ip, answered);
+                }
+                // It answered another connection meanwhile: not dead.
+                Some(before) if answered.iter().any(|id| !before.contains(id)) => {
+                    self.excuse(ip);
+                }
+                Some(_) => {
+                    self.watch(
+                        ip,
+                        Follow::Unanswered(entries.iter().map(|e| e.id).collect()),
+                    );
+                    self.say(ip, AddrWhy::Unanswered, since);
+                }
             }
-            self.watch(ip, Some(None));
-            self.say(ip, AddrWhy::Unanswered, since);
         }
+    }
+
+    /// `ip` answers: its unanswered connections so far are not counted again.
+    fn excuse(&mut self, ip: IpAddr) {
+        for (id, (to, _)) in &self.pending {
+            if *to == ip && self.excused.len() < MAX_PENDING {
+                self.excused.insert(*id);
+            }
+        }
+        self.pending.retain(|_, (to, _)| *to != ip);
     }
 
     fn stop_scan(&mut self, why: &str) {
@@ -364,18 +423,12 @@ fn dump(
     }
 }
 
-/// A connection sent to an unanswered endpoint after its first read was answered. The first
-/// call keeps the entries there were (answered before it went quiet, or not at all).
-fn answered_again(first: &mut Option<HashSet<u32>>, entries: &[CtEntry]) -> bool {
-    match first {
-        None => {
-            *first = Some(entries.iter().map(|e| e.id).collect());
-            false
-        }
-        Some(known) => entries
-            .iter()
-            .any(|e| e.replied() && !known.contains(&e.id)),
-    }
+/// A connection sent to an unanswered endpoint after it was said so was answered (`known`:
+/// the entries to it then).
+fn answered_again(known: &HashSet<u32>, entries: &[CtEntry]) -> bool {
+    entries
+        .iter()
+        .any(|e| e.replied() && !known.contains(&e.id))
 }
 
 fn open_socket() -> std::io::Result<netlink_sys::Socket> {
