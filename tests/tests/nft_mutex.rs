@@ -76,7 +76,8 @@ struct TruthSend {
     comm: String,
 }
 
-/// bpftrace: every mutex wait of a task in netns `ino`, from its first `contention_begin`
+/// bpftrace: every mutex wait of a task in netns `ino` (and of every kernel worker: nf_tables'
+/// set garbage collection takes the netns's commit mutex from one), from its first `contention_begin`
 /// to its `contention_end` on the same lock, with the owner at the start; and per lock the
 /// stack of its waits (the caller of `mutex_lock` names the mutex).
 struct Truth {
@@ -87,13 +88,15 @@ struct Truth {
 impl Truth {
     fn start(ino: u64) -> Self {
         let script = format!(
-            r#"tracepoint:lock:contention_begin /(args->flags & 32) && @start[tid] == 0 &&
-                 curtask->nsproxy->net_ns->ns.inum == {ino}/ {{
-               @start[tid] = nsecs; @addr[tid] = args->lock_addr;
+            r#"tracepoint:lock:contention_begin /(args->flags & 32) &&
+                 (@start[tid] == 0 || @addr[tid] != (uint64)args->lock_addr) &&
+                 (curtask->nsproxy->net_ns->ns.inum == {ino} ||
+                  strncmp(comm, "kworker/", 8) == 0)/ {{
+               @start[tid] = nsecs; @addr[tid] = (uint64)args->lock_addr;
                @own[tid] = ((struct task_struct *)(((struct mutex *)args->lock_addr)->owner.counter & ~7))->tgid;
                @callers[args->lock_addr, kstack(6)] = count();
              }}
-             tracepoint:lock:contention_end /@start[tid] != 0 && @addr[tid] == args->lock_addr/ {{
+             tracepoint:lock:contention_end /@start[tid] != 0 && @addr[tid] == (uint64)args->lock_addr/ {{
                printf("W %u %llx %llu %llu %u %s\n", tid, args->lock_addr, @start[tid], nsecs, @own[tid], comm);
                delete(@start[tid]); delete(@addr[tid]); delete(@own[tid]);
              }}
@@ -289,6 +292,33 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
 
     let truth = Truth::start(ino);
 
+    // nf_tables' set garbage collection: elements expiring all through kube-proxy's
+    // transaction (one every ms from 0.3 s to 8 s), collected every 100 ms by a kernel worker
+    // that takes the netns's commit mutex to remove them, from the initial netns.
+    let elements: Vec<String> = (0..7_700)
+        .map(|i| format!("10.1.{}.{} timeout {}ms", i / 250, i % 250, 300 + i))
+        .collect();
+    let gc = write_file(
+        &s.dir,
+        "gc.nft",
+        &format!(
+            "table ip gc {{\n set s {{ type ipv4_addr; flags timeout; gc-interval 100ms; }}\n}}\n\
+             add element ip gc s {{ {} }}\n",
+            elements.join(", ")
+        ),
+    );
+    // No agent's: its batch is left out of the truth's holds by its pid (`ip netns exec`
+    // execs nft in place).
+    let mut setup = Command::new("ip")
+        .args(["netns", "exec", NETNS, "nft", "-f", gc.to_str().unwrap()])
+        .spawn()
+        .expect("nft -f gc.nft");
+    let setup_pid = setup.id();
+    assert!(
+        setup.wait().expect("nft -f gc.nft").success(),
+        "nft -f gc.nft"
+    );
+
     let mut kp = Agent::spawn(
         &kube_proxy,
         &[
@@ -427,13 +457,14 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             .iter()
             .filter(|w| !tr.iter().any(|t| same(w, t)))
             .collect();
-        // The count within 5 %; a difference only in waits under 1 ms, which can begin on
-        // a mutex changing hands between the two programs' reads of its owner (below), so
-        // that one of them sees a spin on a free mutex.
+        // The count within 5 % (2 waits on a small count); a difference only in waits
+        // under 1 ms, which can begin on a mutex changing hands between the two programs'
+        // reads of its owner (below), so that one of them sees a spin on a free mutex. All
+        // such races together stay under 5 % of the waits (below).
         let long = |ns: u64| ns >= 1_000_000;
         unmatched += missed.len() + extra.len();
         assert!(
-            xt.len().abs_diff(tr.len()) as f64 <= tr.len() as f64 * 0.05
+            xt.len().abs_diff(tr.len()) <= (tr.len() / 20).max(2)
                 && missed.iter().all(|t| !long(t.end - t.start))
                 && extra.iter().all(|w| !long(u(&w["wait_ns"]))),
             "{name}: xtlock saw {} waits, bpftrace {}; bpftrace's not in xtlock's: {missed:?}; \
@@ -509,6 +540,204 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
          more than 5 %",
         raced.len() + unmatched
     );
+    // An nfnetlink wait's holder that was itself waiting for the commit mutex meanwhile
+    // (bpftrace: a commit wait of that thread overlapping the stretch behind it) carries that
+    // wait: the commit lock, its time over the stretch, and who held the commit mutex.
+    let all_commit_any: Vec<&TruthWait> = truth_waits
+        .iter()
+        .filter(|w| kinds.get(&w.lock) == Some(&"commit"))
+        .collect();
+    let (mut linked, mut handed_over) = (0, 0);
+    let (mut split, mut unnested) = (0, 0);
+    for w in &xt_nfnl {
+        let holders: Vec<&Value> = w["holders"].as_array().into_iter().flatten().collect();
+        for (i, h) in holders.iter().enumerate() {
+            let from = u(&h["from_ns"]);
+            let to = from + u(&h["behind_ns"]);
+            // One stretch behind this holder (it held once during the wait), else its time
+            // is a sum and the stretch not known from here.
+            let next = holders
+                .get(i + 1)
+                .map_or(u(&w["start_ns"]) + u(&w["wait_ns"]), |n| u(&n["from_ns"]));
+            if to != next {
+                split += 1;
+                continue;
+            }
+            let own: Vec<&TruthWait> = tr_commit
+                .iter()
+                .filter(|t| u64::from(t.tid) == u(&h["pid"]) && t.start < to && t.end > from)
+                .collect();
+            // A commit wait that outlasts the nfnetlink wait was not one the holder waited
+            // holding nfnetlink's mutex (it could not have let it go while blocked): the
+            // stretch behind it is the split's guess there, and xtlock links only waits
+            // ended by then.
+            if own
+                .iter()
+                .any(|t| t.end > u(&w["start_ns"]) + u(&w["wait_ns"]))
+            {
+                unnested += 1;
+                continue;
+            }
+            let want: u64 = own.iter().map(|t| t.end.min(to) - t.start.max(from)).sum();
+            let got = &h["waiting"];
+            if want == 0 {
+                assert!(
+                    got.is_null() || u(&got["wait_ns"]) < 1_000_000,
+                    "{w}: its holder {h} waited for nothing"
+                );
+                continue;
+            }
+            // Under 1 ms: the stretch's ends are hand-overs the two tracers clock apart.
+            if want < 1_000_000 {
+                continue;
+            }
+            assert_eq!(
+                got["lock"],
+                commit_lock.as_str(),
+                "{h} in {w}: bpftrace's commit waits of the holder {own:?}; xtlock's: {:?}",
+                trace
+                    .of_type("wait")
+                    .into_iter()
+                    .filter(|x| x["tid"] == h["pid"])
+                    .map(|x| (
+                        x["lock"].as_str().unwrap_or(""),
+                        u(&x["start_ns"]),
+                        u(&x["wait_ns"])
+                    ))
+                    .collect::<Vec<_>>()
+            );
+            assert!(
+                close(u(&got["wait_ns"]), want),
+                "{w}: its holder {h} waited {want} ns for the commit mutex meanwhile \
+                 (bpftrace: {own:?})"
+            );
+            // Whom: who held the commit mutex when the stretch began (the owner at the start
+            // of the holder's commit wait, or the last waiter to take it over since), when
+            // it changed hands nowhere inside the stretch (else the split is the analysis'
+            // own, tested above).
+            let (a, b) = (from.max(own[0].start), to.min(own[0].end));
+            let roots: Vec<u64> = got["holders"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|r| u(&r["pid"]))
+                .collect();
+            let took_over = all_commit_any
+                .iter()
+                .filter(|t| t.end > own[0].start && t.end <= a)
+                .max_by_key(|t| t.end);
+            let root = took_over.map_or(own[0].owner_tgid, |t| t.tid);
+            if own.len() > 1 || all_commit_any.iter().any(|t| t.end > a && t.end < b) || root == 0 {
+                handed_over += 1;
+            } else {
+                assert_eq!(
+                    roots,
+                    vec![u64::from(root)],
+                    "{w}: its holder {h}'s commit wait {:?} was behind pid {root} then \
+                     ({took_over:?} took it over before the stretch [{a}, {b}); commit waits \
+                     of any thread around: {:?})",
+                    own[0],
+                    all_commit_any
+                        .iter()
+                        .filter(|t| t.end + 50_000_000 > a && t.start < b)
+                        .map(|t| (t.tid, t.start, t.end, t.owner_tgid, &t.comm))
+                        .collect::<Vec<_>>()
+                );
+            }
+            linked += 1;
+        }
+    }
+    eprintln!(
+        "nfnetlink waits behind a batch waiting for the commit mutex: {linked} holders linked \
+         ({handed_over} with a hand-over of the commit mutex inside); not checked: {split} \
+         held more than once in one wait, {unnested} waited for the commit mutex past the \
+         nfnetlink wait"
+    );
+    assert!(
+        linked > 0 || tr_nfnl.is_empty(),
+        "no nfnetlink wait was behind a batch waiting for the commit mutex:\n{dump}"
+    );
+    assert!(
+        xt_nfnl.iter().any(|w| w["holders"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|h| h["waiting"]["holders"]
+                .as_array()
+                .is_some_and(|r| r.iter().any(|r| r["agent"] == "kube-proxy")))),
+        "no nfnetlink wait traced back to kube-proxy's commit:\n{dump}"
+    );
+
+    // Kernel workers' waits on the netns's commit mutex (set garbage collection), each one
+    // bpftrace saw, with the same length and holder.
+    let any_commit: Vec<TruthWait> = all_commit_any.iter().map(|t| (*t).clone()).collect();
+    let tr_kworker: Vec<TruthWait> = waits_only(&any_commit)
+        .into_iter()
+        .filter(|t| t.comm.starts_with("kworker/"))
+        .collect();
+    let xt_kworker: Vec<&Value> = trace
+        .of_type("wait")
+        .into_iter()
+        .filter(|w| w["lock"] == commit_lock.as_str())
+        .filter(|w| {
+            w["comm"]
+                .as_str()
+                .is_some_and(|c| c.starts_with("kworker/"))
+        })
+        .collect();
+    eprintln!(
+        "kernel workers' waits on the commit mutex: xtlock {}, bpftrace {}; longest xtlock \
+         {:.3} ms, bpftrace {:.3} ms",
+        xt_kworker.len(),
+        tr_kworker.len(),
+        xt_kworker
+            .iter()
+            .map(|w| u(&w["wait_ns"]))
+            .max()
+            .unwrap_or(0) as f64
+            / 1e6,
+        tr_kworker
+            .iter()
+            .map(|t| t.end - t.start)
+            .max()
+            .unwrap_or(0) as f64
+            / 1e6
+    );
+    assert!(
+        !tr_kworker.is_empty(),
+        "no kernel worker waited for the commit mutex: the garbage collection part proves \
+         nothing"
+    );
+    assert_eq!(
+        xt_kworker.len(),
+        tr_kworker.len(),
+        "kernel workers' waits: xtlock {:?}, bpftrace {tr_kworker:?}; every kernel worker's \
+         mutex wait bpftrace saw: {:?}",
+        xt_kworker
+            .iter()
+            .map(|w| (u(&w["tid"]), u(&w["start_ns"]), u(&w["wait_ns"])))
+            .collect::<Vec<_>>(),
+        truth_waits
+            .iter()
+            .filter(|t| t.comm.starts_with("kworker/"))
+            .map(|t| (t.tid, t.lock, t.start, t.end - t.start, kinds.get(&t.lock)))
+            .collect::<Vec<_>>()
+    );
+    for t in &tr_kworker {
+        let w = xt_kworker
+            .iter()
+            .find(|w| {
+                u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < 1_000_000
+            })
+            .unwrap_or_else(|| panic!("bpftrace's kernel worker wait {t:?} not in xtlock's"));
+        assert!(close(u(&w["wait_ns"]), t.end - t.start), "{w} vs {t:?}");
+        let holder = w["holders"][0]["pid"].as_u64().unwrap_or(0);
+        assert!(
+            holder == u64::from(t.owner_tgid) || t.owner_tgid == 0,
+            "{w}: bpftrace's owner at the start {t:?}"
+        );
+    }
+
     // Holds: each batch's sendmsg(), from the end of its last wait on an nf_tables mutex
     // (else the call's start) to its return. bpftrace's sendmsg() times and waits give the
     // same, independently.
@@ -520,7 +749,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         .collect();
     let tr_holds: Vec<(u32, u64, u64)> = truth_sends
         .iter()
-        .filter(|t| ["nft", "iptables-nft-re"].contains(&t.comm.as_str()))
+        .filter(|t| ["nft", "iptables-nft-re"].contains(&t.comm.as_str()) && t.tid != setup_pid)
         .map(|t| {
             let start = all_commit
                 .iter()
@@ -584,14 +813,19 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         "no wait on the commit mutex behind kube-proxy:\n{dump}"
     );
 
-    // The capture replays to the same waits.
+    // The capture replays to the same waits, the kernel workers' and the links included.
+    let kworker = |w: &&Value| {
+        w["comm"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("kworker/"))
+    };
     let replay: Vec<Value> = report_events(&cap)
         .into_iter()
         .filter(|e| {
             e["type"] == "wait"
                 && (e["lock"] == commit_lock.as_str() || e["lock"] == "nfnetlink nf_tables mutex")
         })
-        .filter(|w| ours(&w))
+        .filter(|w| ours(&w) || kworker(&w))
         .collect();
     let key = |w: &Value| {
         (
@@ -605,6 +839,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
     let live: BTreeMap<_, _> = xt_commit
         .iter()
         .chain(&xt_nfnl)
+        .chain(xt_kworker.iter().copied())
         .map(|w| (key(w), ()))
         .collect();
     let again: BTreeMap<_, _> = replay.iter().map(|w| (key(w), ())).collect();

@@ -200,18 +200,30 @@ pub fn run() -> Result<()> {
     check_debian()?;
     let rustup = sh::which("rustup").is_some();
     apt_packages(rustup)?;
-    apt_vm_packages()?;
-    apt_install(
-        "apt packages for deploy-test",
-        APT_DEPLOY_PACKAGES,
-        &["--no-install-recommends"],
-    )?;
-    pip_tools()?;
-    deb_packages()?;
-    apt_daemon_packages()?;
-    toolchain(rustup)?;
+    // bpf-linker's build (minutes of CPU on a new machine) beside the other installs, which
+    // wait on the network and the disk. Only subprocesses run in the thread: the
+    // environment is changed (PATH) on this one, after it.
+    let linker = std::thread::spawn(move || -> Result<Option<String>> {
+        toolchain(rustup)?;
+        bpf_linker_build(true)
+    });
+    let others = (|| -> Result<()> {
+        apt_vm_packages()?;
+        apt_install(
+            "apt packages for deploy-test",
+            APT_DEPLOY_PACKAGES,
+            &["--no-install-recommends"],
+        )?;
+        pip_tools()?;
+        deb_packages()?;
+        apt_daemon_packages()
+    })();
+    let built = linker
+        .join()
+        .map_err(|_| anyhow::anyhow!("the bpf-linker install panicked"))?;
+    others?;
+    bpf_linker_check(built?)?;
     clippy_fmt(rustup)?;
-    bpf_linker()?;
     cross()?;
     tracefs()?;
     kernel();
@@ -609,10 +621,17 @@ fn bpf_linker_version() -> Option<String> {
 }
 
 fn bpf_linker() -> Result<()> {
+    let installed = bpf_linker_build(false)?;
+    bpf_linker_check(installed)
+}
+
+/// `cargo install`s bpf-linker when the one on PATH is not [`BPF_LINKER_VERSION`]: what was
+/// found before (`Some`), or `None` when nothing was to do. `quiet`: cargo says only warnings
+/// and errors (it runs beside apt, whose output it would interleave).
+fn bpf_linker_build(quiet: bool) -> Result<Option<String>> {
     let found = bpf_linker_version();
     if found.as_deref() == Some(BPF_LINKER_VERSION) {
-        println!("ok: bpf-linker {BPF_LINKER_VERSION}");
-        return Ok(());
+        return Ok(None);
     }
     let llvm_config = Path::new(LLVM_BIN).join("llvm-config");
     if !llvm_config.exists() {
@@ -630,18 +649,31 @@ fn bpf_linker() -> Result<()> {
         std::iter::once(Path::new(LLVM_BIN).to_path_buf()).chain(env::split_paths(&path)),
     )
     .context("building PATH")?;
-    sh::run(
-        sh::cargo()
-            .args([
-                "install",
-                &format!("bpf-linker@{BPF_LINKER_VERSION}"),
-                "--locked",
-                "--no-default-features",
-                "--features",
-                "llvm-22",
-            ])
-            .env("PATH", path),
-    )?;
+    let mut cargo = sh::cargo();
+    cargo
+        .args([
+            "install",
+            &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+            "--locked",
+            "--no-default-features",
+            "--features",
+            "llvm-22",
+        ])
+        .env("PATH", path);
+    if quiet {
+        cargo.arg("--quiet");
+    }
+    sh::run(&mut cargo)?;
+    Ok(Some(found.unwrap_or_else(|| "none".to_string())))
+}
+
+/// The bpf-linker on PATH is [`BPF_LINKER_VERSION`], after [`bpf_linker_build`] (`installed`:
+/// it installed one).
+fn bpf_linker_check(installed: Option<String>) -> Result<()> {
+    if installed.is_none() {
+        println!("ok: bpf-linker {BPF_LINKER_VERSION}");
+        return Ok(());
+    }
     // On a new machine ~/.cargo/bin may have just been made.
     sh::prepare_env();
     match bpf_linker_version() {

@@ -487,6 +487,9 @@ pub struct NftMutexConfig {
     pub task_pid: u32,
     pub task_tgid: u32,
     pub task_comm: u32,
+    /// `task_struct.flags` (`PF_KTHREAD`: a kernel worker waits on a netns's commit mutex
+    /// from the initial netns; its owner's netns says whose it is).
+    pub task_flags: u32,
     /// Offsets of `lock_addr`, `flags` (contention_begin) and `ret` (contention_end) in the
     /// perf tracepoints' records, from their format files (the `tp_btf` programs get them
     /// as arguments).
@@ -518,6 +521,10 @@ pub struct NftMutexConfig {
     /// called from one tells which pernet id points to the mutex.
     pub genid_fn: [u64; 2],
     pub release_fn: [u64; 2],
+    /// `nft_trans_gc_work` (start, end): a kernel worker's only mutex there is the commit
+    /// mutex of the set's netns, whose batch owns it when the worker waits (0: not in this
+    /// kernel: before 6.5 and its stable backports).
+    pub gc_fn: [u64; 2],
     /// `nfnetlink_rcv_batch` (start, end): the only mutex it takes itself is the nfnetlink
     /// subsystem mutex. A wait called from it tells that mutex's address.
     pub batch_fn: [u64; 2],

@@ -164,6 +164,12 @@ static NFT_MUTEX_CONFIG: Array<xtlock_common::NftMutexConfig> = Array::with_max_
 #[map]
 static NFT_MUTEX_LEARNED: Array<u64> = Array::with_max_entries(2, 0);
 
+/// Commit mutexes seen, by address: the `struct net` whose mutex it was (checked again at
+/// each use: a netns freed, its memory may hold another). For kernel workers, which wait
+/// from the initial netns on other netns's mutexes, even when no owner names the netns.
+#[map]
+static NFT_COMMIT_MUTEXES: LruHashMap<u64, u64> = LruHashMap::with_max_entries(1024, 0);
+
 /// Waits on an nf_tables mutex in progress, by thread id: the record sent at their end.
 #[map]
 static NFT_MUTEX_WAITS: LruHashMap<u32, xtlock_common::NftMutexWaitEvent> =

@@ -19,6 +19,13 @@
 //! `mutex_lock` and `__mutex_lock` live, `__sched`). The stack is read only while something
 //! is still to learn, and only for mutex waits.
 //!
+//! A kernel worker (nf_tables' set garbage collection, `nft_trans_gc_work`) takes the commit
+//! mutex of the set's netns from the initial netns: for a kernel thread whose own netns's
+//! mutex it is not, the commit mutexes seen so far (`NFT_COMMIT_MUTEXES`, filled by every
+//! wait recognised) are looked up, then the mutex's owner's netns is tried the same way (the
+//! owner is then a batch of that netns). User tasks are not: each wait on another mutex of
+//! the node would pay for it.
+//!
 //! A waiter may begin twice (spinning, then sleeping) and ends once: the first begin starts
 //! the wait, and the holder is the mutex's owner then (`owner & ~7`, a `task_struct *`).
 //! The wait goes out at its end, as one [`NftMutexWaitEvent`].
@@ -38,7 +45,7 @@ use crate::{
     emit::{
         field, header_of, ids, inflight_add, inflight_any, inflight_in_slot, kread, now, output,
     },
-    NFT_MUTEX_CONFIG, NFT_MUTEX_LEARNED, NFT_MUTEX_WAITS,
+    NFT_COMMIT_MUTEXES, NFT_MUTEX_CONFIG, NFT_MUTEX_LEARNED, NFT_MUTEX_WAITS,
 };
 
 /// Slots of `NFT_MUTEX_LEARNED`: the learned pernet id plus one, and the nfnetlink mutex's
@@ -57,6 +64,63 @@ fn learn(slot: u32, v: u64) {
         // SAFETY: an array slot; a racing writer writes the same value.
         unsafe { *p = v };
     }
+}
+
+/// `PF_KTHREAD` (`include/linux/sched.h`, the same value since 2.6).
+const PF_KTHREAD: u32 = 0x0020_0000;
+
+/// The pernet id of nf_tables plus one (kallsyms or learned), 0 while unknown.
+#[inline(always)]
+fn net_id(c: &NftMutexConfig) -> u64 {
+    if c.net_id_addr != 0 {
+        // SAFETY: bpf_probe_read_kernel checks the address.
+        match unsafe { bpf_probe_read_kernel(c.net_id_addr as *const u32) } {
+            Ok(id) => u64::from(id) + 1,
+            Err(_) => 0,
+        }
+    } else {
+        learned(LEARNED_NET_ID)
+    }
+}
+
+/// Whether `lock` is `net`'s commit mutex.
+#[inline(always)]
+fn is_commit(c: &NftMutexConfig, net: u64, id: u64, lock: u64) -> bool {
+    if id == 0 {
+        return false;
+    }
+    let p = pernet(c, net, (id - 1) as u32);
+    p != 0 && p + u64::from(c.commit_mutex) == lock
+}
+
+/// The netns of task `task` (0 when unreadable).
+#[inline(always)]
+fn task_net(c: &NftMutexConfig, task: u64) -> u64 {
+    let nsproxy: u64 = kread(task, c.task_nsproxy).unwrap_or(0);
+    if nsproxy == 0 {
+        0
+    } else {
+        kread(nsproxy, c.nsproxy_net_ns).unwrap_or(0)
+    }
+}
+
+/// The netns whose commit mutex `lock` is, for a kernel thread in `own` (not its own): one
+/// seen before whose mutex it still is, else the owner's.
+#[inline(always)]
+fn kthread_net(c: &NftMutexConfig, lock: u64, own: u64) -> Option<u64> {
+    let id = net_id(c);
+    // SAFETY: a copy out of the map's value.
+    if let Some(&seen) = unsafe { NFT_COMMIT_MUTEXES.get(&lock) } {
+        if is_commit(c, seen, id, lock) {
+            return Some(seen);
+        }
+    }
+    let owner: u64 = kread::<u64>(lock, c.mutex_owner).unwrap_or(0) & !7u64;
+    if owner == 0 {
+        return None;
+    }
+    let net = task_net(c, owner);
+    (net != 0 && net != own && is_commit(c, net, id, lock)).then_some(net)
 }
 
 /// The pernet pointer of id `id` in `net`.
@@ -106,27 +170,17 @@ fn lock_caller(ctx: *mut c_void, c: &NftMutexConfig) -> u64 {
     0
 }
 
-/// Which nf_tables mutex `lock` is, for a waiter in `net`; learns what the stack proves.
+/// Which nf_tables mutex `lock` is, for a waiter in `net`, and the netns it belongs to;
+/// learns what the stack proves.
 #[inline(always)]
-fn which(ctx: *mut c_void, c: &NftMutexConfig, net: u64, lock: u64) -> Option<u32> {
+fn which(ctx: *mut c_void, c: &NftMutexConfig, net: u64, lock: u64) -> Option<(u32, u64)> {
     let nfnl = learned(LEARNED_NFNL);
     if nfnl != 0 && lock == nfnl {
-        return Some(NFT_MUTEX_NFNL);
+        return Some((NFT_MUTEX_NFNL, net));
     }
-    let id: u64 = if c.net_id_addr != 0 {
-        // SAFETY: bpf_probe_read_kernel checks the address.
-        match unsafe { bpf_probe_read_kernel(c.net_id_addr as *const u32) } {
-            Ok(id) => u64::from(id) + 1,
-            Err(_) => 0,
-        }
-    } else {
-        learned(LEARNED_NET_ID)
-    };
-    if id != 0 {
-        let p = pernet(c, net, (id - 1) as u32);
-        if p != 0 && p + u64::from(c.commit_mutex) == lock {
-            return Some(NFT_MUTEX_COMMIT);
-        }
+    let id = net_id(c);
+    if is_commit(c, net, id, lock) {
+        return Some((NFT_MUTEX_COMMIT, net));
     }
     if id != 0 && nfnl != 0 {
         return None;
@@ -138,8 +192,22 @@ fn which(ctx: *mut c_void, c: &NftMutexConfig, net: u64, lock: u64) -> Option<u3
     }
     let commit_caller = (caller >= c.genid_fn[0] && caller < c.genid_fn[1])
         || (caller >= c.release_fn[0] && caller < c.release_fn[1]);
-    if id == 0 && commit_caller {
-        let gen: u64 = kread(net, c.net_gen).unwrap_or(0);
+    // A set's garbage collection, in a kernel worker: the mutex is its owner's netns's.
+    let gc_caller = caller >= c.gc_fn[0] && caller < c.gc_fn[1];
+    let learn_net = if commit_caller {
+        net
+    } else if gc_caller {
+        let owner: u64 = kread::<u64>(lock, c.mutex_owner).unwrap_or(0) & !7u64;
+        if owner == 0 {
+            0
+        } else {
+            task_net(c, owner)
+        }
+    } else {
+        0
+    };
+    if id == 0 && learn_net != 0 {
+        let gen: u64 = kread(learn_net, c.net_gen).unwrap_or(0);
         if gen == 0 {
             return None;
         }
@@ -149,7 +217,7 @@ fn which(ctx: *mut c_void, c: &NftMutexConfig, net: u64, lock: u64) -> Option<u3
             let p: u64 = kread(gen, c.gen_ptr + i * 8).unwrap_or(0);
             if p != 0 && p + u64::from(c.commit_mutex) == lock {
                 learn(LEARNED_NET_ID, u64::from(i) + 1);
-                return Some(NFT_MUTEX_COMMIT);
+                return Some((NFT_MUTEX_COMMIT, learn_net));
             }
             i += 1;
         }
@@ -157,7 +225,7 @@ fn which(ctx: *mut c_void, c: &NftMutexConfig, net: u64, lock: u64) -> Option<u3
     }
     if nfnl == 0 && caller >= c.batch_fn[0] && caller < c.batch_fn[1] {
         learn(LEARNED_NFNL, lock);
-        return Some(NFT_MUTEX_NFNL);
+        return Some((NFT_MUTEX_NFNL, net));
     }
     None
 }
@@ -185,20 +253,33 @@ fn begin(ctx: *mut c_void, lock: u64, flags: u32) {
     }
     // SAFETY: plain helper call.
     let task = unsafe { bpf_get_current_task() };
-    let nsproxy: u64 = kread(task, c.task_nsproxy).unwrap_or(0);
-    let net: u64 = if nsproxy == 0 {
-        0
-    } else {
-        kread(nsproxy, c.nsproxy_net_ns).unwrap_or(0)
-    };
+    let mut net = task_net(c, task);
     if net == 0 {
         return;
     }
-    let Some(mutex) = which(ctx, c, net, lock) else {
-        return;
+    let mutex = match which(ctx, c, net, lock) {
+        Some((m, n)) => {
+            net = n;
+            m
+        }
+        None => {
+            // A kernel worker on another netns's commit mutex.
+            let flags: u32 = kread(task, c.task_flags).unwrap_or(0);
+            if flags & PF_KTHREAD == 0 {
+                return;
+            }
+            let Some(n) = kthread_net(c, lock, net) else {
+                return;
+            };
+            net = n;
+            NFT_MUTEX_COMMIT
+        }
     };
     let start = now();
     let owner: u64 = kread::<u64>(lock, c.mutex_owner).unwrap_or(0) & !7u64;
+    if mutex == NFT_MUTEX_COMMIT {
+        let _ = NFT_COMMIT_MUTEXES.insert(&lock, &net, 0);
+    }
     let (holder_tid, holder_tgid, holder_comm) = if owner == 0 {
         (0, 0, [0u8; COMM_LEN])
     } else {

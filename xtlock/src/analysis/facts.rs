@@ -221,6 +221,22 @@ pub struct HolderRef {
     /// In a wait: when this holder first held the lock during it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub from_ns: Option<u64>,
+    /// In a wait: this holder was itself waiting for another lock while it held this one
+    /// (a batch holds nfnetlink's nf_tables mutex while it waits for its netns's commit
+    /// mutex): the root of the wait is there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waiting: Option<Arc<Waiting>>,
+}
+
+/// What a holder was itself waiting for, during the time another wait was behind it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Waiting {
+    /// The lock it waited for.
+    pub lock: SharedStr,
+    /// How much of the time behind the holder it was itself waiting.
+    pub wait_ns: u64,
+    /// Whom it waited behind, with `behind_ns` clipped to that time.
+    pub holders: Vec<HolderRef>,
 }
 
 impl From<&Attribution> for HolderRef {
@@ -234,6 +250,7 @@ impl From<&Attribution> for HolderRef {
             pod: a.pod.clone(),
             behind_ns: None,
             from_ns: None,
+            waiting: None,
         }
     }
 }

@@ -29,7 +29,7 @@ pub use facts::{
     HoldFact, HoldRef, HoldRefusalsFact, HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact,
     MixedBackendsFact, Output, PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup,
     RefusalKind, Restored, RuleChangeFact, RuleWriteFact, StaleEndpointFact, StaleEndpointOpenFact,
-    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
+    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome, Waiting,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;

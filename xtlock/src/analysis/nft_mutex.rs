@@ -14,12 +14,18 @@
 //! mutex taken (while anyone waits, every taker goes through the mutex's slow path, so each
 //! one is a contention of its own). Waits reach us at their end, in ring order; a wait's
 //! hand-overs end before it does, so they are here by then.
+//!
+//! A wait on nfnetlink's mutex is behind a batch that holds it while it waits for its
+//! netns's commit mutex: each holder of such a wait carries, as [`Waiting`], its own commit
+//! wait over the same time and whom that was behind (the root of the queue). That commit
+//! wait ends before the holder lets nfnetlink's mutex go, so before the later wait ends:
+//! it is here by then too.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::attribution::{Attribution, Ctx};
-use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome};
+use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome, Waiting};
 use super::procs::FastMap;
 use crate::decode::{Comm, NftBatch, NftMutex, NftMutexWaitEvent, NftSendEvent};
 use crate::shared::SharedStr;
@@ -92,8 +98,18 @@ pub fn nf_tables_hold(
 #[derive(Clone, Debug)]
 struct Change {
     ts_ns: u64,
+    tid: u32,
     tgid: u32,
     comm: Comm,
+}
+
+/// A thread's recent wait on a commit mutex, for the nfnetlink waits behind that thread.
+#[derive(Clone, Debug)]
+struct CommitWait {
+    start_ns: u64,
+    end_ns: u64,
+    lock: SharedStr,
+    holders: Vec<HolderRef>,
 }
 
 #[derive(Debug, Default)]
@@ -111,7 +127,12 @@ pub struct NftMutexWaits {
     acquired: FastMap<u32, u64>,
     /// The nft_commit hook reports the batches: their `sendmsg()` is not a hold then.
     commit_hook: bool,
+    /// Per thread, its last waits on a commit mutex (while it held nfnetlink's mutex).
+    commit_waits: FastMap<u32, VecDeque<CommitWait>>,
 }
+
+/// Commit waits kept per thread (a batch waits once; a few cover retries).
+const COMMIT_WAITS_PER_THREAD: usize = 4;
 
 /// Threads whose last acquisition is kept (a batch's comes right before its hold).
 const MAX_ACQUIRED: usize = 4096;
@@ -165,8 +186,29 @@ impl NftMutexWaits {
                 NftMutex::Nfnl => SharedStr::from(NFNL_LOCK),
             })
             .clone();
-        let holders = split(e, &st.changes, cx);
+        let mut holders = split(e, &st.changes, cx);
         let end = e.ts_ns.max(e.start_ns);
+        match e.mutex {
+            NftMutex::Nfnl => link(&mut holders, &self.commit_waits),
+            NftMutex::Commit if !holders.refs.is_empty() => {
+                if self.commit_waits.len() >= MAX_ACQUIRED
+                    && !self.commit_waits.contains_key(&e.tid)
+                {
+                    self.commit_waits.clear();
+                }
+                let q = self.commit_waits.entry(e.tid).or_default();
+                if q.len() >= COMMIT_WAITS_PER_THREAD {
+                    q.pop_front();
+                }
+                q.push_back(CommitWait {
+                    start_ns: e.start_ns,
+                    end_ns: end,
+                    lock: name.clone(),
+                    holders: holders.refs.clone(),
+                });
+            }
+            NftMutex::Commit => {}
+        }
         // Began on a free mutex (its owner letting go) and nobody else took it meanwhile:
         // the waiter spun and took it, behind no one. Not a wait; still a hand-over.
         if !holders.refs.is_empty() {
@@ -215,6 +257,7 @@ impl NftMutexWaits {
                 at,
                 Change {
                     ts_ns: end,
+                    tid: e.tid,
                     tgid: e.tgid,
                     comm: e.comm,
                 },
@@ -227,27 +270,31 @@ impl NftMutexWaits {
 struct Split {
     refs: Vec<HolderRef>,
     unknown_ns: u64,
+    /// Each stretch behind one holder: its pid, thread, from, until.
+    spans: Vec<(u32, u32, u64, u64)>,
 }
 
 /// The holder at the start holds until the first hand-over inside the wait, that one until
 /// the next, the last one until the wait's end.
 fn split(e: &NftMutexWaitEvent, changes: &VecDeque<Change>, cx: &mut Ctx<'_>) -> Split {
     let end = e.ts_ns.max(e.start_ns);
-    let mut spans: Vec<(Arc<Attribution>, u64)> = Vec::new();
-    if let Some((_, tgid)) = e.holder {
-        spans.push((cx.who(tgid, &e.holder_comm), e.start_ns));
+    let mut spans: Vec<(Arc<Attribution>, u32, u64)> = Vec::new();
+    if let Some((tid, tgid)) = e.holder {
+        spans.push((cx.who(tgid, &e.holder_comm), tid, e.start_ns));
     }
     let from = changes.partition_point(|c| c.ts_ns <= e.start_ns);
     for c in changes.range(from..).take_while(|c| c.ts_ns < end) {
-        spans.push((cx.who(c.tgid, &c.comm), c.ts_ns));
+        spans.push((cx.who(c.tgid, &c.comm), c.tid, c.ts_ns));
     }
     let unknown_ns = match spans.first() {
-        Some((_, t)) => t - e.start_ns,
+        Some((_, _, t)) => t - e.start_ns,
         None => end - e.start_ns,
     };
     let mut refs: Vec<HolderRef> = Vec::new();
-    for (i, (who, t)) in spans.iter().enumerate() {
-        let until = spans.get(i + 1).map_or(end, |(_, n)| *n);
+    let mut stretches = Vec::with_capacity(spans.len());
+    for (i, (who, tid, t)) in spans.iter().enumerate() {
+        let until = spans.get(i + 1).map_or(end, |(_, _, n)| *n);
+        stretches.push((who.pid, *tid, *t, until));
         let behind = until.saturating_sub(*t);
         match refs.iter_mut().find(|r| r.pid == who.pid) {
             Some(r) => r.behind_ns = Some(r.behind_ns.unwrap_or(0) + behind),
@@ -259,7 +306,62 @@ fn split(e: &NftMutexWaitEvent, changes: &VecDeque<Change>, cx: &mut Ctx<'_>) ->
             }
         }
     }
-    Split { refs, unknown_ns }
+    Split {
+        refs,
+        unknown_ns,
+        spans: stretches,
+    }
+}
+
+/// An nfnetlink wait's holders that were themselves waiting for a commit mutex meanwhile:
+/// each gets that wait, clipped to the stretches the nfnetlink wait was behind it.
+fn link(split: &mut Split, commit_waits: &FastMap<u32, VecDeque<CommitWait>>) {
+    for r in &mut split.refs {
+        let mut lock: Option<(SharedStr, u64)> = None;
+        let mut wait_ns = 0;
+        let mut holders: Vec<HolderRef> = Vec::new();
+        for &(_, tid, from, until) in split.spans.iter().filter(|s| s.0 == r.pid) {
+            let Some(q) = commit_waits.get(&tid) else {
+                continue;
+            };
+            for w in q {
+                let (a, b) = (from.max(w.start_ns), until.min(w.end_ns));
+                if a >= b {
+                    continue;
+                }
+                wait_ns += b - a;
+                if lock.as_ref().is_none_or(|(_, n)| *n < b - a) {
+                    lock = Some((w.lock.clone(), b - a));
+                }
+                // The commit wait's holders, each over its own stretch within [a, b).
+                for h in &w.holders {
+                    let hf = h.from_ns.unwrap_or(w.start_ns);
+                    let ht = hf + h.behind_ns.unwrap_or(0);
+                    let (ca, cb) = (hf.max(a), ht.min(b));
+                    if ca >= cb {
+                        continue;
+                    }
+                    match holders.iter_mut().find(|x| x.pid == h.pid) {
+                        Some(x) => x.behind_ns = Some(x.behind_ns.unwrap_or(0) + (cb - ca)),
+                        None => {
+                            let mut x = h.clone();
+                            x.behind_ns = Some(cb - ca);
+                            x.from_ns = Some(ca);
+                            x.waiting = None;
+                            holders.push(x);
+                        }
+                    }
+                }
+            }
+        }
+        if let Some((lock, _)) = lock {
+            r.waiting = Some(Arc::new(Waiting {
+                lock,
+                wait_ns,
+                holders,
+            }));
+        }
+    }
 }
 
 #[cfg(test)]

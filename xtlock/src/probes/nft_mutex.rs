@@ -38,6 +38,7 @@ pub struct Symbols {
     /// `nfnetlink_rcv_batch`, and the scheduler's text.
     pub genid_fn: [u64; 2],
     pub release_fn: [u64; 2],
+    pub gc_fn: [u64; 2],
     pub batch_fn: [u64; 2],
     pub sched_text: [u64; 2],
 }
@@ -81,6 +82,7 @@ pub fn symbols(kallsyms: &str) -> Symbols {
     };
     s.genid_fn = range("nf_tables_valid_genid");
     s.release_fn = range("nft_rcv_nl_event");
+    s.gc_fn = range("nft_trans_gc_work");
     s.batch_fn = range("nfnetlink_rcv_batch");
     s
 }
@@ -182,12 +184,14 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         task_tgid: m("task_struct", "tgid", 4)?,
         // An array: BTF gives it no size.
         task_comm: m("task_struct", "comm", 0)?,
+        task_flags: m("task_struct", "flags", 4)?,
         tp_lock: tp.lock,
         tp_flags: tp.flags,
         tp_ret: tp.ret,
         net_id_addr: syms.net_id,
         genid_fn: syms.genid_fn,
         release_fn: syms.release_fn,
+        gc_fn: syms.gc_fn,
         batch_fn: syms.batch_fn,
         sched_text: syms.sched_text,
     };
@@ -196,7 +200,8 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
     } else {
         "the commit mutex's pernet id learned from the first wait called from \
          nf_tables_valid_genid or nft_rcv_nl_event (kallsyms lists no nf_tables_net_id: no \
-         CONFIG_KALLSYMS_ALL; other waits on it before that one are missed)"
+         CONFIG_KALLSYMS_ALL; other waits on it before that one are missed), or from a \
+         kernel worker's wait called from nft_trans_gc_work, in its owner's netns"
             .to_string()
     };
     let nfnl = if syms.batch_fn.contains(&0) {

@@ -218,7 +218,14 @@ impl<W: Write> PerfettoSink<W> {
             let from = h.from_ns.unwrap_or(at).clamp(at, end);
             let to = (from + ns).min(end);
             let name = format!("behind {}", h.agent);
-            let args = json!({"pid": h.pid, "cmdline": h.cmdline, "behind_ns": ns});
+            let mut args = json!({"pid": h.pid, "cmdline": h.cmdline, "behind_ns": ns});
+            // The holder was itself queued for another lock: name the root of the queue.
+            if let Some(w) = &h.waiting {
+                let roots: Vec<&str> = w.holders.iter().map(|r| r.agent.as_str()).collect();
+                args["itself_waiting"] = json!({
+                    "lock": w.lock, "wait_ns": w.wait_ns, "behind": roots,
+                });
+            }
             self.slice(pid, wtid, from, to, &name, "wait", args)?;
             at = to;
         }

@@ -250,3 +250,59 @@ fn a_spin_on_a_free_mutex_is_no_wait() {
         .collect();
     assert_eq!(behind, vec![(40, 6_000), (31, 30 * MS - 10 * MS - 8_000)]);
 }
+
+/// A wait on nfnetlink's mutex behind a batch that was itself waiting for its netns's commit
+/// mutex names that wait and its holder (the root of the queue), clipped to the time behind
+/// the batch; a holder that waited for nothing carries nothing.
+#[test]
+fn an_nfnl_wait_names_the_commit_holder_behind_its_holder() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[
+            // iptables-nft (10) holds nfnetlink's mutex and waits for the commit mutex,
+            // held by kube-proxy's nft (5), from 100 to 600 ms.
+            wait(
+                100 * MS,
+                600 * MS,
+                10,
+                "iptables-nft",
+                NftMutex::Commit,
+                Some((5, "nft")),
+            ),
+            // nft (11) waits for nfnetlink's mutex behind 10 from 150 ms; 10 lets it go at
+            // 620 ms, after its batch.
+            wait(
+                150 * MS,
+                620 * MS,
+                11,
+                "nft",
+                NftMutex::Nfnl,
+                Some((10, "iptables-nft")),
+            ),
+            // A later nfnetlink wait behind 11, which waited for no commit mutex.
+            wait(
+                700 * MS,
+                800 * MS,
+                12,
+                "nft",
+                NftMutex::Nfnl,
+                Some((11, "nft")),
+            ),
+        ],
+    );
+    assert_eq!(w.len(), 3);
+    assert!(w[0].holders[0].waiting.is_none());
+    let h = &w[1].holders[0];
+    assert_eq!((h.pid, h.behind_ns), (10, Some(470 * MS)));
+    let waiting = h.waiting.as_ref().expect("the holder's own commit wait");
+    assert_eq!(waiting.lock.as_str(), "nf_tables commit (netns 4026532500)");
+    assert_eq!(waiting.wait_ns, 450 * MS);
+    let roots: Vec<(u32, Option<u64>, Option<u64>)> = waiting
+        .holders
+        .iter()
+        .map(|r| (r.pid, r.behind_ns, r.from_ns))
+        .collect();
+    assert_eq!(roots, vec![(5, Some(450 * MS), Some(150 * MS))]);
+    assert!(w[2].holders[0].waiting.is_none());
+}

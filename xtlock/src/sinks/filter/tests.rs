@@ -58,6 +58,7 @@ fn holder_of(h: &HoldFact) -> HolderRef {
         pod: h.pod.clone(),
         behind_ns: Some(1),
         from_ns: None,
+        waiting: None,
     }
 }
 

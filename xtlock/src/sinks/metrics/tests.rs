@@ -164,6 +164,7 @@ fn holds_and_waits_become_histograms() {
                 pod: None,
                 behind_ns: Some(1_000_000_000),
                 from_ns: Some(1),
+                waiting: None,
             },
             HolderRef {
                 pid: 12,
@@ -174,6 +175,7 @@ fn holds_and_waits_become_histograms() {
                 pod: None,
                 behind_ns: Some(500_000_000),
                 from_ns: Some(1_000_000_001),
+                waiting: None,
             },
         ],
         unknown_ns: 0,

@@ -186,6 +186,35 @@ fn tables_text(h: &HoldFact) -> String {
     parts.join(", ")
 }
 
+/// ` (itself waiting 1.19 s for LOCK behind X (...))`: a holder that was itself queued for
+/// another lock while this wait was behind it (an nf_tables batch holding nfnetlink's mutex
+/// while it waits for its netns's commit mutex); empty otherwise.
+fn waiting_text(h: &HolderRef) -> String {
+    let Some(w) = &h.waiting else {
+        return String::new();
+    };
+    let behind: Vec<String> = match &w.holders[..] {
+        [] => vec!["behind an unknown holder".to_string()],
+        [one] => vec![format!("behind {}", holder_text(one))],
+        many => many
+            .iter()
+            .map(|x| {
+                format!(
+                    "{} behind {}",
+                    human_ns(x.behind_ns.unwrap_or(0)),
+                    holder_text(x)
+                )
+            })
+            .collect(),
+    };
+    format!(
+        " (itself waiting {} for {} {})",
+        human_ns(w.wait_ns),
+        w.lock,
+        behind.join(", ")
+    )
+}
+
 /// Whom a wait was behind, and for how long: ` behind X (...)` when one holder accounts
 /// for all of it, else `: 1.00 s behind X (...), 70 ms behind Y (...)`, holders grouped by
 /// agent in the order they held the lock.
@@ -211,7 +240,7 @@ pub(crate) fn behind_text(w: &WaitFact) -> String {
     }
     for (agent, ns, first, n) in &groups {
         let who = if *n == 1 {
-            holder_text(first)
+            format!("{}{}", holder_text(first), waiting_text(first))
         } else {
             format!("{agent} ({n} processes)")
         };
@@ -230,7 +259,9 @@ pub(crate) fn behind_text(w: &WaitFact) -> String {
     }
     match (parts.len(), groups.first()) {
         // One holder for the whole wait: its time is the wait's.
-        (1, Some((_, _, first, 1))) => format!(" behind {}", holder_text(first)),
+        (1, Some((_, _, first, 1))) => {
+            format!(" behind {}{}", holder_text(first), waiting_text(first))
+        }
         (1, Some((agent, _, _, n))) => format!(" behind {agent} ({n} processes)"),
         (1, None) => " behind an unknown holder".to_string(),
         _ => format!(": {}", parts.join(", ")),

@@ -13,6 +13,7 @@ fn holder(agent: &str, cmdline: &str) -> HolderRef {
         pod: None,
         behind_ns: None,
         from_ns: None,
+        waiting: None,
     }
 }
 
@@ -56,26 +57,19 @@ fn render(outputs: &[Output], opts: TerminalOptions) -> String {
     String::from_utf8(sink.into_inner()).unwrap()
 }
 
-#[test]
-fn lines() {
-    let wait = WaitFact {
-        lock: DEFAULT_LOCK.into(),
+/// A blocking wait on `lock` by pid 77 (`iptables`), acquired, behind `holders`.
+fn wait_on(lock: &str, agent: &str, wait_ns: u64, holders: Vec<HolderRef>) -> WaitFact {
+    WaitFact {
+        lock: lock.into(),
         pid: 77,
         tid: 77,
         comm: "iptables".into(),
-        agent: "calico-node".into(),
+        agent: agent.into(),
         role: "cni",
-        cmdline: "iptables -w 5 -A X".into(),
-        start_ns: 1_000_000_000,
-        wait_ns: 1_420_000_000,
-        holders: vec![HolderRef {
-            behind_ns: Some(1_420_000_000),
-            from_ns: Some(1_000_000_000),
-            ..holder(
-                "kube-proxy",
-                "iptables-legacy-restore -w 5 -W 100000 --noflush --counters",
-            )
-        }],
+        cmdline: "".into(),
+        start_ns: 0,
+        wait_ns,
+        holders,
         unknown_ns: 0,
         free_ns: 0,
         other_holders: 0,
@@ -89,6 +83,27 @@ fn lines() {
         container_id: None,
         pod: None,
         incomplete: false,
+    }
+}
+
+#[test]
+fn lines() {
+    let wait = WaitFact {
+        cmdline: "iptables -w 5 -A X".into(),
+        start_ns: 1_000_000_000,
+        ..wait_on(
+            DEFAULT_LOCK,
+            "calico-node",
+            1_420_000_000,
+            vec![HolderRef {
+                behind_ns: Some(1_420_000_000),
+                from_ns: Some(1_000_000_000),
+                ..holder(
+                    "kube-proxy",
+                    "iptables-legacy-restore -w 5 -W 100000 --noflush --counters",
+                )
+            }],
+        )
     };
     let opts = TerminalOptions {
         time: TimeFormat::Relative { origin_ns: Some(0) },
@@ -118,35 +133,16 @@ fn wait_split_by_holder() {
         from_ns: Some(0),
         ..holder(agent, "")
     };
-    let mut wait = WaitFact {
-        lock: DEFAULT_LOCK.into(),
-        pid: 77,
-        tid: 77,
-        comm: "iptables".into(),
-        agent: "portmap".into(),
-        role: "cni",
-        cmdline: "".into(),
-        start_ns: 0,
-        wait_ns: 1_070_000_000,
-        holders: vec![
+    let mut wait = wait_on(
+        DEFAULT_LOCK,
+        "portmap",
+        1_070_000_000,
+        vec![
             behind("kube-proxy", 10, 600_000_000),
             behind("calico-node", 11, 70_000_000),
             behind("kube-proxy", 12, 400_000_000),
         ],
-        unknown_ns: 0,
-        free_ns: 0,
-        other_holders: 0,
-        other_holders_ns: 0,
-        outcome: WaitOutcome::Acquired,
-        mode: WaitMode::Blocking,
-        tries: 0,
-        ret: None,
-        agent_pid: 40,
-        pod_uid: None,
-        container_id: None,
-        pod: None,
-        incomplete: false,
-    };
+    );
     let opts = || TerminalOptions {
         time: TimeFormat::None,
         ..Default::default()
@@ -167,6 +163,45 @@ fn wait_split_by_holder() {
         text.trim_end(),
         "portmap waited 1.07 s: 70.0 ms behind an unknown holder, \
          1.00 s behind kube-proxy (iptables-restor), 0 ns behind 3 more [pid 77 iptables]"
+    );
+}
+
+/// A wait behind a holder that was itself queued for another lock names that lock and the
+/// root of the queue: an nfnetlink wait behind a batch waiting for its commit mutex.
+#[test]
+fn a_holder_itself_waiting_is_said() {
+    let root = HolderRef {
+        pid: 5,
+        behind_ns: Some(450_000_000),
+        from_ns: Some(150_000_000),
+        ..holder("kube-proxy", "nft -f -")
+    };
+    let wait = wait_on(
+        "nfnetlink nf_tables mutex",
+        "nft",
+        470_000_000,
+        vec![HolderRef {
+            pid: 10,
+            behind_ns: Some(470_000_000),
+            from_ns: Some(0),
+            waiting: Some(std::sync::Arc::new(crate::analysis::Waiting {
+                lock: "nf_tables commit (netns 4026532500)".into(),
+                wait_ns: 450_000_000,
+                holders: vec![root],
+            })),
+            ..holder("firewalld", "")
+        }],
+    );
+    let opts = TerminalOptions {
+        time: TimeFormat::None,
+        ..Default::default()
+    };
+    let text = render(&[Output::Wait(wait)], opts);
+    assert_eq!(
+        text.trim_end(),
+        "nft waited 470 ms behind firewalld (iptables-restor) (itself waiting 450 ms for \
+         nf_tables commit (netns 4026532500) behind kube-proxy (nft -f -)) on nfnetlink \
+         nf_tables mutex [pid 77 iptables]"
     );
 }
 
