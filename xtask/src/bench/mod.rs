@@ -29,6 +29,7 @@ use crate::{setup, sh};
 mod collector;
 mod drops;
 mod lockpath;
+mod nft_mutex;
 mod nft_rules;
 mod refusals;
 mod ring;
@@ -85,7 +86,7 @@ pub struct Env {
     pub machine: Value,
 }
 
-const ALL: [&str; 7] = [
+const ALL: [&str; 8] = [
     "lock",
     "drops",
     "collector",
@@ -93,6 +94,7 @@ const ALL: [&str; 7] = [
     "rules",
     "nft-rules",
     "refusals",
+    "nft-mutex",
 ];
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -103,18 +105,21 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     };
     for s in &selected {
         if !ALL.contains(&s.as_str()) && s != "capture" {
-            bail!("unknown bench `{s}` (lock, drops, collector, ring, rules, nft-rules, refusals)");
+            bail!(
+                "unknown bench `{s}` (lock, drops, collector, ring, rules, nft-rules, refusals, \
+                 nft-mutex)"
+            );
         }
     }
     let needs_root = selected.iter().any(|s| {
         matches!(
             s.as_str(),
-            "lock" | "drops" | "ring" | "rules" | "nft-rules" | "refusals"
+            "lock" | "drops" | "ring" | "rules" | "nft-rules" | "refusals" | "nft-mutex"
         )
     });
     if needs_root && !sh::is_root() {
         bail!(
-            "the lock, drops, ring, rules, nft-rules and refusals benches load BPF programs: run as root (or --only collector)"
+            "the lock, drops, ring, rules, nft-rules, refusals and nft-mutex benches load BPF programs: run as root (or --only collector)"
         );
     }
     let root = sh::workspace_root();
@@ -201,6 +206,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "rules" => (rules::run(&env)?, None),
             "nft-rules" => (nft_rules::run(&env)?, None),
             "refusals" => (refusals::run(&env)?, None),
+            "nft-mutex" => (nft_mutex::run(&env)?, None),
             _ => unreachable!("checked above"),
         };
         let took = t.elapsed().as_secs_f64();

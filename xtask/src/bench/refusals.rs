@@ -5,7 +5,6 @@
 //! `skb:kfree_skb`), and with `xtlock trace`; each count against the clients' own
 //! ECONNREFUSED count and the rule's packet counter. With `--bpf-stats`, the BPF time each
 //! tracer's programs spent per refused connection (every program it loaded), per program.
-use std::collections::BTreeMap;
 
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
@@ -13,7 +12,7 @@ use serde_json::{json, Value};
 use super::{
     drops::{Net, DST},
     run::{self, BpfStats, ProgStats, Session, Tracer},
-    stats::{num, table, Dist},
+    stats::{add_bpf_runs, bpf_programs_table, num, table, Dist, ProgDists},
     Env,
 };
 
@@ -42,7 +41,7 @@ struct Col {
     /// `--bpf-stats`: BPF ns per refused connection, all the tracer's programs.
     bpf_ns_per: Dist,
     /// `--bpf-stats`, per program: (ns per run, runs per refused connection).
-    progs: BTreeMap<String, (Dist, Dist)>,
+    progs: ProgDists,
 }
 
 impl Net {
@@ -137,15 +136,7 @@ pub fn run(env: &Env) -> Result<Value> {
             let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
             let col = &mut cols[ti];
             if env.bpf_stats && t != Tracer::None {
-                let ran = p1.since(&p0);
-                let per = |v: u64| v as f64 / refused.max(1) as f64;
-                col.bpf_ns_per
-                    .push(per(ran.iter().map(|(_, _, ns)| ns).sum()));
-                for (name, runs, ns) in ran {
-                    let e = col.progs.entry(name).or_default();
-                    e.0.push(ns as f64 / runs.max(1) as f64);
-                    e.1.push(per(runs));
-                }
+                add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), refused);
             }
             col.rate.push(refused as f64 / wall);
             let cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
@@ -233,32 +224,13 @@ pub fn run(env: &Env) -> Result<Value> {
             "\n  BPF programs (kernel.bpf_stats_enabled), per refused connection: ns per run x \
              runs per refusal; programs that ran fewer than 0.01 times a refusal left out"
         );
-        let mut rows = vec![vec![
-            "tracer / program".to_string(),
-            "ns/run".into(),
-            "runs/refusal".into(),
-            "ns/refusal".into(),
-        ]];
-        for (t, c) in tracers.iter().zip(&cols).skip(1) {
-            rows.push(vec![
-                format!("{} (all its programs)", t.name()),
-                "".into(),
-                "".into(),
-                c.bpf_ns_per.show(),
-            ]);
-            for (name, (ns, runs)) in &c.progs {
-                if runs.median() < 0.01 {
-                    continue;
-                }
-                rows.push(vec![
-                    format!("  {name}"),
-                    ns.show(),
-                    format!("{:.2}", runs.median()),
-                    format!("{:.0}", ns.median() * runs.median()),
-                ]);
-            }
-        }
-        table(&rows);
+        let per: Vec<_> = tracers
+            .iter()
+            .zip(&cols)
+            .skip(1)
+            .map(|(t, c)| (t.name(), &c.bpf_ns_per, &c.progs))
+            .collect();
+        bpf_programs_table("refusal", &per);
     }
     Ok(json!({
         "clients": clients,

@@ -134,6 +134,59 @@ pub fn table(rows: &[Vec<String>]) {
     }
 }
 
+/// Per BPF program: (ns per run, runs per unit).
+pub type ProgDists = std::collections::BTreeMap<String, (Dist, Dist)>;
+
+/// One run's BPF programs (name, runs, ns) over `units` units of work: the total ns per unit
+/// into `total`, each program's ns per run and runs per unit into `progs`.
+pub fn add_bpf_runs(
+    total: &mut Dist,
+    progs: &mut ProgDists,
+    ran: Vec<(String, u64, u64)>,
+    units: u64,
+) {
+    let per = |v: u64| v as f64 / units.max(1) as f64;
+    total.push(per(ran.iter().map(|(_, _, ns)| ns).sum()));
+    for (name, runs, ns) in ran {
+        let e = progs.entry(name).or_default();
+        e.0.push(ns as f64 / runs.max(1) as f64);
+        e.1.push(per(runs));
+    }
+}
+
+/// Each tracer's BPF programs per `unit` (a refused connection, a transaction): the tracer's
+/// total, then each program's ns per run × runs per unit; programs that ran fewer than 0.01
+/// times a unit left out. `tracers`: (name, total ns per unit, per program (ns per run, runs
+/// per unit)).
+pub fn bpf_programs_table(unit: &str, tracers: &[(&str, &Dist, &ProgDists)]) {
+    let mut rows = vec![vec![
+        "tracer / program".to_string(),
+        "ns/run".into(),
+        format!("runs/{unit}"),
+        format!("ns/{unit}"),
+    ]];
+    for (name, total, progs) in tracers {
+        rows.push(vec![
+            format!("{name} (all its programs)"),
+            "".into(),
+            "".into(),
+            total.show(),
+        ]);
+        for (prog, (ns, runs)) in progs.iter() {
+            if runs.median() < 0.01 {
+                continue;
+            }
+            rows.push(vec![
+                format!("  {prog}"),
+                ns.show(),
+                format!("{:.2}", runs.median()),
+                format!("{:.0}", ns.median() * runs.median()),
+            ]);
+        }
+    }
+    table(&rows);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,9 @@
 //! network namespace for nf_tables: a burst of writes is read once, after the last); a legacy
 //! table over [`MAX_ENTRIES`] entries, or a namespace's nf_tables over [`MAX_NFT_RULES`]
 //! rules, is not parsed, and says so; chains whose rules did not change since the previous
-//! read of the table are sent as digests only. Every skip says why, once per table.
+//! read of the table are sent as digests only. Every skip says why, once per table. A
+//! namespace's reads take at most a share of the reader (`budget.rs`): past it, its next read
+//! waits (its writes coalesced into it) and the others go first, said once per namespace.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -26,6 +28,8 @@ use std::time::{Duration, Instant};
 use crate::decode::nft_table::{self, Msg, NftTable};
 use crate::decode::xt_table::{self, Family, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD};
 use crate::event::{digest_rules, ChainState, Event, RuleTable, TableReplaceEvent};
+
+mod budget;
 
 /// Tables with more entries than this are not parsed (kube-proxy's largest run to ~100k
 /// entries; a 30,000-rule table is ~56k entries, its read and diff measured by `cargo xtask
@@ -301,40 +305,122 @@ struct Worker {
     nft_tables: HashMap<u32, Vec<(String, String)>>,
     /// Netlink sequence numbers.
     seq: u32,
+    /// Each namespace's share of the reader.
+    budget: budget::Budget,
+    /// Reads held back past their namespace's share: when each may go.
+    deferred: Vec<(Instant, Request)>,
+    /// Namespaces whose rationing was said.
+    said_rationed: HashSet<u32>,
 }
 
 impl Worker {
     fn run(mut self, rx: &mpsc::Receiver<Request>, tx: &mpsc::Sender<Event>) {
-        while let Ok(first) = rx.recv() {
+        let mut open = true;
+        while open || !self.deferred.is_empty() {
+            // A request, or a held-back read come due.
+            let due = self.deferred.iter().map(|(t, _)| *t).min();
+            let first = match (open, due) {
+                (true, None) => match rx.recv() {
+                    Ok(r) => Some(r),
+                    Err(_) => {
+                        open = false;
+                        None
+                    }
+                },
+                (true, Some(due)) => {
+                    match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                        Ok(r) => Some(r),
+                        Err(mpsc::RecvTimeoutError::Timeout) => None,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => {
+                            open = false;
+                            None
+                        }
+                    }
+                }
+                (false, _) => None,
+            };
             // A burst of writes (a restore per table, firewalld's dozens in a row) is read
             // once it is over: after QUIET without a write, or MAX_WAIT after its first, so
             // the reads do not queue on the table's mutex between the writes of a burst.
-            let mut batch: Vec<Request> = vec![first];
-            let since = Instant::now();
-            while since.elapsed() < MAX_WAIT {
-                match rx.recv_timeout(QUIET) {
-                    Ok(r) => batch.push(r),
-                    Err(mpsc::RecvTimeoutError::Timeout) => break,
-                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            let mut batch: Vec<Request> = Vec::new();
+            if let Some(first) = first {
+                batch.push(first);
+                let since = Instant::now();
+                while since.elapsed() < MAX_WAIT {
+                    match rx.recv_timeout(QUIET) {
+                        Ok(r) => batch.push(r),
+                        Err(mpsc::RecvTimeoutError::Timeout) => break,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => {
+                            open = false;
+                            break;
+                        }
+                    }
                 }
+                batch.extend(rx.try_iter());
             }
-            batch.extend(rx.try_iter());
+            // Held-back reads come due (all of them once the reader is closing: the last
+            // state of every table is read), before the new requests: a newer request for
+            // the same table replaces them.
+            let now = Instant::now();
+            let (ready, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut self.deferred)
+                .into_iter()
+                .partition(|(t, _)| !open || *t <= now);
+            self.deferred = wait;
+            let mut all: Vec<Request> = ready.into_iter().map(|(_, r)| r).collect();
+            all.extend(batch);
             let mut seen = HashSet::new();
             let mut todo: Vec<Request> = Vec::new();
-            for r in batch.into_iter().rev() {
+            for r in all.into_iter().rev() {
                 if seen.insert(r.key()) {
                     todo.push(r);
                 }
             }
-            for r in todo.into_iter().rev() {
+            todo.reverse();
+            // Namespaces under their share first.
+            let now = Instant::now();
+            todo.sort_by_key(|r| self.budget.allow(r.netns, now).is_err());
+            for r in todo {
+                let now = Instant::now();
+                if open {
+                    if let Err(at) = self.budget.allow(r.netns, now) {
+                        self.hold_back(at, r, now);
+                        continue;
+                    }
+                }
+                let cpu = budget::thread_cpu();
+                let parts = self.read(&r);
+                self.budget
+                    .charge(r.netns, now, budget::thread_cpu().saturating_sub(cpu));
                 // In parts that fit the capture's records (a large table's first read).
-                for part in self.read(&r).into_iter().flat_map(RuleTable::into_parts) {
+                for part in parts.into_iter().flat_map(RuleTable::into_parts) {
                     if tx.send(Event::RuleTable(Box::new(part))).is_err() {
                         return;
                     }
                 }
             }
         }
+    }
+
+    /// `r` waits until `at`, its namespace past its share: replaces a held-back read of the
+    /// same table; said once per namespace.
+    fn hold_back(&mut self, at: Instant, r: Request, now: Instant) {
+        if self.said_rationed.len() < 4096 && self.said_rationed.insert(r.netns) {
+            let spent = self.budget.spent(r.netns, now);
+            tracing::warn!(
+                netns = r.netns,
+                "rule reads of network namespace {} rationed: they took {:.2} s of CPU in the \
+                 last {} s, over its share ({:.0} % of a core); its writes are read when its \
+                 reads fall back under it (writes meanwhile are read at once, then), other \
+                 namespaces first",
+                r.netns,
+                spent.as_secs_f64(),
+                budget::WINDOW.as_secs(),
+                budget::SHARE * 100.0
+            );
+        }
+        let key = r.key();
+        self.deferred.retain(|(_, d)| d.key() != key);
+        self.deferred.push((at, r));
     }
 
     /// The tables a request asks for, as read (or said skipped).
