@@ -242,8 +242,9 @@ fn table_sizes_match_what_the_tables_hold() {
 }
 
 /// kube-proxy's nat and filter tables (services, endpoints by probability, masquerading),
-/// dockerd's (`! -i docker0`, `-o docker0 -m conntrack`), and a firewall's (LOG, REJECT,
-/// limit, iprange, icmp, tcp flags, recent, ...): what `iptables-legacy-restore` loads.
+/// dockerd's (`! -i docker0`, `-o docker0 -m conntrack`), and a firewall's (LOG, NFLOG,
+/// REJECT, limit, iprange, icmp, tcp flags, recent, ...): what `iptables-legacy-restore`
+/// and `iptables-nft-restore` load.
 const KUBE_DOCKER_FIREWALL: &str = r#"*nat
 :PREROUTING ACCEPT [0:0]
 :INPUT ACCEPT [0:0]
@@ -334,6 +335,10 @@ COMMIT
 -A INPUT -p tcp -j REJECT --reject-with tcp-reset
 -A INPUT -p udp -j REJECT --reject-with icmp-port-unreachable
 -A INPUT -j REJECT --reject-with icmp-admin-prohibited
+-A INPUT -p udp --sport 53:60 ! --dport 5 -j NFLOG --nflog-prefix "a b" --nflog-group 5 --nflog-size 100 --nflog-threshold 3
+-A INPUT -p tcp --dport :1000 -m pkttype ! --pkt-type multicast -j NFLOG
+-A INPUT -m mark ! --mark 5 -m limit --limit 3/hour --limit-burst 7 -j ACCEPT
+-A INPUT ! -i + -j DROP
 -A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
 -A FORWARD -j DOCKER-USER
 -A FORWARD -j DOCKER-ISOLATION-STAGE-1
@@ -600,6 +605,8 @@ fn nft_rules_read_back_as_iptables_nft_save_prints_them() {
         // iptables-nft-save's own words for them.
         "-A FORWARD -i br+ -j ACCEPT",
         "-A INPUT -f -j DROP",
+        "-A INPUT ! -i + -j DROP",
+        "-j NFLOG --nflog-prefix \"a b\" --nflog-group 5 --nflog-size 100",
         "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
         "-m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate NEW -m limit --limit 1/sec",
     ] {

@@ -3,19 +3,20 @@
 //! `-ipv6.c`), then the save (`nft_ipv4_save_rule`, `save_matches_and_target`).
 //!
 //! iptables-nft writes the head of a rule (`-s`, `-d`, `-i`, `-o`, `-p`, `-f`) and a few
-//! matches as native expressions: payload and meta loads, masked by a bitwise, compared by
-//! a cmp or a range. They are read back into the structs iptables keeps: the head into an
-//! [`IpHead`], worded as legacy entries are; `--sport`/`--dport`/`--tcp-flags` into an
-//! `xt_tcp` or `xt_udp`, `-m mark` into an `xt_mark_mtinfo1`, `-m limit` into an
-//! `xt_rateinfo`, `-m pkttype`, `-m icmp`, `-j MARK` likewise, each worded by its legacy
-//! decoder (`xt_ext.rs`). Matches and targets iptables-nft keeps as xt extensions (`match`,
-//! `target`) go to those decoders as they are. The save's order: the head, the matches in
-//! the order their first expression came, the comment of the rule's userdata, the target.
+//! matches and targets as native expressions: payload and meta loads, masked by a bitwise,
+//! compared by a cmp or a range; limit, log, meta set. They are read back into the structs
+//! iptables keeps: the head into an [`IpHead`], worded as legacy entries are;
+//! `--sport`/`--dport`/`--tcp-flags` into an `xt_tcp` or `xt_udp`, `-m mark` into an
+//! `xt_mark_mtinfo1`, `-m limit` into an `xt_rateinfo`, `-m pkttype`, `-m icmp`, `-j MARK`,
+//! `-j NFLOG`, `-j TRACE` likewise, each worded by its legacy decoder (`xt_ext.rs`).
+//! Matches and targets iptables-nft keeps as xt extensions (`match`, `target`) go to those
+//! decoders as they are. The save's order: the head, the matches in the order their first
+//! expression came, the comment of the rule's userdata, the target.
 //!
-//! A rule holding anything iptables-nft would not read back so (a `ct`, `lookup`, `log` or
-//! `nat` expression, a load of a field iptables has no option for) has no iptables words:
-//! it keeps nft's. `iptables-nft-save` then calls the whole table incompatible; the diff
-//! keeps its other rules in iptables' words.
+//! A rule holding anything iptables-nft would not read back so (a `ct`, `lookup` or `nat`
+//! expression, a `log` to the kernel's log, a load of a field iptables has no option for)
+//! has no iptables words: it keeps nft's. `iptables-nft-save` then calls the whole table
+//! incompatible; the diff keeps the table's other rules in iptables' words.
 
 use std::collections::HashMap;
 
@@ -75,6 +76,7 @@ const META_MARK: u32 = 3;
 const META_IIFNAME: u32 = 6;
 const META_OIFNAME: u32 = 7;
 const META_L4PROTO: u32 = 16;
+const META_NFTRACE: u32 = 12;
 const META_PKTTYPE: u32 = 19;
 
 /// `NFT_PAYLOAD_NETWORK_HEADER`, `NFT_PAYLOAD_TRANSPORT_HEADER`.
@@ -291,6 +293,7 @@ impl Xt {
                 self.set_target(text)
             }
             "limit" => self.limit(e),
+            "log" => self.nflog(e),
             _ => Err(Stop::Foreign),
         }
     }
@@ -345,10 +348,16 @@ impl Xt {
                 self.head.inv |= if inv { INV_PROTO } else { 0 };
             }
             META_IIFNAME | META_OIFNAME if r.mask.is_none() => {
-                // `! -i +` is written as this impossible name; rare enough for nft's words.
-                if v.len() > 16 || v.starts_with(b"INVAL/D") {
+                if v.len() > 16 {
                     return Err(Stop::Foreign);
                 }
+                // nf_tables cannot say "no interface": iptables-nft writes `! -i +` as equal
+                // to this impossible name, and reads it back so.
+                let (v, inv) = if !inv && super::string(v) == "INVAL/D" {
+                    (&b"+\0"[..], true)
+                } else {
+                    (v, inv)
+                };
                 let (name, mask, flag) = if key == META_IIFNAME {
                     (
                         &mut self.head.iniface,
@@ -610,12 +619,20 @@ impl Xt {
         Ok(())
     }
 
-    /// `meta mark set`: `-j MARK --set-xmark` (`xt_mark_tginfo2` { u32 mark, mask }).
+    /// `meta mark set`: `-j MARK --set-xmark` (`xt_mark_tginfo2` { u32 mark, mask });
+    /// `meta nftrace set 1`: `-j TRACE`.
     fn meta_set(&mut self, key: u32, sreg: u32) -> Step {
         let r = self.reg(sreg)?;
-        let (META_MARK, Load::Imm(v)) = (key, &r.load) else {
+        let Load::Imm(v) = &r.load else {
             return Err(Stop::Foreign);
         };
+        if key == META_NFTRACE && r.mask.is_none() && v.iter().any(|&b| b != 0) {
+            let text = target_text(self.family, "TRACE", 0, &[]);
+            return self.set_target(text);
+        }
+        if key != META_MARK {
+            return Err(Stop::Foreign);
+        }
         let mark = ne32(v).ok_or(Stop::Foreign)?;
         let mask = match &r.mask {
             Some(m) => ne32(m).ok_or(Stop::Foreign)?,
@@ -644,6 +661,29 @@ impl Xt {
         b.extend(e.u32(3, "limit")?.to_ne_bytes());
         self.text_match("limit", 0, &b);
         Ok(())
+    }
+
+    /// A `log` to a netlink group: `-j NFLOG` (`nft_parse_log`, into an `xt_nflog_info`
+    /// with room for the prefix). A log to the kernel's log has no iptables-nft reading.
+    fn nflog(&mut self, e: &Expr) -> Step {
+        let Some(group) = e.get(1).and_then(be16) else {
+            return Err(Stop::Foreign);
+        };
+        let threshold = e.get(4).and_then(be16).unwrap_or(0);
+        let (len, flags) = match e.get(3) {
+            Some(v) => (super::be32(v, "log")?, 1u16),
+            None => (0, 0),
+        };
+        let prefix = e.get(2).map(super::string).unwrap_or_default();
+        let mut b = len.to_ne_bytes().to_vec();
+        for n in [group, threshold, flags, 0] {
+            b.extend(n.to_ne_bytes());
+        }
+        b.extend(prefix.as_bytes());
+        b.resize(b.len().max(12 + 64), 0);
+        b.push(0);
+        let text = target_text(self.family, "NFLOG", 0, &b);
+        self.set_target(text)
     }
 
     /// The save's order: the head, the matches, the userdata's comment, the target.

@@ -281,6 +281,32 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
          -m limit --limit 2/min -g X"
     );
 
+    // `-j NFLOG --nflog-prefix hi --nflog-group 5` (a native log to a group), `-j TRACE`.
+    let exprs = vec![expr(
+        "log",
+        &[nla(1, &5u16.to_be_bytes()), nla(2, &s("hi"))],
+    )];
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    assert_eq!(r.rule.text(), "-j NFLOG --nflog-prefix hi --nflog-group 5");
+    let exprs = vec![
+        expr(
+            "immediate",
+            &[nla(1, &be(1)), nested(2, &[nla(1, &1u32.to_ne_bytes())])],
+        ),
+        expr("meta", &[nla(2, &be(12)), nla(3, &be(1))]),
+    ];
+    let r = parse_rule(2, &rule_msg("raw", "PREROUTING", &exprs, None)).unwrap();
+    assert_eq!(r.rule.text(), "-j TRACE");
+    // A log to the kernel's log has none: nft's words.
+    let exprs = vec![expr("log", &[nla(2, &s("hi"))])];
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    assert_eq!(r.rule.0, ["log prefix \"hi\"", "-j CONTINUE"]);
+
+    // `! -i +`: equal to a name no interface has.
+    let exprs = vec![meta(6), cmp(1, 0, b"INVAL/D\0"), verdict(1, None)];
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    assert_eq!(r.rule.text(), "! -i + -j ACCEPT");
+
     // `-f`, `--tcp-flags`, a native MARK target.
     let exprs = vec![
         payload(1, 6, 2),
