@@ -74,7 +74,8 @@ fn legacy_tables(family: Family, asked: &[String], netns: u32) -> anyhow::Result
 /// the tables as iptables orders them, each built-in chain (one the kernel lacks with policy
 /// `ACCEPT`, as the save prints it), then the user chains by name; their rules in that
 /// order. A table holding a rule iptables-nft cannot express is said incompatible, as the
-/// save says it, and printed anyway, those rules in nft's words.
+/// save says it, and printed anyway, those rules in nft's words; a base chain iptables does
+/// not define is said and left out, as the save does.
 fn nft_tables(family: Family, asked: &[String], netns: u32) -> anyhow::Result<String> {
     let mut reader = RuleReader::start().context("starting the rule reader")?;
     reader.on_event(&Event::NftCommit(NftCommitEvent {
@@ -102,15 +103,20 @@ fn nft_tables(family: Family, asked: &[String], netns: u32) -> anyhow::Result<St
         let base = |name: &str| chains.iter().find(|c| c.name == name && c.policy.is_some());
         let mut user: Vec<&ChainState> = chains.iter().filter(|c| c.policy.is_none()).collect();
         user.sort_by(|a, b| a.name.cmp(&b.name));
-        let compatible = chains
+        if !chains
             .iter()
-            .all(|c| c.policy.is_none() || builtin.contains(&c.name.as_str()))
-            && chains
-                .iter()
-                .flat_map(|c| c.rules.iter().flatten())
-                .all(iptables_words);
-        if !compatible {
+            .flat_map(|c| c.rules.iter().flatten())
+            .all(iptables_words)
+        {
             out.push_str(&format!("# Table `{t}' is incompatible, use 'nft' tool.\n"));
+        } else if chains
+            .iter()
+            .any(|c| c.policy.is_some() && !builtin.contains(&c.name.as_str()))
+        {
+            // A base chain iptables does not define: left out, as the save leaves it out.
+            out.push_str(&format!(
+                "# Table `{t}' contains incompatible base-chains, use 'nft' tool to list them.\n"
+            ));
         }
         out.push_str(&format!("*{t}\n"));
         for b in builtin.iter() {
