@@ -329,7 +329,9 @@ fn who_changed_whose_nf_tables_rules() {
         name: "xtlock-nrc",
         subnet: 49,
         table: "nft ip filter",
-        lost: "meta mark & 0x8000 == 0x8000",
+        // iptables-nft's table: its rules in iptables-nft-save's words, the mark match
+        // (native `meta mark` expressions) as the legacy story's.
+        lost: "-m mark --mark 0x8000/0x8000",
         linger: " && sleep 0.3",
         steps: vec![
             // The first write makes the table: what is there after it is the baseline.

@@ -242,8 +242,9 @@ fn table_sizes_match_what_the_tables_hold() {
 }
 
 /// kube-proxy's nat and filter tables (services, endpoints by probability, masquerading),
-/// dockerd's (`! -i docker0`, `-o docker0 -m conntrack`), and a firewall's (LOG, REJECT,
-/// limit, iprange, icmp, tcp flags, recent, ...): what `iptables-legacy-restore` loads.
+/// dockerd's (`! -i docker0`, `-o docker0 -m conntrack`), and a firewall's (LOG, NFLOG,
+/// REJECT, limit, iprange, icmp, tcp flags, recent, ...): what `iptables-legacy-restore`
+/// and `iptables-nft-restore` load.
 const KUBE_DOCKER_FIREWALL: &str = r#"*nat
 :PREROUTING ACCEPT [0:0]
 :INPUT ACCEPT [0:0]
@@ -334,6 +335,10 @@ COMMIT
 -A INPUT -p tcp -j REJECT --reject-with tcp-reset
 -A INPUT -p udp -j REJECT --reject-with icmp-port-unreachable
 -A INPUT -j REJECT --reject-with icmp-admin-prohibited
+-A INPUT -p udp --sport 53:60 ! --dport 5 -j NFLOG --nflog-prefix "a b" --nflog-group 5 --nflog-size 100 --nflog-threshold 3
+-A INPUT -p tcp --dport :1000 -m pkttype ! --pkt-type multicast -j NFLOG
+-A INPUT -m mark ! --mark 5 -m limit --limit 3/hour --limit-burst 7 -j ACCEPT
+-A INPUT ! -i + -j DROP
 -A FORWARD -m comment --comment "kubernetes forwarding rules" -j KUBE-FORWARD
 -A FORWARD -j DOCKER-USER
 -A FORWARD -j DOCKER-ISOLATION-STAGE-1
@@ -467,35 +472,35 @@ fn saved_form(save: &str) -> Vec<String> {
         .collect()
 }
 
-/// xtlock's rendering of every legacy rule equals `iptables-legacy-save`'s, line for line:
-/// realistic kube-proxy, dockerd, firewall and calico tables (and ip6tables'), loaded by
-/// the real `iptables-legacy-restore` in a private network namespace, then read back by
-/// both.
-#[test]
-fn rules_read_back_as_iptables_save_prints_them() {
-    if !require_bpf("rules_read_back_as_iptables_save_prints_them") {
-        return;
-    }
-    let s = Scratch::new("rules-save");
+/// Loads KUBE_DOCKER_FIREWALL, CALICO and IP6 in a private network namespace with the
+/// real `{backend}` restores (`iptables-{backend}-restore`, `ip6tables-...`), saves them with
+/// `iptables-{backend}-save` and `ip6tables-...`, and reads them with `xtlock rules
+/// {flags}` (and `--ip6`). Holds xtlock's lines against the saves', line for line (the
+/// same normalisation for both), and returns the save of the IPv4 tables and the number of
+/// rules compared per family. `extra` runs last in the namespace.
+fn read_back_as_saved(tag: &str, backend: &str, flags: &str, extra: &str) -> (String, [usize; 2]) {
+    let s = Scratch::new(tag);
     let dir = s.dir.to_str().unwrap().to_owned();
     write_file(&s.dir, "v4", KUBE_DOCKER_FIREWALL);
     write_file(&s.dir, "calico", CALICO);
     write_file(&s.dir, "v6", IP6);
     let xtlock = xtlock_tests::xtlock_bin();
     let xtlock = xtlock.to_str().unwrap();
+    let extra = extra.replace("{dir}", &dir);
     let script = format!(
         "set -e\n\
          ip link set lo up\n\
          for s in cali40all-ipam-pools cali40masq-ipam-pools; do ipset create $s hash:net; done\n\
          ipset create cali40this-host hash:ip\n\
          ipset create cali40s:port-set hash:ip,port\n\
-         iptables-legacy-restore -w 5 < {dir}/v4\n\
-         iptables-legacy-restore -w 5 --noflush < {dir}/calico\n\
-         ip6tables-legacy-restore -w 5 < {dir}/v6\n\
-         iptables-legacy-save > {dir}/save4\n\
-         ip6tables-legacy-save > {dir}/save6\n\
-         {xtlock} rules > {dir}/ours4\n\
-         {xtlock} rules --ip6 > {dir}/ours6\n"
+         iptables-{backend}-restore -w 5 < {dir}/v4\n\
+         iptables-{backend}-restore -w 5 --noflush < {dir}/calico\n\
+         ip6tables-{backend}-restore -w 5 < {dir}/v6\n\
+         iptables-{backend}-save > {dir}/save4\n\
+         ip6tables-{backend}-save > {dir}/save6\n\
+         {xtlock} rules {flags} > {dir}/ours4\n\
+         {xtlock} rules {flags} --ip6 > {dir}/ours6\n\
+         {extra}"
     );
     let out = std::process::Command::new("unshare")
         .args(["--net", "sh", "-c", &script])
@@ -511,10 +516,15 @@ fn rules_read_back_as_iptables_save_prints_them() {
         std::fs::read_to_string(Path::new(&dir).join(name))
             .unwrap_or_else(|e| panic!("{name}: {e}"))
     };
-    for (save, ours) in [("save4", "ours4"), ("save6", "ours6")] {
+    let mut compared = [0; 2];
+    for (i, (save, ours)) in [("save4", "ours4"), ("save6", "ours6")].iter().enumerate() {
         let (want, got) = (saved_form(&read(save)), saved_form(&read(ours)));
         let rules = want.iter().filter(|l| l.starts_with("-A ")).count();
-        eprintln!("{save}: {rules} rules, {} lines", want.len());
+        let equal = want.iter().zip(&got).filter(|(w, g)| w == g).count();
+        eprintln!(
+            "{backend} {save}: {rules} rules, {} lines, {equal} equal",
+            want.len()
+        );
         let wrong: Vec<String> = want
             .iter()
             .zip(&got)
@@ -523,22 +533,82 @@ fn rules_read_back_as_iptables_save_prints_them() {
             .collect();
         assert!(
             wrong.is_empty() && want.len() == got.len(),
-            "{save}: {} lines differ ({} vs {} lines):\n{}",
+            "{backend} {save}: {} lines differ ({} vs {} lines):\n{}",
             wrong.len(),
             want.len(),
             got.len(),
             wrong.join("\n")
         );
-        assert!(rules > 10, "{save} holds the rules loaded: {want:?}");
+        compared[i] = rules;
     }
+    (read("save4") + &read("extra"), compared)
+}
+
+/// xtlock's rendering of every legacy rule equals `iptables-legacy-save`'s, line for line:
+/// realistic kube-proxy, dockerd, firewall and calico tables (and ip6tables'), loaded by
+/// the real `iptables-legacy-restore` in a private network namespace, then read back by
+/// both.
+#[test]
+fn rules_read_back_as_iptables_save_prints_them() {
+    if !require_bpf("rules_read_back_as_iptables_save_prints_them") {
+        return;
+    }
+    let (v4, [rules4, rules6]) =
+        read_back_as_saved("rules-save", "legacy", "", ": > {dir}/extra\n");
+    assert!(
+        rules4 > 100 && rules6 > 10,
+        "{rules4} and {rules6} rules: {v4}"
+    );
     // The loaded rules are all there, the wildcards as written (`-o +` left out, as save).
-    let v4 = read("save4");
     for needle in [
         "-A FORWARD -i br+ -j ACCEPT",
         "-A FORWARD ! -o eth1 -j ACCEPT",
         "-A cali-FORWARD -i cali+ -m comment",
         "--probability 0.33333333349 -j KUBE-SEP-AAAAAAAAAAAAAAAA",
         "-m set ! --match-set cali40all-ipam-pools src",
+    ] {
+        assert!(v4.contains(needle), "{needle} not in\n{v4}");
+    }
+}
+
+/// The same through nf_tables: the tables loaded by the real `iptables-nft-restore` and
+/// `ip6tables-nft-restore`, `iptables-nft-save`'s lines against `xtlock rules --nft`'s.
+/// iptables-nft writes the head of each rule, the ports, tcp flags, marks and limits as
+/// native expressions (checked in `nft list ruleset`), which xtlock reads back into
+/// iptables' words; the rest stays xt extensions.
+#[test]
+fn nft_rules_read_back_as_iptables_nft_save_prints_them() {
+    if !require_bpf("nft_rules_read_back_as_iptables_nft_save_prints_them") {
+        return;
+    }
+    let (v4, [rules4, rules6]) = read_back_as_saved(
+        "rules-nft-save",
+        "nft",
+        "--nft",
+        "nft list ruleset > {dir}/extra\n",
+    );
+    assert!(
+        rules4 > 100 && rules6 > 10,
+        "{rules4} and {rules6} rules: {v4}"
+    );
+    for needle in [
+        // Native: the head, ports, tcp flags, fragments, marks and limits.
+        "ip saddr != 127.0.0.0/8 ip daddr 127.0.0.0/8",
+        "oifname != \"docker0\"",
+        "iifname \"cali*\"",
+        "tcp dport 8000-8100",
+        "tcp flags syn / fin,syn,rst,ack",
+        "ip frag-off & 8191 != 0",
+        "meta mark & 0x00004000 != 0x00004000",
+        "limit rate 2/minute",
+        "ip6 saddr & ffff:0:ffff:: == fd00::",
+        // iptables-nft-save's own words for them.
+        "-A FORWARD -i br+ -j ACCEPT",
+        "-A INPUT -f -j DROP",
+        "-A INPUT ! -i + -j DROP",
+        "-j NFLOG --nflog-prefix \"a b\" --nflog-group 5 --nflog-size 100",
+        "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN",
+        "-m tcp --tcp-flags FIN,SYN,RST,ACK SYN -m conntrack --ctstate NEW -m limit --limit 1/sec",
     ] {
         assert!(v4.contains(needle), "{needle} not in\n{v4}");
     }

@@ -50,8 +50,8 @@ pub enum Command {
     /// Print the xtlock(8) manual page (roff) on stdout: `xtlock man | man -l -`.
     #[command(hide = true)]
     Man,
-    /// Print this network namespace's legacy iptables tables as xtlock reads them, in
-    /// iptables-save's form (tests compare the two).
+    /// Print this network namespace's legacy iptables tables (--nft: iptables-nft's) as
+    /// xtlock reads them, in iptables-save's form (tests compare the two).
     #[command(hide = true)]
     Rules(RulesArgs),
 }
@@ -61,6 +61,10 @@ pub struct RulesArgs {
     /// ip6tables' tables instead of iptables'.
     #[arg(long)]
     pub ip6: bool,
+    /// The nf_tables tables iptables-nft writes, as iptables-nft-save prints them, instead of
+    /// the legacy ones.
+    #[arg(long)]
+    pub nft: bool,
     /// A table to print (repeatable); default: every table loaded in this namespace.
     #[arg(short, long, value_name = "TABLE")]
     pub table: Vec<String>,

@@ -718,6 +718,7 @@ pub(crate) fn target_text(family: Family, name: &str, rev: u8, d: &[u8]) -> Stri
         ("CONNMARK", 1 | 2) => connmark(rev, d),
         ("SNAT" | "DNAT" | "MASQUERADE" | "REDIRECT", _) => nat(family, name, rev, d),
         ("LOG", 0) => log(d),
+        ("NFLOG", 0) => nflog(d),
         ("CT", 0..=2) => ct(rev, d),
         ("TCPMSS", 0) => u16_at(d, 0).map(|mss| match mss {
             u16::MAX => "--clamp-mss-to-pmtu".to_string(),
@@ -918,6 +919,31 @@ fn log(d: &[u8]) -> Option<String> {
         if flags & bit != 0 {
             o.push(opt);
         }
+    }
+    Some(o.0)
+}
+
+/// `xt_nflog_info` { u32 len; u16 group, threshold, flags, pad; char prefix[64] } (the
+/// prefix runs to the end: iptables-nft reads nf_tables' longer ones into a longer buffer).
+/// `XT_NFLOG_F_COPY_LEN` (0x1) says `len` is `--nflog-size`; the default threshold is 0.
+fn nflog(d: &[u8]) -> Option<String> {
+    let len = u32_at(d, 0)?;
+    let (group, threshold, flags) = (u16_at(d, 4)?, u16_at(d, 6)?, u16_at(d, 8)?);
+    let prefix = name_at(d, 12, d.len().checked_sub(12)?);
+    let mut o = Out::default();
+    if !prefix.is_empty() {
+        o.push(format!("--nflog-prefix {}", save_string(&prefix)));
+    }
+    if group != 0 {
+        o.push(format!("--nflog-group {group}"));
+    }
+    if flags & 0x1 != 0 {
+        o.push(format!("--nflog-size {len}"));
+    } else if len != 0 {
+        o.push(format!("--nflog-range {len}"));
+    }
+    if threshold != 0 {
+        o.push(format!("--nflog-threshold {threshold}"));
     }
     Some(o.0)
 }

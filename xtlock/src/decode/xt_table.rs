@@ -299,74 +299,171 @@ fn parse_entry(
     })
 }
 
-/// `ipt_ip`'s parts (`struct ipt_ip`: src, dst, smsk, dmsk, iniface[16], outiface[16],
-/// iniface_mask[16], outiface_mask[16], u16 proto, u8 flags, invflags), as `print_rule4`.
-fn ip_parts(e: &[u8]) -> Vec<String> {
-    let mut p = Vec::new();
-    let inv = e[83];
-    let not = |flag: u8| if inv & flag != 0 { "! " } else { "" };
-    for (addr, mask, flag, opt) in [(0, 8, 0x08u8, "-s"), (4, 12, 0x10, "-d")] {
-        let a = <[u8; 4]>::try_from(&e[addr..addr + 4]).unwrap_or_default();
-        let m = <[u8; 4]>::try_from(&e[mask..mask + 4]).unwrap_or_default();
-        // `save_ipv4_addr`: shown unless all of address, mask and inversion are zero; the
-        // mask as a prefix length (`/32` too), or dotted when it is not contiguous.
-        if a != [0; 4] || m != [0; 4] || inv & flag != 0 {
-            let mask = match prefix_len(u128::from(u32::from_be_bytes(m)) << 96) {
-                Some(n) => n.min(32).to_string(),
-                None => Ipv4Addr::from(m).to_string(),
-            };
-            p.push(format!("{}{opt} {}/{mask}", not(flag), Ipv4Addr::from(a)));
-        }
-    }
-    iface_parts(e, [(16, 48), (32, 64)], not, &mut p);
-    let proto = u16_at(e, 80).unwrap_or(0);
-    if proto != 0 {
-        p.push(format!("{}-p {}", not(0x40), proto_name(proto)));
-    }
-    if e[82] & 0x01 != 0 {
-        p.push(format!("{}-f", not(0x20)));
-    }
-    p
+/// `IPT_INV_*` (the same bits as `IP6T_INV_*`) in [`IpHead::inv`].
+pub(crate) const INV_VIA_IN: u8 = 0x01;
+pub(crate) const INV_VIA_OUT: u8 = 0x02;
+pub(crate) const INV_SRCIP: u8 = 0x08;
+pub(crate) const INV_DSTIP: u8 = 0x10;
+pub(crate) const INV_FRAG: u8 = 0x20;
+pub(crate) const INV_PROTO: u8 = 0x40;
+const IFNAMSIZ: usize = 16;
+
+/// What iptables keeps of a rule outside its matches (`struct ipt_ip`, `struct ip6t_ip6`),
+/// saved as `-s`, `-d`, `-i`, `-o`, `-p`, `-f`. A legacy entry holds it as is; iptables-nft
+/// spells it as payload and meta matches, read back into this same form (as
+/// `nft-ruleparse-ipv4.c` fills `cs->fw.ip`), so both backends' rules are worded by one
+/// [`IpHead::parts`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct IpHead {
+    /// Addresses and masks in network order; IPv4's in the first 4 bytes.
+    pub src: [u8; 16],
+    pub smsk: [u8; 16],
+    pub dst: [u8; 16],
+    pub dmsk: [u8; 16],
+    /// Interface names and the masks of the bytes compared (`cali+`: a mask over `cali`).
+    pub iniface: [u8; IFNAMSIZ],
+    pub iniface_mask: [u8; IFNAMSIZ],
+    pub outiface: [u8; IFNAMSIZ],
+    pub outiface_mask: [u8; IFNAMSIZ],
+    pub proto: u16,
+    /// `-f` (IPv4 only).
+    pub frag: bool,
+    /// `INV_*` bits.
+    pub inv: u8,
 }
 
-/// `-i`/`-o` parts from the (name, mask) offsets of the input and output interfaces; the
-/// same flags (`IPT_INV_VIA_IN`/`OUT` = `IP6T_INV_VIA_IN`/`OUT`) in both families. As
-/// iptables' `save_iface`: the name's bytes under the mask, then `+` when the mask ends
-/// before the name does. The kernel keeps the name as typed (`cali+`, its mask covering
-/// `cali`), so the `+` is the name's own; `-i +` has an empty mask and, as in the save,
-/// no part: it matches every interface.
-fn iface_parts(
-    e: &[u8],
-    at: [(usize, usize); 2],
-    not: impl Fn(u8) -> &'static str,
-    p: &mut Vec<String>,
-) {
-    const IFNAMSIZ: usize = 16;
-    for ((name, mask), (flag, opt)) in at.into_iter().zip([(0x01u8, "-i"), (0x02, "-o")]) {
-        let (n, m) = (&e[name..name + IFNAMSIZ], &e[mask..mask + IFNAMSIZ]);
-        if m[0] == 0 {
-            continue;
+fn array<const N: usize>(e: &[u8], at: usize) -> [u8; N] {
+    e.get(at..at + N)
+        .and_then(|b| b.try_into().ok())
+        .unwrap_or([0; N])
+}
+
+impl IpHead {
+    /// From `struct ipt_ip` (src, dst, smsk, dmsk, iniface[16], outiface[16],
+    /// iniface_mask[16], outiface_mask[16], u16 proto, u8 flags, invflags).
+    fn of_ipt(e: &[u8]) -> Self {
+        let v4 = |at| {
+            let mut a = [0u8; 16];
+            a[..4].copy_from_slice(&array::<4>(e, at));
+            a
+        };
+        IpHead {
+            src: v4(0),
+            dst: v4(4),
+            smsk: v4(8),
+            dmsk: v4(12),
+            iniface: array(e, 16),
+            outiface: array(e, 32),
+            iniface_mask: array(e, 48),
+            outiface_mask: array(e, 64),
+            proto: u16_at(e, 80).unwrap_or(0),
+            frag: e.get(82).is_some_and(|f| f & 0x01 != 0),
+            inv: e.get(83).copied().unwrap_or(0),
         }
-        let mut s = Vec::with_capacity(IFNAMSIZ + 1);
-        let mut prev = 0u8;
-        for (&c, &k) in n.iter().zip(m) {
-            if k == 0 {
-                if prev != 0 {
-                    s.push(b'+');
-                }
-                break;
-            }
-            if c != 0 {
-                s.push(c);
-            }
-            prev = c;
-        }
-        p.push(format!(
-            "{}{opt} {}",
-            not(flag),
-            String::from_utf8_lossy(&s)
-        ));
     }
+
+    /// From `struct ip6t_ip6` (src, dst, smsk, dmsk, iniface[16], outiface[16],
+    /// iniface_mask[16], outiface_mask[16], u16 proto, u8 tos, flags, invflags).
+    fn of_ip6t(e: &[u8]) -> Self {
+        IpHead {
+            src: array(e, 0),
+            dst: array(e, 16),
+            smsk: array(e, 32),
+            dmsk: array(e, 48),
+            iniface: array(e, 64),
+            outiface: array(e, 80),
+            iniface_mask: array(e, 96),
+            outiface_mask: array(e, 112),
+            proto: u16_at(e, 128).unwrap_or(0),
+            frag: false,
+            inv: e.get(132).copied().unwrap_or(0),
+        }
+    }
+
+    /// The parts as `print_rule4` / `print_rule6` save them: `-s`, `-d`, `-i`, `-o`, `-p`,
+    /// `-f`, each with its `! ` when inverted.
+    pub(crate) fn parts(&self, family: Family) -> Vec<String> {
+        let mut p = Vec::new();
+        let not = |flag: u8| if self.inv & flag != 0 { "! " } else { "" };
+        for (a, m, flag, opt) in [
+            (&self.src, &self.smsk, INV_SRCIP, "-s"),
+            (&self.dst, &self.dmsk, INV_DSTIP, "-d"),
+        ] {
+            match family {
+                Family::Ipv4 => {
+                    let a = array::<4>(a, 0);
+                    let m = array::<4>(m, 0);
+                    // `save_ipv4_addr`: shown unless all of address, mask and inversion are
+                    // zero; the mask as a prefix length (`/32` too), or dotted when it is not
+                    // contiguous.
+                    if a != [0; 4] || m != [0; 4] || self.inv & flag != 0 {
+                        let mask = match prefix_len(u128::from(u32::from_be_bytes(m)) << 96) {
+                            Some(n) => n.min(32).to_string(),
+                            None => Ipv4Addr::from(m).to_string(),
+                        };
+                        p.push(format!("{}{opt} {}/{mask}", not(flag), Ipv4Addr::from(a)));
+                    }
+                }
+                Family::Ipv6 => {
+                    // `save_ipv6_addr`: shown when inverted or the mask is not `/0`.
+                    let len = prefix_len(u128::from_be_bytes(*m));
+                    if self.inv & flag != 0 || len != Some(0) {
+                        let mask = match len {
+                            Some(n) => n.to_string(),
+                            None => Ipv6Addr::from(*m).to_string(),
+                        };
+                        p.push(format!("{}{opt} {}/{mask}", not(flag), Ipv6Addr::from(*a)));
+                    }
+                }
+            }
+        }
+        for (name, mask, flag, opt) in [
+            (&self.iniface, &self.iniface_mask, INV_VIA_IN, "-i"),
+            (&self.outiface, &self.outiface_mask, INV_VIA_OUT, "-o"),
+        ] {
+            if let Some(s) = iface_text(name, mask) {
+                p.push(format!("{}{opt} {s}", not(flag)));
+            }
+        }
+        // `save_rule_details`: the protocol when not 0.
+        if self.proto != 0 {
+            p.push(format!("{}-p {}", not(INV_PROTO), proto_name(self.proto)));
+        }
+        if family == Family::Ipv4 && self.frag {
+            p.push(format!("{}-f", not(INV_FRAG)));
+        }
+        p
+    }
+}
+
+/// `ipt_ip`'s parts, as `print_rule4`.
+fn ip_parts(e: &[u8]) -> Vec<String> {
+    IpHead::of_ipt(e).parts(Family::Ipv4)
+}
+
+/// An interface as iptables' `save_iface` writes it: the name's bytes under the mask, then
+/// `+` when the mask ends before the name does. The kernel keeps the name as typed (`cali+`,
+/// its mask covering `cali`), so the `+` is the name's own; `-i +` has an empty mask and, as
+/// in the save, no part: it matches every interface.
+fn iface_text(n: &[u8; IFNAMSIZ], m: &[u8; IFNAMSIZ]) -> Option<String> {
+    if m[0] == 0 {
+        return None;
+    }
+    let mut s = Vec::with_capacity(IFNAMSIZ + 1);
+    let mut prev = 0u8;
+    for (&c, &k) in n.iter().zip(m) {
+        if k == 0 {
+            if prev != 0 {
+                s.push(b'+');
+            }
+            break;
+        }
+        if c != 0 {
+            s.push(c);
+        }
+        prev = c;
+    }
+    Some(String::from_utf8_lossy(&s).into_owned())
 }
 
 /// A protocol number as `iptables-save` names it: `xtables_chain_protos` first, then
@@ -396,33 +493,9 @@ fn proto_name(proto: u16) -> String {
     .to_string()
 }
 
-/// `ip6t_ip6`'s parts (`struct ip6t_ip6`: src, dst, smsk, dmsk, iniface[16], outiface[16],
-/// iniface_mask[16], outiface_mask[16], u16 proto, u8 tos, flags, invflags), as
-/// `print_rule6`.
+/// `ip6t_ip6`'s parts, as `print_rule6`.
 fn ip6_parts(e: &[u8]) -> Vec<String> {
-    let mut p = Vec::new();
-    let inv = e[132];
-    let not = |flag: u8| if inv & flag != 0 { "! " } else { "" };
-    for (addr, mask, flag, opt) in [(0, 32, 0x08u8, "-s"), (16, 48, 0x10, "-d")] {
-        let a = Ipv6Addr::from(<[u8; 16]>::try_from(&e[addr..addr + 16]).unwrap_or([0; 16]));
-        let m = <[u8; 16]>::try_from(&e[mask..mask + 16]).unwrap_or([0; 16]);
-        // `save_ipv6_addr`: shown when inverted or the mask is not `/0`.
-        let len = prefix_len(u128::from_be_bytes(m));
-        if inv & flag != 0 || len != Some(0) {
-            let mask = match len {
-                Some(n) => n.to_string(),
-                None => Ipv6Addr::from(m).to_string(),
-            };
-            p.push(format!("{}{opt} {a}/{mask}", not(flag)));
-        }
-    }
-    iface_parts(e, [(64, 96), (80, 112)], not, &mut p);
-    // `save_rule_details`: the protocol when not 0 (`IP6T_F_PROTO` goes with it).
-    let proto = u16_at(e, 128).unwrap_or(0);
-    if proto != 0 {
-        p.push(format!("{}-p {}", not(0x40), proto_name(proto)));
-    }
-    p
+    IpHead::of_ip6t(e).parts(Family::Ipv6)
 }
 
 #[cfg(test)]

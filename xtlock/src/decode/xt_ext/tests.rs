@@ -515,6 +515,30 @@ fn mark_connmark_log_reject_ct_tcpmss() {
         "-j LOG --log-prefix fw --log-level 6 --log-tcp-sequence --log-uid"
     );
     assert_eq!(t("LOG", 0, log(4, 0, "")), "-j LOG");
+    // NFLOG: `--nflog-group 5 --nflog-prefix hi`; `--nflog-prefix "a b" --nflog-size 100
+    // --nflog-threshold 3`; `--nflog-range 50` (no flag); none at all.
+    let nflog = |len, group, threshold, flags, prefix: &str| {
+        B::default()
+            .u32(0, len)
+            .u16(4, group)
+            .u16(6, threshold)
+            .u16(8, flags)
+            .str(12, prefix)
+            .len(76)
+    };
+    assert_eq!(
+        t("NFLOG", 0, nflog(0, 5, 0, 0, "hi")),
+        "-j NFLOG --nflog-prefix hi --nflog-group 5"
+    );
+    assert_eq!(
+        t("NFLOG", 0, nflog(100, 0, 3, 1, "a b")),
+        "-j NFLOG --nflog-prefix \"a b\" --nflog-size 100 --nflog-threshold 3"
+    );
+    assert_eq!(
+        t("NFLOG", 0, nflog(50, 0, 0, 0, "")),
+        "-j NFLOG --nflog-range 50"
+    );
+    assert_eq!(t("NFLOG", 0, nflog(0, 0, 0, 0, "")), "-j NFLOG");
     assert_eq!(
         t("REJECT", 0, B::default().u32(0, 3)),
         "-j REJECT --reject-with icmp-port-unreachable"
