@@ -31,7 +31,7 @@ tracepoint:syscalls:sys_exit_sendmsg /@send[tid]/ { @batch = hist(nsecs - @send[
 "#;
 
 /// Transactions per client and run: a table added and deleted, this many times.
-const PAIRS: usize = 400;
+const PAIRS: usize = 2_000;
 
 #[derive(Default)]
 struct Col {
