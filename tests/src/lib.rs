@@ -870,6 +870,48 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// A save's tables as `xtlock rules` prints them: the `# ...` lines and counters dropped.
+pub fn saved_form(save: &str) -> Vec<String> {
+    save.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| match l.strip_prefix(':') {
+            Some(c) => {
+                let mut w = c.split_whitespace();
+                format!(
+                    ":{} {}",
+                    w.next().unwrap_or_default(),
+                    w.next().unwrap_or_default()
+                )
+            }
+            None => l.to_string(),
+        })
+        .collect()
+}
+
+/// `xtlock rules`' text `ours` equals the save `save` line for line (as [`saved_form`]); the
+/// number of rules compared. `what` names the pair in the failure.
+pub fn assert_rules_as_saved(what: &str, save: &str, ours: &str) -> usize {
+    let (want, got) = (saved_form(save), saved_form(ours));
+    let rules = want.iter().filter(|l| l.starts_with("-A ")).count();
+    let equal = want.iter().zip(&got).filter(|(w, g)| w == g).count();
+    eprintln!("{what}: {rules} rules, {} lines, {equal} equal", want.len());
+    let wrong: Vec<String> = want
+        .iter()
+        .zip(&got)
+        .filter(|(w, g)| w != g)
+        .map(|(w, g)| format!("  save:   {w}\n  xtlock: {g}"))
+        .collect();
+    assert!(
+        wrong.is_empty() && want.len() == got.len(),
+        "{what}: {} lines differ ({} vs {} lines):\n{}",
+        wrong.len(),
+        want.len(),
+        got.len(),
+        wrong.join("\n")
+    );
+    rules
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

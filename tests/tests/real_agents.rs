@@ -312,6 +312,26 @@ fn dockerd_networks_and_a_restore_loop_match_bpftrace() {
         assert!(ok, "docker network rm: {err}");
     }
     loop_thread.join().expect("restore loop");
+    // dockerd's real tables, a bridge network of its own in them, read as
+    // iptables-legacy-save prints them, line for line.
+    let (ok, err) = dockerd.docker(&["network", "create", "--driver", "bridge", "xtkeep"]);
+    assert!(ok, "docker network create: {err}");
+    let in_ns = |prog: &str, args: &[&str]| -> String {
+        let out = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", dockerd.netns))
+            .arg(prog)
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("{prog}: {e}"));
+        assert!(out.status.success(), "{prog}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let compared = xtlock_tests::assert_rules_as_saved(
+        "dockerd's tables",
+        &in_ns("iptables-legacy-save", &[]),
+        &in_ns(xtlock_tests::xtlock_bin().to_str().unwrap(), &["rules"]),
+    );
+    assert!(compared >= 10, "dockerd's rules: {compared}");
     dockerd.stop();
     std::thread::sleep(Duration::from_millis(500));
     tracer.interrupt();
@@ -735,6 +755,24 @@ fn firewalld_reload_removes_kube_proxys_chains() {
     let gone_for = reload_at.elapsed();
     kube_proxy_restore();
     let back = saved(&save());
+    // firewalld's real tables (and kube-proxy's back in them) read as iptables-legacy-save
+    // prints them, line for line.
+    let ours = fwd
+        .sandbox
+        .cmd(xtlock_tests::xtlock_bin().to_str().unwrap())
+        .arg("rules")
+        .output()
+        .expect("xtlock rules");
+    assert!(ours.status.success(), "xtlock rules: {ours:?}");
+    let compared = xtlock_tests::assert_rules_as_saved(
+        "firewalld's tables",
+        &save(),
+        &String::from_utf8_lossy(&ours.stdout),
+    );
+    assert!(
+        compared > 300,
+        "firewalld's and kube-proxy's rules: {compared}"
+    );
     // Before firewalld stops: its clean-up on exit removes kube-proxy's chains once more.
     tracer.interrupt();
     let trace = tracer.finish();

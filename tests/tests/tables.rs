@@ -454,24 +454,6 @@ COMMIT
 COMMIT
 "#;
 
-/// A save's tables as `xtlock rules` prints them: the `# ...` lines and counters dropped.
-fn saved_form(save: &str) -> Vec<String> {
-    save.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .map(|l| match l.strip_prefix(':') {
-            Some(c) => {
-                let mut w = c.split_whitespace();
-                format!(
-                    ":{} {}",
-                    w.next().unwrap_or_default(),
-                    w.next().unwrap_or_default()
-                )
-            }
-            None => l.to_string(),
-        })
-        .collect()
-}
-
 /// Loads KUBE_DOCKER_FIREWALL, CALICO and IP6 in a private network namespace with the
 /// real `{backend}` restores (`iptables-{backend}-restore`, `ip6tables-...`), saves them with
 /// `iptables-{backend}-save` and `ip6tables-...`, and reads them with `xtlock rules
@@ -518,28 +500,11 @@ fn read_back_as_saved(tag: &str, backend: &str, flags: &str, extra: &str) -> (St
     };
     let mut compared = [0; 2];
     for (i, (save, ours)) in [("save4", "ours4"), ("save6", "ours6")].iter().enumerate() {
-        let (want, got) = (saved_form(&read(save)), saved_form(&read(ours)));
-        let rules = want.iter().filter(|l| l.starts_with("-A ")).count();
-        let equal = want.iter().zip(&got).filter(|(w, g)| w == g).count();
-        eprintln!(
-            "{backend} {save}: {rules} rules, {} lines, {equal} equal",
-            want.len()
+        compared[i] = xtlock_tests::assert_rules_as_saved(
+            &format!("{backend} {save}"),
+            &read(save),
+            &read(ours),
         );
-        let wrong: Vec<String> = want
-            .iter()
-            .zip(&got)
-            .filter(|(w, g)| w != g)
-            .map(|(w, g)| format!("  save:   {w}\n  xtlock: {g}"))
-            .collect();
-        assert!(
-            wrong.is_empty() && want.len() == got.len(),
-            "{backend} {save}: {} lines differ ({} vs {} lines):\n{}",
-            wrong.len(),
-            want.len(),
-            got.len(),
-            wrong.join("\n")
-        );
-        compared[i] = rules;
     }
     (read("save4") + &read("extra"), compared)
 }

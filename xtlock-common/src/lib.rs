@@ -490,6 +490,8 @@ pub struct NftMutexConfig {
     /// `task_struct.flags` (`PF_KTHREAD`: a kernel worker waits on a netns's commit mutex
     /// from the initial netns; its owner's netns says whose it is).
     pub task_flags: u32,
+    /// Explicit: the struct is copied into the programs as bytes.
+    pub _pad: u32,
     /// Offsets of `lock_addr`, `flags` (contention_begin) and `ret` (contention_end) in the
     /// perf tracepoints' records, from their format files (the `tp_btf` programs get them
     /// as arguments).
@@ -1294,7 +1296,7 @@ mod tests {
         assert_eq!(size_of::<CtConfig>(), 48);
         assert_eq!(size_of::<XtReplaceEvent>(), 32);
         assert_eq!(size_of::<NftMutexWaitEvent>(), 24 + 16 + 24 + 32);
-        assert_eq!(size_of::<NftMutexConfig>(), 28 * 4 + 8 + 64);
+        assert_eq!(size_of::<NftMutexConfig>(), 30 * 4 + 8 + 80);
         assert_eq!(size_of::<NftSendEvent>(), 24 + 16 + 16);
     }
 

@@ -185,6 +185,7 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         // An array: BTF gives it no size.
         task_comm: m("task_struct", "comm", 0)?,
         task_flags: m("task_struct", "flags", 4)?,
+        _pad: 0,
         tp_lock: tp.lock,
         tp_flags: tp.flags,
         tp_ret: tp.ret,
