@@ -8,7 +8,7 @@ use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 
 use super::{
-    run::{self, BpfStats, ProgStats, Session, Tracer},
+    run::{self, rotation, BpfStats, ProgStats, Session, Tracer},
     stats::{num, table, Dist},
     Env,
 };
@@ -257,95 +257,89 @@ pub fn run(env: &Env) -> Result<Value> {
     let xtlock_lock = env.scratch.join("drops.lock");
     std::fs::write(&xtlock_lock, b"")?;
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
-    for rep in 0..env.reps {
-        for i in 0..tracers.len() {
-            let ti = (i + rep) % tracers.len();
-            let t = tracers[ti];
-            eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
-            net.iptables(&["-Z", "INPUT"])?;
-            let tag = format!("drops-{}-{rep}", t.name());
-            // xtlock as shipped: default drop reasons and sample rate.
-            let s = Session::of(env, t, &tag, SCRIPT, &[&xtlock_lock], &[])?;
-            let ids = if env.bpf_stats {
-                s.prog_ids()
-            } else {
-                Vec::new()
-            };
-            let p0 = ProgStats::read(&ids);
-            let c0 = s.cpu_ns();
-            let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
-            let c1 = s.cpu_ns();
-            let p1 = ProgStats::read(&ids);
-            let st = s.stop()?;
-            let rule = net.counter()?;
-            let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
-            let total_sent: u64 = r.iter().map(|l| l.cycles).sum();
-            let col = &mut cols[ti];
-            let ran = p1.since(&p0);
-            if let Some((name, runs, ns)) = ran.iter().max_by_key(|(_, runs, _)| *runs) {
-                col.hook = name.clone();
-                col.hook_ns_per_run.push(*ns as f64 / (*runs).max(1) as f64);
-                col.hook_runs_per_drop
-                    .push(*runs as f64 / rule.max(1) as f64);
-                let all: u64 = ran.iter().map(|(_, _, ns)| ns).sum();
-                col.bpf_ns_per_drop.push(all as f64 / rule.max(1) as f64);
+    for (rep, ti, t) in rotation(env.reps, &tracers) {
+        net.iptables(&["-Z", "INPUT"])?;
+        let tag = format!("drops-{}-{rep}", t.name());
+        // xtlock as shipped: default drop reasons and sample rate.
+        let s = Session::of(env, t, &tag, SCRIPT, &[&xtlock_lock], &[])?;
+        let ids = if env.bpf_stats {
+            s.prog_ids()
+        } else {
+            Vec::new()
+        };
+        let p0 = ProgStats::read(&ids);
+        let c0 = s.cpu_ns();
+        let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
+        let c1 = s.cpu_ns();
+        let p1 = ProgStats::read(&ids);
+        let st = s.stop()?;
+        let rule = net.counter()?;
+        let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
+        let total_sent: u64 = r.iter().map(|l| l.cycles).sum();
+        let col = &mut cols[ti];
+        let ran = p1.since(&p0);
+        if let Some((name, runs, ns)) = ran.iter().max_by_key(|(_, runs, _)| *runs) {
+            col.hook = name.clone();
+            col.hook_ns_per_run.push(*ns as f64 / (*runs).max(1) as f64);
+            col.hook_runs_per_drop
+                .push(*runs as f64 / rule.max(1) as f64);
+            let all: u64 = ran.iter().map(|(_, _, ns)| ns).sum();
+            col.bpf_ns_per_drop.push(all as f64 / rule.max(1) as f64);
+        }
+        col.pps.push(rule as f64 / wall);
+        let sender_cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
+        col.cpu_per_drop
+            .push(sender_cpu as f64 / rule.max(1) as f64);
+        if t == Tracer::None {
+            sent.push(total_sent as f64 / wall);
+        } else {
+            col.tracer_cpu_ns_per_pkt
+                .push(c1.saturating_sub(c0) as f64 / rule.max(1) as f64);
+        }
+        // Drops in the receiving namespace (all of them hit the rule); the machine-wide
+        // NETFILTER_DROP count is kept too, for the record.
+        let (counted, machine_wide) = match t {
+            Tracer::None | Tracer::BpftraceHist => (None, None),
+            Tracer::Bpftrace => {
+                let get = |key: String| st.maps.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+                (
+                    Some(get(format!("@netns[{}, {reason}]", net.b_inum)).unwrap_or(0)),
+                    get(format!("@drops[{reason}]")),
+                )
             }
-            col.pps.push(rule as f64 / wall);
-            let sender_cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
-            col.cpu_per_drop
-                .push(sender_cpu as f64 / rule.max(1) as f64);
-            if t == Tracer::None {
-                sent.push(total_sent as f64 / wall);
-            } else {
-                col.tracer_cpu_ns_per_pkt
-                    .push(c1.saturating_sub(c0) as f64 / rule.max(1) as f64);
+            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord => {
+                let s = st.summary.as_ref();
+                // Same key as bpftrace's: the receiving netns and NETFILTER_DROP. The
+                // namespace may drop other packets meanwhile (IPv6 neighbour discovery
+                // on the fresh veth); those are kept on record, not compared.
+                let nf = st
+                    .drop_counts
+                    .get(&(net.b_inum, "NETFILTER_DROP".to_string()))
+                    .copied();
+                let in_netns: u64 = st
+                    .drop_counts
+                    .iter()
+                    .filter(|((ns, _), _)| *ns == net.b_inum)
+                    .map(|(_, n)| n)
+                    .sum();
+                col.other_in_netns += in_netns.saturating_sub(nf.unwrap_or(0));
+                (
+                    nf.or_else(|| s.and_then(|s| xtlock_netns_count(s, net.b_inum))),
+                    s.and_then(xtlock_drop_count),
+                )
             }
-            // Drops in the receiving namespace (all of them hit the rule); the machine-wide
-            // NETFILTER_DROP count is kept too, for the record.
-            let (counted, machine_wide) = match t {
-                Tracer::None | Tracer::BpftraceHist => (None, None),
-                Tracer::Bpftrace => {
-                    let get =
-                        |key: String| st.maps.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
-                    (
-                        Some(get(format!("@netns[{}, {reason}]", net.b_inum)).unwrap_or(0)),
-                        get(format!("@drops[{reason}]")),
-                    )
-                }
-                Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord => {
-                    let s = st.summary.as_ref();
-                    // Same key as bpftrace's: the receiving netns and NETFILTER_DROP. The
-                    // namespace may drop other packets meanwhile (IPv6 neighbour discovery
-                    // on the fresh veth); those are kept on record, not compared.
-                    let nf = st
-                        .drop_counts
-                        .get(&(net.b_inum, "NETFILTER_DROP".to_string()))
-                        .copied();
-                    let in_netns: u64 = st
-                        .drop_counts
-                        .iter()
-                        .filter(|((ns, _), _)| *ns == net.b_inum)
-                        .map(|(_, n)| n)
-                        .sum();
-                    col.other_in_netns += in_netns.saturating_sub(nf.unwrap_or(0));
-                    (
-                        nf.or_else(|| s.and_then(|s| xtlock_netns_count(s, net.b_inum))),
-                        s.and_then(xtlock_drop_count),
-                    )
-                }
-            };
-            if let Some(n) = machine_wide {
-                col.machine_wide.push(n as i64 - rule as i64);
+        };
+        if let Some(n) = machine_wide {
+            col.machine_wide.push(n as i64 - rule as i64);
+        }
+        match counted {
+            Some(n) => {
+                col.diff.push(n as i64 - rule as i64);
+                col.counted += n;
+                col.rule += rule;
             }
-            match counted {
-                Some(n) => {
-                    col.diff.push(n as i64 - rule as i64);
-                    col.counted += n;
-                    col.rule += rule;
-                }
-                None if t.is_xtlock() => col.unparsed += 1,
-                None => {}
-            }
+            None if t.is_xtlock() => col.unparsed += 1,
+            None => {}
         }
     }
     eprint!("{:40}\r", "");

@@ -9,7 +9,7 @@ use anyhow::Result;
 use serde_json::{json, Value};
 
 use super::{
-    run::{self, BpfStats, ProgStats, Session, Tracer},
+    run::{self, rotation, BpfStats, ProgStats, Session, Tracer},
     stats::{num, table, Dist},
     Env,
 };
@@ -182,83 +182,77 @@ pub fn run(env: &Env) -> Result<Value> {
     let mut progs: BTreeMap<(usize, usize, String), (Dist, Dist)> = BTreeMap::new();
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
 
-    for rep in 0..env.reps {
-        for i in 0..tracers.len() {
-            // Rotate who goes first, so no tracer always runs on the coolest or hottest part.
-            let ti = (i + rep) % tracers.len();
-            let t = tracers[ti];
-            eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
-            let tag = format!("lock-{}-{rep}", t.name());
-            let bt = if t == Tracer::BpftraceHist {
-                &hist_script
-            } else {
-                &script
-            };
-            let s = Session::of(env, t, &tag, bt, &[&watched], &[])?;
-            // One lock cycle, and wait until the tracer printed it: attached and reading.
-            let before = s.out_len();
-            run::load(
-                env,
-                &["flock".into(), p(&watched), "--cycles".into(), "1".into()],
-            )?;
-            // The floor and the histogram print nothing per event: nothing to wait for.
-            if !matches!(
-                t,
-                Tracer::Floor | Tracer::FloorRecord | Tracer::BpftraceHist
-            ) && !s.wait_output_past(before, Duration::from_secs(10))
-            {
-                canary_missed[ti] += 1;
-            }
-            let bg = if t == Tracer::None {
-                0.0
-            } else {
-                let b0 = s.cpu_ns();
-                let t0 = std::time::Instant::now();
-                std::thread::sleep(Duration::from_secs_f64(env.secs));
-                let v = s.cpu_ns().saturating_sub(b0) as f64 / t0.elapsed().as_secs_f64();
-                background[ti].push(v);
-                v
-            };
-            let ids = if env.bpf_stats {
-                s.prog_ids()
-            } else {
-                Vec::new()
-            };
-            for (li, l) in loads.iter().enumerate() {
-                let mut args = l.args.clone();
-                args.extend(["--secs".into(), secs.clone()]);
-                let p0 = ProgStats::read(&ids);
-                let c0 = s.cpu_ns();
-                let r = run::load(env, &args)?;
-                let c1 = s.cpu_ns();
-                let p1 = ProgStats::read(&ids);
-                let c = &mut cells[ti][li];
-                c.cpu.push(r.cpu_per_cycle());
-                c.wall.push(r.wall_per_cycle());
-                c.ops_per_s.push(r.cycles as f64 / (r.wall_ns as f64 / 1e9));
-                if t != Tracer::None {
-                    // Minus what it spends anyway on the rest of the machine.
-                    let own = c1.saturating_sub(c0) as f64 - bg * r.wall_ns as f64 / 1e9;
-                    c.tracer.push(own / r.cycles.max(1) as f64);
-                }
-                let mut seen: BTreeMap<String, u32> = BTreeMap::new();
-                for (name, runs, ns) in p1.since(&p0) {
-                    let n = seen.entry(name.clone()).or_default();
-                    *n += 1;
-                    let key = if *n > 1 { format!("{name}#{n}") } else { name };
-                    let e = progs.entry((ti, li, key)).or_default();
-                    e.0.push(ns as f64 / runs as f64);
-                    e.1.push(runs as f64 / r.cycles.max(1) as f64);
-                }
-                if li == 0 {
-                    cycles_watched[ti] += r.cycles;
-                }
-            }
-            let st = s.stop()?;
-            lost[ti] += st.lost_events;
-            lines[ti] += st.lines;
-            holds[ti] += st.holds;
+    for (rep, ti, t) in rotation(env.reps, &tracers) {
+        let tag = format!("lock-{}-{rep}", t.name());
+        let bt = if t == Tracer::BpftraceHist {
+            &hist_script
+        } else {
+            &script
+        };
+        let s = Session::of(env, t, &tag, bt, &[&watched], &[])?;
+        // One lock cycle, and wait until the tracer printed it: attached and reading.
+        let before = s.out_len();
+        run::load(
+            env,
+            &["flock".into(), p(&watched), "--cycles".into(), "1".into()],
+        )?;
+        // The floor and the histogram print nothing per event: nothing to wait for.
+        if !matches!(
+            t,
+            Tracer::Floor | Tracer::FloorRecord | Tracer::BpftraceHist
+        ) && !s.wait_output_past(before, Duration::from_secs(10))
+        {
+            canary_missed[ti] += 1;
         }
+        let bg = if t == Tracer::None {
+            0.0
+        } else {
+            let b0 = s.cpu_ns();
+            let t0 = std::time::Instant::now();
+            std::thread::sleep(Duration::from_secs_f64(env.secs));
+            let v = s.cpu_ns().saturating_sub(b0) as f64 / t0.elapsed().as_secs_f64();
+            background[ti].push(v);
+            v
+        };
+        let ids = if env.bpf_stats {
+            s.prog_ids()
+        } else {
+            Vec::new()
+        };
+        for (li, l) in loads.iter().enumerate() {
+            let mut args = l.args.clone();
+            args.extend(["--secs".into(), secs.clone()]);
+            let p0 = ProgStats::read(&ids);
+            let c0 = s.cpu_ns();
+            let r = run::load(env, &args)?;
+            let c1 = s.cpu_ns();
+            let p1 = ProgStats::read(&ids);
+            let c = &mut cells[ti][li];
+            c.cpu.push(r.cpu_per_cycle());
+            c.wall.push(r.wall_per_cycle());
+            c.ops_per_s.push(r.cycles as f64 / (r.wall_ns as f64 / 1e9));
+            if t != Tracer::None {
+                // Minus what it spends anyway on the rest of the machine.
+                let own = c1.saturating_sub(c0) as f64 - bg * r.wall_ns as f64 / 1e9;
+                c.tracer.push(own / r.cycles.max(1) as f64);
+            }
+            let mut seen: BTreeMap<String, u32> = BTreeMap::new();
+            for (name, runs, ns) in p1.since(&p0) {
+                let n = seen.entry(name.clone()).or_default();
+                *n += 1;
+                let key = if *n > 1 { format!("{name}#{n}") } else { name };
+                let e = progs.entry((ti, li, key)).or_default();
+                e.0.push(ns as f64 / runs as f64);
+                e.1.push(runs as f64 / r.cycles.max(1) as f64);
+            }
+            if li == 0 {
+                cycles_watched[ti] += r.cycles;
+            }
+        }
+        let st = s.stop()?;
+        lost[ti] += st.lost_events;
+        lines[ti] += st.lines;
+        holds[ti] += st.holds;
     }
     eprint!("{:40}\r", "");
 

@@ -16,7 +16,7 @@ use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 
 use super::{
-    run::{BpfStats, ProgStats, Session, Tracer},
+    run::{rotation, BpfStats, ProgStats, Session, Tracer},
     stats::{add_bpf_runs, bpf_programs_table, num, table, Dist, ProgDists},
     Env,
 };
@@ -130,31 +130,26 @@ pub fn run(env: &Env) -> Result<Value> {
     std::fs::write(&lock, b"")?;
     let extra = vec!["--no-rule-reads".to_string(), "--no-drops".to_string()];
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
-    for rep in 0..env.reps {
-        for i in 0..tracers.len() {
-            let ti = (i + rep) % tracers.len();
-            let t = tracers[ti];
-            eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
-            let tag = format!("nft-mutex-{}-{rep}", t.name());
-            let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &extra)?;
-            let ids = if env.bpf_stats {
-                s.prog_ids()
-            } else {
-                Vec::new()
-            };
-            let p0 = ProgStats::read(&ids);
-            let (n, wall) = transactions(&ns.0, clients, rep)?;
-            let p1 = ProgStats::read(&ids);
-            let out = s.out.clone();
-            s.stop()?;
-            let col = &mut cols[ti];
-            col.rate.push(n as f64 / wall);
-            if t.is_xtlock() {
-                col.waits.push(xtlock_waits(&out));
-            }
-            if env.bpf_stats && t != Tracer::None {
-                add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), n);
-            }
+    for (rep, ti, t) in rotation(env.reps, &tracers) {
+        let tag = format!("nft-mutex-{}-{rep}", t.name());
+        let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &extra)?;
+        let ids = if env.bpf_stats {
+            s.prog_ids()
+        } else {
+            Vec::new()
+        };
+        let p0 = ProgStats::read(&ids);
+        let (n, wall) = transactions(&ns.0, clients, rep)?;
+        let p1 = ProgStats::read(&ids);
+        let out = s.out.clone();
+        s.stop()?;
+        let col = &mut cols[ti];
+        col.rate.push(n as f64 / wall);
+        if t.is_xtlock() {
+            col.waits.push(xtlock_waits(&out));
+        }
+        if env.bpf_stats && t != Tracer::None {
+            add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), n);
         }
     }
     eprint!("{:40}\r", "");

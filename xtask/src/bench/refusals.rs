@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::{
     drops::{Net, DST},
-    run::{self, BpfStats, ProgStats, Session, Tracer},
+    run::{self, rotation, BpfStats, ProgStats, Session, Tracer},
     stats::{add_bpf_runs, bpf_programs_table, num, table, Dist, ProgDists},
     Env,
 };
@@ -111,52 +111,47 @@ pub fn run(env: &Env) -> Result<Value> {
     let lock = env.scratch.join("refusals.lock");
     std::fs::write(&lock, b"")?;
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
-    for rep in 0..env.reps {
-        for i in 0..tracers.len() {
-            let ti = (i + rep) % tracers.len();
-            let t = tracers[ti];
-            eprint!("  rep {}/{}: {:<8}\r", rep + 1, env.reps, t.name());
-            net.iptables(&["-Z", "INPUT"])?;
-            let tag = format!("refusals-{}-{rep}", t.name());
-            let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &[])?;
-            let ids = if env.bpf_stats {
-                s.prog_ids()
-            } else {
-                Vec::new()
-            };
-            let p0 = ProgStats::read(&ids);
-            let c0 = s.cpu_ns();
-            let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
-            let c1 = s.cpu_ns();
-            let p1 = ProgStats::read(&ids);
-            let out = s.out.clone();
-            let st = s.stop()?;
-            let rule = net.reject_counter()?;
-            let refused: u64 = r.iter().map(|l| l.cycles).sum();
-            let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
-            let col = &mut cols[ti];
-            if env.bpf_stats && t != Tracer::None {
-                add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), refused);
-            }
-            col.rate.push(refused as f64 / wall);
-            let cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
-            col.cpu_per.push(cpu as f64 / refused.max(1) as f64);
-            let counted = match t {
-                Tracer::None => None,
-                Tracer::Bpftrace => Some(
-                    st.maps
-                        .iter()
-                        .find(|(k, _)| k == BPFTRACE_KEY)
-                        .map_or(0, |(_, v)| *v),
-                ),
-                _ => xtlock_count(&out, net.b_inum),
-            };
-            if t != Tracer::None {
-                col.tracer_cpu_per
-                    .push(c1.saturating_sub(c0) as f64 / refused.max(1) as f64);
-            }
-            col.counts.push((counted, refused, rule));
+    for (rep, ti, t) in rotation(env.reps, &tracers) {
+        net.iptables(&["-Z", "INPUT"])?;
+        let tag = format!("refusals-{}-{rep}", t.name());
+        let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &[])?;
+        let ids = if env.bpf_stats {
+            s.prog_ids()
+        } else {
+            Vec::new()
+        };
+        let p0 = ProgStats::read(&ids);
+        let c0 = s.cpu_ns();
+        let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
+        let c1 = s.cpu_ns();
+        let p1 = ProgStats::read(&ids);
+        let out = s.out.clone();
+        let st = s.stop()?;
+        let rule = net.reject_counter()?;
+        let refused: u64 = r.iter().map(|l| l.cycles).sum();
+        let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
+        let col = &mut cols[ti];
+        if env.bpf_stats && t != Tracer::None {
+            add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), refused);
         }
+        col.rate.push(refused as f64 / wall);
+        let cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
+        col.cpu_per.push(cpu as f64 / refused.max(1) as f64);
+        let counted = match t {
+            Tracer::None => None,
+            Tracer::Bpftrace => Some(
+                st.maps
+                    .iter()
+                    .find(|(k, _)| k == BPFTRACE_KEY)
+                    .map_or(0, |(_, v)| *v),
+            ),
+            _ => xtlock_count(&out, net.b_inum),
+        };
+        if t != Tracer::None {
+            col.tracer_cpu_per
+                .push(c1.saturating_sub(c0) as f64 / refused.max(1) as f64);
+        }
+        col.counts.push((counted, refused, rule));
     }
     eprint!("{:40}\r", "");
     println!(

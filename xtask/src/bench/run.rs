@@ -587,3 +587,19 @@ pub fn loads(env: &Env, prefix: &[&str], args: &[Vec<String>]) -> Result<Vec<Loa
     }
     Ok(res)
 }
+
+/// Each rep's runs, `(rep, index of the tracer, tracer)`, who goes first rotating so no
+/// tracer always runs on the coolest or hottest part; says which run is on as it comes.
+pub fn rotation(
+    reps: usize,
+    tracers: &[Tracer],
+) -> impl Iterator<Item = (usize, usize, Tracer)> + '_ {
+    (0..reps).flat_map(move |rep| {
+        (0..tracers.len()).map(move |i| {
+            let ti = (i + rep) % tracers.len();
+            let t = tracers[ti];
+            eprint!("  rep {}/{}: {:<8}\r", rep + 1, reps, t.name());
+            (rep, ti, t)
+        })
+    })
+}
