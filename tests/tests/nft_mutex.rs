@@ -805,6 +805,51 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         "the longest hold: {longest}"
     );
 
+    // What the batches did (counted from their sendmsg() where nft_commit does not attach,
+    // as on this test's host): kube-proxy's one table, one chain and its rules, as many as
+    // the kernel holds; calico-node's one table each.
+    let listed = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            NETNS,
+            "nft",
+            "list",
+            "chain",
+            "ip",
+            "kube-proxy",
+        ])
+        .arg("services")
+        .output()
+        .expect("nft list chain");
+    assert!(listed.status.success(), "nft list chain: {listed:?}");
+    let in_kernel = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter(|l| l.contains(" counter "))
+        .count();
+    assert_eq!(in_kernel, RULES, "the kernel's rules in kube-proxy's chain");
+    let added = |h: &Value| (h["nft"]["status"].clone(), h["nft"]["added"].clone());
+    assert_eq!(
+        added(longest),
+        (
+            "complete".into(),
+            serde_json::json!({"tables": 1, "chains": 1, "rules": in_kernel})
+        ),
+        "kube-proxy's batch: {longest}"
+    );
+    let calicos: Vec<&&Value> = xt_holds
+        .iter()
+        .filter(|h| h["agent"] == "calico-node")
+        .collect();
+    assert!(!calicos.is_empty(), "no hold by calico-node:\n{dump}");
+    for h in calicos {
+        assert_eq!(
+            added(h),
+            ("complete".into(), serde_json::json!({"tables": 1})),
+            "calico-node's batch: {h}"
+        );
+    }
+
     // Behind the big transaction is kube-proxy, named through the nft it ran.
     assert!(
         xt_commit.iter().any(|w| w["holders"]
@@ -847,4 +892,21 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         live, again,
         "report of the capture differs from the live trace"
     );
+    // And to the same holds, with what each batch did.
+    let hold_key = |h: &Value| {
+        (
+            u(&h["tid"]),
+            u(&h["start_ns"]),
+            u(&h["hold_ns"]),
+            h["nft"].to_string(),
+        )
+    };
+    let replayed: Vec<_> = report_events(&cap)
+        .iter()
+        .filter(|e| e["type"] == "hold" && e["lock"] == commit_lock.as_str())
+        .filter(|h| ours(h))
+        .map(hold_key)
+        .collect();
+    let live: Vec<_> = xt_holds.iter().map(|h| hold_key(h)).collect();
+    assert_eq!(live, replayed, "holds: report of the capture differs");
 }

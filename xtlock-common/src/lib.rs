@@ -427,7 +427,18 @@ pub struct NftSendEvent {
     /// The syscall's return, truncated to 32 bits (bytes sent, or `-errno`).
     pub ret: i32,
     pub comm: [u8; COMM_LEN],
+    // Appended: records of older versions end here (`NFT_SEND_V1_LEN` bytes).
+    /// How the batch's messages were counted from the caller's buffers: `NFT_BATCH_*`
+    /// (`NFT_BATCH_NONE` where the kernel has no `bpf_loop`, or the offsets are unknown).
+    pub batch: u32,
+    pub _pad: u32,
+    /// The batch's messages per object kind, as [`NftCommitEvent::added`] and `deleted`.
+    pub added: [u32; NFT_KINDS],
+    pub deleted: [u32; NFT_KINDS],
 }
+
+/// Length of an [`NftSendEvent`] as versions before the batch counts wrote it.
+pub const NFT_SEND_V1_LEN: usize = 56;
 
 /// `AF_NETLINK`, `NETLINK_NETFILTER`.
 pub const AF_NETLINK: u16 = 16;
@@ -515,6 +526,19 @@ pub struct NftMutexConfig {
     pub socket_sk: u32,
     pub sk_family: u32,
     pub sk_protocol: u32,
+    /// Non-zero when the offsets below were found: the batch is counted from the caller's
+    /// buffers at `sys_enter_sendmsg` (with `bpf_loop`).
+    pub count_ok: u32,
+    /// `sys_enter_sendmsg`'s `msg` (format file); `user_msghdr.msg_iov`, `.msg_iovlen`;
+    /// `iovec.iov_base`, `.iov_len`, and the size of a `struct iovec` (BTF).
+    pub send_msg: u32,
+    pub msghdr_iov: u32,
+    pub msghdr_iovlen: u32,
+    pub iovec_base: u32,
+    pub iovec_len: u32,
+    pub iovec_size: u32,
+    /// Explicit: the struct is copied into the programs as bytes.
+    pub _pad2: u32,
     /// Address of `nf_tables_net_id` (kallsyms, `CONFIG_KALLSYMS_ALL`); 0 when unknown:
     /// then the id is learned from the first wait whose stack proves it (below).
     pub net_id_addr: u64,
@@ -1296,8 +1320,10 @@ mod tests {
         assert_eq!(size_of::<CtConfig>(), 48);
         assert_eq!(size_of::<XtReplaceEvent>(), 32);
         assert_eq!(size_of::<NftMutexWaitEvent>(), 24 + 16 + 24 + 32);
-        assert_eq!(size_of::<NftMutexConfig>(), 30 * 4 + 8 + 80);
-        assert_eq!(size_of::<NftSendEvent>(), 24 + 16 + 16);
+        assert_eq!(size_of::<NftMutexConfig>(), 38 * 4 + 8 + 80);
+        // Grown only at its end (the batch counts).
+        assert_eq!(size_of::<NftSendEvent>(), 24 + 16 + 16 + 8 + 64);
+        assert_eq!(core::mem::offset_of!(NftSendEvent, batch), NFT_SEND_V1_LEN);
     }
 
     #[test]

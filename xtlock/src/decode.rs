@@ -68,6 +68,25 @@ fn read<T: aya::Pod>(b: &[u8]) -> T {
     unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
 }
 
+/// A batch's counts as the nf_tables hooks send them; `None` when not counted.
+fn nft_batch(
+    status: u32,
+    added: [u32; common::NFT_KINDS],
+    deleted: [u32; common::NFT_KINDS],
+) -> Option<Box<NftBatch>> {
+    let status = match status {
+        common::NFT_BATCH_COMPLETE => "complete",
+        common::NFT_BATCH_PARTIAL => "partial",
+        common::NFT_BATCH_UNREADABLE => "unreadable",
+        _ => return None,
+    };
+    Some(Box::new(NftBatch {
+        status,
+        added,
+        deleted,
+    }))
+}
+
 fn need(kind: common::EventKind, b: &[u8], want: usize) -> Result<(), DecodeError> {
     if b.len() < want {
         Err(DecodeError::Truncated {
@@ -305,19 +324,7 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
             type E = common::NftCommitEvent;
             let batch = if b.len() >= sizes::NFT_COMMIT {
                 let e: E = read(b);
-                let status = match e.batch {
-                    common::NFT_BATCH_COMPLETE => Some("complete"),
-                    common::NFT_BATCH_PARTIAL => Some("partial"),
-                    common::NFT_BATCH_UNREADABLE => Some("unreadable"),
-                    _ => None,
-                };
-                status.map(|status| {
-                    Box::new(NftBatch {
-                        status,
-                        added: e.added,
-                        deleted: e.deleted,
-                    })
-                })
+                nft_batch(e.batch, e.added, e.deleted)
             } else {
                 None
             };
@@ -353,16 +360,25 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
             }))
         }
         K::NftSend => {
-            need(kind, b, sizes::NFT_SEND)?;
-            let e: common::NftSendEvent = read(b);
+            // Records of older versions end before the batch counts (and say "not counted").
+            need(kind, b, common::NFT_SEND_V1_LEN)?;
+            use std::mem::offset_of;
+            type E = common::NftSendEvent;
+            let batch = if b.len() >= sizes::NFT_SEND {
+                let e: E = read(b);
+                nft_batch(e.batch, e.added, e.deleted)
+            } else {
+                None
+            };
             Event::NftSend(Box::new(NftSendEvent {
                 ts_ns: hdr.ts_ns,
-                enter_ns: e.enter_ns,
+                enter_ns: read(&b[offset_of!(E, enter_ns)..]),
                 tgid: hdr.tgid,
                 tid: hdr.tid,
-                comm: Comm(e.comm),
-                netns: e.netns,
-                ret: e.ret,
+                comm: Comm(read(&b[offset_of!(E, comm)..])),
+                netns: read(&b[offset_of!(E, netns)..]),
+                ret: read(&b[offset_of!(E, ret)..]),
+                batch,
             }))
         }
         K::XtReplace => {

@@ -388,6 +388,9 @@ pub struct NftSendEvent {
     /// Inode of the sender's network namespace; 0 when unknown.
     pub netns: u32,
     pub ret: i32,
+    /// What the batch changed, counted from the caller's buffers; `None` when not counted
+    /// (no `bpf_loop`, the function hooks, or an older capture).
+    pub batch: Option<Box<NftBatch>>,
 }
 
 /// The changes an nf_tables batch carried: its netlink messages per object kind

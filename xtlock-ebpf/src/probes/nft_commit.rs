@@ -14,7 +14,7 @@
 //! the kernel's BTF (read by userspace).
 use aya_ebpf::{
     cty::{c_long, c_void},
-    helpers::{bpf_get_current_comm, bpf_loop, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_comm, bpf_loop, bpf_probe_read_kernel, bpf_probe_read_user},
     macros::{fentry, fexit, kprobe, kretprobe},
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext},
 };
@@ -30,7 +30,7 @@ use crate::{
 };
 
 /// `NLMSG_HDRLEN`: a message's header, the least a message can be.
-const NLMSG_HDRLEN: u32 = 16;
+pub(crate) const NLMSG_HDRLEN: u32 = 16;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -57,15 +57,27 @@ fn batch_bytes(skb: u64, c: &NftConfig) -> Option<(u64, u64)> {
 /// One message of the walk, at `*off`: counted, and `*off` moved past it; or why the walk
 /// stops there. Three exits and no other branch (the kind comes from a table): the bounded
 /// loop of [`walk`] is followed by the verifier message by message, and more branches than
-/// that run past its limits.
+/// that run past its limits. `USER`: the bytes are the caller's (a `sendmsg()`'s buffers),
+/// else the kernel's (the batch's `sk_buff`).
 #[inline(always)]
-fn step(data: u64, len: u64, off: &mut u64, counts: &mut [u32; 32]) -> Option<u32> {
+pub(crate) fn step<const USER: bool>(
+    data: u64,
+    len: u64,
+    off: &mut u64,
+    counts: &mut [u32; 32],
+) -> Option<u32> {
     if *off + u64::from(NLMSG_HDRLEN) > len {
         return Some(NFT_BATCH_COMPLETE);
     }
     // `nlmsg_len`, then `nlmsg_type` and `nlmsg_flags`; a failed read is a length of 0.
-    // SAFETY: bpf_probe_read_kernel checks the address.
-    let h: u64 = unsafe { bpf_probe_read_kernel((data + *off) as *const u64) }.unwrap_or(0);
+    let at = (data + *off) as *const u64;
+    // SAFETY: the helpers check the address.
+    let h: u64 = if USER {
+        unsafe { bpf_probe_read_user(at) }
+    } else {
+        unsafe { bpf_probe_read_kernel(at) }
+    }
+    .unwrap_or(0);
     let msg_len = h as u32;
     let ty = (h >> 32) as u32 & 0xffff;
     if msg_len < NLMSG_HDRLEN {
@@ -104,7 +116,7 @@ fn walk(skb: u64, c: &NftConfig, e: &mut NftEnter) -> u32 {
     let mut off: u64 = 0;
     let mut i: u32 = 0;
     while i < NFT_BATCH_MAX_MSGS {
-        if let Some(status) = step(data, len, &mut off, &mut e.counts) {
+        if let Some(status) = step::<false>(data, len, &mut off, &mut e.counts) {
             return status;
         }
         i += 1;
@@ -130,7 +142,7 @@ extern "C" fn walk_step(_i: u32, ctx: *mut c_void) -> c_long {
     // value `enter` got for this thread, alive for the whole call.
     let w = unsafe { &mut *(ctx as *mut WalkCtx) };
     let counts = unsafe { &mut (*w.e).counts };
-    match step(w.data, w.len, &mut w.off, counts) {
+    match step::<false>(w.data, w.len, &mut w.off, counts) {
         Some(status) => {
             w.status = status;
             1

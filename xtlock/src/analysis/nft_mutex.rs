@@ -109,7 +109,10 @@ struct CommitWait {
     start_ns: u64,
     end_ns: u64,
     lock: SharedStr,
+    /// One per holder (its stretches summed).
     holders: Vec<HolderRef>,
+    /// Each stretch behind one holder: its pid, from, until (a holder may hold twice).
+    spans: Vec<(u32, u64, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -145,7 +148,8 @@ impl NftMutexWaits {
 
     /// An nf_tables batch's `sendmsg()`: a hold of its netns's commit lock, from the call's
     /// start or, when it waited for an nf_tables mutex, from the end of its last wait, to
-    /// its return. `None` where the nft_commit hook times the batches.
+    /// its return, with what the batch changed where it was counted. `None` where the
+    /// nft_commit hook times the batches.
     pub fn on_send(&mut self, e: &NftSendEvent, cx: &mut Ctx<'_>) -> Option<HoldFact> {
         let acquired = self.acquired.remove(&e.tid);
         if self.commit_hook {
@@ -162,7 +166,7 @@ impl NftMutexWaits {
             &e.comm,
             start,
             end,
-            None,
+            e.batch.as_deref().copied(),
             cx,
         ))
     }
@@ -205,6 +209,11 @@ impl NftMutexWaits {
                     end_ns: end,
                     lock: name.clone(),
                     holders: holders.refs.clone(),
+                    spans: holders
+                        .spans
+                        .iter()
+                        .map(|&(p, _, f, u)| (p, f, u))
+                        .collect(),
                 });
             }
             NftMutex::Commit => {}
@@ -333,14 +342,15 @@ fn link(split: &mut Split, commit_waits: &FastMap<u32, VecDeque<CommitWait>>) {
                 if lock.as_ref().is_none_or(|(_, n)| *n < b - a) {
                     lock = Some((w.lock.clone(), b - a));
                 }
-                // The commit wait's holders, each over its own stretch within [a, b).
-                for h in &w.holders {
-                    let hf = h.from_ns.unwrap_or(w.start_ns);
-                    let ht = hf + h.behind_ns.unwrap_or(0);
+                // The commit wait's holders, each over its own stretches within [a, b).
+                for &(pid, hf, ht) in &w.spans {
                     let (ca, cb) = (hf.max(a), ht.min(b));
                     if ca >= cb {
                         continue;
                     }
+                    let Some(h) = w.holders.iter().find(|h| h.pid == pid) else {
+                        continue;
+                    };
                     match holders.iter_mut().find(|x| x.pid == h.pid) {
                         Some(x) => x.behind_ns = Some(x.behind_ns.unwrap_or(0) + (cb - ca)),
                         None => {

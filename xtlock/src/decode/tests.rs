@@ -466,6 +466,10 @@ fn nft_mutex_waits_and_sends() {
         netns: 4026532177,
         ret: 4096,
         comm: Comm::new("nft").0,
+        batch: common::NFT_BATCH_COMPLETE,
+        _pad: 0,
+        added: [0, 0, 300, 0, 0, 0, 0, 0],
+        deleted: [0, 0, 0, 0, 2, 0, 0, 0],
     };
     let b = bytes(&s);
     let Event::NftSend(e) = decode(&b).unwrap() else {
@@ -475,7 +479,22 @@ fn nft_mutex_waits_and_sends() {
         (e.enter_ns, e.ts_ns, e.netns, e.ret),
         (500, 9000, 4026532177, 4096)
     );
-    assert!(decode(&b[..b.len() - 1]).is_err());
+    let batch = e.batch.expect("counted");
+    assert_eq!((batch.status, batch.changes()), ("complete", 302));
+    // A record of the version before the counts: the same call, not counted.
+    let Event::NftSend(old) = decode(&b[..common::NFT_SEND_V1_LEN]).unwrap() else {
+        panic!("not a send");
+    };
+    assert_eq!((old.batch, old.enter_ns, old.ret), (None, 500, 4096));
+    assert!(decode(&b[..common::NFT_SEND_V1_LEN - 1]).is_err());
+    let none = common::NftSendEvent {
+        batch: common::NFT_BATCH_NONE,
+        ..s
+    };
+    let Event::NftSend(e) = decode(&bytes(&none)).unwrap() else {
+        panic!("not a send");
+    };
+    assert_eq!(e.batch, None);
 }
 
 /// Every event of one record.

@@ -78,9 +78,11 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
                     nft_mutex_tp.lock = l;
                     nft_mutex_tp.flags = f;
                 }),
-            nft_mutex::SEND_ENTER => {
-                off(&fmt, &["fd"], 8).map(|fd| nft_mutex_tp.send_fd = Some(fd))
-            }
+            nft_mutex::SEND_ENTER => off(&fmt, &["fd"], 8).map(|fd| {
+                nft_mutex_tp.send_fd = Some(fd);
+                // Without it the batches are timed, not counted.
+                nft_mutex_tp.send_msg = off(&fmt, &["msg"], 8).ok();
+            }),
             nft_mutex::SEND_EXIT => off(&fmt, &["ret"], 8).map(|r| nft_mutex_tp.exit_ret = Some(r)),
             nft_mutex::END => off(&fmt, &["lock_addr"], 8)
                 .and_then(|l| Ok((l, off(&fmt, &["ret"], 4)?)))

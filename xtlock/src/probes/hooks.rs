@@ -154,6 +154,22 @@ pub fn backup_of(program: &str) -> Option<&'static KfuncHook> {
         .map(|(_, k)| *k)
 }
 
+/// Tracepoint programs with a twin that does more, tried first on the same tracepoint,
+/// and what the twin needs: the plain program is the fallback where it does not load.
+pub const TRACEPOINT_FIRST: &[(&str, &str, &str)] = &[(
+    nft_mutex::SEND_ENTER,
+    nft_mutex::SEND_ENTER_LOOP,
+    "bpf_loop (Linux >= 5.17): the batches are not counted by object kind",
+)];
+
+/// The twin tried before `program` on its tracepoint, and what it needs.
+pub fn first_of(program: &str) -> Option<(&'static str, &'static str)> {
+    TRACEPOINT_FIRST
+        .iter()
+        .find(|(p, _, _)| *p == program)
+        .map(|&(_, first, needs)| (first, needs))
+}
+
 /// Every function hook the tracepoint hooks may fall back on (for discovery).
 pub fn tracepoint_fallbacks() -> impl Iterator<Item = &'static KfuncHook> {
     HOOKS

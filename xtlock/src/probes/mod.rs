@@ -278,7 +278,12 @@ impl Probes {
                         Err(fn_why) => {
                             tracing::debug!(hook = hook.program, why = %fn_why, "syscall function not hooked: its tracepoint is tried");
                             match tracepoint_unless_ruled_out(&mut ebpf, hook, &disc) {
-                                Ok(()) => None,
+                                Ok(note) => {
+                                    if let Some(n) = note {
+                                        attach.push_str(&format!(" ({n})"));
+                                    }
+                                    None
+                                }
                                 Err(why) => {
                                     attach.push_str(&format!(
                                         ", else {}",
@@ -312,7 +317,7 @@ impl Probes {
                     }
                     let tp = if matches!(raw, Some(Ok(()))) {
                         attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
-                        Ok(())
+                        Ok(None)
                     } else if not_asked
                         // An unusable format file says why first.
                         && disc.unusable_why(hook.program).is_none()
@@ -321,7 +326,10 @@ impl Probes {
                     } else {
                         tracepoint_unless_ruled_out(&mut ebpf, hook, &disc)
                     };
-                    if let (Ok(()), Some(Err(r))) = (&tp, &raw) {
+                    if let Ok(Some(note)) = &tp {
+                        attach.push_str(&format!(" ({note})"));
+                    }
+                    if let (Ok(_), Some(Err(r))) = (&tp, &raw) {
                         // Why not tp_btf, as the function hooks say why not fentry.
                         attach.push_str(&format!(" (fallback; tp_btf: {})", first_line(r)));
                     }
@@ -798,10 +806,11 @@ fn module_note(hook: &KfuncHook, attach: String) -> String {
     }
 }
 
-fn attach_tracepoint(ebpf: &mut Ebpf, hook: &Hook) -> Result<(), String> {
+/// Loads `program` and attaches it to the hook's tracepoint.
+fn attach_tracepoint_program(ebpf: &mut Ebpf, hook: &Hook, program: &str) -> Result<(), String> {
     let prog: &mut TracePoint = ebpf
-        .program_mut(hook.program)
-        .ok_or_else(|| format!("program {} missing from the BPF object", hook.program))?
+        .program_mut(program)
+        .ok_or_else(|| format!("program {program} missing from the BPF object"))?
         .try_into()
         .map_err(|e| format!("{e}"))?;
     prog.load()
@@ -811,12 +820,32 @@ fn attach_tracepoint(ebpf: &mut Ebpf, hook: &Hook) -> Result<(), String> {
     Ok(())
 }
 
+/// The hook's tracepoint program, its twin first where it has one (`hooks::first_of`):
+/// `Some(note)` says which of them attached, for `xtlock probes`.
+fn attach_tracepoint(ebpf: &mut Ebpf, hook: &Hook) -> Result<Option<String>, String> {
+    let Some((first, needs)) = hooks::first_of(hook.program) else {
+        return attach_tracepoint_program(ebpf, hook, hook.program).map(|()| None);
+    };
+    match attach_tracepoint_program(ebpf, hook, first) {
+        Ok(()) => Ok(Some(format!("program {first}"))),
+        Err(why) => {
+            tracing::debug!(program = first, %why, "not loaded: the plain program is tried");
+            attach_tracepoint_program(ebpf, hook, hook.program).map(|()| {
+                Some(format!(
+                    "not {first}, which needs {needs}: {}",
+                    first_line(&why)
+                ))
+            })
+        }
+    }
+}
+
 /// The hook's tracepoint, unless its format file was unusable or `--no-attach` rules it out.
 fn tracepoint_unless_ruled_out(
     ebpf: &mut Ebpf,
     hook: &Hook,
     disc: &Discovery,
-) -> Result<(), String> {
+) -> Result<Option<String>, String> {
     if let Some(why) = disc.unusable_why(hook.program) {
         return Err(why);
     }

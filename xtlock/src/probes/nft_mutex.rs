@@ -16,6 +16,8 @@ pub const END: &str = "contention_end";
 /// Programs timing nf_tables batches from their `sendmsg()` (perf tracepoints).
 pub const SEND_ENTER: &str = "sys_enter_sendmsg";
 pub const SEND_EXIT: &str = "sys_exit_sendmsg";
+/// `SEND_ENTER` counting the batch (`bpf_loop`): tried first.
+pub const SEND_ENTER_LOOP: &str = "sys_enter_sendmsg_loop";
 
 /// Offsets of the perf tracepoints' fields (from their format files).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,6 +29,8 @@ pub struct TpOffsets {
     /// files lack them.
     pub send_fd: Option<u32>,
     pub exit_ret: Option<u32>,
+    /// `sys_enter_sendmsg`'s `msg`: the batch's buffers.
+    pub send_msg: Option<u32>,
 }
 
 /// The kallsyms addresses the hook uses.
@@ -150,16 +154,54 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
                 m("sock", "sk_protocol", 2)?,
             ])
         });
-    let send_detail = match &send {
-        Ok(_) => "batches timed from their sendmsg() on a NETLINK_NETFILTER socket (syscall \
-                  tracepoints), less the time they waited for the mutexes, where nft_commit \
-                  does not attach"
+    // What they did, from the caller's buffers: the msghdr's iovecs, from BTF.
+    let count = tp
+        .send_msg
+        .ok_or_else(|| "sys_enter_sendmsg has no msg field".to_string())
+        .and_then(|msg| {
+            let (len_off, len_size) = vmlinux
+                .member("iovec", "iov_len")
+                .map_err(|e| e.to_string())?;
+            Ok([
+                msg,
+                m("user_msghdr", "msg_iov", 8)?,
+                m("user_msghdr", "msg_iovlen", 8)?,
+                m("iovec", "iov_base", 8)?,
+                len_off,
+                // iov_base and iov_len, the whole struct on every 64-bit ABI.
+                len_off + len_size,
+            ])
+        })
+        .and_then(|c| match c[4..6] {
+            [8, 16] => Ok(c),
+            _ => Err(format!("struct iovec is not {{ ptr; u64 }}: {c:?}")),
+        });
+    let send_detail = match (&send, &count) {
+        (Ok(_), Ok(_)) => "batches timed from their sendmsg() on a NETLINK_NETFILTER socket \
+                           (syscall tracepoints), less the time they waited for the mutexes, \
+                           and counted per object kind from the caller's buffers where \
+                           sys_enter_sendmsg_loop loads (bpf_loop, Linux >= 5.17), where \
+                           nft_commit does not attach"
             .to_string(),
-        Err(why) => format!("batches not timed from sendmsg(): {why}"),
+        (Ok(_), Err(why)) => format!(
+            "batches timed from their sendmsg() on a NETLINK_NETFILTER socket (syscall \
+             tracepoints), less the time they waited for the mutexes, where nft_commit does \
+             not attach; not counted: {why}"
+        ),
+        (Err(why), _) => format!("batches not timed from sendmsg(): {why}"),
     };
     let s = send.unwrap_or([0; 11]);
+    let n = count.unwrap_or([0; 6]);
     let config = NftMutexConfig {
         ok: 1,
+        count_ok: u32::from(n != [0; 6]),
+        send_msg: n[0],
+        msghdr_iov: n[1],
+        msghdr_iovlen: n[2],
+        iovec_base: n[3],
+        iovec_len: n[4],
+        iovec_size: n[5],
+        _pad2: 0,
         send_ok: u32::from(s != [0; 11]),
         send_fd: s[0],
         exit_ret: s[1],

@@ -152,6 +152,7 @@ fn send(enter: u64, exit: u64, pid: u32, comm: &str) -> Event {
         comm: Comm::new(comm),
         netns: 4026532500,
         ret: 1024,
+        batch: None,
     }))
 }
 
@@ -202,6 +203,26 @@ fn a_batch_holds_from_its_last_wait_to_its_sendmsg_return() {
         (h[1].pid, h[1].start_ns, h[1].hold_ns),
         (11, 410 * MS, 40 * MS)
     );
+    assert_eq!(h[0].nft, None, "not counted");
+}
+
+/// What a batch counted at its sendmsg() did is its hold's.
+#[test]
+fn a_sendmsg_hold_says_what_its_batch_did() {
+    let mut a = Analyzer::new(Vec::new());
+    let batch = crate::decode::NftBatch {
+        status: "complete",
+        added: [0, 2, 40_000, 1, 7, 0, 0, 0],
+        deleted: [0, 0, 39_990, 0, 0, 0, 0, 0],
+    };
+    let Event::NftSend(mut e) = send(0, 400 * MS, 10, "kube-proxy") else {
+        unreachable!()
+    };
+    e.batch = Some(Box::new(batch));
+    let h = holds(&mut a, &[Event::NftSend(e)]);
+    assert_eq!(h.len(), 1);
+    assert_eq!(h[0].nft, Some(batch));
+    assert_eq!(h[0].nft.map(|b| b.changes()), Some(80_000));
 }
 
 /// Where the nft_commit hook times the batches, their sendmsg() adds no hold.
@@ -305,4 +326,49 @@ fn an_nfnl_wait_names_the_commit_holder_behind_its_holder() {
         .collect();
     assert_eq!(roots, vec![(5, Some(450 * MS), Some(150 * MS))]);
     assert!(w[2].holders[0].waiting.is_none());
+}
+
+/// A holder that held the commit mutex twice during the commit wait is clipped stretch by
+/// stretch: behind the nfnetlink wait's holder only its second turn counts.
+#[test]
+fn a_commit_holder_holding_twice_is_clipped_by_each_stretch() {
+    let mut a = Analyzer::new(Vec::new());
+    let commit = |start, end, pid, holder| {
+        wait(
+            start,
+            end,
+            pid,
+            "nft",
+            NftMutex::Commit,
+            Some((holder, "nft")),
+        )
+    };
+    let w = waits(
+        &mut a,
+        &[
+            // 6 takes the commit mutex from 5 at 200 ms, 5 takes it back at 300.
+            commit(50 * MS, 200 * MS, 6, 5),
+            commit(210 * MS, 300 * MS, 5, 6),
+            // 10, holding nfnetlink's mutex, waits from 100 to 400 ms: behind 5, 6, then 5.
+            commit(100 * MS, 400 * MS, 10, 5),
+            // 11 waits for nfnetlink's mutex behind 10 from 350 ms.
+            wait(
+                350 * MS,
+                420 * MS,
+                11,
+                "nft",
+                NftMutex::Nfnl,
+                Some((10, "nft")),
+            ),
+        ],
+    );
+    let nfnl = w.last().expect("the nfnetlink wait");
+    let waiting = nfnl.holders[0].waiting.as_ref().expect("10's commit wait");
+    assert_eq!(waiting.wait_ns, 50 * MS);
+    let roots: Vec<(u32, Option<u64>, Option<u64>)> = waiting
+        .holders
+        .iter()
+        .map(|r| (r.pid, r.behind_ns, r.from_ns))
+        .collect();
+    assert_eq!(roots, vec![(5, Some(50 * MS), Some(350 * MS))]);
 }
