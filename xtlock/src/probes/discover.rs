@@ -35,6 +35,9 @@ pub struct Discovery {
     pub nft_mutex_tp: nft_mutex::TpOffsets,
     /// Whether its raw tracepoints can be used, and if not, why.
     pub raw_nft_mutex: Result<(), String>,
+    /// Where `nft_mutex` has no configuration: the part that times and counts batches from
+    /// their `sendmsg()` (vmlinux's BTF only), and what it does; `None` without BTF.
+    pub nft_batches: Option<(xtlock_common::NftMutexConfig, String)>,
 }
 
 impl Discovery {
@@ -127,6 +130,10 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
     let kallsyms = std::fs::read_to_string("/proc/kallsyms")
         .map_err(|e| format!("reading /proc/kallsyms: {e}"));
     let (nft_mutex, raw_nft_mutex) = discover_nft_mutex(&btf, nft_mutex_tp, &kallsyms);
+    let nft_batches = btf
+        .as_ref()
+        .ok()
+        .map(|b| nft_mutex::batches(b, nft_mutex_tp));
     let mut wanted: Vec<&KfuncHook> = KFUNC_HOOKS.to_vec();
     wanted.extend(super::hooks::tracepoint_fallbacks());
     let kfunc = kfunc::discover(
@@ -151,6 +158,7 @@ pub fn discover(tracefs: &std::path::Path, filter: AttachFilter) -> Result<Disco
         nft_mutex,
         nft_mutex_tp,
         raw_nft_mutex,
+        nft_batches,
     })
 }
 

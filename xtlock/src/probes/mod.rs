@@ -252,9 +252,20 @@ impl Probes {
                     .map_err(ProbeError::Load)?;
                 true
             }
-            Err(_) => false,
+            // The batches are still timed and counted from their sendmsg() (vmlinux's BTF
+            // suffices), until nf_tables' own BTF and symbols give the rest.
+            Err(_) => {
+                if let Some((batches, _)) = &disc.nft_batches {
+                    kfunc::set_config(&mut ebpf, "NFT_MUTEX_CONFIG", *batches)
+                        .map_err(ProbeError::Load)?;
+                }
+                false
+            }
         };
-        disc.features.push(nft_mutex_feature(&disc.nft_mutex));
+        disc.features.push(nft_mutex_feature(
+            &disc.nft_mutex,
+            disc.nft_batches.as_ref().map(|(_, d)| d.as_str()),
+        ));
 
         let mut status: Vec<HookStatus> = Vec::new();
         for hook in HOOKS {
@@ -472,7 +483,7 @@ impl Probes {
             Ok(()) => {
                 tracing::info!(detail = %setup.detail, "nf_tables loaded: its mutex waits are seen");
                 self.nft_mutex_ready = true;
-                let f = nft_mutex_feature(&Ok(setup));
+                let f = nft_mutex_feature(&Ok(setup), None);
                 match self.features.iter_mut().find(|x| x.name == f.name) {
                     Some(x) => *x = f,
                     None => self.features.push(f),
@@ -781,16 +792,20 @@ fn mark_watched_ino(ebpf: &mut Ebpf, lock: &LockFile, index: u32) -> Result<(), 
     slots.set(slot, new, 0).map_err(err)
 }
 
-/// What `xtlock probes` says of the nf_tables mutex waits.
-fn nft_mutex_feature(setup: &Result<nft_mutex::Setup, String>) -> Feature {
+/// What `xtlock probes` says of the nf_tables mutex waits (and, when they are not seen, of
+/// the batches, `batches`).
+fn nft_mutex_feature(setup: &Result<nft_mutex::Setup, String>, batches: Option<&str>) -> Feature {
     Feature {
         name: "nf_tables mutex waits",
         available: setup.is_ok(),
         detail: match setup {
             Ok(s) => s.detail.clone(),
-            Err(why) => {
-                format!("{why}; tried again every 5 s while tracing (nf_tables may load later)")
-            }
+            Err(why) => format!(
+                "{why}; tried again every 5 s while tracing (nf_tables may load later){}",
+                batches
+                    .map(|b| format!("; meanwhile {b}"))
+                    .unwrap_or_default()
+            ),
         },
     }
 }

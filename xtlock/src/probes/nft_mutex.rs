@@ -98,43 +98,22 @@ pub struct Setup {
     pub detail: String,
 }
 
-/// The programs' configuration from BTF and kallsyms; `Err`: why nf_tables mutex waits
-/// cannot be recognised (yet: nf_tables may load later).
-pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, String> {
-    let nft_btf = std::path::Path::new("/sys/kernel/btf/nf_tables")
-        .exists()
-        .then(|| Btf::module(vmlinux, "nf_tables"));
-    let (commit_mutex, from) = match &nft_btf {
-        Some(Ok(b)) => (
-            b.member("nftables_pernet", "commit_mutex"),
-            "module nf_tables",
-        ),
-        Some(Err(e)) => return Err(format!("the nf_tables module's BTF: {e}")),
-        None => (
-            vmlinux.member("nftables_pernet", "commit_mutex"),
-            "vmlinux (nf_tables built in)",
-        ),
-    };
-    let (commit_mutex, _) = commit_mutex
-        .map_err(|e| format!("nf_tables is not there (not loaded, or no BTF for it): {e}"))?;
-    let m = |s: &str, p: &str, size: u32| -> Result<u32, String> {
-        match vmlinux.member(s, p) {
-            Ok((off, sz)) if sz == size || size == 0 => Ok(off),
-            Ok((_, sz)) => Err(format!("{s}.{p} is {sz} bytes, expected {size}")),
-            Err(e) => Err(e.to_string()),
-        }
-    };
-    if syms.sched_text.contains(&0) {
-        return Err(
-            "kallsyms has no __sched_text_start/__sched_text_end (or hides addresses: \
-                    kptr_restrict)"
-                .into(),
-        );
+/// Reads a struct member's offset from `btf`, checking its size (0: any).
+fn member(btf: &Btf, s: &str, p: &str, size: u32) -> Result<u32, String> {
+    match btf.member(s, p) {
+        Ok((off, sz)) if sz == size || size == 0 => Ok(off),
+        Ok((_, sz)) => Err(format!("{s}.{p} is {sz} bytes, expected {size}")),
+        Err(e) => Err(e.to_string()),
     }
-    if syms.net_id == 0 && syms.genid_fn.contains(&0) {
-        return Err("kallsyms has neither nf_tables_net_id nor nf_tables_valid_genid".into());
-    }
-    // Batches timed from sendmsg(): the descriptor's socket, from BTF.
+}
+
+/// The part of the configuration that times batches from their `sendmsg()` and counts
+/// them: vmlinux's BTF and the syscall tracepoints only, so it works where nf_tables' own
+/// BTF or symbols are missing (Linux 5.10's modules have no BTF) and the waits cannot be
+/// recognised. `ok` stays 0: the contention programs do nothing with it alone.
+pub fn batches(vmlinux: &Btf, tp: TpOffsets) -> (NftMutexConfig, String) {
+    let m = |s: &str, p: &str, size: u32| member(vmlinux, s, p, size);
+    // Timed: the descriptor's socket, from BTF.
     let send = tp
         .send_fd
         .zip(tp.exit_ret)
@@ -152,9 +131,12 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
                 m("socket", "sk", 8)?,
                 m("sock", "__sk_common.skc_family", 2)?,
                 m("sock", "sk_protocol", 2)?,
+                m("task_struct", "nsproxy", 8)?,
+                m("nsproxy", "net_ns", 8)?,
+                m("net", "ns.inum", 4)?,
             ])
         });
-    // What they did, from the caller's buffers: the msghdr's iovecs, from BTF.
+    // Counted, from the caller's buffers: the msghdr's iovecs, from BTF.
     let count = tp
         .send_msg
         .ok_or_else(|| "sys_enter_sendmsg has no msg field".to_string())
@@ -176,7 +158,7 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
             [8, 16] => Ok(c),
             _ => Err(format!("struct iovec is not {{ ptr; u64 }}: {c:?}")),
         });
-    let send_detail = match (&send, &count) {
+    let detail = match (&send, &count) {
         (Ok(_), Ok(_)) => "batches timed from their sendmsg() on a NETLINK_NETFILTER socket \
                            (syscall tracepoints), less the time they waited for the mutexes, \
                            and counted per object kind from the caller's buffers where \
@@ -190,19 +172,10 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         ),
         (Err(why), _) => format!("batches not timed from sendmsg(): {why}"),
     };
-    let s = send.unwrap_or([0; 11]);
+    let s = send.unwrap_or([0; 14]);
     let n = count.unwrap_or([0; 6]);
     let config = NftMutexConfig {
-        ok: 1,
-        count_ok: u32::from(n != [0; 6]),
-        send_msg: n[0],
-        msghdr_iov: n[1],
-        msghdr_iovlen: n[2],
-        iovec_base: n[3],
-        iovec_len: n[4],
-        iovec_size: n[5],
-        _pad2: 0,
-        send_ok: u32::from(s != [0; 11]),
+        send_ok: u32::from(s != [0; 14]),
         send_fd: s[0],
         exit_ret: s[1],
         task_files: s[2],
@@ -214,6 +187,54 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         socket_sk: s[8],
         sk_family: s[9],
         sk_protocol: s[10],
+        task_nsproxy: s[11],
+        nsproxy_net_ns: s[12],
+        net_inum: s[13],
+        count_ok: u32::from(s != [0; 14] && n != [0; 6]),
+        send_msg: n[0],
+        msghdr_iov: n[1],
+        msghdr_iovlen: n[2],
+        iovec_base: n[3],
+        iovec_len: n[4],
+        iovec_size: n[5],
+        ..NftMutexConfig::default()
+    };
+    (config, detail)
+}
+
+/// The programs' configuration from BTF and kallsyms; `Err`: why nf_tables mutex waits
+/// cannot be recognised (yet: nf_tables may load later; [`batches`] still works then).
+pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, String> {
+    let nft_btf = std::path::Path::new("/sys/kernel/btf/nf_tables")
+        .exists()
+        .then(|| Btf::module(vmlinux, "nf_tables"));
+    let (commit_mutex, from) = match &nft_btf {
+        Some(Ok(b)) => (
+            b.member("nftables_pernet", "commit_mutex"),
+            "module nf_tables",
+        ),
+        Some(Err(e)) => return Err(format!("the nf_tables module's BTF: {e}")),
+        None => (
+            vmlinux.member("nftables_pernet", "commit_mutex"),
+            "vmlinux (nf_tables built in)",
+        ),
+    };
+    let (commit_mutex, _) = commit_mutex
+        .map_err(|e| format!("nf_tables is not there (not loaded, or no BTF for it): {e}"))?;
+    let m = |s: &str, p: &str, size: u32| member(vmlinux, s, p, size);
+    if syms.sched_text.contains(&0) {
+        return Err(
+            "kallsyms has no __sched_text_start/__sched_text_end (or hides addresses: \
+                    kptr_restrict)"
+                .into(),
+        );
+    }
+    if syms.net_id == 0 && syms.genid_fn.contains(&0) {
+        return Err("kallsyms has neither nf_tables_net_id nor nf_tables_valid_genid".into());
+    }
+    let (send, send_detail) = batches(vmlinux, tp);
+    let config = NftMutexConfig {
+        ok: 1,
         task_nsproxy: m("task_struct", "nsproxy", 8)?,
         nsproxy_net_ns: m("nsproxy", "net_ns", 8)?,
         net_inum: m("net", "ns.inum", 4)?,
@@ -237,6 +258,7 @@ pub fn config(vmlinux: &Btf, tp: TpOffsets, syms: &Symbols) -> Result<Setup, Str
         gc_fn: syms.gc_fn,
         batch_fn: syms.batch_fn,
         sched_text: syms.sched_text,
+        ..send
     };
     let id = if syms.net_id != 0 {
         "the commit mutex from nf_tables_net_id (kallsyms)".to_string()
