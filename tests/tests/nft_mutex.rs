@@ -717,13 +717,15 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         "no nfnetlink wait was behind a batch waiting for the commit mutex:\n{dump}"
     );
     assert!(
-        tr_nfnl.is_empty() || !linkable || xt_nfnl.iter().any(|w| w["holders"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .any(|h| h["waiting"]["holders"]
+        tr_nfnl.is_empty()
+            || !linkable
+            || xt_nfnl.iter().any(|w| w["holders"]
                 .as_array()
-                .is_some_and(|r| r.iter().any(|r| r["agent"] == "kube-proxy")))),
+                .into_iter()
+                .flatten()
+                .any(|h| h["waiting"]["holders"]
+                    .as_array()
+                    .is_some_and(|r| r.iter().any(|r| r["agent"] == "kube-proxy")))),
         "no nfnetlink wait traced back to kube-proxy's commit:\n{dump}"
     );
 
