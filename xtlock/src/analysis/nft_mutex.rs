@@ -137,6 +137,10 @@ pub struct NftMutexWaits {
 /// Commit waits kept per thread (a batch waits once; a few cover retries).
 const COMMIT_WAITS_PER_THREAD: usize = 4;
 
+/// A contention that began on a free mutex and saw no hand-over is a spin when shorter than
+/// this: a spin on a mutex being let go takes microseconds.
+const SPIN_MAX_NS: u64 = 1_000_000;
+
 /// Threads whose last acquisition is kept (a batch's comes right before its hold).
 const MAX_ACQUIRED: usize = 4096;
 
@@ -219,8 +223,10 @@ impl NftMutexWaits {
             NftMutex::Commit => {}
         }
         // Began on a free mutex (its owner letting go) and nobody else took it meanwhile:
-        // the waiter spun and took it, behind no one. Not a wait; still a hand-over.
-        if !holders.refs.is_empty() {
+        // the waiter spun and took it, behind no one. Not a wait; still a hand-over. Unless
+        // it lasted: then a task took the mutex on its fast path, without a contention to
+        // see, and held it meanwhile: a wait behind an unknown holder.
+        if !holders.refs.is_empty() || end - e.start_ns >= SPIN_MAX_NS {
             let who = cx.who(e.tgid, &e.comm);
             out(Output::Wait(WaitFact {
                 lock: name,

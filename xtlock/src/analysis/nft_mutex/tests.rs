@@ -272,6 +272,27 @@ fn a_spin_on_a_free_mutex_is_no_wait() {
     assert_eq!(behind, vec![(40, 6_000), (31, 30 * MS - 10 * MS - 8_000)]);
 }
 
+/// A contention that began on a free mutex and lasted (another task took it on its fast
+/// path, unseen) is a wait behind an unknown holder, not a spin.
+#[test]
+fn a_long_wait_begun_on_a_free_mutex_is_a_wait_behind_nobody_known() {
+    let mut a = Analyzer::new(Vec::new());
+    let w = waits(
+        &mut a,
+        &[wait(
+            10 * MS,
+            60 * MS,
+            31,
+            "kworker/1:3",
+            NftMutex::Commit,
+            None,
+        )],
+    );
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].holders.is_empty());
+    assert_eq!((w[0].wait_ns, w[0].unknown_ns), (50 * MS, 50 * MS));
+}
+
 /// A wait on nfnetlink's mutex behind a batch that was itself waiting for its netns's commit
 /// mutex names that wait and its holder (the root of the queue), clipped to the time behind
 /// the batch; a holder that waited for nothing carries nothing.
