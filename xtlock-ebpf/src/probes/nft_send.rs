@@ -164,12 +164,25 @@ fn walk(c: &NftMutexConfig, msg: u64, e: &mut SendEnter) -> u32 {
     ) else {
         return NFT_BATCH_UNREADABLE;
     };
+    if iovlen == 0 {
+        return NFT_BATCH_COMPLETE;
+    }
+    // The first iovec is read here, not by the loop: verifiers before Linux 6.8 (Debian's
+    // 6.1) follow a `bpf_loop` callback once, from the context as it is at the call, and
+    // drop the branches that context rules out. Started from a constant length of 0, the
+    // step that reads a message looked dead, and was removed.
+    let (Some(base), Some(len)) = (
+        uread::<u64>(iov + u64::from(c.iovec_base)),
+        uread::<u64>(iov + u64::from(c.iovec_len)),
+    ) else {
+        return NFT_BATCH_UNREADABLE;
+    };
     let mut w = SendWalk {
         iov,
         iovlen,
-        next: 0,
-        base: 0,
-        len: 0,
+        next: 1,
+        base,
+        len,
         off: 0,
         e: e as *mut SendEnter,
         iov_base: c.iovec_base,

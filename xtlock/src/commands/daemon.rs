@@ -244,11 +244,7 @@ mod links {
             let hooks: Vec<(&'static str, String)> = status
                 .iter()
                 .filter(|s| s.attached())
-                .map(|s| {
-                    // `tracepoint category:name`
-                    let tp = s.attach.rsplit(':').next().unwrap_or(s.program);
-                    (s.program, tp.to_owned())
-                })
+                .map(|s| (s.program, tracepoint_of(&s.attach, s.program).to_owned()))
                 .collect();
             let up = vec![true; hooks.len()];
             Self {
@@ -291,6 +287,16 @@ mod links {
         }
     }
 
+    /// The tracepoint's name in a hook's `attach`: `tracepoint category:name`, then maybe a
+    /// note that may hold colons (which program, why not tp_btf).
+    pub fn tracepoint_of<'a>(attach: &'a str, program: &'a str) -> &'a str {
+        attach
+            .split_whitespace()
+            .nth(1)
+            .and_then(|t| t.rsplit(':').next())
+            .unwrap_or(program)
+    }
+
     /// Tracepoint names of this process's perf-event BPF links.
     fn attached_tracepoints() -> std::io::Result<Vec<String>> {
         let mut v = Vec::new();
@@ -328,6 +334,26 @@ mod links {
 
 #[cfg(test)]
 mod tests {
+    /// A hook's tracepoint is read from its attach text, whatever note follows it.
+    #[test]
+    fn the_tracepoint_of_an_attach_text() {
+        use super::links::tracepoint_of;
+        for (attach, want) in [
+            ("tracepoint syscalls:sys_enter_sendmsg", "sys_enter_sendmsg"),
+            (
+                "tracepoint syscalls:sys_enter_sendmsg (program sys_enter_sendmsg_loop)",
+                "sys_enter_sendmsg",
+            ),
+            (
+                "tracepoint lock:contention_begin (fallback; tp_btf: ruled out: x)",
+                "contention_begin",
+            ),
+            ("tp_btf skb:kfree_skb", "kfree_skb"),
+        ] {
+            assert_eq!(tracepoint_of(attach, "p"), want, "{attach}");
+        }
+    }
+
     use super::*;
 
     #[test]
