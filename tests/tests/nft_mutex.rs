@@ -553,7 +553,9 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         // under 1 ms, which can begin on a mutex changing hands between the two programs'
         // reads of its owner (below), so that one of them sees a spin on a free mutex. All
         // such races together stay under 5 % of the waits (below).
-        let long = |ns: u64| ns >= 1_000_000;
+        // In the TCG guests the two clocks of one wait differ by up to [`slack`]: a wait of a
+        // few ms on one side can be a spin under 1 ms on the other.
+        let long = |ns: u64| ns >= if in_vm() { slack() } else { 1_000_000 };
         unmatched += missed.len() + extra.len();
         assert!(
             xt.len().abs_diff(tr.len()) <= (tr.len() / 20).max(2)
@@ -828,11 +830,17 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             })
             .unwrap_or_else(|| panic!("bpftrace's kernel worker wait {t:?} not in xtlock's"));
         assert!(close(u(&w["wait_ns"]), t.end - t.start), "{w} vs {t:?}");
+        // No holder in xtlock's: its read of the owner found the mutex free, bpftrace's (µs
+        // later on a host, ms under TCG) found its next owner, who took it on its fast path
+        // (a wait behind an unknown holder). The same race as the waits' above.
         let holder = w["holders"][0]["pid"].as_u64().unwrap_or(0);
         assert!(
-            holder == u64::from(t.owner_tgid) || t.owner_tgid == 0,
+            holder == u64::from(t.owner_tgid) || t.owner_tgid == 0 || holder == 0,
             "{w}: bpftrace's owner at the start {t:?}"
         );
+        if holder == 0 && t.owner_tgid != 0 {
+            eprintln!("kernel worker's wait behind an unknown holder, bpftrace's {t:?}");
+        }
     }
 
     // Holds: each batch's sendmsg(), from the end of its last wait on an nf_tables mutex
