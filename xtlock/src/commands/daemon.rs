@@ -233,7 +233,8 @@ mod links {
     use super::HookStatus;
 
     pub struct Watch {
-        /// (program, tracepoint name) of each hook attached at start.
+        /// (program, tracepoint name) of each tracepoint hook attached at start (function hooks
+        /// leave no tracepoint name in fdinfo to find them again by).
         hooks: Vec<(&'static str, String)>,
         up: Vec<bool>,
         fd_shortage: Option<String>,
@@ -244,7 +245,7 @@ mod links {
             let hooks: Vec<(&'static str, String)> = status
                 .iter()
                 .filter(|s| s.attached())
-                .map(|s| (s.program, tracepoint_of(&s.attach, s.program).to_owned()))
+                .filter_map(|s| Some((s.program, tracepoint_of(&s.attach)?.to_owned())))
                 .collect();
             let up = vec![true; hooks.len()];
             Self {
@@ -287,14 +288,16 @@ mod links {
         }
     }
 
-    /// The tracepoint's name in a hook's `attach`: `tracepoint category:name`, then maybe a
-    /// note that may hold colons (which program, why not tp_btf).
-    pub fn tracepoint_of<'a>(attach: &'a str, program: &'a str) -> &'a str {
-        attach
-            .split_whitespace()
-            .nth(1)
-            .and_then(|t| t.rsplit(':').next())
-            .unwrap_or(program)
+    /// The tracepoint's name in a hook's `attach`: `tracepoint category:name` or `tp_btf
+    /// category:name`, then maybe a note that may hold colons (which program, why not
+    /// tp_btf). `None` for a function hook (fentry, kprobe): its link has no tracepoint
+    /// name to find again in fdinfo, and is not watched.
+    pub fn tracepoint_of(attach: &str) -> Option<&str> {
+        let mut words = attach.split_whitespace();
+        if !matches!(words.next(), Some("tracepoint" | "tp_btf")) {
+            return None;
+        }
+        words.next().and_then(|t| t.rsplit(':').next())
     }
 
     /// Tracepoint names of this process's perf-event BPF links.
@@ -350,7 +353,15 @@ mod tests {
             ),
             ("tp_btf skb:kfree_skb", "kfree_skb"),
         ] {
-            assert_eq!(tracepoint_of(attach, "p"), want, "{attach}");
+            assert_eq!(tracepoint_of(attach), Some(want), "{attach}");
+        }
+        // Function hooks are not tracepoint links: not watched (they would always look
+        // detached).
+        for attach in [
+            "fentry/fexit __x64_sys_sendmsg",
+            "kprobe/kretprobe nfnetlink_rcv_batch (fallback; fentry: x)",
+        ] {
+            assert_eq!(tracepoint_of(attach), None, "{attach}");
         }
     }
 
