@@ -109,6 +109,15 @@ fn uread<T>(at: u64) -> Option<T> {
     unsafe { bpf_probe_read_user(at as *const T) }.ok()
 }
 
+/// The iovec at `at` in the caller's array: its base and length.
+#[inline(always)]
+fn iovec(at: u64, base_off: u32, len_off: u32) -> Option<(u64, u64)> {
+    Some((
+        uread::<u64>(at + u64::from(base_off))?,
+        uread::<u64>(at + u64::from(len_off))?,
+    ))
+}
+
 /// One message of the walk, or a move to the next iovec, called by `bpf_loop`: 0 goes on,
 /// 1 stops (`status` says why).
 extern "C" fn walk_step(_i: u32, ctx: *mut c_void) -> c_long {
@@ -127,10 +136,7 @@ extern "C" fn walk_step(_i: u32, ctx: *mut c_void) -> c_long {
             return 1;
         }
         let at = w.iov + w.next * u64::from(w.iov_size);
-        let (Some(base), Some(len)) = (
-            uread::<u64>(at + u64::from(w.iov_base)),
-            uread::<u64>(at + u64::from(w.iov_len)),
-        ) else {
+        let Some((base, len)) = iovec(at, w.iov_base, w.iov_len) else {
             w.status = NFT_BATCH_UNREADABLE;
             return 1;
         };
@@ -171,10 +177,7 @@ fn walk(c: &NftMutexConfig, msg: u64, e: &mut SendEnter) -> u32 {
     // 6.1) follow a `bpf_loop` callback once, from the context as it is at the call, and
     // drop the branches that context rules out. Started from a constant length of 0, the
     // step that reads a message looked dead, and was removed.
-    let (Some(base), Some(len)) = (
-        uread::<u64>(iov + u64::from(c.iovec_base)),
-        uread::<u64>(iov + u64::from(c.iovec_len)),
-    ) else {
+    let Some((base, len)) = iovec(iov, c.iovec_base, c.iovec_len) else {
         return NFT_BATCH_UNREADABLE;
     };
     let mut w = SendWalk {
