@@ -1260,7 +1260,7 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
         &run_script(spec, &kernel, &results),
     )?;
 
-    let (accel, accel_why) = match spec.accel {
+    let (mut accel, mut accel_why) = match spec.accel {
         _ if !spec.arch.is_host() => (
             Accel::Tcg,
             format!("an {} guest on an {} host", spec.arch, Arch::host()),
@@ -1268,14 +1268,6 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
         Some(a) => (a, "chosen".to_owned()),
         None => qemu::detect_accel(&spec.work),
     };
-    println!(
-        "vm: {} ({}), QEMU/{accel_name} ({accel_why}); {} command(s), time limit {} s",
-        kernel.release,
-        kernel.package,
-        spec.commands.len(),
-        spec.timeout.as_secs(),
-        accel_name = accel.name(),
-    );
     let prepare = start.elapsed();
     let mut shares = vec![
         (
@@ -1288,19 +1280,46 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
     if userland.is_some() {
         shares.push(("hostfs", "/".into(), true));
     }
-    let ended = qemu::boot(&qemu::Boot {
-        arch: spec.arch,
-        accel,
-        cpus: spec.cpus,
-        memory_mb: spec.memory_mb,
-        image: &kernel.image,
-        initramfs: &initramfs,
-        cmdline: cmdline(spec.arch, accel),
-        shares,
-        timeout: spec.timeout,
-        console_log: &results.join("console.log"),
-        prefix,
-    })?;
+    let ended = loop {
+        println!(
+            "vm: {} ({}), QEMU/{accel_name} ({accel_why}); {} command(s), time limit {} s",
+            kernel.release,
+            kernel.package,
+            spec.commands.len(),
+            spec.timeout.as_secs(),
+            accel_name = accel.name(),
+        );
+        let ended = qemu::boot(&qemu::Boot {
+            arch: spec.arch,
+            accel,
+            cpus: spec.cpus,
+            memory_mb: spec.memory_mb,
+            image: &kernel.image,
+            initramfs: &initramfs,
+            cmdline: cmdline(spec.arch, accel),
+            shares: shares.clone(),
+            timeout: spec.timeout,
+            console_log: &results.join("console.log"),
+            prefix,
+        })?;
+        // KVM passed the probe but cannot run this kernel: the same guest again under TCG,
+        // unless KVM was asked for by name.
+        if ended.kvm_internal_error && spec.accel.is_none() {
+            qemu::kvm_failed();
+            println!(
+                "vm: KVM stopped the guest with an internal error ({:.1} s in): booting it again \
+                 under TCG, and every later guest of this run",
+                ended.elapsed.as_secs_f64()
+            );
+            for f in ["exit-status", "commands", "skips", "probes.json"] {
+                let _ = fs::remove_file(results.join(f));
+            }
+            accel = Accel::Tcg;
+            accel_why = "KVM stopped this guest with an internal error".to_owned();
+            continue;
+        }
+        break ended;
+    };
     // Boot time, for docs/kernels.md's figures of emulated guests.
     let _ = fs::write(
         results.join("timing"),

@@ -5,7 +5,10 @@ use std::{
     io::{BufRead as _, BufReader, Read, Write as _},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::mpsc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
     thread,
     time::{Duration, Instant},
 };
@@ -31,11 +34,22 @@ impl Accel {
     }
 }
 
+/// Set once a guest's kernel hit a KVM internal error: every later guest of this process
+/// boots under TCG.
+static KVM_FAILED_IN_A_GUEST: AtomicBool = AtomicBool::new(false);
+
 /// KVM when `/dev/kvm` opens and a probe VM actually runs on it, else TCG. Nested setups can
 /// have a `/dev/kvm` that fails at once ("failed to set MSR 0x10a") or hangs silently; the
 /// probe boots a 512-byte boot sector that writes one byte to the serial port and leaves
-/// through `isa-debug-exit`, and gets a few seconds.
+/// through `isa-debug-exit`, and gets a few seconds. A probe that runs does not prove a
+/// kernel will: see [`kvm_failed`].
 pub fn detect_accel(work: &Path) -> (Accel, String) {
+    if KVM_FAILED_IN_A_GUEST.load(Ordering::Relaxed) {
+        return (
+            Accel::Tcg,
+            "KVM failed in an earlier guest of this run (an internal error)".into(),
+        );
+    }
     if fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -119,6 +133,20 @@ fn accel_args(accel: Accel) -> [&'static str; 4] {
     }
 }
 
+/// Remembers that KVM failed inside a guest (see [`Ended::kvm_internal_error`]), so later
+/// guests of this process skip it.
+pub fn kvm_failed() {
+    KVM_FAILED_IN_A_GUEST.store(true, Ordering::Relaxed);
+}
+
+/// QEMU's words when KVM cannot run an instruction of the guest (nested setups whose KVM
+/// passes the probe but cannot emulate, e.g., a `lock cmpxchg16b` of a booting kernel:
+/// "KVM internal error. Suberror: 1 ... emulation failure"). QEMU then stops the guest and
+/// waits, so the boot would only end at its time limit.
+fn is_kvm_internal_error(stderr_line: &str) -> bool {
+    stderr_line.contains("KVM internal error")
+}
+
 /// One guest boot.
 pub struct Boot<'a> {
     /// The guest's architecture: x86-64 boots the PC machine, arm64 QEMU's `virt` machine.
@@ -152,6 +180,8 @@ pub struct Ended {
     pub qemu: Option<std::process::ExitStatus>,
     /// The last lines, for a failure message.
     pub tail: Vec<String>,
+    /// KVM could not run the guest (QEMU said so on stderr); QEMU was ended at once.
+    pub kvm_internal_error: bool,
 }
 
 pub const PREFIX: &str = "vm| ";
@@ -233,6 +263,7 @@ pub fn boot(b: &Boot) -> Result<Ended> {
         timed_out: false,
         qemu: None,
         tail: Vec::new(),
+        kvm_internal_error: false,
     };
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -245,6 +276,9 @@ pub fn boot(b: &Boot) -> Result<Ended> {
             Ok(Line::Err(l)) => {
                 println!("{}qemu: {l}", b.prefix);
                 let _ = writeln!(log, "qemu: {l}");
+                if b.accel == Accel::Kvm && is_kvm_internal_error(&l) {
+                    ended.kvm_internal_error = true;
+                }
                 remember(&mut ended.tail, format!("qemu: {l}"));
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -252,6 +286,14 @@ pub fn boot(b: &Boot) -> Result<Ended> {
         }
         if Instant::now() >= deadline {
             ended.timed_out = true;
+            kill(&mut child);
+            break;
+        }
+        if ended.kvm_internal_error {
+            // Let QEMU's register dump that follows reach the log first.
+            while let Ok(Line::Err(l)) = rx.recv_timeout(Duration::from_millis(200)) {
+                let _ = writeln!(log, "qemu: {l}");
+            }
             kill(&mut child);
             break;
         }
@@ -301,6 +343,7 @@ mod tests {
             timed_out: false,
             qemu: None,
             tail: Vec::new(),
+            kvm_internal_error: false,
         };
         let t = Instant::now();
         see(
@@ -330,6 +373,14 @@ mod tests {
         let r = probe(&dir, Accel::Tcg, Duration::from_secs(20));
         let _ = fs::remove_dir_all(&dir);
         r.unwrap();
+    }
+
+    #[test]
+    fn a_kvm_internal_error_is_recognised() {
+        assert!(is_kvm_internal_error("KVM internal error. Suberror: 1"));
+        assert!(!is_kvm_internal_error(
+            "qemu-system-x86_64: warning: host doesn't support requested feature"
+        ));
     }
 
     #[test]
