@@ -115,7 +115,19 @@ pub struct Attribution {
     pub pod: Option<Arc<PodName>>,
 }
 
-/// Attributes `pid`. `comm` names the process when the table does not know it.
+/// kthreadd: every kernel thread is its child.
+const KTHREADD_PID: u32 = 2;
+
+/// A kernel thread forked while tracing: its fork carried kthreadd's comm, and the kernel
+/// named it afterwards (`kworker/1:2`), without an exec to tell. The event's comm, read
+/// from the thread itself, is its name then. (A kworker's pid is often one a short-lived
+/// process had a moment before.)
+fn renamed_kthread(p: &crate::analysis::procs::Proc, comm: &Comm) -> bool {
+    p.ppid == KTHREADD_PID && p.exec_ns.is_none() && !comm.is_empty() && p.comm != *comm
+}
+
+/// Attributes `pid`. `comm` names the process when the table does not know it, and a kernel
+/// thread the table knows only by its fork.
 pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
     attribute_into(procs, pid, comm, &mut Vec::new(), &mut Vec::new())
 }
@@ -135,18 +147,25 @@ fn attribute_into(
     let mut cgroup = None;
     let mut cmdline = SharedStr::empty();
     for p in procs.ancestors(pid) {
-        if chain.is_empty() {
+        let name = if chain.is_empty() {
             cmdline = p.cmdline_shared();
-        }
+            if renamed_kthread(p, comm) {
+                SharedStr::from(comm.as_str().as_ref())
+            } else {
+                p.name.clone()
+            }
+        } else {
+            p.name.clone()
+        };
         if cgroup.is_none() {
             cgroup = p.cgroup.as_ref();
         }
-        if agent.is_none() && !is_skipped(&p.name) && !is_skipped(p.exe_name()) {
-            agent = Some((p.pid, p.name.clone()));
+        if agent.is_none() && !is_skipped(&name) && !is_skipped(p.exe_name()) {
+            agent = Some((p.pid, name.clone()));
         }
         chain.push(ChainLink {
             pid: p.pid,
-            comm: p.name.clone(),
+            comm: name,
         });
         stamps.push(p.stamp);
     }
@@ -204,6 +223,8 @@ struct Cached {
     stamps: Vec<u64>,
     /// The event's comm, which names an unknown pid.
     comm: Comm,
+    /// Named by the event's comm although the table knows it ([`renamed_kthread`]).
+    by_comm: bool,
     attr: Arc<Attribution>,
 }
 
@@ -216,7 +237,7 @@ impl Cached {
             }
             n += 1;
         }
-        n == self.stamps.len() && (n > 0 || self.comm == *comm)
+        n == self.stamps.len() && ((n > 0 && !self.by_comm) || self.comm == *comm)
     }
 }
 
@@ -246,11 +267,16 @@ impl Attributor {
         if self.cache.len() >= CACHE_MAX && !self.cache.contains_key(&pid) {
             self.cache.clear();
         }
+        let by_comm = procs
+            .ancestors(pid)
+            .next()
+            .is_some_and(|p| renamed_kthread(p, comm));
         self.cache.insert(
             pid,
             Cached {
                 stamps,
                 comm: *comm,
+                by_comm,
                 attr: attr.clone(),
             },
         );
@@ -308,6 +334,40 @@ mod tests {
         assert_eq!(a.cmdline, "iptables-restore -w 5 --noflush");
         let pids: Vec<u32> = a.chain.iter().map(|l| l.pid).collect();
         assert_eq!(pids, [201, 200, 100, 1]);
+    }
+
+    /// A kworker forked while tracing (its pid just freed by an `nft` that exited) is named
+    /// by the kernel after its fork: the wait it reports names it, not kthreadd nor `nft`.
+    #[test]
+    fn a_kernel_thread_forked_while_tracing_is_named_by_its_events() {
+        let mut t = ProcTable::new();
+        t.apply(&seed(0, 1, 0, "systemd", None));
+        t.apply(&seed(0, 2, 0, "kthreadd", None));
+        t.apply(&fork(1, 1, 331, "systemd"));
+        t.apply(&exec(
+            2,
+            331,
+            "/usr/sbin/nft",
+            &["nft", "add", "table", "ip", "t"],
+        ));
+        t.apply(&fork(3, 2, 331, "kthreadd"));
+        let mut cache = Attributor::new();
+        let a = cache.get(&t, 331, &Comm::new("kworker/1:2"));
+        assert_eq!(a.comm, "kworker/1:2");
+        assert_eq!(a.agent, "kworker/1:2");
+        assert_eq!(a.agent_pid, 331);
+        // Cached, and still right when the kernel renames the worker again.
+        let b = cache.get(&t, 331, &Comm::new("kworker/1:2"));
+        assert!(Arc::ptr_eq(&a, &b));
+        let c = cache.get(&t, 331, &Comm::new("kworker/1:3"));
+        assert_eq!(c.comm, "kworker/1:3");
+        // A user process keeps its table name whatever its threads call themselves.
+        t.apply(&fork(4, 1, 400, "systemd"));
+        t.apply(&exec(5, 400, "/usr/bin/java", &["java"]));
+        assert_eq!(
+            cache.get(&t, 400, &Comm::new("C2 CompilerThre")).comm,
+            "java"
+        );
     }
 
     #[test]
