@@ -897,6 +897,9 @@ fn run(path: &Path, args: &[String]) -> Result<()> {
                     Event::Exit(_) => "exit",
                     Event::TableReplace(_) => "table replace",
                     Event::Proc(_) => "proc",
+                    Event::RuleTable(_) => "rule table read",
+                    Event::RefusalCounts(_) => "refusal counts",
+                    Event::Refusal(_) => "refusal",
                     _ => "other",
                 };
                 let a0 = ALLOCS.load(Ordering::Relaxed);
