@@ -1,8 +1,10 @@
 //! Collector benchmark for `cargo xtask bench` (build it with `--release`):
 //!
 //!   bench_collector gen PATH --events N [--mix node|iptables|lock|holds] [--seed S]
+//!       [--no-rule-reads]
 //!       writes a capture of N synthetic raw kernel events (the `xtlock_common` structs, byte
 //!       for byte as the ring buffer delivers them) with `CaptureWriter`; prints its size.
+//!       `--no-rule-reads`: the same stream without its rule table reads (what they cost).
 //!   bench_collector run PATH --stage read|decode|analyse|json
 //!       reads the capture back and times one stage of the pipeline: `read` (blocks, checksums,
 //!       LZ4, records), `decode` (+ `decode::decode`), `analyse` (+ `Analyzer::process`),
@@ -213,6 +215,8 @@ struct Gen<W: io::Write> {
     n: u64,
     /// kube-proxy's nat table as last read: chains and rules.
     nat: Vec<(String, Vec<Rule>)>,
+    /// Write the table reads (`--no-rule-reads`: not, the stream otherwise the same).
+    rule_reads: bool,
     /// Event time of the last refusal counts, and the hold going on (its acquire time).
     last_refusals: u64,
     hold_now: u64,
@@ -560,6 +564,9 @@ impl<W: io::Write> Gen<W> {
             }
         }
         let ts = self.tick(5 * MS);
+        if !self.rule_reads {
+            return Ok(());
+        }
         let chains = self
             .nat
             .iter()
@@ -742,6 +749,7 @@ fn gen(path: &Path, args: &[String]) -> Result<()> {
         next_pid: 5000,
         n: 0,
         nat: Vec::new(),
+        rule_reads: !args.iter().any(|a| a == "--no-rule-reads"),
         last_refusals: 1_000_000_000_000,
         hold_now: 0,
     };
@@ -897,6 +905,9 @@ fn run(path: &Path, args: &[String]) -> Result<()> {
                     Event::Exit(_) => "exit",
                     Event::TableReplace(_) => "table replace",
                     Event::Proc(_) => "proc",
+                    Event::RuleTable(_) => "rule table read",
+                    Event::RefusalCounts(_) => "refusal counts",
+                    Event::Refusal(_) => "refusal",
                     _ => "other",
                 };
                 let a0 = ALLOCS.load(Ordering::Relaxed);

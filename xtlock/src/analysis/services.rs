@@ -70,6 +70,8 @@ struct ChainInfo {
     jumps: Vec<String>,
     /// Its first comment, kube-proxy's `ns/svc:port` (before any ` -> ep` or ` cluster IP`).
     comment: Option<String>,
+    /// The last read that named the chain (`TableRoutes::read`).
+    seen: u64,
 }
 
 /// An IPVS real server at weight 0.
@@ -97,10 +99,13 @@ fn ipvs_service_name(svc: &IpvsService) -> String {
     }
 }
 
-/// One table as last read: its chains.
+/// One table as last read: its chains. A read updates it in place: a chain sent as its
+/// digest only keeps what it told.
 #[derive(Debug, Default)]
 struct TableRoutes {
-    chains: HashMap<String, ChainInfo>,
+    chains: FastMap<String, ChainInfo>,
+    /// The number of the last read applied.
+    read: u64,
 }
 
 /// A service port and one of its endpoints.
@@ -269,19 +274,54 @@ fn nft_service_of_chain(name: &str) -> Option<String> {
 
 impl TableRoutes {
     fn apply(&mut self, chains: &[ChainState]) {
-        let mut next: HashMap<String, ChainInfo> = HashMap::with_capacity(chains.len());
-        for c in chains.iter().take(MAX_CHAINS) {
-            let info = match &c.rules {
-                Some(rules) => chain_info(rules),
-                // Unchanged since the previous read.
-                None => self.chains.remove(&c.name).unwrap_or_default(),
-            };
-            // Only chains that tell about routing are kept.
-            if info.dnat.is_some() || is_service_chain(&c.name) {
-                next.insert(c.name.clone(), info);
+        self.read += 1;
+        let read = self.read;
+        // Chains kept that this read names.
+        let mut named = 0;
+        // Backwards: a chain named twice is as its last mention says, the first one met.
+        for c in chains.iter().take(MAX_CHAINS).rev() {
+            match (&c.rules, self.chains.get_mut(&c.name)) {
+                (_, Some(info)) if info.seen == read => {}
+                // Unchanged since the previous read: kept as it was.
+                (None, Some(info)) => {
+                    info.seen = read;
+                    named += 1;
+                }
+                (None, None) => {
+                    if is_service_chain(&c.name) {
+                        let info = ChainInfo {
+                            seen: read,
+                            ..ChainInfo::default()
+                        };
+                        self.chains.insert(c.name.clone(), info);
+                        named += 1;
+                    }
+                }
+                (Some(rules), old) => {
+                    let info = ChainInfo {
+                        seen: read,
+                        ..chain_info(rules)
+                    };
+                    // Only chains that tell about routing are kept.
+                    let keep = info.dnat.is_some() || is_service_chain(&c.name);
+                    match old {
+                        Some(old) if keep => *old = info,
+                        None if keep => {
+                            self.chains.insert(c.name.clone(), info);
+                        }
+                        _ => {
+                            self.chains.remove(&c.name);
+                            continue;
+                        }
+                    }
+                    named += 1;
+                }
             }
         }
-        self.chains = next;
+        // Those it did not name are gone.
+        if named < self.chains.len() {
+            self.chains.retain(|_, info| info.seen == read);
+        }
     }
 
     fn routes(&self, into: &mut BTreeSet<Route>) {

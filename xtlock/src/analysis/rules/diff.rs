@@ -3,18 +3,27 @@
 //! the matches it lost or gained (a save → modify → restore by an iptables that does not know
 //! a match writes the rule back without it: kubernetes#112477).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 use super::super::facts::{StrippedRule, TableDiff};
-use crate::event::{Rule, RuleTable};
+use super::super::procs::FastMap;
+use crate::event::{ChainState, Rule, RuleTable};
 
-/// A table as last read: its chains' policies and rules.
+/// A table as last read: its chains' policies and rules. A read updates it in place
+/// ([`TableModel::apply`]): a chain the read sends as its digest only keeps its model, so a
+/// read costs what changed, not the table's size.
 #[derive(Clone, Debug, Default)]
 pub struct TableModel {
-    pub chains: BTreeMap<String, ChainModel>,
-    /// Its `REJECT` rules with their chains, found once per read: refusals are matched
-    /// against these every second, not against every rule of the table.
+    /// By name, hashed: a read looks up each of its chains once.
+    pub chains: FastMap<String, ChainModel>,
+    /// Its `REJECT` rules with their chains, found again only when a chain with one changes:
+    /// refusals are matched against these every second, not against every rule of the table.
     pub rejects: Vec<(String, Rule)>,
+    /// The number of the last read applied; a chain it named carries it in `seen`.
+    read: u64,
+    /// Chain models built from a read's rules (created or changed chains), all reads
+    /// together: unchanged chains are never rebuilt.
+    built: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -22,35 +31,169 @@ pub struct ChainModel {
     pub policy: Option<String>,
     pub digest: u64,
     pub rules: Vec<Rule>,
+    /// The last read that named this chain (`TableModel::read`).
+    seen: u64,
 }
 
+/// A chain a read created or changed: its rules before (`None`: created).
+type Touched<'a> = (&'a str, Option<Vec<Rule>>);
+
 impl TableModel {
-    /// The table a read describes, given the previous model (chains sent as digests only
-    /// are unchanged from it). `None` when a chain is sent without its rules and the
-    /// previous model does not have it (a capture cut in the middle).
-    pub fn from_read(t: &RuleTable, prev: Option<&TableModel>) -> Option<TableModel> {
-        let mut chains = BTreeMap::new();
-        for c in &t.chains {
-            let rules = match &c.rules {
-                Some(r) => r.clone(),
-                None => prev?.chains.get(&c.name)?.rules.clone(),
-            };
-            chains.insert(
-                c.name.clone(),
-                ChainModel {
-                    policy: c.policy.clone(),
-                    digest: c.digest,
-                    rules,
-                },
-            );
+    /// The model of a table's first read (what is there already is the baseline). `None`
+    /// when a chain is sent without its rules (a capture cut in the middle).
+    pub fn from_read(t: &RuleTable) -> Option<TableModel> {
+        let mut m = TableModel::default();
+        m.update(t, false)?;
+        Some(m)
+    }
+
+    /// Applies a later read of the table: what changed since the previous one. `None`, and
+    /// the model as it was, when a chain is sent as its digest only and the model does not
+    /// have it (a capture cut in the middle).
+    pub fn apply(&mut self, t: &RuleTable) -> Option<TableDiff> {
+        self.update(t, true)
+    }
+
+    /// Chain models built from reads' rules so far.
+    #[cfg(test)]
+    pub fn built(&self) -> u64 {
+        self.built
+    }
+
+    fn update(&mut self, t: &RuleTable, say: bool) -> Option<TableDiff> {
+        self.read += 1;
+        let read = self.read;
+        // First pass, one look-up a chain: the chains this read names are marked (a mark
+        // only, undone by nothing: the next read has another number), and those that need
+        // more than that are noted. Backwards: a chain named twice is as its last mention
+        // says, the first one met here.
+        let mut named = 0;
+        // (chain, known to the model before this read)
+        let mut todo: Vec<(&ChainState, bool)> = Vec::new();
+        for c in t.chains.iter().rev() {
+            match self.chains.get_mut(&c.name) {
+                Some(m) if m.seen == read => {}
+                Some(m) => {
+                    m.seen = read;
+                    named += 1;
+                    if c.rules.is_some() || m.digest != c.digest || m.policy != c.policy {
+                        todo.push((c, true));
+                    }
+                }
+                // Sent as a digest, but not known: nothing changes (a capture cut short).
+                None if c.rules.is_none() => return None,
+                None => todo.push((c, false)),
+            }
         }
-        let rejects = chains
-            .iter()
-            .flat_map(|(name, c)| c.rules.iter().map(move |r| (name, r)))
-            .filter(|(_, r)| r.target().starts_with("-j REJECT"))
-            .map(|(name, r)| (name.clone(), r.clone()))
-            .collect();
-        Some(TableModel { chains, rejects })
+        let before = self.chains.len();
+        let mut touched: Vec<Touched> = Vec::new();
+        let mut policies: Vec<(String, String, String)> = Vec::new();
+        for (c, known) in todo {
+            match self.chains.get_mut(&c.name) {
+                // Created just now, from this read's later mention of it, which wins.
+                Some(_) if !known => {}
+                Some(m) => {
+                    if let (Some(op), Some(np)) = (&m.policy, &c.policy) {
+                        if op != np && say {
+                            policies.push((c.name.clone(), op.clone(), np.clone()));
+                        }
+                    }
+                    if m.policy != c.policy {
+                        m.policy.clone_from(&c.policy);
+                    }
+                    let same = m.digest == c.digest;
+                    m.digest = c.digest;
+                    // Rules sent as the digest only are the model's already.
+                    let Some(rules) = &c.rules else { continue };
+                    if same && m.rules == *rules {
+                        continue;
+                    }
+                    self.built += 1;
+                    let old = std::mem::replace(&mut m.rules, rules.clone());
+                    touched.push((&c.name, Some(old)));
+                }
+                None => {
+                    // Every chain the model lacks came with its rules (checked above).
+                    let Some(rules) = &c.rules else { continue };
+                    self.built += 1;
+                    self.chains.insert(
+                        c.name.clone(),
+                        ChainModel {
+                            policy: c.policy.clone(),
+                            digest: c.digest,
+                            rules: rules.clone(),
+                            seen: read,
+                        },
+                    );
+                    touched.push((&c.name, None));
+                }
+            }
+        }
+        // The chains this read did not name are gone.
+        let mut deleted: Vec<(String, ChainModel)> = Vec::new();
+        if named < before {
+            let mut gone: Vec<String> = self
+                .chains
+                .iter()
+                .filter(|(_, c)| c.seen != read)
+                .map(|(n, _)| n.clone())
+                .collect();
+            gone.sort_unstable();
+            deleted.extend(gone.iter().filter_map(|n| self.chains.remove_entry(n)));
+        }
+        let has_reject = |rules: &[Rule]| rules.iter().any(is_reject);
+        let rejects_moved = touched.iter().any(|(name, old)| {
+            old.as_deref().is_some_and(has_reject)
+                || self.chains.get(*name).is_some_and(|c| has_reject(&c.rules))
+        }) || deleted.iter().any(|(_, c)| has_reject(&c.rules));
+        if rejects_moved {
+            let mut with: Vec<(&String, &ChainModel)> = self
+                .chains
+                .iter()
+                .filter(|(_, c)| has_reject(&c.rules))
+                .collect();
+            with.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            self.rejects = with
+                .into_iter()
+                .flat_map(|(name, c)| c.rules.iter().map(move |r| (name, r)))
+                .filter(|(_, r)| is_reject(r))
+                .map(|(name, r)| (name.clone(), r.clone()))
+                .collect();
+        }
+        if !say {
+            return Some(TableDiff::default());
+        }
+        // In chain order, as a diff of the whole tables would say it.
+        touched.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        policies.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut d = TableDiff {
+            policies,
+            ..TableDiff::default()
+        };
+        for (name, old) in touched {
+            let Some(c) = self.chains.get(name) else {
+                continue;
+            };
+            match old {
+                None => {
+                    d.created.push(name.to_string());
+                    d.added
+                        .extend(c.rules.iter().map(|r| (name.to_string(), r.text())));
+                }
+                Some(old) => {
+                    if !old.is_empty() && c.rules.is_empty() {
+                        d.flushed.push(name.to_string());
+                    }
+                    diff_rules(name, &old, &c.rules, &mut d);
+                }
+            }
+        }
+        for (name, o) in deleted {
+            d.removed
+                .extend(o.rules.iter().map(|r| (name.clone(), r.text())));
+            d.deleted.push(name);
+        }
+        Some(d)
     }
 
     /// Chains reachable from a built-in chain by jumps and gotos.
@@ -75,37 +218,8 @@ impl TableModel {
     }
 }
 
-/// What changed from `old` to `new`.
-pub fn diff(old: &TableModel, new: &TableModel) -> TableDiff {
-    let mut d = TableDiff::default();
-    for (name, c) in &new.chains {
-        let Some(o) = old.chains.get(name) else {
-            d.created.push(name.clone());
-            d.added
-                .extend(c.rules.iter().map(|r| (name.clone(), r.text())));
-            continue;
-        };
-        if let (Some(op), Some(np)) = (&o.policy, &c.policy) {
-            if op != np {
-                d.policies.push((name.clone(), op.clone(), np.clone()));
-            }
-        }
-        if o.digest == c.digest && o.rules == c.rules {
-            continue;
-        }
-        if !o.rules.is_empty() && c.rules.is_empty() {
-            d.flushed.push(name.clone());
-        }
-        diff_rules(name, &o.rules, &c.rules, &mut d);
-    }
-    for (name, o) in &old.chains {
-        if !new.chains.contains_key(name) {
-            d.deleted.push(name.clone());
-            d.removed
-                .extend(o.rules.iter().map(|r| (name.clone(), r.text())));
-        }
-    }
-    d
+fn is_reject(r: &Rule) -> bool {
+    r.target().starts_with("-j REJECT")
 }
 
 fn diff_rules(chain: &str, old: &[Rule], new: &[Rule], d: &mut TableDiff) {
@@ -169,89 +283,4 @@ fn diff_rules(chain: &str, old: &[Rule], new: &[Rule], d: &mut TableDiff) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn rule(parts: &[&str]) -> Rule {
-        Rule(parts.iter().map(|s| s.to_string()).collect())
-    }
-
-    fn model(chains: &[(&str, Option<&str>, Vec<Rule>)]) -> TableModel {
-        TableModel {
-            chains: chains
-                .iter()
-                .map(|(n, p, r)| {
-                    (
-                        n.to_string(),
-                        ChainModel {
-                            policy: p.map(str::to_string),
-                            digest: crate::event::digest_rules(r),
-                            rules: r.clone(),
-                        },
-                    )
-                })
-                .collect(),
-            rejects: Vec::new(),
-        }
-    }
-
-    #[test]
-    fn stripped_match_created_deleted_flushed() {
-        let fw = rule(&[
-            "-m comment --comment \"kube-proxy firewall\"",
-            "-m mark --mark 0x8000/0x8000",
-            "-j DROP",
-        ]);
-        let bare = rule(&["-m comment --comment \"kube-proxy firewall\"", "-j DROP"]);
-        let svc = rule(&[
-            "-d 10.96.0.1/32",
-            "-p tcp",
-            "-m tcp --dport 443",
-            "-j KUBE-SVC-X",
-        ]);
-        let old = model(&[
-            ("INPUT", Some("ACCEPT"), vec![rule(&["-j KUBE-FIREWALL"])]),
-            ("KUBE-FIREWALL", None, vec![fw.clone()]),
-            ("KUBE-SERVICES", None, vec![svc.clone()]),
-            ("KUBE-SVC-X", None, vec![]),
-        ]);
-        let new = model(&[
-            ("INPUT", Some("DROP"), vec![rule(&["-j KUBE-FIREWALL"])]),
-            ("KUBE-FIREWALL", None, vec![bare.clone()]),
-            ("KUBE-SERVICES", None, vec![]),
-            ("cali-INPUT", None, vec![rule(&["-j ACCEPT"])]),
-        ]);
-        let d = diff(&old, &new);
-        assert_eq!(d.created, ["cali-INPUT"]);
-        assert_eq!(d.deleted, ["KUBE-SVC-X"]);
-        assert_eq!(d.flushed, ["KUBE-SERVICES"]);
-        assert_eq!(d.removed, [("KUBE-SERVICES".to_string(), svc.text())]);
-        assert_eq!(
-            d.added,
-            [("cali-INPUT".to_string(), "-j ACCEPT".to_string())]
-        );
-        assert_eq!(
-            d.stripped,
-            [StrippedRule {
-                chain: "KUBE-FIREWALL".into(),
-                lost: vec!["-m mark --mark 0x8000/0x8000".into()],
-                gained: vec![],
-                now: bare.text(),
-            }]
-        );
-        assert_eq!(
-            d.policies,
-            [(
-                "INPUT".to_string(),
-                "ACCEPT".to_string(),
-                "DROP".to_string()
-            )]
-        );
-        assert!(new.reachable().contains("KUBE-FIREWALL"));
-        assert!(!new.reachable().contains("cali-INPUT"));
-        // Moved rules are not changes.
-        let a = model(&[("X", None, vec![rule(&["-j A"]), rule(&["-j B"])])]);
-        let b = model(&[("X", None, vec![rule(&["-j B"]), rule(&["-j A"])])]);
-        assert!(diff(&a, &b).is_empty(), "{:?}", diff(&a, &b));
-    }
-}
+mod tests;

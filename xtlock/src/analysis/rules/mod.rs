@@ -398,23 +398,31 @@ impl RuleTracker {
             out(Output::RuleChange(f));
             return;
         }
-        let empty = TableModel::default();
-        let mut prev = self.tables.get(&key);
-        if prev.is_none() && read_before {
-            // An nf_tables table new since the namespace's last read: this write made it.
-            prev = Some(&empty);
-        }
-        let Some(model) = TableModel::from_read(t, prev) else {
-            return;
-        };
-        let Some(prev) = prev else {
-            // The first read: what is there already is the baseline.
-            if self.tables.len() < MAX_TABLES {
-                self.tables.insert(key, model);
+        // The model is updated in place: a read costs what changed, not the table's size.
+        let d = match self.tables.get_mut(&key) {
+            Some(model) => match model.apply(t) {
+                Some(d) => d,
+                None => return,
+            },
+            None if read_before => {
+                // An nf_tables table new since the namespace's last read: this write made it.
+                let mut model = TableModel::default();
+                let Some(d) = model.apply(t) else {
+                    return;
+                };
+                self.tables.insert(key.clone(), model);
+                d
             }
-            return;
+            None => {
+                // The first read: what is there already is the baseline.
+                if let Some(model) = TableModel::from_read(t) {
+                    if self.tables.len() < MAX_TABLES {
+                        self.tables.insert(key, model);
+                    }
+                }
+                return;
+            }
         };
-        let d = diff::diff(prev, &model);
         let owner_of = |chain: &str| -> Option<String> {
             self.creators
                 .get(&(key.clone(), chain.to_string()))
@@ -506,19 +514,23 @@ impl RuleTracker {
                 }
             }
         }
-        // A DROP or REJECT that matches everything, where packets reach it.
-        let reachable = model.reachable();
-        for (c, r) in &d.added {
-            if reachable.contains(c.as_str()) && is_bare(r) {
-                f.bare_drops.push(format!("{c}: {r}"));
+        // A DROP or REJECT that matches everything, where packets reach it (the table's
+        // reach is walked only when the change has one).
+        let bare =
+            d.added.iter().any(|(_, r)| is_bare(r)) || d.stripped.iter().any(|s| is_bare(&s.now));
+        if let Some(model) = self.tables.get(&key).filter(|_| bare) {
+            let reachable = model.reachable();
+            for (c, r) in &d.added {
+                if reachable.contains(c.as_str()) && is_bare(r) {
+                    f.bare_drops.push(format!("{c}: {r}"));
+                }
+            }
+            for s in &d.stripped {
+                if reachable.contains(s.chain.as_str()) && is_bare(&s.now) {
+                    f.bare_drops.push(format!("{}: {}", s.chain, s.now));
+                }
             }
         }
-        for s in &d.stripped {
-            if reachable.contains(s.chain.as_str()) && is_bare(&s.now) {
-                f.bare_drops.push(format!("{}: {}", s.chain, s.now));
-            }
-        }
-        self.tables.insert(key, model);
         if !d.is_empty() {
             out(Output::RuleChange(f));
         }

@@ -148,6 +148,14 @@ fn the_model_follows_kube_proxys_iptables_layout() {
     }
     t.on_table(&again, &mut |_| {});
     assert_eq!(t.summary().endpoints, 2);
+    // A chain the next read does not name is gone, with its endpoint.
+    let mut one = nat(2 * S + 1, 11, &two);
+    one.chains.retain(|c| c.name != "KUBE-SEP-B");
+    for c in &mut one.chains {
+        c.rules = None;
+    }
+    t.on_table(&one, &mut |_| {});
+    assert_eq!(t.summary().endpoints, 1);
     // Without comments (over 1,000 endpoints), the service chain names the service.
     let mut bare = nat(3 * S, 12, &two);
     for c in &mut bare.chains {
