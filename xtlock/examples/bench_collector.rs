@@ -572,7 +572,7 @@ impl<W: io::Write> Gen<W> {
             .iter()
             .zip(&changed)
             .map(|((name, rules), &ch)| ChainState {
-                name: name.clone(),
+                name: name.as_str().into(),
                 policy: None,
                 digest: digest_rules(rules),
                 rules: (first || ch).then(|| rules.clone()),

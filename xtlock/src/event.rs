@@ -890,9 +890,11 @@ pub fn digest_rules(rules: &[Rule]) -> u64 {
 /// the previous read of that table (or at its first read), else only their digest.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChainState {
-    pub name: String,
+    /// Shared: a capture's reader hands every read of a table the same names (see
+    /// `capture::reader`), so a read of unchanged chains allocates no name.
+    pub name: SharedStr,
     /// A built-in chain's policy; `None` for a user chain.
-    pub policy: Option<String>,
+    pub policy: Option<SharedStr>,
     /// FNV-1a of its rules' text: equal digests, equal rules.
     pub digest: u64,
     /// `None`: unchanged since the previous read (same digest).
@@ -1302,7 +1304,7 @@ mod rule_table_parts {
                         })
                         .collect();
                     ChainState {
-                        name: format!("C{c}"),
+                        name: format!("C{c}").into(),
                         policy: None,
                         digest: digest_rules(&rules),
                         rules: (c % 3 != 0).then_some(rules),

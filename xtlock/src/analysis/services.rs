@@ -103,9 +103,17 @@ fn ipvs_service_name(svc: &IpvsService) -> String {
 /// digest only keeps what it told.
 #[derive(Debug, Default)]
 struct TableRoutes {
-    chains: FastMap<String, ChainInfo>,
+    chains: FastMap<SharedStr, ChainInfo>,
     /// The number of the last read applied.
     read: u64,
+    /// The chain names of the last read applied, in its order; empty when it named a chain
+    /// twice. A read naming the same chains in the same order (the capture reader hands it
+    /// the same names: a pointer compare each) keeps every chain sent as its digest as the
+    /// last read left it, with no look-up.
+    order: Vec<SharedStr>,
+    /// Reads whose chain list was the previous one's.
+    #[cfg(test)]
+    same_order: u64,
 }
 
 /// A service port and one of its endpoints.
@@ -276,10 +284,23 @@ impl TableRoutes {
     fn apply(&mut self, chains: &[ChainState]) {
         self.read += 1;
         let read = self.read;
+        let chains = &chains[..chains.len().min(MAX_CHAINS)];
+        // After the last read, every chain it named is kept or dropped for good, and no
+        // other is kept: with the same names, only the chains with rules can change.
+        let same_order = !self.order.is_empty()
+            && self.order.len() == chains.len()
+            && self.order.iter().zip(chains).all(|(o, c)| *o == c.name);
+        #[cfg(test)]
+        {
+            self.same_order += u64::from(same_order);
+        }
         // Chains kept that this read names.
         let mut named = 0;
         // Backwards: a chain named twice is as its last mention says, the first one met.
-        for c in chains.iter().take(MAX_CHAINS).rev() {
+        for c in chains.iter().rev() {
+            if same_order && c.rules.is_none() {
+                continue;
+            }
             match (&c.rules, self.chains.get_mut(&c.name)) {
                 (_, Some(info)) if info.seen == read => {}
                 // Unchanged since the previous read: kept as it was.
@@ -318,9 +339,19 @@ impl TableRoutes {
                 }
             }
         }
+        if same_order {
+            return;
+        }
         // Those it did not name are gone.
         if named < self.chains.len() {
             self.chains.retain(|_, info| info.seen == read);
+        }
+        self.order.clear();
+        // Kept only if no chain is named twice (a rare read pays for the check).
+        let mut names: FastMap<&str, ()> = FastMap::default();
+        names.reserve(chains.len());
+        if chains.iter().all(|c| names.insert(&c.name, ()).is_none()) {
+            self.order.extend(chains.iter().map(|c| c.name.clone()));
         }
     }
 
@@ -328,7 +359,7 @@ impl TableRoutes {
         for (name, info) in &self.chains {
             if name.starts_with("KUBE-SVC-") || name.starts_with("KUBE-SVL-") {
                 for j in info.jumps.iter().filter(|j| j.starts_with("KUBE-SEP-")) {
-                    let Some(sep) = self.chains.get(j) else {
+                    let Some(sep) = self.chains.get(j.as_str()) else {
                         continue;
                     };
                     let Some(ep) = sep.dnat else { continue };
@@ -336,7 +367,7 @@ impl TableRoutes {
                         .comment
                         .clone()
                         .or_else(|| info.comment.clone())
-                        .unwrap_or_else(|| name.clone());
+                        .unwrap_or_else(|| name.to_string());
                     into.insert((service, ep));
                 }
             } else if name.starts_with("endpoint-") {

@@ -1953,7 +1953,7 @@ fn nft_read(ts: u64, ns: u32, pid: u32, tables: &[NftTableSpec]) -> Vec<Event> {
                             .map(|r| crate::event::Rule(r.split(' ').map(str::to_string).collect()))
                             .collect();
                         crate::event::ChainState {
-                            name: name.to_string(),
+                            name: (*name).into(),
                             policy: None,
                             digest: crate::event::digest_rules(&rules),
                             rules: Some(rules),

@@ -820,6 +820,12 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
 
 /// Decodes a body of kind 5..=15 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
+    decode_drop_event_with(kind, b, &mut ChainNames::default())
+}
+
+/// [`decode_drop_event`], with the chain names of the reader's earlier rule-table reads to
+/// share (the same event, fewer allocations).
+pub fn decode_drop_event_with(kind: u8, b: &[u8], names: &mut ChainNames) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
         KIND_DROP_SETUP => {
@@ -995,11 +1001,14 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 r.string("skipped")?,
             );
             let n = r.varint("chains")?;
-            let mut chains = Vec::new();
+            let mut read = names.read(netns, &family, &table, ts_ns);
+            // A chain takes at least five bytes: a damaged count allocates nothing more.
+            let mut chains = Vec::with_capacity(n.min(r.remaining() as u64 / 5) as usize);
             for _ in 0..n {
-                let name = r.string("chain")?;
+                let name = read.name(r.bytes("chain")?);
                 let has_policy = r.varint("has policy")? != 0;
-                let policy = r.string("policy")?;
+                let policy = r.bytes("policy")?;
+                let policy = has_policy.then(|| read.policy(policy));
                 let digest = r.varint("digest")?;
                 let rules = match r.varint("rules")? {
                     0 => None,
@@ -1018,12 +1027,13 @@ pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
                 };
                 chains.push(crate::event::ChainState {
                     name,
-                    policy: has_policy.then_some(policy),
+                    policy,
                     digest,
                     rules,
                 });
             }
             let more = r.remaining() > 0 && r.varint("more")? != 0;
+            read.done(more);
             Event::RuleTable(Box::new(crate::event::RuleTable {
                 ts_ns,
                 netns,
@@ -1277,6 +1287,9 @@ pub fn decode_trailer(b: &[u8]) -> Result<Trailer, String> {
         blocks: r.varint("blocks")?,
     })
 }
+
+mod names;
+pub use names::ChainNames;
 
 #[cfg(test)]
 mod tests;

@@ -110,6 +110,8 @@ pub struct CaptureReader<R> {
     /// Every region skipped so far.
     regions: Vec<DamagedRegion>,
     shortfall: Option<Shortfall>,
+    /// The chain names of the rule-table reads so far, shared with the next reads.
+    chain_names: format::ChainNames,
 }
 
 /// Damage found, reading not yet gone on.
@@ -167,6 +169,7 @@ impl<R: Read> CaptureReader<R> {
             closed: None,
             regions: Vec::new(),
             shortfall: None,
+            chain_names: format::ChainNames::default(),
         };
         Ok((header, reader))
     }
@@ -278,7 +281,11 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_ENDPOINT_ANSWERS
                 | format::KIND_IPVS_TABLE
                 | format::KIND_CT_ENTRIES => {
-                    match format::decode_drop_event(kind, &self.raw[start..end]) {
+                    match format::decode_drop_event_with(
+                        kind,
+                        &self.raw[start..end],
+                        &mut self.chain_names,
+                    ) {
                         Ok(ev) => {
                             self.stats.synthetic_records += 1;
                             return Some(Ok(Record::Synthetic(ev)));

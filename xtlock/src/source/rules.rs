@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use crate::decode::nft_table::{self, Msg, NftTable};
 use crate::decode::xt_table::{self, Family, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD};
 use crate::event::{digest_rules, ChainState, Event, RuleTable, TableReplaceEvent};
+use crate::shared::SharedStr;
 
 mod budget;
 
@@ -484,8 +485,8 @@ impl Worker {
                         now.insert(c.name.clone(), digest);
                         let changed = prev.get(&c.name) != Some(&digest);
                         t.chains.push(ChainState {
-                            name: c.name,
-                            policy: c.policy,
+                            name: c.name.into(),
+                            policy: c.policy.map(SharedStr::from),
                             digest,
                             rules: changed.then_some(c.rules),
                         });

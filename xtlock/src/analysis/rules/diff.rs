@@ -8,6 +8,7 @@ use std::collections::{BTreeSet, HashMap};
 use super::super::facts::{StrippedRule, TableDiff};
 use super::super::procs::FastMap;
 use crate::event::{ChainState, Rule, RuleTable};
+use crate::shared::SharedStr;
 
 /// A table as last read: its chains' policies and rules. A read updates it in place
 /// ([`TableModel::apply`]): a chain the read sends as its digest only keeps its model, so a
@@ -15,7 +16,7 @@ use crate::event::{ChainState, Rule, RuleTable};
 #[derive(Clone, Debug, Default)]
 pub struct TableModel {
     /// By name, hashed: a read looks up each of its chains once.
-    pub chains: FastMap<String, ChainModel>,
+    pub chains: FastMap<SharedStr, ChainModel>,
     /// Its `REJECT` rules with their chains, found again only when a chain with one changes:
     /// refusals are matched against these every second, not against every rule of the table.
     pub rejects: Vec<(String, Rule)>,
@@ -24,11 +25,19 @@ pub struct TableModel {
     /// Chain models built from a read's rules (created or changed chains), all reads
     /// together: unchanged chains are never rebuilt.
     built: u64,
+    /// The last read applied, chain by chain in its order: name, digest, policy. A read
+    /// naming the same chains in the same order (the capture reader hands it the same
+    /// names: a pointer compare each) needs no look-up for a chain sent as an unchanged
+    /// digest. Empty when that read named a chain twice (then its model is not this list).
+    order: Vec<(SharedStr, u64, Option<SharedStr>)>,
+    /// Reads whose chain list was the previous one's.
+    #[cfg(test)]
+    same_order: u64,
 }
 
 #[derive(Clone, Debug)]
 pub struct ChainModel {
-    pub policy: Option<String>,
+    pub policy: Option<SharedStr>,
     pub digest: u64,
     pub rules: Vec<Rule>,
     /// The last read that named this chain (`TableModel::read`).
@@ -60,9 +69,18 @@ impl TableModel {
         self.built
     }
 
+    /// Reads whose chain list was the previous one's (see `order`).
+    #[cfg(test)]
+    pub fn same_order(&self) -> u64 {
+        self.same_order
+    }
+
     fn update(&mut self, t: &RuleTable, say: bool) -> Option<TableDiff> {
         self.read += 1;
         let read = self.read;
+        let same_order = !self.order.is_empty()
+            && self.order.len() == t.chains.len()
+            && self.order.iter().zip(&t.chains).all(|(o, c)| o.0 == c.name);
         // First pass, one look-up a chain: the chains this read names are marked (a mark
         // only, undone by nothing: the next read has another number), and those that need
         // more than that are noted. Backwards: a chain named twice is as its last mention
@@ -70,7 +88,21 @@ impl TableModel {
         let mut named = 0;
         // (chain, known to the model before this read)
         let mut todo: Vec<(&ChainState, bool)> = Vec::new();
-        for c in t.chains.iter().rev() {
+        if same_order {
+            #[cfg(test)]
+            {
+                self.same_order += 1;
+            }
+            // The chains the model has, each once: none is deleted, and one sent as the
+            // digest and policy it had is unchanged (no look-up, no mark needed).
+            named = self.chains.len();
+            for (c, o) in t.chains.iter().zip(&self.order).rev() {
+                if c.rules.is_some() || c.digest != o.1 || c.policy != o.2 {
+                    todo.push((c, true));
+                }
+            }
+        }
+        for c in t.chains.iter().rev().filter(|_| !same_order) {
             match self.chains.get_mut(&c.name) {
                 Some(m) if m.seen == read => {}
                 Some(m) => {
@@ -95,7 +127,7 @@ impl TableModel {
                 Some(m) => {
                     if let (Some(op), Some(np)) = (&m.policy, &c.policy) {
                         if op != np && say {
-                            policies.push((c.name.clone(), op.clone(), np.clone()));
+                            policies.push((c.name.to_string(), op.to_string(), np.to_string()));
                         }
                     }
                     if m.policy != c.policy {
@@ -130,9 +162,9 @@ impl TableModel {
             }
         }
         // The chains this read did not name are gone.
-        let mut deleted: Vec<(String, ChainModel)> = Vec::new();
+        let mut deleted: Vec<(SharedStr, ChainModel)> = Vec::new();
         if named < before {
-            let mut gone: Vec<String> = self
+            let mut gone: Vec<SharedStr> = self
                 .chains
                 .iter()
                 .filter(|(_, c)| c.seen != read)
@@ -147,7 +179,7 @@ impl TableModel {
                 || self.chains.get(*name).is_some_and(|c| has_reject(&c.rules))
         }) || deleted.iter().any(|(_, c)| has_reject(&c.rules));
         if rejects_moved {
-            let mut with: Vec<(&String, &ChainModel)> = self
+            let mut with: Vec<(&SharedStr, &ChainModel)> = self
                 .chains
                 .iter()
                 .filter(|(_, c)| has_reject(&c.rules))
@@ -157,9 +189,10 @@ impl TableModel {
                 .into_iter()
                 .flat_map(|(name, c)| c.rules.iter().map(move |r| (name, r)))
                 .filter(|(_, r)| is_reject(r))
-                .map(|(name, r)| (name.clone(), r.clone()))
+                .map(|(name, r)| (name.to_string(), r.clone()))
                 .collect();
         }
+        self.remember_order(t, same_order);
         if !say {
             return Some(TableDiff::default());
         }
@@ -190,10 +223,31 @@ impl TableModel {
         }
         for (name, o) in deleted {
             d.removed
-                .extend(o.rules.iter().map(|r| (name.clone(), r.text())));
-            d.deleted.push(name);
+                .extend(o.rules.iter().map(|r| (name.to_string(), r.text())));
+            d.deleted.push(name.to_string());
         }
         Some(d)
+    }
+
+    /// Keeps the chain list of the read just applied (see `order`).
+    fn remember_order(&mut self, t: &RuleTable, same_order: bool) {
+        if same_order {
+            for (o, c) in self.order.iter_mut().zip(&t.chains) {
+                if o.1 != c.digest || o.2 != c.policy {
+                    (o.1, o.2) = (c.digest, c.policy.clone());
+                }
+            }
+            return;
+        }
+        self.order.clear();
+        // As many chains as names: none named twice.
+        if self.chains.len() == t.chains.len() {
+            self.order.extend(
+                t.chains
+                    .iter()
+                    .map(|c| (c.name.clone(), c.digest, c.policy.clone())),
+            );
+        }
     }
 
     /// Chains reachable from a built-in chain by jumps and gotos.

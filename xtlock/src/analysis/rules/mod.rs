@@ -106,6 +106,10 @@ impl RuleTracker {
     /// when it is the last of them; `None` while more are to come. A read too large for one
     /// capture record comes in parts (see `RuleTable::more`); it is diffed once whole.
     pub fn whole_table<'a>(&mut self, t: &'a RuleTable) -> Option<Cow<'a, RuleTable>> {
+        // The usual read, whole in one part: no key to build.
+        if !t.more && self.partial.is_empty() {
+            return Some(Cow::Borrowed(t));
+        }
         let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
         if !t.more && !self.partial.contains_key(&key) {
             return Some(Cow::Borrowed(t));

@@ -661,3 +661,80 @@ fn an_ipvs_real_server_whose_address_is_gone_is_stale_until_its_weight_is_0() {
         (42, "ipvsadm", true)
     );
 }
+
+#[test]
+fn a_read_naming_the_last_reads_chains_keeps_them_and_still_sees_a_changed_one() {
+    let mut t = ServiceTracker::default();
+    let key = (NS, "ip".to_string(), "nat".to_string());
+    let same = |t: &ServiceTracker| t.tables[&key].same_order;
+    let ep = |s: &str| -> SocketAddr { s.parse().expect("ep") };
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    let first = nat(S, 10, &two);
+    t.on_table(&first, &mut |_| {});
+    assert_eq!(same(&t), 0);
+    // The same names (shared, as a capture reader hands them), all as digests.
+    let digests = |ts_ns: u64, from: &RuleTable| {
+        let mut r = from.clone();
+        r.ts_ns = ts_ns;
+        for c in &mut r.chains {
+            c.rules = None;
+        }
+        r
+    };
+    t.on_table(&digests(2 * S, &first), &mut |_| {});
+    assert_eq!(same(&t), 1);
+    assert_eq!(t.summary().endpoints, 2);
+    // Same names, one chain sent with new rules: its endpoint moved.
+    let moved = nat(3 * S, 11, &[two[0], ("KUBE-SEP-B", "10.244.1.9:8080")]);
+    let mut r = digests(3 * S, &first);
+    r.chains[2] = moved.chains[2].clone();
+    assert_eq!(r.chains[2].name, "KUBE-SEP-B");
+    t.on_table(&r, &mut |_| {});
+    assert_eq!(same(&t), 2);
+    assert_eq!(
+        t.services_of(NS, ep("10.244.1.9:8080")),
+        ["default/web:http"]
+    );
+    assert!(t.services_of(NS, ep("10.244.1.6:8080")).is_empty());
+    assert_eq!(t.summary().endpoints, 2);
+    // A chain renamed: another list, looked up chain by chain; the old one is gone.
+    let renamed = nat(4 * S, 12, &[two[0], ("KUBE-SEP-C", "10.244.1.9:8080")]);
+    t.on_table(&renamed, &mut |_| {});
+    assert_eq!(same(&t), 2);
+    assert!(!t.tables[&key].chains.contains_key("KUBE-SEP-B"));
+    assert_eq!(t.summary().endpoints, 2);
+}
+
+#[test]
+fn a_read_naming_a_chain_twice_is_never_taken_for_the_same_list() {
+    let mut t = ServiceTracker::default();
+    let key = (NS, "ip".to_string(), "nat".to_string());
+    let ep = |s: &str| -> SocketAddr { s.parse().expect("ep") };
+    let two = [
+        ("KUBE-SEP-A", "10.244.1.5:8080"),
+        ("KUBE-SEP-B", "10.244.1.6:8080"),
+    ];
+    t.on_table(&nat(S, 10, &two), &mut |_| {});
+    // KUBE-SEP-B named twice: first with other rules, last as its digest; the last wins.
+    let mut dup = nat(2 * S, 11, &two);
+    for c in &mut dup.chains {
+        c.rules = None;
+    }
+    let other = nat(2 * S, 11, &[two[0], ("KUBE-SEP-B", "10.244.1.9:8080")]);
+    dup.chains[2] = other.chains[2].clone();
+    let mut last = dup.chains[2].clone();
+    last.rules = None;
+    dup.chains.push(last);
+    for _ in 0..2 {
+        t.on_table(&dup, &mut |_| {});
+        assert_eq!(t.tables[&key].same_order, 0);
+        assert!(t.services_of(NS, ep("10.244.1.9:8080")).is_empty());
+        assert_eq!(
+            t.services_of(NS, ep("10.244.1.6:8080")),
+            ["default/web:http"]
+        );
+    }
+}

@@ -1,4 +1,5 @@
 use super::*;
+use crate::shared::SharedStr;
 
 #[test]
 fn varints() {
@@ -472,4 +473,124 @@ fn ipvs_table_records_round_trip() {
     let mut huge = b[..b.len()].to_vec();
     huge[6] = 0xff;
     let _ = decode_drop_event(KIND_IPVS_TABLE, &huge);
+}
+
+/// A read of `table` naming `names` in order; `changed` names come with a rule.
+fn read_of(table: &str, ts_ns: u64, names: &[&str], changed: &[&str], more: bool) -> Event {
+    Event::RuleTable(Box::new(crate::event::RuleTable {
+        ts_ns,
+        netns: 4026531840,
+        family: "ip".into(),
+        table: table.into(),
+        after_pid: 12,
+        skipped: String::new(),
+        chains: names
+            .iter()
+            .map(|n| crate::event::ChainState {
+                name: (*n).into(),
+                policy: n.starts_with("PRE").then(|| "ACCEPT".into()),
+                digest: n.len() as u64,
+                rules: changed
+                    .contains(n)
+                    .then(|| vec![crate::event::Rule(vec![format!("-j {n}-X")])]),
+            })
+            .collect(),
+        more,
+    }))
+}
+
+/// Decodes `ev` as a capture reader does, with its chain names so far.
+fn decode_with(ev: &Event, names: &mut ChainNames) -> crate::event::RuleTable {
+    let mut b = Vec::new();
+    let kind = encode_drop_event(ev, &mut b).unwrap();
+    match decode_drop_event_with(kind, &b, names).unwrap() {
+        Event::RuleTable(t) => *t,
+        other => panic!("not a rule table: {other:?}"),
+    }
+}
+
+fn shared(a: &crate::event::RuleTable, b: &crate::event::RuleTable) -> Vec<bool> {
+    b.chains
+        .iter()
+        .map(|c| a.chains.iter().any(|p| SharedStr::ptr_eq(&p.name, &c.name)))
+        .collect()
+}
+
+#[test]
+fn a_table_read_again_shares_its_chain_names() {
+    let mut names = ChainNames::default();
+    let chains = ["PREROUTING", "KUBE-SERVICES", "KUBE-SVC-A", "KUBE-SEP-A"];
+    let first = read_of("nat", 1, &chains, &chains, false);
+    let a = decode_with(&first, &mut names);
+    assert_eq!(Event::RuleTable(Box::new(a.clone())), first);
+
+    // The same chains, one changed: every name is the first read's, and so is the policy.
+    let second = read_of("nat", 2, &chains, &["KUBE-SEP-A"], false);
+    let b = decode_with(&second, &mut names);
+    assert_eq!(Event::RuleTable(Box::new(b.clone())), second);
+    assert_eq!(shared(&a, &b), [true; 4]);
+    let policy = |t: &crate::event::RuleTable| t.chains[0].policy.clone().unwrap();
+    assert!(SharedStr::ptr_eq(&policy(&a), &policy(&b)));
+
+    // Without the reader's names (a fresh cache), nothing is shared: the test can fail.
+    let alone = decode_with(&second, &mut ChainNames::default());
+    assert_eq!(shared(&a, &alone), [false; 4]);
+
+    // Another table with the same names has names of its own.
+    let filter = decode_with(&read_of("filter", 3, &chains, &[], false), &mut names);
+    assert_eq!(shared(&b, &filter), [false; 4]);
+}
+
+#[test]
+fn a_changed_chain_name_is_read_as_it_is_now() {
+    let mut names = ChainNames::default();
+    let before = ["PREROUTING", "KUBE-SVC-A", "KUBE-SEP-A", "KUBE-SEP-B"];
+    let a = decode_with(&read_of("nat", 1, &before, &before, false), &mut names);
+    // A chain renamed, one added in front of the others, one gone.
+    let after = [
+        "PREROUTING",
+        "KUBE-NEW",
+        "KUBE-SVC-A",
+        "KUBE-SEP-C",
+        "KUBE-SEP-B",
+    ];
+    let ev = read_of("nat", 2, &after, &["KUBE-NEW"], false);
+    let b = decode_with(&ev, &mut names);
+    assert_eq!(Event::RuleTable(Box::new(b.clone())), ev);
+    assert_eq!(shared(&a, &b), [true, false, true, false, true]);
+    // The next read is compared with this one, not the first.
+    let c = decode_with(&read_of("nat", 3, &after, &[], false), &mut names);
+    assert_eq!(shared(&b, &c), [true; 5]);
+}
+
+#[test]
+fn a_read_in_parts_is_one_read_for_the_names() {
+    let mut names = ChainNames::default();
+    let all = ["A", "B", "C", "D"];
+    let a = decode_with(&read_of("nat", 1, &all, &all, false), &mut names);
+    // The next read in two parts (same time): each part's names are the first read's.
+    let p1 = decode_with(&read_of("nat", 2, &all[..2], &[], true), &mut names);
+    let p2 = decode_with(&read_of("nat", 2, &all[2..], &[], false), &mut names);
+    assert_eq!(shared(&a, &p1), [true; 2]);
+    assert_eq!(shared(&a, &p2), [true; 2]);
+    // A part of a read that never ended (a capture cut short) is not what the next read is
+    // compared with: a new read starts over from the last whole one.
+    let cut = decode_with(&read_of("nat", 3, &["X", "Y"], &[], true), &mut names);
+    let d = decode_with(&read_of("nat", 4, &all, &[], false), &mut names);
+    assert_eq!(shared(&a, &d), [true; 4]);
+    assert_eq!(shared(&cut, &d), [false; 4]);
+}
+
+#[test]
+fn a_read_of_fewer_chains_is_what_the_next_read_is_compared_with() {
+    let mut names = ChainNames::default();
+    let all = ["A", "B", "C"];
+    let a = decode_with(&read_of("nat", 1, &all, &all, false), &mut names);
+    // The last chain deleted: the names left are the first read's.
+    let b = decode_with(&read_of("nat", 2, &all[..2], &[], false), &mut names);
+    assert_eq!(shared(&a, &b), [true; 2]);
+    // "C" created again: a new name, not the deleted chain's.
+    let c = decode_with(&read_of("nat", 3, &all, &["C"], false), &mut names);
+    assert_eq!(shared(&a, &c), [true, true, false]);
+    assert_eq!(c.chains[2].name, "C");
 }

@@ -39,8 +39,8 @@ fn read(before: Option<&Table>, now: &Table) -> RuleTable {
                     .and_then(|b| b.get(name))
                     .is_some_and(|(_, r)| digest_rules(r) == digest);
                 ChainState {
-                    name: name.clone(),
-                    policy: policy.clone(),
+                    name: name.as_str().into(),
+                    policy: policy.as_deref().map(SharedStr::from),
                     digest,
                     rules: (!same).then(|| rules.clone()),
                 }
@@ -88,7 +88,10 @@ fn assert_models(m: &TableModel, t: &Table) {
     let chains: Table = m
         .chains
         .iter()
-        .map(|(n, c)| (n.clone(), (c.policy.clone(), c.rules.clone())))
+        .map(|(n, c)| {
+            let policy = c.policy.as_deref().map(str::to_string);
+            (n.to_string(), (policy, c.rules.clone()))
+        })
         .collect();
     assert_eq!(&chains, t);
     for (n, c) in &m.chains {
@@ -363,5 +366,82 @@ proptest! {
             assert_models(&m, &t);
             prop_assert!(m.built() - built <= sent);
         }
+    }
+}
+
+#[test]
+fn a_read_naming_the_last_reads_chains_skips_look_ups_and_still_sees_changes() {
+    let before = nat(10, |_| 80);
+    let mut m = TableModel::from_read(&read(None, &before)).expect("a whole read");
+    let after = nat(10, |i| if i == 3 { 8080 } else { 80 });
+    let d = m.apply(&read(Some(&before), &after)).expect("a whole read");
+    assert_eq!(m.same_order(), 1);
+    assert_eq!(d, whole_diff(&before, &after));
+    assert_models(&m, &after);
+    // A policy changed with no rule changed: seen with no look-up.
+    let mut policy = after.clone();
+    if let Some(c) = policy.get_mut("PREROUTING") {
+        c.0 = Some("DROP".into());
+    }
+    let d = m.apply(&read(Some(&after), &policy)).expect("a whole read");
+    assert_eq!(m.same_order(), 2);
+    assert_eq!(
+        d.policies,
+        [("PREROUTING".into(), "ACCEPT".into(), "DROP".into())]
+    );
+    assert_models(&m, &policy);
+    // A digest that differs from the model's, sent without rules: kept, as a look-up did.
+    let mut r = read(Some(&policy), &policy);
+    r.chains[0].digest ^= 1;
+    m.apply(&r).expect("a whole read");
+    assert_eq!(m.same_order(), 3);
+    assert_eq!(m.chains[&r.chains[0].name].digest, r.chains[0].digest);
+    // Put back for the model to hold the table again.
+    m.apply(&read(None, &policy)).expect("a whole read");
+    assert_models(&m, &policy);
+    // A chain renamed: another list; created and deleted as the whole tables said.
+    let mut renamed = policy.clone();
+    if let Some(c) = renamed.remove("KUBE-SEP-0003") {
+        renamed.insert("KUBE-SEP-0003B".into(), c);
+    }
+    let same = m.same_order();
+    let d = m
+        .apply(&read(Some(&policy), &renamed))
+        .expect("a whole read");
+    assert_eq!(m.same_order(), same);
+    assert_eq!(d, whole_diff(&policy, &renamed));
+    assert_eq!(d.created, ["KUBE-SEP-0003B"]);
+    assert_eq!(d.deleted, ["KUBE-SEP-0003"]);
+    assert_models(&m, &renamed);
+    // And the read after it is the same list again.
+    let d = m
+        .apply(&read(Some(&renamed), &renamed))
+        .expect("a whole read");
+    assert!(d.is_empty(), "{d:?}");
+    assert_eq!(m.same_order(), same + 1);
+}
+
+#[test]
+fn a_read_naming_a_chain_twice_is_never_taken_for_the_same_list() {
+    let base = nat(2, |_| 80);
+    let mut r = read(None, &base);
+    // KUBE-SEP-0000 named twice: last with other rules, which win.
+    let rules = vec![rule(&["-j RETURN"])];
+    r.chains.push(ChainState {
+        name: "KUBE-SEP-0000".into(),
+        policy: None,
+        digest: digest_rules(&rules),
+        rules: Some(rules.clone()),
+    });
+    let mut m = TableModel::from_read(&r).expect("a whole read");
+    let mut want = base.clone();
+    if let Some(c) = want.get_mut("KUBE-SEP-0000") {
+        c.1 = rules;
+    }
+    for _ in 0..2 {
+        let d = m.apply(&r).expect("a whole read");
+        assert!(d.is_empty(), "{d:?}");
+        assert_eq!(m.same_order(), 0);
+        assert_models(&m, &want);
     }
 }
