@@ -428,9 +428,15 @@ impl RuleTracker {
             }
         };
         let owner_of = |chain: &str| -> Option<String> {
-            self.creators
-                .get(&(key.clone(), chain.to_string()))
-                .cloned()
+            // No chain created while watched (the usual case): no key to build.
+            let created = || {
+                self.creators
+                    .get(&(key.clone(), chain.to_string()))
+                    .cloned()
+            };
+            (!self.creators.is_empty())
+                .then(created)
+                .flatten()
                 .or_else(|| owners::conventional_owner(chain).map(str::to_string))
         };
         // A rule is its chain's; in a built-in chain, the owner's of the chain it jumps to.
