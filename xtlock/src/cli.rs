@@ -276,6 +276,15 @@ pub struct LockArgs {
         conflicts_with = "bench_floor"
     )]
     pub bench_floor_record: bool,
+    /// Benchmarks only: the drop hook runs an empty program at its attach point and type
+    /// (tp_btf `kfree_skb`), the lock hook as shipped: the floor the drop hook is measured
+    /// against. No drop is counted.
+    #[arg(
+        long = "bench-floor-drops",
+        hide = true,
+        conflicts_with_all = ["bench_floor", "bench_floor_record"]
+    )]
+    pub bench_floor_drops: bool,
 }
 
 impl LockArgs {

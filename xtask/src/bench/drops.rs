@@ -240,6 +240,8 @@ pub fn run(env: &Env) -> Result<Value> {
         if env.baseline.is_some() {
             tracers.push(Tracer::Baseline);
         }
+        // The drop hook's floor: xtlock with an empty program there (counts nothing).
+        tracers.push(Tracer::DropFloor);
     }
     let mut cols: Vec<Col> = tracers.iter().map(|_| Col::default()).collect();
     let mut sent = Dist::default();
@@ -299,7 +301,7 @@ pub fn run(env: &Env) -> Result<Value> {
         // Drops in the receiving namespace (all of them hit the rule); the machine-wide
         // NETFILTER_DROP count is kept too, for the record.
         let (counted, machine_wide) = match t {
-            Tracer::None | Tracer::BpftraceHist => (None, None),
+            Tracer::None | Tracer::BpftraceHist | Tracer::DropFloor => (None, None),
             Tracer::Bpftrace => {
                 let get = |key: String| st.maps.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
                 (
@@ -338,7 +340,7 @@ pub fn run(env: &Env) -> Result<Value> {
                 col.counted += n;
                 col.rule += rule;
             }
-            None if t.is_xtlock() => col.unparsed += 1,
+            None if t.is_xtlock() && t != Tracer::DropFloor => col.unparsed += 1,
             None => {}
         }
     }

@@ -30,6 +30,9 @@ pub enum Tracer {
     /// A bpftrace script that only keeps a hold histogram per holder in the kernel (streams
     /// nothing): what issue 33 holds the lock path to.
     BpftraceHist,
+    /// `--bench-floor-drops`: an empty program on the drop hook (tp_btf `kfree_skb`), the
+    /// floor the drop hook is measured against; counts nothing.
+    DropFloor,
 }
 
 impl Tracer {
@@ -42,6 +45,7 @@ impl Tracer {
             Tracer::Floor => "floor",
             Tracer::FloorRecord => "floor+record",
             Tracer::BpftraceHist => "bpftrace-hist",
+            Tracer::DropFloor => "drop-floor",
         }
     }
 
@@ -49,7 +53,11 @@ impl Tracer {
     pub fn is_xtlock(self) -> bool {
         matches!(
             self,
-            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord
+            Tracer::Xtlock
+                | Tracer::Baseline
+                | Tracer::Floor
+                | Tracer::FloorRecord
+                | Tracer::DropFloor
         )
     }
 
@@ -182,13 +190,16 @@ impl Session {
         match t {
             Tracer::None => Ok(Session::none()),
             Tracer::Bpftrace | Tracer::BpftraceHist => Session::bpftrace(env, tag, script),
-            Tracer::Floor | Tracer::FloorRecord => {
+            Tracer::Floor | Tracer::FloorRecord | Tracer::DropFloor => {
                 let mut args = extra.to_vec();
-                args.push(if t == Tracer::Floor {
-                    "--bench-floor".into()
-                } else {
-                    "--bench-floor-record".into()
-                });
+                args.push(
+                    match t {
+                        Tracer::Floor => "--bench-floor",
+                        Tracer::FloorRecord => "--bench-floor-record",
+                        _ => "--bench-floor-drops",
+                    }
+                    .into(),
+                );
                 Session::xtlock_as(env, t, tag, locks, &args)
             }
             Tracer::Xtlock | Tracer::Baseline => Session::xtlock_as(env, t, tag, locks, extra),
@@ -366,9 +377,11 @@ impl Session {
             sleep(Duration::from_millis(20));
         };
         let mut s = match self.tracer {
-            Tracer::Xtlock | Tracer::Baseline | Tracer::Floor | Tracer::FloorRecord => {
-                read_xtlock(&self.out)?
-            }
+            Tracer::Xtlock
+            | Tracer::Baseline
+            | Tracer::Floor
+            | Tracer::FloorRecord
+            | Tracer::DropFloor => read_xtlock(&self.out)?,
             Tracer::Bpftrace | Tracer::BpftraceHist => read_bpftrace(&self.out, &self.err)?,
             Tracer::None => Stopped::default(),
         };

@@ -47,6 +47,14 @@ pub fn kfree_skb(ctx: TracePointContext) -> u32 {
     0
 }
 
+/// The floor the drop hook is measured against (`xtlock trace --bench-floor-drops`, for
+/// `cargo xtask bench --only drops`): the attach point and type of [`kfree_skb_btf`], and no
+/// work at all.
+#[btf_tracepoint(function = "kfree_skb")]
+pub fn kfree_skb_btf_floor(_ctx: BtfTracePointContext) -> u32 {
+    0
+}
+
 #[btf_tracepoint(function = "kfree_skb")]
 pub fn kfree_skb_btf(ctx: BtfTracePointContext) -> u32 {
     let reason: u32 = if cfg(|c| &c.rkd_has_reason) != 0 {

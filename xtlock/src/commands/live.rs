@@ -77,6 +77,8 @@ pub fn load(
         no_attach: lock_args.attach_filter()?,
         floor: if lock_args.bench_floor_record {
             Some(crate::probes::Floor::Record)
+        } else if lock_args.bench_floor_drops {
+            Some(crate::probes::Floor::Drops)
         } else {
             lock_args.bench_floor.then_some(crate::probes::Floor::Empty)
         },

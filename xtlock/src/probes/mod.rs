@@ -72,6 +72,9 @@ pub enum ProbeError {
          this kernel. Run `xtlock probes` for details."
     )]
     Required { why: String },
+    /// A benchmark's floor program (`--bench-floor*`) could not take its hook's place.
+    #[error("{0} (a benchmark's option: run `xtlock probes` for what attaches here)")]
+    BenchFloor(String),
     #[error("--drop-reasons: {0}")]
     DropReasons(ReasonError),
 }
@@ -91,25 +94,31 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     /// Attach types ruled out (`--no-attach`).
     pub no_attach: AttachFilter,
-    /// Benchmarks only (`--bench-floor`, `--bench-floor-record`): the lock hook runs one of
-    /// the floor programs on tp_btf instead.
+    /// Benchmarks only (`--bench-floor`, `--bench-floor-record`, `--bench-floor-drops`): the
+    /// lock hook, or the drop hook, runs one of the floor programs on tp_btf instead.
     pub floor: Option<Floor>,
 }
 
-/// The floors the lock path is measured against (`cargo xtask bench --only lock`).
+/// The floors the lock path and the drop hook are measured against (`cargo xtask bench
+/// --only lock`, `--only drops`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Floor {
-    /// An empty program: the attach point and type alone.
+    /// An empty program on the lock hook: the attach point and type alone.
     Empty,
     /// The pre-filter and one `Hold`-sized ring record a release: streaming a hold, at least.
     Record,
+    /// An empty program on the drop hook (`kfree_skb` on tp_btf); the lock hook as shipped.
+    Drops,
 }
 
 impl Floor {
-    fn program(self) -> &'static str {
+    /// The floor's program in place of `hook`'s tp_btf program, when it replaces that hook's.
+    fn program_for(self, hook: &Hook) -> Option<&'static str> {
         match self {
-            Floor::Empty => "flock_lock_inode_btf_floor",
-            Floor::Record => "flock_lock_inode_btf_floor_record",
+            Floor::Empty if hook.required => Some("flock_lock_inode_btf_floor"),
+            Floor::Record if hook.required => Some("flock_lock_inode_btf_floor_record"),
+            Floor::Drops if hook.program == DROP_PROGRAM => Some("kfree_skb_btf_floor"),
+            _ => None,
         }
     }
 }
@@ -308,16 +317,17 @@ impl Probes {
                 }
                 _ => {
                     let not_asked = counts_packets(hook.program) && drops.is_none();
-                    let floor = opts.floor.filter(|_| hook.required);
+                    let floor = opts.floor.and_then(|f| f.program_for(hook));
                     let raw = hook
                         .raw_program
                         .filter(|_| !not_asked)
-                        .map(|raw| floor.map_or(raw, Floor::program))
+                        .map(|raw| floor.unwrap_or(raw))
                         .map(|raw| attach_raw(&mut ebpf, hook, raw, &disc));
                     if let (Some(_), Some(Err(why))) = (floor, &raw) {
-                        return Err(ProbeError::Required {
-                            why: format!("--bench-floor needs the lock hook on tp_btf: {why}"),
-                        });
+                        return Err(ProbeError::BenchFloor(format!(
+                            "--bench-floor* needs hook {} on tp_btf: {why}",
+                            hook.program
+                        )));
                     }
                     if let Some(Err(why)) = &raw {
                         tracing::debug!(
