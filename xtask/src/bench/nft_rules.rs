@@ -41,6 +41,10 @@ fn peak_rss_mib(pid: u32) -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// What xtlock says (once per namespace, on stderr) when a namespace's rule reads are held
+/// back past its share of the reader (`source/rules.rs`).
+const RATIONED: &str = "rationed: they took";
+
 #[derive(Default)]
 struct Column {
     write_ms: Dist,
@@ -51,6 +55,9 @@ struct Column {
     modelled: Vec<(u64, u64)>,
     skipped: u64,
     why: Vec<String>,
+    /// Runs whose reads xtlock held back past the namespace's share of the reader (it says
+    /// so once on stderr): their writes were read together, later.
+    rationed: usize,
 }
 
 pub fn run(env: &Env) -> Result<Value> {
@@ -120,7 +127,11 @@ pub fn run(env: &Env) -> Result<Value> {
             let cpu = session.cpu_ns().saturating_sub(cpu0);
             let rss = session.pid().and_then(peak_rss_mib);
             let out = session.out.clone();
+            let err = session.err.clone();
             let stopped = session.stop()?;
+            if fs::read_to_string(&err).is_ok_and(|e| e.contains(RATIONED)) {
+                col.rationed += 1;
+            }
             col.write_ms.push(took.median());
             if extra.is_some() {
                 col.cpu_ms.push(cpu as f64 / 1e6 / WRITES as f64);
@@ -171,17 +182,30 @@ pub fn run(env: &Env) -> Result<Value> {
     }
     table(&rows);
     let (off, on) = (&cols[1], &cols[2]);
-    let per_read_cpu = (on.cpu_ms.median() - off.cpu_ms.median()) / on.reads.median().max(1e-9);
+    // No read a write (all held back): no cost a read to say.
+    let per_read_cpu = (on.reads.median() > 0.0)
+        .then(|| (on.cpu_ms.median() - off.cpu_ms.median()) / on.reads.median());
     let writer_delay = on.write_ms.median() - off.write_ms.median();
     let rss_added = on.rss_mib.median() - off.rss_mib.median();
     println!(
-        "  nft list ruleset: {} ms  |  a read + parse + model + diff: {} ms of xtlock CPU; \
+        "  nft list ruleset: {} ms  |  a read + parse + model + diff: {} of xtlock CPU; \
          memory: {rss_added:+.0} MiB peak with reads on; the writer: {writer_delay:+.1} ms a \
          write ({})",
         list_ms.show(),
-        num(per_read_cpu),
+        per_read_cpu.map_or_else(
+            || "none to say (no read a write)".to_owned(),
+            |ms| format!("{} ms", num(ms))
+        ),
         RuleFacts::skipped_text(on.skipped, &on.why),
     );
+    if on.rationed > 0 {
+        println!(
+            "  reads held back by the namespace's share of the reader (10 % of a core over 10 s) \
+             in {} of {} runs: those writes were read together, later",
+            on.rationed,
+            on.write_ms.samples.len()
+        );
+    }
     println!(
         "  the Service model at the end of each run with reads on (service ports, endpoints): {:?}",
         on.modelled
@@ -202,6 +226,7 @@ pub fn run(env: &Env) -> Result<Value> {
             "modelled": c.modelled,
             "skipped": c.skipped,
             "skipped_why": c.why,
+            "rationed_runs": c.rationed,
         })).collect::<Vec<_>>(),
         "read_parse_diff_cpu_ms": per_read_cpu,
         "peak_rss_added_mib": rss_added,
