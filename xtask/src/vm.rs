@@ -1227,17 +1227,7 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
 
     let results = absolute(&spec.results)?;
     fs::create_dir_all(&results)?;
-    for f in [
-        "exit-status",
-        "commands",
-        "console.log",
-        "probes.json",
-        "kernel",
-        "skips",
-        "timing",
-    ] {
-        let _ = fs::remove_file(results.join(f));
-    }
+    clear_results(&results);
     let conf = conf(
         spec,
         &kernel,
@@ -1311,9 +1301,7 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
                  under TCG, and every later guest of this run",
                 ended.elapsed.as_secs_f64()
             );
-            for f in ["exit-status", "commands", "skips", "probes.json"] {
-                let _ = fs::remove_file(results.join(f));
-            }
+            clear_results(&results);
             accel = Accel::Tcg;
             accel_why = "KVM stopped this guest with an internal error".to_owned();
             continue;
@@ -1365,6 +1353,21 @@ pub fn run_spec(spec: &Spec, prefix: &str) -> Result<Report> {
             .map(str::to_owned)
             .collect(),
     })
+}
+
+/// Removes what a guest's earlier run left in `results` (a run's files are all its own).
+fn clear_results(results: &Path) {
+    for f in [
+        "exit-status",
+        "commands",
+        "console.log",
+        "probes.json",
+        "kernel",
+        "skips",
+        "timing",
+    ] {
+        let _ = fs::remove_file(results.join(f));
+    }
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {

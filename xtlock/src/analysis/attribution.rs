@@ -129,27 +129,30 @@ fn renamed_kthread(p: &crate::analysis::procs::Proc, comm: &Comm) -> bool {
 /// Attributes `pid`. `comm` names the process when the table does not know it, and a kernel
 /// thread the table knows only by its fork.
 pub fn attribute(procs: &ProcTable, pid: u32, comm: &Comm) -> Attribution {
-    attribute_into(procs, pid, comm, &mut Vec::new(), &mut Vec::new())
+    attribute_into(procs, pid, comm, &mut Vec::new(), &mut Vec::new()).0
 }
 
 /// [`attribute`] with the caller's buffers: `chain` (left empty) for the links, `stamps`
-/// (cleared, then filled) for the stamps of the entries the chain was built from.
+/// (cleared, then filled) for the stamps of the entries the chain was built from. Also
+/// whether `comm` named a process the table knows ([`renamed_kthread`]).
 fn attribute_into(
     procs: &ProcTable,
     pid: u32,
     comm: &Comm,
     chain: &mut Vec<ChainLink>,
     stamps: &mut Vec<u64>,
-) -> Attribution {
+) -> (Attribution, bool) {
     chain.clear();
     stamps.clear();
+    let mut by_comm = false;
     let mut agent: Option<(u32, SharedStr)> = None;
     let mut cgroup = None;
     let mut cmdline = SharedStr::empty();
     for p in procs.ancestors(pid) {
         let name = if chain.is_empty() {
             cmdline = p.cmdline_shared();
-            if renamed_kthread(p, comm) {
+            by_comm = renamed_kthread(p, comm);
+            if by_comm {
                 SharedStr::from(comm.as_str().as_ref())
             } else {
                 p.name.clone()
@@ -188,7 +191,7 @@ fn attribute_into(
             procs.pod_of(&c.identity),
         )
     });
-    Attribution {
+    let attr = Attribution {
         pid,
         comm: own_comm,
         cmdline,
@@ -200,7 +203,8 @@ fn attribute_into(
         pod_uid,
         container_id,
         pod,
-    }
+    };
+    (attr, by_comm)
 }
 
 /// Remembers attributions per pid, so a daemon locking a million times does not walk and
@@ -257,20 +261,11 @@ impl Attributor {
         };
         // The replaced entry's buffer is reused.
         let mut stamps = stale.unwrap_or_default();
-        let attr = Arc::new(attribute_into(
-            procs,
-            pid,
-            comm,
-            &mut self.chain,
-            &mut stamps,
-        ));
+        let (attr, by_comm) = attribute_into(procs, pid, comm, &mut self.chain, &mut stamps);
+        let attr = Arc::new(attr);
         if self.cache.len() >= CACHE_MAX && !self.cache.contains_key(&pid) {
             self.cache.clear();
         }
-        let by_comm = procs
-            .ancestors(pid)
-            .next()
-            .is_some_and(|p| renamed_kthread(p, comm));
         self.cache.insert(
             pid,
             Cached {

@@ -97,7 +97,7 @@ impl TableModel {
             // digest and policy it had is unchanged (no look-up, no mark needed).
             named = self.chains.len();
             for (c, o) in t.chains.iter().zip(&self.order).rev() {
-                if c.rules.is_some() || c.digest != o.1 || c.policy != o.2 {
+                if more_than_a_mark(c, o.1, &o.2) {
                     todo.push((c, true));
                 }
             }
@@ -108,7 +108,7 @@ impl TableModel {
                 Some(m) => {
                     m.seen = read;
                     named += 1;
-                    if c.rules.is_some() || m.digest != c.digest || m.policy != c.policy {
+                    if more_than_a_mark(c, m.digest, &m.policy) {
                         todo.push((c, true));
                     }
                 }
@@ -270,6 +270,12 @@ impl TableModel {
         }
         seen
     }
+}
+
+/// Whether a chain a read names needs more than its mark: it came with its rules, or its
+/// digest or policy is not the `digest` and `policy` the model has.
+fn more_than_a_mark(c: &ChainState, digest: u64, policy: &Option<SharedStr>) -> bool {
+    c.rules.is_some() || c.digest != digest || c.policy != *policy
 }
 
 fn is_reject(r: &Rule) -> bool {
