@@ -866,3 +866,110 @@ fn both_backends_in_one_netns_are_named() {
         "{rows}"
     );
 }
+
+/// Runs of every BPF program loaded, summed (`kernel.bpf_stats_enabled` on), from bpftool.
+fn bpf_runs() -> u64 {
+    let out = Command::new("bpftool")
+        .args(["prog", "show", "--json"])
+        .output()
+        .expect("run bpftool");
+    assert!(out.status.success(), "bpftool prog show: {out:?}");
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool's JSON");
+    v.as_array()
+        .expect("a list of programs")
+        .iter()
+        .filter_map(|p| p["run_cnt"].as_u64())
+        .sum()
+}
+
+/// Legacy table reads and replaces are hooked at netfilter's own socket-option functions
+/// where fentry or kprobes attach (`nf_getsockopt`, `nf_setsockopt`): a client's own socket
+/// options (the `SO_ERROR` read after every non-blocking connect, `TCP_NODELAY`) run no
+/// program, while iptables' reads and replaces are still seen. Where only the syscall
+/// tracepoints attach (this host), each such call runs two programs, and the same count
+/// says so: the test tells the two apart by the runs alone.
+#[test]
+fn socket_options_not_netfilters_run_no_program() {
+    if !require_bpf("socket_options_not_netfilters_run_no_program") {
+        return;
+    }
+    let _g = serial();
+    let narrow = in_vm() || kernel_has_kprobes();
+    for (hook, function) in [
+        ("sys_enter_getsockopt", "nf_getsockopt"),
+        ("sys_exit_getsockopt", "nf_getsockopt"),
+        ("sys_enter_setsockopt", "nf_setsockopt"),
+        ("sys_exit_setsockopt", "nf_setsockopt"),
+    ] {
+        let h = hook_status(hook, &[]);
+        let a = h["attach"].as_str().unwrap_or_default();
+        assert!(h["error"].is_null(), "{h}");
+        if narrow {
+            assert!(
+                (a.starts_with("fentry") || a.starts_with("kprobe")) && a.contains(function),
+                "{h}"
+            );
+        } else {
+            assert!(a.starts_with("tracepoint syscalls:"), "{h}");
+        }
+    }
+
+    let s = Scratch::new("sockopts");
+    let lock = s.lock_file("xtables.lock");
+    let lock_s = lock.to_str().expect("utf-8 path");
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(300), &["--no-drops"]);
+    let _stats = Sysctl::set("/proc/sys/kernel/bpf_stats_enabled", "1");
+    const CALLS: u64 = 20_000;
+    let before = bpf_runs();
+    let mut client = Agent::spawn(
+        &s.agent("client"),
+        &["sockopts", &CALLS.to_string()],
+        &[],
+        None,
+    );
+    assert_eq!(client.wait(), 0, "the socket-option loop failed");
+    let runs = bpf_runs().saturating_sub(before);
+    // Then iptables itself: its reads and its replace must still be seen.
+    let mut kp = Agent::spawn(
+        &s.agent("kube-proxy"),
+        &[
+            "run",
+            "--netns",
+            "iptables-legacy",
+            "-w",
+            "-A",
+            "INPUT",
+            "-j",
+            "ACCEPT",
+        ],
+        &[("XTABLES_LOCKFILE", lock_s)],
+        None,
+    );
+    assert_eq!(kp.wait(), 0, "iptables-legacy -A failed");
+    std::thread::sleep(Duration::from_millis(500));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    eprintln!(
+        "{} socket-option calls ({CALLS} get, {CALLS} set): {runs} BPF program runs",
+        2 * CALLS
+    );
+    if narrow {
+        // The loop's calls run nothing; what else ran meanwhile (the client's exec and
+        // exit, other hooks of the node) is far below one run a call.
+        assert!(runs < CALLS / 4, "{runs} runs for {} calls", 2 * CALLS);
+    } else {
+        // Enter and exit, for each of the 2 x CALLS calls.
+        assert!(runs >= 4 * CALLS, "{runs} runs for {} calls", 2 * CALLS);
+    }
+    let holds: Vec<&Value> = trace
+        .of_type("hold")
+        .into_iter()
+        .filter(|h| h["agent"] == "kube-proxy")
+        .collect();
+    assert_eq!(holds.len(), 1, "{dump}");
+    let n = |k: &str| holds[0][k].as_u64().unwrap_or(0);
+    // libiptc's init reads the table (GET_INFO, GET_ENTRIES), then replaces it.
+    assert!(n("reads") >= 2, "no table reads: {}", holds[0]);
+    assert!(n("replaces") >= 1, "no replace: {}", holds[0]);
+}

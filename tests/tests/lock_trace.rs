@@ -323,6 +323,9 @@ fn restore_holds_and_lock_timeout() {
             u(&h["replaces"]) >= 1,
             "each restore replaces its table: {h}"
         );
+        // --noflush: libiptc reads the table first (GET_INFO, GET_ENTRIES), on every hook
+        // the reads take (nf_getsockopt by fentry or kprobe in the VMs, the tracepoints here).
+        assert!(u(&h["reads"]) >= 2, "each restore reads its table: {h}");
         // xt_replace_table's share of the replace: on kernels where its hook attaches (the
         // VM's 6.1 with kprobes), a part of kernel_ns; absent where it cannot attach.
         match h.get("swap_ns") {

@@ -48,6 +48,12 @@ pub const LOCK_UN: u32 = 8;
 /// Socket levels and option names that replace or update a legacy xtables table.
 pub const SOL_IP: u32 = 0;
 pub const SOL_IPV6: u32 = 41;
+/// Netfilter's protocol families (`nf_getsockopt`'s and `nf_setsockopt`'s `pf`): the
+/// socket level the same call has at the syscall is `SOL_IP` for all but IPv6.
+pub const NFPROTO_IPV4: u8 = 2;
+pub const NFPROTO_ARP: u8 = 3;
+pub const NFPROTO_BRIDGE: u8 = 7;
+pub const NFPROTO_IPV6: u8 = 10;
 /// `IPT_SO_SET_REPLACE` / `IP6T_SO_SET_REPLACE` / `ARPT_SO_SET_REPLACE` (all 64).
 pub const XT_SO_SET_REPLACE: u32 = 64;
 /// `IPT_SO_SET_ADD_COUNTERS` and its ip6t/arpt twins (all 65).

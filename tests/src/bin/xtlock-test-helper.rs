@@ -33,6 +33,9 @@
 //!                         given TIMEOUT_MS; print `conn I START_T END_T RESULT` for each (RESULT
 //!                         `ok` or the errno's name: EHOSTUNREACH, ECONNREFUSED, ETIMEDOUT),
 //!                         then `done T`: what the client itself got
+//!   sockopts COUNT        on one TCP socket, COUNT `getsockopt(SO_ERROR)` (the read after
+//!                         every non-blocking connect) and COUNT `setsockopt(TCP_NODELAY)`;
+//!                         print `done T`: socket options that are not netfilter's
 use std::{
     fs::OpenOptions,
     os::{fd::AsRawFd, unix::process::CommandExt},
@@ -94,6 +97,39 @@ fn run() -> anyhow::Result<u8> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let a: Vec<&str> = args.iter().map(String::as_str).collect();
     match a.as_slice() {
+        ["sockopts", count] => {
+            let sock = std::net::TcpListener::bind("127.0.0.1:0")?;
+            let fd = sock.as_raw_fd();
+            for _ in 0..count.parse::<u64>()? {
+                let mut v: libc::c_int = 0;
+                let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+                // SAFETY: valid fd, out-pointers to locals of the sizes given.
+                let r = unsafe {
+                    libc::getsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_ERROR,
+                        (&mut v as *mut libc::c_int).cast(),
+                        &mut len,
+                    )
+                };
+                anyhow::ensure!(r == 0, "getsockopt: {}", std::io::Error::last_os_error());
+                let one: libc::c_int = 1;
+                // SAFETY: as above, an in-pointer.
+                let r = unsafe {
+                    libc::setsockopt(
+                        fd,
+                        libc::IPPROTO_TCP,
+                        libc::TCP_NODELAY,
+                        (&one as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                anyhow::ensure!(r == 0, "setsockopt: {}", std::io::Error::last_os_error());
+            }
+            say(format!("done {}", now()));
+            Ok(0)
+        }
         ["hold", lock, hold] => {
             let f = open(lock)?;
             say(format!("locking {}", now()));

@@ -9,8 +9,8 @@ use aya_ebpf::{
 };
 use xtlock_common::SOCKOPT_GET;
 
-use super::setsockopt::{enter, exit, ARG1, ARG2, EXIT_RET};
-use crate::emit::{cfg, field, field_fast, syscall_arg};
+use super::setsockopt::{enter, exit, nf_level, ARG1, ARG2, EXIT_RET};
+use crate::emit::{cfg, field, field_fast};
 
 #[tracepoint]
 pub fn sys_enter_getsockopt(ctx: TracePointContext) -> u32 {
@@ -32,41 +32,50 @@ pub fn sys_exit_getsockopt(ctx: TracePointContext) -> u32 {
     0
 }
 
-// The same on the syscall's function: `getsockopt(fd, level, optname, optval, optlen)`.
+// Netfilter's own options only, where fentry or kprobes attach: `nf_getsockopt(struct sock
+// *sk, u_int8_t pf, int val, char __user *opt, int *len)` is called for the option numbers
+// IP and IPv6 do not know themselves, so the `SO_ERROR` read after every non-blocking
+// connect, and every other getsockopt of the node, runs no program at all.
 
 #[inline(always)]
-fn enter_regs(regs: u64) {
-    let level = syscall_arg(regs, 1).unwrap_or(u64::MAX);
-    let optname = syscall_arg(regs, 2).unwrap_or(u64::MAX);
+fn nf_enter(pf: u8, val: i32, opt: u64) {
+    let Some(level) = nf_level(pf) else {
+        return;
+    };
     enter(
         SOCKOPT_GET,
-        level,
-        optname,
+        u64::from(level),
+        val as u32 as u64,
         || 0,
-        || syscall_arg(regs, 3).unwrap_or(0),
+        || opt,
     );
 }
 
-#[fentry(function = "__x64_sys_getsockopt")]
-pub fn getsockopt_syscall_fentry(ctx: FEntryContext) -> u32 {
-    enter_regs(ctx.arg(0));
+#[fentry(function = "nf_getsockopt")]
+pub fn nf_getsockopt_fentry(ctx: FEntryContext) -> u32 {
+    nf_enter(ctx.arg(1), ctx.arg(2), ctx.arg(3));
     0
 }
 
-#[fexit(function = "__x64_sys_getsockopt")]
-pub fn getsockopt_syscall_fexit(ctx: FExitContext) -> u32 {
-    exit(|| ctx.arg(1));
+#[fexit(function = "nf_getsockopt")]
+pub fn nf_getsockopt_fexit(ctx: FExitContext) -> u32 {
+    // An `int`: the register's upper half is not part of it.
+    exit(|| i64::from(ctx.arg::<i32>(5)));
     0
 }
 
 #[kprobe]
-pub fn getsockopt_syscall_kprobe(ctx: ProbeContext) -> u32 {
-    enter_regs(ctx.arg(0).unwrap_or(0));
+pub fn nf_getsockopt_kprobe(ctx: ProbeContext) -> u32 {
+    nf_enter(
+        ctx.arg(1).unwrap_or(u8::MAX),
+        ctx.arg(2).unwrap_or(-1),
+        ctx.arg(3).unwrap_or(0),
+    );
     0
 }
 
 #[kretprobe]
-pub fn getsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
-    exit(|| ctx.ret());
+pub fn nf_getsockopt_kretprobe(ctx: RetProbeContext) -> u32 {
+    exit(|| i64::from(ctx.ret::<i32>()));
     0
 }

@@ -6,15 +6,16 @@ use aya_ebpf::{
     programs::{FEntryContext, FExitContext, ProbeContext, RetProbeContext, TracePointContext},
 };
 use xtlock_common::{
-    EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, SOCKOPT_GET, SOL_IP,
-    SOL_IPV6, XT_GETINFO_NUM_ENTRIES, XT_SO_GET_ENTRIES, XT_SO_GET_INFO, XT_SO_SET_ADD_COUNTERS,
+    EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, NFPROTO_ARP,
+    NFPROTO_BRIDGE, NFPROTO_IPV4, NFPROTO_IPV6, SOCKOPT_GET, SOL_IP, SOL_IPV6,
+    XT_GETINFO_NUM_ENTRIES, XT_SO_GET_ENTRIES, XT_SO_GET_INFO, XT_SO_SET_ADD_COUNTERS,
     XT_SO_SET_REPLACE, XT_TABLE_MAXNAMELEN,
 };
 
 use crate::{
     emit::{
         cfg, current_netns, field, field_fast, header, ids, inflight_add, inflight_any,
-        inflight_in_slot, now, output, syscall_arg,
+        inflight_in_slot, now, output,
     },
     SOCKOPT_INFLIGHT,
 };
@@ -86,42 +87,65 @@ pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
     0
 }
 
-// The same on the syscall's function: `setsockopt(fd, level, optname, optval, optlen)`.
+// Netfilter's own options only, where fentry or kprobes attach: `nf_setsockopt(struct sock
+// *sk, u_int8_t pf, int val, sockptr_t opt, unsigned int len)` (Linux >= 5.9) is called for
+// the option numbers IP and IPv6 do not know themselves, so no other setsockopt of the node
+// (`TCP_NODELAY` and keepalives at every connect) runs a program. `sockptr_t` is two words
+// (the pointer, then whether it is a kernel one): `len` is the sixth, the return the
+// seventh.
+
+/// `pf` as the socket level the tracepoint programs see: ip6tables' is `SOL_IPV6`, iptables',
+/// arptables' and ebtables' `SOL_IP`.
+#[inline(always)]
+pub(crate) fn nf_level(pf: u8) -> Option<u32> {
+    match pf {
+        NFPROTO_IPV4 | NFPROTO_ARP | NFPROTO_BRIDGE => Some(SOL_IP),
+        NFPROTO_IPV6 => Some(SOL_IPV6),
+        _ => None,
+    }
+}
 
 #[inline(always)]
-fn enter_regs(regs: u64) {
-    let level = syscall_arg(regs, 1).unwrap_or(u64::MAX);
-    let optname = syscall_arg(regs, 2).unwrap_or(u64::MAX);
+fn nf_enter(pf: u8, val: i32, opt: u64, len: u32) {
+    let Some(level) = nf_level(pf) else {
+        return;
+    };
     enter(
         0,
-        level,
-        optname,
-        || syscall_arg(regs, 4).unwrap_or(0),
-        || syscall_arg(regs, 3).unwrap_or(0),
+        u64::from(level),
+        val as u32 as u64,
+        || u64::from(len),
+        || opt,
     );
 }
 
-#[fentry(function = "__x64_sys_setsockopt")]
-pub fn setsockopt_syscall_fentry(ctx: FEntryContext) -> u32 {
-    enter_regs(ctx.arg(0));
+#[fentry(function = "nf_setsockopt")]
+pub fn nf_setsockopt_fentry(ctx: FEntryContext) -> u32 {
+    nf_enter(ctx.arg(1), ctx.arg(2), ctx.arg(3), ctx.arg(5));
     0
 }
 
-#[fexit(function = "__x64_sys_setsockopt")]
-pub fn setsockopt_syscall_fexit(ctx: FExitContext) -> u32 {
-    exit(|| ctx.arg(1));
+#[fexit(function = "nf_setsockopt")]
+pub fn nf_setsockopt_fexit(ctx: FExitContext) -> u32 {
+    // An `int`: the register's upper half is not part of it.
+    exit(|| i64::from(ctx.arg::<i32>(6)));
     0
 }
 
 #[kprobe]
-pub fn setsockopt_syscall_kprobe(ctx: ProbeContext) -> u32 {
-    enter_regs(ctx.arg(0).unwrap_or(0));
+pub fn nf_setsockopt_kprobe(ctx: ProbeContext) -> u32 {
+    nf_enter(
+        ctx.arg(1).unwrap_or(u8::MAX),
+        ctx.arg(2).unwrap_or(-1),
+        ctx.arg(3).unwrap_or(0),
+        ctx.arg(5).unwrap_or(0),
+    );
     0
 }
 
 #[kretprobe]
-pub fn setsockopt_syscall_kretprobe(ctx: RetProbeContext) -> u32 {
-    exit(|| ctx.ret());
+pub fn nf_setsockopt_kretprobe(ctx: RetProbeContext) -> u32 {
+    exit(|| i64::from(ctx.ret::<i32>()));
     0
 }
 

@@ -451,8 +451,22 @@ impl Btf {
             Some(t) if matches!(t.kind, KIND_INT | KIND_ENUM | KIND_ENUM64) => {
                 ArgType::Int(t.size_or_type)
             }
-            Some(_) => ArgType::Other(self.c_name(id)),
+            Some(_) => ArgType::Other(self.typedef_name(id).unwrap_or_else(|| self.c_name(id))),
         }
+    }
+
+    /// The name of the first typedef behind `id`'s qualifiers (`sockptr_t` is a typedef of
+    /// an unnamed struct, whose C name says nothing).
+    fn typedef_name(&self, mut id: u32) -> Option<String> {
+        for _ in 0..32 {
+            let t = self.get(id)?;
+            match t.kind {
+                KIND_TYPEDEF => return Some(self.name(t.name_off).to_string()),
+                KIND_VOLATILE | KIND_CONST | KIND_RESTRICT | KIND_TYPE_TAG => id = t.size_or_type,
+                _ => return None,
+            }
+        }
+        None
     }
 
     /// The prototype of function `name` (a `FUNC` and its `FUNC_PROTO`), if this BTF has it.
@@ -752,7 +766,14 @@ pub(crate) mod tests {
         b.int("long int", 8); // 15
         b.func_proto_ret(&[14], 15); // 16
         b.func("__x64_sys_execveat", 16); // 17
+                                          // `int nf_setsockopt(..., sockptr_t opt, ...)`: a typedef'd unnamed struct by value.
+        b.strukt(KIND_STRUCT, "", 16, &[]); // 18
+        b.typedef("sockptr_t", 18); // 19
+        b.func_proto_ret(&[3, 19, 1], 1); // 20
+        b.func("nf_setsockopt", 20); // 21
         let btf = Btf::parse(b.build()).unwrap();
+        let p = btf.func_proto("nf_setsockopt").unwrap();
+        assert_eq!(p.params[1].0, ArgType::Other("sockptr_t".into()));
         let p = btf.func_proto("__nf_conntrack_alloc").unwrap();
         assert_eq!(p.params.len(), 4);
         assert_eq!(p.params[0].0, ArgType::Ptr("net".into()));

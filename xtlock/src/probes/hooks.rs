@@ -96,13 +96,35 @@ pub const EXIT_GROUP_SYSCALL: KfuncHook = syscall_fn(
     ("exit_group_syscall_fentry", "exit_group_syscall_kprobe"),
     None,
 );
-pub const SETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
-    "setsockopt_syscall",
-    "legacy table replaces",
-    &["__x64_sys_setsockopt", "__arm64_sys_setsockopt"],
-    ("setsockopt_syscall_fentry", "setsockopt_syscall_kprobe"),
-    Some(("setsockopt_syscall_fexit", "setsockopt_syscall_kretprobe")),
-);
+/// Legacy table replaces at `nf_setsockopt`, not the syscall's function: as
+/// [`GETSOCKOPT_FN`], no other setsockopt of the node (`TCP_NODELAY` and keepalives at
+/// every connect) runs a program.
+pub const SETSOCKOPT_FN: KfuncHook = KfuncHook {
+    name: "nf_setsockopt",
+    purpose: "legacy table replaces (netfilter's setsockopt options only)",
+    functions: &["nf_setsockopt"],
+    module: None,
+    fentry: Some("nf_setsockopt_fentry"),
+    fexit: Some("nf_setsockopt_fexit"),
+    kprobe: Some("nf_setsockopt_kprobe"),
+    kretprobe: Some("nf_setsockopt_kretprobe"),
+    kprobe_first: None,
+    setup: None,
+    // `int nf_setsockopt(struct sock *sk, u_int8_t pf, int val, sockptr_t opt, unsigned int
+    // len)` (Linux >= 5.9; a `char __user *` before, refused here). `sockptr_t` is passed in
+    // two registers, so `len` is the sixth and the fexit program's return the seventh word.
+    reads: Some(Reads {
+        args: &[
+            Want::Any,
+            Want::Int,
+            Want::Int,
+            Want::Other("sockptr_t"),
+            Want::Int,
+        ],
+        fexit_params: Some(5),
+        ret: Want::Int,
+    }),
+};
 pub const SENDMSG_SYSCALL: KfuncHook = syscall_fn(
     "sendmsg_syscall",
     "nf_tables batches timed from their sendmsg()",
@@ -110,13 +132,29 @@ pub const SENDMSG_SYSCALL: KfuncHook = syscall_fn(
     ("sendmsg_syscall_fentry", "sendmsg_syscall_kprobe"),
     Some(("sendmsg_syscall_fexit", "sendmsg_syscall_kretprobe")),
 );
-pub const GETSOCKOPT_SYSCALL: KfuncHook = syscall_fn(
-    "getsockopt_syscall",
-    "legacy table reads",
-    &["__x64_sys_getsockopt", "__arm64_sys_getsockopt"],
-    ("getsockopt_syscall_fentry", "getsockopt_syscall_kprobe"),
-    Some(("getsockopt_syscall_fexit", "getsockopt_syscall_kretprobe")),
-);
+/// Legacy table reads at `nf_getsockopt`, not the syscall's function: netfilter's own
+/// option numbers come there (after IP and IPv6 found them unknown), so no other
+/// getsockopt of the node (the `SO_ERROR` read after every non-blocking connect of Go and
+/// Java clients) runs a program. Built into vmlinux wherever netfilter is.
+pub const GETSOCKOPT_FN: KfuncHook = KfuncHook {
+    name: "nf_getsockopt",
+    purpose: "legacy table reads (netfilter's getsockopt options only)",
+    functions: &["nf_getsockopt"],
+    module: None,
+    fentry: Some("nf_getsockopt_fentry"),
+    fexit: Some("nf_getsockopt_fexit"),
+    kprobe: Some("nf_getsockopt_kprobe"),
+    kretprobe: Some("nf_getsockopt_kretprobe"),
+    kprobe_first: None,
+    setup: None,
+    // `int nf_getsockopt(struct sock *sk, u_int8_t pf, int val, char __user *opt, int *len)`
+    // (the same since Linux 2.6): `pf`, `val` and `opt` are read as registers.
+    reads: Some(Reads {
+        args: &[Want::Any, Want::Int, Want::Int, Want::Any],
+        fexit_params: Some(5),
+        ret: Want::Int,
+    }),
+};
 
 /// `__icmp_send` at its entry: counts ICMP refusals where `icmp:icmp_send` does not exist.
 pub const ICMP_SEND_FN: KfuncHook = KfuncHook {
@@ -308,7 +346,7 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_setsockopt",
         required: false,
         purpose: "start of a legacy table replace (IPT_SO_SET_REPLACE) inside a hold",
-        fallback: Some(&SETSOCKOPT_SYSCALL),
+        fallback: Some(&SETSOCKOPT_FN),
         paired_with: None,
         raw_program: None,
         missing: None,
@@ -330,7 +368,7 @@ pub const HOOKS: &[Hook] = &[
         tracepoint: "sys_enter_getsockopt",
         required: false,
         purpose: "start of a legacy table read (IPT_SO_GET_INFO, IPT_SO_GET_ENTRIES) inside a hold",
-        fallback: Some(&GETSOCKOPT_SYSCALL),
+        fallback: Some(&GETSOCKOPT_FN),
         paired_with: None,
         raw_program: None,
         missing: None,

@@ -201,6 +201,8 @@ pub enum Want {
     Ptr(&'static str),
     /// An integer (any size: read as a register).
     Int,
+    /// A value of this type name (a typedef'd struct passed by value, e.g. `sockptr_t`).
+    Other(&'static str),
 }
 
 impl Want {
@@ -209,6 +211,7 @@ impl Want {
             (Want::Any, _) => true,
             (Want::Ptr(n), ArgType::Ptr(m) | ArgType::FwdPtr(m)) => n == m,
             (Want::Int, ArgType::Int(_)) => true,
+            (Want::Other(n), ArgType::Other(m)) => n == m,
             _ => false,
         }
     }
@@ -218,6 +221,7 @@ impl Want {
             Want::Any => "_".into(),
             Want::Ptr(n) => format!("struct {n} *"),
             Want::Int => "an integer".into(),
+            Want::Other(n) => format!("`{n}`"),
         }
     }
 }
@@ -672,16 +676,26 @@ pub fn candidates_text(hook: &KfuncHook) -> String {
 /// Plain words for a load/attach error: EPERM named as such.
 fn explain(e: &dyn std::error::Error) -> String {
     let s = error_chain(e);
-    // aya appends the verifier log, empty for a refused load.
+    // aya appends the verifier log (empty for a refused load): its last line before the
+    // statistics says why, on one line (`xtlock probes` and docs/kernels.md are tables).
     let s = match s.find("Verifier output:") {
-        Some(i)
-            if s[i + 16..]
-                .trim_matches(|c: char| c.is_whitespace() || c == '\0')
-                .is_empty() =>
-        {
-            s[..i].trim_end().trim_end_matches('.').to_string()
+        Some(i) => {
+            let head = s[..i].trim_end().trim_end_matches('.');
+            let why = s[i + 16..]
+                .lines()
+                .map(|l| l.trim_matches(|c: char| c.is_whitespace() || c == '\0'))
+                .rfind(|l| {
+                    !l.is_empty()
+                        && !l.starts_with("verification time")
+                        && !l.starts_with("stack depth")
+                        && !l.starts_with("processed ")
+                });
+            match why {
+                Some(w) => format!("{head}: verifier: {w}"),
+                None => head.to_string(),
+            }
         }
-        _ => s,
+        None => s,
     };
     if s.contains("Operation not permitted") || s.contains("os error 1)") {
         format!("EPERM ({s})")

@@ -31,8 +31,7 @@ pub use discover::{discover, Discovery};
 use dropreason::{ReasonError, ReasonSelection, ReasonTable};
 pub use hooks::{
     counts_packets, hook_names, Feature, Hook, HookStatus, EXECVEAT_SYSCALL, EXECVE_SYSCALL,
-    EXIT_GROUP_SYSCALL, GETSOCKOPT_SYSCALL, HOOKS, KFUNC_HOOKS, REFUSAL_PROGRAMS,
-    SETSOCKOPT_SYSCALL,
+    EXIT_GROUP_SYSCALL, GETSOCKOPT_FN, HOOKS, KFUNC_HOOKS, REFUSAL_PROGRAMS, SETSOCKOPT_FN,
 };
 use kfunc::{AttachFilter, AttachKind, KfuncHook};
 

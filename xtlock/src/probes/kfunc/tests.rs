@@ -348,3 +348,21 @@ fn refusals_in_a_line() {
     );
     assert_eq!(super::short_refusal("a\nb"), "a");
 }
+
+/// A refused load says the verifier's reason on one line, without its statistics; an
+/// empty log adds nothing.
+#[test]
+fn a_refused_load_is_said_in_one_line() {
+    let e = std::io::Error::other(
+        "the BPF_PROG_LOAD syscall returned Invalid argument (os error 22). Verifier output: \
+         The function nf_setsockopt arg3 type STRUCT is unsupported.\nverification time 237 \
+         usec\nstack depth 0+0\nprocessed 0 insns (limit 1000000) max_states_per_insn 0\n",
+    );
+    assert_eq!(
+        explain(&e),
+        "the BPF_PROG_LOAD syscall returned Invalid argument (os error 22): verifier: The \
+         function nf_setsockopt arg3 type STRUCT is unsupported."
+    );
+    let e = std::io::Error::other("load failed. Verifier output: \0\n");
+    assert_eq!(explain(&e), "load failed");
+}
