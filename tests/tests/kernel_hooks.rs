@@ -274,6 +274,19 @@ fn nft_batch_is_an_nf_tables_commit_hold() {
     }
     let (holds, dump) = nft_commits_under_trace(&[], "xtlock_a");
     assert_nft_batches(&holds, nft_walk_limit(&[]), &dump);
+    // nft_commit times the batches, so their sendmsg() hooks stay off: they would run a
+    // program on every sendmsg() of the node for holds the analysis drops.
+    for p in ["sys_enter_sendmsg", "sys_exit_sendmsg"] {
+        let s = hook_status(p, &[]);
+        assert!(
+            s["needless"] == true
+                && s["error"].is_null()
+                && s["attach"]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("not needed: nft_commit")),
+            "{s}"
+        );
+    }
     if kernel_has_kprobes() {
         let no_fentry = ["--no-attach", "fentry"];
         let (holds, dump) = nft_commits_under_trace(&no_fentry, "xtlock_b");

@@ -151,6 +151,10 @@ fn kind(h: &Value) -> &str {
     if !h["error"].is_null() {
         return "-";
     }
+    // Another hook does its job there (`sendmsg()` beside `nft_commit`).
+    if h["needless"] == true {
+        return "not needed";
+    }
     let a = h["attach"].as_str().unwrap_or("");
     let first = a.split(' ').next().unwrap_or("");
     match first.split('/').next().unwrap_or("") {
@@ -386,6 +390,12 @@ mod tests {
         assert_eq!(split_attach("tracepoint a:b").1, Vec::<&str>::new());
         let off: Value = serde_json::json!({"attach": "kprobe", "error": "x | y"});
         assert_eq!(kind(&off), "-");
+        let needless: Value = serde_json::json!({
+            "attach": "not needed: nft_commit times and counts the batches",
+            "error": null,
+            "needless": true
+        });
+        assert_eq!(kind(&needless), "not needed");
         assert_eq!(cell("x | y"), "x \\| y");
         let tp: Value =
             serde_json::json!({"attach": "tp_btf filelock:flock_lock_inode", "error": null});

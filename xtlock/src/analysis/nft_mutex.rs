@@ -259,10 +259,13 @@ impl NftMutexWaits {
             }));
         }
         if e.ret == 0 {
-            if self.acquired.len() >= MAX_ACQUIRED {
-                self.acquired.clear();
+            // Only a sendmsg() hold starts there; with the commit hook none comes to take it.
+            if !self.commit_hook {
+                if self.acquired.len() >= MAX_ACQUIRED {
+                    self.acquired.clear();
+                }
+                self.acquired.insert(e.tid, end);
             }
-            self.acquired.insert(e.tid, end);
             if st.changes.len() >= MAX_CHANGES {
                 st.changes.pop_front();
             }

@@ -117,11 +117,19 @@ pub fn begin(
 /// Says what is being traced and how many hooks attached.
 pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) {
     let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
-    let attached = src.probes.status.iter().filter(|s| s.attached()).count();
+    let status = &src.probes.status;
+    let attached = status.iter().filter(|s| s.attached()).count();
+    // Hooks another one stands in for count neither way.
+    let needless = status.iter().filter(|s| s.needless).count();
+    let also = if needless > 0 {
+        format!(", {needless} more not needed")
+    } else {
+        String::new()
+    };
     tracing::info!(
-        "tracing {} ({attached}/{} hooks attached){what}",
+        "tracing {} ({attached}/{} hooks attached{also}){what}",
         names.join(", "),
-        src.probes.status.len(),
+        status.len() - needless,
     );
 }
 

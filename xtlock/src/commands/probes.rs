@@ -71,6 +71,11 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
     writeln!(out, "tracefs at {}", p.tracefs.display())?;
     for s in &p.status {
         match &s.error {
+            None if s.needless => writeln!(
+                out,
+                "  not needed    {:<22} {}: {}",
+                s.program, s.attach, s.purpose
+            )?,
             None => writeln!(
                 out,
                 "  attached      {:<22} {}: {}",
@@ -96,9 +101,16 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
             f.detail
         )?;
     }
-    let missing = p.status.iter().filter(|s| !s.attached()).count();
-    if missing == 0 {
+    let missing = p.status.iter().filter(|s| s.missing()).count();
+    let needless = p.status.iter().filter(|s| s.needless).count();
+    if missing == 0 && needless == 0 {
         writeln!(out, "all {} hooks attached", p.status.len())?;
+    } else if missing == 0 {
+        writeln!(
+            out,
+            "all {} hooks attached, {needless} more not needed on this kernel",
+            p.status.len() - needless
+        )?;
     } else {
         writeln!(
             out,

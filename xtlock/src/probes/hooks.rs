@@ -517,13 +517,21 @@ pub struct HookStatus {
     pub attach: String,
     pub required: bool,
     pub purpose: &'static str,
-    /// `None` when attached.
+    /// `None` when attached (or not needed).
     pub error: Option<String>,
+    /// Not attached because another hook does its job on this kernel (`attach` says which):
+    /// neither attached nor missing.
+    pub needless: bool,
 }
 
 impl HookStatus {
     pub fn attached(&self) -> bool {
-        self.error.is_none()
+        self.error.is_none() && !self.needless
+    }
+
+    /// Not attached, and something is lost for it.
+    pub fn missing(&self) -> bool {
+        self.error.is_some()
     }
 }
 

@@ -275,8 +275,35 @@ impl Probes {
             disc.nft_batches.as_ref().map(|(_, d)| d.as_str()),
         ));
 
+        // nft_commit before the syscall hooks: where it attaches, it times and counts the
+        // batches, and their sendmsg() hooks would only run a program on every sendmsg() of
+        // the node (the analysis drops their holds then).
+        let mut nft_commit_first = Some(kfunc::setup_and_attach(
+            &mut ebpf,
+            &nft_commit::HOOK,
+            &disc.kfunc,
+            disc.btf.as_ref(),
+        ));
+        let commit_hooked = matches!(nft_commit_first, Some(Ok(_)));
         let mut status: Vec<HookStatus> = Vec::new();
         for hook in HOOKS {
+            if commit_hooked && nft_mutex::SEND_PROGRAMS.contains(&hook.program) {
+                status.push(HookStatus {
+                    program: hook.program,
+                    attach: format!(
+                        "not needed: {} times and counts the batches (tracepoint \
+                         {}:{} otherwise)",
+                        nft_commit::HOOK.name,
+                        hook.category,
+                        hook.tracepoint
+                    ),
+                    required: false,
+                    purpose: hook.purpose,
+                    error: None,
+                    needless: true,
+                });
+                continue;
+            }
             let mut attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
             let partner = hook
                 .paired_with
@@ -395,26 +422,31 @@ impl Probes {
                 required: hook.required,
                 purpose: hook.purpose,
                 error,
+                needless: false,
             });
         }
         let mut pending = Vec::new();
         for hook in KFUNC_HOOKS {
-            let (attach, error) =
-                match kfunc::setup_and_attach(&mut ebpf, hook, &disc.kfunc, disc.btf.as_ref()) {
-                    Ok(a) => (module_note(hook, a.describe), None),
-                    Err(why) => {
-                        if kfunc::plan(hook, &disc.kfunc).is_err() {
-                            pending.push(*hook);
-                        }
-                        (module_note(hook, kfunc::candidates_text(hook)), Some(why))
+            let tried = match nft_commit_first.take_if(|_| hook.name == nft_commit::HOOK.name) {
+                Some(r) => r,
+                None => kfunc::setup_and_attach(&mut ebpf, hook, &disc.kfunc, disc.btf.as_ref()),
+            };
+            let (attach, error) = match tried {
+                Ok(a) => (module_note(hook, a.describe), None),
+                Err(why) => {
+                    if kfunc::plan(hook, &disc.kfunc).is_err() {
+                        pending.push(*hook);
                     }
-                };
+                    (module_note(hook, kfunc::candidates_text(hook)), Some(why))
+                }
+            };
             status.push(HookStatus {
                 program: hook.name,
                 attach,
                 required: false,
                 purpose: hook.purpose,
                 error,
+                needless: false,
             });
         }
         kfunc::forget_btf();
@@ -422,7 +454,7 @@ impl Probes {
         // at debug level and in `xtlock probes`.
         let missing: Vec<&HookStatus> = status
             .iter()
-            .filter(|s| !(s.attached() || counts_packets(s.program) && drops.is_none()))
+            .filter(|s| s.missing() && !(counts_packets(s.program) && drops.is_none()))
             .collect();
         for s in &missing {
             tracing::debug!(

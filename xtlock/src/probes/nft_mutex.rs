@@ -16,6 +16,8 @@ pub const END: &str = "contention_end";
 /// Programs timing nf_tables batches from their `sendmsg()` (perf tracepoints).
 pub const SEND_ENTER: &str = "sys_enter_sendmsg";
 pub const SEND_EXIT: &str = "sys_exit_sendmsg";
+/// Both, as the hook table names them.
+pub const SEND_PROGRAMS: [&str; 2] = [SEND_ENTER, SEND_EXIT];
 /// `SEND_ENTER` counting the batch (`bpf_loop`): tried first.
 pub const SEND_ENTER_LOOP: &str = "sys_enter_sendmsg_loop";
 
