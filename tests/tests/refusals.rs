@@ -244,19 +244,39 @@ fn refusals_during_a_hold_equal_what_the_client_saw() {
     if drops_have_reasons() {
         args.extend(["--drop-reasons", "NETFILTER_DROP"]);
     }
-    let tracer = Tracer::start(&[&lock], Duration::from_secs(8), &args);
+    let tracer = Tracer::start(&[&lock], Duration::from_secs(120), &args);
     // Refused before the hold, in the same second the hold starts in: counted, and tied to
     // no hold (an interval's overlap would say otherwise; the kernel's hold tag does not).
     std::thread::sleep(Duration::from_millis(300));
     let before = client(&ns.a, &ns.addr_b, ICMP_PORT, 7);
     assert_eq!(before.refused, 7, "{before:?}");
-    let mut kp = Agent::spawn(&s.agent("kube-proxy"), &["hold", lock_s, "2500"], &[], None);
-    kp.ts("acquired", T);
+    // The hold lasts until the clients are done, however slow the machine (a fixed hold
+    // could end before the last connects), and 2.5 s at least: the groups name their rules
+    // from the namespace's tables, which xtlock reads after its first refusal there.
+    let release = s.dir.join("release");
+    let mut kp = Agent::spawn(
+        &s.agent("kube-proxy"),
+        &["holduntil", lock_s, release.to_str().unwrap()],
+        &[],
+        None,
+    );
+    let acquired = kp.ts("acquired", T);
     let icmp = client(&ns.a, &ns.addr_b, ICMP_PORT, 40);
     let rst = client(&ns.a, &ns.addr_b, RST_PORT, 30);
     let closed = client(&ns.a, &ns.addr_b, CLOSED_PORT, 20);
-    kp.ts("released", T);
+    let held = Duration::from_nanos(xtlock_tests::monotonic_ns().saturating_sub(acquired));
+    std::thread::sleep(Duration::from_millis(2500).saturating_sub(held));
+    std::fs::write(&release, b"").expect("release file");
+    let released = kp.ts("released", T);
+    eprintln!(
+        "the clients' 90 connects took {} ms; the hold {} ms",
+        held.as_millis(),
+        (released - acquired) / 1_000_000
+    );
     assert_eq!(kp.wait(), 0);
+    // Drained and summarised as at the end of its duration.
+    std::thread::sleep(Duration::from_millis(300));
+    tracer.interrupt();
     let trace = tracer.finish();
     // The truth: every connect was refused, each once.
     for (what, seen, n) in [

@@ -5,7 +5,8 @@
 //! Whatever userspace must read after the take sends it first, as the `Lock` record it
 //! would have been: a waiter's or a failed try's request on the lock, the holder's table
 //! write, fork, exec or exit, a drop or refusal sampled during a hold. Userspace reads a
-//! take still kept from the map on its 50 ms tick and before it reads the per-hold counts.
+//! take still kept from the map on its 50 ms tick and before it reads the per-hold counts,
+//! after reading the ring to its end (a take sent there may not be read yet).
 //! So waits name their holders live and nothing is lost when a hold never ends.
 //!
 //! One entry per lock: the lock is exclusive, so its takes, and the programs that write

@@ -8,6 +8,7 @@
 //!   hold LOCK MS          flock(LOCK_EX), print `acquired T`, sleep MS, close, `released T`
 //!                         (taken before the close) and `closed T` (after it); `locking T` is
 //!                         taken before the flock(), so a test can bracket the kernel's times
+//!   holduntil LOCK PATH   as hold, until PATH exists (a test's own work decides how long)
 //!   poll LOCK INTERVAL_MS HOLD_MS
 //!                         LOCK_EX|LOCK_NB every INTERVAL_MS until granted (Go daemons'
 //!                         style), print `tries N` and `acquired T`, hold HOLD_MS, `released T`,
@@ -136,6 +137,26 @@ fn run() -> anyhow::Result<u8> {
             flock(&f, libc::LOCK_EX)?;
             say(format!("acquired {}", now()));
             sleep(ms(hold)?);
+            let t = now();
+            drop(f);
+            let closed = now();
+            say(format!("released {t}"));
+            say(format!("closed {closed}"));
+            Ok(0)
+        }
+        ["holduntil", lock, path] => {
+            let f = open(lock)?;
+            say(format!("locking {}", now()));
+            flock(&f, libc::LOCK_EX)?;
+            say(format!("acquired {}", now()));
+            let deadline = std::time::Instant::now() + Duration::from_secs(120);
+            while !std::path::Path::new(path).exists() {
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "{path} did not appear within 120 s"
+                );
+                sleep(Duration::from_millis(5));
+            }
             let t = now();
             drop(f);
             let closed = now();
@@ -374,7 +395,7 @@ fn run() -> anyhow::Result<u8> {
             say(format!("done {}", now()));
             Ok(0)
         }
-        _ => anyhow::bail!("usage: hold LOCK MS | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT | tcplisten PORT | connects ADDR PORT COUNT INTERVAL_MS TIMEOUT_MS"),
+        _ => anyhow::bail!("usage: hold LOCK MS | holduntil LOCK PATH | poll LOCK INTERVAL_MS HOLD_MS | forkhold LOCK MS | run [--netns] CMD ARGS... | udp ADDR PORT COUNT FLOWS | udp-ports ADDR FIRST_PORT NPORTS | udpfrom SPORT ADDR PORT COUNT INTERVAL_MS | udpecho PORT | tcplisten PORT | connects ADDR PORT COUNT INTERVAL_MS TIMEOUT_MS"),
     }
 }
 

@@ -138,6 +138,14 @@ impl LiveSource {
     /// and a take only sent if it is still kept then (else its own record said it). Its
     /// `Hold` record later repeats it, which the decoder drops.
     fn kept_takes(&mut self, out: &mut Vec<Event>) {
+        // The ring first, even when every kept take was sent: a take sent there (ahead of a
+        // sampled refusal, say) may not be read yet, since records wake the reader only in
+        // bulk. Counts read after this call name its hold; read before it, the hold was
+        // unknown, and a whole interval of refusals came out as outside any hold (the 5.10
+        // guest's `refusals` failures). An empty ring costs a load.
+        if !self.read_ring(out) {
+            return;
+        }
         let first = self.read_kept();
         if first
             .iter()
@@ -145,15 +153,8 @@ impl LiveSource {
         {
             return;
         }
-        let ring = self.ring.get_mut();
-        let mut read = 0;
-        while let Some(item) = ring.next() {
-            self.tap.kernel(&item, out);
-            read += 1;
-            // Not read to its end (a storm): the next tick tries again.
-            if read > BATCH {
-                return;
-            }
+        if !self.read_ring(out) {
+            return;
         }
         let again = self.read_kept();
         for take in first.iter().filter(|t| again.contains(t)) {
@@ -174,6 +175,19 @@ impl LiveSource {
             };
             self.tap.kernel(raw, out);
         }
+    }
+
+    /// Reads the ring to its end; false when a storm kept it from the end (the next tick
+    /// tries again).
+    fn read_ring(&mut self, out: &mut Vec<Event>) -> bool {
+        let ring = self.ring.get_mut();
+        for _ in 0..=BATCH {
+            let Some(item) = ring.next() else {
+                return true;
+            };
+            self.tap.kernel(&item, out);
+        }
+        false
     }
 
     fn read_kept(&self) -> Vec<xtlock_common::LockEvent> {

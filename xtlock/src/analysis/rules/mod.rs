@@ -91,6 +91,10 @@ pub struct RuleTracker {
     /// so the writes before it are dropped only when the next read comes), and whether one
     /// came before it (then a table it does not know is new).
     nft_reads: FastMap<u32, (u64, bool)>,
+    /// An nf_tables commit was seen: the nft_commit hook counts every write, and a read
+    /// with no write pending (the one a writer's exit asks for, after the commit's own) is
+    /// not one more.
+    nft_commits_seen: bool,
 }
 
 /// nf_tables writes are pending per network namespace (a commit does not say which
@@ -169,6 +173,7 @@ impl RuleTracker {
                 (t.ts_ns, t.tgid, t.netns, Backend::Legacy, comm, table)
             }
             Event::NftCommit(n) if n.batch.as_ref().is_none_or(|b| b.changes() > 0) => {
+                self.nft_commits_seen = true;
                 (n.ts_ns, n.tgid, n.netns, Backend::Nft, n.comm, None)
             }
             _ => return,
@@ -352,7 +357,7 @@ impl RuleTracker {
             // kernel): the write is the one of the nf_tables writer whose exit asked for the
             // read, counted once per read (see `nft_write_from_read`).
             let new_read = last.is_none_or(|(l, _)| l != t.ts_ns);
-            if writers.is_empty() && new_read && t.after_pid != 0 {
+            if writers.is_empty() && new_read && t.after_pid != 0 && !self.nft_commits_seen {
                 if let Some(agent) = self.nft_write_from_read(t, procs, attr, out) {
                     writers.push(agent);
                 }
