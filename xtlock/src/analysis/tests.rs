@@ -1809,6 +1809,17 @@ fn both_backends_in_one_netns_are_said_once() {
         vec![("calico-node", "legacy", 3), ("kube-proxy", "nft", 1)]
     );
     assert_eq!(s.mixed_backends.len(), 1);
+    // The summary's picture: the same agents, and the last write seen (a repeated writer
+    // updates it in place).
+    let last = &s.mixed_backends[0];
+    assert_eq!(
+        (last.legacy.clone(), last.nft.clone()),
+        (m[0].legacy.clone(), m[0].nft.clone())
+    );
+    assert_eq!(
+        (last.ts_ns, last.agent.as_str(), last.pid),
+        (8 * MS, "calico-node", 600)
+    );
     let text = crate::sinks::terminal::mixed_backends_text(&m[0], 0);
     assert!(
         text.contains("both iptables backends hold rules in netns 4026532001: legacy (xtables) written by calico-node (iptables-legacy); nf_tables by kube-proxy (iptables-nft-restore)"),

@@ -225,20 +225,26 @@ impl RuleTracker {
             }
         }
         let binary = self.binaries.get(&pid).cloned();
-        let w = self.by_agent.entry((agent.clone(), backend)).or_default();
+        // Looked up before the key is built: an agent's writes after its first allocate no
+        // key, and a program, table or binary already listed is not copied again.
+        let key = (agent, backend);
+        let w = match self.by_agent.get_mut(&key) {
+            Some(w) => w,
+            None => self.by_agent.entry(key.clone()).or_default(),
+        };
+        let (agent, _) = key;
         w.writes += 1;
+        let note = |set: &mut BTreeSet<String>, v: &str| {
+            if set.len() < MAX_AGENTS_LISTED && !set.contains(v) {
+                set.insert(v.to_owned());
+            }
+        };
         if let Some(b) = &binary {
-            if w.binaries.len() < MAX_AGENTS_LISTED {
-                w.binaries.insert(b.clone());
-            }
+            note(&mut w.binaries, b);
         }
-        if w.programs.len() < MAX_AGENTS_LISTED {
-            w.programs.insert(program.clone());
-        }
+        note(&mut w.programs, &program);
         if let Some(t) = &table {
-            if w.tables.len() < MAX_AGENTS_LISTED {
-                w.tables.insert(t.clone());
-            }
+            note(&mut w.tables, t);
         }
         out(Output::RuleWrite(RuleWriteFact {
             ts_ns,
@@ -259,11 +265,27 @@ impl RuleTracker {
             Backend::Legacy => &mut n.legacy,
             Backend::Nft => &mut n.nft,
         };
-        let label = format!("{agent} ({program})");
-        if side.len() < MAX_AGENTS_LISTED {
-            side.insert(label);
+        // `agent (program)`, built only when not listed yet.
+        let listed = side.iter().any(|l| {
+            l.strip_prefix(agent.as_str())
+                .and_then(|r| r.strip_prefix(" ("))
+                .and_then(|r| r.strip_suffix(')'))
+                == Some(program.as_str())
+        });
+        if !listed && side.len() < MAX_AGENTS_LISTED {
+            side.insert(format!("{agent} ({program})"));
         }
         if n.legacy.is_empty() || n.nft.is_empty() {
+            return agent;
+        }
+        // Already said, with the same agents: only the latest write changes.
+        if let Some(m) = self.mixed.get_mut(&netns).filter(|_| listed && n.said) {
+            m.ts_ns = ts_ns;
+            m.pid = pid;
+            m.backend = backend;
+            if m.agent != agent {
+                m.agent.clone_from(&agent);
+            }
             return agent;
         }
         let fact = MixedBackendsFact {
