@@ -623,6 +623,11 @@ fn probes_reports_every_hook() {
         {
             let attach = h["attach"].as_str().unwrap_or("");
             assert!(h["error"].is_null(), "{h}");
+            // The sendmsg() hooks stay off where nft_commit times the batches.
+            if h["needless"] == true {
+                assert!(attach.starts_with("not needed: nft_commit"), "{h}");
+                continue;
+            }
             assert!(want.iter().any(|w| attach.starts_with(w)), "{h}");
             eprintln!("{}: {attach}", h["program"]);
         }
