@@ -121,13 +121,14 @@ pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) {
     let attached = status.iter().filter(|s| s.attached()).count();
     // Hooks another one stands in for count neither way.
     let needless = status.iter().filter(|s| s.needless).count();
+    // Said first: tools wait for the line's "hooks attached)".
     let also = if needless > 0 {
-        format!(", {needless} more not needed")
+        format!("{needless} not needed, ")
     } else {
         String::new()
     };
     tracing::info!(
-        "tracing {} ({attached}/{} hooks attached{also}){what}",
+        "tracing {} ({also}{attached}/{} hooks attached){what}",
         names.join(", "),
         status.len() - needless,
     );
