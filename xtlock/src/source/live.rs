@@ -107,9 +107,17 @@ impl LiveSource {
     /// Once a second: conntrack deltas, names of new drop locations, drop counts.
     pub fn poll_drops(&mut self) -> Vec<Event> {
         let now = super::monotonic_ns();
-        // The counts below may name a hold whose take the kernel still keeps.
+        // The counts below may name a hold whose take is still in the ring (sent ahead of a
+        // sampled refusal, say: records wake the reader only in bulk) or still kept in the
+        // map. Read before it, the hold was unknown, and a whole interval of refusals came
+        // out as outside any hold (the 5.10 guest's `refusals` failures). An empty ring costs
+        // a load.
         let mut events = Vec::new();
+        self.read_ring(&mut events);
         self.kept_takes(&mut events);
+        // Those went through the recorder as the kernel records they are (with the process
+        // and pod facts their decoding made): only what this poll makes is recorded below.
+        let made = events.len();
         events.extend(match self.drops.as_mut() {
             Some(poller) => poller.poll(&self.probes, now),
             None => Vec::new(),
@@ -124,8 +132,7 @@ impl LiveSource {
             pods.tick(now, &mut named);
             events.extend(named.into_iter().map(|p| Event::Pod(Box::new(p))));
         }
-        // The take went through the recorder as the kernel record it is.
-        for ev in events.iter().filter(|ev| !matches!(ev, Event::Lock(_))) {
+        for ev in &events[made..] {
             self.tap.synthetic(ev);
         }
         events
@@ -138,14 +145,6 @@ impl LiveSource {
     /// and a take only sent if it is still kept then (else its own record said it). Its
     /// `Hold` record later repeats it, which the decoder drops.
     fn kept_takes(&mut self, out: &mut Vec<Event>) {
-        // The ring first, even when every kept take was sent: a take sent there (ahead of a
-        // sampled refusal, say) may not be read yet, since records wake the reader only in
-        // bulk. Counts read after this call name its hold; read before it, the hold was
-        // unknown, and a whole interval of refusals came out as outside any hold (the 5.10
-        // guest's `refusals` failures). An empty ring costs a load.
-        if !self.read_ring(out) {
-            return;
-        }
         let first = self.read_kept();
         if first
             .iter()
