@@ -80,6 +80,22 @@ fn flock(f: &std::fs::File, op: libc::c_int) -> std::io::Result<()> {
     }
 }
 
+/// `hold` and `holduntil`: takes the lock (`locking T`, `acquired T`), holds it while `wait`
+/// runs, closes it (`released T` taken before the close, `closed T` after).
+fn hold_while(lock: &str, wait: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<u8> {
+    let f = open(lock)?;
+    say(format!("locking {}", now()));
+    flock(&f, libc::LOCK_EX)?;
+    say(format!("acquired {}", now()));
+    wait()?;
+    let t = now();
+    drop(f);
+    let closed = now();
+    say(format!("released {t}"));
+    say(format!("closed {closed}"));
+    Ok(0)
+}
+
 fn ms(s: &str) -> anyhow::Result<Duration> {
     Ok(Duration::from_millis(s.parse()?))
 }
@@ -132,23 +148,13 @@ fn run() -> anyhow::Result<u8> {
             Ok(0)
         }
         ["hold", lock, hold] => {
-            let f = open(lock)?;
-            say(format!("locking {}", now()));
-            flock(&f, libc::LOCK_EX)?;
-            say(format!("acquired {}", now()));
-            sleep(ms(hold)?);
-            let t = now();
-            drop(f);
-            let closed = now();
-            say(format!("released {t}"));
-            say(format!("closed {closed}"));
-            Ok(0)
+            let hold = ms(hold)?;
+            hold_while(lock, || {
+                sleep(hold);
+                Ok(())
+            })
         }
-        ["holduntil", lock, path] => {
-            let f = open(lock)?;
-            say(format!("locking {}", now()));
-            flock(&f, libc::LOCK_EX)?;
-            say(format!("acquired {}", now()));
+        ["holduntil", lock, path] => hold_while(lock, || {
             let deadline = std::time::Instant::now() + Duration::from_secs(120);
             while !std::path::Path::new(path).exists() {
                 anyhow::ensure!(
@@ -157,13 +163,8 @@ fn run() -> anyhow::Result<u8> {
                 );
                 sleep(Duration::from_millis(5));
             }
-            let t = now();
-            drop(f);
-            let closed = now();
-            say(format!("released {t}"));
-            say(format!("closed {closed}"));
-            Ok(0)
-        }
+            Ok(())
+        }),
         // Holds the lock and hands the kernel a table replace whose argument points at
         // unmapped memory (in a new network namespace): it fails with EFAULT.
         ["badreplace", lock] => {

@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use xtlock_common::SOCKOPT_GET;
 
-use super::setsockopt::{enter, exit, nf_level, ARG1, ARG2, EXIT_RET};
+use super::setsockopt::{enter, exit, nf_enter, ARG1, ARG2, EXIT_RET};
 use crate::emit::{cfg, field, field_fast};
 
 #[tracepoint]
@@ -37,23 +37,9 @@ pub fn sys_exit_getsockopt(ctx: TracePointContext) -> u32 {
 // IP and IPv6 do not know themselves, so the `SO_ERROR` read after every non-blocking
 // connect, and every other getsockopt of the node, runs no program at all.
 
-#[inline(always)]
-fn nf_enter(pf: u8, val: i32, opt: u64) {
-    let Some(level) = nf_level(pf) else {
-        return;
-    };
-    enter(
-        SOCKOPT_GET,
-        u64::from(level),
-        val as u32 as u64,
-        || 0,
-        || opt,
-    );
-}
-
 #[fentry(function = "nf_getsockopt")]
 pub fn nf_getsockopt_fentry(ctx: FEntryContext) -> u32 {
-    nf_enter(ctx.arg(1), ctx.arg(2), ctx.arg(3));
+    nf_enter(SOCKOPT_GET, ctx.arg(1), ctx.arg(2), ctx.arg(3), 0);
     0
 }
 
@@ -67,9 +53,11 @@ pub fn nf_getsockopt_fexit(ctx: FExitContext) -> u32 {
 #[kprobe]
 pub fn nf_getsockopt_kprobe(ctx: ProbeContext) -> u32 {
     nf_enter(
+        SOCKOPT_GET,
         ctx.arg(1).unwrap_or(u8::MAX),
         ctx.arg(2).unwrap_or(-1),
         ctx.arg(3).unwrap_or(0),
+        0,
     );
     0
 }

@@ -97,7 +97,7 @@ pub fn sys_exit_setsockopt(ctx: TracePointContext) -> u32 {
 /// `pf` as the socket level the tracepoint programs see: ip6tables' is `SOL_IPV6`, iptables',
 /// arptables' and ebtables' `SOL_IP`.
 #[inline(always)]
-pub(crate) fn nf_level(pf: u8) -> Option<u32> {
+fn nf_level(pf: u8) -> Option<u32> {
     match pf {
         NFPROTO_IPV4 | NFPROTO_ARP | NFPROTO_BRIDGE => Some(SOL_IP),
         NFPROTO_IPV6 => Some(SOL_IPV6),
@@ -105,13 +105,15 @@ pub(crate) fn nf_level(pf: u8) -> Option<u32> {
     }
 }
 
+/// A call of `nf_setsockopt` (`dir` 0) or `nf_getsockopt` (`SOCKOPT_GET`) begins: [`enter`]
+/// with the socket level its `pf` stands for.
 #[inline(always)]
-fn nf_enter(pf: u8, val: i32, opt: u64, len: u32) {
+pub(crate) fn nf_enter(dir: u32, pf: u8, val: i32, opt: u64, len: u32) {
     let Some(level) = nf_level(pf) else {
         return;
     };
     enter(
-        0,
+        dir,
         u64::from(level),
         val as u32 as u64,
         || u64::from(len),
@@ -121,7 +123,7 @@ fn nf_enter(pf: u8, val: i32, opt: u64, len: u32) {
 
 #[fentry(function = "nf_setsockopt")]
 pub fn nf_setsockopt_fentry(ctx: FEntryContext) -> u32 {
-    nf_enter(ctx.arg(1), ctx.arg(2), ctx.arg(3), ctx.arg(5));
+    nf_enter(0, ctx.arg(1), ctx.arg(2), ctx.arg(3), ctx.arg(5));
     0
 }
 
@@ -135,6 +137,7 @@ pub fn nf_setsockopt_fexit(ctx: FExitContext) -> u32 {
 #[kprobe]
 pub fn nf_setsockopt_kprobe(ctx: ProbeContext) -> u32 {
     nf_enter(
+        0,
         ctx.arg(1).unwrap_or(u8::MAX),
         ctx.arg(2).unwrap_or(-1),
         ctx.arg(3).unwrap_or(0),

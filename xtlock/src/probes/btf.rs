@@ -766,7 +766,8 @@ pub(crate) mod tests {
         b.int("long int", 8); // 15
         b.func_proto_ret(&[14], 15); // 16
         b.func("__x64_sys_execveat", 16); // 17
-                                          // `int nf_setsockopt(..., sockptr_t opt, ...)`: a typedef'd unnamed struct by value.
+
+        // `int nf_setsockopt(..., sockptr_t opt, ...)`: a typedef'd unnamed struct by value.
         b.strukt(KIND_STRUCT, "", 16, &[]); // 18
         b.typedef("sockptr_t", 18); // 19
         b.func_proto_ret(&[3, 19, 1], 1); // 20
