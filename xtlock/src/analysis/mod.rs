@@ -205,7 +205,10 @@ impl Analyzer {
                 return;
             }
             Event::RefusalCounts(c) => {
-                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
+                // Every count names its hold by the kernel's tag, so any hold open now may be
+                // one: a capture whose read was timed before the counters were read (older
+                // builds) has counts of a hold that started after that time.
+                let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), u64::MAX);
                 let rules = &self.rules;
                 self.refusals.on_counts(
                     c,

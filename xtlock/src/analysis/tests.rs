@@ -2058,3 +2058,56 @@ fn nft_reads_cover_every_table_of_a_netns() {
     ));
     assert_eq!(changes(&r).len(), 4, "{:?}", changes(&r));
 }
+
+/// Refusal counts whose tick was timed before the counters were read (builds before this
+/// one took the time before reading the ring, which can take hundreds of milliseconds) hold
+/// refusals of a hold that started after that time: the kernel's tag still ties them to it.
+#[test]
+fn refusal_counts_tie_to_a_hold_that_started_after_their_tick() {
+    use crate::decode::{RefusalCount, RefusalCounts};
+    let counts = |ts_ns: u64, count: u64| {
+        Event::RefusalCounts(RefusalCounts {
+            ts_ns,
+            interval_ns: S,
+            counts: vec![RefusalCount {
+                hold_start_ns: 2 * S,
+                netns: 7,
+                kind: xtlock_common::REFUSAL_ICMP_UNREACH,
+                detail: 3,
+                addr: "10.96.0.15".parse().ok(),
+                port: 8080,
+                count,
+            }],
+            overflow: 0,
+            reset_reasons: vec![],
+        })
+    };
+    let mut r = Run::new();
+    r.feed(&node())
+        .feed(&spawn(10, 100, 200, "kube-proxy", RESTORE))
+        .feed(&[
+            acq(2 * S, 200, "iptables-restor", 0xA),
+            counts(2 * S - 400 * MS, 40),
+            rel(3 * S, 200, "iptables-restor", 0xA),
+            counts(4 * S, 2),
+        ]);
+    let facts: Vec<&HoldRefusalsFact> = r
+        .out
+        .iter()
+        .filter_map(|o| match o {
+            Output::HoldRefusals(h) => Some(h),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(facts.len(), 1, "{:?}", r.out);
+    assert_eq!((facts[0].start_ns, facts[0].refused), (2 * S, 42));
+    let tied: u64 = r
+        .out
+        .iter()
+        .filter_map(|o| match o {
+            Output::RefusalCount(f) if f.hold.is_some() => Some(f.count),
+            _ => None,
+        })
+        .sum();
+    assert_eq!(tied, 42);
+}

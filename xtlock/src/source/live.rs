@@ -106,7 +106,6 @@ impl LiveSource {
 
     /// Once a second: conntrack deltas, names of new drop locations, drop counts.
     pub fn poll_drops(&mut self) -> Vec<Event> {
-        let now = super::monotonic_ns();
         // The counts below may name a hold whose take is still in the ring (sent ahead of a
         // sampled refusal, say: records wake the reader only in bulk) or still kept in the
         // map. Read before it, the hold was unknown, and a whole interval of refusals came
@@ -118,12 +117,14 @@ impl LiveSource {
         // Those went through the recorder as the kernel records they are (with the process
         // and pod facts their decoding made): only what this poll makes is recorded below.
         let made = events.len();
+        // After the ring: the counts read below are of this time or later.
+        let now = super::monotonic_ns();
         events.extend(match self.drops.as_mut() {
             Some(poller) => poller.poll(&self.probes, now),
             None => Vec::new(),
         });
         events.extend(self.ipvs.poll(&self.probes, now));
-        events.extend(self.refusals.poll(&mut self.probes, now));
+        events.extend(self.refusals.poll(&mut self.probes));
         if let Some(r) = self.tap.rules.as_mut() {
             events.iter().for_each(|ev| r.on_refusals(ev));
         }

@@ -33,8 +33,11 @@ impl RefusalPoller {
     }
 
     /// The deltas since the previous call; `None` when nothing changed or no refusal hook is
-    /// attached.
-    pub fn poll(&mut self, probes: &mut Probes, now_ns: u64) -> Option<Event> {
+    /// attached. The interval ends when the counters were read, not when the caller's tick
+    /// began: what went before them (a ring read, the drop counters) can take hundreds of
+    /// milliseconds on a slow machine, and a hold that started meanwhile has refusals in
+    /// these counts, so the read's time must not come before its start.
+    pub fn poll(&mut self, probes: &mut Probes) -> Option<Event> {
         if !probes.refusals_attached() {
             return None;
         }
@@ -46,6 +49,7 @@ impl RefusalPoller {
                 return None;
             }
         };
+        let now_ns = super::monotonic_ns();
         let interval_ns = now_ns.saturating_sub(self.last_ts);
         self.last_ts = now_ns;
         let ended = match (before, probes.current_hold_start()) {
