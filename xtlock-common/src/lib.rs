@@ -23,6 +23,10 @@ pub const WATCHED_INO_SLOTS: u32 = 4096;
 /// Slots of the drop-reason filter: reason `r` uses slot `min(r, DROP_REASON_SLOTS - 1)`, so
 /// the last slot stands for every larger reason (other subsystems' reasons carry high bits).
 pub const DROP_REASON_SLOTS: u32 = 1024;
+/// Words of `ProbeConfig::drop_watch`: reasons below [`DROP_WATCH_BITS`] are filtered by
+/// its bits, the others by the `DROP_REASONS` map.
+pub const DROP_WATCH_WORDS: usize = 8;
+pub const DROP_WATCH_BITS: u32 = DROP_WATCH_WORDS as u32 * 32;
 /// Distinct (reason, location, netns) keys the in-kernel drop counters hold; drops of keys
 /// beyond it are still counted, in one overflow counter.
 pub const MAX_DROP_KEYS: u32 = 16384;
@@ -859,10 +863,12 @@ pub const REFUSAL_NO_DETAIL: u32 = u32::MAX;
 pub const MAX_REFUSAL_KEYS: u32 = 16384;
 /// An offset in [`RefusalConfig`] of a field this kernel's tracepoint does not have.
 pub const NO_FIELD: u32 = u32::MAX;
-/// How long after a refusal the drop hook takes the freed packet for the refused one (the
-/// REJECT target answers, then its packet is freed at once on the same CPU: microseconds,
-/// but an interrupt in between, or an emulated CPU, took over 1 ms in the 6.1 VM).
-pub const ANSWERED_WINDOW_NS: u64 = 10_000_000;
+/// Within how many packets freed on its CPU after a refusal the drop hook takes the freed
+/// packet for the refused one (the REJECT target answers, then its packet is the next one
+/// freed on that CPU; an interrupt may free a few in between). Counted in frees, not time:
+/// no clock read on the drop hook's path, and an emulated CPU that takes milliseconds
+/// between the two (over 1 ms once in the 6.1 VM) still pairs them.
+pub const ANSWERED_WINDOW_FREES: u64 = 16;
 
 /// Key of the in-kernel refusal counters (`REFUSAL_COUNTS`): refusals of one kind to one
 /// destination, in one netns, during one hold (or none).
@@ -960,8 +966,12 @@ impl Default for RefusalConfig {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AnsweredSkb {
+    /// The answered packet; 0: none waiting.
     pub skb: u64,
-    pub ts_ns: u64,
+    /// Packets the drop hook saw freed on this CPU (every drop reason).
+    pub frees: u64,
+    /// `frees` when `skb` was answered.
+    pub at_frees: u64,
 }
 
 /// `IpvsEvent::op`: a new connection scheduled to a real server (`ip_vs_conn_new`).
@@ -1178,6 +1188,10 @@ pub struct ProbeConfig {
     pub rkd_has_reason: u32,
     /// `sk_buff.protocol` (big-endian), the raw hook's ethertype.
     pub skb_protocol: u32,
+    /// The drop-reason filter for reasons below [`DROP_WATCH_BITS`], a bit each: beside the
+    /// drop hook's other fields (one cache line), where the `DROP_REASONS` map, for the rest,
+    /// is a line of its own that a packet storm evicts between two drops.
+    pub drop_watch: [u32; DROP_WATCH_WORDS],
     // syscalls:sys_enter_getsockopt: `level`, `optname`, `optval`
     pub gso_level: u32,
     pub gso_optname: u32,
@@ -1309,9 +1323,15 @@ mod tests {
         assert_eq!(size_of::<DropCache>(), 24 * DROP_CACHE_SLOTS);
         assert_eq!(size_of::<HoldDropSlot>(), 64);
         assert_eq!(size_of::<RefusalEvent>(), 80);
-        // 56 u32 and one u64: no implicit padding (the whole struct is copied into the
+        // 64 u32 and one u64: no implicit padding (the whole struct is copied into the
         // programs as bytes).
-        assert_eq!(size_of::<ProbeConfig>(), 56 * 4 + 8);
+        assert_eq!(size_of::<ProbeConfig>(), 64 * 4 + 8);
+        // The drop hook's filter bits share a cache line with its other fields.
+        let watch_end = core::mem::offset_of!(ProbeConfig, drop_watch) + 4 * DROP_WATCH_WORDS - 1;
+        assert_eq!(
+            core::mem::offset_of!(ProbeConfig, rkd_has_reason) / 64,
+            watch_end / 64
+        );
         assert_eq!(size_of::<IpvsConfig>(), 136);
         assert_eq!(size_of::<IpvsEvent>(), 144);
         assert_eq!(size_of::<IpvsKey>(), 40);

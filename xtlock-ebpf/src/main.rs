@@ -79,6 +79,7 @@ static CONFIG: ProbeConfig = ProbeConfig {
     sso_optval: 0,
     rkd_has_reason: 0,
     skb_protocol: 0,
+    drop_watch: [0; xtlock_common::DROP_WATCH_WORDS],
     gso_level: 0,
     gso_optname: 0,
     gso_optval: 0,

@@ -14,15 +14,12 @@ use aya_ebpf::{
     programs::{BtfTracePointContext, ProbeContext, TracePointContext},
 };
 use xtlock_common::{
-    AnsweredSkb, EventKind, RefusalEvent, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6,
-    NO_FIELD, REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
+    EventKind, RefusalEvent, RefusalKey, TpAddr, DROP_FAMILY_INET, DROP_FAMILY_INET6, NO_FIELD,
+    REFUSAL_ICMP_UNREACH, REFUSAL_NO_DETAIL, REFUSAL_RST_RECEIVED, REFUSAL_RST_SENT,
 };
 
 use crate::{
-    emit::{
-        btf_read, cfg, count_in, field, header, kread, netns_of, now, reserve, take_token,
-        take_token_at,
-    },
+    emit::{btf_read, cfg, count_in, field, header, kread, netns_of, now, reserve, take_token},
     ANSWERED, HOLD_NOW, REFUSAL_CONFIG, REFUSAL_COUNTS, REFUSAL_OVERFLOW, REFUSAL_RATE,
 };
 
@@ -117,15 +114,11 @@ pub fn icmp_send_btf(ctx: BtfTracePointContext) -> u32 {
             key.netns = btf_read(net, cfg(|c| &c.net_ns_inum));
         }
     }
-    // One clock read for the answered packet and the sampler.
-    let t = now();
     if !skb.is_null() {
-        answered_at(skb as u64, t);
+        answered(skb as u64);
     }
     count(&mut key);
-    if take_token_at(&REFUSAL_RATE, || t) {
-        send_sample(&key, skb as u64);
-    }
+    sample(&key, skb as u64);
     0
 }
 
@@ -359,18 +352,17 @@ fn read_tuple(skb: u64, ev: &mut RefusalEvent) -> Option<()> {
     Some(())
 }
 
-/// Remembers the packet answered, for the drop hook (see `ANSWERED`).
+/// Remembers the packet answered, for the drop hook (see `ANSWERED`): no clock read, the
+/// drop hook counts the frees since.
 #[inline(always)]
 fn answered(skb: u64) {
-    answered_at(skb, now());
-}
-
-/// [`answered`] at `ts_ns`.
-#[inline(always)]
-fn answered_at(skb: u64, ts_ns: u64) {
     if let Some(a) = ANSWERED.get_ptr_mut(0) {
-        // SAFETY: per-CPU slot; this CPU is the only writer.
-        unsafe { *a = AnsweredSkb { skb, ts_ns } };
+        // SAFETY: per-CPU slot; programs of this CPU are its only writers, and the drop
+        // hook's `frees` is a field of its own.
+        unsafe {
+            (*a).at_frees = (*a).frees;
+            (*a).skb = skb;
+        }
     }
 }
 
@@ -395,11 +387,12 @@ pub fn was_answered(skb: u64) -> bool {
     };
     // SAFETY: per-CPU slot; this CPU is the only writer.
     unsafe {
+        let frees = (*a).frees.wrapping_add(1);
+        (*a).frees = frees;
         if (*a).skb != skb || skb == 0 {
             return false;
         }
-        let fresh = now().saturating_sub((*a).ts_ns) < xtlock_common::ANSWERED_WINDOW_NS;
         (*a).skb = 0;
-        fresh
+        frees.wrapping_sub((*a).at_frees) <= xtlock_common::ANSWERED_WINDOW_FREES
     }
 }

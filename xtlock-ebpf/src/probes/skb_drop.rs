@@ -20,7 +20,8 @@ use aya_ebpf::{
 };
 use xtlock_common::{
     drop_cache_slot, DropEvent, DropKey, EventKind, HoldDropSlot, ProbeConfig, DROP_FAMILY_INET,
-    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, HOLD_DROP_REASONS, HOLD_DROP_SLOTS,
+    DROP_FAMILY_INET6, DROP_FAMILY_NONE, DROP_REASON_SLOTS, DROP_WATCH_BITS, DROP_WATCH_WORDS,
+    HOLD_DROP_REASONS, HOLD_DROP_SLOTS,
 };
 
 use crate::{
@@ -107,9 +108,18 @@ fn config() -> ProbeConfig {
     unsafe { core::ptr::read_volatile(&CONFIG) }
 }
 
-/// The reason filter: one array lookup, before any other work.
+/// The reason filter, before any other work: a bit of `CONFIG` for the kernel's own
+/// reasons, one array lookup for the others.
 #[inline(always)]
 fn watched(reason: u32) -> bool {
+    // Read back through memory: the compiler then tests and indexes with one 32-bit value,
+    // where it would index with the argument's untruncated register, whose bound the
+    // verifier does not know.
+    let reason = unsafe { core::ptr::read_volatile(&reason) };
+    if reason < DROP_WATCH_BITS {
+        let word = cfg(|c| &c.drop_watch[(reason / 32) as usize & (DROP_WATCH_WORDS - 1)]);
+        return (word >> (reason % 32)) & 1 != 0;
+    }
     let slot = if reason < DROP_REASON_SLOTS - 1 {
         reason
     } else {

@@ -674,7 +674,7 @@ pub fn candidates_text(hook: &KfuncHook) -> String {
 }
 
 /// Plain words for a load/attach error: EPERM named as such.
-fn explain(e: &dyn std::error::Error) -> String {
+pub(super) fn explain(e: &dyn std::error::Error) -> String {
     let s = error_chain(e);
     // aya appends the verifier log (empty for a refused load): its last line before the
     // statistics says why, on one line (`xtlock probes` and docs/kernels.md are tables).

@@ -199,6 +199,12 @@ impl Probes {
             ),
             None => None,
         };
+        // The reasons the drop hook filters by a bit of its configuration.
+        for &slot in drop_slots.iter().flatten() {
+            if slot < xtlock_common::DROP_WATCH_BITS {
+                disc.config.drop_watch[(slot / 32) as usize] |= 1 << (slot % 32);
+            }
+        }
         if let Some(d) = drops {
             if d.samples_per_sec > 0 {
                 disc.config.drop_sample_interval_ns =
@@ -870,7 +876,7 @@ fn attach_tracepoint_program(ebpf: &mut Ebpf, hook: &Hook, program: &str) -> Res
         .try_into()
         .map_err(|e| format!("{e}"))?;
     prog.load()
-        .map_err(|e| format!("load: {}", preflight::error_chain(&e)))?;
+        .map_err(|e| format!("load: {}", kfunc::explain(&e)))?;
     prog.attach(hook.category, hook.tracepoint)
         .map_err(|e| format!("attach: {}", preflight::error_chain(&e)))?;
     Ok(())
@@ -949,7 +955,7 @@ fn attach_raw(ebpf: &mut Ebpf, hook: &Hook, program: &str, disc: &Discovery) -> 
         .try_into()
         .map_err(|e| format!("{e}"))?;
     prog.load(hook.tracepoint, &btf)
-        .map_err(|e| format!("load: {}", preflight::error_chain(&e)))?;
+        .map_err(|e| format!("load: {}", kfunc::explain(&e)))?;
     prog.attach()
         .map_err(|e| format!("attach: {}", preflight::error_chain(&e)))?;
     Ok(())
