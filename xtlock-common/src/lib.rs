@@ -1160,7 +1160,10 @@ pub struct ProbeConfig {
     pub drop_sample_interval_ns: u64,
     /// A quarter of the ring's bytes: a record wakes userspace only past this much waiting.
     pub ring_wake_bytes: u32,
-    pub _pad_end: u32,
+    /// Non-zero on a CPU that may reorder stores with stores and loads with loads (arm64;
+    /// not x86): the kept takes' sequence lock then puts full barriers around its copies
+    /// (`pending.rs`).
+    pub weak_order: u32,
     /// Non-zero when the offsets below and `net_ns_inum` were found in BTF (nf_tables commit netns).
     pub task_ok: u32,
     /// `task_struct.nsproxy`, `nsproxy.net_ns` (then `net_ns_inum` above: the commit's netns).

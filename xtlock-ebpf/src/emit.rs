@@ -189,6 +189,31 @@ pub fn reserve<T: 'static>() -> Option<RingBufEntry<T>> {
     entry
 }
 
+/// Room for one full memory barrier ([`fence`]), taken before the accesses it orders:
+/// `Ok(None)` where none is needed (`CONFIG.weak_order` 0: x86 keeps stores in order and loads
+/// in order, all a sequence lock asks), `Err` when the ring has no room for it.
+///
+/// BPF has no barrier instruction, and its fully ordered atomics (`BPF_FETCH`) need Linux
+/// 5.12. The ring buffer's commit is an `xchg` on every kernel that has the ring (5.8), and
+/// Linux's `xchg` is fully ordered on every architecture: a reservation discarded is a full
+/// barrier. Reserved ahead, so that a full ring is known before anything is written.
+#[inline(always)]
+pub fn fence_room() -> Result<Option<RingBufEntry<u64>>, ()> {
+    if cfg(|c| &c.weak_order) == 0 {
+        return Ok(None);
+    }
+    EVENTS.reserve::<u64>(0).map(Some).ok_or(())
+}
+
+/// The full memory barrier `room` was reserved for (nothing where none is needed). The
+/// discarded record wakes nobody; userspace steps over it.
+#[inline(always)]
+pub fn fence(room: Option<RingBufEntry<u64>>) {
+    if let Some(e) = room {
+        e.discard(1 /* BPF_RB_NO_WAKEUP */);
+    }
+}
+
 /// Copies a small event into the ring buffer, counting a lost event when it is full.
 #[inline(always)]
 pub fn output<T: 'static>(ev: &T) {

@@ -65,7 +65,7 @@ static CONFIG: ProbeConfig = ProbeConfig {
     drop_sample_burst: 0,
     drop_sample_interval_ns: 0,
     ring_wake_bytes: 0,
-    _pad_end: 0,
+    weak_order: 0,
     task_ok: 0,
     task_nsproxy: 0,
     nsproxy_net_ns: 0,

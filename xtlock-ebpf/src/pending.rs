@@ -14,18 +14,24 @@
 //! the readers: they copy the take and keep it only if `take_seq` did not move; `sent_seq`
 //! is the last take sent. Two CPUs may both send the same take (a release racing a waiter,
 //! say): the decoder drops the second, a take being known by its owner and time.
+//!
+//! Memory order: x86 keeps stores in order and loads in order, so compiler fences are all the
+//! lock needs there. A weakly ordered CPU (arm64) may make the take's stores visible before
+//! the odd sequence, or a reader's copy may load fields before the sequence it checks: the
+//! writer and the readers then put a full barrier ([`fence`]) on each side of the take's
+//! stores and of the copy, as a kernel `seqcount` has `smp_wmb` and `smp_rmb`.
 use core::{
     ptr::{copy_nonoverlapping, read_volatile, write_volatile},
     sync::atomic::{compiler_fence, Ordering},
 };
 
-use aya_ebpf::helpers::bpf_get_current_comm;
+use aya_ebpf::{helpers::bpf_get_current_comm, maps::ring_buf::RingBufEntry};
 use xtlock_common::{
     EventHeader, HoldEvent, KeptTake, LockEvent, COMM_LEN, F_WRLCK, MAX_WATCHED_LOCKS,
 };
 
 use crate::{
-    emit::{reserve, wake_flags},
+    emit::{fence, fence_room, reserve, wake_flags},
     KEPT,
 };
 
@@ -34,6 +40,21 @@ use crate::{
 pub fn kept(index: u32) -> Option<*mut KeptTake> {
     // The mask keeps the index in bounds for the verifier.
     KEPT.get_ptr_mut(index & (MAX_WATCHED_LOCKS - 1))
+}
+
+/// Room for the two full barriers around a take's stores or a copy of it (see the module's
+/// text); `None` when the ring is full (nothing is written or sent then: the ring could take
+/// none of it anyway).
+#[inline(always)]
+fn fences() -> Option<(Option<RingBufEntry<u64>>, Option<RingBufEntry<u64>>)> {
+    let before = fence_room().ok()?;
+    match fence_room() {
+        Ok(after) => Some((before, after)),
+        Err(()) => {
+            fence(before);
+            None
+        }
+    }
 }
 
 /// The waiting take's `take_seq`, when one is waiting and not being written.
@@ -50,7 +71,8 @@ fn waiting(k: *mut KeptTake) -> Option<u64> {
 /// move meanwhile.
 #[inline(always)]
 fn still(k: *mut KeptTake, s: u64) -> bool {
-    // The copy stays before this read (x86 keeps loads in order; the compiler must too).
+    // The copy stays before this read: x86 keeps loads in order, the caller's fence does
+    // elsewhere, and the compiler must too.
     compiler_fence(Ordering::SeqCst);
     // SAFETY: a map entry.
     unsafe { read_volatile(&(*k).take_seq) == s }
@@ -77,9 +99,15 @@ pub fn send(k: *mut KeptTake) {
     let Some(mut e) = reserve::<LockEvent>() else {
         return;
     };
+    let Some((before, after)) = fences() else {
+        e.discard(0);
+        return;
+    };
+    fence(before);
     // SAFETY: a reserved entry of the right size, and a map entry; torn copies are
     // discarded below.
     unsafe { copy_nonoverlapping(&raw const (*k).take, e.as_mut_ptr(), 1) };
+    fence(after);
     if !still(k, s) {
         e.discard(0);
         return;
@@ -121,14 +149,21 @@ pub fn keep(
     dev: u32,
     fl_flags: u32,
 ) -> bool {
+    // Both barriers' room first: a full ring is known before the entry is touched.
+    let Some((before, after)) = fences() else {
+        return false;
+    };
     // SAFETY: a map entry; see the module's text for the protocol.
     unsafe {
         let s = read_volatile(&(*k).take_seq);
         if s & 1 != 0 {
+            fence(before);
+            fence(after);
             return false;
         }
         write_volatile(&mut (*k).take_seq, s + 1);
         compiler_fence(Ordering::SeqCst);
+        fence(before);
         let t = &raw mut (*k).take;
         (*t).hdr = hdr;
         (*t).owner = owner;
@@ -140,6 +175,7 @@ pub fn keep(
         (*t)._pad = [0; 3];
         (*t).comm = bpf_get_current_comm().unwrap_or([0; COMM_LEN]);
         compiler_fence(Ordering::SeqCst);
+        fence(after);
         write_volatile(&mut (*k).take_seq, s + 2);
     }
     true
@@ -176,11 +212,17 @@ pub fn release(
     let Some(mut e) = reserve::<HoldEvent>() else {
         return false;
     };
+    let Some((before, after)) = fences() else {
+        e.discard(0);
+        return false;
+    };
     let p = e.as_mut_ptr();
+    fence(before);
     // SAFETY: a reserved entry of the right size, every field written before submit; a
     // torn copy is discarded.
     unsafe {
         copy_nonoverlapping(&raw const (*k).take, &raw mut (*p).take, 1);
+        fence(after);
         if !still(k, s) || (*p).take.owner != owner {
             e.discard(0);
             return false;

@@ -285,6 +285,10 @@ pub struct LockArgs {
         conflicts_with_all = ["bench_floor", "bench_floor_record"]
     )]
     pub bench_floor_drops: bool,
+    /// Tests only: full memory barriers around the kernel's kept lock takes as on a weakly
+    /// ordered CPU (arm64), on this one too, so that an x86 test runs that path.
+    #[arg(long = "memory-barriers", hide = true)]
+    pub memory_barriers: bool,
 }
 
 impl LockArgs {

@@ -227,6 +227,25 @@ fn run() -> anyhow::Result<u8> {
             say(format!("done {}", now()));
             Ok(0)
         }
+        ["tries", lock, n] => {
+            // Non-blocking tries back to back (each one the kernel's copy of the holder's take
+            // when it is the first request since that take); a try that gets the lock lets go
+            // at once. Says how many got it.
+            let f = open(lock)?;
+            let mut got = 0u64;
+            for _ in 0..n.parse::<u64>()? {
+                match flock(&f, libc::LOCK_EX | libc::LOCK_NB) {
+                    Ok(()) => {
+                        got += 1;
+                        flock(&f, libc::LOCK_UN)?;
+                    }
+                    Err(e) if e.raw_os_error() == Some(libc::EWOULDBLOCK) => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            say(format!("got {got}"));
+            Ok(0)
+        }
         ["poll", lock, interval, hold] => {
             let f = open(lock)?;
             let mut tries = 0u32;

@@ -82,6 +82,7 @@ pub fn load(
         } else {
             lock_args.bench_floor.then_some(crate::probes::Floor::Empty)
         },
+        memory_barriers: lock_args.memory_barriers,
     };
     Ok(Probes::load_with_drops(
         &opts,

@@ -15,6 +15,7 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
             ring_bytes: 1 << 20,
             no_attach: args.locks.attach_filter()?,
             floor: None,
+            memory_barriers: args.locks.memory_barriers,
         },
         Some(&probes::DropOptions::default()),
     )?;

@@ -96,6 +96,9 @@ pub struct LoadOptions {
     /// Benchmarks only (`--bench-floor`, `--bench-floor-record`, `--bench-floor-drops`): the
     /// lock hook, or the drop hook, runs one of the floor programs on tp_btf instead.
     pub floor: Option<Floor>,
+    /// Full barriers around the kept takes' copies on this CPU too (they are on wherever
+    /// the CPU is not x86): tests, which run on x86, exercise that path this way.
+    pub memory_barriers: bool,
 }
 
 /// The floors the lock path and the drop hook are measured against (`cargo xtask bench
@@ -214,6 +217,11 @@ impl Probes {
         }
         // A record wakes us only past a quarter of the ring (the poll tick reads the rest).
         disc.config.ring_wake_bytes = opts.ring_bytes / 4;
+        // x86 keeps stores in order and loads in order: the kept takes' sequence lock needs
+        // no barrier there (`xtlock-ebpf/src/pending.rs`).
+        disc.config.weak_order = u32::from(
+            opts.memory_barriers || !cfg!(any(target_arch = "x86_64", target_arch = "x86")),
+        );
         let mut ebpf = EbpfLoader::new()
             .override_global("CONFIG", &disc.config, true)
             .map_max_entries("EVENTS", opts.ring_bytes)
