@@ -125,22 +125,7 @@ fn ten_thousand_handoffs_across_cpus_match_bpftrace() {
     let n = N.to_string();
     let mut sides = Vec::new();
     for (agent, cpu) in [("kube-proxy", 0), ("calico-node", 1 % cpus)] {
-        let bin = s.agent(agent);
-        let cpu = cpu.to_string();
-        let args = [
-            "-c",
-            cpu.as_str(),
-            bin.to_str().unwrap(),
-            "pingpong",
-            &lock_s,
-            &n,
-        ];
-        sides.push(Agent::spawn(
-            std::path::Path::new("/usr/bin/taskset"),
-            &args,
-            &[],
-            None,
-        ));
+        sides.push(pinned(&s, agent, cpu, &["pingpong", &lock_s, &n]));
     }
     // Seconds on a quiet machine; the bound only turns a hang into a failure that says so.
     for a in &mut sides {
@@ -237,22 +222,7 @@ fn torn_takes(test: &str, args: &[&str]) {
         (names[2], 0, "tries", "20000"),
         (names[3], 1 % cpus, "tries", "20000"),
     ] {
-        let bin = s.agent(agent);
-        let cpu = cpu.to_string();
-        let args = [
-            "-c",
-            cpu.as_str(),
-            bin.to_str().unwrap(),
-            job,
-            &lock_s,
-            count,
-        ];
-        sides.push(Agent::spawn(
-            std::path::Path::new("/usr/bin/taskset"),
-            &args,
-            &[],
-            None,
-        ));
+        sides.push(pinned(&s, agent, cpu, &[job, &lock_s, count]));
     }
     for a in &mut sides {
         assert_eq!(a.wait_within(Duration::from_secs(300)), 0, "a side failed");
@@ -310,4 +280,13 @@ fn torn_takes(test: &str, args: &[&str]) {
         assert!(name.is_some(), "a holder that is none of the sides: {h}");
         assert_eq!(h["comm"].as_str(), name, "{h}");
     }
+}
+
+/// The helper as `agent`, running `args` on CPU `cpu` only.
+fn pinned(s: &Scratch, agent: &str, cpu: usize, args: &[&str]) -> Agent {
+    let bin = s.agent(agent);
+    let cpu = cpu.to_string();
+    let mut all = vec!["-c", cpu.as_str(), bin.to_str().unwrap()];
+    all.extend(args);
+    Agent::spawn(std::path::Path::new("/usr/bin/taskset"), &all, &[], None)
 }
