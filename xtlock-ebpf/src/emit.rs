@@ -189,28 +189,26 @@ pub fn reserve<T: 'static>() -> Option<RingBufEntry<T>> {
     entry
 }
 
-/// Room for one full memory barrier ([`fence`]), taken before the accesses it orders:
-/// `Ok(None)` where none is needed (`CONFIG.weak_order` 0: x86 keeps stores in order and loads
-/// in order, all a sequence lock asks), `Err` when the ring has no room for it.
+/// A full memory barrier where the CPU may reorder stores with stores and loads with loads
+/// (`CONFIG.weak_order`: arm64; not x86, which keeps both in order, all a sequence lock
+/// asks). False when the ring had no room for it (then there was none).
 ///
 /// BPF has no barrier instruction, and its fully ordered atomics (`BPF_FETCH`) need Linux
 /// 5.12. The ring buffer's commit is an `xchg` on every kernel that has the ring (5.8), and
-/// Linux's `xchg` is fully ordered on every architecture: a reservation discarded is a full
-/// barrier. Reserved ahead, so that a full ring is known before anything is written.
+/// Linux's `xchg` is fully ordered on every architecture: a reservation discarded at once is
+/// a full barrier. Reserved and discarded in place: the 5.10 and 6.1 verifiers lose a
+/// reservation kept across other code ("Unreleased reference").
 #[inline(always)]
-pub fn fence_room() -> Result<Option<RingBufEntry<u64>>, ()> {
+pub fn fence() -> bool {
     if cfg(|c| &c.weak_order) == 0 {
-        return Ok(None);
+        return true;
     }
-    EVENTS.reserve::<u64>(0).map(Some).ok_or(())
-}
-
-/// The full memory barrier `room` was reserved for (nothing where none is needed). The
-/// discarded record wakes nobody; userspace steps over it.
-#[inline(always)]
-pub fn fence(room: Option<RingBufEntry<u64>>) {
-    if let Some(e) = room {
-        e.discard(1 /* BPF_RB_NO_WAKEUP */);
+    match EVENTS.reserve::<u64>(0) {
+        Some(e) => {
+            e.discard(1 /* BPF_RB_NO_WAKEUP: nobody is woken for it */);
+            true
+        }
+        None => false,
     }
 }
 

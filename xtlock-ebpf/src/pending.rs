@@ -25,13 +25,13 @@ use core::{
     sync::atomic::{compiler_fence, Ordering},
 };
 
-use aya_ebpf::{helpers::bpf_get_current_comm, maps::ring_buf::RingBufEntry};
+use aya_ebpf::helpers::bpf_get_current_comm;
 use xtlock_common::{
     EventHeader, HoldEvent, KeptTake, LockEvent, COMM_LEN, F_WRLCK, MAX_WATCHED_LOCKS,
 };
 
 use crate::{
-    emit::{fence, fence_room, reserve, wake_flags},
+    emit::{fence, reserve, wake_flags},
     KEPT,
 };
 
@@ -40,21 +40,6 @@ use crate::{
 pub fn kept(index: u32) -> Option<*mut KeptTake> {
     // The mask keeps the index in bounds for the verifier.
     KEPT.get_ptr_mut(index & (MAX_WATCHED_LOCKS - 1))
-}
-
-/// Room for the two full barriers around a take's stores or a copy of it (see the module's
-/// text); `None` when the ring is full (nothing is written or sent then: the ring could take
-/// none of it anyway).
-#[inline(always)]
-fn fences() -> Option<(Option<RingBufEntry<u64>>, Option<RingBufEntry<u64>>)> {
-    let before = fence_room().ok()?;
-    match fence_room() {
-        Ok(after) => Some((before, after)),
-        Err(()) => {
-            fence(before);
-            None
-        }
-    }
 }
 
 /// The waiting take's `take_seq`, when one is waiting and not being written.
@@ -96,19 +81,17 @@ pub fn send(k: *mut KeptTake) {
     let Some(s) = waiting(k) else {
         return;
     };
+    // No barrier (a full ring): no copy, as there would be no room for it either.
+    if !fence() {
+        return;
+    }
     let Some(mut e) = reserve::<LockEvent>() else {
         return;
     };
-    let Some((before, after)) = fences() else {
-        e.discard(0);
-        return;
-    };
-    fence(before);
     // SAFETY: a reserved entry of the right size, and a map entry; torn copies are
     // discarded below.
     unsafe { copy_nonoverlapping(&raw const (*k).take, e.as_mut_ptr(), 1) };
-    fence(after);
-    if !still(k, s) {
+    if !fence() || !still(k, s) {
         e.discard(0);
         return;
     }
@@ -149,21 +132,19 @@ pub fn keep(
     dev: u32,
     fl_flags: u32,
 ) -> bool {
-    // Both barriers' room first: a full ring is known before the entry is touched.
-    let Some((before, after)) = fences() else {
-        return false;
-    };
     // SAFETY: a map entry; see the module's text for the protocol.
     unsafe {
         let s = read_volatile(&(*k).take_seq);
         if s & 1 != 0 {
-            fence(before);
-            fence(after);
             return false;
         }
         write_volatile(&mut (*k).take_seq, s + 1);
         compiler_fence(Ordering::SeqCst);
-        fence(before);
+        if !fence() {
+            // Nothing written yet: the entry is as it was, and the caller sends the take.
+            write_volatile(&mut (*k).take_seq, s);
+            return false;
+        }
         let t = &raw mut (*k).take;
         (*t).hdr = hdr;
         (*t).owner = owner;
@@ -175,7 +156,9 @@ pub fn keep(
         (*t)._pad = [0; 3];
         (*t).comm = bpf_get_current_comm().unwrap_or([0; COMM_LEN]);
         compiler_fence(Ordering::SeqCst);
-        fence(after);
+        // Without room for this one (a full ring, events lost already), the take is
+        // published all the same: a reader's copy could not go into the ring either.
+        let _ = fence();
         write_volatile(&mut (*k).take_seq, s + 2);
     }
     true
@@ -209,21 +192,18 @@ pub fn release(
         send(k);
         return false;
     }
+    if !fence() {
+        return false;
+    }
     let Some(mut e) = reserve::<HoldEvent>() else {
         return false;
     };
-    let Some((before, after)) = fences() else {
-        e.discard(0);
-        return false;
-    };
     let p = e.as_mut_ptr();
-    fence(before);
     // SAFETY: a reserved entry of the right size, every field written before submit; a
     // torn copy is discarded.
     unsafe {
         copy_nonoverlapping(&raw const (*k).take, &raw mut (*p).take, 1);
-        fence(after);
-        if !still(k, s) || (*p).take.owner != owner {
+        if !fence() || !still(k, s) || (*p).take.owner != owner {
             e.discard(0);
             return false;
         }
