@@ -49,6 +49,11 @@ pub fn cfg<F: Fn(&ProbeConfig) -> &u32>(f: F) -> usize {
     unsafe { core::ptr::read_volatile(f(&CONFIG)) as usize }
 }
 
+/// `bpf_ringbuf_submit`/`discard` flags and the `bpf_ringbuf_query` of waiting bytes.
+const BPF_RB_NO_WAKEUP: u64 = 1;
+const BPF_RB_FORCE_WAKEUP: u64 = 2;
+const BPF_RB_AVAIL_DATA: u64 = 0;
+
 /// Ring buffer flags for a record of type `T` (`reserved`: reserved already, so counted in
 /// the ring's data): a wakeup only for a record that takes the waiting data past a quarter
 /// of the ring, and past each further sixteenth (another CPU's record may cross the quarter
@@ -59,9 +64,6 @@ pub fn cfg<F: Fn(&ProbeConfig) -> &u32>(f: F) -> usize {
 /// quarter is in `CONFIG`.
 #[inline(always)]
 pub fn wake_flags<T>(reserved: bool) -> u64 {
-    const BPF_RB_NO_WAKEUP: u64 = 1;
-    const BPF_RB_FORCE_WAKEUP: u64 = 2;
-    const BPF_RB_AVAIL_DATA: u64 = 0;
     // A record's room: its 8-byte header, rounded up to 8 bytes.
     const HDR: u64 = 8;
     let len = (core::mem::size_of::<T>() as u64 + HDR + 7) & !7;
@@ -205,7 +207,8 @@ pub fn fence() -> bool {
     }
     match EVENTS.reserve::<u64>(0) {
         Some(e) => {
-            e.discard(1 /* BPF_RB_NO_WAKEUP: nobody is woken for it */);
+            // Nobody is woken for it.
+            e.discard(BPF_RB_NO_WAKEUP);
             true
         }
         None => false,
@@ -287,14 +290,9 @@ pub fn netns_of(skb: u64, dev: u64) -> u32 {
 
 /// GCRA rate limiter per CPU (`rate`: its state): at most `burst` samples at once, then one
 /// per interval.
+/// The clock is read only when sampling is on.
 #[inline(always)]
 pub fn take_token(rate: &PerCpuArray<u64>) -> bool {
-    take_token_at(rate, now)
-}
-
-/// [`take_token`] with the time already read (`now`, called only when sampling is on).
-#[inline(always)]
-pub fn take_token_at(rate: &PerCpuArray<u64>, now: impl FnOnce() -> u64) -> bool {
     // SAFETY: one field of the frozen CONFIG, read as `cfg` does for u32 fields.
     let interval = unsafe { core::ptr::read_volatile(&CONFIG.drop_sample_interval_ns) };
     if interval == 0 {

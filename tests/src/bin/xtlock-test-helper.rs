@@ -88,6 +88,12 @@ fn hold_while(lock: &str, wait: impl FnOnce() -> anyhow::Result<()>) -> anyhow::
     flock(&f, libc::LOCK_EX)?;
     say(format!("acquired {}", now()));
     wait()?;
+    close_saying(f)
+}
+
+/// Lets the lock go by closing `f`, then says when: `released T` (before the close),
+/// `closed T` (after).
+fn close_saying(f: std::fs::File) -> anyhow::Result<u8> {
     let t = now();
     drop(f);
     let closed = now();
@@ -262,12 +268,7 @@ fn run() -> anyhow::Result<u8> {
             say(format!("tries {tries}"));
             say(format!("acquired {}", now()));
             sleep(ms(hold)?);
-            let t = now();
-            drop(f);
-            let closed = now();
-            say(format!("released {t}"));
-            say(format!("closed {closed}"));
-            Ok(0)
+            close_saying(f)
         }
         ["forkhold", lock, hold] => {
             let f = open(lock)?;
@@ -282,11 +283,7 @@ fn run() -> anyhow::Result<u8> {
             if pid == 0 {
                 say(format!("child {}", std::process::id()));
                 sleep(ms(hold)?);
-                let t = now();
-                drop(f);
-                let closed = now();
-                say(format!("released {t}"));
-                say(format!("closed {closed}"));
+                close_saying(f)?;
                 // SAFETY: leave without running the parent's atexit handlers twice.
                 unsafe { libc::_exit(0) };
             }

@@ -115,6 +115,7 @@ fn watched(reason: u32) -> bool {
     // Read back through memory: the compiler then tests and indexes with one 32-bit value,
     // where it would index with the argument's untruncated register, whose bound the
     // verifier does not know.
+    // SAFETY: a read of a local.
     let reason = unsafe { core::ptr::read_volatile(&reason) };
     if reason < DROP_WATCH_BITS {
         let word = cfg(|c| &c.drop_watch[(reason / 32) as usize & (DROP_WATCH_WORDS - 1)]);
