@@ -547,8 +547,9 @@ pub struct NftMutexConfig {
     pub iovec_base: u32,
     pub iovec_len: u32,
     pub iovec_size: u32,
-    /// Explicit: the struct is copied into the programs as bytes.
-    pub _pad2: u32,
+    /// `sock.__sk_common.skc_net.net`: the socket's netns (0 without `CONFIG_NET_NS`: then
+    /// the sender's, by `task_nsproxy`).
+    pub sk_net: u32,
     /// Address of `nf_tables_net_id` (kallsyms, `CONFIG_KALLSYMS_ALL`); 0 when unknown:
     /// then the id is learned from the first wait whose stack proves it (below).
     pub net_id_addr: u64,

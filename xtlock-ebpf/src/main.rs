@@ -176,7 +176,21 @@ static NFT_COMMIT_MUTEXES: LruHashMap<u64, u64> = LruHashMap::with_max_entries(1
 static NFT_MUTEX_WAITS: LruHashMap<u32, xtlock_common::NftMutexWaitEvent> =
     LruHashMap::with_max_entries(4096, 0);
 
-/// `sendmsg()` calls on a `NETLINK_NETFILTER` socket in progress, by thread id.
+/// Slots of `NFT_SEND_SLOTS`.
+const SEND_SLOTS: u32 = 1024;
+
+/// `sendmsg()` calls on a `NETLINK_NETFILTER` socket in progress, by slot `tid %
+/// SEND_SLOTS`, each owned by the thread whose call it holds (claimed with a
+/// compare-and-swap from 0, Linux >= 5.12, so only the `bpf_loop` entry program claims). An
+/// array, not a hash: at each end of the call a load at a known index instead of a hash
+/// insert, look-up and delete, and the exit of every other `sendmsg()` of the node one
+/// load. A thread whose slot is owned by another goes to `NFT_SEND_INFLIGHT`.
+#[map]
+static NFT_SEND_SLOTS: Array<probes::nft_send::SendSlot> = Array::with_max_entries(SEND_SLOTS, 0);
+
+/// `sendmsg()` calls on a `NETLINK_NETFILTER` socket in progress, by thread id: where
+/// `NFT_SEND_SLOTS` is not claimed (kernels without `bpf_loop`, a thread whose slot is
+/// owned).
 #[map]
 static NFT_SEND_INFLIGHT: LruHashMap<u32, probes::nft_send::SendEnter> =
     LruHashMap::with_max_entries(1024, 0);

@@ -285,6 +285,15 @@ pub struct LockArgs {
         conflicts_with_all = ["bench_floor", "bench_floor_record"]
     )]
     pub bench_floor_drops: bool,
+    /// Benchmarks only: one empty program on the `sendmsg()` and `getsockopt()` tracepoints
+    /// where their tracepoint programs attach (no function hooks): the floor of an
+    /// nf_tables transaction's hooks. No batch is timed.
+    #[arg(
+        long = "bench-floor-syscalls",
+        hide = true,
+        conflicts_with_all = ["bench_floor", "bench_floor_record", "bench_floor_drops"]
+    )]
+    pub bench_floor_syscalls: bool,
     /// Tests only: full memory barriers around the kernel's kept lock takes as on a weakly
     /// ordered CPU (arm64), on this one too, so that an x86 test runs that path.
     #[arg(long = "memory-barriers", hide = true)]

@@ -33,6 +33,9 @@ pub enum Tracer {
     /// `--bench-floor-drops`: an empty program on the drop hook (tp_btf `kfree_skb`), the
     /// floor the drop hook is measured against; counts nothing.
     DropFloor,
+    /// `--bench-floor-syscalls`: one empty program on the `sendmsg()` and `getsockopt()`
+    /// tracepoints, the floor of an nf_tables transaction's hooks; times nothing.
+    SyscallFloor,
 }
 
 impl Tracer {
@@ -46,6 +49,7 @@ impl Tracer {
             Tracer::FloorRecord => "floor+record",
             Tracer::BpftraceHist => "bpftrace-hist",
             Tracer::DropFloor => "drop-floor",
+            Tracer::SyscallFloor => "syscall-floor",
         }
     }
 
@@ -58,6 +62,7 @@ impl Tracer {
                 | Tracer::Floor
                 | Tracer::FloorRecord
                 | Tracer::DropFloor
+                | Tracer::SyscallFloor
         )
     }
 
@@ -190,12 +195,13 @@ impl Session {
         match t {
             Tracer::None => Ok(Session::none()),
             Tracer::Bpftrace | Tracer::BpftraceHist => Session::bpftrace(env, tag, script),
-            Tracer::Floor | Tracer::FloorRecord | Tracer::DropFloor => {
+            Tracer::Floor | Tracer::FloorRecord | Tracer::DropFloor | Tracer::SyscallFloor => {
                 let mut args = extra.to_vec();
                 args.push(
                     match t {
                         Tracer::Floor => "--bench-floor",
                         Tracer::FloorRecord => "--bench-floor-record",
+                        Tracer::SyscallFloor => "--bench-floor-syscalls",
                         _ => "--bench-floor-drops",
                     }
                     .into(),
@@ -381,7 +387,8 @@ impl Session {
             | Tracer::Baseline
             | Tracer::Floor
             | Tracer::FloorRecord
-            | Tracer::DropFloor => read_xtlock(&self.out)?,
+            | Tracer::DropFloor
+            | Tracer::SyscallFloor => read_xtlock(&self.out)?,
             Tracer::Bpftrace | Tracer::BpftraceHist => read_bpftrace(&self.out, &self.err)?,
             Tracer::None => Stopped::default(),
         };

@@ -79,6 +79,8 @@ pub fn load(
             Some(crate::probes::Floor::Record)
         } else if lock_args.bench_floor_drops {
             Some(crate::probes::Floor::Drops)
+        } else if lock_args.bench_floor_syscalls {
+            Some(crate::probes::Floor::Syscalls)
         } else {
             lock_args.bench_floor.then_some(crate::probes::Floor::Empty)
         },

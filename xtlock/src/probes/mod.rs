@@ -93,8 +93,9 @@ pub struct LoadOptions {
     pub ring_bytes: u32,
     /// Attach types ruled out (`--no-attach`).
     pub no_attach: AttachFilter,
-    /// Benchmarks only (`--bench-floor`, `--bench-floor-record`, `--bench-floor-drops`): the
-    /// lock hook, or the drop hook, runs one of the floor programs on tp_btf instead.
+    /// Benchmarks only (`--bench-floor`, `--bench-floor-record`, `--bench-floor-drops`,
+    /// `--bench-floor-syscalls`): the lock hook, the drop hook or the nf_tables
+    /// transaction's syscall tracepoints run one of the floor programs instead.
     pub floor: Option<Floor>,
     /// Full barriers around the kept takes' copies on this CPU too (they are on wherever
     /// the CPU is not x86): tests, which run on x86, exercise that path this way.
@@ -111,6 +112,9 @@ pub enum Floor {
     Record,
     /// An empty program on the drop hook (`kfree_skb` on tp_btf); the lock hook as shipped.
     Drops,
+    /// One empty program on the `sendmsg()` and `getsockopt()` tracepoints (where their
+    /// tracepoint programs attach): the floor of an nf_tables transaction's hooks.
+    Syscalls,
 }
 
 impl Floor {
@@ -122,6 +126,17 @@ impl Floor {
             Floor::Drops if hook.program == DROP_PROGRAM => Some("kfree_skb_btf_floor"),
             _ => None,
         }
+    }
+
+    /// The floor's program in place of `hook`'s perf tracepoint program.
+    fn tracepoint_program_for(self, hook: &Hook) -> Option<&'static str> {
+        let syscalls = [
+            nft_mutex::SEND_ENTER,
+            nft_mutex::SEND_EXIT,
+            "sys_enter_getsockopt",
+            "sys_exit_getsockopt",
+        ];
+        (self == Floor::Syscalls && syscalls.contains(&hook.program)).then_some("syscall_floor")
     }
 }
 
@@ -337,7 +352,7 @@ impl Probes {
                         }
                         Err(fn_why) => {
                             tracing::debug!(hook = hook.program, why = %fn_why, "syscall function not hooked: its tracepoint is tried");
-                            match tracepoint_unless_ruled_out(&mut ebpf, hook, &disc) {
+                            match tracepoint_unless_ruled_out(&mut ebpf, hook, &disc, opts.floor) {
                                 Ok(note) => {
                                     if let Some(n) = note {
                                         attach.push_str(&format!(" ({n})"));
@@ -385,7 +400,7 @@ impl Probes {
                     {
                         Err("not asked for (--no-drops)".to_string())
                     } else {
-                        tracepoint_unless_ruled_out(&mut ebpf, hook, &disc)
+                        tracepoint_unless_ruled_out(&mut ebpf, hook, &disc, opts.floor)
                     };
                     if let Ok(Some(note)) = &tp {
                         attach.push_str(&format!(" ({note})"));
@@ -883,8 +898,11 @@ fn attach_tracepoint_program(ebpf: &mut Ebpf, hook: &Hook, program: &str) -> Res
         .ok_or_else(|| format!("program {program} missing from the BPF object"))?
         .try_into()
         .map_err(|e| format!("{e}"))?;
-    prog.load()
-        .map_err(|e| format!("load: {}", kfunc::explain(&e)))?;
+    // A floor program is attached to several tracepoints, loaded once.
+    match prog.load() {
+        Ok(()) | Err(aya::programs::ProgramError::AlreadyLoaded) => {}
+        Err(e) => return Err(format!("load: {}", kfunc::explain(&e))),
+    }
     prog.attach(hook.category, hook.tracepoint)
         .map_err(|e| format!("attach: {}", preflight::error_chain(&e)))?;
     Ok(())
@@ -892,7 +910,15 @@ fn attach_tracepoint_program(ebpf: &mut Ebpf, hook: &Hook, program: &str) -> Res
 
 /// The hook's tracepoint program, its twin first where it has one (`hooks::first_of`):
 /// `Some(note)` says which of them attached, for `xtlock probes`.
-fn attach_tracepoint(ebpf: &mut Ebpf, hook: &Hook) -> Result<Option<String>, String> {
+fn attach_tracepoint(
+    ebpf: &mut Ebpf,
+    hook: &Hook,
+    floor: Option<Floor>,
+) -> Result<Option<String>, String> {
+    if let Some(program) = floor.and_then(|f| f.tracepoint_program_for(hook)) {
+        return attach_tracepoint_program(ebpf, hook, program)
+            .map(|()| Some(format!("program {program}")));
+    }
     let Some((first, needs)) = hooks::first_of(hook.program) else {
         return attach_tracepoint_program(ebpf, hook, hook.program).map(|()| None);
     };
@@ -915,6 +941,7 @@ fn tracepoint_unless_ruled_out(
     ebpf: &mut Ebpf,
     hook: &Hook,
     disc: &Discovery,
+    floor: Option<Floor>,
 ) -> Result<Option<String>, String> {
     if let Some(why) = disc.unusable_why(hook.program) {
         return Err(why);
@@ -922,7 +949,7 @@ fn tracepoint_unless_ruled_out(
     if let Some(why) = ruled_out(hook, AttachKind::Tracepoint, disc) {
         return Err(why);
     }
-    attach_tracepoint(ebpf, hook)
+    attach_tracepoint(ebpf, hook, floor)
 }
 
 /// Why `--no-attach` rules out `kind` for this hook, by its name or its category.

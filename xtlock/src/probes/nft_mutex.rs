@@ -199,6 +199,13 @@ pub fn batches(vmlinux: &Btf, tp: TpOffsets) -> (NftMutexConfig, String) {
         iovec_base: n[3],
         iovec_len: n[4],
         iovec_size: n[5],
+        // The socket's netns, where its batch applies; without `CONFIG_NET_NS` (no
+        // `skc_net.net`) the sender's, which is then the only one.
+        sk_net: if s == [0; 14] {
+            0
+        } else {
+            m("sock", "__sk_common.skc_net.net", 8).unwrap_or(0)
+        },
         ..NftMutexConfig::default()
     };
     (config, detail)
