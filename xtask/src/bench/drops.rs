@@ -301,9 +301,11 @@ pub fn run(env: &Env) -> Result<Value> {
         // Drops in the receiving namespace (all of them hit the rule); the machine-wide
         // NETFILTER_DROP count is kept too, for the record.
         let (counted, machine_wide) = match t {
-            Tracer::None | Tracer::BpftraceHist | Tracer::DropFloor | Tracer::SyscallFloor => {
-                (None, None)
-            }
+            Tracer::None
+            | Tracer::BpftraceHist
+            | Tracer::BpftraceNetfilter
+            | Tracer::DropFloor
+            | Tracer::SyscallFloor => (None, None),
             Tracer::Bpftrace => {
                 let get = |key: String| st.maps.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
                 (

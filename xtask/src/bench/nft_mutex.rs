@@ -3,11 +3,14 @@
 //! then deleted), so the batches queue on the netns's commit mutex and nfnetlink's nf_tables
 //! mutex: transactions per second with no tracer, with bpftrace's one-liners for the same
 //! jobs (mutex waits timed from `lock:contention_begin` to `contention_end`, batches timed
-//! from `sys_enter_sendmsg` to `sys_exit_sendmsg`, each into a `hist()`), and with `xtlock
-//! trace --no-rule-reads` (its nf_tables mutex and sendmsg hooks; the table reads after each
-//! write are `nft-rules`' bench). With `--bpf-stats`: each tracer's BPF time per transaction
-//! (every program it loaded) and per program, so per contention event for the two
-//! contention programs (which run for every contended lock of the node).
+//! from `sys_enter_sendmsg` to `sys_exit_sendmsg`, each into a `hist()`), the same with
+//! xtlock's filter (only a `sendmsg()` on a `NETLINK_NETFILTER` socket, per netns:
+//! `bpftrace-netfilter`), and with `xtlock trace --no-rule-reads` (its nf_tables mutex and
+//! sendmsg hooks; the table reads after each write are `nft-rules`' bench). With
+//! `--bpf-stats`: each tracer's BPF time per transaction (every program it loaded) and per
+//! program, so per contention event for the two contention programs (which run for every
+//! contended lock of the node), and the floor (`--bench-floor-syscalls`: empty programs on
+//! the syscall tracepoints xtlock attaches here).
 use std::io::Write as _;
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -28,6 +31,29 @@ tracepoint:lock:contention_begin /args->flags & 32/ { @start[tid] = nsecs; }
 tracepoint:lock:contention_end /@start[tid]/ { @wait = hist(nsecs - @start[tid]); delete(@start[tid]); }
 tracepoint:syscalls:sys_enter_sendmsg { @send[tid] = nsecs; }
 tracepoint:syscalls:sys_exit_sendmsg /@send[tid]/ { @batch = hist(nsecs - @send[tid]); delete(@send[tid]); }
+"#;
+
+/// [`SCRIPT`] with the filter xtlock's `sendmsg()` programs apply, so the same job: only a
+/// call on a `NETLINK_NETFILTER` socket is timed (an nf_tables batch; not a DNS query's
+/// `sendmsg()`), its socket found from the descriptor as xtlock finds it (files, fdtable,
+/// file, socket and back, sock), its histogram per network namespace.
+const SCRIPT_NETFILTER: &str = r#"BEGIN { printf("READY\n"); }
+tracepoint:lock:contention_begin /args->flags & 32/ { @start[tid] = nsecs; }
+tracepoint:lock:contention_end /@start[tid]/ { @wait = hist(nsecs - @start[tid]); delete(@start[tid]); }
+tracepoint:syscalls:sys_enter_sendmsg {
+  $fdt = curtask->files->fdt;
+  $fd = (uint64)args->fd;
+  if ($fd < (uint64)$fdt->max_fds) {
+    $file = *($fdt->fd + $fd);
+    $sock = (struct socket *)$file->private_data;
+    $sk = $sock->sk;
+    if ($sock->file == $file && $sk->__sk_common.skc_family == 16 && $sk->sk_protocol == 12) {
+      @send[tid] = nsecs;
+      @net[tid] = $sk->__sk_common.skc_net.net->ns.inum;
+    }
+  }
+}
+tracepoint:syscalls:sys_exit_sendmsg /@send[tid]/ { @batch[@net[tid]] = hist(nsecs - @send[tid]); delete(@send[tid]); delete(@net[tid]); }
 "#;
 
 /// Transactions per client and run: a table added and deleted, this many times.
@@ -121,7 +147,12 @@ fn xtlock_waits(out: &std::path::Path) -> u64 {
 pub fn run(env: &Env) -> Result<Value> {
     let clients = env.cores.max(2);
     let ns = Netns::new()?;
-    let mut tracers = vec![Tracer::None, Tracer::Bpftrace, Tracer::Xtlock];
+    let mut tracers = vec![
+        Tracer::None,
+        Tracer::Bpftrace,
+        Tracer::BpftraceNetfilter,
+        Tracer::Xtlock,
+    ];
     if env.baseline.is_some() {
         tracers.push(Tracer::Baseline);
     }
@@ -136,7 +167,12 @@ pub fn run(env: &Env) -> Result<Value> {
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
     for (rep, ti, t) in rotation(env.reps, &tracers) {
         let tag = format!("nft-mutex-{}-{rep}", t.name());
-        let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &extra)?;
+        let script = if t == Tracer::BpftraceNetfilter {
+            SCRIPT_NETFILTER
+        } else {
+            SCRIPT
+        };
+        let s = Session::of(env, t, &tag, script, &[&lock], &extra)?;
         let ids = if env.bpf_stats {
             s.prog_ids()
         } else {
@@ -220,5 +256,6 @@ pub fn run(env: &Env) -> Result<Value> {
         "reps": env.reps,
         "columns": out_cols,
         "bpftrace_script": SCRIPT,
+        "bpftrace_netfilter_script": SCRIPT_NETFILTER,
     }))
 }

@@ -30,6 +30,9 @@ pub enum Tracer {
     /// A bpftrace script that only keeps a hold histogram per holder in the kernel (streams
     /// nothing): what issue 33 holds the lock path to.
     BpftraceHist,
+    /// The nf_tables bench's one-liners with xtlock's filter: only a `sendmsg()` on a
+    /// `NETLINK_NETFILTER` socket is timed (the socket found from the descriptor).
+    BpftraceNetfilter,
     /// `--bench-floor-drops`: an empty program on the drop hook (tp_btf `kfree_skb`), the
     /// floor the drop hook is measured against; counts nothing.
     DropFloor,
@@ -48,6 +51,7 @@ impl Tracer {
             Tracer::Floor => "floor",
             Tracer::FloorRecord => "floor+record",
             Tracer::BpftraceHist => "bpftrace-hist",
+            Tracer::BpftraceNetfilter => "bpftrace-netfilter",
             Tracer::DropFloor => "drop-floor",
             Tracer::SyscallFloor => "syscall-floor",
         }
@@ -194,7 +198,9 @@ impl Session {
     ) -> Result<Self> {
         match t {
             Tracer::None => Ok(Session::none()),
-            Tracer::Bpftrace | Tracer::BpftraceHist => Session::bpftrace(env, tag, script),
+            Tracer::Bpftrace | Tracer::BpftraceHist | Tracer::BpftraceNetfilter => {
+                Session::bpftrace(env, tag, script)
+            }
             Tracer::Floor | Tracer::FloorRecord | Tracer::DropFloor | Tracer::SyscallFloor => {
                 let mut args = extra.to_vec();
                 args.push(
@@ -389,7 +395,9 @@ impl Session {
             | Tracer::FloorRecord
             | Tracer::DropFloor
             | Tracer::SyscallFloor => read_xtlock(&self.out)?,
-            Tracer::Bpftrace | Tracer::BpftraceHist => read_bpftrace(&self.out, &self.err)?,
+            Tracer::Bpftrace | Tracer::BpftraceHist | Tracer::BpftraceNetfilter => {
+                read_bpftrace(&self.out, &self.err)?
+            }
             Tracer::None => Stopped::default(),
         };
         s.cpu_ns = cpu;
