@@ -454,6 +454,13 @@ pub const NFT_SEND_V1_LEN: usize = 56;
 pub const AF_NETLINK: u16 = 16;
 pub const NETLINK_NETFILTER: u16 = 12;
 
+/// Where a syscall's first and second arguments sit in its `sys_enter_*` record on every
+/// kernel so far (the common fields, `__syscall_nr` and its padding, then 8 bytes an
+/// argument). The socket-option entry programs whose names end in `_std` read them there
+/// and no configuration, attached only where the format file says so.
+pub const SYS_ENTER_ARG1: u32 = 24;
+pub const SYS_ENTER_ARG2: u32 = 32;
+
 /// `lock:contention_begin` flags (`LCB_F_*`, include/trace/events/lock.h).
 pub const LCB_F_SPIN: u32 = 1 << 0;
 pub const LCB_F_MUTEX: u32 = 1 << 5;

@@ -102,10 +102,21 @@ pub fn field_fast<T: Copy, const OFF: usize>(
     if offset == OFF {
         // SAFETY: OFF is inside the record (the kernel's format says so for this kernel)
         // and aligned for T.
-        Ok(unsafe { core::ptr::read((ctx.as_ptr() as *const u8).add(OFF) as *const T) })
+        Ok(unsafe { field_at::<T, OFF>(ctx) })
     } else {
         field(ctx, offset)
     }
+}
+
+/// A `T` at the constant offset `OFF` of the tracepoint record: a direct load, no helper,
+/// no configuration read.
+///
+/// # Safety
+/// `OFF` must be inside the record for this kernel, and aligned for `T`.
+#[inline(always)]
+pub unsafe fn field_at<T: Copy, const OFF: usize>(ctx: &TracePointContext) -> T {
+    // SAFETY: as the caller promised.
+    unsafe { core::ptr::read((ctx.as_ptr() as *const u8).add(OFF) as *const T) }
 }
 
 /// Counts a kept call in (`1`) or out (`-1`) of `tid`'s slot of `INFLIGHT` and its total.

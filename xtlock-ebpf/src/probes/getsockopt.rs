@@ -10,12 +10,30 @@ use aya_ebpf::{
 use xtlock_common::SOCKOPT_GET;
 
 use super::setsockopt::{enter, exit, nf_enter, ARG1, ARG2, EXIT_RET};
-use crate::emit::{cfg, field, field_fast};
+use crate::emit::{cfg, field, field_at, field_fast};
 
 #[tracepoint]
 pub fn sys_enter_getsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field_fast::<u64, ARG1>(&ctx, cfg(|c| &c.gso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field_fast::<u64, ARG2>(&ctx, cfg(|c| &c.gso_optname)).unwrap_or(u64::MAX);
+    enter(
+        SOCKOPT_GET,
+        level,
+        optname,
+        || 0,
+        || field(&ctx, cfg(|c| &c.gso_optval)).unwrap_or(0),
+    );
+    0
+}
+
+/// [`sys_enter_getsockopt`] where the format file has `level` and `optname` at [`ARG1`] and
+/// [`ARG2`] (userspace attaches it only there): the filter reads no configuration, so a
+/// call that reads no table (the `SO_ERROR` read after every non-blocking connect, nft's
+/// `SO_SNDBUF` before each batch) touches no map at all.
+#[tracepoint]
+pub fn sys_enter_getsockopt_std(ctx: TracePointContext) -> u32 {
+    // SAFETY: userspace checked that the format file has both there.
+    let (level, optname) = unsafe { (field_at::<u64, ARG1>(&ctx), field_at::<u64, ARG2>(&ctx)) };
     enter(
         SOCKOPT_GET,
         level,

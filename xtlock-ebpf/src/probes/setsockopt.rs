@@ -7,14 +7,14 @@ use aya_ebpf::{
 };
 use xtlock_common::{
     EventKind, TableReplaceEvent, EBT_SO_SET_COUNTERS, EBT_SO_SET_ENTRIES, NFPROTO_ARP,
-    NFPROTO_BRIDGE, NFPROTO_IPV4, NFPROTO_IPV6, SOCKOPT_GET, SOL_IP, SOL_IPV6,
-    XT_GETINFO_NUM_ENTRIES, XT_SO_GET_ENTRIES, XT_SO_GET_INFO, XT_SO_SET_ADD_COUNTERS,
-    XT_SO_SET_REPLACE, XT_TABLE_MAXNAMELEN,
+    NFPROTO_BRIDGE, NFPROTO_IPV4, NFPROTO_IPV6, SOCKOPT_GET, SOL_IP, SOL_IPV6, SYS_ENTER_ARG1,
+    SYS_ENTER_ARG2, XT_GETINFO_NUM_ENTRIES, XT_SO_GET_ENTRIES, XT_SO_GET_INFO,
+    XT_SO_SET_ADD_COUNTERS, XT_SO_SET_REPLACE, XT_TABLE_MAXNAMELEN,
 };
 
 use crate::{
     emit::{
-        cfg, current_netns, field, field_fast, header, ids, inflight_add, inflight_any,
+        cfg, current_netns, field, field_at, field_fast, header, ids, inflight_add, inflight_any,
         inflight_in_slot, now, output,
     },
     SOCKOPT_INFLIGHT,
@@ -62,8 +62,8 @@ fn is_xtables(level: u32, optname: u32, dir: u32) -> bool {
 /// Where a syscall's arguments sit in every kernel's `sys_enter_*` record (after the common
 /// fields and `__syscall_nr`, 8 bytes each): read with direct loads there, the helper only
 /// for another layout.
-pub(crate) const ARG1: usize = 24;
-pub(crate) const ARG2: usize = 32;
+pub(crate) const ARG1: usize = SYS_ENTER_ARG1 as usize;
+pub(crate) const ARG2: usize = SYS_ENTER_ARG2 as usize;
 /// `ret` of every `sys_exit_*` record.
 pub(crate) const EXIT_RET: usize = 16;
 
@@ -71,6 +71,24 @@ pub(crate) const EXIT_RET: usize = 16;
 pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field_fast::<u64, ARG1>(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field_fast::<u64, ARG2>(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
+    enter(
+        0,
+        level,
+        optname,
+        || field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0),
+        || field(&ctx, cfg(|c| &c.sso_optval)).unwrap_or(0),
+    );
+    0
+}
+
+/// [`sys_enter_setsockopt`] where the format file has `level` and `optname` at [`ARG1`] and
+/// [`ARG2`] (userspace attaches it only there): the filter reads no configuration, so a
+/// call that writes no table (`TCP_NODELAY` at every connect) touches no map at all, where
+/// two transactions apart its configuration's cache line is cold (docs/performance.md).
+#[tracepoint]
+pub fn sys_enter_setsockopt_std(ctx: TracePointContext) -> u32 {
+    // SAFETY: userspace checked that the format file has both there.
+    let (level, optname) = unsafe { (field_at::<u64, ARG1>(&ctx), field_at::<u64, ARG2>(&ctx)) };
     enter(
         0,
         level,

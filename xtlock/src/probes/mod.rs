@@ -24,7 +24,9 @@ use aya::{
     programs::{BtfTracePoint, TracePoint},
     Ebpf, EbpfLoader,
 };
-use xtlock_common::{DropKey, IpvsKey, LockKey, RefusalKey};
+use xtlock_common::{
+    DropKey, IpvsKey, LockKey, ProbeConfig, RefusalKey, SYS_ENTER_ARG1, SYS_ENTER_ARG2,
+};
 
 use crate::lockfiles::LockFile;
 pub use discover::{discover, Discovery};
@@ -949,7 +951,31 @@ fn tracepoint_unless_ruled_out(
     if let Some(why) = ruled_out(hook, AttachKind::Tracepoint, disc) {
         return Err(why);
     }
+    if let Some(program) = floor
+        .is_none()
+        .then(|| std_layout_twin(hook.program, &disc.config))
+        .flatten()
+    {
+        return attach_tracepoint_program(ebpf, hook, program)
+            .map(|()| Some(format!("program {program}")));
+    }
     attach_tracepoint(ebpf, hook, floor)
+}
+
+/// The twin of a socket-option entry program that finds `level` and `optname` at the usual
+/// offsets without reading its configuration, where this kernel's format file has them
+/// there: its filter then touches no map for the calls it lets go (most of the node's).
+fn std_layout_twin(program: &str, c: &ProbeConfig) -> Option<&'static str> {
+    let usual = |level: u32, optname: u32| level == SYS_ENTER_ARG1 && optname == SYS_ENTER_ARG2;
+    match program {
+        "sys_enter_getsockopt" if usual(c.gso_level, c.gso_optname) => {
+            Some("sys_enter_getsockopt_std")
+        }
+        "sys_enter_setsockopt" if usual(c.sso_level, c.sso_optname) => {
+            Some("sys_enter_setsockopt_std")
+        }
+        _ => None,
+    }
 }
 
 /// Why `--no-attach` rules out `kind` for this hook, by its name or its category.
