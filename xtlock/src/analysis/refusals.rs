@@ -63,12 +63,30 @@ struct Tally {
     examples: BTreeMap<GroupKey, PacketInfo>,
 }
 
+/// A count tagged with a hold the analysis did not know when it arrived, with its read's
+/// interval and the reads since.
+#[derive(Debug)]
+struct Unplaced {
+    rc: RefusalCount,
+    start: u64,
+    interval_ns: u64,
+    reads: u32,
+}
+
+/// Reads a count waits for its hold before it is said without one.
+const UNPLACED_READS: u32 = 3;
+
 #[derive(Debug, Default)]
 pub struct RefusalTracker {
     reset_reasons: HashMap<u32, String>,
     ended: VecDeque<HoldRef>,
     /// By hold start, in the order they were opened.
     tallies: Vec<Tally>,
+    /// Counts whose hold's take was not read yet when their counters were: the CPU that
+    /// sent the take may still have its ring record reserved, uncommitted, when userspace
+    /// reads the ring (hundreds of ms under emulation: the 5.10 guest's `refusals`), while
+    /// the counters are a map, read at once. They wait for the hold a few reads.
+    unplaced: Vec<Unplaced>,
     stats: RefusalSummary,
 }
 
@@ -182,31 +200,29 @@ impl RefusalTracker {
         out: &mut impl FnMut(Output),
     ) {
         self.reset_reasons.extend(c.reset_reasons.iter().cloned());
+        for u in std::mem::take(&mut self.unplaced) {
+            if self.hold(u.rc.hold_start_ns, open).is_some() || u.reads + 1 >= UNPLACED_READS {
+                self.count(&u.rc, u.start, u.interval_ns, open, rule_of, out);
+            } else {
+                self.unplaced.push(Unplaced {
+                    reads: u.reads + 1,
+                    ..u
+                });
+            }
+        }
         let start = c.ts_ns.saturating_sub(c.interval_ns);
         for rc in &c.counts {
-            let Some(mut f) = self.fact(rc, start, c.interval_ns, open) else {
+            let unknown = rc.hold_start_ns != 0 && self.hold(rc.hold_start_ns, open).is_none();
+            if unknown && self.unplaced.len() < MAX_TALLIES {
+                self.unplaced.push(Unplaced {
+                    rc: *rc,
+                    start,
+                    interval_ns: c.interval_ns,
+                    reads: 0,
+                });
                 continue;
-            };
-            f.rule = rule_of(rc);
-            self.stats.total += f.count;
-            let kind = if f.detail.is_empty() {
-                f.kind.as_str().to_string()
-            } else {
-                format!("{}: {}", f.kind.as_str(), f.detail)
-            };
-            add(&mut self.stats.by_kind, &kind, f.count);
-            if !f.dest.is_empty() {
-                add(&mut self.stats.by_dest, &f.dest, f.count);
             }
-            if let Some(h) = &f.hold {
-                self.tally(
-                    h,
-                    (f.kind, f.detail.clone(), f.dest.clone(), f.netns),
-                    f.count,
-                    Some(rc),
-                );
-            }
-            out(Output::RefusalCount(f));
+            self.count(rc, start, c.interval_ns, open, rule_of, out);
         }
         if c.overflow > 0 {
             self.stats.overflow += c.overflow;
@@ -223,6 +239,41 @@ impl RefusalTracker {
         for t in done {
             self.report(t, rule_of, out);
         }
+    }
+
+    /// One count of a read: its fact, and its hold's tally.
+    fn count(
+        &mut self,
+        rc: &RefusalCount,
+        start: u64,
+        interval_ns: u64,
+        open: &[HoldRef],
+        rule_of: &dyn Fn(&RefusalCount) -> Option<String>,
+        out: &mut impl FnMut(Output),
+    ) {
+        let Some(mut f) = self.fact(rc, start, interval_ns, open) else {
+            return;
+        };
+        f.rule = rule_of(rc);
+        self.stats.total += f.count;
+        let kind = if f.detail.is_empty() {
+            f.kind.as_str().to_string()
+        } else {
+            format!("{}: {}", f.kind.as_str(), f.detail)
+        };
+        add(&mut self.stats.by_kind, &kind, f.count);
+        if !f.dest.is_empty() {
+            add(&mut self.stats.by_dest, &f.dest, f.count);
+        }
+        if let Some(h) = &f.hold {
+            self.tally(
+                h,
+                (f.kind, f.detail.clone(), f.dest.clone(), f.netns),
+                f.count,
+                Some(rc),
+            );
+        }
+        out(Output::RefusalCount(f));
     }
 
     /// A sampled refusal: a fact of its own, with the refused packet where it was read.
@@ -363,6 +414,10 @@ impl RefusalTracker {
         rule_of: &dyn Fn(&RefusalCount) -> Option<String>,
         out: &mut impl FnMut(Output),
     ) {
+        // Counts still waiting for their hold: under it if it came, else without it.
+        for u in std::mem::take(&mut self.unplaced) {
+            self.count(&u.rc, u.start, u.interval_ns, &[], rule_of, out);
+        }
         for mut t in std::mem::take(&mut self.tallies) {
             if t.hold.hold_ns.is_none() {
                 t.hold.hold_ns = Some(ts_ns.saturating_sub(t.hold.start_ns));
@@ -452,5 +507,55 @@ mod tests {
         assert_eq!(r.groups[0].detail, "port unreachable");
         let s = t.summary();
         assert_eq!((s.total, s.during_holds), (46, 41));
+    }
+
+    /// A count of a hold whose take was not read yet (still in the ring when the counters
+    /// were read) waits for it, and goes to it once it is known; a count whose hold never
+    /// comes is said without it after a few reads.
+    #[test]
+    fn counts_wait_for_a_hold_not_read_yet() {
+        let mut t = RefusalTracker::default();
+        let mut got = Vec::new();
+        let c = |ts_ns, counts| RefusalCounts {
+            ts_ns,
+            interval_ns: 1_000,
+            counts,
+            overflow: 0,
+            reset_reasons: vec![],
+        };
+        // 40 under the hold of 1 500, unknown yet; 7 under none; 2 under a hold never seen.
+        let first = c(
+            2_000,
+            vec![
+                count(1_500, REFUSAL_ICMP_UNREACH, 3, 80, 40),
+                count(0, REFUSAL_ICMP_UNREACH, 3, 80, 7),
+                count(1_700, REFUSAL_ICMP_UNREACH, 3, 81, 2),
+            ],
+        );
+        t.on_counts(&first, &[], &|_| None, &mut |o| got.push(o));
+        assert_eq!(got.len(), 1, "only the untagged count is said: {got:?}");
+        // The next read: the hold is known now (its take was read), and has ended.
+        got.clear();
+        t.on_hold_ref(hold(1_500, Some(500)));
+        t.on_counts(&c(3_000, vec![]), &[], &|_| None, &mut |o| got.push(o));
+        let Some(Output::HoldRefusals(r)) = got.last() else {
+            panic!("{got:?}");
+        };
+        assert_eq!((r.refused, r.groups[0].count), (40, 40));
+        let Output::RefusalCount(f) = &got[0] else {
+            panic!("{got:?}");
+        };
+        assert_eq!((f.count, f.ts_ns), (40, 1_000), "its own read's interval");
+        // The hold of 1 700 never comes: said without a hold after the reads it waits.
+        got.clear();
+        for ts in [4_000, 5_000] {
+            t.on_counts(&c(ts, vec![]), &[], &|_| None, &mut |o| got.push(o));
+        }
+        let [Output::RefusalCount(f)] = got.as_slice() else {
+            panic!("{got:?}");
+        };
+        assert_eq!((f.count, f.hold.is_none()), (2, true));
+        let s = t.summary();
+        assert_eq!((s.total, s.during_holds), (49, 40));
     }
 }
