@@ -16,14 +16,21 @@ use crate::emit::{cfg, field, field_at, field_fast};
 pub fn sys_enter_getsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field_fast::<u64, ARG1>(&ctx, cfg(|c| &c.gso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field_fast::<u64, ARG2>(&ctx, cfg(|c| &c.gso_optname)).unwrap_or(u64::MAX);
+    get_enter(&ctx, level, optname);
+    0
+}
+
+/// A `getsockopt(fd, level, optname, optval, ...)` begins (its buffer read from the record
+/// only for a table read).
+#[inline(always)]
+fn get_enter(ctx: &TracePointContext, level: u64, optname: u64) {
     enter(
         SOCKOPT_GET,
         level,
         optname,
         || 0,
-        || field(&ctx, cfg(|c| &c.gso_optval)).unwrap_or(0),
+        || field(ctx, cfg(|c| &c.gso_optval)).unwrap_or(0),
     );
-    0
 }
 
 /// [`sys_enter_getsockopt`] where the format file has `level` and `optname` at [`ARG1`] and
@@ -34,13 +41,7 @@ pub fn sys_enter_getsockopt(ctx: TracePointContext) -> u32 {
 pub fn sys_enter_getsockopt_std(ctx: TracePointContext) -> u32 {
     // SAFETY: userspace checked that the format file has both there.
     let (level, optname) = unsafe { (field_at::<u64, ARG1>(&ctx), field_at::<u64, ARG2>(&ctx)) };
-    enter(
-        SOCKOPT_GET,
-        level,
-        optname,
-        || 0,
-        || field(&ctx, cfg(|c| &c.gso_optval)).unwrap_or(0),
-    );
+    get_enter(&ctx, level, optname);
     0
 }
 

@@ -71,14 +71,21 @@ pub(crate) const EXIT_RET: usize = 16;
 pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
     let level: u64 = field_fast::<u64, ARG1>(&ctx, cfg(|c| &c.sso_level)).unwrap_or(u64::MAX);
     let optname: u64 = field_fast::<u64, ARG2>(&ctx, cfg(|c| &c.sso_optname)).unwrap_or(u64::MAX);
+    set_enter(&ctx, level, optname);
+    0
+}
+
+/// A `setsockopt(fd, level, optname, optval, optlen)` begins (its length and buffer read
+/// from the record only for a table write).
+#[inline(always)]
+fn set_enter(ctx: &TracePointContext, level: u64, optname: u64) {
     enter(
         0,
         level,
         optname,
-        || field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0),
-        || field(&ctx, cfg(|c| &c.sso_optval)).unwrap_or(0),
+        || field(ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0),
+        || field(ctx, cfg(|c| &c.sso_optval)).unwrap_or(0),
     );
-    0
 }
 
 /// [`sys_enter_setsockopt`] where the format file has `level` and `optname` at [`ARG1`] and
@@ -89,13 +96,7 @@ pub fn sys_enter_setsockopt(ctx: TracePointContext) -> u32 {
 pub fn sys_enter_setsockopt_std(ctx: TracePointContext) -> u32 {
     // SAFETY: userspace checked that the format file has both there.
     let (level, optname) = unsafe { (field_at::<u64, ARG1>(&ctx), field_at::<u64, ARG2>(&ctx)) };
-    enter(
-        0,
-        level,
-        optname,
-        || field(&ctx, cfg(|c| &c.sso_optlen)).unwrap_or(0),
-        || field(&ctx, cfg(|c| &c.sso_optval)).unwrap_or(0),
-    );
+    set_enter(&ctx, level, optname);
     0
 }
 
