@@ -912,15 +912,7 @@ fn attach_tracepoint_program(ebpf: &mut Ebpf, hook: &Hook, program: &str) -> Res
 
 /// The hook's tracepoint program, its twin first where it has one (`hooks::first_of`):
 /// `Some(note)` says which of them attached, for `xtlock probes`.
-fn attach_tracepoint(
-    ebpf: &mut Ebpf,
-    hook: &Hook,
-    floor: Option<Floor>,
-) -> Result<Option<String>, String> {
-    if let Some(program) = floor.and_then(|f| f.tracepoint_program_for(hook)) {
-        return attach_tracepoint_program(ebpf, hook, program)
-            .map(|()| Some(format!("program {program}")));
-    }
+fn attach_tracepoint(ebpf: &mut Ebpf, hook: &Hook) -> Result<Option<String>, String> {
     let Some((first, needs)) = hooks::first_of(hook.program) else {
         return attach_tracepoint_program(ebpf, hook, hook.program).map(|()| None);
     };
@@ -951,15 +943,16 @@ fn tracepoint_unless_ruled_out(
     if let Some(why) = ruled_out(hook, AttachKind::Tracepoint, disc) {
         return Err(why);
     }
-    if let Some(program) = floor
-        .is_none()
-        .then(|| std_layout_twin(hook.program, &disc.config))
-        .flatten()
-    {
+    // A bench's floor program in its place, else the twin for this kernel's layout.
+    let chosen = match floor {
+        Some(f) => f.tracepoint_program_for(hook),
+        None => std_layout_twin(hook.program, &disc.config),
+    };
+    if let Some(program) = chosen {
         return attach_tracepoint_program(ebpf, hook, program)
             .map(|()| Some(format!("program {program}")));
     }
-    attach_tracepoint(ebpf, hook, floor)
+    attach_tracepoint(ebpf, hook)
 }
 
 /// The twin of a socket-option entry program that finds `level` and `optname` at the usual
