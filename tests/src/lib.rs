@@ -18,9 +18,11 @@ use std::{
 use serde_json::Value;
 
 mod bpftrace;
+mod inject;
 mod pods;
 mod smallfs;
 pub use bpftrace::{spawn_bpftrace, Bpftrace};
+pub use inject::close_fd_in;
 pub use pods::{cgroup2_root, kubelet_logs, PodCgroup};
 pub use smallfs::SmallFs;
 
@@ -38,6 +40,59 @@ pub fn tracer_extra_args() -> Vec<String> {
     std::env::var("XTLOCK_TEST_TRACER_ARGS")
         .map(|v| v.split_whitespace().map(str::to_string).collect())
         .unwrap_or_default()
+}
+
+/// `XTLOCK_TEST_CAPS` (e.g. `sys_admin,syslog,sys_ptrace,net_admin,net_raw`): xtlock runs
+/// as root holding these capabilities only, bounding and inheritable sets cut to them with
+/// setpriv (root's exec then permits exactly those): how `cargo xtask test` proves a shipped
+/// deployment's set gives every feature, running the same scenarios under it.
+pub fn test_caps() -> Option<String> {
+    std::env::var("XTLOCK_TEST_CAPS")
+        .ok()
+        .filter(|v| !v.trim().is_empty())
+}
+
+/// `c` with `setpriv` put in front of the xtlock binary it runs (directly, or through
+/// `nsenter`/`ip netns exec`), when `XTLOCK_TEST_CAPS` says so; else `c` as it is.
+pub fn with_test_caps(c: Command) -> Command {
+    let Some(caps) = test_caps() else {
+        return c;
+    };
+    let set: String = caps
+        .split(',')
+        .map(|c| {
+            format!(
+                ",+{}",
+                c.trim().to_ascii_lowercase().trim_start_matches("cap_")
+            )
+        })
+        .collect();
+    let bin = xtlock_bin();
+    let mut argv: Vec<std::ffi::OsString> = vec![c.get_program().to_owned()];
+    argv.extend(c.get_args().map(ToOwned::to_owned));
+    let at = argv
+        .iter()
+        .position(|a| Path::new(a) == bin)
+        .expect("the command runs the xtlock binary");
+    let wrap = [
+        "setpriv".to_string(),
+        format!("--bounding-set=-all{set}"),
+        format!("--inh-caps=-all{set}"),
+        "--".to_string(),
+    ];
+    argv.splice(at..at, wrap.into_iter().map(Into::into));
+    let mut w = Command::new(&argv[0]);
+    w.args(&argv[1..]);
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => w.env(k, v),
+            None => w.env_remove(k),
+        };
+    }
+    if let Some(d) = c.get_current_dir() {
+        w.current_dir(d);
+    }
+    w
 }
 
 pub fn in_ci() -> bool {
@@ -351,7 +406,8 @@ impl Tracer {
         Self::spawn(c)
     }
 
-    pub fn spawn(mut c: Command) -> Self {
+    pub fn spawn(c: Command) -> Self {
+        let mut c = with_test_caps(c);
         c.stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .stdin(Stdio::null());

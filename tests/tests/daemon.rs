@@ -12,7 +12,7 @@ use std::{
 };
 
 use serde_json::Value;
-use xtlock_tests::{require_bpf, serial, xtlock_bin, Agent, Scratch, Tracer};
+use xtlock_tests::{close_fd_in, require_bpf, serial, xtlock_bin, Agent, Scratch, Tracer};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -326,8 +326,9 @@ fn link_fd(pid: u32, tp: &str) -> Option<u32> {
 }
 
 /// `bpftool link detach` cannot detach a tracepoint's perf link ("Operation not supported" on
-/// 6.x kernels), so the test kills the link the other way: it closes the daemon's link fd from
-/// inside the daemon with gdb, which releases the link and detaches the program.
+/// 6.x kernels), so the test kills the link the other way: it makes the daemon close its link
+/// fd itself, through ptrace (`close_fd_in`: general registers only, unlike gdb's inferior
+/// call, which fails on AMX CPUs), which releases the link and detaches the program.
 #[test]
 fn readyz_fails_when_a_probe_is_detached() {
     if !require_bpf("readyz_fails_when_a_probe_is_detached") {
@@ -340,16 +341,8 @@ fn readyz_fails_when_a_probe_is_detached() {
     let d = daemon(port, &lock, &["--no-drops"]);
     wait_ready(port);
     let fd = link_fd(d.pid(), "flock_lock_inode").expect("the daemon's flock_lock_inode link");
-    let out = Command::new("gdb")
-        .args(["-p", &d.pid().to_string(), "-batch", "-nx", "-ex"])
-        .arg(format!("call (int)close({fd})"))
-        .output()
-        .expect("gdb (apt-get install gdb; ./xtask/run setup does)");
-    assert!(
-        out.status.success(),
-        "gdb: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let closed = close_fd_in(d.pid(), fd).expect("closing the link fd inside the daemon");
+    assert_eq!(closed, 0, "close({fd}) in the daemon returned {closed}");
     assert!(
         link_fd(d.pid(), "flock_lock_inode").is_none(),
         "the link fd is still open"

@@ -792,7 +792,14 @@ mod tests {
     fn the_unit_grants_what_its_bounding_set_says() {
         let unit = include_str!("../../deploy/debian/xtlock.service");
         let caps = capabilities(unit).expect("a bounding set");
-        assert_eq!(caps, ["CAP_BPF", "CAP_PERFMON", "CAP_SYSLOG"]);
+        // The DaemonSet's set: the same features need the same privileges.
+        let pod = crate::deploy::manifest::parse(include_str!("../../deploy/daemonset.yaml"))
+            .expect("the DaemonSet parses");
+        let mut want: Vec<String> = pod.caps_add.iter().map(|c| format!("CAP_{c}")).collect();
+        let mut have = caps.clone();
+        want.sort();
+        have.sort();
+        assert_eq!(have, want);
         let ambient: Vec<&str> = unit
             .lines()
             .filter_map(|l| l.strip_prefix("AmbientCapabilities="))

@@ -34,10 +34,8 @@ const APT_PACKAGES: &[&str] = &[
     "procps",
     "util-linux",
     "strace",
-    // `tests/tests/daemon.rs`: a real Prometheus (and promtool) scrapes the daemon; gdb
-    // closes a probe's link fd inside it.
+    // `tests/tests/daemon.rs`: a real Prometheus (and promtool) scrapes the daemon.
     "prometheus",
-    "gdb",
 ];
 /// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: each
 /// command runs in the test node's network namespace, nothing to start or stop), without

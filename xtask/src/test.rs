@@ -71,6 +71,23 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
         let mut test = cargo(&[&["test", "--no-fail-fast"], &EXCLUDE[..]].concat());
         test.args(test_args);
         steps.push(step("test", &mut test));
+        // The scenarios of rule changes and dead endpoints again, xtlock holding exactly
+        // the capabilities each shipped deployment grants: continuous mode must see what
+        // `sudo xtlock trace` sees.
+        for (name, caps) in deployment_caps()? {
+            let mut t = cargo(
+                &[
+                    &["test", "--no-fail-fast", "--package", "xtlock-tests"],
+                    &PRIVILEGE_SUITES[..],
+                    &["--", "--exact"],
+                    &PRIVILEGE_TESTS[..],
+                ]
+                .concat(),
+            );
+            t.env("XTLOCK_TEST_CAPS", caps.join(","));
+            println!("\n== {name}: {}", caps.join(" "));
+            steps.push(step(name, &mut t));
+        }
     } else {
         steps.push(skipped("test", "the build failed"));
     }
@@ -186,6 +203,38 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
 }
 
 /// This thread, and what it starts, at nice 19 (Linux: per thread, inherited by children).
+const PRIVILEGE_SUITES: [&str; 4] = ["--test", "stale_endpoints", "--test", "rule_changes"];
+/// A foreign rule change (firewalld removing kube-proxy's chains) through both backends, and
+/// a Service routed to a gone pod (its window, connections, why the fix was late), both.
+const PRIVILEGE_TESTS: [&str; 4] = [
+    "who_changed_whose_rules",
+    "who_changed_whose_nf_tables_rules",
+    "a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_late",
+    "a_service_written_by_iptables_nft_routed_to_a_gone_pod_is_said",
+];
+
+/// Each shipped deployment's capabilities, read from its file: the DaemonSet's
+/// `capabilities.add` (it drops ALL), the unit's `AmbientCapabilities=`.
+fn deployment_caps() -> Result<Vec<(&'static str, Vec<String>)>> {
+    let root = sh::workspace_root();
+    let pod = crate::deploy::manifest::read(&root.join("deploy/daemonset.yaml"))?;
+    let unit_path = root.join("deploy/debian/xtlock.service");
+    let unit = std::fs::read_to_string(&unit_path)
+        .map_err(|e| anyhow::anyhow!("reading {}: {e}", unit_path.display()))?;
+    let ambient: Vec<String> = unit
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("AmbientCapabilities="))
+        .flat_map(|v| v.split_whitespace().map(str::to_owned))
+        .collect();
+    if ambient.is_empty() {
+        bail!("{}: no AmbientCapabilities=", unit_path.display());
+    }
+    Ok(vec![
+        ("caps-daemonset", pod.caps_add.clone()),
+        ("caps-debian-unit", ambient),
+    ])
+}
+
 fn lowest_priority() {
     // SAFETY: a plain syscall on the calling thread.
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };

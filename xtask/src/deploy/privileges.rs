@@ -51,6 +51,8 @@ struct Observed {
     capture: bool,
     /// WARN and ERROR messages of the run.
     warnings: BTreeSet<String>,
+    /// Features off for want of a privilege (`xtlock_feature_enabled{cause="privilege"}`).
+    features_off: BTreeSet<String>,
 }
 
 impl Observed {
@@ -110,6 +112,14 @@ impl Observed {
                 self.location.as_deref().unwrap_or("missing"),
                 base.location.as_deref().unwrap_or("missing")
             ));
+        }
+        let off: Vec<&str> = self
+            .features_off
+            .difference(&base.features_off)
+            .map(String::as_str)
+            .collect();
+        if !off.is_empty() {
+            v.push(format!("features off: {}", off.join(", ")));
         }
         if base.capture && !self.capture {
             v.push("no complete capture file".into());
@@ -258,6 +268,15 @@ fn one(node: &Node, pod: &PodRun, without: Option<&Without>) -> Result<Observed>
                     && l.get("agent").map(String::as_str) == Some("calico-node")
             })
             .find_map(|(_, l, _)| Some(format!("{}/{}", l.get("namespace")?, l.get("pod")?)));
+    obs.features_off =
+        m.0.iter()
+            .filter(|(n, l, v)| {
+                n == "xtlock_feature_enabled"
+                    && *v == 0.0
+                    && l.get("cause").map(String::as_str) == Some("privilege")
+            })
+            .filter_map(|(_, l, _)| l.get("feature").cloned())
+            .collect();
     obs.drops = m.sum("xtlock_drops_total", &[("class", "netfilter_rule_drop")]);
     obs.location = m
         .series("xtlock_drops_total")
@@ -339,8 +358,16 @@ pub fn run(node: &Node, pod: &PodRun) -> Result<String> {
     if let Some(f) = &base.failure {
         bail!("the run with every privilege of the manifest failed: {f}");
     }
+    if !base.features_off.is_empty() {
+        bail!(
+            "with every privilege of the manifest, features are off for want of a privilege: \
+             {:?} (grant what xtlock's log says)",
+            base.features_off
+        );
+    }
     println!(
-        "baseline: {} hooks, holder {:?}, pod {:?}, {} netns denied, {} drops at {:?}, capture {}, warnings {:?}",
+        "baseline: {} hooks, holder {:?}, pod {:?}, {} netns denied, {} drops at {:?}, capture {}, \
+         warnings {:?}",
         base.hooks.len(),
         base.holder,
         base.pod,

@@ -18,7 +18,9 @@ use crate::{
     pipeline::Pipeline,
     probes::HookStatus,
     serve::{self, State},
-    sinks::metrics::{Capped, HoldLabels, Metrics, MetricsSink, PodLabels, ProbeLabels, MAX_PODS},
+    sinks::metrics::{
+        Capped, FeatureLabels, HoldLabels, Metrics, MetricsSink, PodLabels, ProbeLabels, MAX_PODS,
+    },
     source::{live::LiveSource, recorder, rolling::Rolling},
 };
 
@@ -63,7 +65,15 @@ pub async fn run(args: &DaemonArgs) -> anyhow::Result<()> {
     for ev in &start {
         pipe.feed(ev)?;
     }
-    live::announce(&locks, &src, " as a daemon");
+    for f in live::announce(&locks, &src, " as a daemon") {
+        metrics
+            .feature_enabled
+            .get_or_create(&FeatureLabels {
+                feature: f.feature.to_owned(),
+                cause: f.off.as_ref().map_or("", |(c, _)| c.label()).to_owned(),
+            })
+            .set(i64::from(f.on()));
+    }
 
     let mut hooks = DaemonHooks {
         metrics: metrics.clone(),

@@ -21,6 +21,7 @@ use crate::{
     probes::{LoadOptions, Probes},
     source::{
         self,
+        access::{Cause, FeatureState},
         live::{self, LiveSource},
     },
 };
@@ -118,7 +119,8 @@ pub fn begin(
 }
 
 /// Says what is being traced and how many hooks attached.
-pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) {
+/// Says what is traced and which features this process's privileges allow; returns those.
+pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) -> Vec<FeatureState> {
     let names: Vec<String> = locks.iter().map(|l| l.path.display().to_string()).collect();
     let status = &src.probes.status;
     let attached = status.iter().filter(|s| s.attached()).count();
@@ -135,6 +137,34 @@ pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) {
         names.join(", "),
         status.len() - needless,
     );
+    let features = crate::source::access::check();
+    say_features(&features);
+    features
+}
+
+/// One line for the features on, one per feature off: a missing privilege as a warning (the
+/// deployment took it away), a kernel without it as information.
+pub fn say_features(features: &[FeatureState]) {
+    let on: Vec<&str> = features
+        .iter()
+        .filter(|f| f.on())
+        .map(|f| f.feature)
+        .collect();
+    tracing::info!("features on: {}", on.join(", "));
+    for f in features {
+        match &f.off {
+            Some((Cause::Privilege, why)) => tracing::warn!(
+                feature = f.feature,
+                "feature {} off: {why}; lost: {}",
+                f.feature,
+                f.gives
+            ),
+            Some((Cause::Kernel, why)) => {
+                tracing::info!(feature = f.feature, "feature {} off: {why}", f.feature)
+            }
+            None => {}
+        }
+    }
 }
 
 /// Runs until Ctrl-C, SIGTERM or `duration`; then drains what is queued and finishes the

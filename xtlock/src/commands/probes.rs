@@ -34,18 +34,17 @@ pub fn run(args: &ProbesArgs) -> anyhow::Result<()> {
                 .into()
         },
     });
-    let kallsyms = crate::source::drops::Kallsyms::read().is_ok_and(|k| !k.is_empty());
-    features.push(probes::Feature {
-        name: "drop locations",
-        available: kallsyms,
-        detail: if kallsyms {
-            "/proc/kallsyms: drop locations are named (nf_hook_slow+0x9c)".into()
-        } else {
-            "/proc/kallsyms shows no addresses (not root, or kptr_restrict): drop locations \
-             are shown as addresses"
-                .into()
-        },
-    });
+    // What the userspace readers may do with this process's privileges.
+    for f in crate::source::access::check() {
+        features.push(probes::Feature {
+            name: f.feature,
+            available: f.on(),
+            detail: match &f.off {
+                None => format!("{} (needs {})", f.gives, f.needs),
+                Some((_, why)) => format!("{why}; lost: {}", f.gives),
+            },
+        });
+    }
     let mut out = std::io::stdout().lock();
     if args.json {
         let v = serde_json::json!({

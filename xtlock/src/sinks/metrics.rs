@@ -278,6 +278,14 @@ pub struct ProbeLabels {
     pub program: String,
 }
 
+/// A userspace feature (`source::access`): its fixed name, and why it is off (`""` when on,
+/// `privilege` or `kernel`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FeatureLabels {
+    pub feature: String,
+    pub cause: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
     pub version: String,
@@ -337,6 +345,7 @@ pub struct Metrics {
     pub lost: Counter,
     pub events: Counter,
     pub probe_attached: Family<ProbeLabels, Gauge>,
+    pub feature_enabled: Family<FeatureLabels, Gauge>,
     /// 1 while the daemon's rolling capture is being written.
     pub recording_up: Gauge,
     pub recording_errors: Counter,
@@ -640,6 +649,13 @@ impl Metrics {
             "1 when the kernel hook is attached and still linked, 0 otherwise",
             probe_attached.clone(),
         );
+        let feature_enabled = Family::<FeatureLabels, Gauge>::default();
+        r.register(
+            "feature_enabled",
+            "1 when the feature works with this process's privileges and kernel, 0 when it is \
+             off; cause says why (privilege or kernel)",
+            feature_enabled.clone(),
+        );
         let recording_up = Gauge::default();
         r.register(
             "recording_up",
@@ -701,6 +717,7 @@ impl Metrics {
             lost,
             events,
             probe_attached,
+            feature_enabled,
             recording_up,
             recording_errors,
             published: Mutex::new(Vec::new()),

@@ -4,6 +4,7 @@
 //! Every source yields decoded [`crate::decode::Event`]s, so the analysis and sinks never
 //! know which one they are fed by. The file side of a live source is here too: `recorder`
 //! writes a capture as the source yields it, `rolling` keeps the daemon's set of them.
+pub mod access;
 pub mod addrs;
 pub mod binaries;
 pub mod ct_entries;

@@ -1,0 +1,332 @@
+//! What this process may read, found at start by trying each reader's first kernel call
+//! (never from a capability list alone: a systemd unit's address-family and namespace
+//! filters, or a container's seccomp profile, refuse calls the capabilities allow).
+//!
+//! Each userspace source is one [`FeatureState`]: on, or off with its [`Cause`] and the
+//! reason in the kernel's words plus what to grant. Said at start by every live command,
+//! listed by `xtlock probes`, exported by the daemon (`xtlock_feature_enabled`).
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Why a feature is off: bounded, a metric label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// A capability, an address family or a namespace the deployment did not grant.
+    Privilege,
+    /// The kernel has not got it (a module not built, a file missing).
+    Kernel,
+}
+
+impl Cause {
+    pub fn label(self) -> &'static str {
+        match self {
+            Cause::Privilege => "privilege",
+            Cause::Kernel => "kernel",
+        }
+    }
+}
+
+/// One userspace feature and whether this process can have it.
+#[derive(Clone, Debug, Serialize)]
+pub struct FeatureState {
+    /// Metric label value: snake case, fixed.
+    pub feature: &'static str,
+    /// What it gives, for people.
+    pub gives: &'static str,
+    /// What the kernel checks for it (the price of removing it is `gives`).
+    pub needs: &'static str,
+    /// None: on.
+    pub off: Option<(Cause, String)>,
+}
+
+impl FeatureState {
+    pub fn on(&self) -> bool {
+        self.off.is_none()
+    }
+}
+
+const CAP_NET_ADMIN: u32 = 12;
+const CAP_SYS_PTRACE: u32 = 19;
+const CAP_SYSLOG: u32 = 34;
+
+/// Every feature's state, by trying (about a millisecond; one short-lived thread).
+pub fn check() -> Vec<FeatureState> {
+    let caps = effective_caps();
+    vec![
+        FeatureState {
+            feature: "rule_reads_legacy",
+            gives: "iptables-legacy rule diffs: what each write changed, whose rules it \
+                    removed, stripped matches, the REJECT rule behind refusals",
+            needs: "CAP_NET_RAW (a raw socket), CAP_NET_ADMIN (IPT_SO_GET_ENTRIES)",
+            off: legacy_tables().err(),
+        },
+        FeatureState {
+            feature: "rule_reads_nft",
+            gives: "nf_tables rule diffs (iptables-nft, nft, kube-proxy's nftables mode), \
+                    the Service model and dead endpoints from them",
+            needs: "AF_NETLINK, CAP_NET_ADMIN (nfnetlink)",
+            off: nfnetlink(NfProbe::Nftables).err(),
+        },
+        FeatureState {
+            feature: "netns_entry",
+            gives: "rules and conntrack read in the writer's network namespace (pods, node \
+                    containers) rather than only xtlock's own",
+            needs: "CAP_SYS_ADMIN (setns); under systemd RestrictNamespaces= must allow net",
+            off: setns_own().err(),
+        },
+        FeatureState {
+            feature: "conntrack_entries",
+            gives: "connections to dead or unanswered endpoints (ctnetlink dumps)",
+            needs: "AF_NETLINK, CAP_NET_ADMIN (ctnetlink)",
+            off: nfnetlink(NfProbe::Conntrack).err(),
+        },
+        FeatureState {
+            feature: "addresses",
+            gives: "when pod addresses go (rtnetlink): dead-endpoint windows",
+            needs: "AF_NETLINK",
+            off: rtnetlink().err(),
+        },
+        FeatureState {
+            feature: "other_processes_netns",
+            gives: "network namespaces of processes with more privileges or another user \
+                    (pods, kube-proxy): their conntrack counters and rule reads",
+            needs: "CAP_SYS_PTRACE (ptrace read access to /proc/PID/ns)",
+            off: need_cap(caps, CAP_SYS_PTRACE, "CAP_SYS_PTRACE").err(),
+        },
+        FeatureState {
+            feature: "drop_locations",
+            gives: "drop locations named (nf_hook_slow+0x9c) instead of addresses",
+            needs: "CAP_SYSLOG (/proc/kallsyms addresses)",
+            off: kallsyms(caps).err(),
+        },
+        FeatureState {
+            feature: "ipvs_reads",
+            gives: "IPVS virtual services and real servers (kube-proxy's ipvs mode)",
+            needs: "CAP_NET_ADMIN (generic netlink IPVS)",
+            off: if !std::path::Path::new("/proc/net/ip_vs").exists() {
+                Some((
+                    Cause::Kernel,
+                    "no IPVS here (/proc/net/ip_vs missing: ip_vs not loaded); read once it \
+                     loads"
+                        .into(),
+                ))
+            } else {
+                need_cap(caps, CAP_NET_ADMIN, "CAP_NET_ADMIN").err()
+            },
+        },
+    ]
+}
+
+fn effective_caps() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .unwrap_or(0)
+}
+
+fn need_cap(caps: u64, cap: u32, name: &str) -> Result<(), (Cause, String)> {
+    if caps & (1 << cap) != 0 {
+        Ok(())
+    } else {
+        Err((Cause::Privilege, format!("no {name}")))
+    }
+}
+
+fn denied(what: &str, e: &std::io::Error, grant: &str) -> (Cause, String) {
+    let cause = match e.raw_os_error() {
+        Some(libc::EPERM | libc::EACCES | libc::EAFNOSUPPORT) => Cause::Privilege,
+        _ => Cause::Kernel,
+    };
+    (cause, format!("{what}: {e} (grant {grant})"))
+}
+
+/// /proc/kallsyms shows addresses to everyone at kptr_restrict 0, to CAP_SYSLOG at 1, to
+/// nobody at 2.
+fn kallsyms(caps: u64) -> Result<(), (Cause, String)> {
+    let restrict = std::fs::read_to_string("/proc/sys/kernel/kptr_restrict")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok())
+        .unwrap_or(1);
+    match restrict {
+        0 => Ok(()),
+        1 => need_cap(caps, CAP_SYSLOG, "CAP_SYSLOG (kernel.kptr_restrict = 1)"),
+        _ => Err((
+            Cause::Kernel,
+            "kernel.kptr_restrict = 2 hides kernel addresses from everyone".into(),
+        )),
+    }
+}
+
+/// A raw socket and `IPT_SO_GET_INFO` on `filter`: the two checks of every table read.
+fn legacy_tables() -> Result<(), (Cause, String)> {
+    // SAFETY: a plain socket call; the fd is owned right after.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(denied("cannot open a raw socket", &e, "CAP_NET_RAW"));
+    }
+    // SAFETY: fd is fresh and owned by nothing else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // struct ipt_getinfo: name[32], then sizes; 84 bytes.
+    let mut info = [0u8; 84];
+    info[..6].copy_from_slice(b"filter");
+    let mut len = info.len() as libc::socklen_t;
+    // IPT_SO_GET_INFO = IPT_BASE_CTL (64).
+    // SAFETY: info is valid for len bytes.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_IP,
+            64,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        // No filter table yet, or ip_tables not loaded yet: allowed, read once written.
+        Some(libc::ENOENT | libc::ENOPROTOOPT) => Ok(()),
+        _ => Err(denied("cannot read a table", &e, "CAP_NET_ADMIN")),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum NfProbe {
+    Nftables,
+    Conntrack,
+}
+
+/// One small nfnetlink dump (nf_tables' tables, or conntrack's per-CPU statistics): refused
+/// with EPERM without CAP_NET_ADMIN, like every nfnetlink request.
+fn nfnetlink(which: NfProbe) -> Result<(), (Cause, String)> {
+    let (subsys, msg, grant) = match which {
+        // NFNL_SUBSYS_NFTABLES, NFT_MSG_GETTABLE
+        NfProbe::Nftables => (10u16, 1u16, "CAP_NET_ADMIN"),
+        // NFNL_SUBSYS_CTNETLINK, IPCTNL_MSG_CT_GET_STATS_CPU
+        NfProbe::Conntrack => (1u16, 4u16, "CAP_NET_ADMIN"),
+    };
+    let mut req = [0u8; 20];
+    req[0..4].copy_from_slice(&20u32.to_ne_bytes());
+    req[4..6].copy_from_slice(&((subsys << 8) | msg).to_ne_bytes());
+    // NLM_F_REQUEST | NLM_F_DUMP
+    req[6..8].copy_from_slice(&(0x1u16 | 0x300).to_ne_bytes());
+    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    ask(libc::NETLINK_NETFILTER, &req, grant)
+}
+
+/// An rtnetlink dump of addresses: no capability, only the address family.
+fn rtnetlink() -> Result<(), (Cause, String)> {
+    let mut req = [0u8; 24];
+    req[0..4].copy_from_slice(&24u32.to_ne_bytes());
+    req[4..6].copy_from_slice(&libc::RTM_GETADDR.to_ne_bytes());
+    req[6..8].copy_from_slice(&(0x1u16 | 0x300).to_ne_bytes());
+    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
+    // ifaddrmsg: AF_UNSPEC
+    ask(libc::NETLINK_ROUTE, &req, "AF_NETLINK")
+}
+
+/// Sends `req` on a new netlink socket of `proto`; Ok when the first answer is not an error.
+fn ask(proto: libc::c_int, req: &[u8], grant: &str) -> Result<(), (Cause, String)> {
+    // SAFETY: a plain socket call; the fd is owned right after.
+    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto) };
+    if fd < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(denied(
+            "cannot open a netlink socket",
+            &e,
+            "AF_NETLINK: RestrictAddressFamilies=, seccomp",
+        ));
+    }
+    // SAFETY: fd is fresh and owned by nothing else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    let _ = crate::source::addrs::set_recv_timeout(&sock, Duration::from_secs(2));
+    // SAFETY: req is valid for its length.
+    let sent = unsafe { libc::send(sock.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) };
+    if sent < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(denied("cannot send a netlink request", &e, grant));
+    }
+    let mut buf = vec![0u8; 16384];
+    // SAFETY: buf is valid for its length.
+    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(denied("cannot read the netlink answer", &e, grant));
+    }
+    let n = n as usize;
+    // nlmsghdr: len u32, type u16; NLMSG_ERROR = 2 carries -errno next.
+    if n >= 20 && u16::from_ne_bytes([buf[4], buf[5]]) == 2 {
+        let err = i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]);
+        if err < 0 {
+            let e = std::io::Error::from_raw_os_error(-err);
+            return Err(denied("the kernel refused the request", &e, grant));
+        }
+    }
+    Ok(())
+}
+
+/// setns() into our own network namespace, from a thread of its own: the same checks as
+/// entering any other (CAP_SYS_ADMIN; a seccomp or systemd namespace filter).
+fn setns_own() -> Result<(), (Cause, String)> {
+    let t = std::thread::Builder::new()
+        .name("xtlock-access".into())
+        .spawn(|| -> Result<(), (Cause, String)> {
+            let f = std::fs::File::open("/proc/thread-self/ns/net").map_err(|e| {
+                denied("cannot open its own network namespace", &e, "CAP_SYS_ADMIN")
+            })?;
+            // SAFETY: setns on an fd we own, to the namespace this thread is already in.
+            if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(denied(
+                    "setns() refused",
+                    &e,
+                    "CAP_SYS_ADMIN; under systemd RestrictNamespaces=net",
+                ));
+            }
+            Ok(())
+        });
+    match t {
+        Ok(h) => h
+            .join()
+            .unwrap_or_else(|_| Err((Cause::Kernel, "the check's thread failed".into()))),
+        Err(e) => Err((Cause::Kernel, format!("cannot start a thread: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_feature_has_a_fixed_snake_case_label() {
+        let all = check();
+        let mut names: Vec<_> = all.iter().map(|f| f.feature).collect();
+        assert!(names
+            .iter()
+            .all(|n| n.bytes().all(|b| b.is_ascii_lowercase() || b == b'_')));
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+    }
+
+    #[test]
+    fn a_refusal_is_a_privilege_other_errors_the_kernel() {
+        let e = std::io::Error::from_raw_os_error(libc::EPERM);
+        assert_eq!(denied("x", &e, "y").0, Cause::Privilege);
+        let e = std::io::Error::from_raw_os_error(libc::EAFNOSUPPORT);
+        assert_eq!(denied("x", &e, "y").0, Cause::Privilege);
+        let e = std::io::Error::from_raw_os_error(libc::EOPNOTSUPP);
+        assert_eq!(denied("x", &e, "y").0, Cause::Kernel);
+    }
+}
