@@ -18,6 +18,7 @@ use std::{
 use serde_json::Value;
 
 mod bpftrace;
+pub mod cluster;
 mod inject;
 mod pods;
 mod smallfs;

@@ -704,23 +704,34 @@ fn unit_capabilities_suffice(root: &Path, work: &Path, bin: &Path) -> Result<()>
     let records = work.join("records");
     let _ = fs::remove_dir_all(&records);
     fs::create_dir_all(&records)?;
+    // A network namespace pinned as `ip netns add` does (as containerd pins pods'), where
+    // kube-proxy writes its chains and firewalld removes them while the daemon runs.
+    let ns = NetnsPin::add("xtlock-deb-rules")?;
+    let port = free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    let log_path = work.join("unit-daemon.log");
     let mut daemon = in_mount_namespace(READ_ONLY_SANDBOX);
     daemon
         .arg(&records)
         .arg(limited(&[]).get_program())
-        .args(limited(&["daemon", "--listen", "127.0.0.1:0", "--duration", "3s"]).get_args())
+        .args(limited(&["daemon", "--listen", &listen, "--duration", "15s"]).get_args())
         .arg("--record-dir")
-        .arg(&records);
-    let out = daemon
-        .output()
+        .arg(&records)
+        .stdout(std::process::Stdio::null())
+        .stderr(fs::File::create(&log_path)?);
+    let mut child = daemon
+        .spawn()
         .context("running unshare and setpriv (util-linux)")?;
-    let log = String::from_utf8_lossy(&out.stderr);
+    let seen = unit_sees_a_foreign_change(work, &ns.0, &listen);
+    let status = child.wait()?;
+    let log = fs::read_to_string(&log_path).unwrap_or_default();
+    let (foreign, features) =
+        seen.with_context(|| format!("the unit's daemon; its log:\n{log}"))?;
     let captures = fs::read_dir(&records).map_or(0, |d| d.count());
     ensure!(
-        out.status.success() && log.contains("ready") && captures > 0,
-        "the daemon with only {} ({}, {captures} capture files):\n{log}",
+        status.success() && log.contains("ready") && captures > 0,
+        "the daemon with only {} ({status}, {captures} capture files):\n{log}",
         caps.join(" "),
-        out.status
     );
     // Its own mount namespace is not taken for a container's: the lock file is the host's
     // own path, not one under /proc/1/root.
@@ -731,10 +742,155 @@ fn unit_capabilities_suffice(root: &Path, work: &Path, bin: &Path) -> Result<()>
     let _ = fs::remove_dir_all(&records);
     println!(
         "ok: with only the unit's {}, the same hooks and features as root; the daemon runs \
-         with them in a read-only file system",
+         with them in a read-only file system, every feature on ({features}), and counts \
+         {foreign} foreign change(s) of kube-proxy's rules by firewalld",
         caps.join(" ")
     );
     Ok(())
+}
+
+/// kube-proxy's restore writes its chains in `ns`, firewalld flushes and deletes one (each
+/// a shell named so, as their processes are the iptables' parents); the unit's daemon on
+/// `listen` must count the change and have every feature on. (count, features on).
+fn unit_sees_a_foreign_change(work: &Path, ns: &str, listen: &str) -> Result<(f64, String)> {
+    let agents = work.join("agents");
+    fs::create_dir_all(&agents)?;
+    for a in ["kube-proxy", "firewalld"] {
+        // A copy: the kernel's comm is the file's name.
+        fs::copy("/bin/bash", agents.join(a)).context("copying /bin/bash")?;
+    }
+    let rules = work.join("kube-proxy.rules");
+    fs::write(
+        &rules,
+        "*filter\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-XTLOCKDEB - [0:0]\n\
+         -A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m tcp --dport 80 -j KUBE-SVC-XTLOCKDEB\n\
+         -A KUBE-SVC-XTLOCKDEB -j DROP\nCOMMIT\n",
+    )?;
+    let metrics = |deadline: Instant| -> Result<String> {
+        loop {
+            match http_get(listen, "/metrics") {
+                Ok(body) => return Ok(body),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(250)),
+            }
+        }
+    };
+    let value = |body: &str, name: &str, labels: &[&str]| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let ready = Instant::now() + std::time::Duration::from_secs(15);
+    while http_get(listen, "/readyz").is_err() && Instant::now() < ready {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    let body = metrics(ready)?;
+    let off: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("xtlock_feature_enabled") && l.contains("cause=\"privilege\""))
+        .collect();
+    ensure!(
+        off.is_empty(),
+        "features off for want of a privilege in the unit: {off:?}"
+    );
+    let on: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("xtlock_feature_enabled") && l.ends_with(" 1"))
+        .filter_map(|l| l.split("feature=\"").nth(1)?.split('"').next())
+        .collect();
+    let agent = |name: &str, script: String| -> Result<()> {
+        let st = Command::new(agents.join(name))
+            .arg("-c")
+            // `; exit`: a list, so bash stays the parent rather than exec'ing the last command.
+            .arg(format!("{script}; exit $?"))
+            .status()
+            .with_context(|| format!("running {name}"))?;
+        ensure!(st.success(), "{name}: {script}: {st}");
+        Ok(())
+    };
+    let writes = |b: &str| value(b, "xtlock_rule_writes_total", &["agent=\"kube-proxy\""]);
+    let writes_before = writes(&body);
+    agent(
+        "kube-proxy",
+        format!(
+            "ip netns exec {ns} iptables-legacy-restore -w --noflush < {}",
+            rules.display()
+        ),
+    )?;
+    // kube-proxy's rules are read back before firewalld's write: they are then its.
+    let t = Instant::now() + std::time::Duration::from_secs(10);
+    while writes(&metrics(t)?) <= writes_before && Instant::now() < t {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    // Counted at the kernel's replace; the read follows the writer's exit by a few ms, and
+    // writes of two agents between two reads are ambiguous (not counted).
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    agent(
+        "firewalld",
+        format!(
+            "ip netns exec {ns} iptables-legacy -w -F KUBE-SERVICES && \
+             ip netns exec {ns} iptables-legacy -w -F KUBE-SVC-XTLOCKDEB && \
+             ip netns exec {ns} iptables-legacy -w -X KUBE-SVC-XTLOCKDEB"
+        ),
+    )?;
+    let foreign = |b: &str| {
+        value(
+            b,
+            "xtlock_foreign_rule_changes_total",
+            &["agent=\"firewalld\"", "owner=\"kube-proxy\""],
+        )
+    };
+    let t = Instant::now() + std::time::Duration::from_secs(10);
+    let mut n = foreign(&metrics(t)?);
+    while n < 1.0 && Instant::now() < t {
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        n = foreign(&metrics(t)?);
+    }
+    ensure!(
+        n >= 1.0,
+        "the unit's daemon counted no change of kube-proxy's rules by firewalld (xtlock_foreign_rule_changes_total)"
+    );
+    Ok((n, on.join(", ")))
+}
+
+/// `ip netns add NAME`, deleted on drop.
+struct NetnsPin(String);
+
+impl NetnsPin {
+    fn add(name: &str) -> Result<Self> {
+        let _ = Command::new("ip")
+            .args(["netns", "del", name])
+            .stderr(std::process::Stdio::null())
+            .status();
+        sh::run(Command::new("ip").args(["netns", "add", name]))?;
+        Ok(NetnsPin(name.to_owned()))
+    }
+}
+
+impl Drop for NetnsPin {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// The body of `GET path` when it answers 200.
+fn http_get(addr: &str, path: &str) -> Result<String> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    ensure!(head.contains(" 200 "), "{path}: {head}");
+    Ok(body.to_owned())
 }
 
 /// The hooks and features (as `xtlock probes --json` lists them) that differ between `a`

@@ -13,6 +13,9 @@
 //!     xtlock's CPU per write, with and without the reads, beside `iptables-save`.
 //! 8 `refusals`: TCP connects into a REJECT rule: refused/s and exact counts against the
 //!     clients' and the rule's (`--bpf-stats`: BPF ns per refused connection, per program).
+//! 10 `idle`: the DaemonSet's daemon, with the manifest's arguments, on a quiet node (40
+//!     pods, kube-proxy's ~1,600 nat rules synced every 10 s, 40 connections/s), then with
+//!     100,000 conntrack entries: % of a core by thread (source) and peak RSS.
 //! 9 `nft-rules`: reading a 10,000-service kube-proxy nftables ruleset (~120,000 rules) back
 //!     after each small transaction: the writer's time, xtlock's CPU per read, its peak RSS.
 //!
@@ -28,6 +31,7 @@ use crate::{setup, sh};
 
 mod collector;
 mod drops;
+mod idle;
 mod lockpath;
 mod nft_mutex;
 mod nft_rules;
@@ -86,7 +90,7 @@ pub struct Env {
     pub machine: Value,
 }
 
-const ALL: [&str; 8] = [
+const ALL: [&str; 9] = [
     "lock",
     "drops",
     "collector",
@@ -95,6 +99,7 @@ const ALL: [&str; 8] = [
     "nft-rules",
     "refusals",
     "nft-mutex",
+    "idle",
 ];
 
 pub fn run(args: &BenchArgs) -> Result<()> {
@@ -107,14 +112,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         if !ALL.contains(&s.as_str()) && s != "capture" {
             bail!(
                 "unknown bench `{s}` (lock, drops, collector, ring, rules, nft-rules, refusals, \
-                 nft-mutex)"
+                 nft-mutex, idle)"
             );
         }
     }
     let needs_root = selected.iter().any(|s| {
         matches!(
             s.as_str(),
-            "lock" | "drops" | "ring" | "rules" | "nft-rules" | "refusals" | "nft-mutex"
+            "lock" | "drops" | "ring" | "rules" | "nft-rules" | "refusals" | "nft-mutex" | "idle"
         )
     });
     if needs_root && !sh::is_root() {
@@ -148,6 +153,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "xtlock",
             "--bin",
             "xtlock-bench-load",
+            "--bin",
+            "xtlock-test-helper",
             "--example",
             "bench_collector",
         ]))?;
@@ -207,6 +214,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "nft-rules" => (nft_rules::run(&env)?, None),
             "refusals" => (refusals::run(&env)?, None),
             "nft-mutex" => (nft_mutex::run(&env)?, None),
+            "idle" => (idle::run(&env)?, None),
             _ => unreachable!("checked above"),
         };
         let took = t.elapsed().as_secs_f64();

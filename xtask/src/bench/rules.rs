@@ -39,6 +39,10 @@ impl Netns {
         Ok(Netns(name))
     }
 
+    pub(super) fn name(&self) -> &str {
+        &self.0
+    }
+
     pub(super) fn cmd(&self, prog: &str) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.0, prog]);

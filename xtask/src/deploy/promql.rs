@@ -273,30 +273,9 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "moves only when the node refuses connections during a hold (tests/tests/refusals.rs)",
     ),
     (
-        "xtlock_stale_endpoint_seconds_bucket",
-        "needs a Service still routed to a pod that is gone (tests/tests/stale_endpoints.rs)",
-    ),
-    (
-        "xtlock_stale_endpoint_seconds_count",
-        "needs a Service still routed to a pod that is gone (tests/tests/stale_endpoints.rs)",
-    ),
-    (
-        "xtlock_stale_endpoint_seconds_sum",
-        "needs a Service still routed to a pod that is gone (tests/tests/stale_endpoints.rs)",
-    ),
-    (
-        "xtlock_stale_endpoint_connections_total",
-        "moves only when connections are refused by a gone endpoint a Service still routes to",
-    ),
-    (
         "xtlock_ipvs_drained_seconds_bucket",
         "needs IPVS (kube-proxy's ipvs mode) and a real server set to weight 0, then removed \
          (tests/tests/ipvs.rs, in the VM)",
-    ),
-    (
-        "xtlock_endpoint_programming_seconds_bucket",
-        "needs a pod's address to come up and a write to route a Service to it \
-         (tests/tests/stale_endpoints.rs)",
     ),
 ];
 

@@ -148,21 +148,32 @@ fn denied(what: &str, e: &std::io::Error, grant: &str) -> (Cause, String) {
     (cause, format!("{what}: {e} (grant {grant})"))
 }
 
-/// /proc/kallsyms shows addresses to everyone at kptr_restrict 0, to CAP_SYSLOG at 1, to
-/// nobody at 2.
+/// Whether /proc/kallsyms shows this process addresses: the kernel decides from
+/// kptr_restrict, perf_event_paranoid and CAP_SYSLOG together, so its first line is asked.
 fn kallsyms(caps: u64) -> Result<(), (Cause, String)> {
-    let restrict = std::fs::read_to_string("/proc/sys/kernel/kptr_restrict")
+    use std::io::BufRead as _;
+    let first = std::fs::File::open("/proc/kallsyms")
         .ok()
-        .and_then(|s| s.trim().parse::<u32>().ok())
-        .unwrap_or(1);
-    match restrict {
-        0 => Ok(()),
-        1 => need_cap(caps, CAP_SYSLOG, "CAP_SYSLOG (kernel.kptr_restrict = 1)"),
-        _ => Err((
-            Cause::Kernel,
-            "kernel.kptr_restrict = 2 hides kernel addresses from everyone".into(),
-        )),
+        .and_then(|f| std::io::BufReader::new(f).lines().next()?.ok())
+        .unwrap_or_default();
+    let shown = first
+        .split_whitespace()
+        .next()
+        .and_then(|a| u64::from_str_radix(a, 16).ok())
+        .is_some_and(|a| a != 0);
+    if shown {
+        return Ok(());
     }
+    if caps & (1 << CAP_SYSLOG) == 0 {
+        return Err((
+            Cause::Privilege,
+            "/proc/kallsyms shows no addresses: no CAP_SYSLOG".into(),
+        ));
+    }
+    Err((
+        Cause::Kernel,
+        "/proc/kallsyms shows no addresses even with CAP_SYSLOG (kernel.kptr_restrict = 2)".into(),
+    ))
 }
 
 /// A raw socket and `IPT_SO_GET_INFO` on `filter`: the two checks of every table read.
