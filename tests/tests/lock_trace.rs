@@ -885,3 +885,113 @@ fn bpf_caps_without_root_name_the_missing_one() {
         "{err}"
     );
 }
+
+/// A node container's own `/run/xtables.lock`: a process in a mount namespace of its own
+/// (with a tmpfs on `/run` and its own `/etc/hostname`, as kind, k3d and minikube-docker nodes
+/// have, and a network namespace of its own for the rules) runs iptables twice (the first
+/// creates its lock file, the second's exec is how xtlock finds it), then kube-proxy holds
+/// that lock three times for 300 ms. xtlock on the host, watching only the host's (here, the
+/// test's) lock file, must say the lock file it found, with the node's name, and report the
+/// three holds on its inode, each between the holder's own flock() and close(); `record` +
+/// `report` the same.
+#[test]
+fn a_node_containers_own_lock_file_is_found_and_watched() {
+    if !require_bpf("a_node_containers_own_lock_file_is_found_and_watched") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("node-lock");
+    let host_lock = s.lock_file("xtables.lock");
+    let capture = s.dir.join("node.xtlock");
+    let kube_proxy = s.agent("kube-proxy");
+    let hostname = write_file(&s.dir, "hostname", "kind-worker2\n");
+    let tracer = Tracer::start(
+        &[&host_lock],
+        Duration::from_secs(60),
+        &["--no-drops", "--record", capture.to_str().unwrap()],
+    );
+    let script = format!(
+        "mount -t tmpfs tmpfs /run && mount --bind {host} /etc/hostname && \
+         iptables-legacy -w -A OUTPUT -j ACCEPT && iptables-legacy -w -A OUTPUT -j ACCEPT && \
+         echo ino $(stat -c %i /run/xtables.lock) && sleep 1 && \
+         for i in 1 2 3; do {kp} hold /run/xtables.lock 300 || exit 1; sleep 0.2; done",
+        host = hostname.display(),
+        kp = kube_proxy.display(),
+    );
+    let mut node = Agent::spawn(
+        std::path::Path::new("unshare"),
+        &[
+            "--mount",
+            "--net",
+            "--propagation",
+            "private",
+            "--fork",
+            "sh",
+            "-ec",
+            &script,
+        ],
+        &[],
+        None,
+    );
+    let ino: u64 = node.expect("ino", T)[0].parse().expect("an inode number");
+    assert_eq!(node.wait_within(T), 0, "{:?}", node.seen);
+    // The helper's own clocks, three holds in order.
+    let times = |key: &str| -> Vec<u64> {
+        node.seen
+            .iter()
+            .filter_map(|l| l.strip_prefix(&format!("{key} ")))
+            .filter_map(|t| t.split_whitespace().next()?.parse().ok())
+            .collect()
+    };
+    let (locking, acquired, released, closed) = (
+        times("locking"),
+        times("acquired"),
+        times("released"),
+        times("closed"),
+    );
+    assert_eq!(acquired.len(), 3, "{:?}", node.seen);
+    std::thread::sleep(Duration::from_millis(300));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    assert!(
+        trace
+            .stderr
+            .contains("watching /run/xtables.lock of kind-worker2 (mount namespace"),
+        "the found lock file is said with its node's name:\n{}",
+        trace.stderr
+    );
+    let on_node = |events: &[&Value]| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|h| h["agent"] == "kube-proxy")
+            .filter(|h| {
+                h["lock"]
+                    .as_str()
+                    .is_some_and(|l| l.ends_with(&format!(" ino {ino}")))
+            })
+            .map(|h| (*h).clone())
+            .collect()
+    };
+    let holds = on_node(&trace.of_type("hold"));
+    assert_eq!(
+        holds.len(),
+        3,
+        "three holds on the node's lock (ino {ino}):\n{dump}"
+    );
+    for (i, h) in holds.iter().enumerate() {
+        let start = u(&h["start_ns"]);
+        let end = start + u(&h["hold_ns"]);
+        assert!(
+            (locking[i]..=acquired[i]).contains(&start) && (released[i]..=closed[i]).contains(&end),
+            "hold {i} [{start}, {end}] outside the holder's flock() [{}, {}] and close() [{}, {}]:\n{dump}",
+            locking[i],
+            acquired[i],
+            released[i],
+            closed[i]
+        );
+    }
+    let replayed = xtlock_tests::report_events(&capture);
+    let replayed: Vec<&Value> = replayed.iter().filter(|e| e["type"] == "hold").collect();
+    assert_eq!(on_node(&replayed), holds, "report differs from trace");
+}

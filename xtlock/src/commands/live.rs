@@ -126,6 +126,9 @@ pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) -> Vec<Feature
     let attached = status.iter().filter(|s| s.attached()).count();
     // Hooks another one stands in for count neither way.
     let needless = status.iter().filter(|s| s.needless).count();
+    // Tried before the line tools wait for ("hooks attached)"): a Ctrl-C sent right after
+    // it must find the signal handlers installed, not this check running.
+    let features = crate::source::access::check();
     // Said first: tools wait for the line's "hooks attached)".
     let also = if needless > 0 {
         format!("{needless} not needed, ")
@@ -137,7 +140,6 @@ pub fn announce(locks: &[LockFile], src: &LiveSource, what: &str) -> Vec<Feature
         names.join(", "),
         status.len() - needless,
     );
-    let features = crate::source::access::check();
     say_features(&features);
     features
 }
@@ -165,6 +167,45 @@ pub fn say_features(features: &[FeatureState]) {
             None => {}
         }
     }
+}
+
+/// Watches the lock files of other mount namespaces the source found (node containers,
+/// containers with a `/run` of their own), with the holds already in place on them. The
+/// kernel side watches `MAX_WATCHED_LOCKS` in all; past it, said and left out.
+fn watch_found_locks(
+    src: &mut LiveSource,
+    pipe: &mut Pipeline,
+    locks: &mut Vec<LockFile>,
+) -> anyhow::Result<()> {
+    for f in src.found_locks() {
+        if locks.len() >= xtlock_common::MAX_WATCHED_LOCKS as usize {
+            tracing::warn!(lock = %f.describe(), "not watched: xtlock watches {} lock files at most", xtlock_common::MAX_WATCHED_LOCKS);
+            continue;
+        }
+        let index = locks.len() as u32;
+        match src.probes.watch(&f.lock, index) {
+            Ok(()) => {
+                tracing::info!(
+                    pid = f.pid,
+                    "watching {}, found through process {}: its holds and waits are on \
+                     dev {}:{} ino {}",
+                    f.describe(),
+                    f.pid,
+                    f.lock.dev >> 20,
+                    f.lock.dev & 0xf_ffff,
+                    f.lock.ino
+                );
+                locks.push(f.lock.clone());
+                for ev in src.seed_lock(&f.lock) {
+                    pipe.feed(&ev)?;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(lock = %f.describe(), error = %e, "cannot watch a lock file of another mount namespace")
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs until Ctrl-C, SIGTERM or `duration`; then drains what is queued and finishes the
@@ -202,6 +243,7 @@ pub async fn run(
                 for ev in batch.drain(..) {
                     pipe.feed(&ev)?;
                 }
+                watch_found_locks(src, pipe, locks)?;
                 pipe.flush()?;
                 hooks.after_batch(pipe)?;
             }
@@ -210,6 +252,7 @@ pub async fn run(
                 for ev in batch.drain(..) {
                     pipe.feed(&ev)?;
                 }
+                watch_found_locks(src, pipe, locks)?;
                 pipe.flush()?;
                 hooks.after_batch(pipe)?;
             }

@@ -51,6 +51,7 @@ pub fn open(
     };
     let probes = live::load(&locks, ring_mib, drops, lock_args)?;
     let mut src = LiveSource::new(probes)?;
+    src.find_locks(&locks);
     let mut pending = match (pending, recording) {
         (Some((file, pending)), Recording::File(path, progress)) => {
             let r = recorder::start_capture(file, path, &locks, &src.probes.status, progress)?;

@@ -63,6 +63,8 @@ struct Tap {
     /// Conntrack entries DNATed to addresses gone (see `source/ct_entries.rs`).
     ct: Option<super::ct_entries::CtWatch>,
     ipvs_table: Option<super::ipvs_table::IpvsReader>,
+    /// Lock files of other mount namespaces, found from the iptables runs in them.
+    locks: Option<super::lockfinder::LockFinder>,
 }
 
 impl LiveSource {
@@ -275,6 +277,38 @@ impl LiveSource {
         }
     }
 
+    /// Starts looking for the lock files of other mount namespaces (`watched`: the ones
+    /// watched already).
+    pub fn find_locks(&mut self, watched: &[crate::lockfiles::LockFile]) {
+        self.tap.locks = Some(super::lockfinder::LockFinder::new(watched));
+    }
+
+    /// Lock files of other mount namespaces found since the last call, to be watched.
+    pub fn found_locks(&mut self) -> Vec<super::lockfinder::FoundLock> {
+        self.tap
+            .locks
+            .as_mut()
+            .map(super::lockfinder::LockFinder::take)
+            .unwrap_or_default()
+    }
+
+    /// Flocks on `lock` held right now (from /proc/locks), as events, recorded: a lock
+    /// watched from now on may be held already by the run it was found through.
+    pub fn seed_lock(&mut self, lock: &crate::lockfiles::LockFile) -> Vec<Event> {
+        let Ok(text) = std::fs::read_to_string("/proc/locks") else {
+            return Vec::new();
+        };
+        let now = super::monotonic_ns();
+        let events: Vec<Event> = super::procfs::held_flocks(&text, &[(lock.dev, lock.ino)], now)
+            .into_iter()
+            .map(Event::LockSeed)
+            .collect();
+        for ev in &events {
+            self.tap.synthetic(ev);
+        }
+        events
+    }
+
     /// The processes that exist now, as events: the analysis starts from them.
     pub fn seed(&mut self, locks: &[(u32, u64)]) -> Vec<Event> {
         let now = super::monotonic_ns();
@@ -415,6 +449,9 @@ impl Tap {
             let mut info = exec_cgroup(pid, ts);
             // An iptables run: which binary, on disk, and its version.
             if super::binaries::is_rule_tool(&file) {
+                if let Some(f) = self.locks.as_mut() {
+                    f.on_exec(pid, self.binaries.alive_ancestor(pid));
+                }
                 let resolved = self.binaries.resolve(pid, &file);
                 if let Some(r) = self.rules.as_mut() {
                     let args: Vec<&str> = argv.iter().collect();

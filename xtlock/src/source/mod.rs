@@ -13,6 +13,7 @@ pub mod file;
 pub mod ipvs;
 pub mod ipvs_table;
 pub mod live;
+pub mod lockfinder;
 pub mod pods;
 pub mod procfs;
 pub mod recorder;
