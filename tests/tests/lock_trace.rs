@@ -913,7 +913,7 @@ fn a_node_containers_own_lock_file_is_found_and_watched() {
     let script = format!(
         "mount -t tmpfs tmpfs /run && mount --bind {host} /etc/hostname && \
          iptables-legacy -w -A OUTPUT -j ACCEPT && iptables-legacy -w -A OUTPUT -j ACCEPT && \
-         echo ino $(stat -c %i /run/xtables.lock) && sleep 1 && \
+         echo ino $(stat -c %i /run/xtables.lock) && sleep 2 && \
          for i in 1 2 3; do {kp} hold /run/xtables.lock 300 || exit 1; sleep 0.2; done",
         host = hostname.display(),
         kp = kube_proxy.display(),
@@ -994,4 +994,171 @@ fn a_node_containers_own_lock_file_is_found_and_watched() {
     let replayed = xtlock_tests::report_events(&capture);
     let replayed: Vec<&Value> = replayed.iter().filter(|e| e["type"] == "hold").collect();
     assert_eq!(on_node(&replayed), holds, "report differs from trace");
+}
+
+/// Two writers of one network namespace's legacy tables under different lock files (as an
+/// agent container without the host's `/run` mounted is): kube-proxy's restore (lock A) reads
+/// the filter table at `*filter`; the CNI agent (lock B) then replaces rule 1 of FORWARD,
+/// which keeps the entry count; kube-proxy's replace, computed from its earlier read, is taken
+/// by the kernel and silently puts the old rule back. A second round where the CNI agent
+/// appends instead (the count changes) gets kube-proxy's replace refused (EAGAIN). Truth:
+/// `iptables-legacy-save` before and after, and the restores' own exit status and words.
+/// xtlock must say the pair once, the lost write and the refused replace, each naming both
+/// writers and their locks, the same from `record` + `report`.
+#[test]
+fn writers_that_do_not_share_a_lock_are_said_with_what_it_cost() {
+    use std::io::Write as _;
+    use std::process::{Command, Stdio};
+    if !require_bpf("writers_that_do_not_share_a_lock_are_said_with_what_it_cost") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("unserialized");
+    let lock_a = s.lock_file("a.lock");
+    let lock_b = s.lock_file("b.lock");
+    let capture = s.dir.join("unserialized.xtlock");
+    let ns = format!("xtl-unser-{}", std::process::id());
+    struct Ns(String);
+    impl Drop for Ns {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+        }
+    }
+    let _ = Command::new("ip").args(["netns", "del", &ns]).status();
+    assert!(Command::new("ip")
+        .args(["netns", "add", &ns])
+        .status()
+        .unwrap()
+        .success());
+    let _ns = Ns(ns.clone());
+    let netns = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(format!("/run/netns/{ns}")).unwrap().ino()
+    };
+    let kube_proxy = s.agent("kube-proxy");
+    let cni = s.agent("cni-agent");
+    let iptables = |agent: &std::path::Path, lock: &std::path::Path, args: &str| {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns])
+            .arg(agent)
+            .args(["run", "sh", "-c", &format!("iptables-legacy -w {args}")])
+            .env("XTABLES_LOCKFILE", lock)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args}: {out:?}");
+    };
+    let save = || {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &ns, "iptables-legacy-save", "-t", "filter"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // kube-proxy's first rule, before tracing: the pair is kube-proxy and the CNI agent only.
+    iptables(&kube_proxy, &lock_a, "-A FORWARD -s 10.1.0.0/16 -j ACCEPT");
+    let tracer = Tracer::start(
+        &[&lock_a, &lock_b],
+        Duration::from_secs(60),
+        &["--no-drops", "--record", capture.to_str().unwrap()],
+    );
+    // kube-proxy's restore reads the table at `*filter`, then the CNI agent writes, then
+    // kube-proxy commits what it computed from its read.
+    let round = |cni_args: &str, kp_rule: &str| -> std::process::Output {
+        let mut kp = Command::new("ip")
+            .args(["netns", "exec", &ns])
+            .arg(&kube_proxy)
+            .args(["run", "iptables-legacy-restore", "-w", "--noflush"])
+            .env("XTABLES_LOCKFILE", &lock_a)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = kp.stdin.take().unwrap();
+        stdin.write_all(b"*filter\n").unwrap();
+        stdin.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(700));
+        iptables(&cni, &lock_b, cni_args);
+        writeln!(stdin, "-A INPUT -s {kp_rule} -j ACCEPT\nCOMMIT").unwrap();
+        drop(stdin);
+        kp.wait_with_output().unwrap()
+    };
+    let lost = round("-R FORWARD 1 -s 10.9.0.0/16 -j ACCEPT", "10.2.0.0/16");
+    let after_lost = save();
+    let refused = round("-A FORWARD -s 10.8.0.0/16 -j ACCEPT", "10.3.0.0/16");
+    let after_refused = save();
+    std::thread::sleep(Duration::from_millis(300));
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
+    eprintln!("round 1: {lost:?}\n{after_lost}\nround 2: {refused:?}\n{after_refused}");
+    // The truth of round 1: kube-proxy's replace was taken and undid the CNI agent's write.
+    assert!(lost.status.success(), "{lost:?}");
+    assert!(
+        after_lost.contains("-A INPUT -s 10.2.0.0/16 -j ACCEPT"),
+        "{after_lost}"
+    );
+    assert!(
+        after_lost.contains("-A FORWARD -s 10.1.0.0/16 -j ACCEPT"),
+        "{after_lost}"
+    );
+    assert!(
+        !after_lost.contains("10.9.0.0/16"),
+        "the CNI agent's write survived: {after_lost}"
+    );
+    // Round 2: the kernel refused kube-proxy's replace.
+    assert!(!refused.status.success(), "{refused:?}");
+    assert!(!after_refused.contains("10.3.0.0/16"), "{after_refused}");
+    assert!(after_refused.contains("10.8.0.0/16"), "{after_refused}");
+
+    let facts = |events: &[&Value]| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|f| f["netns"].as_u64() == Some(netns))
+            .map(|f| (*f).clone())
+            .collect()
+    };
+    let got = facts(&trace.of_type("unserialized"));
+    let kinds: Vec<&str> = got.iter().filter_map(|f| f["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        ["lost_write", "writers", "refused_replace"],
+        "one lost write, the pair once, one refused replace:\n{dump}"
+    );
+    let (lock_a_s, lock_b_s) = (lock_a.to_str().unwrap(), lock_b.to_str().unwrap());
+    for f in [&got[0], &got[2]] {
+        assert_eq!(f["table"], "ip:filter", "{f}");
+        assert_eq!(
+            (&f["writer"]["agent"], &f["writer"]["lock"]),
+            (&Value::from("kube-proxy"), &Value::from(lock_a_s)),
+            "{f}"
+        );
+        assert_eq!(
+            (&f["other"]["agent"], &f["other"]["lock"]),
+            (&Value::from("cni-agent"), &Value::from(lock_b_s)),
+            "{f}"
+        );
+        assert!(
+            u(&f["read_ns"]) < u(&f["other_write_ns"]) && u(&f["other_write_ns"]) < u(&f["ts_ns"]),
+            "{f}"
+        );
+    }
+    let pair = &got[1];
+    let names = [&pair["writer"]["agent"], &pair["other"]["agent"]];
+    assert!(
+        names.contains(&&Value::from("kube-proxy")) && names.contains(&&Value::from("cni-agent")),
+        "{pair}"
+    );
+    assert!(
+        trace.stderr.is_empty() || !trace.stderr.contains("panicked"),
+        "{}",
+        trace.stderr
+    );
+    assert_eq!(trace.summary()["unserialized"]["lost_writes"], 1, "{dump}");
+    let replayed = xtlock_tests::report_events(&capture);
+    let replayed: Vec<&Value> = replayed
+        .iter()
+        .filter(|e| e["type"] == "unserialized")
+        .collect();
+    assert_eq!(facts(&replayed), got, "report differs from trace");
 }

@@ -273,6 +273,11 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "moves only when the node refuses connections during a hold (tests/tests/refusals.rs)",
     ),
     (
+        "xtlock_unserialized_writes_total",
+        "needs two agents writing one netns's legacy tables under different lock files \
+         (tests/tests/lock_trace.rs)",
+    ),
+    (
         "xtlock_ipvs_drained_seconds_bucket",
         "needs IPVS (kube-proxy's ipvs mode) and a real server set to weight 0, then removed \
          (tests/tests/ipvs.rs, in the VM)",

@@ -48,6 +48,9 @@ pub enum Output {
     RuleChange(RuleChangeFact),
     /// Both iptables backends hold rules written in one network namespace.
     MixedBackends(MixedBackendsFact),
+    /// Writers of one namespace's legacy tables not serialized by one lock, and the writes
+    /// that cost.
+    Unserialized(super::unserialized::UnserializedFact),
     /// Exact refusals of one kind to one destination in one interval.
     RefusalCount(RefusalCountFact),
     /// The refusals that happened while one hold lasted.
@@ -80,6 +83,7 @@ impl Output {
             Output::ConntrackRefused(c) => c.ts_ns,
             Output::Stall(s) => s.ts_ns,
             Output::MixedBackends(m) => m.ts_ns,
+            Output::Unserialized(u) => u.ts_ns,
             Output::RuleWrite(w) => w.ts_ns,
             Output::RuleChange(c) => c.ts_ns,
             Output::DropCount(d) => d.ts_ns,

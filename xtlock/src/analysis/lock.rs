@@ -1487,6 +1487,17 @@ impl LockMachine {
         })
     }
 
+    /// The lock `tgid` holds at `ts` (the first, when it holds several), by its name.
+    pub fn lock_held_by(&self, tgid: u32, ts: u64) -> Option<SharedStr> {
+        self.locks.iter().find_map(|st| {
+            let keys = st.users.get(&tgid)?;
+            st.holds
+                .iter()
+                .any(|(k, h)| keys.contains(k) && h.pid == tgid && h.holding() && ts >= h.start_ns)
+                .then(|| st.name.clone())
+        })
+    }
+
     fn on_xt_replace(&mut self, x: &XtReplaceEvent) {
         // One per thread in flight at most; a bound against threads that never replace.
         if self.swaps.len() >= MAX_PENDING_SWAPS {

@@ -18,6 +18,7 @@ pub mod refusals;
 pub mod rules;
 pub mod services;
 pub mod stats;
+pub mod unserialized;
 
 use attribution::{is_xtables_comm, is_xtables_tool, Attributor};
 use cadence::Cadence;
@@ -63,6 +64,8 @@ pub struct Analyzer {
     drops: DropTracker,
     refusals: RefusalTracker,
     ipvs: IpvsTracker,
+    /// Writers of one namespace's legacy tables under different locks.
+    unserialized: unserialized::Unserialized,
     /// Boxed and taken out while an event is processed, so it can watch the facts the other
     /// subsystems emit (moving a pointer per event, never the tracker).
     services: Option<Box<services::ServiceTracker>>,
@@ -80,6 +83,7 @@ impl Analyzer {
             drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
             refusals: RefusalTracker::default(),
             ipvs: IpvsTracker::new(),
+            unserialized: unserialized::Unserialized::default(),
             services: Some(Box::default()),
         }
     }
@@ -304,6 +308,24 @@ impl Analyzer {
                 self.locks.handle(ev, &mut cx, &mut emit);
                 self.rules
                     .on_event(ev, &self.procs, &mut self.attr, &mut emit);
+                if let Some(t) = match ev {
+                    Event::TableReplace(t) if unserialized::concerns(t) => Some(t),
+                    _ => None,
+                } {
+                    // After the lock machine: the replace's own hold is known by then.
+                    let comm = self.procs.get(t.tgid).map(|p| p.comm).unwrap_or_default();
+                    let who = self.attr.get(&self.procs, t.tgid, &comm);
+                    let writer = unserialized::Writer {
+                        agent: if who.agent.is_empty() {
+                            who.comm.clone()
+                        } else {
+                            who.agent.clone()
+                        },
+                        pid: t.tgid,
+                        lock: self.locks.lock_held_by(t.tgid, t.ts_ns),
+                    };
+                    self.unserialized.on_table(t, writer, &mut emit);
+                }
             }
         }
     }
@@ -365,6 +387,7 @@ impl Analyzer {
             })
             .collect();
         s.mixed_backends = self.rules.mixed().cloned().collect();
+        s.unserialized = self.unserialized.counts;
         s.services = self
             .services
             .as_ref()

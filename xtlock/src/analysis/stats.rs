@@ -184,6 +184,9 @@ pub struct Summary {
     /// Network namespaces whose rules were written through both backends.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub mixed_backends: Vec<super::facts::MixedBackendsFact>,
+    /// Writers not serialized by one lock: pairs said, writes undone, replaces refused.
+    #[serde(skip_serializing_if = "is_zero_unserialized")]
+    pub unserialized: super::unserialized::UnserializedCounts,
     /// Chains and rules of one agent changed by another: (writer, owner, count).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub foreign_changes: Vec<(String, String, u64)>,
@@ -395,6 +398,8 @@ impl Stats {
             | Output::Stall(_) => {}
             // Counted by the rule tracker.
             Output::MixedBackends(_) | Output::RuleWrite(_) | Output::RuleChange(_) => {}
+            // Counted by its tracker.
+            Output::Unserialized(_) => {}
             // Counted by the IPVS tracker.
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
             // Counted by the refusal tracker.
@@ -492,9 +497,14 @@ impl Stats {
             syncs: BTreeMap::new(),
             rule_writes: Vec::new(),
             mixed_backends: Vec::new(),
+            unserialized: Default::default(),
             foreign_changes: Vec::new(),
         }
     }
+}
+
+fn is_zero_unserialized(c: &super::unserialized::UnserializedCounts) -> bool {
+    *c == super::unserialized::UnserializedCounts::default()
 }
 
 #[cfg(test)]

@@ -199,6 +199,18 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
             pod: None,
             pids: [m.pid, 0],
         }),
+        Output::Unserialized(u) => {
+            v.push(Party {
+                agent: &u.writer.agent,
+                pod: None,
+                pids: [u.writer.pid, 0],
+            });
+            v.push(Party {
+                agent: &u.other.agent,
+                pod: None,
+                pids: [u.other.pid, 0],
+            });
+        }
         // The writer (each of them, when ambiguous) and whose rules it changed.
         Output::RuleChange(c) => {
             v.extend(c.agent.split(", ").map(|a| Party {

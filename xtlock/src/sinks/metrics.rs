@@ -149,6 +149,15 @@ pub struct BackendLabels {
     pub backend: &'static str,
 }
 
+/// Writers not serialized by one lock: `kind` is `writers`, `lost_write` or
+/// `refused_replace`; `agent` wrote, `other_agent` is the other one.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UnserializedLabels {
+    pub kind: &'static str,
+    pub agent: String,
+    pub other_agent: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ForeignLabels {
     /// The writer.
@@ -320,6 +329,7 @@ pub struct Metrics {
     pub rule_writes: Family<BackendLabels, Counter>,
     pub foreign_changes: Family<ForeignLabels, Counter>,
     pub mixed_backend_netns: Gauge,
+    pub unserialized: Family<UnserializedLabels, Counter>,
     pub table_entries: Family<TableLabels, Gauge>,
     pub nft_changes: Family<NftChangeLabels, Counter>,
     pub drops: Family<DropLabels, Counter>,
@@ -486,6 +496,14 @@ impl Metrics {
             "Network namespaces whose rules were written through both iptables backends \
              (legacy and nf_tables) since start: each backend's iptables-save hides the other's",
             mixed_backend_netns.clone(),
+        );
+        let unserialized = Family::<UnserializedLabels, Counter>::default();
+        r.register(
+            "unserialized_writes",
+            "Writers of one network namespace's legacy tables that do not share a lock: pairs \
+             found (writers), replaces that undid the other's write made after their read \
+             (lost_write), replaces the kernel refused for it (refused_replace)",
+            unserialized.clone(),
         );
         let table_entries = Family::<TableLabels, Gauge>::default();
         r.register(
@@ -698,6 +716,7 @@ impl Metrics {
             rule_writes,
             foreign_changes,
             mixed_backend_netns,
+            unserialized,
             table_entries,
             nft_changes,
             drops,
@@ -1019,6 +1038,14 @@ impl Sink for MetricsSink {
             }
             Output::MixedBackends(_) => {
                 self.m.mixed_backend_netns.inc();
+            }
+            Output::Unserialized(u) => {
+                let l = UnserializedLabels {
+                    kind: u.kind,
+                    agent: self.agent(&u.writer.agent),
+                    other_agent: self.agent(&u.other.agent),
+                };
+                self.m.unserialized.get_or_create(&l).inc();
             }
             Output::Stall(st) => {
                 let l = AgentLabels {

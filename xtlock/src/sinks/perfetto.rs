@@ -485,6 +485,13 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 super::terminal::ipvs_drained_text(f),
                 serde_json::to_value(f).unwrap_or(Value::Null),
             ),
+            Output::Unserialized(u) => self.instant(
+                u.ts_ns,
+                u.writer.pid,
+                &u.writer.agent,
+                super::terminal::unserialized_text(u),
+                serde_json::to_value(u).unwrap_or(Value::Null),
+            ),
             Output::MixedBackends(m) => self.instant(
                 m.ts_ns,
                 m.pid,

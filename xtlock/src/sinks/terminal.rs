@@ -14,6 +14,7 @@ use lines::*;
 pub(crate) use lines::{
     endpoint_programmed_text, hold_drops_text, hold_refusals_text, ipvs_drained_text, ipvs_text,
     mixed_backends_text, refusal_text, rule_change_lines, stale_endpoint_open_text,
+    unserialized_text,
 };
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
@@ -310,6 +311,7 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::IpvsCount(_) => None,
                 // The host's netns is named in the summary; here its number.
                 Output::MixedBackends(m) => Some(mixed_backends_text(m, 0)),
+                Output::Unserialized(u) => Some(unserialized_text(u)),
                 // One per iptables command: the summary counts them per agent and backend.
                 Output::RuleWrite(_) => None,
                 Output::RuleChange(c) => {

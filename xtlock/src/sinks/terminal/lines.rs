@@ -795,6 +795,47 @@ pub(crate) fn mixed_backends_text(m: &crate::analysis::MixedBackendsFact, host: 
     )
 }
 
+/// Writers of one netns not serialized by one lock, or a write that cost.
+pub(crate) fn unserialized_text(u: &crate::analysis::unserialized::UnserializedFact) -> String {
+    let lock = |w: &crate::analysis::unserialized::Writer| match &w.lock {
+        Some(l) => format!("under {l}"),
+        None => "holding no watched lock".to_owned(),
+    };
+    let who = |w: &crate::analysis::unserialized::Writer| {
+        format!("{} (pid {}) {}", w.agent, w.pid, lock(w))
+    };
+    match u.kind {
+        "lost_write" => format!(
+            "!! {}'s replace of {} in {} undid {}'s write made {} after its read: the two do \
+             not share a lock (rule_change shows what it removed)",
+            who(&u.writer),
+            u.table,
+            netns_text(u.netns, 0),
+            who(&u.other),
+            human_ns(
+                u.other_write_ns
+                    .unwrap_or(0)
+                    .saturating_sub(u.read_ns.unwrap_or(0))
+            ),
+        ),
+        "refused_replace" => format!(
+            "!! {}'s replace of {} in {} was refused (EAGAIN): {} wrote the table after its \
+             read; the two do not share a lock",
+            who(&u.writer),
+            u.table,
+            netns_text(u.netns, 0),
+            who(&u.other),
+        ),
+        _ => format!(
+            "!! {} and {} write the tables of {} without sharing a lock: one's replace can \
+             undo the other's write",
+            who(&u.writer),
+            who(&u.other),
+            netns_text(u.netns, 0),
+        ),
+    }
+}
+
 /// `a, b, c and 3 more`.
 fn some_names(names: &[String], max: usize) -> String {
     let mut s = names

@@ -224,6 +224,17 @@ pub(crate) fn write_summary(
     for m in &s.mixed_backends {
         say!(w, "{}", super::lines::mixed_backends_text(m, s.host_netns))?;
     }
+    let u = &s.unserialized;
+    if u.pairs + u.lost_writes + u.refused_replaces > 0 {
+        say!(
+            w,
+            "!! writers without a shared lock: {} pair(s); {} write(s) undone by a replace \
+             read before them, {} replace(s) refused for it",
+            u.pairs,
+            u.lost_writes,
+            u.refused_replaces
+        )?;
+    }
     if s.holds.is_empty() && s.waits.is_empty() {
         say!(w, "no lock activity seen")?;
     }

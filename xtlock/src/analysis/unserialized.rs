@@ -1,0 +1,313 @@
+//! Writers that do not share the lock. Two processes writing one namespace's legacy tables
+//! under different lock files (or without one) are not serialized: each reads the table
+//! (`*_SO_GET_ENTRIES`), changes its copy and replaces the whole table, so a replace computed
+//! from a read that came before another's write silently undoes that write. The kernel
+//! refuses such a replace only when the table's entry count changed since the read (EAGAIN).
+//!
+//! From the events alone: every table read and replace, with the process, its network
+//! namespace and the lock it held then (the lock machine knows). Said:
+//! - once per pair of writers (agent and lock each) that wrote one namespace's tables under
+//!   different locks: `writers`;
+//! - each replace by one of them whose own read came before the other's write to that table,
+//!   and that the kernel took: `lost_write` (the rule diff of the replace shows what it
+//!   removed); or refused: `refused_replace`.
+//!
+//! Bounded: [`MAX_TABLES`] tables followed, [`RECENT`] writes remembered per table,
+//! [`MAX_READS`] reads, [`MAX_PAIRS`] pairs said.
+
+use std::collections::{HashSet, VecDeque};
+
+use serde::Serialize;
+
+use super::facts::Output;
+use super::procs::FastMap;
+use crate::decode::TableReplaceEvent;
+use crate::shared::SharedStr;
+
+const MAX_TABLES: usize = 1024;
+const RECENT: usize = 32;
+const MAX_READS: usize = 4096;
+const MAX_PAIRS: usize = 1024;
+
+/// What a writer is: its agent and the lock it held (`None`: none watched was held).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Writer {
+    pub agent: SharedStr,
+    pub pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lock: Option<SharedStr>,
+}
+
+/// Writers of one namespace not serialized by one lock, and what it cost.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct UnserializedFact {
+    pub ts_ns: u64,
+    /// `writers`, `lost_write` or `refused_replace`.
+    pub kind: &'static str,
+    pub netns: u32,
+    /// `family:table`, e.g. `ip:filter`.
+    pub table: String,
+    /// The writer whose write this is (for `writers`, the second one seen).
+    pub writer: Writer,
+    /// The other one (for `lost_write`, the one whose write was undone).
+    pub other: Writer,
+    /// `lost_write`, `refused_replace`: when the writer read the table, and when the other
+    /// wrote it after that read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_ns: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub other_write_ns: Option<u64>,
+}
+
+type TableKey = (u32, &'static str, String);
+/// A netns and its two writers' (agent, lock), ordered.
+type PairKey = (
+    u32,
+    (SharedStr, Option<SharedStr>),
+    (SharedStr, Option<SharedStr>),
+);
+
+/// Whether `t` is a read or replace this follows (the rest costs nothing: no attribution).
+pub fn concerns(t: &TableReplaceEvent) -> bool {
+    use xtlock_common::{XT_SO_GET_ENTRIES, XT_SO_SET_REPLACE};
+    t.netns != 0
+        && if t.read {
+            t.optname == XT_SO_GET_ENTRIES && t.ret == 0
+        } else {
+            t.optname == XT_SO_SET_REPLACE && (t.ret == 0 || t.ret == -i64::from(libc::EAGAIN))
+        }
+}
+
+#[derive(Debug, Default)]
+pub struct Unserialized {
+    /// (pid, table) → the time of its last entries read.
+    reads: FastMap<(u32, TableKey), u64>,
+    /// Replaces per table, newest last: (time, writer).
+    writes: FastMap<TableKey, VecDeque<(u64, Writer)>>,
+    /// (netns, the two writers' (agent, lock), ordered) said already.
+    pairs: HashSet<PairKey>,
+    pub counts: UnserializedCounts,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct UnserializedCounts {
+    pub pairs: u64,
+    pub lost_writes: u64,
+    pub refused_replaces: u64,
+}
+
+impl Unserialized {
+    /// A legacy table read or write by `writer` (its lock as held at `t`).
+    pub fn on_table(&mut self, t: &TableReplaceEvent, writer: Writer, out: &mut dyn FnMut(Output)) {
+        use xtlock_common::{SOL_IPV6, XT_SO_GET_ENTRIES, XT_SO_SET_REPLACE};
+        if t.netns == 0 {
+            return;
+        }
+        let Some(name) = t.head.as_ref().map(|h| h.name()).filter(|n| !n.is_empty()) else {
+            return;
+        };
+        let family = if t.level == SOL_IPV6 { "ip6" } else { "ip" };
+        let key: TableKey = (t.netns, family, name);
+        if t.read {
+            if t.optname == XT_SO_GET_ENTRIES && t.ret == 0 {
+                if self.reads.len() >= MAX_READS {
+                    self.reads.clear();
+                }
+                self.reads.insert((t.tgid, key), t.ts_ns);
+            }
+            return;
+        }
+        if t.optname != XT_SO_SET_REPLACE {
+            return;
+        }
+        let refused = t.ret == -i64::from(libc::EAGAIN);
+        if t.ret != 0 && !refused {
+            return;
+        }
+        let read = self.reads.remove(&(t.tgid, key.clone()));
+        let table = format!("{}:{}", key.1, key.2);
+        if !self.writes.contains_key(&key) && self.writes.len() >= MAX_TABLES {
+            self.writes.clear();
+        }
+        let recent = self.writes.entry(key.clone()).or_default();
+        // Another's write between this writer's read and its replace, under another lock.
+        if let Some(read_ns) = read {
+            let undone = recent.iter().rev().find(|(ts, w)| {
+                *ts > read_ns && *ts < t.ts_ns && w.pid != writer.pid && !serialized(w, &writer)
+            });
+            if let Some((ts, other)) = undone {
+                let kind = if refused {
+                    self.counts.refused_replaces += 1;
+                    "refused_replace"
+                } else {
+                    self.counts.lost_writes += 1;
+                    "lost_write"
+                };
+                out(Output::Unserialized(UnserializedFact {
+                    ts_ns: t.ts_ns,
+                    kind,
+                    netns: t.netns,
+                    table: table.clone(),
+                    writer: writer.clone(),
+                    other: other.clone(),
+                    read_ns: Some(read_ns),
+                    other_write_ns: Some(*ts),
+                }));
+            }
+        }
+        if refused {
+            return;
+        }
+        // A pair said once: the other writers of this namespace's tables under another lock.
+        let others: Vec<Writer> = self
+            .writes
+            .iter()
+            .filter(|(k, _)| k.0 == t.netns)
+            .flat_map(|(_, v)| v.iter().map(|(_, w)| w))
+            .filter(|w| w.agent != writer.agent && !serialized(w, &writer))
+            .cloned()
+            .collect();
+        for other in others {
+            let a = (writer.agent.clone(), writer.lock.clone());
+            let b = (other.agent.clone(), other.lock.clone());
+            let pair = if a <= b {
+                (t.netns, a, b)
+            } else {
+                (t.netns, b, a)
+            };
+            if self.pairs.contains(&pair) || self.pairs.len() >= MAX_PAIRS {
+                continue;
+            }
+            self.pairs.insert(pair);
+            self.counts.pairs += 1;
+            out(Output::Unserialized(UnserializedFact {
+                ts_ns: t.ts_ns,
+                kind: "writers",
+                netns: t.netns,
+                table: table.clone(),
+                writer: writer.clone(),
+                other,
+                read_ns: None,
+                other_write_ns: None,
+            }));
+        }
+        let recent = self.writes.entry(key).or_default();
+        if recent.len() >= RECENT {
+            recent.pop_front();
+        }
+        recent.push_back((t.ts_ns, writer));
+    }
+}
+
+/// Two writers serialize each other only when both held the same lock file.
+fn serialized(a: &Writer, b: &Writer) -> bool {
+    matches!((&a.lock, &b.lock), (Some(x), Some(y)) if x == y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::TableHead;
+    use xtlock_common::{SOL_IP, XT_SO_GET_ENTRIES, XT_SO_SET_REPLACE};
+
+    fn ev(ts: u64, pid: u32, read: bool, ret: i64) -> TableReplaceEvent {
+        let mut name = [0u8; xtlock_common::XT_TABLE_MAXNAMELEN];
+        name[..6].copy_from_slice(b"filter");
+        TableReplaceEvent {
+            ts_ns: ts,
+            enter_ns: ts,
+            tgid: pid,
+            tid: pid,
+            level: SOL_IP,
+            optname: if read {
+                XT_SO_GET_ENTRIES
+            } else {
+                XT_SO_SET_REPLACE
+            },
+            optlen: 0,
+            ret,
+            head: Some(Box::new(TableHead {
+                name,
+                entries: 0,
+                bytes: 0,
+            })),
+            head_recorded: true,
+            read,
+            netns: 7,
+        }
+    }
+
+    fn w(agent: &str, pid: u32, lock: Option<&str>) -> Writer {
+        Writer {
+            agent: SharedStr::from(agent),
+            pid,
+            lock: lock.map(SharedStr::from),
+        }
+    }
+
+    fn run(steps: &[(TableReplaceEvent, Writer)]) -> Vec<UnserializedFact> {
+        let mut u = Unserialized::default();
+        let mut v = Vec::new();
+        for (e, wr) in steps {
+            u.on_table(e, wr.clone(), &mut |o| {
+                if let Output::Unserialized(f) = o {
+                    v.push(f)
+                }
+            });
+        }
+        v
+    }
+
+    #[test]
+    fn a_write_between_anothers_read_and_replace_under_another_lock_is_lost() {
+        let kp = w("kube-proxy", 10, Some("/run/a.lock"));
+        let cni = w("cni", 20, Some("/run/b.lock"));
+        let f = run(&[
+            (ev(100, 10, true, 0), kp.clone()),
+            (ev(200, 20, true, 0), cni.clone()),
+            (ev(210, 20, false, 0), cni.clone()),
+            (ev(300, 10, false, 0), kp.clone()),
+        ]);
+        let kinds: Vec<&str> = f.iter().map(|f| f.kind).collect();
+        assert_eq!(kinds, ["lost_write", "writers"]);
+        assert_eq!(f[0].writer, kp);
+        assert_eq!(f[0].other, cni);
+        assert_eq!((f[0].read_ns, f[0].other_write_ns), (Some(100), Some(210)));
+        assert_eq!(f[0].table, "ip:filter");
+    }
+
+    #[test]
+    fn the_same_lock_serializes_and_a_refused_replace_is_said_so() {
+        let kp = w("kube-proxy", 10, Some("/run/a.lock"));
+        let cni_same = w("cni", 20, Some("/run/a.lock"));
+        // Same lock: nothing, even interleaved (as the lock would forbid).
+        let f = run(&[
+            (ev(100, 10, true, 0), kp.clone()),
+            (ev(210, 20, false, 0), cni_same.clone()),
+            (ev(300, 10, false, 0), kp.clone()),
+        ]);
+        assert!(f.is_empty(), "{f:?}");
+        let lockless = w("cni", 20, None);
+        let f = run(&[
+            (ev(100, 10, true, 0), kp.clone()),
+            (ev(210, 20, false, 0), lockless.clone()),
+            (ev(300, 10, false, -i64::from(libc::EAGAIN)), kp.clone()),
+        ]);
+        let kinds: Vec<&str> = f.iter().map(|f| f.kind).collect();
+        assert_eq!(kinds, ["refused_replace"]);
+    }
+
+    #[test]
+    fn a_pair_is_said_once() {
+        let kp = w("kube-proxy", 10, Some("/run/a.lock"));
+        let cni = w("cni", 20, None);
+        let f = run(&[
+            (ev(100, 10, false, 0), kp.clone()),
+            (ev(200, 20, false, 0), cni.clone()),
+            (ev(300, 10, false, 0), kp.clone()),
+            (ev(400, 20, false, 0), cni.clone()),
+        ]);
+        let kinds: Vec<&str> = f.iter().map(|f| f.kind).collect();
+        assert_eq!(kinds, ["writers"]);
+    }
+}
