@@ -151,7 +151,20 @@ fn a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_l
         return;
     }
     let _g = serial();
-    scenario(Backend::Legacy, "xtse");
+    scenario(Backend::Legacy, "xtse", false);
+}
+
+/// The same with the node in a network namespace of its own and xtlock in the host's, as a
+/// kind or k3d node container is beside `sudo xtlock trace` on the host: the node's rules
+/// route Services, so its addresses and conntrack are followed too (sockets made inside it),
+/// and its dead endpoint is said with the same window, connections and late fix.
+#[test]
+fn a_node_in_its_own_network_namespace_gets_its_dead_endpoints_said() {
+    if !require_bpf("a_node_in_its_own_network_namespace_gets_its_dead_endpoints_said") {
+        return;
+    }
+    let _g = serial();
+    scenario(Backend::Legacy, "xtsh", true);
 }
 
 /// The same through `iptables-nft-restore`: the read-back of nf_tables models the Service,
@@ -162,7 +175,7 @@ fn a_service_written_by_iptables_nft_routed_to_a_gone_pod_is_said() {
         return;
     }
     let _g = serial();
-    scenario(Backend::IptablesNft, "xtsn");
+    scenario(Backend::IptablesNft, "xtsn", false);
 }
 
 /// The same in kube-proxy's nftables mode (`nft -f`, table `kube-proxy`).
@@ -172,15 +185,26 @@ fn a_service_in_kube_proxy_nftables_mode_routed_to_a_gone_pod_is_said() {
         return;
     }
     let _g = serial();
-    scenario(Backend::Nft, "xtsk");
+    scenario(Backend::Nft, "xtsk", false);
 }
 
-fn scenario(b: Backend, prefix: &str) {
+/// `on_host`: xtlock runs in the host's namespace rather than the node's.
+fn scenario(b: Backend, prefix: &str, on_host: bool) {
     let s = Scratch::new(&format!("stale-endpoints-{prefix}"));
     let lock = s.lock_file("xtables.lock");
     let n = Node::new(prefix, true);
     let capture = s.dir.join("stale.xtlock");
-    let tracer = n.tracer(&lock, Some(&capture));
+    let tracer = if on_host {
+        let mut c = Command::new(xtlock_bin());
+        c.args(["trace", "--json", "--duration", "300s", "--lock-file"])
+            .arg(&lock)
+            .arg("--record")
+            .arg(&capture)
+            .args(xtlock_tests::tracer_extra_args());
+        xtlock_tests::Tracer::spawn(c)
+    } else {
+        n.tracer(&lock, Some(&capture))
+    };
     let pods = n.serve(&s, &[&["tcplisten", "8080"]]);
     let both = s.dir.join("both.rules");
     let one = s.dir.join("one.rules");

@@ -66,7 +66,18 @@ impl CtWatch {
     /// Opens a netfilter netlink socket here (so a failure is said at once), then reads in a
     /// thread of its own.
     pub fn start(netns: u32) -> std::io::Result<Self> {
-        let sock = open_socket()?;
+        Self::start_in(netns, None)
+    }
+
+    /// The same for namespace `netns` through its handle `ns`, the socket made inside it.
+    pub fn start_in(
+        netns: u32,
+        ns: Option<std::sync::Arc<std::fs::File>>,
+    ) -> std::io::Result<Self> {
+        let sock = match ns {
+            None => open_socket()?,
+            Some(f) => crate::source::netns::inside(&f, open_socket)?,
+        };
         let (tx, cmds) = mpsc::sync_channel(4096);
         let (events, rx) = mpsc::sync_channel(1024);
         let mut w = Worker {

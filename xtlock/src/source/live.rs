@@ -65,6 +65,27 @@ struct Tap {
     ipvs_table: Option<super::ipvs_table::IpvsReader>,
     /// Lock files of other mount namespaces, found from the iptables runs in them.
     locks: Option<super::lockfinder::LockFinder>,
+    /// Other network namespaces whose rules route Services (node containers): their
+    /// addresses and conntrack followed like this one's.
+    nodes: Vec<NodeWatch>,
+    /// Namespaces looked at for it (a read of their nat table came).
+    node_checked: std::collections::HashSet<u32>,
+}
+
+/// Another node's namespace followed: rtnetlink and ctnetlink made inside it.
+struct NodeWatch {
+    addrs: super::addrs::AddrWatcher,
+    ct: Option<super::ct_entries::CtWatch>,
+}
+
+/// Nodes followed besides this one's namespace; past it, said and left out.
+const MAX_NODES: usize = 16;
+
+/// A read of kube-proxy's tables: the legacy (or iptables-nft) nat table with its
+/// `KUBE-SERVICES` chain, or nftables mode's `kube-proxy` table.
+fn routes_services(t: &decode::RuleTable) -> bool {
+    t.table == "kube-proxy"
+        || (t.table == "nat" && t.chains.iter().any(|c| &*c.name == "KUBE-SERVICES"))
 }
 
 impl LiveSource {
@@ -492,6 +513,17 @@ impl Tap {
         if let Some(r) = self.rules.as_mut() {
             r.poll(&mut tables);
         }
+        self.follow_nodes(&tables);
+        for n in &mut self.nodes {
+            let from = tables.len();
+            n.addrs.poll(&mut tables);
+            if let Some(c) = n.ct.as_mut() {
+                for ev in &tables[from..] {
+                    c.on_event(ev);
+                }
+                c.poll(&mut tables);
+            }
+        }
         if let Some(a) = self.addrs.as_mut() {
             let from = tables.len();
             a.poll(&mut tables);
@@ -508,6 +540,53 @@ impl Tap {
             r.poll(&mut tables);
         }
         self.add_tables(tables, out);
+    }
+
+    /// Starts following the addresses and conntrack of each other namespace whose rules route
+    /// Services, from the first read of them (only where this one's are followed).
+    fn follow_nodes(&mut self, tables: &[Event]) {
+        let Some(own) = self.addrs.as_ref().map(|_| super::addrs::own_netns()) else {
+            return;
+        };
+        for ev in tables {
+            let Event::RuleTable(t) = ev else { continue };
+            if t.netns == 0 || t.netns == own || !routes_services(t) {
+                continue;
+            }
+            if !self.node_checked.insert(t.netns) {
+                continue;
+            }
+            if self.nodes.len() >= MAX_NODES {
+                tracing::warn!(
+                    netns = t.netns,
+                    "more namespaces route Services than xtlock follows ({MAX_NODES}): this \
+                     one's dead endpoints are not followed"
+                );
+                continue;
+            }
+            let Some(f) = super::netns::open(t.netns, t.after_pid) else {
+                tracing::warn!(netns = t.netns, "its rules route Services, but no process is left in it to follow its addresses by");
+                continue;
+            };
+            let f = std::sync::Arc::new(f);
+            match super::addrs::AddrWatcher::start_in(Some((t.netns, f.clone()))) {
+                Ok(addrs) => {
+                    let ct = super::ct_entries::CtWatch::start_in(t.netns, Some(f))
+                        .map_err(|e| tracing::warn!(netns = t.netns, error = %e, "cannot open a netfilter netlink socket there: its dead endpoints' connections are not counted"))
+                        .ok();
+                    tracing::info!(
+                        netns = t.netns,
+                        "netns {} routes Services (another node on this host?): its addresses \
+                         and conntrack are followed too, for its dead endpoints",
+                        t.netns
+                    );
+                    self.nodes.push(NodeWatch { addrs, ct });
+                }
+                Err(e) => {
+                    tracing::warn!(netns = t.netns, error = %e, "cannot open an rtnetlink socket in a namespace that routes Services: its dead endpoints are not followed")
+                }
+            }
+        }
     }
 
     fn add_tables(&mut self, tables: Vec<Event>, out: &mut Vec<Event>) {

@@ -14,6 +14,7 @@ pub mod ipvs;
 pub mod ipvs_table;
 pub mod live;
 pub mod lockfinder;
+pub mod netns;
 pub mod pods;
 pub mod procfs;
 pub mod recorder;

@@ -182,7 +182,7 @@ impl RuleReader {
     /// exec, 0 unknown): when it writes through nf_tables, that namespace is opened now, for
     /// the read after its exit: through the writer, else (it is gone already) through
     /// `ancestor` if that one lives in the same namespace, else through a pin of it
-    /// (`ip netns`, containerd's `cni-*`) or any process in it ([`open_netns`]).
+    /// (`ip netns`, containerd's `cni-*`) or any process in it ([`super::netns::open`]).
     pub fn on_exec(
         &mut self,
         pid: u32,
@@ -201,9 +201,9 @@ impl RuleReader {
             let ino = u32::try_from(f.metadata().ok()?.ino()).ok()?;
             (netns == 0 || ino == netns).then_some((ino, f))
         };
-        let found = open(pid)
-            .or_else(|| ancestor.and_then(open))
-            .or_else(|| (netns != 0).then(|| open_netns(netns, pid).map(|f| (netns, f)))?);
+        let found = open(pid).or_else(|| ancestor.and_then(open)).or_else(|| {
+            (netns != 0).then(|| super::netns::open(netns, pid).map(|f| (netns, f)))?
+        });
         let Some((ino, f)) = found else {
             tracing::debug!(
                 pid,
@@ -545,7 +545,7 @@ impl Worker {
             self.netns.insert(r.netns, f.clone());
         }
         if !self.netns.contains_key(&r.netns) {
-            let f = open_netns(r.netns, r.pid)
+            let f = super::netns::open(r.netns, r.pid)
                 .ok_or("no process left in its network namespace to enter it by")?;
             if self.netns.len() >= 256 {
                 self.netns.clear();
@@ -563,37 +563,6 @@ impl Worker {
         }
         Ok(())
     }
-}
-
-/// An open handle on the network namespace with inode `ino`: the writer's (usually gone by
-/// now: an iptables lives milliseconds), ours, one pinned by `ip netns` or containerd
-/// (`/run/netns`, `/var/run/netns`), or any process's in it (a pod's pause container).
-fn open_netns(ino: u32, pid: u32) -> Option<File> {
-    use std::os::unix::fs::MetadataExt;
-    let try_path = |p: &std::path::Path| -> Option<File> {
-        let f = File::open(p).ok()?;
-        (f.metadata().ok()?.ino() == u64::from(ino)).then_some(f)
-    };
-    let proc_ns = |p: &str| std::path::PathBuf::from(format!("/proc/{p}/ns/net"));
-    if let Some(f) = try_path(&proc_ns(&pid.to_string())).or_else(|| try_path(&proc_ns("self"))) {
-        return Some(f);
-    }
-    // `ip netns` pins, containerd's `cni-*` ones (where /var/run is not /run's link).
-    let pinned = ["/run/netns", "/var/run/netns"]
-        .into_iter()
-        .filter_map(|d| std::fs::read_dir(d).ok())
-        .flatten()
-        .flatten()
-        .find_map(|e| try_path(&e.path()));
-    if pinned.is_some() {
-        return pinned;
-    }
-    std::fs::read_dir("/proc")
-        .ok()?
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
-        .find_map(|p| try_path(&proc_ns(&p)))
 }
 
 /// One table of the current network namespace, parsed.

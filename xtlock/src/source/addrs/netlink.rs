@@ -278,12 +278,21 @@ impl AddrWatcher {
     /// Opens and subscribes the socket here (so a failure is said at once), then dumps and
     /// follows in a thread of its own.
     pub fn start() -> std::io::Result<Self> {
-        let sock = open_socket()?;
+        Self::start_in(None)
+    }
+
+    /// The same for the namespace `ns` (its inode and a handle), its socket made inside it;
+    /// `None`: this process's.
+    pub fn start_in(ns: Option<(u32, std::sync::Arc<std::fs::File>)>) -> std::io::Result<Self> {
+        let (sock, netns) = match ns {
+            None => (open_socket()?, own_netns()),
+            Some((ino, f)) => (crate::source::netns::inside(&f, open_socket)?, ino),
+        };
         let (tx, rx) = mpsc::sync_channel(CHANNEL);
         let stop = Arc::new(AtomicBool::new(false));
         let worker = Worker {
             sock,
-            state: AddrState::new(own_netns()),
+            state: AddrState::new(netns),
             tx,
             stop: stop.clone(),
             seq: 0,
