@@ -204,12 +204,14 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
 
 /// This thread, and what it starts, at nice 19 (Linux: per thread, inherited by children).
 const PRIVILEGE_SUITES: [&str; 4] = ["--test", "stale_endpoints", "--test", "rule_changes"];
-/// A foreign rule change (firewalld removing kube-proxy's chains) through both backends, and
-/// a Service routed to a gone pod (its window, connections, why the fix was late), both.
-const PRIVILEGE_TESTS: [&str; 4] = [
+/// A foreign rule change (firewalld removing kube-proxy's chains) through both backends (the
+/// legacy reads and nfnetlink), and a Service routed to a gone pod (its window, connections,
+/// why the fix was late) read back through nf_tables. One dead-endpoint scenario per set:
+/// the legacy one runs in the test step, and its connection count flaked once in six runs
+/// here (2 of 8 refusals counted as unanswered), whatever the privileges.
+const PRIVILEGE_TESTS: [&str; 3] = [
     "who_changed_whose_rules",
     "who_changed_whose_nf_tables_rules",
-    "a_service_routed_to_a_gone_pod_is_said_with_its_clients_and_why_the_fix_was_late",
     "a_service_written_by_iptables_nft_routed_to_a_gone_pod_is_said",
 ];
 
