@@ -148,10 +148,19 @@ impl Analyzer {
                 if let Some(whole) = self.rules.whole_table(t) {
                     // The writes a read counts (nf_tables without the commit hook) explain
                     // the fixes the same read makes.
+                    let unserialized = &mut self.unserialized;
                     self.rules
                         .on_table(&whole, &self.procs, &mut self.attr, &mut |o: Output| {
+                            // A lost write's read: what the replace removed.
+                            let lost = match &o {
+                                Output::RuleChange(c) => unserialized.on_rule_change(c),
+                                _ => None,
+                            };
                             services.observe(&o);
                             out(o);
+                            if let Some(f) = lost {
+                                out(Output::Unserialized(f));
+                            }
                         });
                     services.on_table(&whole, &mut out);
                 }

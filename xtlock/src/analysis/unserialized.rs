@@ -9,8 +9,9 @@
 //! - once per pair of writers (agent and lock each) that wrote one namespace's tables under
 //!   different locks: `writers`;
 //! - each replace by one of them whose own read came before the other's write to that table,
-//!   and that the kernel took: `lost_write` (the rule diff of the replace shows what it
-//!   removed); or refused: `refused_replace`.
+//!   and that the kernel took: `lost_write`; or refused: `refused_replace`;
+//! - when the read after a lost write comes, what that replace removed, as `iptables-save`
+//!   prints it: `lost_rules`.
 //!
 //! Bounded: [`MAX_TABLES`] tables followed, [`RECENT`] writes remembered per table,
 //! [`MAX_READS`] reads, [`MAX_PAIRS`] pairs said.
@@ -57,6 +58,9 @@ pub struct UnserializedFact {
     pub read_ns: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub other_write_ns: Option<u64>,
+    /// `lost_rules`: the rules the replace removed (`-A CHAIN RULE`), from the read after it.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub lost_rules: Vec<String>,
 }
 
 type TableKey = (u32, &'static str, String);
@@ -86,6 +90,8 @@ pub struct Unserialized {
     writes: FastMap<TableKey, VecDeque<(u64, Writer)>>,
     /// (netns, the two writers' (agent, lock), ordered) said already.
     pairs: HashSet<PairKey>,
+    /// Lost writes waiting for the read of their table (bounded: [`RECENT`]).
+    pending: VecDeque<UnserializedFact>,
     pub counts: UnserializedCounts,
 }
 
@@ -143,7 +149,7 @@ impl Unserialized {
                     self.counts.lost_writes += 1;
                     "lost_write"
                 };
-                out(Output::Unserialized(UnserializedFact {
+                let f = UnserializedFact {
                     ts_ns: t.ts_ns,
                     kind,
                     netns: t.netns,
@@ -152,7 +158,15 @@ impl Unserialized {
                     other: other.clone(),
                     read_ns: Some(read_ns),
                     other_write_ns: Some(*ts),
-                }));
+                    lost_rules: Vec::new(),
+                };
+                if !refused {
+                    if self.pending.len() >= RECENT {
+                        self.pending.pop_front();
+                    }
+                    self.pending.push_back(f.clone());
+                }
+                out(Output::Unserialized(f));
             }
         }
         if refused {
@@ -189,6 +203,7 @@ impl Unserialized {
                 other,
                 read_ns: None,
                 other_write_ns: None,
+                lost_rules: Vec::new(),
             }));
         }
         let recent = self.writes.entry(key).or_default();
@@ -196,6 +211,49 @@ impl Unserialized {
             recent.pop_front();
         }
         recent.push_back((t.ts_ns, writer));
+    }
+}
+
+impl Unserialized {
+    /// The read after a write: when that write was a lost one, what it removed.
+    pub fn on_rule_change(&mut self, c: &super::facts::RuleChangeFact) -> Option<UnserializedFact> {
+        let table = format!("{}:{}", c.family, c.table);
+        let i = self
+            .pending
+            .iter()
+            .position(|f| f.writer.pid == c.pid && f.netns == c.netns && f.table == table)?;
+        let mut f = self.pending.remove(i)?;
+        f.kind = "lost_rules";
+        f.ts_ns = c.ts_ns;
+        f.lost_rules = c
+            .diff
+            .removed
+            .iter()
+            .map(|(chain, rule)| format!("-A {chain} {rule}"))
+            .chain(c.diff.stripped.iter().map(rule_before))
+            .collect();
+        (!f.lost_rules.is_empty()).then_some(f)
+    }
+}
+
+/// A rule changed in place, as it was before: its matches gained swapped back for those it
+/// lost where each gained one is there to swap; else the rule now and what it lost.
+fn rule_before(r: &super::facts::StrippedRule) -> String {
+    let swappable =
+        r.gained.len() == r.lost.len() && r.gained.iter().all(|g| r.now.contains(g.as_str()));
+    if swappable {
+        let mut before = r.now.clone();
+        for (g, l) in r.gained.iter().zip(&r.lost) {
+            before = before.replacen(g.as_str(), l, 1);
+        }
+        format!("-A {} {before}", r.chain)
+    } else {
+        format!(
+            "-A {} {} (before: with {})",
+            r.chain,
+            r.now,
+            r.lost.join(" ")
+        )
     }
 }
 
@@ -295,6 +353,25 @@ mod tests {
         ]);
         let kinds: Vec<&str> = f.iter().map(|f| f.kind).collect();
         assert_eq!(kinds, ["refused_replace"]);
+    }
+
+    #[test]
+    fn a_rule_changed_in_place_is_given_as_it_was() {
+        let r = crate::analysis::facts::StrippedRule {
+            chain: "FORWARD".into(),
+            lost: vec!["-s 10.9.0.0/16".into()],
+            gained: vec!["-s 10.1.0.0/16".into()],
+            now: "-s 10.1.0.0/16 -j ACCEPT".into(),
+        };
+        assert_eq!(rule_before(&r), "-A FORWARD -s 10.9.0.0/16 -j ACCEPT");
+        let stripped = crate::analysis::facts::StrippedRule {
+            gained: vec![],
+            ..r
+        };
+        assert_eq!(
+            rule_before(&stripped),
+            "-A FORWARD -s 10.1.0.0/16 -j ACCEPT (before: with -s 10.9.0.0/16)"
+        );
     }
 
     #[test]

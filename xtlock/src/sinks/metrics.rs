@@ -1039,7 +1039,8 @@ impl Sink for MetricsSink {
             Output::MixedBackends(_) => {
                 self.m.mixed_backend_netns.inc();
             }
-            Output::Unserialized(u) => {
+            // `lost_rules` details a `lost_write` already counted.
+            Output::Unserialized(u) if u.kind != "lost_rules" => {
                 let l = UnserializedLabels {
                     kind: u.kind,
                     agent: self.agent(&u.writer.agent),

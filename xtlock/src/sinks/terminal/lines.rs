@@ -818,6 +818,14 @@ pub(crate) fn unserialized_text(u: &crate::analysis::unserialized::UnserializedF
                     .saturating_sub(u.read_ns.unwrap_or(0))
             ),
         ),
+        "lost_rules" => format!(
+            "!! {}'s write to {} in {} lost to {}'s replace: {}",
+            u.other.agent,
+            u.table,
+            netns_text(u.netns, 0),
+            u.writer.agent,
+            u.lost_rules.join("; "),
+        ),
         "refused_replace" => format!(
             "!! {}'s replace of {} in {} was refused (EAGAIN): {} wrote the table after its \
              read; the two do not share a lock",
