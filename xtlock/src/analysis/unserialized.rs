@@ -21,6 +21,7 @@ use std::collections::{HashSet, VecDeque};
 use serde::Serialize;
 
 use super::facts::Output;
+pub use super::facts::{UnserializedFact, Writer};
 use super::procs::FastMap;
 use crate::decode::TableReplaceEvent;
 use crate::shared::SharedStr;
@@ -29,39 +30,6 @@ const MAX_TABLES: usize = 1024;
 const RECENT: usize = 32;
 const MAX_READS: usize = 4096;
 const MAX_PAIRS: usize = 1024;
-
-/// What a writer is: its agent and the lock it held (`None`: none watched was held).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
-pub struct Writer {
-    pub agent: SharedStr,
-    pub pid: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lock: Option<SharedStr>,
-}
-
-/// Writers of one namespace not serialized by one lock, and what it cost.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct UnserializedFact {
-    pub ts_ns: u64,
-    /// `writers`, `lost_write` or `refused_replace`.
-    pub kind: &'static str,
-    pub netns: u32,
-    /// `family:table`, e.g. `ip:filter`.
-    pub table: String,
-    /// The writer whose write this is (for `writers`, the second one seen).
-    pub writer: Writer,
-    /// The other one (for `lost_write`, the one whose write was undone).
-    pub other: Writer,
-    /// `lost_write`, `refused_replace`: when the writer read the table, and when the other
-    /// wrote it after that read.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub read_ns: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub other_write_ns: Option<u64>,
-    /// `lost_rules`: the rules the replace removed (`-A CHAIN RULE`), from the read after it.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub lost_rules: Vec<String>,
-}
 
 type TableKey = (u32, &'static str, String);
 /// A netns and its two writers' (agent, lock), ordered.
