@@ -69,7 +69,7 @@ pub fn check() -> Vec<FeatureState> {
             gives: "nf_tables rule diffs (iptables-nft, nft, kube-proxy's nftables mode), \
                     the Service model and dead endpoints from them",
             needs: "AF_NETLINK, CAP_NET_ADMIN (nfnetlink)",
-            off: nfnetlink(NfProbe::Nftables).err(),
+            off: nfnetlink(NfProbe::Nftables, caps).err(),
         },
         FeatureState {
             feature: "netns_entry",
@@ -82,7 +82,7 @@ pub fn check() -> Vec<FeatureState> {
             feature: "conntrack_entries",
             gives: "connections to dead or unanswered endpoints (ctnetlink dumps)",
             needs: "AF_NETLINK, CAP_NET_ADMIN (ctnetlink)",
-            off: nfnetlink(NfProbe::Conntrack).err(),
+            off: nfnetlink(NfProbe::Conntrack, caps).err(),
         },
         FeatureState {
             feature: "addresses",
@@ -222,7 +222,14 @@ enum NfProbe {
 /// (CAP_NET_ADMIN), without reaching a subsystem: a bare header (no `nfgenmsg`) is dropped
 /// by nfnetlink before it looks the subsystem up, so no module is loaded (nf_tables,
 /// nf_conntrack_netlink: a tracer must not change the node), and acked 0, or EPERM.
-fn nfnetlink(which: NfProbe) -> Result<(), (Cause, String)> {
+fn nfnetlink(which: NfProbe, caps: u64) -> Result<(), (Cause, String)> {
+    // Opening a netfilter netlink socket loads nfnetlink where it is a module not loaded
+    // yet: there, the capability is all that is checked (the rtnetlink check covers the
+    // address family).
+    let modular = std::path::Path::new("/proc/modules").exists();
+    if modular && !std::path::Path::new("/sys/module/nfnetlink").exists() {
+        return need_cap(caps, CAP_NET_ADMIN, "CAP_NET_ADMIN");
+    }
     let subsys: u16 = match which {
         NfProbe::Nftables => 10,
         NfProbe::Conntrack => 1,
