@@ -115,6 +115,17 @@ pub struct Attribution {
     pub pod: Option<Arc<PodName>>,
 }
 
+impl Attribution {
+    /// The agent, or the process's own comm when no agent is known.
+    pub fn agent_or_comm(&self) -> &SharedStr {
+        if self.agent.is_empty() {
+            &self.comm
+        } else {
+            &self.agent
+        }
+    }
+}
+
 /// kthreadd: every kernel thread is its child.
 const KTHREADD_PID: u32 = 2;
 

@@ -325,11 +325,7 @@ impl Analyzer {
                     let comm = self.procs.get(t.tgid).map(|p| p.comm).unwrap_or_default();
                     let who = self.attr.get(&self.procs, t.tgid, &comm);
                     let writer = unserialized::Writer {
-                        agent: if who.agent.is_empty() {
-                            who.comm.clone()
-                        } else {
-                            who.agent.clone()
-                        },
+                        agent: who.agent_or_comm().clone(),
                         pid: t.tgid,
                         lock: self.locks.lock_held_by(t.tgid, t.ts_ns),
                     };

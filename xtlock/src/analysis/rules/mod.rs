@@ -196,11 +196,7 @@ impl RuleTracker {
         out: &mut impl FnMut(Output),
     ) -> String {
         let who = attr.get(procs, pid, comm);
-        let agent = if who.agent.is_empty() {
-            who.comm.to_string()
-        } else {
-            who.agent.to_string()
-        };
+        let agent = who.agent_or_comm().to_string();
         let program = procs
             .get(pid)
             .map(|p| p.exe_name())
