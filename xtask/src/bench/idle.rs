@@ -175,22 +175,8 @@ impl QuietNode {
             let p = Netns::new(&format!("idlep{i}"))?;
             let addr = format!("10.244.1.{}", i + 10);
             let veth = format!("vp{i}");
-            ip(&[
-                "-n",
-                n,
-                "link",
-                "add",
-                &veth,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                p.name(),
-            ])?;
+            veth_to(n, &veth, p.name(), &format!("{addr}/16"), "10.244.0.1")?;
             ip(&["-n", n, "link", "set", &veth, "master", "br0", "up"])?;
-            guest_side(p.name(), &format!("{addr}/16"), "10.244.0.1")?;
             servers.push(
                 p.cmd(web.to_str().context("path")?)
                     .args(["tcplisten", "8080"])
@@ -201,23 +187,9 @@ impl QuietNode {
             pods.push(p);
             pod_ips.push(addr);
         }
-        ip(&[
-            "-n",
-            n,
-            "link",
-            "add",
-            "vcl",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            client.name(),
-        ])?;
+        veth_to(n, "vcl", client.name(), "10.199.0.2/24", "10.199.0.1")?;
         ip(&["-n", n, "addr", "add", "10.199.0.1/24", "dev", "vcl"])?;
         ip(&["-n", n, "link", "set", "vcl", "up"])?;
-        guest_side(client.name(), "10.199.0.2/24", "10.199.0.1")?;
         // 100 Services of 5 endpoints each, spread over the 40 pods.
         let names: Vec<String> = (0..SERVICES)
             .map(|i| format!("default/svc{i}:http"))
@@ -407,8 +379,12 @@ impl Drop for QuietNode {
     }
 }
 
-/// The namespace's end of its veth (`eth0`): its address, up, its default route via `gw`.
-fn guest_side(ns: &str, cidr: &str, gw: &str) -> Result<()> {
+/// A veth from `node` (its end named `dev`) into `ns` (named `eth0` there), and that end set
+/// up: its address, up, its default route via `gw`. The node's end is the caller's to set.
+fn veth_to(node: &str, dev: &str, ns: &str, cidr: &str, gw: &str) -> Result<()> {
+    output(Command::new("ip").args([
+        "-n", node, "link", "add", dev, "type", "veth", "peer", "name", "eth0", "netns", ns,
+    ]))?;
     for args in [
         &["addr", "add", cidr, "dev", "eth0"][..],
         &["link", "set", "eth0", "up"],
