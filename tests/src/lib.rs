@@ -969,6 +969,36 @@ pub fn assert_rules_as_saved(what: &str, save: &str, ours: &str) -> usize {
     rules
 }
 
+/// `agent` (a program of that name, [`Scratch::agent`]) runs `sh -c script` in network
+/// namespace `ns` with `XTABLES_LOCKFILE=lock`, and must exit 0 within `timeout`; then 400 ms
+/// pass, for xtlock's read of the table it wrote.
+pub fn agent_step(
+    s: &Scratch,
+    agent: &str,
+    ns: &str,
+    lock: &Path,
+    script: &str,
+    timeout: Duration,
+) {
+    let mut a = Agent::spawn(
+        Path::new("ip"),
+        &[
+            "netns",
+            "exec",
+            ns,
+            s.agent(agent).to_str().unwrap(),
+            "run",
+            "sh",
+            "-c",
+            script,
+        ],
+        &[("XTABLES_LOCKFILE", lock.to_str().unwrap())],
+        None,
+    );
+    assert_eq!(a.wait_within(timeout), 0, "{agent}: {script}");
+    thread::sleep(Duration::from_millis(400));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -848,3 +848,67 @@ fn health_answers_at_the_fd_limit() {
     drop(clients);
     d.interrupt();
 }
+
+/// The daemon, as the DaemonSet runs it, counts what each dropping rule dropped: a DROP rule
+/// in a pod-like namespace drops a UDP flood from its peer, and
+/// `xtlock_rule_drop_packets_total` for that rule (its text as iptables-save prints it)
+/// equals the rule's own counter delta (`iptables -L -v -x`) and what the sender sent.
+#[test]
+fn the_daemon_counts_drops_by_rule() {
+    if !require_bpf("the_daemon_counts_drops_by_rule") {
+        return;
+    }
+    let _g = serial();
+    let s = Scratch::new("daemon-rule-drops");
+    let lock = s.lock_file("xtables.lock");
+    let port = free_port();
+    let d = daemon(port, &lock, &[]);
+    wait_ready(port);
+    let ns = xtlock_tests::NetnsPair::new("xtlock-drd", 214);
+    let rule = "-p udp -m udp --dport 9314 -j DROP";
+    xtlock_tests::NetnsPair::exec(
+        &ns.a,
+        "iptables-legacy",
+        &[
+            "-w", "-A", "INPUT", "-p", "udp", "--dport", "9314", "-j", "DROP",
+        ],
+    );
+    // The read after that write is the table's baseline.
+    std::thread::sleep(Duration::from_millis(1500));
+    let before = xtlock_tests::iptables_packets(&ns.a, "INPUT", "dpt:9314");
+    let sent = xtlock_tests::send_udp(&s, &ns.b, &ns.addr_a, 9314, 700, 4);
+    let after = xtlock_tests::iptables_packets(&ns.a, "INPUT", "dpt:9314");
+    assert_eq!(
+        after - before,
+        sent,
+        "the rule's counter against the sender"
+    );
+    let label = format!("rule=\"{rule}\"");
+    let counted = |body: &str| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with("xtlock_rule_drop_packets_total{") && l.contains(&label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let body = until(T, "the rule's drops in /metrics", || {
+        let (_, body) = get(port, "/metrics").ok()?;
+        (counted(&body) >= sent as f64).then_some(body)
+    });
+    // Settled: one more read must not add to it.
+    std::thread::sleep(Duration::from_millis(2500));
+    let (_, again) = get(port, "/metrics").unwrap();
+    assert_eq!(counted(&body), sent as f64, "{body}");
+    assert_eq!(counted(&again), sent as f64, "{again}");
+    assert!(
+        again
+            .lines()
+            .any(|l| l.starts_with("xtlock_rule_drop_packets_total{")
+                && l.contains(&label)
+                && l.contains("table=\"filter\"")
+                && l.contains("chain=\"INPUT\"")
+                && l.contains("netns=\"other\"")),
+        "{again}"
+    );
+    sigterm(d.pid());
+    drop(d);
+}

@@ -12,7 +12,7 @@
 use std::{path::Path, process::Command, time::Duration};
 
 use serde_json::Value;
-use xtlock_tests::{require_bpf, serial, xtlock_bin, Agent, NetnsPair, Scratch, Tracer};
+use xtlock_tests::{require_bpf, serial, xtlock_bin, NetnsPair, Scratch, Tracer};
 
 const T: Duration = Duration::from_secs(20);
 
@@ -29,23 +29,7 @@ COMMIT
 
 /// `agent` runs `sh -c script` in `ns`; the read of the table it wrote has time to come.
 fn step(s: &Scratch, agent: &str, ns: &str, lock: &Path, script: &str) {
-    let mut a = Agent::spawn(
-        Path::new("ip"),
-        &[
-            "netns",
-            "exec",
-            ns,
-            s.agent(agent).to_str().unwrap(),
-            "run",
-            "sh",
-            "-c",
-            script,
-        ],
-        &[("XTABLES_LOCKFILE", lock.to_str().unwrap())],
-        None,
-    );
-    assert_eq!(a.wait_within(T), 0, "{agent}: {script}");
-    std::thread::sleep(Duration::from_millis(400));
+    xtlock_tests::agent_step(s, agent, ns, lock, script, T);
 }
 
 fn changes(events: &[&Value]) -> Vec<Value> {

@@ -202,17 +202,29 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     }
 }
 
-/// This thread, and what it starts, at nice 19 (Linux: per thread, inherited by children).
-const PRIVILEGE_SUITES: [&str; 4] = ["--test", "stale_endpoints", "--test", "rule_changes"];
+/// The test binaries [`PRIVILEGE_TESTS`] are in.
+const PRIVILEGE_SUITES: [&str; 8] = [
+    "--test",
+    "stale_endpoints",
+    "--test",
+    "rule_changes",
+    "--test",
+    "rule_drops",
+    "--test",
+    "daemon",
+];
 /// A foreign rule change (firewalld removing kube-proxy's chains) through both backends (the
 /// legacy reads and nfnetlink), and a Service routed to a gone pod (its window, connections,
 /// why the fix was late) read back through nf_tables. One dead-endpoint scenario per set:
 /// the legacy one runs in the test step, and its connection count flaked once in six runs
 /// here (2 of 8 refusals counted as unanswered), whatever the privileges.
-const PRIVILEGE_TESTS: [&str; 3] = [
+const PRIVILEGE_TESTS: [&str; 5] = [
     "who_changed_whose_rules",
     "who_changed_whose_nf_tables_rules",
     "a_service_written_by_iptables_nft_routed_to_a_gone_pod_is_said",
+    // The rules behind drops (legacy reads; the daemon's metric).
+    "legacy_drops_are_named_with_their_rule_owner_and_write",
+    "the_daemon_counts_drops_by_rule",
 ];
 
 /// Each shipped deployment's capabilities, read from its file: the DaemonSet's
@@ -237,6 +249,7 @@ fn deployment_caps() -> Result<Vec<(&'static str, Vec<String>)>> {
     ])
 }
 
+/// This thread, and what it starts, at nice 19 (Linux: per thread, inherited by children).
 fn lowest_priority() {
     // SAFETY: a plain syscall on the calling thread.
     let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };

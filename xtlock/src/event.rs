@@ -922,6 +922,49 @@ pub struct RuleTable {
     pub more: bool,
 }
 
+/// Synthetic: what the dropping rules of one table (its `DROP` and `REJECT` rules, and the
+/// `DROP` policies of its built-in chains) counted since the previous read of their counters
+/// (`source/rules.rs`): the kernel's own per-rule counters, read after a write and, while
+/// netfilter drops packets in that namespace, once a second at most.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleCounters {
+    /// When the counters were read (the interval's end).
+    pub ts_ns: u64,
+    /// The previous read of this table's counters (the interval's start).
+    pub since_ns: u64,
+    pub netns: u32,
+    /// As in [`RuleTable`]: `ip`, `ip6` (legacy), `nft ip`, `nft inet`, ...
+    pub family: String,
+    pub table: String,
+    /// Rules whose counter moved, in table order.
+    pub rules: Vec<RuleCount>,
+    /// Dropping rules that keep no counter (an nf_tables rule without `counter`), as
+    /// `CHAIN: rule`: what they drop cannot be named. Only on reads that drops asked for;
+    /// at most [`MAX_UNCOUNTED`].
+    pub uncounted: Vec<String>,
+}
+
+/// Dropping rules without a counter listed per [`RuleCounters`].
+pub const MAX_UNCOUNTED: usize = 16;
+/// Moved rules listed per [`RuleCounters`] (a read's record stays far below 1 MiB).
+pub const MAX_RULE_COUNTS: usize = 4096;
+
+/// One dropping rule's counts over a [`RuleCounters`] interval.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleCount {
+    pub chain: String,
+    /// As [`Rule::text`] words it; empty for the chain's policy.
+    pub rule: String,
+    /// Its place among the chain's rules of the same text (0 for the first).
+    pub nth: u32,
+    pub packets: u64,
+    pub bytes: u64,
+    /// Its counter went back since the previous read (a write replaced the rule, counters
+    /// and all): counted from that write, what it dropped before it since the previous read
+    /// is not known.
+    pub reset: bool,
+}
+
 /// Rule text per part of a [`RuleTable`] (the capture's records are at most 1 MiB).
 pub const RULE_TABLE_PART_BYTES: usize = 512 * 1024;
 
@@ -1231,6 +1274,8 @@ pub enum Event {
     Pod(Box<PodInfo>),
     /// Synthetic: a legacy or nf_tables table as read after a write (see [`RuleTable`]).
     RuleTable(Box<RuleTable>),
+    /// Synthetic: what each dropping rule of a table counted (see [`RuleCounters`]).
+    RuleCounters(Box<RuleCounters>),
     /// Synthetic: an address appeared on or vanished from this node (see [`AddrPresence`]).
     Addr(Box<AddrPresence>),
     /// Synthetic: conntrack entries DNATed to an address gone from this node.
@@ -1273,6 +1318,7 @@ impl Event {
             Event::RefusalCounts(e) => e.ts_ns,
             Event::Pod(e) => e.ts_ns,
             Event::RuleTable(t) => t.ts_ns,
+            Event::RuleCounters(c) => c.ts_ns,
             Event::Addr(a) => a.ts_ns,
             Event::CtEntries(c) => c.ts_ns,
             Event::IpvsTable(t) => t.ts_ns,

@@ -155,6 +155,18 @@ fn xtlock_netns_count(summary: &Value, inum: u64) -> Option<u64> {
         .and_then(Value::as_u64)
 }
 
+/// What xtlock's summary says the rules of network namespace `inum` dropped, by their own
+/// counters (`rule_drops.top`); `None` from an xtlock without it.
+fn xtlock_rule_drops(summary: &Value, inum: u64) -> Option<u64> {
+    let top = summary.pointer("/rule_drops/top")?.as_array()?;
+    Some(
+        top.iter()
+            .filter(|r| r["netns"].as_u64() == Some(inum))
+            .filter_map(|r| r["packets"].as_u64())
+            .sum(),
+    )
+}
+
 /// Whether this xtlock counts drops (`xtlock trace --drop-samples`).
 fn xtlock_counts_drops(env: &Env) -> bool {
     Command::new(&env.xtlock)
@@ -227,6 +239,9 @@ struct Col {
     hook_ns_per_run: Dist,
     hook_runs_per_drop: Dist,
     bpf_ns_per_drop: Dist,
+    /// xtlock: what its `rule_drops` say the DROP rule dropped, minus the rule counter, per
+    /// run (the counters it reads while the storm lasts, once a second at most).
+    rule_diff: Vec<i64>,
 }
 
 pub fn run(env: &Env) -> Result<Value> {
@@ -263,7 +278,10 @@ pub fn run(env: &Env) -> Result<Value> {
         net.iptables(&["-Z", "INPUT"])?;
         let tag = format!("drops-{}-{rep}", t.name());
         // xtlock as shipped: default drop reasons and sample rate.
-        let s = Session::of(env, t, &tag, SCRIPT, &[&xtlock_lock], &[])?;
+        // The receiving namespace named, as an SRE would: its rules' counters are read from
+        // the start, so the storm's first second is named by rule too.
+        let netns = ["--netns".to_string(), format!("/run/netns/{}", net.b)];
+        let s = Session::of(env, t, &tag, SCRIPT, &[&xtlock_lock], &netns)?;
         let ids = if env.bpf_stats {
             s.prog_ids()
         } else {
@@ -329,6 +347,9 @@ pub fn run(env: &Env) -> Result<Value> {
                     .map(|(_, n)| n)
                     .sum();
                 col.other_in_netns += in_netns.saturating_sub(nf.unwrap_or(0));
+                if let Some(n) = s.and_then(|s| xtlock_rule_drops(s, net.b_inum)) {
+                    col.rule_diff.push(n as i64 - rule as i64);
+                }
                 (
                     nf.or_else(|| s.and_then(|s| xtlock_netns_count(s, net.b_inum))),
                     s.and_then(xtlock_drop_count),
@@ -458,6 +479,14 @@ pub fn run(env: &Env) -> Result<Value> {
         sent.show()
     );
     for (ti, t) in tracers.iter().enumerate().skip(1) {
+        let d = &cols[ti].rule_diff;
+        if !d.is_empty() {
+            println!(
+                "  {}: the DROP rule's drops as its rule_drops say, minus its counter, per run: \
+                 {d:?}",
+                t.name()
+            );
+        }
         if cols[ti].other_in_netns > 0 {
             println!(
                 "  {}: {} drops of other reasons in the receiving netns over all runs (not \
@@ -484,6 +513,7 @@ pub fn run(env: &Env) -> Result<Value> {
             "count_minus_rule_counter": c.diff,
             "machine_wide_netfilter_drops_minus_rule_counter": c.machine_wide,
             "other_reasons_in_netns": c.other_in_netns,
+            "rule_drops_minus_rule_counter": c.rule_diff,
             "counted": c.counted,
             "rule_counter": c.rule,
         })

@@ -273,6 +273,14 @@ pub const NOT_MADE_HERE: &[(&str, &str)] = &[
         "moves only when the node refuses connections during a hold (tests/tests/refusals.rs)",
     ),
     (
+        "xtlock_rule_drop_packets_total",
+        "moves only when a DROP or REJECT rule drops packets (tests/tests/rule_drops.rs)",
+    ),
+    (
+        "xtlock_rule_drop_bytes_total",
+        "moves only when a DROP or REJECT rule drops packets (tests/tests/rule_drops.rs)",
+    ),
+    (
         "xtlock_unserialized_writes_total",
         "needs two agents writing one netns's legacy tables under different lock files \
          (tests/tests/lock_trace.rs)",

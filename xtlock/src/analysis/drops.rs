@@ -131,7 +131,7 @@ fn proto_name(p: u8) -> String {
     }
 }
 
-fn packet_info(s: &DropSample) -> Option<PacketInfo> {
+pub(super) fn packet_info(s: &DropSample) -> Option<PacketInfo> {
     packet(s.l4proto, s.saddr, s.daddr, s.sport, s.dport)
 }
 

@@ -66,6 +66,12 @@ pub enum Output {
     /// An IPVS real server's time at weight 0, from the read that found it there to its
     /// removal (or the end of tracing).
     IpvsDrained(IpvsDrainedFact),
+    /// What one dropping rule dropped in one interval, whose rule it is and which write put
+    /// it there.
+    RuleDrops(RuleDropsFact),
+    /// Dropping rules that keep no counter in a namespace where netfilter drops packets:
+    /// what they drop cannot be named (said once per table).
+    UncountedDrops(UncountedDropsFact),
 }
 
 impl Output {
@@ -98,6 +104,9 @@ impl Output {
             Output::StaleEndpoint(s) => s.ts_ns,
             Output::EndpointProgrammed(p) => p.ts_ns,
             Output::IpvsDrained(d) => d.ts_ns,
+            // The interval's start: its drops happened after it.
+            Output::RuleDrops(r) => r.since_ns,
+            Output::UncountedDrops(u) => u.ts_ns,
         }
     }
 }
@@ -1260,4 +1269,82 @@ pub struct UnserializedFact {
     /// `lost_rules`: the rules the replace removed (`-A CHAIN RULE`), from the read after it.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub lost_rules: Vec<String>,
+}
+
+// ---- from rule_drops.rs
+
+/// The write that put a rule in place, as xtlock saw it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RuleAdded {
+    pub ts_ns: u64,
+    pub agent: String,
+    /// As exec'd: `iptables-restore`, `iptables-nft`, `nft`.
+    pub program: String,
+    pub pid: u32,
+}
+
+/// Where one rule's dropped packets went, from the sampled drops: `udp 10.96.0.15:80`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DropDest {
+    pub proto: String,
+    /// `addr:port` (`[addr]:port` for IPv6), the address alone without ports.
+    pub dest: String,
+    /// Sampled drops to it (the kernel samples at a bounded rate: a share, not a count).
+    pub samples: u64,
+}
+
+/// What one dropping rule (a `DROP` or `REJECT` rule, or a built-in chain's `DROP` policy)
+/// dropped between two reads of its table's counters: `{"type":"rule_drops",...}`. Exact:
+/// the kernel's own counter of that rule.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RuleDropsFact {
+    /// The read that counted them (the interval's end).
+    pub ts_ns: u64,
+    /// The previous read (the interval's start).
+    pub since_ns: u64,
+    pub netns: u32,
+    /// `ip`, `ip6` (legacy), `nft ip`, `nft inet`, ...
+    pub family: String,
+    pub table: String,
+    pub chain: String,
+    /// As `iptables-save` (or, for a native nf_tables rule, xtlock's nft words) prints it;
+    /// empty for the chain's policy.
+    pub rule: String,
+    /// Packets and bytes its counter grew by.
+    pub packets: u64,
+    pub bytes: u64,
+    /// Its counter went back: a write replaced it meanwhile, and what it dropped before that
+    /// write (since the previous read) is not in `packets`.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub reset: bool,
+    /// Whose rule it is: the agent whose write added it, else its chain's owner.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// Whose chain holds it (its creator, or by the agents' naming conventions).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chain_owner: Option<String>,
+    /// The write that added it; `None` when it was there before xtlock read the table.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub added: Option<RuleAdded>,
+    /// Where its drops went, most sampled first (at most 5): the samples of the interval
+    /// that only this rule, of those that dropped then, can have dropped.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dests: Vec<DropDest>,
+    /// The hold of a watched lock its sampled drops happened in, if most did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hold: Option<HoldRef>,
+    /// Other rules of the namespace that dropped in the same interval.
+    pub others: u32,
+}
+
+/// `{"type":"uncounted_drops",...}`: dropping rules of a table that keep no counter, in a
+/// namespace where netfilter dropped packets.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct UncountedDropsFact {
+    pub ts_ns: u64,
+    pub netns: u32,
+    pub family: String,
+    pub table: String,
+    /// `CHAIN: rule`, at most 16.
+    pub rules: Vec<String>,
 }

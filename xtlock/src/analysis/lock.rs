@@ -937,6 +937,7 @@ impl LockMachine {
             | Event::RefusalCounts(_)
             | Event::Pod(_)
             | Event::RuleTable(_)
+            | Event::RuleCounters(_)
             | Event::Addr(_)
             | Event::CtEntries(_)
             | Event::IpvsTable(_) => {}

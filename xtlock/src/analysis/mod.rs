@@ -15,6 +15,7 @@ pub mod lock;
 pub mod nft_mutex;
 pub mod procs;
 pub mod refusals;
+pub mod rule_drops;
 pub mod rules;
 pub mod services;
 pub mod stats;
@@ -63,6 +64,8 @@ pub struct Analyzer {
     rules: rules::RuleTracker,
     drops: DropTracker,
     refusals: RefusalTracker,
+    /// The rules behind netfilter's drops.
+    rule_drops: rule_drops::RuleDropTracker,
     ipvs: IpvsTracker,
     /// Writers of one namespace's legacy tables under different locks.
     unserialized: unserialized::Unserialized,
@@ -82,6 +85,7 @@ impl Analyzer {
             rules: rules::RuleTracker::default(),
             drops: DropTracker::new(crate::analysis::drops::DEFAULT_CONNTRACK_WARN_PCT),
             refusals: RefusalTracker::default(),
+            rule_drops: rule_drops::RuleDropTracker::default(),
             ipvs: IpvsTracker::new(),
             unserialized: unserialized::Unserialized::default(),
             services: Some(Box::default()),
@@ -179,8 +183,14 @@ impl Analyzer {
         match ev {
             Event::Drop(s) => {
                 let hold = self.hold_at(s.ts_ns);
+                self.rule_drops.on_sample(s, hold.clone());
                 self.drops
                     .on_sample(s, hold, &mut counted(&mut self.stats, out));
+                return;
+            }
+            Event::RuleCounters(c) => {
+                self.rule_drops
+                    .on_counters(c, &self.rules, &mut counted(&mut self.stats, out));
                 return;
             }
             Event::Refusal(s) => {
@@ -238,6 +248,7 @@ impl Analyzer {
                 ..
             } => {
                 self.drops.on_setup(*has_reason, names, *host_netns);
+                self.rule_drops.on_setup(*has_reason, names);
                 return;
             }
             Event::KernelSymbol {
@@ -380,6 +391,7 @@ impl Analyzer {
         let mut s = self.stats.summary(self.locks.locks());
         s.drops = self.drops.summary();
         s.refusals = self.refusals.summary();
+        s.rule_drops = self.rule_drops.summary();
         s.host_netns = self.drops.host_netns();
         s.syncs = self.cadence.summary();
         s.rule_writes = self

@@ -153,6 +153,9 @@ pub struct Summary {
     /// Absent when none were counted (and from captures made before refusals were).
     #[serde(skip_serializing_if = "crate::analysis::refusals::RefusalSummary::is_empty")]
     pub refusals: crate::analysis::refusals::RefusalSummary,
+    /// The rules that dropped packets, by their own counters. Absent when none did.
+    #[serde(skip_serializing_if = "crate::analysis::rule_drops::RuleDropSummary::is_empty")]
+    pub rule_drops: crate::analysis::rule_drops::RuleDropSummary,
     /// Inode of the tracer's own network namespace (0 when unknown): netns numbers in
     /// `drops` equal to it are the host's.
     pub host_netns: u32,
@@ -404,6 +407,8 @@ impl Stats {
             Output::Ipvs(_) | Output::IpvsCount(_) => {}
             // Counted by the refusal tracker.
             Output::RefusalCount(_) | Output::HoldRefusals(_) | Output::Refusal(_) => {}
+            // Counted by the rule-drop tracker.
+            Output::RuleDrops(_) | Output::UncountedDrops(_) => {}
             // Counted by the service tracker.
             Output::StaleEndpointOpen(_)
             | Output::StaleEndpoint(_)
@@ -457,6 +462,7 @@ impl Stats {
         }
         Summary {
             kind: "summary",
+            rule_drops: Default::default(),
             holds: self
                 .holds
                 .iter()

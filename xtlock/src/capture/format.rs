@@ -74,6 +74,9 @@ pub const KIND_ENDPOINT_ANSWERS: u8 = 16;
 /// Synthetic: the IPVS virtual and real servers of a namespace, read over netlink when they
 /// changed (skippable: a reader that does not know it loses only IPVS's dead endpoints).
 pub const KIND_IPVS_TABLE: u8 = 17;
+/// Synthetic: what each dropping rule of a table counted since the previous read of its
+/// counters (skippable: a reader that does not know it loses only the rules behind drops).
+pub const KIND_RULE_COUNTERS: u8 = 18;
 /// Virtual servers, and real servers in all, one `ipvs_table` record holds at most.
 pub const MAX_IPVS_SERVICES: u64 = 65_536;
 pub const MAX_IPVS_DESTS: u64 = 1 << 20;
@@ -560,8 +563,8 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
     Ok((r.varint("ts_ns")?, r.varint("count")?))
 }
 
-/// The record kind and body of a synthetic event of kinds 5..=14 (drop and refusal records,
-/// lock seeds, pods, rule tables, address presences);
+/// The record kind and body of a synthetic event of kinds 5..=18 (drop and refusal records,
+/// lock seeds, pods, rule tables and counters, addresses, conntrack entries, IPVS tables);
 /// `None` for any other event.
 pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     Some(match ev {
@@ -794,6 +797,10 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             }
             KIND_IPVS_TABLE
         }
+        Event::RuleCounters(c) => {
+            encode_rule_counters(c, out);
+            KIND_RULE_COUNTERS
+        }
         Event::CtEntries(c) => {
             put_varint(out, c.ts_ns);
             put_varint(out, u64::from(c.netns));
@@ -818,7 +825,82 @@ pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     })
 }
 
-/// Decodes a body of kind 5..=15 into its event; trailing fields are ignored.
+/// Kind 18's body: the read's times, table, then each moved rule and the uncounted ones.
+fn encode_rule_counters(c: &crate::event::RuleCounters, out: &mut Vec<u8>) {
+    put_varint(out, c.ts_ns);
+    put_varint(out, c.since_ns);
+    put_varint(out, u64::from(c.netns));
+    put_bytes(out, c.family.as_bytes());
+    put_bytes(out, c.table.as_bytes());
+    let rules = &c.rules[..c.rules.len().min(crate::event::MAX_RULE_COUNTS)];
+    put_varint(out, rules.len() as u64);
+    for r in rules {
+        put_bytes(out, r.chain.as_bytes());
+        put_bytes(out, r.rule.as_bytes());
+        put_varint(out, u64::from(r.nth));
+        put_varint(out, r.packets);
+        put_varint(out, r.bytes);
+        put_varint(out, u64::from(r.reset));
+    }
+    let uncounted = &c.uncounted[..c.uncounted.len().min(crate::event::MAX_UNCOUNTED)];
+    put_varint(out, uncounted.len() as u64);
+    for u in uncounted {
+        put_bytes(out, u.as_bytes());
+    }
+}
+
+/// Kind 18's body back; counts past the event's bounds are damage.
+fn decode_rule_counters(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let since_ns = r.varint("since_ns")?;
+    let netns = r.u32("netns")?;
+    let family = r.string("family")?;
+    let table = r.string("table")?;
+    let n = r.varint("rules")?;
+    if n > crate::event::MAX_RULE_COUNTS as u64 {
+        return Err(format!(
+            "{n} rule counts, more than {}",
+            crate::event::MAX_RULE_COUNTS
+        ));
+    }
+    let mut rules = Vec::with_capacity((n as usize).min(r.remaining()));
+    for _ in 0..n {
+        rules.push(crate::event::RuleCount {
+            chain: r.string("chain")?,
+            rule: r.string("rule")?,
+            nth: r.u32("nth")?,
+            packets: r.varint("packets")?,
+            bytes: r.varint("bytes")?,
+            reset: match r.varint("reset")? {
+                0 => false,
+                1 => true,
+                v => return Err(format!("reset is {v}, not 0 or 1")),
+            },
+        });
+    }
+    let n = r.varint("uncounted")?;
+    if n > crate::event::MAX_UNCOUNTED as u64 {
+        return Err(format!(
+            "{n} uncounted rules, more than {}",
+            crate::event::MAX_UNCOUNTED
+        ));
+    }
+    let mut uncounted = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        uncounted.push(r.string("uncounted rule")?);
+    }
+    Ok(Event::RuleCounters(Box::new(crate::event::RuleCounters {
+        ts_ns,
+        since_ns,
+        netns,
+        family,
+        table,
+        rules,
+        uncounted,
+    })))
+}
+
+/// Decodes a body of kind 5..=18 into its event; trailing fields are ignored.
 pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
     decode_drop_event_with(kind, b, &mut ChainNames::default())
 }
@@ -1195,6 +1277,7 @@ pub fn decode_drop_event_with(kind: u8, b: &[u8], names: &mut ChainNames) -> Res
                 services,
             }))
         }
+        KIND_RULE_COUNTERS => decode_rule_counters(&mut r)?,
         KIND_CT_ENTRIES => {
             let ts_ns = r.varint("ts_ns")?;
             let netns = r.u32("netns")?;

@@ -280,7 +280,8 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_ADDR
                 | format::KIND_ENDPOINT_ANSWERS
                 | format::KIND_IPVS_TABLE
-                | format::KIND_CT_ENTRIES => {
+                | format::KIND_CT_ENTRIES
+                | format::KIND_RULE_COUNTERS => {
                     match format::decode_drop_event_with(
                         kind,
                         &self.raw[start..end],

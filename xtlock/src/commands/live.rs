@@ -291,15 +291,19 @@ pub async fn run(
     // Only what is already queued, and a bounded amount of it: SIGTERM ends within the
     // grace period even during a storm.
     src.drain(&mut batch, 256 * live::BATCH);
-    // The tables the last writes asked for (a read takes milliseconds).
-    src.finish_rules(&mut batch, Duration::from_millis(500));
     for ev in batch.drain(..) {
         pipe.feed(&ev)?;
     }
     if let Some(lost) = src.poll_lost() {
         pipe.feed(&lost)?;
     }
+    // The last drop counts first: the rule counters they ask for are read below.
     for ev in src.poll_drops() {
+        pipe.feed(&ev)?;
+    }
+    // The tables the last writes asked for (a read takes milliseconds).
+    src.finish_rules(&mut batch, Duration::from_millis(500));
+    for ev in batch.drain(..) {
         pipe.feed(&ev)?;
     }
     let summary = pipe.finish(source::monotonic_ns())?;

@@ -24,7 +24,7 @@
 
 use netlink_packet_core::{NetlinkBuffer, NlaBuffer, NlasIterator};
 
-use super::xt_table::{Chain, Rule};
+use super::xt_table::{Chain, Counter, Rule};
 
 mod iptables;
 mod render;
@@ -229,17 +229,21 @@ pub struct NftChain {
     pub name: String,
     /// A base chain's policy (`ACCEPT`, `DROP`); `None` for a regular chain.
     pub policy: Option<String>,
+    /// A base chain's counter (`NFTA_CHAIN_COUNTERS`: iptables-nft's built-in chains).
+    pub counter: Option<Counter>,
 }
 
 pub fn parse_chain(a: &[u8]) -> Result<NftChain, NftError> {
     let (mut table, mut name, mut policy, mut base) = (None, None, None, false);
+    let mut counter = None;
     for at in attrs(a, "chain") {
         let (k, v) = at?;
         match k {
-            1 => table = Some(string(v)),
-            3 => name = Some(string(v)),
-            4 => base = true,
-            5 => policy = Some(verdict_name(be32(v, "chain policy")? as i32)),
+            a::CHAIN_TABLE => table = Some(string(v)),
+            a::CHAIN_NAME => name = Some(string(v)),
+            a::CHAIN_HOOK => base = true,
+            a::CHAIN_POLICY => policy = Some(verdict_name(be32(v, "chain policy")? as i32)),
+            a::CHAIN_COUNTERS => counter = Some(counter_of(v, "chain counters")?),
             _ => {}
         }
     }
@@ -248,6 +252,7 @@ pub fn parse_chain(a: &[u8]) -> Result<NftChain, NftError> {
         name: name.ok_or(NftError::Unnamed("chain"))?,
         // A base chain without a policy attribute (none such today) still is one.
         policy: base.then(|| policy.unwrap_or_else(|| "ACCEPT".into())),
+        counter: counter.filter(|_| base),
     })
 }
 
@@ -257,6 +262,8 @@ pub struct NftRule {
     pub table: String,
     pub chain: String,
     pub rule: Rule,
+    /// Its `counter` expression's count; `None` when it has none.
+    pub counter: Option<Counter>,
 }
 
 /// A rule message, its expressions rendered for a table of `family`: in iptables-nft-save's
@@ -281,6 +288,10 @@ pub fn parse_rule(family: u8, a: &[u8]) -> Result<NftRule, NftError> {
     }
     let table = table.ok_or(NftError::Unnamed("rule"))?;
     let chain = chain.ok_or(NftError::Unnamed("rule"))?;
+    let mut counter = None;
+    for e in exprs.iter().filter(|e| e.name == "counter") {
+        counter = Some(counter_of(e.data, "counter")?);
+    }
     let iptables = if is_iptables_table(family, &table) {
         iptables::rule(family, &exprs, comment.as_deref())?
     } else {
@@ -294,6 +305,7 @@ pub fn parse_rule(family: u8, a: &[u8]) -> Result<NftRule, NftError> {
         table,
         chain,
         rule: Rule(parts),
+        counter,
     })
 }
 
@@ -325,8 +337,34 @@ fn verdict_name(v: i32) -> String {
     }
 }
 
+/// A counter's attributes (`NFTA_COUNTER_BYTES`, `NFTA_COUNTER_PACKETS`, big-endian u64),
+/// in a `counter` expression or a chain's `NFTA_CHAIN_COUNTERS`; an absent one counts 0.
+fn counter_of(v: &[u8], what: &'static str) -> Result<Counter, NftError> {
+    let mut c = Counter::default();
+    for at in attrs(v, what) {
+        let (k, d) = at?;
+        let n = d
+            .get(0..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_be_bytes);
+        match k {
+            a::COUNTER_BYTES => c.bytes = n.ok_or(NftError::Attr { what })?,
+            a::COUNTER_PACKETS => c.packets = n.ok_or(NftError::Attr { what })?,
+            _ => {}
+        }
+    }
+    Ok(c)
+}
+
 /// Expression attribute numbers (`NFTA_*`), by expression.
 mod a {
+    pub const CHAIN_TABLE: u16 = 1;
+    pub const CHAIN_NAME: u16 = 3;
+    pub const CHAIN_HOOK: u16 = 4;
+    pub const CHAIN_POLICY: u16 = 5;
+    pub const CHAIN_COUNTERS: u16 = 8;
+    pub const COUNTER_BYTES: u16 = 1;
+    pub const COUNTER_PACKETS: u16 = 2;
     pub const EXPR_NAME: u16 = 1;
     pub const EXPR_DATA: u16 = 2;
     pub const DATA_VALUE: u16 = 1;
@@ -443,12 +481,15 @@ pub fn assemble(
                 name: c.name,
                 policy: c.policy,
                 rules: Vec::new(),
+                counters: Vec::new(),
+                policy_counter: c.counter,
             });
         }
     }
     for (f, r) in rules {
         if let Some(&(t, c)) = chain_at.get(&(f, r.table, r.chain)) {
             out[t].chains[c].rules.push(r.rule);
+            out[t].chains[c].counters.push(r.counter);
         }
     }
     out

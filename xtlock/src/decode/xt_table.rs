@@ -67,6 +67,19 @@ pub struct Chain {
     /// A built-in chain's policy (`ACCEPT`, `DROP`); `None` for a user chain.
     pub policy: Option<String>,
     pub rules: Vec<Rule>,
+    /// Each rule's counter, in `rules`' order (`None`: the rule has none, an nf_tables
+    /// rule without `counter`); empty when not read. Kept apart from the rules: counts change
+    /// with every packet, what a rule is does not.
+    pub counters: Vec<Option<Counter>>,
+    /// A built-in chain's policy counter (what it let through or dropped), where kept.
+    pub policy_counter: Option<Counter>,
+}
+
+/// A rule's counter as the kernel keeps it: packets and bytes that matched it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -85,6 +98,10 @@ pub struct TableInfo {
     pub underflow: [u32; HOOKS],
     pub num_entries: u32,
     pub size: u32,
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_ne_bytes(b.get(at..at + 8)?.try_into().ok()?))
 }
 
 fn i32_at(b: &[u8], at: usize) -> Option<i32> {
@@ -119,6 +136,8 @@ struct Entry {
     error: Option<String>,
     /// A standard target's verdict.
     verdict: Option<i32>,
+    /// `struct xt_counters`, the entry head's last 16 bytes.
+    counter: Counter,
 }
 
 /// The chains of a table from its entries (`entries`: the bytes after the
@@ -197,6 +216,8 @@ pub fn parse_table_with(
             name: name.clone(),
             policy: None,
             rules: Vec::new(),
+            counters: Vec::new(),
+            policy_counter: None,
         };
         // `raw` is in offset order, as the kernel laid it out.
         let (lo, hi) = (
@@ -217,6 +238,7 @@ pub fn parse_table_with(
             if Some(e.offset) == *underflow {
                 // The built-in chain's policy, not a rule.
                 chain.policy = Some(rule.target().trim_start_matches("-j ").to_string());
+                chain.policy_counter = Some(e.counter);
                 continue;
             }
             if underflow.is_none() && last && rule.0.len() == 1 && rule.target() == "-j RETURN" {
@@ -224,6 +246,7 @@ pub fn parse_table_with(
                 continue;
             }
             chain.rules.push(rule);
+            chain.counters.push(Some(e.counter));
         }
         chains.push(chain);
     }
@@ -291,11 +314,18 @@ fn parse_entry(
         }
         t => parts.push(target_text(family, t, e[target_off + 31], tdata)),
     }
+    // `pcnt`, `bcnt`: the head is `entry_len` long (checked by the caller), they end it.
+    let c = family.entry_len() - 16;
+    let counter = Counter {
+        packets: u64_at(e, c)?,
+        bytes: u64_at(e, c + 8)?,
+    };
     Some(Entry {
         offset,
         rule: Rule(parts),
         error,
         verdict,
+        counter,
     })
 }
 

@@ -260,6 +260,25 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
                 });
             }
         }
+        // Whose rule it is, whose chain, who added it, and the hold its drops fell in.
+        Output::RuleDrops(r) => {
+            let names = [&r.owner, &r.chain_owner]
+                .into_iter()
+                .flatten()
+                .map(String::as_str)
+                .chain(r.added.as_ref().map(|a| a.agent.as_str()));
+            for a in names {
+                if !v.iter().any(|p: &Party<'_>| p.agent == a) {
+                    v.push(Party {
+                        agent: a,
+                        pod: None,
+                        pids: [r.added.as_ref().map_or(0, |a| a.pid), 0],
+                    });
+                }
+            }
+            v.extend(r.hold.iter().map(hold_ref));
+        }
+        Output::UncountedDrops(_) => {}
         Output::Ipvs(_) | Output::IpvsCount(_) | Output::Lost(_) => {}
     }
     v
@@ -293,6 +312,7 @@ fn span(o: &Output) -> (u64, u64) {
         Output::DropCount(d) => d.interval_ns,
         Output::Conntrack(c) => c.interval_ns,
         Output::IpvsCount(c) => c.interval_ns,
+        Output::RuleDrops(r) => r.ts_ns.saturating_sub(r.since_ns),
         _ => 0,
     };
     (start, start.saturating_add(len))

@@ -76,6 +76,11 @@ pub const MAX_TABLES: usize = 16;
 pub const MAX_LOCKS: usize = 32;
 /// Distinct (namespace, workload) pairs kept as label values.
 pub const MAX_PODS: usize = 64;
+/// Distinct dropping rules given series of their own; the rest share `chain` and `rule`
+/// `(other)` (per table and owner).
+pub const MAX_DROP_RULES: usize = 64;
+/// A rule's text is cut to this many characters in its label.
+const RULE_LABEL_CHARS: usize = 120;
 
 impl PodLabels {
     pub fn of(cap: &mut Capped, pod: Option<&crate::kube::PodName>) -> Self {
@@ -156,6 +161,20 @@ pub struct UnserializedLabels {
     pub kind: &'static str,
     pub agent: String,
     pub other_agent: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleDropLabels {
+    /// `ip`, `ip6` (legacy), `nft ip`, `nft inet`, ...
+    pub family: String,
+    pub table: String,
+    pub chain: String,
+    /// As iptables-save prints it (cut to 120 characters); `policy` for a chain's policy.
+    pub rule: String,
+    /// Whose rule it is (the agent that added it, else the chain's owner); `unknown`.
+    pub owner: String,
+    /// `host` or `other`.
+    pub netns: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -330,6 +349,8 @@ pub struct Metrics {
     pub foreign_changes: Family<ForeignLabels, Counter>,
     pub mixed_backend_netns: Gauge,
     pub unserialized: Family<UnserializedLabels, Counter>,
+    pub rule_drop_packets: Family<RuleDropLabels, Counter>,
+    pub rule_drop_bytes: Family<RuleDropLabels, Counter>,
     pub table_entries: Family<TableLabels, Gauge>,
     pub nft_changes: Family<NftChangeLabels, Counter>,
     pub drops: Family<DropLabels, Counter>,
@@ -504,6 +525,20 @@ impl Metrics {
              found (writers), replaces that undid the other's write made after their read \
              (lost_write), replaces the kernel refused for it (refused_replace)",
             unserialized.clone(),
+        );
+        let rule_drop_packets = Family::<RuleDropLabels, Counter>::default();
+        r.register(
+            "rule_drop_packets",
+            "Packets a DROP or REJECT rule (or a built-in chain's DROP policy) dropped, by its \
+             own counter, read while netfilter drops packets; the first 64 rules have series \
+             of their own, the rest family, table, chain and rule (other)",
+            rule_drop_packets.clone(),
+        );
+        let rule_drop_bytes = Family::<RuleDropLabels, Counter>::default();
+        r.register(
+            "rule_drop_bytes",
+            "Bytes of the packets counted by xtlock_rule_drop_packets_total",
+            rule_drop_bytes.clone(),
         );
         let table_entries = Family::<TableLabels, Gauge>::default();
         r.register(
@@ -717,6 +752,8 @@ impl Metrics {
             foreign_changes,
             mixed_backend_netns,
             unserialized,
+            rule_drop_packets,
+            rule_drop_bytes,
             table_entries,
             nft_changes,
             drops,
@@ -850,6 +887,7 @@ pub struct MetricsSink {
     drop_kinds: Capped,
     refusal_details: Capped,
     ipvs_series: Capped,
+    drop_rules: Capped,
     /// Table names come from the replacing process's memory: capped like agents.
     tables: Capped,
     locks: Capped,
@@ -866,6 +904,7 @@ impl MetricsSink {
             drop_kinds: Capped::new(MAX_DROP_KINDS),
             refusal_details: Capped::new(MAX_REFUSAL_DETAILS),
             ipvs_series: Capped::new(MAX_IPVS_SERIES),
+            drop_rules: Capped::new(MAX_DROP_RULES),
             tables: Capped::new(MAX_TABLES),
             locks: Capped::new(MAX_LOCKS),
             host_netns,
@@ -1059,6 +1098,31 @@ impl Sink for MetricsSink {
             }
             Output::Lost(l) if l.bound.is_none() => {
                 self.m.lost.inc_by(l.count);
+            }
+            Output::RuleDrops(r) => {
+                let rule: String = if r.rule.is_empty() {
+                    "policy".into()
+                } else {
+                    r.rule.chars().take(RULE_LABEL_CHARS).collect()
+                };
+                let key = format!(
+                    "{}\0{}\0{}\0{}\0{}",
+                    r.netns, r.family, r.table, r.chain, rule
+                );
+                let own = self.drop_rules.label(&key) != OTHER;
+                let l = RuleDropLabels {
+                    family: if own { r.family.clone() } else { OTHER.into() },
+                    table: if own { r.table.clone() } else { OTHER.into() },
+                    chain: if own { r.chain.clone() } else { OTHER.into() },
+                    rule: if own { rule } else { OTHER.into() },
+                    owner: r
+                        .owner
+                        .as_deref()
+                        .map_or_else(|| "unknown".to_owned(), |o| self.agent(o)),
+                    netns: self.netns(r.netns).netns,
+                };
+                self.m.rule_drop_bytes.get_or_create(&l).inc_by(r.bytes);
+                self.m.rule_drop_packets.get_or_create(&l).inc_by(r.packets);
             }
             Output::DropCount(d) => {
                 let loc = location_function(&d.location);

@@ -499,6 +499,34 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 super::terminal::mixed_backends_text(m, 0),
                 serde_json::to_value(m).unwrap_or(Value::Null),
             ),
+            // A counter track per rule, and the line at the read that counted them.
+            Output::RuleDrops(r) => {
+                let table = super::terminal::table_name(&r.family, &r.table);
+                let track = if r.rule.is_empty() {
+                    format!("rule drops: {table} {} policy", r.chain)
+                } else {
+                    format!("rule drops: {table} {} `{}`", r.chain, r.rule)
+                };
+                self.counter(r.ts_ns, track, r.packets as f64)?;
+                self.instant(
+                    r.ts_ns,
+                    0,
+                    DROPS_GROUP,
+                    super::terminal::rule_drops_text(r)
+                        .trim_start_matches("!! ")
+                        .to_string(),
+                    serde_json::to_value(r).unwrap_or(Value::Null),
+                )
+            }
+            Output::UncountedDrops(u) => self.instant(
+                u.ts_ns,
+                0,
+                DROPS_GROUP,
+                super::terminal::uncounted_drops_text(u)
+                    .trim_start_matches("!! ")
+                    .to_string(),
+                serde_json::to_value(u).unwrap_or(Value::Null),
+            ),
             _ => Ok(()),
         }
     }

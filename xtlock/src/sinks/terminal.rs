@@ -13,8 +13,8 @@ use crate::analysis::{FailedTryFact, LostFact, Output, Summary};
 use lines::*;
 pub(crate) use lines::{
     endpoint_programmed_text, hold_drops_text, hold_refusals_text, ipvs_drained_text, ipvs_text,
-    mixed_backends_text, refusal_text, rule_change_lines, stale_endpoint_open_text,
-    unserialized_text,
+    mixed_backends_text, refusal_text, rule_change_lines, rule_drops_text,
+    stale_endpoint_open_text, table_name, uncounted_drops_text, unserialized_text,
 };
 #[cfg(test)]
 pub(crate) use lines::{hold_text as hold_text_for_test, stall_text as stall_text_for_test};
@@ -335,6 +335,8 @@ impl<W: Write> Sink for TerminalSink<W> {
                 Output::StaleEndpoint(f) => Some(stale_endpoint_text(f)),
                 Output::EndpointProgrammed(f) => Some(endpoint_programmed_text(f)),
                 Output::IpvsDrained(f) => Some(ipvs_drained_text(f)),
+                Output::RuleDrops(f) => Some(rule_drops_text(f)),
+                Output::UncountedDrops(f) => Some(uncounted_drops_text(f)),
             };
         if let Some(text) = text {
             self.flush_run()?;

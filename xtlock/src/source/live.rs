@@ -120,9 +120,22 @@ impl LiveSource {
         let now = super::monotonic_ns();
         let poller = super::drops::DropPoller::new(netns, self.probes.drops_attached(), now)?;
         let events = poller.start_events(&self.probes, now);
+        // The namespaces asked for (`--netns`, `--all-netns`): drops there are counted by
+        // rule from now on, not from their first drop's read.
+        if let Some(r) = self.tap.rules.as_mut() {
+            let own = super::addrs::own_netns();
+            for (ino, _, _) in poller.namespaces() {
+                if ino != own && ino != 0 {
+                    r.baseline(ino);
+                }
+            }
+        }
         self.drops = Some(poller);
         for ev in &events {
             self.tap.synthetic(ev);
+            if let Some(r) = self.tap.rules.as_mut() {
+                r.on_drops(ev);
+            }
         }
         Ok(events)
     }
@@ -149,7 +162,10 @@ impl LiveSource {
         events.extend(self.ipvs.poll(&self.probes, now));
         events.extend(self.refusals.poll(&mut self.probes));
         if let Some(r) = self.tap.rules.as_mut() {
-            events.iter().for_each(|ev| r.on_refusals(ev));
+            for ev in &events {
+                r.on_refusals(ev);
+                r.on_drops(ev);
+            }
         }
         if let Some(pods) = self.tap.pods.as_mut() {
             let mut named = Vec::new();
@@ -237,7 +253,11 @@ impl LiveSource {
     /// Reads every legacy table written, for the analysis to say what the write changed.
     pub fn read_rules(&mut self) {
         match super::rules::RuleReader::start() {
-            Ok(r) => self.tap.rules = Some(r),
+            Ok(mut r) => {
+                // Drops here are counted from now on, by rule.
+                r.baseline(super::addrs::own_netns());
+                self.tap.rules = Some(r)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "cannot start the rule reader: rule changes are not diffed")
             }

@@ -26,8 +26,12 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use crate::decode::nft_table::{self, Msg, NftTable};
-use crate::decode::xt_table::{self, Family, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD};
-use crate::event::{digest_rules, ChainState, Event, RuleTable, TableReplaceEvent};
+use crate::decode::xt_table::{
+    self, Counter, Family, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD,
+};
+use crate::event::{
+    digest_rules, ChainState, Event, Rule, RuleCount, RuleCounters, RuleTable, TableReplaceEvent,
+};
 use crate::shared::SharedStr;
 
 mod budget;
@@ -73,6 +77,10 @@ struct Request {
 enum What {
     /// A legacy iptables (IPv4) or ip6tables (IPv6) table, by name.
     Legacy(Family, String),
+    /// The counters of every table of the namespace that can drop (legacy: those loaded but
+    /// `nat`; nf_tables: all, where nf_tables is loaded): netfilter dropped packets there.
+    /// The tables are not sent, only what their dropping rules counted.
+    Counters,
     /// Every nf_tables table of the namespace; with a handle on it when the writer's was
     /// opened at its exec (the writer is gone by the time it is read).
     Nft(Option<Arc<File>>),
@@ -83,6 +91,7 @@ impl Request {
         match &self.what {
             What::Legacy(f, t) => (self.netns, f.name().into(), t.clone()),
             What::Nft(_) => (self.netns, NFT_ALL.0.into(), NFT_ALL.1.into()),
+            What::Counters => (self.netns, "counters".into(), "*".into()),
         }
     }
 }
@@ -96,6 +105,9 @@ pub struct RuleReader {
     worker: Option<std::thread::JoinHandle<()>>,
     /// Processes writing through nf_tables: their network namespace (inode, handle).
     nft_writers: HashMap<u32, (u32, Arc<File>)>,
+    /// The kernel's number for `NETFILTER_DROP` (`None`: it reports no reasons, any drop
+    /// may be netfilter's), once the drop setup came.
+    nf_drop: Option<Option<u32>>,
 }
 
 impl RuleReader {
@@ -111,7 +123,63 @@ impl RuleReader {
             rx,
             worker: Some(worker),
             nft_writers: HashMap::new(),
+            nf_drop: None,
         })
+    }
+
+    /// The counters of `netns`'s dropping rules as they are now: the baseline later drops
+    /// there are counted from (the tracer's own namespace at the start).
+    pub fn baseline(&mut self, netns: u32) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Request {
+                netns,
+                pid: std::process::id(),
+                what: What::Counters,
+                if_unread: false,
+            });
+        }
+    }
+
+    /// Drop counts: each namespace where netfilter dropped packets in the last second has
+    /// its rules' counters read, to name the rules that dropped them. At most one read per
+    /// namespace a second (the counts come once a second), coalesced with reads queued and
+    /// rationed like every rule read: a storm of drops is not a storm of reads.
+    pub fn on_drops(&mut self, ev: &Event) {
+        match ev {
+            Event::DropSetup {
+                has_reason, names, ..
+            } => {
+                let nf = names
+                    .iter()
+                    .find(|(_, n)| n == "NETFILTER_DROP")
+                    .map(|(c, _)| *c);
+                self.nf_drop = Some(if *has_reason {
+                    nf.or(Some(u32::MAX))
+                } else {
+                    None
+                });
+            }
+            Event::DropCounts(c) => {
+                let Some(nf) = self.nf_drop else { return };
+                let Some(tx) = &self.tx else { return };
+                let mut asked: Vec<u32> = Vec::new();
+                for d in &c.counts {
+                    let netfilter = nf.is_none_or(|code| d.reason == code);
+                    if netfilter && d.netns != 0 && !asked.contains(&d.netns) && asked.len() < 64 {
+                        asked.push(d.netns);
+                    }
+                }
+                for netns in asked {
+                    let _ = tx.send(Request {
+                        netns,
+                        pid: 0,
+                        what: What::Counters,
+                        if_unread: false,
+                    });
+                }
+            }
+            _ => {}
+        }
     }
 
     /// A kernel event: a successful IPv4 or IPv6 table replace asks for that table to be read; an
@@ -312,7 +380,16 @@ struct Worker {
     deferred: Vec<(Instant, Request)>,
     /// Namespaces whose rationing was said.
     said_rationed: HashSet<u32>,
+    /// Each table's dropping rules' counters at its last read, and when.
+    counts: HashMap<Key, (u64, HashMap<CountKey, Counter>)>,
 }
+
+/// A dropping rule within its table: chain, text (empty: the chain's policy), and its
+/// place among the chain's rules of the same text.
+type CountKey = (String, String, u32);
+
+/// Tables whose counters are remembered (legacy and nf_tables, every netns).
+const MAX_COUNTED_TABLES: usize = 4096;
 
 impl Worker {
     fn run(mut self, rx: &mpsc::Receiver<Request>, tx: &mpsc::Sender<Event>) {
@@ -389,12 +466,17 @@ impl Worker {
                     }
                 }
                 let cpu = budget::thread_cpu();
-                let parts = self.read(&r);
+                let (parts, counted) = self.read(&r);
                 self.budget
                     .charge(r.netns, now, budget::thread_cpu().saturating_sub(cpu));
                 // In parts that fit the capture's records (a large table's first read).
                 for part in parts.into_iter().flat_map(RuleTable::into_parts) {
                     if tx.send(Event::RuleTable(Box::new(part))).is_err() {
+                        return;
+                    }
+                }
+                for c in counted {
+                    if tx.send(Event::RuleCounters(Box::new(c))).is_err() {
                         return;
                     }
                 }
@@ -424,13 +506,18 @@ impl Worker {
         self.deferred.push((at, r));
     }
 
-    /// The tables a request asks for, as read (or said skipped).
-    fn read(&mut self, r: &Request) -> Vec<RuleTable> {
+    /// The tables a request asks for, as read (or said skipped), and what their dropping
+    /// rules counted since their previous read.
+    fn read(&mut self, r: &Request) -> (Vec<RuleTable>, Vec<RuleCounters>) {
         let key = r.key();
         if r.if_unread && (self.last.contains_key(&key) || self.said.contains(&key)) {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
+        }
+        if let What::Counters = r.what {
+            return (Vec::new(), self.read_counters(r));
         }
         let tables = self.enter(r).and_then(|()| match &r.what {
+            What::Counters => Ok(Vec::new()),
             What::Legacy(family, table) => read_table(*family, table).map(|chains| {
                 vec![NftTable {
                     family: family.name().into(),
@@ -474,7 +561,9 @@ impl Worker {
                 self.said.remove(&key);
                 let mut out = Vec::new();
                 let mut names = Vec::new();
+                let mut counted = Vec::new();
                 for nt in tables {
+                    counted.extend(self.count(r.netns, ts_ns, &nt, false));
                     let mut t = table(&nt.family, &nt.name);
                     let k = (r.netns, nt.family.clone(), nt.name.clone());
                     names.push((nt.family, nt.name));
@@ -512,7 +601,7 @@ impl Worker {
                         self.nft_tables.clear();
                     }
                 }
-                out
+                (out, counted)
             }
             Err(why) => {
                 // Said once per table until a read works again; the analysis forgets the
@@ -525,14 +614,145 @@ impl Worker {
                 self.last.remove(&key);
                 let (_, family, name) = key.clone();
                 if !self.said.insert(key) {
-                    return Vec::new();
+                    return (Vec::new(), Vec::new());
                 }
                 tracing::debug!(netns = r.netns, %family, table = %name, %why, "table not read");
                 let mut t = table(&family, &name);
                 t.skipped = why;
-                vec![t]
+                (vec![t], Vec::new())
             }
         }
+    }
+
+    /// A [`What::Counters`] request: every table of the namespace that can drop, read for
+    /// its counters alone (the rule diffs' digests are left as they were).
+    fn read_counters(&mut self, r: &Request) -> Vec<RuleCounters> {
+        if let Err(why) = self.enter(r) {
+            tracing::debug!(netns = r.netns, %why, "rule counters not read");
+            return Vec::new();
+        }
+        let mut tables = Vec::new();
+        for family in [Family::Ipv4, Family::Ipv6] {
+            for name in legacy_tables(family) {
+                // `nat` cannot drop (iptables refuses DROP there), and is the large one.
+                if name == "nat" {
+                    continue;
+                }
+                match read_table(family, &name) {
+                    Ok(chains) => tables.push(NftTable {
+                        family: family.name().into(),
+                        name,
+                        chains,
+                    }),
+                    Err(why) => {
+                        tracing::debug!(netns = r.netns, family = family.name(), table = %name, %why, "rule counters not read")
+                    }
+                }
+            }
+        }
+        // Only where nf_tables is there already (built in, or a module loaded): asking a
+        // modular kernel for its tables would load it.
+        let modular = std::path::Path::new("/proc/modules").exists();
+        if !modular || std::path::Path::new("/sys/module/nf_tables").exists() {
+            self.seq = self.seq.wrapping_add(3);
+            match read_nft(self.seq) {
+                Ok(t) => tables.extend(t),
+                Err(why) => tracing::debug!(netns = r.netns, %why, "nf_tables counters not read"),
+            }
+        }
+        let ts_ns = super::monotonic_ns();
+        let mut out = Vec::new();
+        for t in &tables {
+            out.extend(self.count(r.netns, ts_ns, t, true));
+        }
+        out
+    }
+
+    /// What `t`'s dropping rules counted since the table's previous read: `None` at its
+    /// first read (the baseline), or when nothing moved and nothing is worth saying.
+    /// `asked`: drops asked for this read (then rules that keep no counter are listed).
+    fn count(&mut self, netns: u32, ts_ns: u64, t: &NftTable, asked: bool) -> Option<RuleCounters> {
+        let key: Key = (netns, t.family.clone(), t.name.clone());
+        let mut now: HashMap<CountKey, Counter> = HashMap::new();
+        let mut uncounted = Vec::new();
+        let mut order: Vec<CountKey> = Vec::new();
+        for c in &t.chains {
+            if c.policy.as_deref() == Some("DROP") {
+                if let Some(pc) = c.policy_counter {
+                    let k = (c.name.clone(), String::new(), 0);
+                    order.push(k.clone());
+                    now.insert(k, pc);
+                }
+            }
+            let mut seen: HashMap<String, u32> = HashMap::new();
+            for (i, rule) in c.rules.iter().enumerate() {
+                if !drops(rule) {
+                    continue;
+                }
+                let text = rule.text();
+                let nth = seen.entry(text.clone()).or_default();
+                let k = (c.name.clone(), text, *nth);
+                *nth += 1;
+                match c.counters.get(i).copied().flatten() {
+                    Some(counter) => {
+                        order.push(k.clone());
+                        now.insert(k, counter);
+                    }
+                    None if uncounted.len() < crate::event::MAX_UNCOUNTED => {
+                        uncounted.push(format!("{}: {}", k.0, k.1));
+                    }
+                    None => {}
+                }
+            }
+        }
+        if self.counts.len() >= MAX_COUNTED_TABLES && !self.counts.contains_key(&key) {
+            // Their next reads are baselines again.
+            self.counts.clear();
+        }
+        let prev = self.counts.insert(key, (ts_ns, now));
+        let (since_ns, prev) = prev?;
+        let now = &self
+            .counts
+            .get(&(netns, t.family.clone(), t.name.clone()))?
+            .1;
+        let mut rules = Vec::new();
+        for k in order {
+            let Some(c) = now.get(&k) else { continue };
+            // A rule new since the previous read started at 0; one whose counter went back
+            // was replaced by a write since.
+            let (packets, bytes, reset) = match prev.get(&k) {
+                Some(p) if c.packets >= p.packets => (
+                    c.packets - p.packets,
+                    c.bytes.saturating_sub(p.bytes),
+                    false,
+                ),
+                Some(_) => (c.packets, c.bytes, true),
+                None => (c.packets, c.bytes, false),
+            };
+            if packets > 0 && rules.len() < crate::event::MAX_RULE_COUNTS {
+                rules.push(RuleCount {
+                    chain: k.0,
+                    rule: k.1,
+                    nth: k.2,
+                    packets,
+                    bytes,
+                    reset,
+                });
+            }
+        }
+        // Nothing moved: said only to list rules that cannot count, when drops asked.
+        if rules.is_empty() && (!asked || uncounted.is_empty()) {
+            return None;
+        }
+        Some(RuleCounters {
+            ts_ns,
+            since_ns,
+            netns,
+            family: t.family.clone(),
+            table: t.name.clone(),
+            rules,
+            uncounted: if asked { uncounted } else { Vec::new() },
+        })
     }
 
     /// Moves this thread into the writer's network namespace.
@@ -563,6 +783,29 @@ impl Worker {
         }
         Ok(())
     }
+}
+
+/// A rule that drops what it matches: `-j DROP`, or `-j REJECT` (which answers, then drops).
+/// Both renderers word nf_tables verdicts this way too.
+fn drops(rule: &Rule) -> bool {
+    let t = rule.target();
+    t == "-j DROP" || t.starts_with("-j REJECT")
+}
+
+/// The legacy tables loaded in this thread's network namespace (`ip_tables_names`; none
+/// when the module is not loaded: nothing is loaded by asking).
+fn legacy_tables(family: Family) -> Vec<String> {
+    let file = match family {
+        Family::Ipv4 => "/proc/thread-self/net/ip_tables_names",
+        Family::Ipv6 => "/proc/thread-self/net/ip6_tables_names",
+    };
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// One table of the current network namespace, parsed.

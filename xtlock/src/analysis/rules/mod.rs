@@ -22,7 +22,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::Serialize;
 
 use super::attribution::Attributor;
-use super::facts::{ForeignChange, MixedBackendsFact, Output, RuleChangeFact, RuleWriteFact};
+use super::facts::{
+    ForeignChange, MixedBackendsFact, Output, RuleAdded, RuleChangeFact, RuleWriteFact,
+};
 pub use super::facts::{StrippedRule, TableDiff};
 use super::iptables_run::Backend;
 use super::procs::{FastMap, ProcTable};
@@ -95,7 +97,14 @@ pub struct RuleTracker {
     /// with no write pending (the one a writer's exit asks for, after the commit's own) is
     /// not one more.
     nft_commits_seen: bool,
+    /// Each agent's last write per netns, for the rules its next read finds added.
+    last_write: HashMap<(u32, String), RuleAdded>,
+    /// The write that added each rule seen added: (table, chain, rule text).
+    added: HashMap<(TableKey, String, String), RuleAdded>,
 }
+
+/// Rules whose adding write is remembered; past it, newer ones are not.
+const MAX_ADDED: usize = 65_536;
 
 /// nf_tables writes are pending per network namespace (a commit does not say which
 /// table), under this family and table.
@@ -242,6 +251,20 @@ impl RuleTracker {
         if let Some(t) = &table {
             note(&mut w.tables, t);
         }
+        if self.last_write.len() >= MAX_TABLES
+            && !self.last_write.contains_key(&(netns, agent.clone()))
+        {
+            self.last_write.clear();
+        }
+        self.last_write.insert(
+            (netns, agent.clone()),
+            RuleAdded {
+                ts_ns,
+                agent: agent.clone(),
+                program: program.clone(),
+                pid,
+            },
+        );
         out(Output::RuleWrite(RuleWriteFact {
             ts_ns,
             pid,
@@ -546,6 +569,31 @@ impl RuleTracker {
                     self.creators.insert((key.clone(), c.clone()), w.clone());
                 }
             }
+            // The write behind each rule added or changed, for the drops it may make.
+            let by = self
+                .last_write
+                .get(&(t.netns, w.clone()))
+                .cloned()
+                .unwrap_or_else(|| RuleAdded {
+                    ts_ns: t.ts_ns,
+                    agent: w.clone(),
+                    program: procs
+                        .get(t.after_pid)
+                        .map(|p| p.exe_name().to_string())
+                        .unwrap_or_default(),
+                    pid: t.after_pid,
+                });
+            let rules = d
+                .added
+                .iter()
+                .map(|(c, r)| (c, r))
+                .chain(d.stripped.iter().map(|s| (&s.chain, &s.now)));
+            for (c, r) in rules {
+                if self.added.len() < MAX_ADDED {
+                    self.added
+                        .insert((key.clone(), c.clone(), r.clone()), by.clone());
+                }
+            }
         }
         // A DROP or REJECT that matches everything, where packets reach it (the table's
         // reach is walked only when the change has one).
@@ -608,6 +656,41 @@ impl RuleTracker {
         }
         // Several candidates: not said, rather than guessed.
         (found.len() == 1).then(|| found.remove(0))
+    }
+
+    /// Whose a rule of a read table is: (the rule's owner, its chain's owner, the write that
+    /// added it). The rule's owner is the agent whose write added it, else the chain's; the
+    /// chain's is its creator, else the agents' naming conventions. `rule` empty: the
+    /// chain's policy (whoever owns the chain).
+    pub fn rule_origin(
+        &self,
+        netns: u32,
+        family: &str,
+        table: &str,
+        chain: &str,
+        rule: &str,
+    ) -> (Option<String>, Option<String>, Option<RuleAdded>) {
+        let key: TableKey = (netns, family.to_string(), table.to_string());
+        let chain_owner = (!self.creators.is_empty())
+            .then(|| {
+                self.creators
+                    .get(&(key.clone(), chain.to_string()))
+                    .cloned()
+            })
+            .flatten()
+            .or_else(|| owners::conventional_owner(chain).map(str::to_string));
+        let added = (!rule.is_empty() && !self.added.is_empty())
+            .then(|| {
+                self.added
+                    .get(&(key, chain.to_string(), rule.to_string()))
+                    .cloned()
+            })
+            .flatten();
+        let owner = added
+            .as_ref()
+            .map(|a| a.agent.clone())
+            .or_else(|| chain_owner.clone());
+        (owner, chain_owner, added)
     }
 
     /// Foreign changes per (writer, owner): how many chains and rules.

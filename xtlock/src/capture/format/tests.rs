@@ -475,6 +475,54 @@ fn ipvs_table_records_round_trip() {
     let _ = decode_drop_event(KIND_IPVS_TABLE, &huge);
 }
 
+/// Kind 18: a table's rule counts round-trip (a rule, a policy, an uncounted rule); a cut
+/// body is an error, a count past the bounds is refused before any allocation.
+#[test]
+fn rule_counter_records_round_trip() {
+    use crate::event::{RuleCount, RuleCounters};
+    let ev = Event::RuleCounters(Box::new(RuleCounters {
+        ts_ns: 2_000,
+        since_ns: 1_000,
+        netns: 4026531840,
+        family: "nft ip".into(),
+        table: "filter".into(),
+        rules: vec![
+            RuleCount {
+                chain: "KUBE-FIREWALL".into(),
+                rule: "-m mark --mark 0x8000/0x8000 -j DROP".into(),
+                nth: 1,
+                packets: 250,
+                bytes: 13_000,
+                reset: true,
+            },
+            RuleCount {
+                chain: "FORWARD".into(),
+                rule: String::new(),
+                nth: 0,
+                packets: 3,
+                bytes: 180,
+                reset: false,
+            },
+        ],
+        uncounted: vec!["input: udp dport 53 drop".into()],
+    }));
+    let mut b = Vec::new();
+    assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_RULE_COUNTERS));
+    assert_eq!(decode_drop_event(KIND_RULE_COUNTERS, &b).unwrap(), ev);
+    for cut in 0..b.len() {
+        assert!(decode_drop_event(KIND_RULE_COUNTERS, &b[..cut]).is_err());
+    }
+    // A rule count past the bound: refused, not allocated.
+    let mut huge = Vec::new();
+    for v in [1u64, 0, 7] {
+        put_varint(&mut huge, v);
+    }
+    put_bytes(&mut huge, b"ip");
+    put_bytes(&mut huge, b"filter");
+    put_varint(&mut huge, u64::MAX);
+    assert!(decode_drop_event(KIND_RULE_COUNTERS, &huge).is_err());
+}
+
 /// A read of `table` naming `names` in order; `changed` names come with a rule.
 fn read_of(table: &str, ts_ns: u64, names: &[&str], changed: &[&str], more: bool) -> Event {
     Event::RuleTable(Box::new(crate::event::RuleTable {

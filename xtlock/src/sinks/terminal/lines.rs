@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use super::{human_bytes, human_ns, DEFAULT_LOCK};
 use crate::analysis::drops::packet_text;
 use crate::analysis::facts::{
-    EndpointProgrammedFact, IpvsDrainedFact, StaleEndpointFact, StaleEndpointOpenFact, StaleFix,
+    EndpointProgrammedFact, IpvsDrainedFact, RuleDropsFact, StaleEndpointFact,
+    StaleEndpointOpenFact, StaleFix, UncountedDropsFact,
 };
 use crate::analysis::{
     ConntrackFact, ConntrackRefusedFact, DropClass, DropCountFact, DropFact, ExecFact, ExitFact,
@@ -1143,4 +1144,95 @@ pub(crate) fn stale_endpoint_text(f: &StaleEndpointFact) -> String {
         );
     }
     s
+}
+
+/// How a table is named in a line: `filter` (legacy IPv4), `ip6 filter`, `nft inet fw`.
+pub(crate) fn table_name(family: &str, table: &str) -> String {
+    match family {
+        "ip" => table.to_string(),
+        f => format!("{f} {table}"),
+    }
+}
+
+/// "!! 250 packets (13.0 KiB) to udp 10.96.0.15:80 dropped by filter KUBE-FIREWALL `-m mark
+/// --mark 0x8000/0x8000 -j DROP` in 1.00 s: kube-proxy's rule, added 41.2 s earlier by
+/// iptables-restore (pid 4121), during calico-node's 1.50 s hold of /run/xtables.lock (pid 77)".
+pub(crate) fn rule_drops_text(f: &RuleDropsFact) -> String {
+    let mut s = format!(
+        "!! {} packet{} ({})",
+        thousands(f.packets),
+        if f.packets == 1 { "" } else { "s" },
+        human_bytes(f.bytes)
+    );
+    if !f.dests.is_empty() {
+        let dests: Vec<String> = f
+            .dests
+            .iter()
+            .map(|d| format!("{} {}", d.proto, d.dest))
+            .collect();
+        let _ = write!(s, " to {}", dests.join(", "));
+    }
+    let table = table_name(&f.family, &f.table);
+    if f.rule.is_empty() {
+        let _ = write!(s, " dropped by {table} {}'s DROP policy", f.chain);
+    } else {
+        let _ = write!(s, " dropped by {table} {} `{}`", f.chain, f.rule);
+    }
+    let _ = write!(s, " in {}", human_ns(f.ts_ns.saturating_sub(f.since_ns)));
+    if f.reset {
+        s.push_str(" (since a write replaced it)");
+    }
+    let whose = match (&f.owner, &f.chain_owner) {
+        (Some(o), Some(c)) if o != c => format!("{o}'s rule in {c}'s chain"),
+        (Some(o), _) => format!("{o}'s rule"),
+        (None, _) if f.rule.is_empty() => "the chain's policy".to_string(),
+        (None, _) => "a rule of no known agent".to_string(),
+    };
+    let _ = write!(s, ": {whose}");
+    match &f.added {
+        Some(a) => {
+            let _ = write!(
+                s,
+                ", added {} earlier by {} (pid {})",
+                human_ns(f.ts_ns.saturating_sub(a.ts_ns)),
+                if a.program.is_empty() {
+                    &a.agent
+                } else {
+                    &a.program
+                },
+                a.pid
+            );
+        }
+        None if !f.rule.is_empty() => s.push_str(", there before the trace"),
+        None => {}
+    }
+    if let Some(h) = &f.hold {
+        let _ = write!(s, ", during {}'s ", h.agent);
+        if let Some(ns) = h.hold_ns {
+            let _ = write!(s, "{} ", human_ns(ns));
+        }
+        let _ = write!(s, "hold of {} (pid {})", h.lock, h.pid);
+    }
+    if f.others > 0 {
+        let _ = write!(
+            s,
+            " ({} other rule{} dropped then too)",
+            f.others,
+            if f.others == 1 { "" } else { "s" }
+        );
+    }
+    s
+}
+
+/// "!! 2 rules of nft inet fw drop without a counter (what they drop cannot be named; add
+/// `counter`): input: tcp dport 22 drop, ...".
+pub(crate) fn uncounted_drops_text(f: &UncountedDropsFact) -> String {
+    format!(
+        "!! {} rule{} of {} drop{} without a counter (what they drop cannot be named; add `counter` to name it): {}",
+        f.rules.len(),
+        if f.rules.len() == 1 { "" } else { "s" },
+        table_name(&f.family, &f.table),
+        if f.rules.len() == 1 { "s" } else { "" },
+        some_names(&f.rules, 3)
+    )
 }

@@ -246,8 +246,61 @@ pub(crate) fn write_summary(
         )?;
     }
     write_drops(w, s)?;
+    write_rule_drops(w, s)?;
     write_refusals(w, s)?;
     write_ipvs(w, s)
+}
+
+/// "rules that dropped packets: 620 packets by 2 rules (their own counters)", then the top
+/// ones with whose they are.
+fn write_rule_drops(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
+    let r = &s.rule_drops;
+    if r.is_empty() {
+        return Ok(());
+    }
+    w.blank()?;
+    say!(
+        w,
+        "rules that dropped packets: {} packets by {} rule{} (their own counters)",
+        thousands(r.packets),
+        thousands(r.rules),
+        if r.rules == 1 { "" } else { "s" }
+    )?;
+    for row in &r.top {
+        let table = super::lines::table_name(&row.family, &row.table);
+        let what = if row.rule.is_empty() {
+            format!("{table} {}'s DROP policy", row.chain)
+        } else {
+            format!("{table} {} `{}`", row.chain, row.rule)
+        };
+        let whose = match (&row.owner, &row.chain_owner) {
+            (Some(o), Some(c)) if o != c => format!(" ({o}'s rule in {c}'s chain)"),
+            (Some(o), _) => format!(" ({o}'s)"),
+            _ => String::new(),
+        };
+        let added = row
+            .added
+            .as_ref()
+            .map(|a| format!(", added by {} (pid {})", a.program, a.pid))
+            .unwrap_or_default();
+        say!(
+            w,
+            "  {} packets ({}) {what}{whose}{added}",
+            thousands(row.packets),
+            human_bytes(row.bytes)
+        )?;
+    }
+    if r.other_packets > 0 {
+        say!(
+            w,
+            "  {} packets by rules past the summary's bound",
+            thousands(r.other_packets)
+        )?;
+    }
+    for u in &r.uncounted {
+        say!(w, "  !! drops without a counter (not named): {u}")?;
+    }
+    Ok(())
 }
 
 /// "refused connections: 90 in all; by kind: ...; by destination: ...", then the holds with
