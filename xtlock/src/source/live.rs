@@ -124,11 +124,13 @@ impl LiveSource {
         // rule from now on, not from their first drop's read.
         if let Some(r) = self.tap.rules.as_mut() {
             let own = super::addrs::own_netns();
-            for (ino, _, _) in poller.namespaces() {
-                if ino != own && ino != 0 {
-                    r.baseline(ino);
-                }
-            }
+            let others: Vec<u32> = poller
+                .namespaces()
+                .into_iter()
+                .map(|(ino, _, _)| ino)
+                .filter(|&ino| ino != own && ino != 0)
+                .collect();
+            r.baseline(&others, std::time::Duration::from_secs(2));
         }
         self.drops = Some(poller);
         for ev in &events {
@@ -255,7 +257,10 @@ impl LiveSource {
         match super::rules::RuleReader::start() {
             Ok(mut r) => {
                 // Drops here are counted from now on, by rule.
-                r.baseline(super::addrs::own_netns());
+                r.baseline(
+                    &[super::addrs::own_netns()],
+                    std::time::Duration::from_secs(1),
+                );
                 self.tap.rules = Some(r)
             }
             Err(e) => {

@@ -72,6 +72,8 @@ struct Request {
     /// Only if this table was never read: a read to name the rules behind refusals, not
     /// after a write.
     if_unread: bool,
+    /// Told once the request was read (or dropped: the sender goes with it).
+    done: Option<mpsc::Sender<()>>,
 }
 
 enum What {
@@ -127,16 +129,30 @@ impl RuleReader {
         })
     }
 
-    /// The counters of `netns`'s dropping rules as they are now: the baseline later drops
-    /// there are counted from (the tracer's own namespace at the start).
-    pub fn baseline(&mut self, netns: u32) {
-        if let Some(tx) = &self.tx {
+    /// The counters of the dropping rules of each of `netns` as they are now: the baseline
+    /// later drops there are counted from (the tracer's own namespace, and those it was asked
+    /// to watch, at the start). Waits up to `wait` for the reads: drops right after the start
+    /// are then counted by rule too.
+    pub fn baseline(&mut self, netns: &[u32], wait: Duration) {
+        let Some(tx) = &self.tx else { return };
+        let (done_tx, done) = mpsc::channel();
+        for &n in netns {
             let _ = tx.send(Request {
-                netns,
+                netns: n,
                 pid: std::process::id(),
                 what: What::Counters,
                 if_unread: false,
+                done: Some(done_tx.clone()),
             });
+        }
+        drop(done_tx);
+        let deadline = Instant::now() + wait;
+        for _ in netns {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if done.recv_timeout(left).is_err() {
+                tracing::debug!("rule counters of some namespaces not baselined in time");
+                break;
+            }
         }
     }
 
@@ -175,6 +191,7 @@ impl RuleReader {
                         pid: 0,
                         what: What::Counters,
                         if_unread: false,
+                        done: None,
                     });
                 }
             }
@@ -198,6 +215,7 @@ impl RuleReader {
                     pid: t.tgid,
                     what: What::Legacy(family, table),
                     if_unread: false,
+                    done: None,
                 }
             }
             Event::NftCommit(n) if n.batch.as_ref().is_none_or(|b| b.changes() > 0) => Request {
@@ -205,6 +223,7 @@ impl RuleReader {
                 pid: n.tgid,
                 what: What::Nft(None),
                 if_unread: false,
+                done: None,
             },
             Event::Exit(e) if e.tid == e.tgid => {
                 let Some((netns, ns)) = self.nft_writers.remove(&e.tgid) else {
@@ -215,6 +234,7 @@ impl RuleReader {
                     pid: e.tgid,
                     what: What::Nft(Some(ns)),
                     if_unread: false,
+                    done: None,
                 }
             }
             _ => return,
@@ -241,6 +261,7 @@ impl RuleReader {
                 pid: 0,
                 what: What::Legacy(Family::Ipv4, "filter".into()),
                 if_unread: true,
+                done: None,
             });
         }
     }
@@ -422,9 +443,11 @@ impl Worker {
             // the reads do not queue on the table's mutex between the writes of a burst.
             let mut batch: Vec<Request> = Vec::new();
             if let Some(first) = first {
+                // Counter reads are asked once a second, not in bursts: read at once.
+                let burst = !matches!(first.what, What::Counters);
                 batch.push(first);
                 let since = Instant::now();
-                while since.elapsed() < MAX_WAIT {
+                while burst && since.elapsed() < MAX_WAIT {
                     match rx.recv_timeout(QUIET) {
                         Ok(r) => batch.push(r),
                         Err(mpsc::RecvTimeoutError::Timeout) => break,
@@ -467,6 +490,9 @@ impl Worker {
                 }
                 let cpu = budget::thread_cpu();
                 let (parts, counted) = self.read(&r);
+                if let Some(d) = &r.done {
+                    let _ = d.send(());
+                }
                 self.budget
                     .charge(r.netns, now, budget::thread_cpu().saturating_sub(cpu));
                 // In parts that fit the capture's records (a large table's first read).

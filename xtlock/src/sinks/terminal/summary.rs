@@ -248,7 +248,102 @@ pub(crate) fn write_summary(
     write_drops(w, s)?;
     write_rule_drops(w, s)?;
     write_refusals(w, s)?;
-    write_ipvs(w, s)
+    write_services(w, s)?;
+    write_syncs(w, s)?;
+    write_ipvs(w, s)?;
+    write_bounds(w, s)
+}
+
+/// "Services: 12 service ports routed to 30 endpoints; !! 1 window of routing to a gone
+/// endpoint, 1.50 s in all, 6 connections refused meanwhile": what the JSON summary's
+/// `services` says, in words.
+fn write_services(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
+    let v = &s.services;
+    if v.is_empty() {
+        return Ok(());
+    }
+    w.blank()?;
+    say!(
+        w,
+        "Services: {} service port{} routed to {} endpoint{} (from the rule reads)",
+        thousands(v.services),
+        if v.services == 1 { "" } else { "s" },
+        thousands(v.endpoints),
+        if v.endpoints == 1 { "" } else { "s" }
+    )?;
+    if v.stale_windows > 0 {
+        say!(
+            w,
+            "  !! {} window{} of routing to a gone endpoint, {} in all, {} connection{} refused              or unanswered meanwhile{}",
+            thousands(v.stale_windows),
+            if v.stale_windows == 1 { "" } else { "s" },
+            human_ns(v.stale_ns),
+            thousands(v.connections),
+            if v.connections == 1 { "" } else { "s" },
+            if v.still_stale > 0 {
+                format!("; {} still routed at the end", thousands(v.still_stale))
+            } else {
+                String::new()
+            }
+        )?;
+    }
+    if v.programmed > 0 {
+        say!(
+            w,
+            "  {} new endpoint{} first routed, the slowest {} after its address came up",
+            thousands(v.programmed),
+            if v.programmed == 1 { "" } else { "s" },
+            human_ns(v.programming_ns_max)
+        )?;
+    }
+    if v.over_bound > 0 {
+        say!(
+            w,
+            "  !! {} windows not tracked (past the analysis' bound)",
+            thousands(v.over_bound)
+        )?;
+    }
+    Ok(())
+}
+
+/// "syncs: kube-proxy 42 (every 10.0 s), calico-node 7 (stalled)".
+fn write_syncs(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
+    if s.syncs.is_empty() {
+        return Ok(());
+    }
+    let each: Vec<String> = s
+        .syncs
+        .iter()
+        .map(|(agent, c)| {
+            let mut t = format!("{agent} {}", thousands(c.syncs));
+            match (c.stalled, c.usual_period_ns) {
+                (true, _) => t.push_str(" (stalled)"),
+                (false, Some(p)) => t.push_str(&format!(" (every {})", human_ns(p))),
+                (false, None) => {}
+            }
+            t
+        })
+        .collect();
+    w.blank()?;
+    say!(w, "syncs (completed restores): {}", each.join(", "))
+}
+
+/// The analysis' bounds that were hit: what went past them was not tracked.
+fn write_bounds(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
+    if s.over_bounds.is_empty() {
+        return Ok(());
+    }
+    let each: Vec<String> = s
+        .over_bounds
+        .iter()
+        .map(|(b, n)| format!("{b} {}", thousands(*n)))
+        .collect();
+    w.blank()?;
+    say!(
+        w,
+        "!! analysis bounds hit (what went past them was not tracked): {}",
+        each.join(", ")
+    )
 }
 
 /// "rules that dropped packets: 620 packets by 2 rules (their own counters)", then the top

@@ -328,6 +328,59 @@ fn summary_mentions_lost_events() {
     );
 }
 
+/// What the JSON summary has, the text summary says: a dead-endpoint window, the rules that
+/// dropped packets, the agents' syncs and the bounds hit.
+#[test]
+fn summary_says_every_class_of_fact() {
+    let mut a = crate::analysis::Analyzer::new(vec![]);
+    a.process_collect(&crate::decode::Event::Lost { ts_ns: 5, count: 1 });
+    let mut s = a.summary();
+    s.services.services = 3;
+    s.services.endpoints = 4;
+    s.services.stale_windows = 1;
+    s.services.stale_ns = 1_500_000_000;
+    s.services.connections = 6;
+    s.rule_drops.packets = 250;
+    s.rule_drops.rules = 1;
+    s.rule_drops
+        .top
+        .push(crate::analysis::rule_drops::RuleDropRow {
+            family: "ip".into(),
+            table: "filter".into(),
+            chain: "KUBE-FIREWALL".into(),
+            rule: "-m mark --mark 0x8000/0x8000 -j DROP".into(),
+            packets: 250,
+            bytes: 7_500,
+            owner: Some("firewalld".into()),
+            chain_owner: Some("kube-proxy".into()),
+            ..Default::default()
+        });
+    s.syncs.insert(
+        "kube-proxy".into(),
+        crate::analysis::cadence::SyncSummary {
+            syncs: 42,
+            usual_period_ns: Some(10_000_000_000),
+            last_sync_ns: None,
+            stalled: false,
+        },
+    );
+    s.over_bounds.insert("open_holds".into(), 2);
+    let mut sink = TerminalSink::new(Vec::new());
+    sink.summary(&s, true).unwrap();
+    let text = String::from_utf8(sink.into_inner()).unwrap();
+    for want in [
+        "Services: 3 service ports routed to 4 endpoints",
+        "!! 1 window of routing to a gone endpoint, 1.50 s in all, 6 connections",
+        "rules that dropped packets: 250 packets by 1 rule",
+        "250 packets (7.3 KiB) filter KUBE-FIREWALL `-m mark --mark 0x8000/0x8000 -j DROP` \
+         (firewalld's rule in kube-proxy's chain)",
+        "syncs (completed restores): kube-proxy 42 (every 10.0 s)",
+        "analysis bounds hit (what went past them was not tracked): open_holds 2",
+    ] {
+        assert!(text.contains(want), "`{want}` in:\n{text}");
+    }
+}
+
 #[test]
 fn dates() {
     assert_eq!(wall_clock_date(0), "1970-01-01 00:00:00 UTC");
