@@ -999,6 +999,21 @@ pub fn agent_step(
     thread::sleep(Duration::from_millis(400));
 }
 
+/// `xtlock trace --json` on `lock`, recording to `capture`, with `extra` arguments (and
+/// `XTLOCK_TEST_TRACER_ARGS`): stopped by the test (`Tracer::interrupt`) once its story is
+/// told, or after 300 s (under TCG a story takes far longer than here).
+pub fn trace_recording(lock: &Path, capture: &Path, extra: &[&str]) -> Tracer {
+    let mut c = Command::new(xtlock_bin());
+    c.args(["trace", "--json", "--duration", "300s"])
+        .args(extra)
+        .arg("--lock-file")
+        .arg(lock)
+        .arg("--record")
+        .arg(capture)
+        .args(tracer_extra_args());
+    Tracer::spawn(c)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -56,7 +56,7 @@ fn export_refuses_to_write_over_its_input() {
             out.to_str().unwrap_or_default(),
         ]);
         assert_ne!(code, 0, "export over its own input succeeded: {err}");
-        assert!(err.contains("is the capture being exported"), "{err}");
+        assert!(err.contains("is the capture being read"), "{err}");
         assert_eq!(std::fs::read(&cap).expect("read capture"), before);
     }
     let (code, _, err) = xtlock(&["report", cap.to_str().unwrap_or_default()]);

@@ -142,15 +142,7 @@ fn run_story(story: Story) {
     let lock = s.lock_file("xtables.lock");
     let ns = NetnsPair::new(story.name, story.subnet);
     let capture = s.dir.join("rules.xtlock");
-    let mut c = Command::new(xtlock_bin());
-    // Stopped once the story is told (under TCG a story takes far longer than here).
-    c.args(["trace", "--json", "--duration", "300s", "--no-drops"])
-        .arg("--lock-file")
-        .arg(&lock)
-        .arg("--record")
-        .arg(&capture)
-        .args(xtlock_tests::tracer_extra_args());
-    let tracer = Tracer::spawn(c);
+    let tracer = xtlock_tests::trace_recording(&lock, &capture, &["--no-drops"]);
     let rules = s.dir.join("kube-proxy.rules");
     std::fs::write(&rules, KUBE_PROXY_RULES).unwrap();
     for (agent, script, truth) in &story.steps {

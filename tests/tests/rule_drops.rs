@@ -15,15 +15,13 @@
 use std::{
     collections::BTreeMap,
     path::Path,
-    process::Command,
     thread,
     time::{Duration, Instant},
 };
 
 use serde_json::Value;
 use xtlock_tests::{
-    report_events, report_text, require_bpf, send_udp, serial, sh, xtlock_bin, NetnsPair, Scratch,
-    Tracer,
+    report_events, report_text, require_bpf, send_udp, serial, sh, NetnsPair, Scratch, Tracer,
 };
 
 const T: Duration = Duration::from_secs(20);
@@ -73,21 +71,7 @@ fn start(name: &str, subnet: u8) -> Bench {
     let ns = NetnsPair::new(name, subnet);
     static_neighbour(&ns, subnet);
     let capture = s.dir.join("drops.xtlock");
-    let mut c = Command::new(xtlock_bin());
-    c.args([
-        "trace",
-        "--json",
-        "--duration",
-        "300s",
-        "--drop-samples",
-        SAMPLES,
-    ])
-    .arg("--lock-file")
-    .arg(&lock)
-    .arg("--record")
-    .arg(&capture)
-    .args(xtlock_tests::tracer_extra_args());
-    let tracer = Tracer::spawn(c);
+    let tracer = xtlock_tests::trace_recording(&lock, &capture, &["--drop-samples", SAMPLES]);
     Bench {
         s,
         lock,

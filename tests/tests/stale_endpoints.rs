@@ -378,6 +378,36 @@ fn scenario(b: Backend, prefix: &str, on_host: bool) {
         text.contains(&format!("{unreachable} connection")) && text.contains("fixed by kube-proxy"),
         "{text}"
     );
+    // `--service` shows that Service's window and nothing that does not name it; another
+    // Service's name shows none of it.
+    let only = |svc: &str| -> Vec<Value> {
+        let out = Command::new(xtlock_bin())
+            .args(["report", "--json", "--service", svc])
+            .arg(&capture)
+            .output()
+            .expect("xtlock report --service");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v["type"] != "summary" && v["type"] != "lost")
+            .collect()
+    };
+    let svc_name = SVC.split(':').next().unwrap_or(SVC);
+    let shown = only(svc_name);
+    assert!(
+        shown
+            .iter()
+            .any(|v| v["type"] == "stale_endpoint" && v["service"] == SVC),
+        "--service {svc_name}: {shown:?}"
+    );
+    assert!(
+        shown.iter().all(|v| v.to_string().contains(svc_name)),
+        "--service {svc_name} showed a fact not naming it: {shown:?}"
+    );
+    assert!(
+        only("other-ns/other-svc").is_empty(),
+        "--service of another Service"
+    );
     // And `export` draws the window as a slice of its length.
     let timeline = s.dir.join("timeline.json");
     let out = Command::new(xtlock_bin())

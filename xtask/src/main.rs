@@ -6,8 +6,9 @@
 //! - `trace|record|daemon [ARGS...]`: setup for use (the build toolchain and tracefs only),
 //!   release build with the real BPF programs, exec `xtlock trace|record|daemon`; `build`:
 //!   the same setup and build.
-//! - `test [--no-vm] [ARGS...]`: setup, then build, test, vm-test, clippy and fmt; extra args go
-//!   to `cargo test`.
+//! - `test [--no-vm] [ARGS...]`: setup, then build, test, the tests again under each
+//!   deployment's capabilities, vm-test and vm-arm64, deploy-test, deb, clippy and fmt (see
+//!   `test.rs`); extra args go to `cargo test`.
 //! - `vm-test [OPTIONS] [-- TEST ARGS]`: integration tests as root inside a QEMU VM that boots a
 //!   stock Debian kernel (see `vm.rs`).
 //! - `kernels-doc [--results DIR]`: rewrites the generated part of docs/kernels.md from the
@@ -17,7 +18,7 @@
 //! - `deb [--test]`: the Debian package (`target/deb/xtlock_VERSION_ARCH.deb`): the static
 //!   binary, its man page and completions, a hardened systemd unit; `--test` installs it into
 //!   a clean Debian root (`deb.rs`).
-//! - `deploy-test [--privileges] [--measure]`: the image run by a real container engine (podman) with exactly
+//! - `deploy-test [--no-privileges] [--measure]`: the image run by a real container engine (podman) with exactly
 //!   what `deploy/daemonset.yaml` grants, checked against a real lock contention and real
 //!   drops; the manifest validated and linted; the alert rules tested (`deploy/`).
 //! - `bench [--only ...]`: overhead, throughput and loss, side by side with bpftrace; prints
@@ -82,8 +83,9 @@ enum Cmd {
     /// Install only what building xtlock needs and build it in release mode with the BPF
     /// programs (target/release/xtlock).
     Build,
-    /// Setup, then build, test (with the BPF programs), the VM tests, clippy and rustfmt; all
-    /// must pass.
+    /// Setup, then build, test (with the BPF programs), the tests again under each deployment's
+    /// capabilities, the VM tests (x86-64 and arm64), deploy-test, deb --test, clippy and
+    /// rustfmt; all must pass.
     Test {
         /// Leave out the VM tests (`vm-test`), for a quicker local round.
         #[arg(long)]
@@ -92,8 +94,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
-    /// Setup, build, and run integration tests (default: lock_trace) or commands as root in a
-    /// QEMU VM booting a stock Debian kernel; `-- ARGS` go to each test binary.
+    /// Setup, build, and run integration tests (default: the default suite, `DEFAULT_TESTS` and
+    /// the rest in vm.rs, listed in docs/development.md) or commands as root in a QEMU VM
+    /// booting a stock Debian kernel; `-- ARGS` go to each test binary.
     VmTest(Box<vm::VmArgs>),
     /// Rewrite the generated part of docs/kernels.md from the VM runs' results (per series:
     /// `xtlock probes --json`, the kernel, the tests skipped there).
@@ -261,5 +264,100 @@ mod tests {
         ])
         .is_err());
         assert!(Cli::try_parse_from(["xtask", "vm-test", "--matrix", "--test", "ipvs"]).is_err());
+    }
+
+    /// Every `./xtask/run ...` and `cargo xtask ...` line of the docs' code blocks parses with
+    /// this command line (`./xtask/run X -- ARGS` passes ARGS to xtlock: only X and what comes
+    /// before `--` are xtask's).
+    #[test]
+    fn every_documented_task_line_parses() {
+        let root = sh::workspace_root();
+        let mut files = vec![root.join("README.md"), root.join("deploy/README.md")];
+        let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        docs.retain(|p: &std::path::PathBuf| p.extension().is_some_and(|e| e == "md"));
+        files.extend(docs);
+        let (mut found, mut bad) = (0, Vec::new());
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            let mut in_code = false;
+            for (n, line) in text.lines().enumerate() {
+                if line.trim_start().starts_with("```") {
+                    in_code = !in_code;
+                    continue;
+                }
+                let l = line
+                    .trim()
+                    .trim_start_matches("$ ")
+                    .trim_start_matches("sudo ");
+                let rest = ["./xtask/run ", "cargo xtask "]
+                    .iter()
+                    .find_map(|p| l.strip_prefix(p));
+                let (true, Some(rest)) = (in_code, rest) else {
+                    continue;
+                };
+                let cut = rest
+                    .find(['|', '>', '<', '#', '&', ';'])
+                    .unwrap_or(rest.len());
+                let mut words: Vec<String> = rest[..cut]
+                    .split_whitespace()
+                    .take_while(|w| *w != "--")
+                    .filter(|w| *w != "...")
+                    .map(str::to_string)
+                    .collect();
+                words.insert(0, "xtask".into());
+                found += 1;
+                if let Err(e) = Cli::try_parse_from(&words) {
+                    use clap::error::ErrorKind;
+                    if !matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                        bad.push(format!(
+                            "{}:{}: {}: {}",
+                            f.display(),
+                            n + 1,
+                            words.join(" "),
+                            e.kind()
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(found >= 5, "found only {found} task lines");
+        assert!(
+            bad.is_empty(),
+            "task lines that do not parse:\n{}",
+            bad.join("\n")
+        );
+    }
+
+    /// docs/development.md lists the default VM suites once, as `vm.rs` has them.
+    #[test]
+    fn the_documented_vm_suites_are_the_codes() {
+        let doc = std::fs::read_to_string(sh::workspace_root().join("docs/development.md"))
+            .expect("docs/development.md");
+        let section = doc
+            .split("### The default VM suites")
+            .nth(1)
+            .and_then(|s| s.split("\n#").next())
+            .expect("docs/development.md has a section on the default VM suites");
+        let listed = |name: &str| -> Vec<String> {
+            let item = section
+                .split("\n- ")
+                .find(|i| i.starts_with(&format!("`{name}`")))
+                .unwrap_or_else(|| panic!("no `{name}` item"));
+            let item = item.split(';').next().unwrap_or(item);
+            item.split('`')
+                .skip(3)
+                .step_by(2)
+                .map(str::to_string)
+                .collect()
+        };
+        let tests: Vec<String> = vm::DEFAULT_TESTS.iter().map(|s| s.to_string()).collect();
+        assert_eq!(listed("DEFAULT_TESTS"), tests, "{section}");
+        let filtered: Vec<String> = vm::DEFAULT_FILTERED
+            .iter()
+            .map(|(t, _)| t.to_string())
+            .collect();
+        assert_eq!(listed("DEFAULT_FILTERED")[..1], filtered[..], "{section}");
     }
 }

@@ -36,6 +36,9 @@ const APT_PACKAGES: &[&str] = &[
     "strace",
     // `tests/tests/daemon.rs`: a real Prometheus (and promtool) scrapes the daemon.
     "prometheus",
+    // `tests/tests/html_report.rs`: `report --html`'s page, rendered by a real browser
+    // (headless).
+    "chromium",
 ];
 /// `cargo xtask deploy-test`: a real container engine, podman with runc (daemonless: each
 /// command runs in the test node's network namespace, nothing to start or stop), without
@@ -173,6 +176,7 @@ pub const NEVER_FOR_USE: &[&str] = &[
     "binutils-aarch64-linux-gnu",
     "prometheus",
     "bpftrace",
+    "chromium",
     "gdb",
     "man-db",
     "python3-venv",

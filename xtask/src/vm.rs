@@ -142,8 +142,9 @@ pub struct VmArgs {
     /// Boot the kernel of this linux-image .deb instead.
     #[arg(long, value_name = "PATH", conflicts_with = "kernel_version")]
     pub kernel_deb: Option<PathBuf>,
-    /// An integration test of the xtlock-tests package to run (repeatable; default:
-    /// lock_trace, or none when --exec is given).
+    /// An integration test of the xtlock-tests package to run (repeatable; default: the
+    /// default suite, [`DEFAULT_TESTS`] with [`DEFAULT_FILTERED`] and [`DEFAULT_VARIANTS`],
+    /// listed in docs/development.md; none when --exec is given).
     #[arg(long = "test", value_name = "NAME")]
     pub tests: Vec<String>,
     /// A shell command to run in the guest after the tests (repeatable), from the workspace.

@@ -8,9 +8,18 @@ use clap::{Parser, Subcommand, ValueEnum};
 #[command(
     name = "xtlock",
     version,
-    about = "Who holds the netfilter (xtables) lock, for how long, and who waits behind it",
-    long_about = "xtlock traces flock() on /run/xtables.lock with eBPF and attributes every hold \
-                  and wait to the agent behind it: kube-proxy, a CNI agent, firewalld, dockerd..."
+    about = "Why Services time out on a Ready node: who holds the netfilter locks and who waits, \
+             who changed whose rules, which rule dropped which packets, which connections were \
+             refused, which Services route to pods that are gone",
+    long_about = "xtlock traces a Kubernetes node's netfilter with eBPF and says, per agent \
+                  (kube-proxy, a CNI agent, firewalld, dockerd) and pod: who holds the xtables \
+                  lock and the nf_tables commit mutex, for how long, and who waits behind them; \
+                  every rule write, what it changed and whose rules it broke; each packet \
+                  netfilter dropped, with the rule that dropped it, that rule's owner and the \
+                  write that added it; the connections the node refused; and the Services that \
+                  still route to pods that are gone, for how long, and why the fix was late. \
+                  `trace` live, `record` + `report` (or `report --html`) later, `daemon` for \
+                  Prometheus. See README.md and docs/."
 )]
 pub struct Cli {
     /// More logging on stderr (-v: debug, -vv: trace). RUST_LOG overrides it.
@@ -31,11 +40,13 @@ pub enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Trace the lock live: one line per hold and wait, a summary every 10 s and at exit.
+    /// Trace live: a line per hold, wait, rule change, dropping rule, refusal and dead
+    /// endpoint; a summary every 10 s and at exit.
     Trace(TraceArgs),
     /// Record everything `trace` sees into a capture file, for `report` and `export` later.
     Record(RecordArgs),
-    /// Analyse a capture file: the same summary and events `trace` prints. No root needed.
+    /// Analyse a capture file: the same summary and events `trace` prints, or one HTML page
+    /// (--html). No root needed.
     Report(ReportArgs),
     /// Turn a capture file into a timeline (Perfetto / Chrome JSON trace).
     Export(ExportArgs),
@@ -169,6 +180,12 @@ pub struct ReportArgs {
     /// Every event as `trace` would have printed it, then the summary.
     #[arg(long)]
     pub events: bool,
+    /// Write the incident as one self-contained HTML page to FILE instead: a timeline per
+    /// lock and agent (holds, waits and whom they waited behind), rule writes and what they
+    /// changed, drops and refusals, Services routed to gone endpoints; hover or click a mark
+    /// for its fact. No network needed to open it. Filters choose the marks.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["json", "events"])]
+    pub html: Option<PathBuf>,
     /// With --events: print holds at least this long.
     #[arg(long, value_parser = parse_duration, default_value = "0s")]
     pub min_hold: Duration,
@@ -207,6 +224,35 @@ pub struct FilterArgs {
     /// Show only facts about processes in pods of this namespace (repeatable).
     #[arg(short = 'n', long = "namespace", value_name = "NS")]
     pub namespaces: Vec<String>,
+    /// Show only facts that name this Service (repeatable), as kube-proxy names it:
+    /// `ns/name` (every port) or `ns/name:port` (the port's name, or its number where it has
+    /// none): its dead-endpoint windows and first routings, refusals by its REJECT rule, drops
+    /// by rules and rule changes whose comments name it.
+    #[arg(long = "service", value_name = "NS/NAME[:PORT]", value_parser = parse_service)]
+    pub services: Vec<String>,
+}
+
+/// `ns/name` or `ns/name:port`, each part non-empty.
+fn parse_service(s: &str) -> Result<String, String> {
+    let (ns, rest) = s
+        .split_once('/')
+        .ok_or_else(|| format!("`{s}` is not NAMESPACE/NAME[:PORT] (e.g. default/web:http)"))?;
+    let (name, port) = match rest.split_once(':') {
+        Some((n, p)) => (n, Some(p)),
+        None => (rest, None),
+    };
+    let bad = |c: char| c.is_whitespace() || c == '"' || c == '/';
+    if ns.is_empty()
+        || name.is_empty()
+        || port == Some("")
+        || s[ns.len() + 1..].chars().any(bad)
+        || ns.chars().any(bad)
+    {
+        return Err(format!(
+            "`{s}` is not NAMESPACE/NAME[:PORT] (e.g. default/web or default/web:http)"
+        ));
+    }
+    Ok(s.to_string())
 }
 
 impl FilterArgs {
@@ -216,6 +262,7 @@ impl FilterArgs {
             agents: self.agents.clone(),
             pods: self.pods.clone(),
             namespaces: self.namespaces.clone(),
+            services: self.services.clone(),
             ..Default::default()
         }
     }
@@ -237,6 +284,8 @@ pub struct ExportArgs {
     /// Where to write the timeline.
     #[arg(short, long, value_name = "FILE")]
     pub output: PathBuf,
+    #[command(flatten)]
+    pub filter: FilterArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -528,6 +577,40 @@ mod tests {
         assert!(!t.filter.filter().is_empty());
         let e = Cli::try_parse_from(["xtlock", "report", "cap", "--since", "soonish"]).unwrap_err();
         assert!(e.to_string().contains("is not a time"), "{e}");
+    }
+
+    /// `--service` on trace, report and export: `ns/name[:port]`, anything else refused
+    /// with the form to use.
+    #[test]
+    fn service_flags() {
+        for cmd in [
+            vec!["xtlock", "trace"],
+            vec!["xtlock", "report", "c.xtlock"],
+            vec!["xtlock", "export", "c.xtlock", "-o", "t.json"],
+        ] {
+            let mut argv = cmd.clone();
+            argv.extend([
+                "--service",
+                "default/web:http",
+                "--service",
+                "kube-system/dns",
+            ]);
+            let cli = Cli::try_parse_from(&argv).unwrap();
+            let f = match cli.command {
+                Command::Trace(t) => t.filter.filter(),
+                Command::Report(r) => r.filter.filter(),
+                Command::Export(e) => e.filter.filter(),
+                _ => panic!(),
+            };
+            assert_eq!(f.services, ["default/web:http", "kube-system/dns"]);
+        }
+        for bad in ["web", "/web", "default/", "default/web:", "default/a b"] {
+            let e = Cli::try_parse_from(["xtlock", "trace", "--service", bad])
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("NAMESPACE/NAME[:PORT]"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -9,6 +9,8 @@ pub mod capture;
 pub mod cli;
 pub mod commands;
 pub mod decode;
+#[cfg(test)]
+mod drift;
 pub mod event;
 pub mod kube;
 pub mod lockfiles;

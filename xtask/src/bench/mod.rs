@@ -31,6 +31,7 @@ use crate::{setup, sh};
 
 mod collector;
 mod drops;
+mod figures;
 mod idle;
 mod lockpath;
 mod nft_mutex;
@@ -43,9 +44,9 @@ mod stats;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
-    /// Benches to run, comma-separated: lock, drops, collector, ring, rules, nft-rules, refusals (default:
-    /// all). The
-    /// capture-size figures come with `collector`.
+    /// Benches to run, comma-separated: lock, drops, collector, ring, rules, nft-rules,
+    /// refusals, nft-mutex, idle (default: all). The capture-size figures come with
+    /// `collector`.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Repetitions of every measurement (medians and spreads are over these).
@@ -199,6 +200,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
 
     let mut written = Vec::new();
+    let mut figures: Vec<(String, Value, String, String)> = Vec::new();
     for name in &selected {
         let load_before = loadavg();
         let t = Instant::now();
@@ -225,6 +227,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "capture" => "collector",
             n => n,
         };
+        figures.push((
+            file.to_string(),
+            main.clone(),
+            load_before.clone(),
+            load_after.clone(),
+        ));
         let mut docs = vec![(file, main)];
         if let Some((f, v)) = extra {
             docs.push((f, v));
@@ -243,6 +251,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .with_context(|| format!("writing {}", path.display()))?;
             written.push(path);
         }
+    }
+    if !figures.is_empty() {
+        let path = sh::workspace_root().join(figures::FILE);
+        figures::record(&path, &env.machine, &figures)?;
+        written.push(path);
     }
     println!();
     for p in written {

@@ -44,7 +44,7 @@ pub enum Output {
     Stall(StallFact),
     /// Rules written: a legacy table replace or an nf_tables batch, by whom and where.
     RuleWrite(RuleWriteFact),
-    /// What a write changed in a legacy table, and whose rules those were.
+    /// What a write changed in a legacy or nf_tables table, and whose rules those were.
     RuleChange(RuleChangeFact),
     /// Both iptables backends hold rules written in one network namespace.
     MixedBackends(MixedBackendsFact),

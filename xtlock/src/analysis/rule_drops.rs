@@ -63,7 +63,8 @@ pub struct RuleDropSummary {
     /// Packets of rules past the summary's bound, counted together.
     #[serde(skip_serializing_if = "is_zero")]
     pub other_packets: u64,
-    /// Dropping rules without a counter, where netfilter dropped packets: `table CHAIN: rule`.
+    /// Dropping rules without a counter, where netfilter dropped packets: `family table CHAIN:
+    /// rule`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub uncounted: Vec<String>,
 }

@@ -12,6 +12,7 @@ use crate::{
     pipeline::Pipeline,
     sinks::{
         filter::{CaptureClock, When},
+        html::HtmlSink,
         terminal::{escaped, local_utc_offset_s, wall_clock_date, wall_clock_label},
         FactFilter, FilterNote, FilteredSink, JsonSink, Sink, TerminalOptions, TerminalSink,
         TimeFormat,
@@ -24,6 +25,9 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot read the capture {}", args.file.display()))?;
     let h = &src.header;
     let filter = filter_of(args, h)?;
+    if let Some(page) = &args.html {
+        return html(args, src, filter, page);
+    }
     let stdout = io::BufWriter::new(io::stdout());
     let sink: Box<dyn Sink> = if args.json {
         Box::new(JsonSink::new(stdout))
@@ -83,6 +87,42 @@ pub fn run(args: &ReportArgs) -> anyhow::Result<()> {
         )));
     }
     Ok(())
+}
+
+/// `--html FILE`: the same analysis into one page.
+fn html(
+    args: &ReportArgs,
+    src: FileSource,
+    filter: FactFilter,
+    page: &std::path::Path,
+) -> anyhow::Result<()> {
+    super::export::refuse_same_file(&args.file, page, "--html")?;
+    let h = &src.header;
+    let title = format!(
+        "{} (kernel {}), captured {}",
+        if h.hostname.is_empty() {
+            "?"
+        } else {
+            h.hostname.as_str()
+        },
+        h.kernel_release,
+        wall_clock_date(h.started_wall_ns)
+    );
+    let out =
+        std::fs::File::create(page).with_context(|| format!("cannot create {}", page.display()))?;
+    let sink = HtmlSink::new(
+        io::BufWriter::new(out),
+        title,
+        h.boot_to_wall_offset_ns,
+        local_utc_offset_s(),
+    );
+    let written = super::export::Written {
+        capture: &args.file,
+        output: page,
+        what: "page",
+        open: "open it in a browser (it needs no network)",
+    };
+    written.write(src, Box::new(sink), filter)
 }
 
 /// The report's filter: who from the flags, lock files checked against the capture's, and

@@ -32,6 +32,9 @@ pub struct FactFilter {
     pub namespaces: Vec<String>,
     /// Lock paths as facts carry them; facts about no lock pass.
     pub locks: Vec<String>,
+    /// Services as kube-proxy names them, `ns/name` or `ns/name:port` (its port's name, or
+    /// number where it has none): facts that name one (see [`services_of`]).
+    pub services: Vec<String>,
     /// Facts overlapping `[since, until)`, in event time (`CLOCK_MONOTONIC` ns), each with
     /// how the summary says it.
     pub since: Option<(u64, String)>,
@@ -55,8 +58,20 @@ impl FactFilter {
     /// naming only a pid (drops in a hold, exits) follow their pod.
     fn keeps(&self, o: &Output, pids: &mut PidMemory) -> bool {
         // Who first: it remembers pids even from facts outside the window.
-        let who = matches!(o, Output::Lost(_)) || self.who_matches(o, pids);
-        who && self.in_window(o) && self.lock_matches(o)
+        let lost = matches!(o, Output::Lost(_));
+        let who = lost || self.who_matches(o, pids);
+        who && (lost || self.service_matches(o)) && self.in_window(o) && self.lock_matches(o)
+    }
+
+    fn service_matches(&self, o: &Output) -> bool {
+        if self.services.is_empty() {
+            return true;
+        }
+        let (names, texts) = services_of(o);
+        self.services.iter().any(|want| {
+            names.iter().any(|n| names_service(n, want))
+                || texts.iter().any(|t| mentions_service(t, want))
+        })
     }
 
     fn who_matches(&self, o: &Output, pids: &mut PidMemory) -> bool {
@@ -284,6 +299,56 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
     v
 }
 
+/// Whether `name` (a fact's `ns/svc:port`) is the Service `want` (`ns/svc`: any of its ports;
+/// `ns/svc:port`: that one).
+fn names_service(name: &str, want: &str) -> bool {
+    name == want
+        || (!want.contains(':')
+            && name
+                .strip_prefix(want)
+                .is_some_and(|rest| rest.starts_with(':')))
+}
+
+/// Whether a rule's text names the Service `want` in kube-proxy's comments (`"ns/svc:port
+/// has no endpoints"`, `"ns/svc:port cluster IP"`): the name, followed by its port's `:`
+/// (when no port is asked for) or by the end of the name.
+fn mentions_service(text: &str, want: &str) -> bool {
+    text.match_indices(want).any(|(at, _)| {
+        let before = text[..at].chars().next_back();
+        let after = text[at + want.len()..].chars().next();
+        let starts = before.is_none_or(|c| c == '"' || c == ' ');
+        let ends = match after {
+            None => true,
+            Some(':') => !want.contains(':'),
+            Some(c) => c == '"' || c == ' ',
+        };
+        starts && ends
+    })
+}
+
+/// The Services a fact names: their names as facts carry them (dead-endpoint windows, first
+/// routings), and rule texts whose kube-proxy comments may name one (the REJECT rule behind a
+/// refusal, the rule behind drops, the rules a write changed). Facts naming none are not shown
+/// under `--service`.
+fn services_of(o: &Output) -> (SmallVec<[&str; 2]>, SmallVec<[&str; 4]>) {
+    let (mut names, mut texts) = (SmallVec::new(), SmallVec::new());
+    match o {
+        Output::StaleEndpointOpen(f) => names.push(f.service.as_str()),
+        Output::StaleEndpoint(f) => names.push(f.service.as_str()),
+        Output::EndpointProgrammed(f) => names.push(f.service.as_str()),
+        Output::RefusalCount(r) => texts.extend(r.rule.as_deref()),
+        Output::HoldRefusals(h) => texts.extend(h.groups.iter().filter_map(|g| g.rule.as_deref())),
+        Output::RuleDrops(r) => texts.push(r.rule.as_str()),
+        Output::RuleChange(c) => {
+            let d = &c.diff;
+            texts.extend(d.added.iter().chain(&d.removed).map(|(_, r)| r.as_str()));
+            texts.extend(d.stripped.iter().map(|s| s.now.as_str()));
+        }
+        _ => {}
+    }
+    (names, texts)
+}
+
 /// The lock files a fact is about (none: it passes a lock filter).
 fn locks_of(o: &Output) -> SmallVec<[&str; 2]> {
     let mut v = SmallVec::new();
@@ -357,6 +422,8 @@ pub struct FilterNote {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub namespaces: Vec<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub lock_files: Vec<String>,
     /// As the report's lines show times, and in event time.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -380,6 +447,7 @@ impl FilterNote {
             ("agent", &self.agents),
             ("pod", &self.pods),
             ("namespace", &self.namespaces),
+            ("service", &self.services),
             ("lock", &self.lock_files),
         ] {
             if !list.is_empty() {
@@ -423,6 +491,7 @@ impl<S: Sink> FilteredSink<S> {
             agents: f.agents.clone(),
             pods: f.pods.clone(),
             namespaces: f.namespaces.clone(),
+            services: f.services.clone(),
             lock_files: f.locks.clone(),
             since: f.since.as_ref().map(|s| s.1.clone()),
             since_ns: f.since.as_ref().map(|s| s.0),

@@ -5,6 +5,7 @@ use std::io;
 use crate::analysis::{Output, Summary};
 
 pub mod filter;
+pub mod html;
 pub mod json;
 pub mod metrics;
 pub mod perfetto;

@@ -267,6 +267,56 @@ impl<W: Write> TerminalSink<W> {
     }
 }
 
+/// A fact in words, one line, as `trace` prints it (a rule change's lines joined by `; `);
+/// `None` for the facts no line says: failed tries (said by the wait they belong to, or on
+/// request), per-backend IPVS counts and rule writes (the summary has their totals).
+pub(crate) fn fact_text(o: &Output) -> Option<String> {
+    Some(match o {
+        Output::Hold(h) => hold_text(h),
+        Output::Wait(w) => wait_text(w),
+        Output::Timeout(t) => timeout_text(t),
+        Output::Exec(e) => exec_text(e),
+        Output::Exit(e) => exit_text(e),
+        Output::Lost(LostFact {
+            bound: Some(b), ..
+        }) => format!(
+            "!! analysis bound reached ({b}): what goes past it is not tracked; the summary counts every hit"
+        ),
+        Output::Lost(l) => format!(
+            "!! {} events lost (ring buffer full); counts are lower bounds",
+            l.count
+        ),
+        Output::FailedTry(_) | Output::IpvsCount(_) | Output::RuleWrite(_) => return None,
+        Output::Drop(d) => drop_text(d),
+        Output::DropCount(d) => drop_count_text(d),
+        Output::Conntrack(c) => conntrack_text(c),
+        Output::HoldDrops(h) => hold_drops_text(h),
+        Output::ConntrackRefused(c) => conntrack_refused_text(c),
+        Output::Stall(s) => stall_text(s),
+        Output::Ipvs(i) => ipvs_text(i),
+        // The host's netns is named in the summary; here its number.
+        Output::MixedBackends(m) => mixed_backends_text(m, 0),
+        Output::Unserialized(u) => unserialized_text(u),
+        Output::RuleChange(c) => {
+            let lines = rule_change_lines(c);
+            if lines.is_empty() {
+                return None;
+            }
+            lines.join("; ")
+        }
+        Output::RefusalCount(r) => refusal_count_text(r),
+        Output::Refusal(r) => refusal_text(r),
+        // Said whatever the hold's length: a refused client is never noise.
+        Output::HoldRefusals(h) => hold_refusals_text(h),
+        Output::StaleEndpointOpen(f) => stale_endpoint_open_text(f),
+        Output::StaleEndpoint(f) => stale_endpoint_text(f),
+        Output::EndpointProgrammed(f) => endpoint_programmed_text(f),
+        Output::IpvsDrained(f) => ipvs_drained_text(f),
+        Output::RuleDrops(f) => rule_drops_text(f),
+        Output::UncountedDrops(f) => uncounted_drops_text(f),
+    })
+}
+
 impl<W: Write> Sink for TerminalSink<W> {
     fn output(&mut self, o: &Output) -> io::Result<()> {
         if let Output::FailedTry(f) = o {
@@ -275,69 +325,36 @@ impl<W: Write> Sink for TerminalSink<W> {
             }
             return Ok(());
         }
-        let text =
-            match o {
-                Output::Hold(h) => (h.hold_ns >= self.opts.min_hold.as_nanos() as u64 || h.open)
-                    .then(|| hold_text(h)),
-                Output::Wait(w) => Some(wait_text(w)),
-                Output::Timeout(t) => Some(timeout_text(t)),
-                Output::Exec(e) => self.opts.show_execs.then(|| exec_text(e)),
-                // A lock timeout was already told by its own line.
-                Output::Exit(e) => (self.opts.show_exits && e.code != Some(0) && !e.lock_timeout)
-                    .then(|| exit_text(e)),
-                Output::Lost(LostFact {
-                    bound: Some(b), ..
-                }) => Some(format!(
-                    "!! analysis bound reached ({b}): what goes past it is not tracked; the summary counts every hit"
-                )),
-                Output::Lost(l) => Some(format!(
-                    "!! {} events lost (ring buffer full); counts are lower bounds",
-                    l.count
-                )),
-                Output::FailedTry(_) => None,
-                Output::Drop(d) => self.opts.show_drop_samples.then(|| drop_text(d)),
-                Output::DropCount(d) => Some(drop_count_text(d)),
-                Output::Conntrack(c) => Some(conntrack_text(c)),
-                // Like holds: a hold too short to be shown does not get its drops line
-                // either (its interval's drop count line has them); in a lock storm with
-                // drops that is a line per hold.
-                Output::HoldDrops(h) => {
-                    (h.hold_ns >= self.opts.min_hold.as_nanos() as u64).then(|| hold_drops_text(h))
-                }
-                Output::ConntrackRefused(c) => Some(conntrack_refused_text(c)),
-                Output::Stall(s) => Some(stall_text(s)),
-                Output::Ipvs(i) => Some(ipvs_text(i)),
-                // Per second and per backend: too many lines; the summary has the totals.
-                Output::IpvsCount(_) => None,
-                // The host's netns is named in the summary; here its number.
-                Output::MixedBackends(m) => Some(mixed_backends_text(m, 0)),
-                Output::Unserialized(u) => Some(unserialized_text(u)),
-                // One per iptables command: the summary counts them per agent and backend.
-                Output::RuleWrite(_) => None,
-                Output::RuleChange(c) => {
-                    let lines = rule_change_lines(c);
-                    if lines.is_empty() {
-                        None
-                    } else {
-                        self.flush_run()?;
-                        for l in &lines[..lines.len() - 1] {
-                            self.line(c.ts_ns, l)?;
-                        }
-                        lines.last().cloned()
+        // What the options hide; the rest is said as every sink that shows text says it.
+        let min_hold = self.opts.min_hold.as_nanos() as u64;
+        let shown = match o {
+            Output::Hold(h) => h.hold_ns >= min_hold || h.open,
+            Output::Exec(_) => self.opts.show_execs,
+            // A lock timeout was already told by its own line.
+            Output::Exit(e) => self.opts.show_exits && e.code != Some(0) && !e.lock_timeout,
+            Output::Drop(_) | Output::Refusal(_) => self.opts.show_drop_samples,
+            // Like holds: a hold too short to be shown does not get its drops line either
+            // (its interval's drop count line has them); in a lock storm with drops that is
+            // a line per hold.
+            Output::HoldDrops(h) => h.hold_ns >= min_hold,
+            _ => true,
+        };
+        let text = match o {
+            _ if !shown => None,
+            Output::RuleChange(c) => {
+                let lines = rule_change_lines(c);
+                if lines.is_empty() {
+                    None
+                } else {
+                    self.flush_run()?;
+                    for l in &lines[..lines.len() - 1] {
+                        self.line(c.ts_ns, l)?;
                     }
+                    lines.last().cloned()
                 }
-                Output::RefusalCount(r) => Some(refusal_count_text(r)),
-                // Samples, like drop samples: shown when asked for.
-                Output::Refusal(r) => self.opts.show_drop_samples.then(|| refusal_text(r)),
-                // Said whatever the hold's length: a refused client is never noise.
-                Output::HoldRefusals(h) => Some(hold_refusals_text(h)),
-                Output::StaleEndpointOpen(f) => Some(stale_endpoint_open_text(f)),
-                Output::StaleEndpoint(f) => Some(stale_endpoint_text(f)),
-                Output::EndpointProgrammed(f) => Some(endpoint_programmed_text(f)),
-                Output::IpvsDrained(f) => Some(ipvs_drained_text(f)),
-                Output::RuleDrops(f) => Some(rule_drops_text(f)),
-                Output::UncountedDrops(f) => Some(uncounted_drops_text(f)),
-            };
+            }
+            _ => fact_text(o),
+        };
         if let Some(text) = text {
             self.flush_run()?;
             self.line(o.ts_ns(), &text)?;

@@ -408,3 +408,71 @@ fn times_as_an_sre_types_them() {
     assert!(e.contains("is not a time") && e.contains("+5m"), "{e}");
     assert!(When::parse("+soon").is_err());
 }
+
+#[test]
+fn a_service_is_named_by_its_name_or_by_kube_proxys_comments() {
+    assert!(names_service("default/web:http", "default/web"));
+    assert!(names_service("default/web:http", "default/web:http"));
+    assert!(!names_service("default/web:https", "default/web:http"));
+    assert!(!names_service("default/webapp:http", "default/web"));
+    let reject = "-m comment --comment \"default/web:http has no endpoints\" -j REJECT";
+    assert!(mentions_service(reject, "default/web"));
+    assert!(mentions_service(reject, "default/web:http"));
+    assert!(!mentions_service(reject, "default/we"));
+    assert!(!mentions_service(reject, "fault/web"));
+    assert!(!mentions_service(reject, "default/web:https"));
+}
+
+fn rule_drops(rule: &str) -> Output {
+    Output::RuleDrops(crate::analysis::facts::RuleDropsFact {
+        ts_ns: 2,
+        since_ns: 1,
+        netns: 7,
+        family: "ip".into(),
+        table: "filter".into(),
+        chain: "KUBE-EXTERNAL-SERVICES".into(),
+        rule: rule.into(),
+        packets: 3,
+        bytes: 180,
+        reset: false,
+        owner: Some("kube-proxy".into()),
+        chain_owner: Some("kube-proxy".into()),
+        added: None,
+        dests: Vec::new(),
+        hold: None,
+        others: 0,
+    })
+}
+
+/// `--service` shows the facts that name the Service (here the rule behind drops), not the
+/// others, and lost events always; the summary says what was filtered.
+#[test]
+fn service_filter_keeps_the_facts_that_name_it() {
+    let filter = FactFilter {
+        services: vec!["default/web".into()],
+        ..Default::default()
+    };
+    let mut sink = FilteredSink::new(JsonSink::new(Vec::new()), filter);
+    let web = rule_drops("-m comment --comment \"default/web:http has no endpoints\" -j REJECT");
+    let db = rule_drops("-m comment --comment \"default/db:pg has no endpoints\" -j REJECT");
+    for o in [
+        &web,
+        &db,
+        &Output::Lost(LostFact {
+            ts_ns: 3,
+            count: 1,
+            total: 1,
+            bound: None,
+        }),
+    ] {
+        sink.output(o).unwrap();
+    }
+    assert_eq!(
+        sink.note().describe(),
+        "service default/web; 2 of 3 facts shown"
+    );
+    let out = String::from_utf8(sink.into_inner().into_inner()).unwrap();
+    assert!(out.contains("default/web:http"), "{out}");
+    assert!(!out.contains("default/db"), "{out}");
+    assert!(out.contains("\"type\":\"lost\""), "{out}");
+}
