@@ -1193,42 +1193,26 @@ fn test_binaries(
         .collect()
 }
 
-/// (target name, executable) of each `xtlock-tests` integration test in cargo's JSON messages.
+/// (target name, executable) of each `xtlock-tests` integration test in cargo's JSON messages
+/// (one message a line; lines that are not JSON are left out).
 fn integration_tests(json_lines: &str) -> Vec<(String, PathBuf)> {
     json_lines
         .lines()
-        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
-        .filter(|l| l.contains("\"kind\":[\"test\"]"))
-        .filter(|l| json_str(l, "package_id").is_some_and(|p| p.contains("xtlock-tests")))
-        .filter_map(|l| {
-            let target = &l[l.find("\"target\":")?..];
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact")
+        .filter(|m| m["target"]["kind"] == serde_json::json!(["test"]))
+        .filter(|m| {
+            m["package_id"]
+                .as_str()
+                .is_some_and(|p| p.contains("xtlock-tests"))
+        })
+        .filter_map(|m| {
             Some((
-                json_str(target, "name")?,
-                PathBuf::from(json_str(l, "executable")?),
+                m["target"]["name"].as_str()?.to_string(),
+                PathBuf::from(m["executable"].as_str()?),
             ))
         })
         .collect()
-}
-
-/// The first string value of `"key":"..."` in a JSON text (cargo's messages are one line each;
-/// xtask has no JSON parser, and these fields are plain strings).
-fn json_str(text: &str, key: &str) -> Option<String> {
-    let pat = format!("\"{key}\":\"");
-    let start = text.find(&pat)? + pat.len();
-    let mut out = String::new();
-    let mut chars = text[start..].chars();
-    while let Some(c) = chars.next() {
-        match c {
-            '"' => return Some(out),
-            '\\' => match chars.next()? {
-                'n' => out.push('\n'),
-                't' => out.push('\t'),
-                c => out.push(c),
-            },
-            c => out.push(c),
-        }
-    }
-    None
 }
 
 /// Boots the VM of `spec` and runs its commands, its console shown with `prefix` before each
@@ -1625,10 +1609,6 @@ mod tests {
                 "lock_trace".to_owned(),
                 PathBuf::from("/t/debug/deps/lock_trace-abc")
             )]
-        );
-        assert_eq!(
-            json_str(r#"{"a":"x\"y\\z"}"#, "a").as_deref(),
-            Some("x\"y\\z")
         );
     }
 

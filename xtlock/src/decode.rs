@@ -12,7 +12,6 @@ use xtlock_common as common;
 use crate::event::shared;
 
 pub mod ct_entry;
-pub mod ipset;
 pub mod ipvs_nl;
 pub mod nft_table;
 pub mod xt_bytes;
@@ -58,14 +57,20 @@ pub enum DecodeError {
     },
 }
 
-/// Reads a `T` from the front of `b`. The caller checked the length. Only plain-old-data
-/// types (`aya::Pod`: integers, byte arrays, `#[repr(C)]` structs of them) are accepted, so
-/// no byte pattern a hostile capture holds can make an invalid value.
+/// Reads a `T` from the front of `b`. The caller checked the length (`need`); were it short
+/// anyway, the bytes past `b`'s end read as zeros: never past the slice, in any build. Only
+/// plain-old-data types (`aya::Pod`: integers, byte arrays, `#[repr(C)]` structs of them) are
+/// accepted, so no byte pattern a hostile capture holds can make an invalid value.
 fn read<T: aya::Pod>(b: &[u8]) -> T {
     debug_assert!(b.len() >= std::mem::size_of::<T>());
-    // SAFETY: the length was checked by the caller, `read_unaligned` has no alignment
-    // requirement, and `T: Pod` means any bits are a valid value.
-    unsafe { std::ptr::read_unaligned(b.as_ptr().cast::<T>()) }
+    let n = b.len().min(std::mem::size_of::<T>());
+    let mut v = std::mem::MaybeUninit::<T>::zeroed();
+    // SAFETY: `n` bytes are in `b` and fit in `v`; zeroed then overwritten bytes are a valid
+    // `T` because `T: Pod` means any bits are.
+    unsafe {
+        std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast::<u8>(), n);
+        v.assume_init()
+    }
 }
 
 /// A batch's counts as the nf_tables hooks send them; `None` when not counted.

@@ -120,13 +120,20 @@ pub struct DropTracker {
     worst: Vec<HoldDropsFact>,
 }
 
+/// IP protocol numbers (`IPPROTO_*`) a drop's packet is named by.
+pub(super) const HOPOPT: u8 = libc::IPPROTO_HOPOPTS as u8;
+pub(super) const ICMP: u8 = libc::IPPROTO_ICMP as u8;
+pub(super) const TCP: u8 = libc::IPPROTO_TCP as u8;
+pub(super) const UDP: u8 = libc::IPPROTO_UDP as u8;
+pub(super) const ICMPV6: u8 = libc::IPPROTO_ICMPV6 as u8;
+
 fn proto_name(p: u8) -> String {
     match p {
-        0 => "hopopt".into(),
-        1 => "icmp".into(),
-        6 => "tcp".into(),
-        17 => "udp".into(),
-        58 => "icmpv6".into(),
+        HOPOPT => "hopopt".into(),
+        ICMP => "icmp".into(),
+        TCP => "tcp".into(),
+        UDP => "udp".into(),
+        ICMPV6 => "icmpv6".into(),
         n => n.to_string(),
     }
 }
@@ -143,8 +150,8 @@ pub(super) fn packet(
     dport: u16,
 ) -> Option<PacketInfo> {
     let (saddr, daddr) = (saddr?, daddr?);
-    let ports = matches!(l4proto, 6 | 17);
-    let icmp = matches!(l4proto, 1 | 58);
+    let ports = matches!(l4proto, TCP | UDP);
+    let icmp = matches!(l4proto, ICMP | ICMPV6);
     Some(PacketInfo {
         proto: proto_name(l4proto),
         saddr: saddr.to_string(),

@@ -345,12 +345,13 @@ fn in_net(net: &str, addr: Option<IpAddr>) -> bool {
 }
 
 fn proto_is(p: &str, l4: u8) -> bool {
+    use super::drops::{ICMP, ICMPV6, TCP, UDP};
     let want = match p {
-        "tcp" => 6,
-        "udp" => 17,
-        "icmp" => 1,
-        "ipv6-icmp" | "icmpv6" => 58,
-        "sctp" => 132,
+        "tcp" => TCP,
+        "udp" => UDP,
+        "icmp" => ICMP,
+        "ipv6-icmp" | "icmpv6" => ICMPV6,
+        "sctp" => SCTP,
         other => match other.parse::<u8>() {
             Ok(n) => n,
             Err(_) => return true,
@@ -359,8 +360,11 @@ fn proto_is(p: &str, l4: u8) -> bool {
     l4 == 0 || l4 == want
 }
 
+const SCTP: u8 = libc::IPPROTO_SCTP as u8;
+
 fn in_ports(spec: &str, port: u16, l4: u8) -> bool {
-    if !matches!(l4, 6 | 17 | 132) {
+    use super::drops::{TCP, UDP};
+    if !matches!(l4, TCP | UDP | SCTP) {
         return true;
     }
     spec.split(',').any(|p| match p.split_once(':') {

@@ -961,7 +961,7 @@ impl ServiceTracker {
         s
     }
 
-    /// Service ports routed to `ep` in `netns` (tests, and facts that name a Service).
+    /// Service ports routed to `ep` in `netns`, as last read (only tests ask it today).
     pub fn services_of(&self, netns: u32, ep: SocketAddr) -> Vec<&str> {
         self.routed
             .get(&netns)

@@ -566,7 +566,7 @@ pub fn decode_lost(b: &[u8]) -> Result<(u64, u64), String> {
 /// The record kind and body of a synthetic event of kinds 5..=18 (drop and refusal records,
 /// lock seeds, pods, rule tables and counters, addresses, conntrack entries, IPVS tables);
 /// `None` for any other event.
-pub fn encode_drop_event(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
+pub fn encode_synthetic(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
     Some(match ev {
         Event::DropSetup {
             ts_ns,
@@ -901,418 +901,465 @@ fn decode_rule_counters(r: &mut Body<'_>) -> Result<Event, String> {
 }
 
 /// Decodes a body of kind 5..=18 into its event; trailing fields are ignored.
-pub fn decode_drop_event(kind: u8, b: &[u8]) -> Result<Event, String> {
-    decode_drop_event_with(kind, b, &mut ChainNames::default())
+pub fn decode_synthetic(kind: u8, b: &[u8]) -> Result<Event, String> {
+    decode_synthetic_with(kind, b, &mut ChainNames::default())
 }
 
-/// [`decode_drop_event`], with the chain names of the reader's earlier rule-table reads to
+/// [`decode_synthetic`], with the chain names of the reader's earlier rule-table reads to
 /// share (the same event, fewer allocations).
-pub fn decode_drop_event_with(kind: u8, b: &[u8], names: &mut ChainNames) -> Result<Event, String> {
+pub fn decode_synthetic_with(kind: u8, b: &[u8], names: &mut ChainNames) -> Result<Event, String> {
     let mut r = Body::new(b);
     Ok(match kind {
-        KIND_DROP_SETUP => {
-            let ts_ns = r.varint("ts_ns")?;
-            let has_reason = r.varint("has_reason")? != 0;
-            let host_netns = r.u32("host_netns")?;
-            let n = r.varint("reasons")?;
-            if n > r.remaining() as u64 {
-                return Err(format!(
-                    "{n} reasons exceed the {} bytes left",
-                    r.remaining()
-                ));
-            }
-            let mut names = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                names.push((r.u32("reason")?, r.string("reason name")?));
-            }
-            Event::DropSetup {
-                ts_ns,
-                has_reason,
-                host_netns,
-                names,
-            }
-        }
-        KIND_KERNEL_SYMBOL => Event::KernelSymbol {
-            ts_ns: r.varint("ts_ns")?,
-            addr: r.varint("addr")?,
-            offset: r.varint("offset")?,
-            name: r.string("name")?,
-        },
-        KIND_DROP_COUNTS => {
-            let ts_ns = r.varint("ts_ns")?;
-            let interval_ns = r.varint("interval_ns")?;
-            let overflow = r.varint("overflow")?;
-            let n = r.varint("counts")?;
-            // Each count takes at least four bytes.
-            if n > r.remaining() as u64 / 4 {
-                return Err(format!(
-                    "{n} counts exceed the {} bytes left",
-                    r.remaining()
-                ));
-            }
-            let mut counts = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                counts.push(DropCount {
-                    location: r.varint("location")?,
-                    reason: r.u32("reason")?,
-                    netns: r.u32("netns")?,
-                    count: r.varint("count")?,
-                });
-            }
-            // Per-hold counts, absent in captures from before they existed.
-            let mut holds = Vec::new();
-            if r.remaining() > 0 {
-                let n = r.varint("holds")?;
-                if n > r.remaining() as u64 / 2 {
-                    return Err(format!(
-                        "{n} hold counts exceed the {} bytes left",
-                        r.remaining()
-                    ));
-                }
-                holds.reserve(n as usize);
-                for _ in 0..n {
-                    holds.push(HoldDropCount {
-                        start_ns: r.varint("start_ns")?,
-                        count: r.varint("count")?,
-                        by_reason: Vec::new(),
-                    });
-                }
-            }
-            // Each hold's drops per reason, absent in captures from before they were counted.
-            if r.remaining() > 0 {
-                for h in &mut holds {
-                    let k = r.varint("hold reasons")?;
-                    if k > r.remaining() as u64 / 2 {
-                        return Err(format!(
-                            "{k} hold reasons exceed the {} bytes left",
-                            r.remaining()
-                        ));
-                    }
-                    for _ in 0..k {
-                        h.by_reason
-                            .push((r.u32("hold reason")?, r.varint("hold reason count")?));
-                    }
-                }
-            }
-            Event::DropCounts(DropCounts {
-                ts_ns,
-                interval_ns,
-                counts,
-                overflow,
-                holds,
-            })
-        }
-        KIND_CONNTRACK => Event::Conntrack(Box::new(ConntrackStats {
-            ts_ns: r.varint("ts_ns")?,
-            interval_ns: r.varint("interval_ns")?,
-            netns: r.u32("netns")?,
-            count: r.varint("count")?,
-            max: r.varint("max")?,
-            deltas: ConntrackCounters {
-                drop: r.varint("drop")?,
-                early_drop: r.varint("early_drop")?,
-                insert_failed: r.varint("insert_failed")?,
-                invalid: r.varint("invalid")?,
-                search_restart: r.varint("search_restart")?,
-                clash_resolve: r.varint("clash_resolve")?,
-                chaintoolong: r.varint("chaintoolong")?,
-            },
-        })),
-        KIND_IPVS_COUNTS => {
-            let ts_ns = r.varint("ts_ns")?;
-            let interval_ns = r.varint("interval_ns")?;
-            let overflow = r.varint("overflow")?;
-            let n = r.varint("counts")?;
-            // Each count takes at least 16 bytes.
-            if n > r.remaining() as u64 / 16 {
-                return Err(format!(
-                    "{n} counts exceed the {} bytes left",
-                    r.remaining()
-                ));
-            }
-            let mut counts = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                let af = r.u32("af")? as u16;
-                let protocol = r.u32("protocol")? as u8;
-                let state = r.u32("state")? as u8;
-                let vaddr = addr_from(af, r.bytes("vaddr")?)?;
-                let vport = r.u32("vport")? as u16;
-                let daddr = addr_from(af, r.bytes("daddr")?)?;
-                let dport = r.u32("dport")? as u16;
-                let count = r.varint("count")?;
-                counts.push(crate::decode::ipvs_count(
-                    &xtlock_common::IpvsKey {
-                        vaddr,
-                        daddr,
-                        vport,
-                        dport,
-                        af,
-                        protocol,
-                        state,
-                    },
-                    count,
-                ));
-            }
-            Event::IpvsCounts(IpvsCounts {
-                ts_ns,
-                interval_ns,
-                counts,
-                overflow,
-            })
-        }
-        KIND_LOCK_SEED => Event::LockSeed(LockSeed {
-            ts_ns: r.varint("ts_ns")?,
-            pid: r.u32("pid")?,
-            dev: r.u32("dev")?,
-            ino: r.varint("ino")?,
-            exclusive: r.varint("exclusive")? != 0,
-        }),
-        KIND_POD => Event::Pod(Box::new(crate::decode::PodInfo {
-            ts_ns: r.varint("ts_ns")?,
-            container_id: r.string("container_id")?,
-            pod_uid: r.string("pod_uid")?,
-            namespace: r.string("namespace")?,
-            pod: r.string("pod")?,
-            container: r.string("container")?,
-        })),
-        KIND_RULE_TABLE => {
-            let (ts_ns, netns, after_pid) = (r.varint("ts_ns")?, r.u32("netns")?, r.u32("pid")?);
-            let (family, table, skipped) = (
-                r.string("family")?,
-                r.string("table")?,
-                r.string("skipped")?,
-            );
-            let n = r.varint("chains")?;
-            let mut read = names.read(netns, &family, &table, ts_ns);
-            // A chain takes at least five bytes: a damaged count allocates nothing more.
-            let mut chains = Vec::with_capacity(n.min(r.remaining() as u64 / 5) as usize);
-            for _ in 0..n {
-                let name = read.name(r.bytes("chain")?);
-                let has_policy = r.varint("has policy")? != 0;
-                let policy = r.bytes("policy")?;
-                let policy = has_policy.then(|| read.policy(policy));
-                let digest = r.varint("digest")?;
-                let rules = match r.varint("rules")? {
-                    0 => None,
-                    k => {
-                        let mut rules = Vec::new();
-                        for _ in 1..k {
-                            let parts = r.varint("parts")?;
-                            let mut v = Vec::new();
-                            for _ in 0..parts {
-                                v.push(r.string("part")?);
-                            }
-                            rules.push(crate::event::Rule(v));
-                        }
-                        Some(rules)
-                    }
-                };
-                chains.push(crate::event::ChainState {
-                    name,
-                    policy,
-                    digest,
-                    rules,
-                });
-            }
-            let more = r.remaining() > 0 && r.varint("more")? != 0;
-            read.done(more);
-            Event::RuleTable(Box::new(crate::event::RuleTable {
-                ts_ns,
-                netns,
-                family,
-                table,
-                after_pid,
-                skipped,
-                chains,
-                more,
-            }))
-        }
-        KIND_REFUSAL_COUNTS => {
-            let ts_ns = r.varint("ts_ns")?;
-            let interval_ns = r.varint("interval_ns")?;
-            let overflow = r.varint("overflow")?;
-            let n = r.varint("counts")?;
-            // Each count takes at least eight bytes.
-            if n > r.remaining() as u64 / 8 {
-                return Err(format!(
-                    "{n} counts exceed the {} bytes left",
-                    r.remaining()
-                ));
-            }
-            let mut counts = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                let hold_start_ns = r.varint("hold_start_ns")?;
-                let netns = r.u32("netns")?;
-                let kind = r.u32("kind")? as u8;
-                let detail = r.u32("detail")?;
-                let family = r.u32("family")? as u8;
-                let bytes = r.bytes("addr")?;
-                let addr = match (family, bytes.len()) {
-                    (0, 0) => None,
-                    (4, 4) | (6, 16) => {
-                        let mut a = [0u8; 16];
-                        a[..bytes.len()].copy_from_slice(bytes);
-                        crate::decode::ip_addr(family, &a)
-                    }
-                    (f, l) => return Err(format!("address of {l} bytes for family {f}")),
-                };
-                counts.push(RefusalCount {
-                    hold_start_ns,
-                    netns,
-                    kind,
-                    detail,
-                    addr,
-                    port: r.u32("port")? as u16,
-                    count: r.varint("count")?,
-                });
-            }
-            let n = r.varint("reset reasons")?;
-            if n > r.remaining() as u64 {
-                return Err(format!(
-                    "{n} reset reasons exceed the {} bytes left",
-                    r.remaining()
-                ));
-            }
-            let mut reset_reasons = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                reset_reasons.push((r.u32("reason")?, r.string("reason name")?));
-            }
-            Event::RefusalCounts(RefusalCounts {
-                ts_ns,
-                interval_ns,
-                counts,
-                overflow,
-                reset_reasons,
-            })
-        }
-        KIND_ADDR => {
-            let ts_ns = r.varint("ts_ns")?;
-            let netns = r.u32("netns")?;
-            let family = r.varint("family")?;
-            let bytes = r.bytes("addr")?;
-            let addr = match family {
-                4 => <[u8; 4]>::try_from(bytes).ok().map(std::net::IpAddr::from),
-                6 => <[u8; 16]>::try_from(bytes).ok().map(std::net::IpAddr::from),
-                _ => None,
-            }
-            .ok_or_else(|| format!("address of {} bytes for family {family}", bytes.len()))?;
-            let code = r.varint("why")?;
-            let why = u8::try_from(code)
-                .ok()
-                .and_then(AddrWhy::from_code)
-                // Kind 16's reasons are not kind 14's.
-                .filter(|w| !matches!(w, AddrWhy::Unanswered | AddrWhy::Answering))
-                .ok_or_else(|| format!("unknown address reason {code}"))?;
-            let link = r.string("link")?;
-            // Captures before the flags byte: not known live, so no latency is made of it.
-            let live = r.remaining() > 0 && r.varint("flags")? & 1 != 0;
-            Event::Addr(Box::new(crate::event::AddrPresence {
-                ts_ns,
-                netns,
-                addr,
-                why,
-                link,
-                live,
-            }))
-        }
-        KIND_ENDPOINT_ANSWERS => {
-            let ts_ns = r.varint("ts_ns")?;
-            let netns = r.u32("netns")?;
-            let addr = r.ip("addr")?;
-            let why = match r.varint("answering")? {
-                0 => AddrWhy::Unanswered,
-                1 => AddrWhy::Answering,
-                n => return Err(format!("answering is {n}, not 0 or 1")),
-            };
-            Event::Addr(Box::new(crate::event::AddrPresence {
-                ts_ns,
-                netns,
-                addr,
-                why,
-                link: String::new(),
-                live: true,
-            }))
-        }
-        KIND_IPVS_TABLE => {
-            let ts_ns = r.varint("ts_ns")?;
-            let netns = r.u32("netns")?;
-            let n = r.varint("services")?;
-            if n > MAX_IPVS_SERVICES {
-                return Err(format!("{n} IPVS services, more than {MAX_IPVS_SERVICES}"));
-            }
-            // Each takes bytes: a count past what is left is damage, not an allocation.
-            let mut services = Vec::with_capacity((n as usize).min(r.remaining()));
-            let mut dests_left = MAX_IPVS_DESTS;
-            for _ in 0..n {
-                let proto = small(r.varint("proto")?, "proto")?;
-                let (addr, fwmark) = match r.varint("has_addr")? {
-                    1 => (Some(r.sock("service")?), 0),
-                    0 => (None, r.u32("fwmark")?),
-                    v => return Err(format!("has_addr is {v}, not 0 or 1")),
-                };
-                let m = r.varint("dests")?;
-                if m > dests_left {
-                    return Err(format!("more than {MAX_IPVS_DESTS} IPVS real servers"));
-                }
-                dests_left -= m;
-                let mut dests = Vec::with_capacity((m as usize).min(r.remaining()));
-                for _ in 0..m {
-                    dests.push(crate::event::IpvsDest {
-                        addr: r.sock("real server")?,
-                        weight: r.u32("weight")?,
-                        active: r.u32("active")?,
-                        inactive: r.u32("inactive")?,
-                    });
-                }
-                services.push(crate::event::IpvsService {
-                    proto,
-                    addr,
-                    fwmark,
-                    dests,
-                });
-            }
-            Event::IpvsTable(Box::new(crate::event::IpvsTable {
-                ts_ns,
-                netns,
-                services,
-            }))
-        }
+        KIND_DROP_SETUP => decode_drop_setup(&mut r)?,
+        KIND_KERNEL_SYMBOL => decode_kernel_symbol(&mut r)?,
+        KIND_DROP_COUNTS => decode_drop_counts(&mut r)?,
+        KIND_CONNTRACK => decode_conntrack(&mut r)?,
+        KIND_IPVS_COUNTS => decode_ipvs_counts(&mut r)?,
+        KIND_LOCK_SEED => decode_lock_seed(&mut r)?,
+        KIND_POD => decode_pod(&mut r)?,
+        KIND_RULE_TABLE => decode_rule_table(&mut r, names)?,
+        KIND_REFUSAL_COUNTS => decode_refusal_counts(&mut r)?,
+        KIND_ADDR => decode_addr(&mut r)?,
+        KIND_ENDPOINT_ANSWERS => decode_endpoint_answers(&mut r)?,
+        KIND_IPVS_TABLE => decode_ipvs_table(&mut r)?,
         KIND_RULE_COUNTERS => decode_rule_counters(&mut r)?,
-        KIND_CT_ENTRIES => {
-            let ts_ns = r.varint("ts_ns")?;
-            let netns = r.u32("netns")?;
-            let addr = r.ip("addr")?;
-            let more = r.u32("more")?;
-            let n = r.varint("entries")?;
-            if n > MAX_CT_ENTRIES {
-                return Err(format!("{n} conntrack entries, more than {MAX_CT_ENTRIES}"));
-            }
-            let mut entries = Vec::with_capacity(n as usize);
-            for _ in 0..n {
-                let mut e = crate::event::CtEntry {
-                    id: r.u32("id")?,
-                    proto: small(r.varint("proto")?, "proto")?,
-                    tcp_state: small(r.varint("tcp_state")?, "tcp_state")?,
-                    status: r.u32("status")?,
-                    ..Default::default()
-                };
-                e.orig_src = r.sock("orig_src")?;
-                e.orig_dst = r.sock("orig_dst")?;
-                e.reply_src = r.sock("reply_src")?;
-                e.packets = r.varint("packets")?;
-                e.timeout_s = r.u32("timeout")?;
-                entries.push(e);
-            }
-            Event::CtEntries(Box::new(crate::event::CtEntries {
-                ts_ns,
-                netns,
-                addr,
-                entries,
-                more,
-            }))
-        }
+        KIND_CT_ENTRIES => decode_ct_entries(&mut r)?,
         k => return Err(format!("kind {k} is not a synthetic record")),
     })
+}
+
+/// Kind 5: the recording kernel's drop-reason names.
+fn decode_drop_setup(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let has_reason = r.varint("has_reason")? != 0;
+    let host_netns = r.u32("host_netns")?;
+    let n = r.varint("reasons")?;
+    if n > r.remaining() as u64 {
+        return Err(format!(
+            "{n} reasons exceed the {} bytes left",
+            r.remaining()
+        ));
+    }
+    let mut names = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        names.push((r.u32("reason")?, r.string("reason name")?));
+    }
+    Ok(Event::DropSetup {
+        ts_ns,
+        has_reason,
+        host_netns,
+        names,
+    })
+}
+
+/// Kind 6: the kernel function a drop location is in.
+fn decode_kernel_symbol(r: &mut Body<'_>) -> Result<Event, String> {
+    Ok(Event::KernelSymbol {
+        ts_ns: r.varint("ts_ns")?,
+        addr: r.varint("addr")?,
+        offset: r.varint("offset")?,
+        name: r.string("name")?,
+    })
+}
+
+/// Kind 7: exact drop counts of one interval, per hold and reason where recorded.
+fn decode_drop_counts(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let interval_ns = r.varint("interval_ns")?;
+    let overflow = r.varint("overflow")?;
+    let n = r.varint("counts")?;
+    // Each count takes at least four bytes.
+    if n > r.remaining() as u64 / 4 {
+        return Err(format!(
+            "{n} counts exceed the {} bytes left",
+            r.remaining()
+        ));
+    }
+    let mut counts = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        counts.push(DropCount {
+            location: r.varint("location")?,
+            reason: r.u32("reason")?,
+            netns: r.u32("netns")?,
+            count: r.varint("count")?,
+        });
+    }
+    // Per-hold counts, absent in captures from before they existed.
+    let mut holds = Vec::new();
+    if r.remaining() > 0 {
+        let n = r.varint("holds")?;
+        if n > r.remaining() as u64 / 2 {
+            return Err(format!(
+                "{n} hold counts exceed the {} bytes left",
+                r.remaining()
+            ));
+        }
+        holds.reserve(n as usize);
+        for _ in 0..n {
+            holds.push(HoldDropCount {
+                start_ns: r.varint("start_ns")?,
+                count: r.varint("count")?,
+                by_reason: Vec::new(),
+            });
+        }
+    }
+    // Each hold's drops per reason, absent in captures from before they were counted.
+    if r.remaining() > 0 {
+        for h in &mut holds {
+            let k = r.varint("hold reasons")?;
+            if k > r.remaining() as u64 / 2 {
+                return Err(format!(
+                    "{k} hold reasons exceed the {} bytes left",
+                    r.remaining()
+                ));
+            }
+            for _ in 0..k {
+                h.by_reason
+                    .push((r.u32("hold reason")?, r.varint("hold reason count")?));
+            }
+        }
+    }
+    Ok(Event::DropCounts(DropCounts {
+        ts_ns,
+        interval_ns,
+        counts,
+        overflow,
+        holds,
+    }))
+}
+
+/// Kind 8: conntrack statistics deltas of one namespace.
+fn decode_conntrack(r: &mut Body<'_>) -> Result<Event, String> {
+    Ok(Event::Conntrack(Box::new(ConntrackStats {
+        ts_ns: r.varint("ts_ns")?,
+        interval_ns: r.varint("interval_ns")?,
+        netns: r.u32("netns")?,
+        count: r.varint("count")?,
+        max: r.varint("max")?,
+        deltas: ConntrackCounters {
+            drop: r.varint("drop")?,
+            early_drop: r.varint("early_drop")?,
+            insert_failed: r.varint("insert_failed")?,
+            invalid: r.varint("invalid")?,
+            search_restart: r.varint("search_restart")?,
+            clash_resolve: r.varint("clash_resolve")?,
+            chaintoolong: r.varint("chaintoolong")?,
+        },
+    })))
+}
+
+/// Kind 10: exact IPVS packet counts of one interval.
+fn decode_ipvs_counts(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let interval_ns = r.varint("interval_ns")?;
+    let overflow = r.varint("overflow")?;
+    let n = r.varint("counts")?;
+    // Each count takes at least 16 bytes.
+    if n > r.remaining() as u64 / 16 {
+        return Err(format!(
+            "{n} counts exceed the {} bytes left",
+            r.remaining()
+        ));
+    }
+    let mut counts = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let af = r.u32("af")? as u16;
+        let protocol = r.u32("protocol")? as u8;
+        let state = r.u32("state")? as u8;
+        let vaddr = addr_from(af, r.bytes("vaddr")?)?;
+        let vport = r.u32("vport")? as u16;
+        let daddr = addr_from(af, r.bytes("daddr")?)?;
+        let dport = r.u32("dport")? as u16;
+        let count = r.varint("count")?;
+        counts.push(crate::decode::ipvs_count(
+            &xtlock_common::IpvsKey {
+                vaddr,
+                daddr,
+                vport,
+                dport,
+                af,
+                protocol,
+                state,
+            },
+            count,
+        ));
+    }
+    Ok(Event::IpvsCounts(IpvsCounts {
+        ts_ns,
+        interval_ns,
+        counts,
+        overflow,
+    }))
+}
+
+/// Kind 9: a flock held on a watched lock when recording began.
+fn decode_lock_seed(r: &mut Body<'_>) -> Result<Event, String> {
+    Ok(Event::LockSeed(LockSeed {
+        ts_ns: r.varint("ts_ns")?,
+        pid: r.u32("pid")?,
+        dev: r.u32("dev")?,
+        ino: r.varint("ino")?,
+        exclusive: r.varint("exclusive")? != 0,
+    }))
+}
+
+/// Kind 11: the kubelet's names of a container or pod.
+fn decode_pod(r: &mut Body<'_>) -> Result<Event, String> {
+    Ok(Event::Pod(Box::new(crate::decode::PodInfo {
+        ts_ns: r.varint("ts_ns")?,
+        container_id: r.string("container_id")?,
+        pod_uid: r.string("pod_uid")?,
+        namespace: r.string("namespace")?,
+        pod: r.string("pod")?,
+        container: r.string("container")?,
+    })))
+}
+
+/// Kind 13: a table read back after a write, its chain names shared with earlier reads.
+fn decode_rule_table(r: &mut Body<'_>, names: &mut ChainNames) -> Result<Event, String> {
+    let (ts_ns, netns, after_pid) = (r.varint("ts_ns")?, r.u32("netns")?, r.u32("pid")?);
+    let (family, table, skipped) = (
+        r.string("family")?,
+        r.string("table")?,
+        r.string("skipped")?,
+    );
+    let n = r.varint("chains")?;
+    let mut read = names.read(netns, &family, &table, ts_ns);
+    // A chain takes at least five bytes: a damaged count allocates nothing more.
+    let mut chains = Vec::with_capacity(n.min(r.remaining() as u64 / 5) as usize);
+    for _ in 0..n {
+        let name = read.name(r.bytes("chain")?);
+        let has_policy = r.varint("has policy")? != 0;
+        let policy = r.bytes("policy")?;
+        let policy = has_policy.then(|| read.policy(policy));
+        let digest = r.varint("digest")?;
+        let rules = match r.varint("rules")? {
+            0 => None,
+            k => {
+                let mut rules = Vec::new();
+                for _ in 1..k {
+                    let parts = r.varint("parts")?;
+                    let mut v = Vec::new();
+                    for _ in 0..parts {
+                        v.push(r.string("part")?);
+                    }
+                    rules.push(crate::event::Rule(v));
+                }
+                Some(rules)
+            }
+        };
+        chains.push(crate::event::ChainState {
+            name,
+            policy,
+            digest,
+            rules,
+        });
+    }
+    let more = r.remaining() > 0 && r.varint("more")? != 0;
+    read.done(more);
+    Ok(Event::RuleTable(Box::new(crate::event::RuleTable {
+        ts_ns,
+        netns,
+        family,
+        table,
+        after_pid,
+        skipped,
+        chains,
+        more,
+    })))
+}
+
+/// Kind 12: exact refusal counts of one interval.
+fn decode_refusal_counts(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let interval_ns = r.varint("interval_ns")?;
+    let overflow = r.varint("overflow")?;
+    let n = r.varint("counts")?;
+    // Each count takes at least eight bytes.
+    if n > r.remaining() as u64 / 8 {
+        return Err(format!(
+            "{n} counts exceed the {} bytes left",
+            r.remaining()
+        ));
+    }
+    let mut counts = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let hold_start_ns = r.varint("hold_start_ns")?;
+        let netns = r.u32("netns")?;
+        let kind = r.u32("kind")? as u8;
+        let detail = r.u32("detail")?;
+        let family = r.u32("family")? as u8;
+        let bytes = r.bytes("addr")?;
+        let addr = match (family, bytes.len()) {
+            (0, 0) => None,
+            (4, 4) | (6, 16) => {
+                let mut a = [0u8; 16];
+                a[..bytes.len()].copy_from_slice(bytes);
+                crate::decode::ip_addr(family, &a)
+            }
+            (f, l) => return Err(format!("address of {l} bytes for family {f}")),
+        };
+        counts.push(RefusalCount {
+            hold_start_ns,
+            netns,
+            kind,
+            detail,
+            addr,
+            port: r.u32("port")? as u16,
+            count: r.varint("count")?,
+        });
+    }
+    let n = r.varint("reset reasons")?;
+    if n > r.remaining() as u64 {
+        return Err(format!(
+            "{n} reset reasons exceed the {} bytes left",
+            r.remaining()
+        ));
+    }
+    let mut reset_reasons = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        reset_reasons.push((r.u32("reason")?, r.string("reason name")?));
+    }
+    Ok(Event::RefusalCounts(RefusalCounts {
+        ts_ns,
+        interval_ns,
+        counts,
+        overflow,
+        reset_reasons,
+    }))
+}
+
+/// Kind 14: an address that appeared on or vanished from the node.
+fn decode_addr(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let netns = r.u32("netns")?;
+    let family = r.varint("family")?;
+    let bytes = r.bytes("addr")?;
+    let addr = match family {
+        4 => <[u8; 4]>::try_from(bytes).ok().map(std::net::IpAddr::from),
+        6 => <[u8; 16]>::try_from(bytes).ok().map(std::net::IpAddr::from),
+        _ => None,
+    }
+    .ok_or_else(|| format!("address of {} bytes for family {family}", bytes.len()))?;
+    let code = r.varint("why")?;
+    let why = u8::try_from(code)
+        .ok()
+        .and_then(AddrWhy::from_code)
+        // Kind 16's reasons are not kind 14's.
+        .filter(|w| !matches!(w, AddrWhy::Unanswered | AddrWhy::Answering))
+        .ok_or_else(|| format!("unknown address reason {code}"))?;
+    let link = r.string("link")?;
+    // Captures before the flags byte: not known live, so no latency is made of it.
+    let live = r.remaining() > 0 && r.varint("flags")? & 1 != 0;
+    Ok(Event::Addr(Box::new(crate::event::AddrPresence {
+        ts_ns,
+        netns,
+        addr,
+        why,
+        link,
+        live,
+    })))
+}
+
+/// Kind 16: an endpoint whose connections went unanswered, or that answers again.
+fn decode_endpoint_answers(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let netns = r.u32("netns")?;
+    let addr = r.ip("addr")?;
+    let why = match r.varint("answering")? {
+        0 => AddrWhy::Unanswered,
+        1 => AddrWhy::Answering,
+        n => return Err(format!("answering is {n}, not 0 or 1")),
+    };
+    Ok(Event::Addr(Box::new(crate::event::AddrPresence {
+        ts_ns,
+        netns,
+        addr,
+        why,
+        link: String::new(),
+        live: true,
+    })))
+}
+
+/// Kind 17: a namespace's IPVS virtual and real servers.
+fn decode_ipvs_table(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let netns = r.u32("netns")?;
+    let n = r.varint("services")?;
+    if n > MAX_IPVS_SERVICES {
+        return Err(format!("{n} IPVS services, more than {MAX_IPVS_SERVICES}"));
+    }
+    // Each takes bytes: a count past what is left is damage, not an allocation.
+    let mut services = Vec::with_capacity((n as usize).min(r.remaining()));
+    let mut dests_left = MAX_IPVS_DESTS;
+    for _ in 0..n {
+        let proto = small(r.varint("proto")?, "proto")?;
+        let (addr, fwmark) = match r.varint("has_addr")? {
+            1 => (Some(r.sock("service")?), 0),
+            0 => (None, r.u32("fwmark")?),
+            v => return Err(format!("has_addr is {v}, not 0 or 1")),
+        };
+        let m = r.varint("dests")?;
+        if m > dests_left {
+            return Err(format!("more than {MAX_IPVS_DESTS} IPVS real servers"));
+        }
+        dests_left -= m;
+        let mut dests = Vec::with_capacity((m as usize).min(r.remaining()));
+        for _ in 0..m {
+            dests.push(crate::event::IpvsDest {
+                addr: r.sock("real server")?,
+                weight: r.u32("weight")?,
+                active: r.u32("active")?,
+                inactive: r.u32("inactive")?,
+            });
+        }
+        services.push(crate::event::IpvsService {
+            proto,
+            addr,
+            fwmark,
+            dests,
+        });
+    }
+    Ok(Event::IpvsTable(Box::new(crate::event::IpvsTable {
+        ts_ns,
+        netns,
+        services,
+    })))
+}
+
+/// Kind 15: the conntrack entries DNATed to an address gone from the node.
+fn decode_ct_entries(r: &mut Body<'_>) -> Result<Event, String> {
+    let ts_ns = r.varint("ts_ns")?;
+    let netns = r.u32("netns")?;
+    let addr = r.ip("addr")?;
+    let more = r.u32("more")?;
+    let n = r.varint("entries")?;
+    if n > MAX_CT_ENTRIES {
+        return Err(format!("{n} conntrack entries, more than {MAX_CT_ENTRIES}"));
+    }
+    let mut entries = Vec::with_capacity(n as usize);
+    for _ in 0..n {
+        let mut e = crate::event::CtEntry {
+            id: r.u32("id")?,
+            proto: small(r.varint("proto")?, "proto")?,
+            tcp_state: small(r.varint("tcp_state")?, "tcp_state")?,
+            status: r.u32("status")?,
+            ..Default::default()
+        };
+        e.orig_src = r.sock("orig_src")?;
+        e.orig_dst = r.sock("orig_dst")?;
+        e.reply_src = r.sock("reply_src")?;
+        e.packets = r.varint("packets")?;
+        e.timeout_s = r.u32("timeout")?;
+        entries.push(e);
+    }
+    Ok(Event::CtEntries(Box::new(crate::event::CtEntries {
+        ts_ns,
+        netns,
+        addr,
+        entries,
+        more,
+    })))
 }
 
 const AF_INET: u16 = 2;

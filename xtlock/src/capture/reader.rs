@@ -282,7 +282,7 @@ impl<R: Read> CaptureReader<R> {
                 | format::KIND_IPVS_TABLE
                 | format::KIND_CT_ENTRIES
                 | format::KIND_RULE_COUNTERS => {
-                    match format::decode_drop_event_with(
+                    match format::decode_synthetic_with(
                         kind,
                         &self.raw[start..end],
                         &mut self.chain_names,

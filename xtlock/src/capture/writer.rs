@@ -187,7 +187,7 @@ impl<W: Write> CaptureWriter<W> {
             _ => {
                 let mut b = std::mem::take(&mut self.scratch);
                 b.clear();
-                let Some(kind) = format::encode_drop_event(ev, &mut b) else {
+                let Some(kind) = format::encode_synthetic(ev, &mut b) else {
                     self.scratch = b;
                     return Ok(false);
                 };

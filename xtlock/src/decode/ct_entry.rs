@@ -365,8 +365,22 @@ mod tests {
             r.len()
         );
         assert_eq!(r[16], libc::AF_INET as u8);
-        // The address is in the request, the filter flag too.
+        // The address is in the request, and so is the filter. The kernel's numbers, written
+        // out: CTA_FILTER (25) nested, 20 bytes, holding CTA_FILTER_ORIG_FLAGS (1) = 0 and
+        // CTA_FILTER_REPLY_FLAGS (2) = CTA_FILTER_FLAG_CTA_IP_SRC (1).
         assert!(r.windows(4).any(|w| w == [10, 244, 1, 5]));
+        let mut filter: Vec<u8> = Vec::new();
+        for v in [20u16, 25 | 0x8000, 8, 1] {
+            filter.extend_from_slice(&v.to_ne_bytes());
+        }
+        filter.extend_from_slice(&0u32.to_ne_bytes());
+        for v in [8u16, 2] {
+            filter.extend_from_slice(&v.to_ne_bytes());
+        }
+        filter.extend_from_slice(&1u32.to_ne_bytes());
+        assert!(r.ends_with(&filter), "no reply-source filter in {r:?}");
+        let unfiltered = dump_request(7, "10.244.1.5".parse().unwrap(), false);
+        assert!(!unfiltered.windows(filter.len()).any(|w| w == filter));
         let plain = dump_request(7, "fd00::5".parse().unwrap(), false);
         assert_eq!(plain.len(), NLMSG_HDR + NFGENMSG);
         assert_eq!(plain[16], libc::AF_INET6 as u8);

@@ -269,7 +269,14 @@ pub struct NftRule {
 /// A rule message, its expressions rendered for a table of `family`: in iptables-nft-save's
 /// words when the table is one iptables-nft writes and iptables-nft can express the rule,
 /// else in nft's.
-pub fn parse_rule(family: u8, a: &[u8]) -> Result<NftRule, NftError> {
+///
+/// `sets` names the sets of `-m set` matches by index (the source asks the kernel, decoding
+/// does no I/O).
+pub fn parse_rule(
+    family: u8,
+    a: &[u8],
+    sets: &mut super::xt_ext::SetNames<'_>,
+) -> Result<NftRule, NftError> {
     let (mut table, mut chain, mut comment) = (None, None, None);
     let mut exprs = Vec::new();
     for at in attrs(a, "rule") {
@@ -293,13 +300,13 @@ pub fn parse_rule(family: u8, a: &[u8]) -> Result<NftRule, NftError> {
         counter = Some(counter_of(e.data, "counter")?);
     }
     let iptables = if is_iptables_table(family, &table) {
-        iptables::rule(family, &exprs, comment.as_deref())?
+        iptables::rule(family, &exprs, comment.as_deref(), sets)?
     } else {
         None
     };
     let parts = match iptables {
         Some(parts) => parts,
-        None => render::rule(family, &exprs, comment.as_deref())?,
+        None => render::rule(family, &exprs, comment.as_deref(), sets)?,
     };
     Ok(NftRule {
         table,

@@ -13,7 +13,6 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use super::ipset::SetNames;
 pub(crate) use super::xt_bytes::digest;
 pub use super::xt_bytes::Family;
 use super::xt_bytes::{name_at, u16_at, u32_at};
@@ -140,24 +139,15 @@ struct Entry {
     counter: Counter,
 }
 
-/// The chains of a table from its entries (`entries`: the bytes after the
-/// `ipt_get_entries` head).
+/// The chains of an IPv4 table from its entries (`entries`: the bytes after the
+/// `ipt_get_entries` head), its `-m set` matches' sets unnamed (shown by index).
 pub fn parse_table(info: &TableInfo, entries: &[u8]) -> Result<Vec<Chain>, TableError> {
-    parse_table_of(Family::Ipv4, info, entries)
+    parse_table_with(Family::Ipv4, info, entries, &mut |_| None)
 }
 
-/// [`parse_table`] for either family's layout. Sets of `-m set` matches are named by
-/// asking the kernel, in the current network namespace (as iptables-save does).
-pub fn parse_table_of(
-    family: Family,
-    info: &TableInfo,
-    entries: &[u8],
-) -> Result<Vec<Chain>, TableError> {
-    let mut sets = SetNames::default();
-    parse_table_with(family, info, entries, &mut |i| sets.name(i))
-}
-
-/// [`parse_table_of`] with the sets named by `set_name` (by index).
+/// The chains of a table of either family's layout, the sets of its `-m set` matches named by
+/// `set_name` (by index; the source asks the kernel, as iptables-save does: decoding does no
+/// I/O).
 pub fn parse_table_with(
     family: Family,
     info: &TableInfo,

@@ -33,8 +33,9 @@ pub type Mac = [u8; 6];
 /// call, read together).
 const FLUSH_WINDOW_NS: u64 = 1_000_000_000;
 /// `NUD_*` states whose neighbour answered (or is configured): the address is there.
-const NUD_USABLE: u16 = 0x02 | 0x04 | 0x08 | 0x10 | 0x80;
-const NUD_FAILED: u16 = 0x20;
+const NUD_USABLE: u16 =
+    libc::NUD_REACHABLE | libc::NUD_STALE | libc::NUD_DELAY | libc::NUD_PROBE | libc::NUD_PERMANENT;
+const NUD_FAILED: u16 = libc::NUD_FAILED;
 
 /// One rtnetlink message, as much of it as the state needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -441,7 +442,9 @@ impl AddrState {
     }
 }
 
-/// Addresses that can be a pod's or a node's endpoint (not loopback, link-local, multicast).
+/// Addresses that can be a pod's or a node's endpoint: not loopback, unspecified, multicast,
+/// broadcast or IPv6 link-local. IPv4 link-local stays: NodeLocal DNSCache listens on
+/// 169.254.20.10.
 fn interesting(a: IpAddr) -> bool {
     match a {
         IpAddr::V4(v) => {

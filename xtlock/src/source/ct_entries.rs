@@ -421,8 +421,12 @@ fn dump(
         .map_err(|e| format!("cannot ask for the conntrack entries: {e}"))?;
     loop {
         buf.clear();
-        sock.recv(buf, 0)
-            .map_err(|e| format!("cannot read the conntrack dump: {e} (needs CAP_NET_ADMIN)"))?;
+        sock.recv(buf, 0).map_err(|e| {
+            format!(
+                "cannot read the conntrack dump: {e}{}",
+                super::needs(&e, "CAP_NET_ADMIN")
+            )
+        })?;
         for m in ct_entry::messages(buf)? {
             match m {
                 CtMsg::Entry(e) => each(e),

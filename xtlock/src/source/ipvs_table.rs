@@ -188,9 +188,12 @@ impl Worker {
             .map_err(|e| format!("cannot ask IPVS: {e}"))?;
         loop {
             self.buf.clear();
-            self.sock
-                .recv(&mut self.buf, 0)
-                .map_err(|e| format!("cannot read IPVS's answer: {e} (needs CAP_NET_ADMIN)"))?;
+            self.sock.recv(&mut self.buf, 0).map_err(|e| {
+                format!(
+                    "cannot read IPVS's answer: {e}{}",
+                    super::needs(&e, "CAP_NET_ADMIN")
+                )
+            })?;
             for m in ipvs_nl::messages(&self.buf, svc_af)? {
                 match m {
                     IpvsMsg::Done => return Ok(()),

@@ -10,6 +10,7 @@ pub mod binaries;
 pub mod ct_entries;
 pub mod drops;
 pub mod file;
+pub mod ipset;
 pub mod ipvs;
 pub mod ipvs_table;
 pub mod live;
@@ -40,4 +41,13 @@ fn clock_ns(clock: libc::clockid_t) -> u64 {
     // SAFETY: `ts` is a valid out-pointer; both clocks always exist on Linux.
     unsafe { libc::clock_gettime(clock, &mut ts) };
     (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// ` (needs CAP_NET_ADMIN)` after an error the capability would have avoided (EPERM,
+/// EACCES), nothing after any other (a timeout, a closed socket): a hint that is never wrong.
+pub(crate) fn needs(e: &std::io::Error, cap: &str) -> String {
+    match e.raw_os_error() {
+        Some(libc::EPERM | libc::EACCES) => format!(" (needs {cap})"),
+        _ => String::new(),
+    }
 }

@@ -857,8 +857,12 @@ fn read_table(family: Family, table: &str) -> Result<Vec<xt_table::Chain>, Strin
     for _ in 0..3 {
         let mut info = [0u8; IPT_GETINFO_LEN];
         info[..32].copy_from_slice(&name);
-        getsockopt(&sock, level, IPT_SO_GET_INFO, &mut info)
-            .map_err(|e| format!("cannot read the table's size: {e} (needs CAP_NET_ADMIN)"))?;
+        getsockopt(&sock, level, IPT_SO_GET_INFO, &mut info).map_err(|e| {
+            format!(
+                "cannot read the table's size: {e}{}",
+                super::needs(&e, "CAP_NET_ADMIN")
+            )
+        })?;
         let info = TableInfo::parse(&info).map_err(|e| e.to_string())?;
         if info.num_entries > MAX_ENTRIES {
             return Err(format!(
@@ -871,8 +875,15 @@ fn read_table(family: Family, table: &str) -> Result<Vec<xt_table::Chain>, Strin
         buf[32..36].copy_from_slice(&info.size.to_ne_bytes());
         match getsockopt(&sock, level, IPT_SO_GET_ENTRIES, &mut buf) {
             Ok(()) => {
-                return xt_table::parse_table_of(family, &info, &buf[IPT_GET_ENTRIES_HEAD..])
-                    .map_err(|e| e.to_string())
+                // `-m set` matches' sets named by the kernel, in this namespace.
+                let mut sets = super::ipset::SetNames::default();
+                return xt_table::parse_table_with(
+                    family,
+                    &info,
+                    &buf[IPT_GET_ENTRIES_HEAD..],
+                    &mut |i| sets.name(i),
+                )
+                .map_err(|e| e.to_string());
             }
             Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => continue,
             Err(e) => return Err(format!("cannot read the table: {e}")),
@@ -979,6 +990,8 @@ struct Dumped {
     generation: Option<u16>,
     /// A commit came between two messages: read again.
     again: bool,
+    /// The names of the sets `-m set` matches use, asked of the kernel once each.
+    sets: super::ipset::SetNames,
 }
 
 /// Sends one dump request and takes its answer into `d`.
@@ -992,13 +1005,20 @@ fn dump(
         .map_err(|e| format!("cannot ask for the nf_tables dump: {e}"))?;
     loop {
         buf.clear();
-        sock.recv(buf, 0)
-            .map_err(|e| format!("cannot read the nf_tables dump: {e} (needs CAP_NET_ADMIN)"))?;
+        sock.recv(buf, 0).map_err(|e| {
+            format!(
+                "cannot read the nf_tables dump: {e}{}",
+                super::needs(&e, "CAP_NET_ADMIN")
+            )
+        })?;
         let msgs = nft_table::messages(buf).map_err(|e| match e {
-            nft_table::NftError::Kernel(_, errno) => format!(
-                "the kernel refused the nf_tables dump: {} (needs CAP_NET_ADMIN)",
-                std::io::Error::from_raw_os_error(errno)
-            ),
+            nft_table::NftError::Kernel(_, errno) => {
+                let e = std::io::Error::from_raw_os_error(errno);
+                format!(
+                    "the kernel refused the nf_tables dump: {e}{}",
+                    super::needs(&e, "CAP_NET_ADMIN")
+                )
+            }
             e => e.to_string(),
         })?;
         for m in msgs {
@@ -1031,8 +1051,9 @@ fn dump(
                             "too large to diff: more than {MAX_NFT_RULES} rules"
                         ));
                     }
-                    d.rules
-                        .push((family, nft_table::parse_rule(family, attrs).map_err(e)?))
+                    let rule =
+                        nft_table::parse_rule(family, attrs, &mut |i| d.sets.name(i)).map_err(e)?;
+                    d.rules.push((family, rule));
                 }
                 _ => {}
             }

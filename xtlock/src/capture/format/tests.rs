@@ -301,13 +301,13 @@ fn drop_records_round_trip() {
     ];
     for ev in &evs {
         let mut b = Vec::new();
-        let kind = encode_drop_event(ev, &mut b).unwrap();
-        assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
+        let kind = encode_synthetic(ev, &mut b).unwrap();
+        assert_eq!(decode_synthetic(kind, &b).as_ref(), Ok(ev));
         // Fields appended by a newer writer are ignored.
         b.extend_from_slice(&[1, 2, 3]);
-        assert_eq!(decode_drop_event(kind, &b).as_ref(), Ok(ev));
+        assert_eq!(decode_synthetic(kind, &b).as_ref(), Ok(ev));
         for n in 0..b.len() - 3 {
-            match (decode_drop_event(kind, &b[..n]), ev) {
+            match (decode_synthetic(kind, &b[..n]), ev) {
                 (Err(_), _) => {}
                 // Cut just before the per-hold counts: a record from before they
                 // existed, read with none; cut just before their reasons: one from
@@ -345,13 +345,13 @@ fn drop_records_round_trip() {
             }
         }
     }
-    assert!(encode_drop_event(&Event::Lost { ts_ns: 1, count: 1 }, &mut Vec::new()).is_none());
+    assert!(encode_synthetic(&Event::Lost { ts_ns: 1, count: 1 }, &mut Vec::new()).is_none());
     // A huge count does not allocate.
     let mut b = Vec::new();
     for v in [1, 1, 0, u64::MAX] {
         put_varint(&mut b, v);
     }
-    assert!(decode_drop_event(KIND_DROP_COUNTS, &b).is_err());
+    assert!(decode_synthetic(KIND_DROP_COUNTS, &b).is_err());
 }
 
 /// Kind 14 with a reason this build does not know, or an address of the wrong length: an
@@ -367,19 +367,19 @@ fn addr_record_damage() {
         live: true,
     }));
     let mut b = Vec::new();
-    assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_ADDR));
+    assert_eq!(encode_synthetic(&ev, &mut b), Some(KIND_ADDR));
     // ts_ns, netns, family, addr (1 + 4 bytes), then the reason.
     let why_at = 1 + 1 + 1 + 5;
     assert_eq!(b[why_at], crate::event::AddrWhy::RouteDeleted.code());
     for code in [7u8, 0x7f] {
         let mut bad = b.clone();
         bad[why_at] = code;
-        let e = decode_drop_event(KIND_ADDR, &bad).unwrap_err();
+        let e = decode_synthetic(KIND_ADDR, &bad).unwrap_err();
         assert!(e.contains("unknown address reason"), "{e}");
     }
     let mut bad = b.clone();
     bad[2] = 6;
-    assert!(decode_drop_event(KIND_ADDR, &bad).is_err());
+    assert!(decode_synthetic(KIND_ADDR, &bad).is_err());
 }
 
 #[test]
@@ -419,11 +419,11 @@ fn endpoint_answers_records_round_trip() {
             live: true,
         }));
         let mut b = Vec::new();
-        assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_ENDPOINT_ANSWERS));
-        assert_eq!(decode_drop_event(KIND_ENDPOINT_ANSWERS, &b).unwrap(), ev);
+        assert_eq!(encode_synthetic(&ev, &mut b), Some(KIND_ENDPOINT_ANSWERS));
+        assert_eq!(decode_synthetic(KIND_ENDPOINT_ANSWERS, &b).unwrap(), ev);
         let mut bad = b.clone();
         *bad.last_mut().unwrap() = 2;
-        assert!(decode_drop_event(KIND_ENDPOINT_ANSWERS, &bad).is_err());
+        assert!(decode_synthetic(KIND_ENDPOINT_ANSWERS, &bad).is_err());
     }
 }
 
@@ -464,15 +464,15 @@ fn ipvs_table_records_round_trip() {
         ],
     }));
     let mut b = Vec::new();
-    assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_IPVS_TABLE));
-    assert_eq!(decode_drop_event(KIND_IPVS_TABLE, &b).unwrap(), ev);
+    assert_eq!(encode_synthetic(&ev, &mut b), Some(KIND_IPVS_TABLE));
+    assert_eq!(decode_synthetic(KIND_IPVS_TABLE, &b).unwrap(), ev);
     for cut in 0..b.len() {
-        assert!(decode_drop_event(KIND_IPVS_TABLE, &b[..cut]).is_err());
+        assert!(decode_synthetic(KIND_IPVS_TABLE, &b[..cut]).is_err());
     }
     // A service count far past the bytes left.
     let mut huge = b[..b.len()].to_vec();
     huge[6] = 0xff;
-    let _ = decode_drop_event(KIND_IPVS_TABLE, &huge);
+    let _ = decode_synthetic(KIND_IPVS_TABLE, &huge);
 }
 
 /// Kind 18: a table's rule counts round-trip (a rule, a policy, an uncounted rule); a cut
@@ -507,10 +507,10 @@ fn rule_counter_records_round_trip() {
         uncounted: vec!["input: udp dport 53 drop".into()],
     }));
     let mut b = Vec::new();
-    assert_eq!(encode_drop_event(&ev, &mut b), Some(KIND_RULE_COUNTERS));
-    assert_eq!(decode_drop_event(KIND_RULE_COUNTERS, &b).unwrap(), ev);
+    assert_eq!(encode_synthetic(&ev, &mut b), Some(KIND_RULE_COUNTERS));
+    assert_eq!(decode_synthetic(KIND_RULE_COUNTERS, &b).unwrap(), ev);
     for cut in 0..b.len() {
-        assert!(decode_drop_event(KIND_RULE_COUNTERS, &b[..cut]).is_err());
+        assert!(decode_synthetic(KIND_RULE_COUNTERS, &b[..cut]).is_err());
     }
     // A rule count past the bound: refused, not allocated.
     let mut huge = Vec::new();
@@ -520,7 +520,7 @@ fn rule_counter_records_round_trip() {
     put_bytes(&mut huge, b"ip");
     put_bytes(&mut huge, b"filter");
     put_varint(&mut huge, u64::MAX);
-    assert!(decode_drop_event(KIND_RULE_COUNTERS, &huge).is_err());
+    assert!(decode_synthetic(KIND_RULE_COUNTERS, &huge).is_err());
 }
 
 /// A read of `table` naming `names` in order; `changed` names come with a rule.
@@ -550,8 +550,8 @@ fn read_of(table: &str, ts_ns: u64, names: &[&str], changed: &[&str], more: bool
 /// Decodes `ev` as a capture reader does, with its chain names so far.
 fn decode_with(ev: &Event, names: &mut ChainNames) -> crate::event::RuleTable {
     let mut b = Vec::new();
-    let kind = encode_drop_event(ev, &mut b).unwrap();
-    match decode_drop_event_with(kind, &b, names).unwrap() {
+    let kind = encode_synthetic(ev, &mut b).unwrap();
+    match decode_synthetic_with(kind, &b, names).unwrap() {
         Event::RuleTable(t) => *t,
         other => panic!("not a rule table: {other:?}"),
     }

@@ -21,8 +21,7 @@
 use std::collections::HashMap;
 
 use super::{a, verdict, Expr, NftError};
-use crate::decode::ipset::SetNames;
-use crate::decode::xt_ext::{match_text, target_text};
+use crate::decode::xt_ext::{match_text, target_text, SetNames};
 use crate::decode::xt_table::{
     Family, IpHead, INV_DSTIP, INV_FRAG, INV_PROTO, INV_SRCIP, INV_VIA_IN, INV_VIA_OUT,
 };
@@ -179,7 +178,6 @@ struct Xt {
     parts: Vec<Part>,
     target: Option<String>,
     regs: HashMap<u32, Reg>,
-    sets: SetNames,
     /// A `tcp` or `udp` match kept as an xt extension: native port matches after it would
     /// have been read into it, which is not done here.
     compat_ports: bool,
@@ -192,6 +190,7 @@ pub(super) fn rule(
     family: u8,
     exprs: &[Expr],
     comment: Option<&str>,
+    sets: &mut SetNames<'_>,
 ) -> Result<Option<Vec<String>>, NftError> {
     let mut x = Xt {
         family: if family == NFPROTO_IPV6 {
@@ -203,11 +202,10 @@ pub(super) fn rule(
         parts: Vec::new(),
         target: None,
         regs: HashMap::new(),
-        sets: SetNames::default(),
         compat_ports: false,
     };
     for e in exprs {
-        match x.expr(e) {
+        match x.expr(e, sets) {
             Ok(()) => {}
             Err(Stop::Foreign) => return Ok(None),
             Err(Stop::Bad(err)) => return Err(err),
@@ -229,7 +227,7 @@ fn ne32(v: &[u8]) -> Option<u32> {
 }
 
 impl Xt {
-    fn expr(&mut self, e: &Expr) -> Step {
+    fn expr(&mut self, e: &Expr, sets: &mut SetNames<'_>) -> Step {
         match e.name.as_str() {
             // Counts change with every packet: not part of what a rule is.
             "counter" => Ok(()),
@@ -276,13 +274,7 @@ impl Xt {
                 let name = e.get(1).map(super::string).unwrap_or_default();
                 let rev = e.u32(2, "match")? as u8;
                 self.compat_ports |= matches!(name.as_str(), "tcp" | "udp");
-                let text = match_text(
-                    self.family,
-                    &name,
-                    rev,
-                    e.get(3).unwrap_or_default(),
-                    &mut |i| self.sets.name(i),
-                );
+                let text = match_text(self.family, &name, rev, e.get(3).unwrap_or_default(), sets);
                 self.parts.push(Part::Text(text));
                 Ok(())
             }
@@ -412,8 +404,10 @@ impl Xt {
         Ok(())
     }
 
+    /// A match xtlock words from native expressions (mark, pkttype, icmp, limit): none names a
+    /// set.
     fn text_match(&mut self, name: &str, rev: u8, data: &[u8]) {
-        let text = match_text(self.family, name, rev, data, &mut |i| self.sets.name(i));
+        let text = match_text(self.family, name, rev, data, &mut |_| None);
         self.parts.push(Part::Text(text));
     }
 

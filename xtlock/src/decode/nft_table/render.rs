@@ -12,8 +12,7 @@ use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
 use super::{a, attrs, be32, string, verdict, verdict_name, Expr, NftError};
-use crate::decode::ipset::SetNames;
-use crate::decode::xt_ext::{self, match_text, target_text};
+use crate::decode::xt_ext::{self, match_text, target_text, SetNames};
 use crate::decode::xt_table::{digest, Family};
 
 /// The parts of a rule of a table of `family`: its expressions, the userdata `comment`
@@ -22,10 +21,11 @@ pub(super) fn rule(
     family: u8,
     exprs: &[Expr],
     comment: Option<&str>,
+    sets: &mut SetNames<'_>,
 ) -> Result<Vec<String>, NftError> {
     let mut r = Render::new(family);
     for e in exprs {
-        r.expr(e)?;
+        r.expr(e, sets)?;
     }
     let mut parts = Vec::new();
     if let Some(c) = comment {
@@ -104,7 +104,7 @@ impl Render {
 
     /// One `NFTA_LIST_ELEM` of the rule's expressions.
     /// One expression of the rule, in order.
-    fn expr(&mut self, e: &Expr) -> Result<(), NftError> {
+    fn expr(&mut self, e: &Expr, sets: &mut SetNames<'_>) -> Result<(), NftError> {
         let get = |k: u16| e.get(k);
         let u32_of = |k: u16, what| e.u32(k, what);
         match e.name.as_str() {
@@ -279,13 +279,12 @@ impl Render {
             "match" => {
                 let n = get(1).map(string).unwrap_or_default();
                 let rev = get(2).map_or(Ok(0), |v| be32(v, "match"))? as u8;
-                let mut sets = SetNames::default();
                 self.parts.push(match_text(
                     self.xt_family(),
                     &n,
                     rev,
                     get(3).unwrap_or_default(),
-                    &mut |i| sets.name(i),
+                    sets,
                 ));
             }
             "target" => {

@@ -156,7 +156,7 @@ fn service_rule(table: &str) -> Vec<u8> {
 
 #[test]
 fn native_tables_rules_render_in_nfts_words_verdict_last() {
-    let r = parse_rule(2, &firewall_rule_in("kube-proxy", false)).unwrap();
+    let r = parse_rule(2, &firewall_rule_in("kube-proxy", false), &mut |_| None).unwrap();
     assert_eq!(
         (r.table.as_str(), r.chain.as_str()),
         ("kube-proxy", "KUBE-FIREWALL")
@@ -170,11 +170,11 @@ fn native_tables_rules_render_in_nfts_words_verdict_last() {
         ]
     );
     assert_eq!(r.rule.comment(), Some("\"kp fw!\""));
-    let stripped = parse_rule(2, &firewall_rule_in("kube-proxy", true)).unwrap();
+    let stripped = parse_rule(2, &firewall_rule_in("kube-proxy", true), &mut |_| None).unwrap();
     assert_eq!(stripped.rule.matches().count(), 0);
     assert_eq!(stripped.rule.target(), "-j DROP");
 
-    let r = parse_rule(2, &service_rule("kube-proxy")).unwrap();
+    let r = parse_rule(2, &service_rule("kube-proxy"), &mut |_| None).unwrap();
     assert_eq!(
         r.rule.0,
         [
@@ -194,7 +194,7 @@ fn native_tables_rules_render_in_nfts_words_verdict_last() {
 
 #[test]
 fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
-    let r = parse_rule(2, &firewall_rule(false)).unwrap();
+    let r = parse_rule(2, &firewall_rule(false), &mut |_| None).unwrap();
     assert_eq!(
         r.rule.0,
         [
@@ -205,7 +205,7 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
     );
     assert_eq!(r.rule.comment(), Some("\"kp fw!\""));
     assert!(iptables_words(&r.rule));
-    let stripped = parse_rule(2, &firewall_rule(true)).unwrap();
+    let stripped = parse_rule(2, &firewall_rule(true), &mut |_| None).unwrap();
     assert_eq!(
         stripped.rule.text(),
         "-m comment --comment \"kp fw!\" -j DROP"
@@ -213,7 +213,7 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
 
     // The head first whatever the expressions' order, the userdata's comment after the
     // matches (bare, as the save leaves a plain word).
-    let r = parse_rule(2, &service_rule("filter")).unwrap();
+    let r = parse_rule(2, &service_rule("filter"), &mut |_| None).unwrap();
     assert_eq!(
         r.rule.0,
         [
@@ -228,7 +228,9 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
     );
     // Only iptables' own tables of family ip and ip6.
     assert!(!iptables_words(
-        &parse_rule(1, &service_rule("filter")).unwrap().rule
+        &parse_rule(1, &service_rule("filter"), &mut |_| None)
+            .unwrap()
+            .rule
     ));
 
     // ip6tables: `-s fd00::/ffff:0:ffff:: ! -o eth0 -p udp -m udp ! --sport 53 --dport
@@ -274,7 +276,10 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
         ),
         verdict(-4, Some("X")),
     ];
-    let r = parse_rule(10, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    let r = parse_rule(10, &rule_msg("filter", "INPUT", &exprs, None), &mut |_| {
+        None
+    })
+    .unwrap();
     assert_eq!(
         r.rule.text(),
         "-s fd00::/ffff:0:ffff:: ! -o eth0 -p udp -m udp ! --sport 53 --dport 8000:8100 \
@@ -286,7 +291,7 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
         "log",
         &[nla(1, &5u16.to_be_bytes()), nla(2, &s("hi"))],
     )];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None), &mut |_| None).unwrap();
     assert_eq!(r.rule.text(), "-j NFLOG --nflog-prefix hi --nflog-group 5");
     let exprs = vec![
         expr(
@@ -295,16 +300,19 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
         ),
         expr("meta", &[nla(2, &be(12)), nla(3, &be(1))]),
     ];
-    let r = parse_rule(2, &rule_msg("raw", "PREROUTING", &exprs, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("raw", "PREROUTING", &exprs, None), &mut |_| {
+        None
+    })
+    .unwrap();
     assert_eq!(r.rule.text(), "-j TRACE");
     // A log to the kernel's log has none: nft's words.
     let exprs = vec![expr("log", &[nla(2, &s("hi"))])];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None), &mut |_| None).unwrap();
     assert_eq!(r.rule.0, ["log prefix \"hi\"", "-j CONTINUE"]);
 
     // `! -i +`: equal to a name no interface has.
     let exprs = vec![meta(6), cmp(1, 0, b"INVAL/D\0"), verdict(1, None)];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &exprs, None), &mut |_| None).unwrap();
     assert_eq!(r.rule.text(), "! -i + -j ACCEPT");
 
     // `-f`, `--tcp-flags`, a native MARK target.
@@ -323,7 +331,7 @@ fn iptables_tables_rules_render_as_iptables_nft_save_writes_them() {
         ),
         expr("meta", &[nla(2, &be(3)), nla(3, &be(1))]),
     ];
-    let r = parse_rule(2, &rule_msg("mangle", "INPUT", &exprs, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("mangle", "INPUT", &exprs, None), &mut |_| None).unwrap();
     assert_eq!(
         r.rule.text(),
         "-p tcp -f -m tcp --tcp-flags FIN,SYN,RST,ACK SYN -j MARK --set-xmark 0x5/0xffffffff"
@@ -339,7 +347,7 @@ fn rules_iptables_nft_cannot_express_keep_nfts_words() {
         cmp(1, 1, &0u32.to_ne_bytes()),
         verdict(1, None),
     ];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &ct, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &ct, None), &mut |_| None).unwrap();
     assert_eq!(r.rule.0, ["ct state established", "-j ACCEPT"]);
     assert!(!iptables_words(&r.rule));
     let set = vec![
@@ -349,18 +357,18 @@ fn rules_iptables_nft_cannot_express_keep_nfts_words() {
         expr("lookup", &[nla(1, &s("ports")), nla(2, &be(1))]),
         verdict(1, None),
     ];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &set, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &set, None), &mut |_| None).unwrap();
     assert_eq!(
         r.rule.0,
         ["meta l4proto tcp", "tcp dport @ports", "-j ACCEPT"]
     );
     // A port match without a protocol: nft's `th dport`.
     let th = vec![payload(2, 2, 2), cmp(1, 0, &80u16.to_be_bytes())];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &th, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &th, None), &mut |_| None).unwrap();
     assert_eq!(r.rule.0, ["th dport 80", "-j CONTINUE"]);
     // No verdict at all is a rule iptables writes (`-m recent --set`): no target.
     let none = vec![meta(16), cmp(1, 0, &[6])];
-    let r = parse_rule(2, &rule_msg("filter", "INPUT", &none, None)).unwrap();
+    let r = parse_rule(2, &rule_msg("filter", "INPUT", &none, None), &mut |_| None).unwrap();
     assert_eq!(r.rule.0, ["-p tcp"]);
 }
 
@@ -405,11 +413,14 @@ fn chains_tables_and_a_dump() {
         }
     );
     assert_eq!(m[1], Msg::Done);
-    let rule = parse_rule(2, &attrs).unwrap();
+    let rule = parse_rule(2, &attrs, &mut |_| None).unwrap();
     let t = assemble(
         vec![(2, "filter".into())],
         vec![(2, parse_chain(&user).unwrap())],
-        vec![(2, rule), (10, parse_rule(10, &attrs).unwrap())],
+        vec![
+            (2, rule),
+            (10, parse_rule(10, &attrs, &mut |_| None).unwrap()),
+        ],
     );
     assert_eq!(t.len(), 1);
     assert_eq!(t[0].family, "nft ip");
@@ -429,13 +440,13 @@ fn chains_tables_and_a_dump() {
 fn damaged_input_is_an_error_not_a_panic() {
     let r = firewall_rule(false);
     for cut in 0..r.len() {
-        let _ = parse_rule(2, &r[..cut]);
+        let _ = parse_rule(2, &r[..cut], &mut |_| None);
     }
     let mut bad = r.clone();
     bad[0] = 0xff; // the first attribute's length runs past the end
-    assert!(parse_rule(2, &bad).is_err());
+    assert!(parse_rule(2, &bad, &mut |_| None).is_err());
     assert!(
-        parse_rule(2, &[]).is_err(),
+        parse_rule(2, &[], &mut |_| None).is_err(),
         "a rule without its table and chain"
     );
     assert!(messages(&[1, 2, 3]).is_err());
@@ -445,7 +456,7 @@ fn damaged_input_is_an_error_not_a_panic() {
     for b in 0..=255u8 {
         let mut flipped = r.clone();
         flipped[b as usize % r.len()] ^= b;
-        let _ = parse_rule(2, &flipped);
+        let _ = parse_rule(2, &flipped, &mut |_| None);
         let _ = parse_chain(&flipped);
     }
 }
@@ -454,7 +465,7 @@ proptest::proptest! {
     #[test]
     fn arbitrary_bytes_never_panic(b in proptest::collection::vec(proptest::num::u8::ANY, 0..512)) {
         let _ = messages(&b);
-        let _ = parse_rule(1, &b);
+        let _ = parse_rule(1, &b, &mut |_| None);
         let _ = parse_chain(&b);
         let _ = parse_table(&b);
     }

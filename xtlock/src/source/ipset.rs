@@ -1,8 +1,9 @@
 //! An ipset's name by its index. A `-m set` rule holds only the set's index; iptables-save
 //! asks the kernel for the name (`getsockopt(SOL_IP, SO_IP_SET)`, `IP_SET_OP_VERSION` then
 //! `IP_SET_OP_GET_BYINDEX`, `linux/netfilter/ipset/ip_set.h`), and so does xtlock, in the
-//! network namespace the table is read in (sets are per namespace). The only I/O of the
-//! table decoders: a table without set matches never opens the socket.
+//! network namespace the table is read in (sets are per namespace). The rule reader hands
+//! it to the decoders as their set-name look-up (decoding does no I/O itself): a table
+//! without set matches never opens the socket.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
