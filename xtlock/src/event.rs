@@ -1,6 +1,8 @@
 //! The typed events every source yields and the analysis consumes: kernel records decoded
 //! (`decode`), and the synthetic ones sources make themselves (process snapshots, counters,
 //! pod names). No bytes here: `decode` reads the kernel's layouts.
+//!
+//! One file for every event kind (docs/architecture.md): a new kind is added in one place.
 
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};

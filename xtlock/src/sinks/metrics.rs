@@ -1,6 +1,7 @@
 //! Prometheus metrics: facts in, metric updates out. `xtlock daemon` feeds it through the
 //! same [`Pipeline`](crate::pipeline::Pipeline) as `trace`, and serves [`Metrics::encode`]
-//! on `/metrics`. Names, labels and help text are documented in `docs/metrics.md`.
+//! on `/metrics`. Names, labels and help text are documented in `docs/metrics.md`. The registry
+//! and the sink sit in one file so a new series is added to both at once.
 //!
 //! Label values are bounded: agents (comm of the caller, not pids) are capped at
 //! [`MAX_AGENTS`], drop locations at [`MAX_DROP_KINDS`]; past the cap a value is `(other)`.

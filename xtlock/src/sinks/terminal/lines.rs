@@ -1,4 +1,5 @@
-//! One fact, one line: the text each fact is shown as.
+//! One fact, one line: the text each fact is shown as. One function per fact type, flat
+//! independent pieces: why this is one long file (docs/architecture.md).
 
 use std::fmt::Write as _;
 

@@ -389,15 +389,60 @@ fn redump_diffs_against_what_was_said() {
     );
 }
 
+/// Every table of the state is bounded: one entry past [`MAX_ENTRIES`] of links,
+/// neighbours, bridge FDB entries (of a live port: a dead port's go first), routes and local
+/// addresses is dropped and counted, not kept.
 #[test]
 fn bounded() {
-    let mut st = AddrState::new(1);
-    let mut out = Vec::new();
-    for i in 0..=MAX_ENTRIES as u32 {
-        st.apply(link(i + 1, "x"), 0, &mut out);
-    }
-    assert_eq!(st.links.len(), MAX_ENTRIES);
-    assert_eq!(st.dropped, 1);
+    let v4 = |i: u32| IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+    let n = MAX_ENTRIES as u32 + 1;
+    let fill = |make: &dyn Fn(u32) -> Msg| {
+        let mut st = AddrState::new(1);
+        let mut out = Vec::new();
+        // A live port: a full FDB first lets go of the MACs of dead ports.
+        st.apply(link(2, "port"), 0, &mut out);
+        for i in 0..n {
+            st.apply(make(i), 0, &mut out);
+        }
+        st
+    };
+    let st = fill(&|i| link(i + 1, "x"));
+    assert_eq!((st.links.len(), st.dropped), (MAX_ENTRIES, 1), "links");
+    let st = fill(&|i| Msg::Neigh {
+        link: 1,
+        addr: v4(i),
+        mac: None,
+        state: libc::NUD_REACHABLE,
+    });
+    assert_eq!(
+        (st.neighs.len(), st.dropped),
+        (MAX_ENTRIES, 1),
+        "neighbours"
+    );
+    let st = fill(&|i| Msg::Fdb {
+        bridge: 1,
+        mac: [
+            2,
+            0,
+            (i >> 24) as u8,
+            (i >> 16) as u8,
+            (i >> 8) as u8,
+            i as u8,
+        ],
+        port: 2,
+    });
+    assert_eq!((st.fdb.len(), st.dropped), (MAX_ENTRIES, 1), "fdb");
+    let st = fill(&|i| Msg::Route { dst: v4(i), oif: 2 });
+    assert_eq!((st.routes.len(), st.dropped), (MAX_ENTRIES, 1), "routes");
+    let st = fill(&|i| Msg::Addr {
+        link: 2,
+        addr: v4(i),
+    });
+    assert_eq!(
+        (st.locals.len(), st.dropped),
+        (MAX_ENTRIES, 1),
+        "local addresses"
+    );
 }
 
 fn nl(m: RouteNetlinkMessage, seq: u32) -> Vec<u8> {
