@@ -255,6 +255,7 @@ impl Analyzer {
                 addr, name, offset, ..
             } => {
                 self.drops.on_symbol(*addr, name, *offset);
+                self.rule_drops.on_symbol(*addr, name);
                 return;
             }
             Event::Pod(_) => {

@@ -91,6 +91,8 @@ pub struct RuleDropTracker {
     other_packets: u64,
     uncounted_said: HashSet<(u32, String, String)>,
     uncounted: Vec<String>,
+    /// Drop locations in `nf_hook_slow` (kernels without drop reasons).
+    nf_locations: HashSet<u64>,
 }
 
 impl RuleDropTracker {
@@ -107,11 +109,21 @@ impl RuleDropTracker {
         });
     }
 
+    /// The kernel function a drop location is in: netfilter's verdicts are freed in
+    /// `nf_hook_slow`, which names them on a kernel without drop reasons.
+    pub fn on_symbol(&mut self, addr: u64, name: &str) {
+        if name == "nf_hook_slow" && self.nf_locations.len() < 64 {
+            self.nf_locations.insert(addr);
+        }
+    }
+
     /// A sampled drop, with the hold open at its time: kept when netfilter dropped it.
     pub fn on_sample(&mut self, s: &DropSample, hold: Option<HoldRef>) {
         let netfilter = match self.nf_reason {
             Some(Some(code)) => s.reason == code,
-            // No reasons from this kernel (or no setup): every sample may be a rule's.
+            // No reasons from this kernel: where it was freed tells (see `on_counters`: a
+            // location's name comes with the counts, after its first samples); no setup
+            // (an older capture): every sample may be a rule's.
             _ => true,
         };
         if !netfilter || s.daddr.is_none() {
@@ -158,8 +170,14 @@ impl RuleDropTracker {
         }
         // The interval's samples of this namespace, each given to the one rule it fits.
         let mut mine: Vec<Vec<usize>> = vec![Vec::new(); c.rules.len()];
+        // Without drop reasons, a sample is netfilter's when freed in `nf_hook_slow` (an IPv6
+        // stack's own drop is not a rule's).
+        let no_reasons = self.nf_reason == Some(None);
         let in_interval = |s: &DropSample| {
-            s.ts_ns > c.since_ns && s.ts_ns <= c.ts_ns && (s.netns == c.netns || s.netns == 0)
+            s.ts_ns > c.since_ns
+                && s.ts_ns <= c.ts_ns
+                && (s.netns == c.netns || s.netns == 0)
+                && (!no_reasons || self.nf_locations.contains(&s.location))
         };
         for (i, (s, _)) in self.samples.iter().enumerate() {
             if !in_interval(s) {
@@ -303,12 +321,16 @@ pub fn may_match(rule: &str, s: &DropSample) -> bool {
     let mut i = 0;
     while i < words.len() {
         let negated = i > 0 && words[i - 1] == "!";
+        let prev = i.checked_sub(1).map_or("", |p| words[p]);
         let next = words.get(i + 1).copied().unwrap_or("");
         let ok = match words[i] {
-            // iptables' words, and nft's (`ip daddr 10.0.0.1`, `udp dport 53`).
+            // iptables' words, and nft's (`ip daddr 10.0.0.1`, `udp dport 53`,
+            // `meta l4proto udp`, `ip protocol tcp`, `ip6 nexthdr udp`).
             "-d" | "daddr" => in_net(next, s.daddr),
             "-s" | "saddr" => in_net(next, s.saddr),
-            "-p" => proto_is(next, s.l4proto),
+            "-p" | "l4proto" | "protocol" | "nexthdr" => proto_is(next, s.l4proto),
+            // nft names the protocol a port belongs to: `udp dport 53` is UDP's.
+            "dport" | "sport" if !proto_is(prev, s.l4proto) => false,
             "--dport" | "--dports" | "dport" => in_ports(next, s.dport, s.l4proto),
             "--sport" | "--sports" | "sport" => in_ports(next, s.sport, s.l4proto),
             _ => true,
@@ -416,6 +438,56 @@ mod tests {
         ));
         // A negation never rules a packet out.
         assert!(may_match("! -d 10.96.0.15/32 -j DROP", &s));
+        // nft's words name the protocol: a UDP rule is not an ICMPv6 packet's.
+        let nft = "meta l4proto udp udp dport 80 -j DROP";
+        assert!(may_match(nft, &s));
+        let mut icmp6 = s;
+        icmp6.l4proto = 58;
+        icmp6.daddr = Some("ff02::2".parse().unwrap());
+        assert!(!may_match(nft, &icmp6));
+        assert!(!may_match("udp dport 80 -j DROP", &icmp6));
+        assert!(!may_match("-p udp -m udp --dport 80 -j DROP", &icmp6));
+    }
+
+    /// On a kernel without drop reasons, only samples freed in `nf_hook_slow` are a rule's:
+    /// an IPv6 stack's own drop (elsewhere) is not, whatever rule it would fit.
+    #[test]
+    fn without_reasons_the_location_says_whose() {
+        use crate::event::RuleCount;
+        let mut t = RuleDropTracker::default();
+        t.on_setup(false, &[]);
+        let mut nf = sample([10, 0, 0, 2], 17, 9001);
+        nf.location = 0x10;
+        let mut other = sample([10, 0, 0, 2], 17, 9001);
+        other.location = 0x20;
+        t.on_sample(&nf, None);
+        t.on_sample(&other, None);
+        // The names come with the counts, after the samples.
+        t.on_symbol(0x10, "nf_hook_slow");
+        t.on_symbol(0x20, "ip6_mc_input");
+        let c = RuleCounters {
+            ts_ns: 20,
+            since_ns: 5,
+            netns: 7,
+            family: "ip".into(),
+            table: "filter".into(),
+            rules: vec![RuleCount {
+                chain: "INPUT".into(),
+                rule: "-j DROP".into(),
+                nth: 0,
+                packets: 1,
+                bytes: 60,
+                reset: false,
+            }],
+            uncounted: vec![],
+        };
+        let mut facts = Vec::new();
+        t.on_counters(&c, &RuleTracker::default(), &mut |o| facts.push(o));
+        let Some(Output::RuleDrops(f)) = facts.first() else {
+            panic!("{facts:?}")
+        };
+        assert_eq!(f.dests.len(), 1, "{f:?}");
+        assert_eq!(f.dests[0].samples, 1, "{f:?}");
     }
 
     #[test]

@@ -366,60 +366,7 @@ impl RuleTracker {
         out: &mut impl FnMut(Output),
     ) {
         let key: TableKey = (t.netns, t.family.clone(), t.table.clone());
-        let nft = t.family == NFT_ALL.0 || t.family.starts_with("nft ");
-        // The writes this read covers: those before it.
-        let mut writers: Vec<String> = Vec::new();
-        let mut read_before = false;
-        if nft {
-            let pkey = (t.netns, NFT_ALL.0.to_string(), NFT_ALL.1.to_string());
-            let last = self.nft_reads.get(&t.netns).copied();
-            let now = match last {
-                None => (t.ts_ns, false),
-                Some((cur, before)) if cur == t.ts_ns => (cur, before),
-                Some(_) => (t.ts_ns, true),
-            };
-            read_before = now.1;
-            self.nft_reads.insert(t.netns, now);
-            if let Some(p) = self.pending.get_mut(&pkey) {
-                // A new read: the writes the previous one covered are done with.
-                if let Some((last, _)) = last.filter(|&(l, _)| l != t.ts_ns) {
-                    p.retain(|(ts, _)| *ts > last);
-                }
-                for (ts, a) in p.iter() {
-                    if *ts <= t.ts_ns && !writers.contains(a) {
-                        writers.push(a.clone());
-                    }
-                }
-            }
-            if self.nft_reads.len() > MAX_NETNS {
-                self.nft_reads.clear();
-            }
-            // No commit covered this read (the nft_commit hook does not attach on this
-            // kernel): the write is the one of the nf_tables writer whose exit asked for the
-            // read, counted once per read (see `nft_write_from_read`).
-            let new_read = last.is_none_or(|(l, _)| l != t.ts_ns);
-            if writers.is_empty() && new_read && t.after_pid != 0 && !self.nft_commits_seen {
-                if let Some(agent) = self.nft_write_from_read(t, procs, attr, out) {
-                    writers.push(agent);
-                }
-            }
-        } else if let Some(p) = self.pending.get_mut(&key) {
-            p.retain(|(ts, a)| {
-                if *ts <= t.ts_ns {
-                    if !writers.contains(a) {
-                        writers.push(a.clone());
-                    }
-                    false
-                } else {
-                    true
-                }
-            });
-        }
-        if writers.is_empty() {
-            let comm = procs.get(t.after_pid).map(|p| p.comm).unwrap_or_default();
-            let who = attr.get(procs, t.after_pid, &comm);
-            writers.push(who.agent.to_string());
-        }
+        let (writers, read_before) = self.writers_of(t, &key, procs, attr, out);
         let fact = |diff: TableDiff| RuleChangeFact {
             ts_ns: t.ts_ns,
             netns: t.netns,
@@ -473,28 +420,117 @@ impl RuleTracker {
                 return;
             }
         };
-        let owner_of = |chain: &str| -> Option<String> {
-            // No chain created while watched (the usual case): no key to build.
-            let created = || {
-                self.creators
-                    .get(&(key.clone(), chain.to_string()))
-                    .cloned()
-            };
-            (!self.creators.is_empty())
-                .then(created)
-                .flatten()
-                .or_else(|| owners::conventional_owner(chain).map(str::to_string))
-        };
-        // A rule is its chain's; in a built-in chain, the owner's of the chain it jumps to.
-        let rule_owner = |chain: &str, rule: &str| -> Option<String> {
-            owner_of(chain).or_else(|| {
-                let target = rule.rsplit_once(' ').map_or(rule, |(_, j)| j);
-                owner_of(target)
-            })
-        };
         let mut f = fact(d.clone());
         let writer = (!f.ambiguous).then(|| writers[0].clone());
-        // Foreign: whose chains and rules this writer deleted, flushed, removed or changed.
+        f.foreign = self.foreign_of(&key, &d, writer.as_deref());
+        f.restored = self.restored(&key, t, &d, writer.as_deref());
+        if let Some(w) = &writer {
+            self.remember(&key, t, &d, w, &f.foreign, procs);
+        }
+        f.bare_drops = self.bare_drops(&key, &d);
+        if !d.is_empty() {
+            out(Output::RuleChange(f));
+        }
+    }
+
+    /// The agents whose writes a read covers (those before it; for nf_tables, per namespace),
+    /// and whether the namespace's nf_tables were read before (then a table the model does
+    /// not know is new). No write pending: the process the read follows is named.
+    fn writers_of(
+        &mut self,
+        t: &RuleTable,
+        key: &TableKey,
+        procs: &ProcTable,
+        attr: &mut Attributor,
+        out: &mut impl FnMut(Output),
+    ) -> (Vec<String>, bool) {
+        let nft = t.family == NFT_ALL.0 || t.family.starts_with("nft ");
+        let mut writers: Vec<String> = Vec::new();
+        let mut read_before = false;
+        if nft {
+            let pkey = (t.netns, NFT_ALL.0.to_string(), NFT_ALL.1.to_string());
+            let last = self.nft_reads.get(&t.netns).copied();
+            let now = match last {
+                None => (t.ts_ns, false),
+                Some((cur, before)) if cur == t.ts_ns => (cur, before),
+                Some(_) => (t.ts_ns, true),
+            };
+            read_before = now.1;
+            self.nft_reads.insert(t.netns, now);
+            if let Some(p) = self.pending.get_mut(&pkey) {
+                // A new read: the writes the previous one covered are done with.
+                if let Some((last, _)) = last.filter(|&(l, _)| l != t.ts_ns) {
+                    p.retain(|(ts, _)| *ts > last);
+                }
+                for (ts, a) in p.iter() {
+                    if *ts <= t.ts_ns && !writers.contains(a) {
+                        writers.push(a.clone());
+                    }
+                }
+            }
+            if self.nft_reads.len() > MAX_NETNS {
+                self.nft_reads.clear();
+            }
+            // No commit covered this read (the nft_commit hook does not attach on this
+            // kernel): the write is the one of the nf_tables writer whose exit asked for the
+            // read, counted once per read (see `nft_write_from_read`).
+            let new_read = last.is_none_or(|(l, _)| l != t.ts_ns);
+            if writers.is_empty() && new_read && t.after_pid != 0 && !self.nft_commits_seen {
+                if let Some(agent) = self.nft_write_from_read(t, procs, attr, out) {
+                    writers.push(agent);
+                }
+            }
+        } else if let Some(p) = self.pending.get_mut(key) {
+            p.retain(|(ts, a)| {
+                if *ts <= t.ts_ns {
+                    if !writers.contains(a) {
+                        writers.push(a.clone());
+                    }
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        if writers.is_empty() {
+            let comm = procs.get(t.after_pid).map(|p| p.comm).unwrap_or_default();
+            let who = attr.get(procs, t.after_pid, &comm);
+            writers.push(who.agent.to_string());
+        }
+        (writers, read_before)
+    }
+
+    /// Whose `chain` of table `key` is: its creator seen while watched, else by the agents'
+    /// naming conventions.
+    fn owner_of(&self, key: &TableKey, chain: &str) -> Option<String> {
+        // No chain created while watched (the usual case): no key to build.
+        let created = || {
+            self.creators
+                .get(&(key.clone(), chain.to_string()))
+                .cloned()
+        };
+        (!self.creators.is_empty())
+            .then(created)
+            .flatten()
+            .or_else(|| owners::conventional_owner(chain).map(str::to_string))
+    }
+
+    /// A rule is its chain's; in a built-in chain, the owner's of the chain it jumps to.
+    fn rule_owner(&self, key: &TableKey, chain: &str, rule: &str) -> Option<String> {
+        self.owner_of(key, chain).or_else(|| {
+            let target = rule.rsplit_once(' ').map_or(rule, |(_, j)| j);
+            self.owner_of(key, target)
+        })
+    }
+
+    /// Whose chains and rules a change deleted, flushed, removed, changed or added to, but
+    /// the writer's own.
+    fn foreign_of(
+        &self,
+        key: &TableKey,
+        d: &TableDiff,
+        writer: Option<&str>,
+    ) -> Vec<ForeignChange> {
         let mut by_owner: BTreeMap<String, ForeignChange> = BTreeMap::new();
         fn entry(m: &mut BTreeMap<String, ForeignChange>, owner: String) -> &mut ForeignChange {
             m.entry(owner.clone()).or_insert_with(|| ForeignChange {
@@ -503,40 +539,50 @@ impl RuleTracker {
             })
         }
         for c in &d.deleted {
-            if let Some(o) = owner_of(c) {
+            if let Some(o) = self.owner_of(key, c) {
                 entry(&mut by_owner, o).chains_deleted.push(c.clone());
             }
         }
         for c in &d.flushed {
-            if let Some(o) = owner_of(c) {
+            if let Some(o) = self.owner_of(key, c) {
                 entry(&mut by_owner, o).chains_flushed.push(c.clone());
             }
         }
         for (c, r) in &d.removed {
-            if let Some(o) = rule_owner(c, r) {
+            if let Some(o) = self.rule_owner(key, c, r) {
                 entry(&mut by_owner, o).rules_removed += 1;
             }
         }
         for s in &d.stripped {
-            if let Some(o) = rule_owner(&s.chain, &s.now) {
+            if let Some(o) = self.rule_owner(key, &s.chain, &s.now) {
                 entry(&mut by_owner, o).rules_changed.push(s.clone());
             }
         }
         for (c, r) in &d.added {
-            if let Some(o) = rule_owner(c, r) {
+            if let Some(o) = self.rule_owner(key, c, r) {
                 entry(&mut by_owner, o).rules_added += 1;
             }
         }
-        f.foreign = by_owner
+        by_owner
             .into_values()
-            .filter(|fc| writer.as_deref() != Some(fc.owner.as_str()) && !fc.is_empty())
-            .collect();
-        // The owner putting back what another removed: how long it was gone.
+            .filter(|fc| writer != Some(fc.owner.as_str()) && !fc.is_empty())
+            .collect()
+    }
+
+    /// The owner putting back what another removed: how long it was gone.
+    fn restored(
+        &mut self,
+        key: &TableKey,
+        t: &RuleTable,
+        d: &TableDiff,
+        writer: Option<&str>,
+    ) -> Vec<super::facts::Restored> {
+        let mut v = Vec::new();
         for c in &d.created {
             let k = (key.clone(), c.clone());
             if let Some(r) = self.removed.get(&k) {
-                if writer.as_deref() == Some(r.owner.as_str()) {
-                    f.restored.push(super::facts::Restored {
+                if writer == Some(r.owner.as_str()) {
+                    v.push(super::facts::Restored {
                         chain: c.clone(),
                         gone_ns: t.ts_ns.saturating_sub(r.ts_ns),
                         removed_by: r.by.clone(),
@@ -545,76 +591,92 @@ impl RuleTracker {
                 }
             }
         }
-        if let Some(w) = &writer {
-            for fc in &f.foreign {
-                *self
-                    .foreign
-                    .entry((w.clone(), fc.owner.clone()))
-                    .or_default() += fc.count();
-                for c in fc.chains_deleted.iter().chain(&fc.chains_flushed) {
-                    if self.removed.len() < MAX_CHAINS_REMEMBERED {
-                        self.removed.insert(
-                            (key.clone(), c.clone()),
-                            Removed {
-                                ts_ns: t.ts_ns,
-                                by: w.clone(),
-                                owner: fc.owner.clone(),
-                            },
-                        );
-                    }
-                }
-            }
-            for c in &d.created {
-                if self.creators.len() < MAX_CHAINS_REMEMBERED {
-                    self.creators.insert((key.clone(), c.clone()), w.clone());
-                }
-            }
-            // The write behind each rule added or changed, for the drops it may make.
-            let by = self
-                .last_write
-                .get(&(t.netns, w.clone()))
-                .cloned()
-                .unwrap_or_else(|| RuleAdded {
-                    ts_ns: t.ts_ns,
-                    agent: w.clone(),
-                    program: procs
-                        .get(t.after_pid)
-                        .map(|p| p.exe_name().to_string())
-                        .unwrap_or_default(),
-                    pid: t.after_pid,
-                });
-            let rules = d
-                .added
-                .iter()
-                .map(|(c, r)| (c, r))
-                .chain(d.stripped.iter().map(|s| (&s.chain, &s.now)));
-            for (c, r) in rules {
-                if self.added.len() < MAX_ADDED {
-                    self.added
-                        .insert((key.clone(), c.clone(), r.clone()), by.clone());
+        v
+    }
+
+    /// What a change by one writer `w` leaves to remember: the foreign changes it counts, the
+    /// chains it removed (until their owner puts them back) and created, and the write behind
+    /// each rule it added or changed (for the drops the rule may make).
+    fn remember(
+        &mut self,
+        key: &TableKey,
+        t: &RuleTable,
+        d: &TableDiff,
+        w: &str,
+        foreign: &[ForeignChange],
+        procs: &ProcTable,
+    ) {
+        for fc in foreign {
+            *self
+                .foreign
+                .entry((w.to_string(), fc.owner.clone()))
+                .or_default() += fc.count();
+            for c in fc.chains_deleted.iter().chain(&fc.chains_flushed) {
+                if self.removed.len() < MAX_CHAINS_REMEMBERED {
+                    self.removed.insert(
+                        (key.clone(), c.clone()),
+                        Removed {
+                            ts_ns: t.ts_ns,
+                            by: w.to_string(),
+                            owner: fc.owner.clone(),
+                        },
+                    );
                 }
             }
         }
-        // A DROP or REJECT that matches everything, where packets reach it (the table's
-        // reach is walked only when the change has one).
+        for c in &d.created {
+            if self.creators.len() < MAX_CHAINS_REMEMBERED {
+                self.creators
+                    .insert((key.clone(), c.clone()), w.to_string());
+            }
+        }
+        let by = self
+            .last_write
+            .get(&(t.netns, w.to_string()))
+            .cloned()
+            .unwrap_or_else(|| RuleAdded {
+                ts_ns: t.ts_ns,
+                agent: w.to_string(),
+                program: procs
+                    .get(t.after_pid)
+                    .map(|p| p.exe_name().to_string())
+                    .unwrap_or_default(),
+                pid: t.after_pid,
+            });
+        let rules = d
+            .added
+            .iter()
+            .map(|(c, r)| (c, r))
+            .chain(d.stripped.iter().map(|s| (&s.chain, &s.now)));
+        for (c, r) in rules {
+            if self.added.len() < MAX_ADDED {
+                self.added
+                    .insert((key.clone(), c.clone(), r.clone()), by.clone());
+            }
+        }
+    }
+
+    /// A DROP or REJECT that matches everything, where packets reach it (the table's reach is
+    /// walked only when the change has one): `CHAIN: rule`.
+    fn bare_drops(&self, key: &TableKey, d: &TableDiff) -> Vec<String> {
         let bare =
             d.added.iter().any(|(_, r)| is_bare(r)) || d.stripped.iter().any(|s| is_bare(&s.now));
-        if let Some(model) = self.tables.get(&key).filter(|_| bare) {
-            let reachable = model.reachable();
-            for (c, r) in &d.added {
-                if reachable.contains(c.as_str()) && is_bare(r) {
-                    f.bare_drops.push(format!("{c}: {r}"));
-                }
-            }
-            for s in &d.stripped {
-                if reachable.contains(s.chain.as_str()) && is_bare(&s.now) {
-                    f.bare_drops.push(format!("{}: {}", s.chain, s.now));
-                }
+        let Some(model) = self.tables.get(key).filter(|_| bare) else {
+            return Vec::new();
+        };
+        let reachable = model.reachable();
+        let mut v = Vec::new();
+        for (c, r) in &d.added {
+            if reachable.contains(c.as_str()) && is_bare(r) {
+                v.push(format!("{c}: {r}"));
             }
         }
-        if !d.is_empty() {
-            out(Output::RuleChange(f));
+        for s in &d.stripped {
+            if reachable.contains(s.chain.as_str()) && is_bare(&s.now) {
+                v.push(format!("{}: {}", s.chain, s.now));
+            }
         }
+        v
     }
 
     /// The REJECT rule that turns away TCP connections to `addr:port`, named by its comment
@@ -671,14 +733,7 @@ impl RuleTracker {
         rule: &str,
     ) -> (Option<String>, Option<String>, Option<RuleAdded>) {
         let key: TableKey = (netns, family.to_string(), table.to_string());
-        let chain_owner = (!self.creators.is_empty())
-            .then(|| {
-                self.creators
-                    .get(&(key.clone(), chain.to_string()))
-                    .cloned()
-            })
-            .flatten()
-            .or_else(|| owners::conventional_owner(chain).map(str::to_string));
+        let chain_owner = self.owner_of(&key, chain);
         let added = (!rule.is_empty() && !self.added.is_empty())
             .then(|| {
                 self.added
