@@ -699,15 +699,13 @@ impl Worker {
     /// `asked`: drops asked for this read (then rules that keep no counter are listed).
     fn count(&mut self, netns: u32, ts_ns: u64, t: &NftTable, asked: bool) -> Option<RuleCounters> {
         let key: Key = (netns, t.family.clone(), t.name.clone());
-        let mut now: HashMap<CountKey, Counter> = HashMap::new();
+        // The dropping rules' counters, in table order.
+        let mut now: Vec<(CountKey, Counter)> = Vec::new();
         let mut uncounted = Vec::new();
-        let mut order: Vec<CountKey> = Vec::new();
         for c in &t.chains {
             if c.policy.as_deref() == Some("DROP") {
                 if let Some(pc) = c.policy_counter {
-                    let k = (c.name.clone(), String::new(), 0);
-                    order.push(k.clone());
-                    now.insert(k, pc);
+                    now.push(((c.name.clone(), String::new(), 0), pc));
                 }
             }
             let mut seen: HashMap<String, u32> = HashMap::new();
@@ -720,10 +718,7 @@ impl Worker {
                 let k = (c.name.clone(), text, *nth);
                 *nth += 1;
                 match c.counters.get(i).copied().flatten() {
-                    Some(counter) => {
-                        order.push(k.clone());
-                        now.insert(k, counter);
-                    }
+                    Some(counter) => now.push((k, counter)),
                     None if uncounted.len() < crate::event::MAX_UNCOUNTED => {
                         uncounted.push(format!("{}: {}", k.0, k.1));
                     }
@@ -735,18 +730,15 @@ impl Worker {
             // Their next reads are baselines again.
             self.counts.clear();
         }
-        let prev = self.counts.insert(key, (ts_ns, now));
-        let (since_ns, prev) = prev?;
-        let now = &self
-            .counts
-            .get(&(netns, t.family.clone(), t.name.clone()))?
-            .1;
+        // What each counter grew by since the previous read, measured before this read
+        // replaces it; the first read is the baseline.
         let mut rules = Vec::new();
-        for k in order {
-            let Some(c) = now.get(&k) else { continue };
+        let prev = self.counts.get(&key);
+        let since_ns = prev.map(|(since, _)| *since);
+        for (k, c) in now.iter().filter(|_| prev.is_some()) {
             // A rule new since the previous read started at 0; one whose counter went back
             // was replaced by a write since.
-            let (packets, bytes, reset) = match prev.get(&k) {
+            let (packets, bytes, reset) = match prev.and_then(|(_, p)| p.get(k)) {
                 Some(p) if c.packets >= p.packets => (
                     c.packets - p.packets,
                     c.bytes.saturating_sub(p.bytes),
@@ -757,8 +749,8 @@ impl Worker {
             };
             if packets > 0 && rules.len() < crate::event::MAX_RULE_COUNTS {
                 rules.push(RuleCount {
-                    chain: k.0,
-                    rule: k.1,
+                    chain: k.0.clone(),
+                    rule: k.1.clone(),
                     nth: k.2,
                     packets,
                     bytes,
@@ -766,6 +758,8 @@ impl Worker {
                 });
             }
         }
+        self.counts.insert(key, (ts_ns, now.into_iter().collect()));
+        let since_ns = since_ns?;
         // Nothing moved: said only to list rules that cannot count, when drops asked.
         if rules.is_empty() && (!asked || uncounted.is_empty()) {
             return None;
