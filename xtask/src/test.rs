@@ -8,7 +8,9 @@
 //! tests only when the build passed); the command fails when any step fails.
 use std::{
     ffi::OsString,
+    path::Path,
     process::Command,
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -37,15 +39,7 @@ enum Outcome {
 pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
     setup::run()?;
     let root = sh::workspace_root();
-    let cargo = |args: &[&str]| {
-        let mut c = sh::cargo();
-        c.current_dir(&root)
-            .args(args)
-            // The same environment for every step, so no step invalidates another's build.
-            .env("XTLOCK_REQUIRE_EBPF", "1")
-            .env("RUST_BACKTRACE", "1");
-        c
-    };
+    let cargo = |args: &[&str]| cargo_in(&root, args);
 
     let mut steps = Vec::new();
     let build = step(
@@ -67,27 +61,7 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
         })
     });
     if built {
-        // Every test binary runs even after one fails, so one failure hides no other.
-        let mut test = cargo(&[&["test", "--no-fail-fast"], &EXCLUDE[..]].concat());
-        test.args(test_args);
-        steps.push(step("test", &mut test));
-        // The scenarios of rule changes and dead endpoints again, xtlock holding exactly
-        // the capabilities each shipped deployment grants: continuous mode must see what
-        // `sudo xtlock trace` sees.
-        for (name, caps) in deployment_caps()? {
-            let mut t = cargo(
-                &[
-                    &["test", "--no-fail-fast", "--package", "xtlock-tests"],
-                    &PRIVILEGE_SUITES[..],
-                    &["--", "--exact"],
-                    &PRIVILEGE_TESTS[..],
-                ]
-                .concat(),
-            );
-            t.env("XTLOCK_TEST_CAPS", caps.join(","));
-            println!("\n== {name}: {}", caps.join(" "));
-            steps.push(step(name, &mut t));
-        }
+        host_tests(&root, test_args, &mut steps)?;
     } else {
         steps.push(skipped("test", "the build failed"));
     }
@@ -98,40 +72,7 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
         steps.push(skipped("vm-test", "--no-vm"));
         steps.push(skipped("vm-arm64", "--no-vm"));
     } else if built {
-        println!("\n== vm-test and vm-arm64");
-        let start = Instant::now();
-        let jobs = vm::ci_jobs();
-        let arm64_plans = match arm64.map(|h| h.join()) {
-            Some(Ok((plans, took))) => {
-                println!(
-                    "vm-test: arm64 guests prepared beside the host's tests in {:.1}s",
-                    took.as_secs_f64()
-                );
-                Some(plans)
-            }
-            // The thread panicked: plan them here instead.
-            Some(Err(_)) | None => None,
-        };
-        let (amd64, arm64) = vm::run_ci(jobs, arm64_plans);
-        let took = start.elapsed();
-        for (name, r) in [("vm-test", amd64), ("vm-arm64", arm64)] {
-            let (outcome, note) = match r {
-                Ok(summary) => (Outcome::Ok, summary),
-                Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
-            };
-            steps.push(Step {
-                name,
-                outcome,
-                took,
-                note: if jobs > 1 {
-                    format!("{note} (both steps' guests {jobs} at a time: one time for both)")
-                        .trim_start()
-                        .to_owned()
-                } else {
-                    note
-                },
-            });
-        }
+        vm_steps(arm64, &mut steps);
     } else {
         steps.push(skipped("vm-test", "the build failed"));
         steps.push(skipped("vm-arm64", "the build failed"));
@@ -160,9 +101,90 @@ pub fn run(test_args: &[OsString], no_vm: bool) -> Result<()> {
         ),
     ));
     steps.push(step("fmt", &mut cargo(&["fmt", "--all", "--", "--check"])));
+    summary(&steps)
+}
 
+/// cargo in the workspace with `args`.
+fn cargo_in(root: &Path, args: &[&str]) -> Command {
+    let mut c = sh::cargo();
+    c.current_dir(root)
+        .args(args)
+        // The same environment for every step, so no step invalidates another's build.
+        .env("XTLOCK_REQUIRE_EBPF", "1")
+        .env("RUST_BACKTRACE", "1");
+    c
+}
+
+/// The test step, then the privilege suites under each deployment's capabilities.
+fn host_tests(root: &Path, test_args: &[OsString], steps: &mut Vec<Step>) -> Result<()> {
+    // Every test binary runs even after one fails, so one failure hides no other.
+    let mut test = cargo_in(root, &[&["test", "--no-fail-fast"], &EXCLUDE[..]].concat());
+    test.args(test_args);
+    steps.push(step("test", &mut test));
+    // The scenarios of rule changes and dead endpoints again, xtlock holding exactly
+    // the capabilities each shipped deployment grants: continuous mode must see what
+    // `sudo xtlock trace` sees.
+    for (name, caps) in deployment_caps()? {
+        let mut t = cargo_in(
+            root,
+            &[
+                &["test", "--no-fail-fast", "--package", "xtlock-tests"],
+                &PRIVILEGE_SUITES[..],
+                &["--", "--exact"],
+                &PRIVILEGE_TESTS[..],
+            ]
+            .concat(),
+        );
+        t.env("XTLOCK_TEST_CAPS", caps.join(","));
+        println!("\n== {name}: {}", caps.join(" "));
+        steps.push(step(name, &mut t));
+    }
+    Ok(())
+}
+
+/// The vm-test and vm-arm64 steps from one queue of guests, the arm64 ones planned by
+/// `arm64` beside the host's tests (here if that thread failed).
+fn vm_steps(arm64: Option<JoinHandle<(vm::Arm64Plans, Duration)>>, steps: &mut Vec<Step>) {
+    println!("\n== vm-test and vm-arm64");
+    let start = Instant::now();
+    let jobs = vm::ci_jobs();
+    let arm64_plans = match arm64.map(|h| h.join()) {
+        Some(Ok((plans, took))) => {
+            println!(
+                "vm-test: arm64 guests prepared beside the host's tests in {:.1}s",
+                took.as_secs_f64()
+            );
+            Some(plans)
+        }
+        // The thread panicked: plan them here instead.
+        Some(Err(_)) | None => None,
+    };
+    let (amd64, arm64) = vm::run_ci(jobs, arm64_plans);
+    let took = start.elapsed();
+    for (name, r) in [("vm-test", amd64), ("vm-arm64", arm64)] {
+        let (outcome, note) = match r {
+            Ok(summary) => (Outcome::Ok, summary),
+            Err(e) => (Outcome::Failed(format!("{e:#}")), String::new()),
+        };
+        steps.push(Step {
+            name,
+            outcome,
+            took,
+            note: if jobs > 1 {
+                format!("{note} (both steps' guests {jobs} at a time: one time for both)")
+                    .trim_start()
+                    .to_owned()
+            } else {
+                note
+            },
+        });
+    }
+}
+
+/// Every step's outcome, and the command's: Err when any step failed.
+fn summary(steps: &[Step]) -> Result<()> {
     println!("\n== xtask test summary");
-    for s in &steps {
+    for s in steps {
         let (word, why) = match &s.outcome {
             Outcome::Ok if s.note.is_empty() => ("ok", String::new()),
             Outcome::Ok => ("ok", format!(": {}", s.note)),

@@ -2,7 +2,7 @@
 //! pair, into an iptables DROP rule, as fast as this machine sends them: packets/s with no
 //! tracer, with a bpftrace `kfree_skb` counting script, and with `xtlock trace` counting
 //! drops (once it can: `--drop-samples`); and each tracer's count against the rule counter.
-use std::process::Command;
+use std::{path::Path, process::Command};
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
@@ -249,15 +249,7 @@ pub fn run(env: &Env) -> Result<Value> {
     let senders = env.cores.max(1);
     let net = Net::new()?;
     let drops_built = xtlock_counts_drops(env);
-    let mut tracers = vec![Tracer::None, Tracer::Bpftrace];
-    if drops_built {
-        tracers.push(Tracer::Xtlock);
-        if env.baseline.is_some() {
-            tracers.push(Tracer::Baseline);
-        }
-        // The drop hook's floor: xtlock with an empty program there (counts nothing).
-        tracers.push(Tracer::DropFloor);
-    }
+    let tracers = tracers(env, drops_built);
     let mut cols: Vec<Col> = tracers.iter().map(|_| Col::default()).collect();
     let mut sent = Dist::default();
     let secs = format!("{}", env.secs * 2.0);
@@ -273,15 +265,73 @@ pub fn run(env: &Env) -> Result<Value> {
         .collect();
     let xtlock_lock = env.scratch.join("drops.lock");
     std::fs::write(&xtlock_lock, b"")?;
+    let storm = Storm {
+        env,
+        net: &net,
+        args: &args,
+        lock: &xtlock_lock,
+        reason,
+    };
     let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
     for (rep, ti, t) in rotation(env.reps, &tracers) {
+        storm.run(rep, t, &mut cols[ti], &mut sent)?;
+    }
+    eprint!("{:40}\r", "");
+    drop(net);
+
+    storm_table(env, senders, &tracers, &cols, drops_built);
+    if env.bpf_stats {
+        bpf_table(&tracers, &cols);
+    }
+    notes(&tracers, &cols, &sent);
+    Ok(result(
+        env,
+        senders,
+        reason,
+        &tracers,
+        &cols,
+        &sent,
+        drops_built,
+    ))
+}
+
+/// The columns: untraced, bpftrace, and once xtlock counts drops, xtlock (and the baseline
+/// build) and the drop hook's floor.
+fn tracers(env: &Env, drops_built: bool) -> Vec<Tracer> {
+    let mut tracers = vec![Tracer::None, Tracer::Bpftrace];
+    if drops_built {
+        tracers.push(Tracer::Xtlock);
+        if env.baseline.is_some() {
+            tracers.push(Tracer::Baseline);
+        }
+        // The drop hook's floor: xtlock with an empty program there (counts nothing).
+        tracers.push(Tracer::DropFloor);
+    }
+    tracers
+}
+
+/// What every run of the storm shares: the senders' arguments, the namespaces, xtlock's lock
+/// file, and the NETFILTER_DROP reason's number.
+struct Storm<'a> {
+    env: &'a Env,
+    net: &'a Net,
+    args: &'a [Vec<String>],
+    lock: &'a Path,
+    reason: u64,
+}
+
+impl Storm<'_> {
+    /// One run under tracer `t`: the senders' storm, then the rule counter, rates, CPU, BPF
+    /// programs and counts into `col` (and the untraced send rate into `sent`).
+    fn run(&self, rep: usize, t: Tracer, col: &mut Col, sent: &mut Dist) -> Result<()> {
+        let (env, net) = (self.env, self.net);
         net.iptables(&["-Z", "INPUT"])?;
         let tag = format!("drops-{}-{rep}", t.name());
         // xtlock as shipped: default drop reasons and sample rate.
         // The receiving namespace named, as an SRE would: its rules' counters are read from
         // the start, so the storm's first second is named by rule too.
         let netns = ["--netns".to_string(), format!("/run/netns/{}", net.b)];
-        let s = Session::of(env, t, &tag, SCRIPT, &[&xtlock_lock], &netns)?;
+        let s = Session::of(env, t, &tag, SCRIPT, &[self.lock], &netns)?;
         let ids = if env.bpf_stats {
             s.prog_ids()
         } else {
@@ -289,14 +339,13 @@ pub fn run(env: &Env) -> Result<Value> {
         };
         let p0 = ProgStats::read(&ids);
         let c0 = s.cpu_ns();
-        let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
+        let r = run::loads(env, &["ip", "netns", "exec", &net.a], self.args)?;
         let c1 = s.cpu_ns();
         let p1 = ProgStats::read(&ids);
         let st = s.stop()?;
         let rule = net.counter()?;
         let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
         let total_sent: u64 = r.iter().map(|l| l.cycles).sum();
-        let col = &mut cols[ti];
         let ran = p1.since(&p0);
         if let Some((name, runs, ns)) = ran.iter().max_by_key(|(_, runs, _)| *runs) {
             col.hook = name.clone();
@@ -316,9 +365,34 @@ pub fn run(env: &Env) -> Result<Value> {
             col.tracer_cpu_ns_per_pkt
                 .push(c1.saturating_sub(c0) as f64 / rule.max(1) as f64);
         }
-        // Drops in the receiving namespace (all of them hit the rule); the machine-wide
-        // NETFILTER_DROP count is kept too, for the record.
-        let (counted, machine_wide) = match t {
+        let (counted, machine_wide) = self.counts(t, &st, rule, col);
+        if let Some(n) = machine_wide {
+            col.machine_wide.push(n as i64 - rule as i64);
+        }
+        match counted {
+            Some(n) => {
+                col.diff.push(n as i64 - rule as i64);
+                col.counted += n;
+                col.rule += rule;
+            }
+            None if t.is_xtlock() && t != Tracer::DropFloor => col.unparsed += 1,
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// The tracer's count of drops in the receiving namespace (all of them hit the rule), and
+    /// its machine-wide NETFILTER_DROP count, kept for the record; xtlock's other drops there
+    /// and its rule drops against the counter `rule` go into `col`.
+    fn counts(
+        &self,
+        t: Tracer,
+        st: &run::Stopped,
+        rule: u64,
+        col: &mut Col,
+    ) -> (Option<u64>, Option<u64>) {
+        let (net, reason) = (self.net, self.reason);
+        match t {
             Tracer::None
             | Tracer::BpftraceHist
             | Tracer::BpftraceNetfilter
@@ -355,23 +429,13 @@ pub fn run(env: &Env) -> Result<Value> {
                     s.and_then(xtlock_drop_count),
                 )
             }
-        };
-        if let Some(n) = machine_wide {
-            col.machine_wide.push(n as i64 - rule as i64);
-        }
-        match counted {
-            Some(n) => {
-                col.diff.push(n as i64 - rule as i64);
-                col.counted += n;
-                col.rule += rule;
-            }
-            None if t.is_xtlock() && t != Tracer::DropFloor => col.unparsed += 1,
-            None => {}
         }
     }
-    eprint!("{:40}\r", "");
-    drop(net);
+}
 
+/// The table of drops a second, the senders' and the tracers' CPU per drop, and each
+/// tracer's count against the rule counter.
+fn storm_table(env: &Env, senders: usize, tracers: &[Tracer], cols: &[Col], drops_built: bool) {
     println!(
         "\n== 3. Drop storm: UDP into an iptables DROP rule across a veth pair, {senders} sender(s), \
          {} s per run, {} runs",
@@ -389,21 +453,6 @@ pub fn run(env: &Env) -> Result<Value> {
         "tracer CPU ns/drop".into(),
         "NETFILTER_DROP count in its netns vs rule counter".into(),
     ]];
-    let exactness = |c: &Col| -> String {
-        if c.diff.is_empty() {
-            return "-".into();
-        }
-        if c.diff.iter().all(|&d| d == 0) {
-            format!("exact in {}/{} runs", c.diff.len(), c.diff.len())
-        } else {
-            format!(
-                "off by {:?} ({} of {} counted)",
-                c.diff,
-                num(c.counted as f64),
-                num(c.rule as f64)
-            )
-        }
-    };
     for (ti, t) in tracers.iter().enumerate() {
         let c = &cols[ti];
         rows.push(vec![
@@ -449,30 +498,55 @@ pub fn run(env: &Env) -> Result<Value> {
         ]);
     }
     table(&rows);
-    if env.bpf_stats {
-        println!(
-            "\n  BPF programs (kernel.bpf_stats_enabled; the program that ran most is the \
-             drop hook; every packet freed on the machine runs it, dropped or not):"
-        );
-        let mut rows = vec![vec![
-            "tracer".to_string(),
-            "drop hook".into(),
-            "ns per run".into(),
-            "runs per dropped packet".into(),
-            "all its programs: ns per dropped packet".into(),
-        ]];
-        for (ti, t) in tracers.iter().enumerate().skip(1) {
-            let c = &cols[ti];
-            rows.push(vec![
-                t.name().into(),
-                c.hook.clone(),
-                c.hook_ns_per_run.show(),
-                c.hook_runs_per_drop.show(),
-                c.bpf_ns_per_drop.show(),
-            ]);
-        }
-        table(&rows);
+}
+
+/// A tracer's counts against the rule counter: exact in every run, or by how much they were
+/// off.
+fn exactness(c: &Col) -> String {
+    if c.diff.is_empty() {
+        return "-".into();
     }
+    if c.diff.iter().all(|&d| d == 0) {
+        format!("exact in {}/{} runs", c.diff.len(), c.diff.len())
+    } else {
+        format!(
+            "off by {:?} ({} of {} counted)",
+            c.diff,
+            num(c.counted as f64),
+            num(c.rule as f64)
+        )
+    }
+}
+
+/// With bpf_stats: each tracer's drop hook and all its programs per dropped packet.
+fn bpf_table(tracers: &[Tracer], cols: &[Col]) {
+    println!(
+        "\n  BPF programs (kernel.bpf_stats_enabled; the program that ran most is the \
+         drop hook; every packet freed on the machine runs it, dropped or not):"
+    );
+    let mut rows = vec![vec![
+        "tracer".to_string(),
+        "drop hook".into(),
+        "ns per run".into(),
+        "runs per dropped packet".into(),
+        "all its programs: ns per dropped packet".into(),
+    ]];
+    for (ti, t) in tracers.iter().enumerate().skip(1) {
+        let c = &cols[ti];
+        rows.push(vec![
+            t.name().into(),
+            c.hook.clone(),
+            c.hook_ns_per_run.show(),
+            c.hook_runs_per_drop.show(),
+            c.bpf_ns_per_drop.show(),
+        ]);
+    }
+    table(&rows);
+}
+
+/// The senders' own rate, and per tracer what its counts left out of the table: the rule
+/// drops it read, other drops in the namespace, drops elsewhere on the machine.
+fn notes(tracers: &[Tracer], cols: &[Col], sent: &Dist) {
     println!(
         "  sent by the generators (untraced): {} datagrams/s; the rule sees fewer when the \
          receive backlog overflows",
@@ -504,7 +578,18 @@ pub fn run(env: &Env) -> Result<Value> {
             );
         }
     }
+}
 
+/// The bench's JSON.
+fn result(
+    env: &Env,
+    senders: usize,
+    reason: u64,
+    tracers: &[Tracer],
+    cols: &[Col],
+    sent: &Dist,
+    drops_built: bool,
+) -> Value {
     let col_json = |c: &Col| {
         json!({
             "drops_per_s": c.pps.json(),
@@ -525,7 +610,7 @@ pub fn run(env: &Env) -> Result<Value> {
     if !drops_built {
         by.insert("xtlock".into(), json!("n/a (drops not built yet)"));
     }
-    Ok(json!({
+    json!({
         "what": "UDP 64-byte datagrams (sendmmsg, 64 per call) from netns A to netns B over veth, dropped by `iptables-legacy -A INPUT -p udp --dport 9 -j DROP` in B; drops/s from the rule counter",
         "senders": senders,
         "secs_per_run": env.secs * 2.0,
@@ -534,7 +619,7 @@ pub fn run(env: &Env) -> Result<Value> {
         "sent_per_s_untraced": sent.json(),
         "tracers": Value::Object(by),
         "bpftrace_script": SCRIPT,
-    }))
+    })
 }
 
 #[cfg(test)]

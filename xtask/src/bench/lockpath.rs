@@ -131,18 +131,47 @@ pub fn run(env: &Env) -> Result<Value> {
         fs::write(f, b"")?;
     }
     let script = bpftrace_script(&watched)?;
-    let secs = format!("{}", env.secs);
+    let loads = loads(&watched, &unwatched);
+    let hist_script = bpftrace_hist_script(&watched)?;
+    let tracers = tracers(env);
+    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
+    let m = measure(env, &tracers, &loads, &watched, &script, &hist_script)?;
+    eprint!("{:40}\r", "");
+
+    let out_loads = cpu_tables(env, &tracers, &loads, &m);
+    let (prog_json, floor_json) = bpf_programs(&tracers, &loads, &m);
+    losses(&m);
+    Ok(json!({
+        "what": "CPU ns per operation of a tight loop (the caller's CPU time, which includes the BPF programs run in its syscalls); tracer_cpu is the tracer process's own CPU per operation",
+        "secs_per_run": env.secs,
+        "reps": env.reps,
+        "loads": Value::Object(out_loads),
+        "lost_events": {"xtlock": m.lost[1], "bpftrace": m.lost[2]},
+        "xtlock_holds_reported": m.holds[1],
+        "watched_cycles": {"xtlock": m.cycles_watched[1], "bpftrace": m.cycles_watched[2]},
+        "bpftrace_lines": m.lines[2],
+        "canary_missed": m.canary_missed,
+        "tracer_background_cpu_ns_per_s": {"xtlock": m.background[1].json(), "bpftrace": m.background[2].json()},
+        "bpf_programs": prog_json,
+        "watched_cycle_floor": floor_json,
+        "bpftrace_script": script,
+        "bpftrace_hist_script": hist_script,
+    }))
+}
+
+/// The looping loads, each run under every tracer.
+fn loads(watched: &Path, unwatched: &Path) -> [LoadDef; 4] {
     let p = |p: &Path| p.display().to_string();
-    let loads = [
+    [
         LoadDef {
             key: "flock_watched",
             label: "flock cycle, watched lock",
-            args: vec!["flock".into(), p(&watched)],
+            args: vec!["flock".into(), p(watched)],
         },
         LoadDef {
             key: "flock_unwatched",
             label: "flock cycle, unwatched file",
-            args: vec!["flock".into(), p(&unwatched)],
+            args: vec!["flock".into(), p(unwatched)],
         },
         LoadDef {
             key: "getppid",
@@ -154,55 +183,74 @@ pub fn run(env: &Env) -> Result<Value> {
             label: "spawn+exec /bin/true",
             args: vec!["exec".into(), "/bin/true".into()],
         },
-    ];
-    let hist_script = bpftrace_hist_script(&watched)?;
+    ]
+}
+
+/// The columns: untraced, xtlock, bpftrace (and the baseline build), and with bpf_stats the
+/// floors and the histogram script.
+fn tracers(env: &Env) -> Vec<Tracer> {
     let mut tracers = Tracer::all(env);
     // The floor's and the histogram script's BPF costs are read from bpf_stats: only then
     // are they columns.
     if env.bpf_stats {
         tracers.extend([Tracer::Floor, Tracer::FloorRecord, Tracer::BpftraceHist]);
     }
-    let floor_ti = tracers.iter().position(|t| *t == Tracer::Floor);
-    let record_ti = tracers.iter().position(|t| *t == Tracer::FloorRecord);
-    let hist_ti = tracers.iter().position(|t| *t == Tracer::BpftraceHist);
-    let mut cells: Vec<Vec<Cell>> = tracers
-        .iter()
-        .map(|_| loads.iter().map(|_| Cell::default()).collect())
-        .collect();
-    let n = tracers.len();
-    let mut lost = vec![0u64; n];
-    let mut lines = vec![0u64; n];
-    let mut holds = vec![0u64; n];
-    let mut cycles_watched = vec![0u64; n];
-    let mut canary_missed = vec![0u32; n];
-    // Tracer CPU while the machine does nothing for us: ns per second (other processes'
-    // fork/exec/exit are traced too).
-    let mut background: Vec<Dist> = (0..n).map(|_| Dist::default()).collect();
-    // (tracer, load, program) -> (ns per run, runs per operation).
-    let mut progs: BTreeMap<(usize, usize, String), (Dist, Dist)> = BTreeMap::new();
-    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
+    tracers
+}
 
-    for (rep, ti, t) in rotation(env.reps, &tracers) {
+/// What the runs measured, per tracer (the first index) and load (the second).
+struct Measured {
+    cells: Vec<Vec<Cell>>,
+    lost: Vec<u64>,
+    lines: Vec<u64>,
+    holds: Vec<u64>,
+    cycles_watched: Vec<u64>,
+    canary_missed: Vec<u32>,
+    /// Tracer CPU while the machine does nothing for us: ns per second (other processes'
+    /// fork/exec/exit are traced too).
+    background: Vec<Dist>,
+    /// (tracer, load, program) -> (ns per run, runs per operation).
+    progs: BTreeMap<(usize, usize, String), (Dist, Dist)>,
+}
+
+impl Measured {
+    fn new(tracers: usize, loads: usize) -> Self {
+        Measured {
+            cells: (0..tracers)
+                .map(|_| (0..loads).map(|_| Cell::default()).collect())
+                .collect(),
+            lost: vec![0; tracers],
+            lines: vec![0; tracers],
+            holds: vec![0; tracers],
+            cycles_watched: vec![0; tracers],
+            canary_missed: vec![0; tracers],
+            background: (0..tracers).map(|_| Dist::default()).collect(),
+            progs: BTreeMap::new(),
+        }
+    }
+}
+
+/// Every repetition: each tracer in turn started, checked to be reading, its background
+/// measured, then every load run under it.
+fn measure(
+    env: &Env,
+    tracers: &[Tracer],
+    loads: &[LoadDef],
+    watched: &Path,
+    script: &str,
+    hist_script: &str,
+) -> Result<Measured> {
+    let mut m = Measured::new(tracers.len(), loads.len());
+    for (rep, ti, t) in rotation(env.reps, tracers) {
         let tag = format!("lock-{}-{rep}", t.name());
         let bt = if t == Tracer::BpftraceHist {
-            &hist_script
+            hist_script
         } else {
-            &script
+            script
         };
-        let s = Session::of(env, t, &tag, bt, &[&watched], &[])?;
-        // One lock cycle, and wait until the tracer printed it: attached and reading.
-        let before = s.out_len();
-        run::load(
-            env,
-            &["flock".into(), p(&watched), "--cycles".into(), "1".into()],
-        )?;
-        // The floor and the histogram print nothing per event: nothing to wait for.
-        if !matches!(
-            t,
-            Tracer::Floor | Tracer::FloorRecord | Tracer::BpftraceHist
-        ) && !s.wait_output_past(before, Duration::from_secs(10))
-        {
-            canary_missed[ti] += 1;
+        let s = Session::of(env, t, &tag, bt, &[watched], &[])?;
+        if !canary(env, &s, t, watched)? {
+            m.canary_missed[ti] += 1;
         }
         let bg = if t == Tracer::None {
             0.0
@@ -211,7 +259,7 @@ pub fn run(env: &Env) -> Result<Value> {
             let t0 = std::time::Instant::now();
             std::thread::sleep(Duration::from_secs_f64(env.secs));
             let v = s.cpu_ns().saturating_sub(b0) as f64 / t0.elapsed().as_secs_f64();
-            background[ti].push(v);
+            m.background[ti].push(v);
             v
         };
         let ids = if env.bpf_stats {
@@ -220,43 +268,89 @@ pub fn run(env: &Env) -> Result<Value> {
             Vec::new()
         };
         for (li, l) in loads.iter().enumerate() {
-            let mut args = l.args.clone();
-            args.extend(["--secs".into(), secs.clone()]);
-            let p0 = ProgStats::read(&ids);
-            let c0 = s.cpu_ns();
-            let r = run::load(env, &args)?;
-            let c1 = s.cpu_ns();
-            let p1 = ProgStats::read(&ids);
-            let c = &mut cells[ti][li];
-            c.cpu.push(r.cpu_per_cycle());
-            c.wall.push(r.wall_per_cycle());
-            c.ops_per_s.push(r.cycles as f64 / (r.wall_ns as f64 / 1e9));
-            if t != Tracer::None {
-                // Minus what it spends anyway on the rest of the machine.
-                let own = c1.saturating_sub(c0) as f64 - bg * r.wall_ns as f64 / 1e9;
-                c.tracer.push(own / r.cycles.max(1) as f64);
-            }
-            let mut seen: BTreeMap<String, u32> = BTreeMap::new();
-            for (name, runs, ns) in p1.since(&p0) {
-                let n = seen.entry(name.clone()).or_default();
-                *n += 1;
-                let key = if *n > 1 { format!("{name}#{n}") } else { name };
-                let e = progs.entry((ti, li, key)).or_default();
-                e.0.push(ns as f64 / runs as f64);
-                e.1.push(runs as f64 / r.cycles.max(1) as f64);
-            }
-            if li == 0 {
-                cycles_watched[ti] += r.cycles;
-            }
+            measure_load(env, &s, t, (ti, li), l, bg, &ids, &mut m)?;
         }
         let st = s.stop()?;
-        lost[ti] += st.lost_events;
-        lines[ti] += st.lines;
-        holds[ti] += st.holds;
+        m.lost[ti] += st.lost_events;
+        m.lines[ti] += st.lines;
+        m.holds[ti] += st.holds;
     }
-    eprint!("{:40}\r", "");
+    Ok(m)
+}
 
-    // The table.
+/// One lock cycle, and whether the tracer printed it within 10 s: attached and reading.
+fn canary(env: &Env, s: &Session, t: Tracer, watched: &Path) -> Result<bool> {
+    let before = s.out_len();
+    run::load(
+        env,
+        &[
+            "flock".into(),
+            watched.display().to_string(),
+            "--cycles".into(),
+            "1".into(),
+        ],
+    )?;
+    // The floor and the histogram print nothing per event: nothing to wait for.
+    Ok(matches!(
+        t,
+        Tracer::Floor | Tracer::FloorRecord | Tracer::BpftraceHist
+    ) || s.wait_output_past(before, Duration::from_secs(10)))
+}
+
+/// One run of load `l` under tracer `t` (`at`: their indexes): the caller's CPU and wall time
+/// and rate, the tracer's own CPU net of its background `bg` (ns per second), and each BPF
+/// program of `ids`.
+#[allow(clippy::too_many_arguments)]
+fn measure_load(
+    env: &Env,
+    s: &Session,
+    t: Tracer,
+    (ti, li): (usize, usize),
+    l: &LoadDef,
+    bg: f64,
+    ids: &[u64],
+    m: &mut Measured,
+) -> Result<()> {
+    let mut args = l.args.clone();
+    args.extend(["--secs".into(), format!("{}", env.secs)]);
+    let p0 = ProgStats::read(ids);
+    let c0 = s.cpu_ns();
+    let r = run::load(env, &args)?;
+    let c1 = s.cpu_ns();
+    let p1 = ProgStats::read(ids);
+    let c = &mut m.cells[ti][li];
+    c.cpu.push(r.cpu_per_cycle());
+    c.wall.push(r.wall_per_cycle());
+    c.ops_per_s.push(r.cycles as f64 / (r.wall_ns as f64 / 1e9));
+    if t != Tracer::None {
+        // Minus what it spends anyway on the rest of the machine.
+        let own = c1.saturating_sub(c0) as f64 - bg * r.wall_ns as f64 / 1e9;
+        c.tracer.push(own / r.cycles.max(1) as f64);
+    }
+    let mut seen: BTreeMap<String, u32> = BTreeMap::new();
+    for (name, runs, ns) in p1.since(&p0) {
+        let n = seen.entry(name.clone()).or_default();
+        *n += 1;
+        let key = if *n > 1 { format!("{name}#{n}") } else { name };
+        let e = m.progs.entry((ti, li, key)).or_default();
+        e.0.push(ns as f64 / runs as f64);
+        e.1.push(runs as f64 / r.cycles.max(1) as f64);
+    }
+    if li == 0 {
+        m.cycles_watched[ti] += r.cycles;
+    }
+    Ok(())
+}
+
+/// The tables of the caller's CPU per operation (and the baseline build's), the tracers' own
+/// CPU, and both as a share of a core; each load's figures for the JSON.
+fn cpu_tables(
+    env: &Env,
+    tracers: &[Tracer],
+    loads: &[LoadDef],
+    m: &Measured,
+) -> serde_json::Map<String, Value> {
+    let cells = &m.cells;
     println!(
         "\n== 1-2. Hooked paths: CPU ns per operation of the looping process (median ±spread of {} runs of {} s)",
         env.reps, env.secs
@@ -314,25 +408,37 @@ pub fn run(env: &Env) -> Result<Value> {
     }
     table(&rows);
     if tracers.get(3) == Some(&Tracer::Baseline) {
-        // The baseline build, for A/B: same runs, interleaved.
-        let mut rows = vec![vec![
-            "operation".to_string(),
-            "xtlock-baseline".into(),
-            "baseline adds".into(),
-            "xtlock adds".into(),
-        ]];
-        for (li, l) in loads.iter().enumerate() {
-            let base = cells[0][li].cpu.median();
-            let (x, b) = (cells[1][li].cpu.median(), cells[3][li].cpu.median());
-            rows.push(vec![
-                l.label.into(),
-                cells[3][li].cpu.show(),
-                signed(b - base, b / base),
-                signed(x - base, x / base),
-            ]);
-        }
-        table(&rows);
+        baseline_table(loads, cells);
     }
+    tracer_tables(loads, m);
+    out_loads
+}
+
+/// The baseline build beside this one, for A/B: same runs, interleaved.
+fn baseline_table(loads: &[LoadDef], cells: &[Vec<Cell>]) {
+    let mut rows = vec![vec![
+        "operation".to_string(),
+        "xtlock-baseline".into(),
+        "baseline adds".into(),
+        "xtlock adds".into(),
+    ]];
+    for (li, l) in loads.iter().enumerate() {
+        let base = cells[0][li].cpu.median();
+        let (x, b) = (cells[1][li].cpu.median(), cells[3][li].cpu.median());
+        rows.push(vec![
+            l.label.into(),
+            cells[3][li].cpu.show(),
+            signed(b - base, b / base),
+            signed(x - base, x / base),
+        ]);
+    }
+    table(&rows);
+}
+
+/// The tracers' own CPU per operation, then with what they add in the caller as a share of
+/// a core at 1,000 operations a second, and their background.
+fn tracer_tables(loads: &[LoadDef], m: &Measured) {
+    let cells = &m.cells;
     println!("\n  tracer CPU (its own process, ns per operation of the loop):");
     let mut rows = vec![vec![
         "operation".to_string(),
@@ -379,115 +485,126 @@ pub fn run(env: &Env) -> Result<Value> {
     table(&rows);
     println!(
         "  (tracer CPU net of its background: xtlock {} ns/s, bpftrace {} ns/s while idle)",
-        background[1].show(),
-        background[2].show()
+        m.background[1].show(),
+        m.background[2].show()
     );
+}
+
+/// With bpf_stats: each tracer's BPF programs per operation of each load, then the watched
+/// cycle against the floors and bpftrace's scripts. (The programs for the JSON, the
+/// comparison for the JSON or null.)
+fn bpf_programs(tracers: &[Tracer], loads: &[LoadDef], m: &Measured) -> (Vec<Value>, Value) {
     let mut prog_json = Vec::new();
-    let mut floor_json = Value::Null;
-    if !progs.is_empty() {
-        println!("\n  BPF programs (kernel.bpf_stats_enabled): ns per run x runs per operation = ns per operation");
-        let mut rows = vec![vec![
-            "operation / tracer / program".to_string(),
-            "ns/run".into(),
-            "runs/op".into(),
-            "ns/op".into(),
-        ]];
-        // (tracer, load) -> ns of BPF per operation, all programs.
-        let mut totals: BTreeMap<(usize, usize), f64> = BTreeMap::new();
-        for (li, l) in loads.iter().enumerate() {
-            for ti in [1, 2]
-                .into_iter()
-                .chain(floor_ti)
-                .chain(record_ti)
-                .chain(hist_ti)
-            {
-                let mut total = 0.0;
-                for ((t, lj, name), (ns, runs)) in &progs {
-                    if *t != ti || *lj != li || runs.median() < 0.01 {
-                        continue;
-                    }
-                    let per_op = ns.median() * runs.median();
-                    total += per_op;
-                    rows.push(vec![
-                        format!("{} / {} / {name}", l.key, tracers[ti].name()),
-                        ns.show(),
-                        format!("{:.2}", runs.median()),
-                        num(per_op),
-                    ]);
-                    prog_json.push(json!({
-                        "load": l.key, "tracer": tracers[ti].name(), "program": name,
-                        "ns_per_run": ns.json(), "runs_per_op": runs.json(),
-                    }));
+    if m.progs.is_empty() {
+        return (prog_json, Value::Null);
+    }
+    let floor_ti = tracers.iter().position(|t| *t == Tracer::Floor);
+    let record_ti = tracers.iter().position(|t| *t == Tracer::FloorRecord);
+    let hist_ti = tracers.iter().position(|t| *t == Tracer::BpftraceHist);
+    println!("\n  BPF programs (kernel.bpf_stats_enabled): ns per run x runs per operation = ns per operation");
+    let mut rows = vec![vec![
+        "operation / tracer / program".to_string(),
+        "ns/run".into(),
+        "runs/op".into(),
+        "ns/op".into(),
+    ]];
+    // (tracer, load) -> ns of BPF per operation, all programs.
+    let mut totals: BTreeMap<(usize, usize), f64> = BTreeMap::new();
+    for (li, l) in loads.iter().enumerate() {
+        for ti in [1, 2]
+            .into_iter()
+            .chain(floor_ti)
+            .chain(record_ti)
+            .chain(hist_ti)
+        {
+            let mut total = 0.0;
+            for ((t, lj, name), (ns, runs)) in &m.progs {
+                if *t != ti || *lj != li || runs.median() < 0.01 {
+                    continue;
                 }
+                let per_op = ns.median() * runs.median();
+                total += per_op;
                 rows.push(vec![
-                    format!("{} / {} / all programs", l.key, tracers[ti].name()),
-                    String::new(),
-                    String::new(),
-                    num(total),
+                    format!("{} / {} / {name}", l.key, tracers[ti].name()),
+                    ns.show(),
+                    format!("{:.2}", runs.median()),
+                    num(per_op),
                 ]);
-                totals.insert((ti, li), total);
+                prog_json.push(json!({
+                    "load": l.key, "tracer": tracers[ti].name(), "program": name,
+                    "ns_per_run": ns.json(), "runs_per_op": runs.json(),
+                }));
             }
-        }
-        table(&rows);
-        // The watched cycle (load 0) as a multiple of the floor, beside bpftrace's script.
-        if let (Some(fi), Some(ri), Some(hi)) = (floor_ti, record_ti, hist_ti) {
-            let at = |ti: usize| totals.get(&(ti, 0)).copied().unwrap_or(0.0);
-            let (x, b, f, r, h) = (at(1), at(2), at(fi), at(ri), at(hi));
-            println!(
-                "  watched lock cycle, BPF ns: xtlock {} = {:.2}x the floor ({} ns: empty programs \
-                 on the same tp_btf hook) = {:.2}x bpftrace's hold-histogram script ({}); \
-                 bpftrace's same-job script {}\n  the floor of streaming a record a hold \
-                 (pre-filter + one Hold-sized ring record a release): {} ns = {:.2}x the floor; \
-                 xtlock = {:.2}x that",
-                num(x),
-                x / f.max(1e-9),
-                num(f),
-                x / h.max(1e-9),
-                num(h),
-                num(b),
-                num(r),
-                r / f.max(1e-9),
-                x / r.max(1e-9),
-            );
-            floor_json = json!({"xtlock_ns": x, "floor_ns": f, "bpftrace_ns": b,
-                "bpftrace_hist_ns": h, "floor_record_ns": r,
-                "xtlock_over_floor": x / f.max(1e-9),
-                "xtlock_over_floor_record": x / r.max(1e-9),
-                "xtlock_over_bpftrace_hist": x / h.max(1e-9)});
+            rows.push(vec![
+                format!("{} / {} / all programs", l.key, tracers[ti].name()),
+                String::new(),
+                String::new(),
+                num(total),
+            ]);
+            totals.insert((ti, li), total);
         }
     }
+    table(&rows);
+    // The watched cycle (load 0) as a multiple of the floor, beside bpftrace's script.
+    let floor_json = match (floor_ti, record_ti, hist_ti) {
+        (Some(fi), Some(ri), Some(hi)) => floor_comparison(&totals, fi, ri, hi),
+        _ => Value::Null,
+    };
+    (prog_json, floor_json)
+}
+
+/// The watched lock cycle's BPF ns of xtlock against the floor (empty programs on the same
+/// hook, at `fi`), the floor of streaming a record (`ri`) and bpftrace's hold-histogram
+/// script (`hi`), from `totals` ((tracer, load) -> ns per operation).
+fn floor_comparison(
+    totals: &BTreeMap<(usize, usize), f64>,
+    fi: usize,
+    ri: usize,
+    hi: usize,
+) -> Value {
+    let at = |ti: usize| totals.get(&(ti, 0)).copied().unwrap_or(0.0);
+    let (x, b, f, r, h) = (at(1), at(2), at(fi), at(ri), at(hi));
+    println!(
+        "  watched lock cycle, BPF ns: xtlock {} = {:.2}x the floor ({} ns: empty programs \
+         on the same tp_btf hook) = {:.2}x bpftrace's hold-histogram script ({}); \
+         bpftrace's same-job script {}\n  the floor of streaming a record a hold \
+         (pre-filter + one Hold-sized ring record a release): {} ns = {:.2}x the floor; \
+         xtlock = {:.2}x that",
+        num(x),
+        x / f.max(1e-9),
+        num(f),
+        x / h.max(1e-9),
+        num(h),
+        num(b),
+        num(r),
+        r / f.max(1e-9),
+        x / r.max(1e-9),
+    );
+    json!({"xtlock_ns": x, "floor_ns": f, "bpftrace_ns": b,
+        "bpftrace_hist_ns": h, "floor_record_ns": r,
+        "xtlock_over_floor": x / f.max(1e-9),
+        "xtlock_over_floor_record": x / r.max(1e-9),
+        "xtlock_over_bpftrace_hist": x / h.max(1e-9)})
+}
+
+/// The events each tracer lost, and the sessions whose tracer missed the canary cycle.
+fn losses(m: &Measured) {
     println!(
         "\n  events lost during these runs: xtlock {} (summary lost_events; {} holds reported for {} \
          watched cycles), bpftrace {} (its \"Lost N events\"; {} lines printed)",
-        num(lost[1] as f64),
-        num(holds[1] as f64),
-        num(cycles_watched[1] as f64),
-        num(lost[2] as f64),
-        num(lines[2] as f64),
+        num(m.lost[1] as f64),
+        num(m.holds[1] as f64),
+        num(m.cycles_watched[1] as f64),
+        num(m.lost[2] as f64),
+        num(m.lines[2] as f64),
     );
-    if canary_missed.iter().any(|&n| n > 0) {
+    if m.canary_missed.iter().any(|&n| n > 0) {
         println!(
             "  warning: the tracer did not print the canary lock cycle within 10 s in {:?} sessions \
              (untraced, xtlock, bpftrace)",
-            canary_missed
+            m.canary_missed
         );
     }
-    Ok(json!({
-        "what": "CPU ns per operation of a tight loop (the caller's CPU time, which includes the BPF programs run in its syscalls); tracer_cpu is the tracer process's own CPU per operation",
-        "secs_per_run": env.secs,
-        "reps": env.reps,
-        "loads": Value::Object(out_loads),
-        "lost_events": {"xtlock": lost[1], "bpftrace": lost[2]},
-        "xtlock_holds_reported": holds[1],
-        "watched_cycles": {"xtlock": cycles_watched[1], "bpftrace": cycles_watched[2]},
-        "bpftrace_lines": lines[2],
-        "canary_missed": canary_missed,
-        "tracer_background_cpu_ns_per_s": {"xtlock": background[1].json(), "bpftrace": background[2].json()},
-        "bpf_programs": prog_json,
-        "watched_cycle_floor": floor_json,
-        "bpftrace_script": script,
-        "bpftrace_hist_script": hist_script,
-    }))
 }
 
 /// `+123 (1.23x)`.

@@ -22,7 +22,12 @@
 //! Every figure is the median of `--reps` runs with its spread ((max - min) / median), because
 //! the machines this runs on are often shared and noisy; the load average is recorded before
 //! and after each bench.
-use std::{env, fs, path::PathBuf, process::Command, time::Instant};
+use std::{
+    env, fs,
+    path::{Path, PathBuf},
+    process::Command,
+    time::Instant,
+};
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
@@ -104,6 +109,72 @@ const ALL: [&str; 9] = [
 ];
 
 pub fn run(args: &BenchArgs) -> Result<()> {
+    let (selected, needs_root) = selection(args)?;
+    let root = sh::workspace_root();
+    let target = env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|t| if t.is_absolute() { t } else { root.join(t) })
+        .unwrap_or_else(|| root.join("target"));
+    if !args.no_build {
+        build(&root, needs_root)?;
+    }
+    let (env, _cleanup) = prepare(args, &target)?;
+    for b in [&env.xtlock, &env.load, &env.collector] {
+        if !b.exists() {
+            bail!("{} is missing: build it (drop --no-build)", b.display());
+        }
+    }
+    println!("\n== machine");
+    for (k, v) in env.machine.as_object().into_iter().flatten() {
+        println!(
+            "  {k}: {}",
+            v.as_str().map_or_else(|| v.to_string(), str::to_owned)
+        );
+    }
+
+    let mut written = Vec::new();
+    let mut figures: Vec<(String, Value, String, String)> = Vec::new();
+    for name in &selected {
+        let load_before = loadavg();
+        let t = Instant::now();
+        let (main, extra) = bench(name, &env)?;
+        let took = t.elapsed().as_secs_f64();
+        let load_after = loadavg();
+        println!("  (took {took:.0} s; load average {load_before} -> {load_after})");
+        let file = match name.as_str() {
+            "lock" => "lock_path",
+            "capture" => "collector",
+            n => n,
+        };
+        figures.push((
+            file.to_string(),
+            main.clone(),
+            load_before.clone(),
+            load_after.clone(),
+        ));
+        let mut docs = vec![(file, main)];
+        if let Some((f, v)) = extra {
+            docs.push((f, v));
+        }
+        let loads = (load_before.as_str(), load_after.as_str());
+        for (f, v) in docs {
+            written.push(write_result(&env, f, v, loads, took)?);
+        }
+    }
+    if !figures.is_empty() {
+        let path = sh::workspace_root().join(figures::FILE);
+        figures::record(&path, &env.machine, &figures)?;
+        written.push(path);
+    }
+    println!();
+    for p in written {
+        println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+/// The benches asked for (all by default), checked, and whether any needs root.
+fn selection(args: &BenchArgs) -> Result<(Vec<String>, bool)> {
     let selected: Vec<String> = if args.only.is_empty() {
         ALL.iter().map(|s| s.to_string()).collect()
     } else {
@@ -128,42 +199,44 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "the lock, drops, ring, rules, nft-rules, refusals and nft-mutex benches load BPF programs: run as root (or --only collector)"
         );
     }
-    let root = sh::workspace_root();
-    let target = env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|t| if t.is_absolute() { t } else { root.join(t) })
-        .unwrap_or_else(|| root.join("target"));
-    if !args.no_build {
-        // The release build needs the BPF toolchain, the benches bpftrace and bpftool:
-        // setup installs what is missing (as root; the collector alone needs none of it).
-        if needs_root {
-            setup::run()?;
-        }
-        let mut build = sh::cargo();
-        if needs_root {
-            build.env("XTLOCK_REQUIRE_EBPF", "1");
-        }
-        sh::run(build.current_dir(&root).args([
-            "build",
-            "--release",
-            "--package",
-            "xtlock",
-            "--package",
-            "xtlock-tests",
-            "--bin",
-            "xtlock",
-            "--bin",
-            "xtlock-bench-load",
-            "--bin",
-            "xtlock-test-helper",
-            "--example",
-            "bench_collector",
-        ]))?;
+    Ok((selected, needs_root))
+}
+
+/// The release build of xtlock and the benches' tools.
+fn build(root: &Path, needs_root: bool) -> Result<()> {
+    // The release build needs the BPF toolchain, the benches bpftrace and bpftool:
+    // setup installs what is missing (as root; the collector alone needs none of it).
+    if needs_root {
+        setup::run()?;
     }
+    let mut build = sh::cargo();
+    if needs_root {
+        build.env("XTLOCK_REQUIRE_EBPF", "1");
+    }
+    sh::run(build.current_dir(root).args([
+        "build",
+        "--release",
+        "--package",
+        "xtlock",
+        "--package",
+        "xtlock-tests",
+        "--bin",
+        "xtlock",
+        "--bin",
+        "xtlock-bench-load",
+        "--bin",
+        "xtlock-test-helper",
+        "--example",
+        "bench_collector",
+    ]))
+}
+
+/// The benches' [`Env`], with a scratch folder removed when the guard is dropped.
+fn prepare(args: &BenchArgs, target: &Path) -> Result<(Env, RemoveOnDrop)> {
     let release = target.join("release");
     let scratch = env::temp_dir().join(format!("xtlock-bench-{}", std::process::id()));
     fs::create_dir_all(&scratch)?;
-    let _cleanup = RemoveOnDrop(scratch.clone());
+    let cleanup = RemoveOnDrop(scratch.clone());
     let out_dir = target.join("bench");
     fs::create_dir_all(&out_dir)?;
     let (reps, secs, events) = if args.quick {
@@ -186,82 +259,49 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         baseline: args.baseline.clone(),
         machine: machine(cores),
     };
-    for b in [&env.xtlock, &env.load, &env.collector] {
-        if !b.exists() {
-            bail!("{} is missing: build it (drop --no-build)", b.display());
-        }
-    }
-    println!("\n== machine");
-    for (k, v) in env.machine.as_object().into_iter().flatten() {
-        println!(
-            "  {k}: {}",
-            v.as_str().map_or_else(|| v.to_string(), str::to_owned)
-        );
-    }
+    Ok((env, cleanup))
+}
 
-    let mut written = Vec::new();
-    let mut figures: Vec<(String, Value, String, String)> = Vec::new();
-    for name in &selected {
-        let load_before = loadavg();
-        let t = Instant::now();
-        let (main, extra) = match name.as_str() {
-            "lock" => (lockpath::run(&env)?, None),
-            "drops" => (drops::run(&env)?, None),
-            "collector" | "capture" => {
-                let (c, size) = collector::run(&env.with_reps(env.reps.min(3)))?;
-                (c, Some(("capture_size", size)))
-            }
-            "ring" => (ring::run(&env)?, None),
-            "rules" => (rules::run(&env)?, None),
-            "nft-rules" => (nft_rules::run(&env)?, None),
-            "refusals" => (refusals::run(&env)?, None),
-            "nft-mutex" => (nft_mutex::run(&env)?, None),
-            "idle" => (idle::run(&env)?, None),
-            _ => unreachable!("checked above"),
-        };
-        let took = t.elapsed().as_secs_f64();
-        let load_after = loadavg();
-        println!("  (took {took:.0} s; load average {load_before} -> {load_after})");
-        let file = match name.as_str() {
-            "lock" => "lock_path",
-            "capture" => "collector",
-            n => n,
-        };
-        figures.push((
-            file.to_string(),
-            main.clone(),
-            load_before.clone(),
-            load_after.clone(),
-        ));
-        let mut docs = vec![(file, main)];
-        if let Some((f, v)) = extra {
-            docs.push((f, v));
+/// Runs the bench `name`: its results, and another file's (name, results) it gives too.
+fn bench(name: &str, env: &Env) -> Result<(Value, Option<(&'static str, Value)>)> {
+    Ok(match name {
+        "lock" => (lockpath::run(env)?, None),
+        "drops" => (drops::run(env)?, None),
+        "collector" | "capture" => {
+            let (c, size) = collector::run(&env.with_reps(env.reps.min(3)))?;
+            (c, Some(("capture_size", size)))
         }
-        for (f, v) in docs {
-            let path = env.out_dir.join(format!("{f}.json"));
-            let doc = json!({
-                "bench": f,
-                "machine": env.machine,
-                "loadavg_before": load_before,
-                "loadavg_after": load_after,
-                "took_s": took,
-                "results": v,
-            });
-            fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
-                .with_context(|| format!("writing {}", path.display()))?;
-            written.push(path);
-        }
-    }
-    if !figures.is_empty() {
-        let path = sh::workspace_root().join(figures::FILE);
-        figures::record(&path, &env.machine, &figures)?;
-        written.push(path);
-    }
-    println!();
-    for p in written {
-        println!("wrote {}", p.display());
-    }
-    Ok(())
+        "ring" => (ring::run(env)?, None),
+        "rules" => (rules::run(env)?, None),
+        "nft-rules" => (nft_rules::run(env)?, None),
+        "refusals" => (refusals::run(env)?, None),
+        "nft-mutex" => (nft_mutex::run(env)?, None),
+        "idle" => (idle::run(env)?, None),
+        _ => unreachable!("checked above"),
+    })
+}
+
+/// `target/bench/<file>.json`: the results `v` with the machine, the load averages (before,
+/// after) and the time the bench took.
+fn write_result(
+    env: &Env,
+    file: &str,
+    v: Value,
+    (load_before, load_after): (&str, &str),
+    took: f64,
+) -> Result<PathBuf> {
+    let path = env.out_dir.join(format!("{file}.json"));
+    let doc = json!({
+        "bench": file,
+        "machine": env.machine,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "took_s": took,
+        "results": v,
+    });
+    fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
 }
 
 impl Env {

@@ -8,6 +8,7 @@
 //! `nft list ruleset` of the same namespace (the same netlink dumps, printed as text).
 use std::{
     fs,
+    path::Path,
     time::{Duration, Instant},
 };
 
@@ -60,10 +61,57 @@ struct Column {
     rationed: usize,
 }
 
+/// The tracer configurations, untraced first: (name, xtlock's extra arguments).
+type Config = (&'static str, Option<&'static [&'static str]>);
+
 pub fn run(env: &Env) -> Result<Value> {
     let ns = Netns::new("nft")?;
     let lock = env.scratch.join("nft-rules.lock");
     fs::write(&lock, b"")?;
+    let (rules, chains) = load_ruleset(env, &ns)?;
+    let mut list_ms = Dist::default();
+    let configs: [Config; 3] = [
+        ("untraced", None),
+        ("xtlock --no-rule-reads", Some(&["--no-rule-reads"])),
+        ("xtlock (reads on)", Some(&[])),
+    ];
+    let mut cols: Vec<Column> = configs.iter().map(|_| Column::default()).collect();
+    for rep in 0..env.reps {
+        let t = Instant::now();
+        output(ns.cmd("nft").args(["list", "ruleset"]))?;
+        list_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        for (config, col) in configs.iter().zip(cols.iter_mut()) {
+            writes(env, &ns, &lock, rep, *config, col)?;
+        }
+    }
+    let (per_read_cpu, rss_added, writer_delay) = report(&configs, &cols, &list_ms);
+    Ok(json!({
+        "services": SERVICES,
+        "endpoints_per_service": ENDPOINTS,
+        "rules": rules,
+        "chains": chains,
+        "writes_per_run": WRITES,
+        "nft_list_ms": list_ms.json(),
+        "columns": configs.iter().zip(&cols).map(|((name, _), c)| json!({
+            "tracer": name,
+            "writer_ms_per_write": c.write_ms.json(),
+            "cpu_ms_per_write": c.cpu_ms.json(),
+            "reads_per_write": c.reads.json(),
+            "peak_rss_mib": c.rss_mib.json(),
+            "modelled": c.modelled,
+            "skipped": c.skipped,
+            "skipped_why": c.why,
+            "rationed_runs": c.rationed,
+        })).collect::<Vec<_>>(),
+        "read_parse_diff_cpu_ms": per_read_cpu,
+        "peak_rss_added_mib": rss_added,
+        "writer_delay_ms": writer_delay,
+    }))
+}
+
+/// The generated ruleset loaded into `ns` and listed once, both timed and said in the
+/// heading: (rules, chains).
+fn load_ruleset(env: &Env, ns: &Netns) -> Result<(usize, usize)> {
     let rules_file = generated(env, "nft-ruleset", SERVICES, ENDPOINTS)?;
     let t = Instant::now();
     output(ns.cmd("nft").arg("-f").arg(&rules_file))?;
@@ -90,75 +138,81 @@ pub fn run(env: &Env) -> Result<Value> {
          ({WRITES} small transactions a run, each read waited for; loaded in {load_s:.1} s; `nft list \
          ruleset` {list_first_ms:.0} ms)"
     );
-    let mut list_ms = Dist::default();
-    let configs: [(&str, Option<&[&str]>); 3] = [
-        ("untraced", None),
-        ("xtlock --no-rule-reads", Some(&["--no-rule-reads"])),
-        ("xtlock (reads on)", Some(&[])),
-    ];
-    let mut cols: Vec<Column> = configs.iter().map(|_| Column::default()).collect();
-    for rep in 0..env.reps {
+    Ok((rules, chains))
+}
+
+/// One run of [`WRITES`] transactions under `config`, each read waited for when traced: the
+/// writer's time, and xtlock's CPU, memory, reads and Service model into `col`.
+fn writes(
+    env: &Env,
+    ns: &Netns,
+    lock: &Path,
+    rep: usize,
+    (name, extra): Config,
+    col: &mut Column,
+) -> Result<()> {
+    let session = traced(env, &format!("nft-rules-{rep}-{name}"), lock, extra)?;
+    let cpu0 = session.cpu_ns();
+    let mut took = Dist::default();
+    for w in 0..WRITES {
+        let op = if w % 2 == 0 { "add" } else { "delete" };
         let t = Instant::now();
-        output(ns.cmd("nft").args(["list", "ruleset"]))?;
-        list_ms.push(t.elapsed().as_secs_f64() * 1e3);
-        for ((name, extra), col) in configs.iter().zip(cols.iter_mut()) {
-            let session = traced(env, &format!("nft-rules-{rep}-{name}"), &lock, *extra)?;
-            let cpu0 = session.cpu_ns();
-            let mut took = Dist::default();
-            for w in 0..WRITES {
-                let op = if w % 2 == 0 { "add" } else { "delete" };
-                let t = Instant::now();
-                output(
-                    ns.cmd("nft")
-                        .args([op, "chain", "ip", "kube-proxy", "xtlbench"]),
-                )?;
-                took.push(t.elapsed().as_secs_f64() * 1e3);
-                // Its read finishes before the next write (xtlock's CPU stops growing): one
-                // read a write, the first one the namespace's baseline.
-                if extra.is_some() {
-                    settle(
-                        &session,
-                        Duration::from_millis(400),
-                        4_000_000,
-                        Duration::from_secs(60),
-                    );
-                }
-            }
-            let cpu = session.cpu_ns().saturating_sub(cpu0);
-            let rss = session.pid().and_then(peak_rss_mib);
-            let out = session.out.clone();
-            let err = session.err.clone();
-            let stopped = session.stop()?;
-            if fs::read_to_string(&err).is_ok_and(|e| e.contains(RATIONED)) {
-                col.rationed += 1;
-            }
-            col.write_ms.push(took.median());
-            if extra.is_some() {
-                col.cpu_ms.push(cpu as f64 / 1e6 / WRITES as f64);
-                if let Some(r) = rss {
-                    col.rss_mib.push(r);
-                }
-                let f = RuleFacts::read(&out);
-                col.skipped += f.skipped;
-                for w in f.why {
-                    if !col.why.contains(&w) {
-                        col.why.push(w);
-                    }
-                }
-                // Every read after the baseline sees its write's change; the baseline's says
-                // nothing (and without reads there is none).
-                let reads = if f.facts > 0 { f.facts + 1 } else { 0 };
-                col.reads.push(reads as f64 / WRITES as f64);
-                if stopped.lost_events > 0 {
-                    println!("  ({name}: {} events lost)", stopped.lost_events);
-                }
-                if let Some(sum) = &stopped.summary {
-                    let n = |k: &str| sum["services"][k].as_u64().unwrap_or(0);
-                    col.modelled.push((n("services"), n("endpoints")));
-                }
-            }
+        output(
+            ns.cmd("nft")
+                .args([op, "chain", "ip", "kube-proxy", "xtlbench"]),
+        )?;
+        took.push(t.elapsed().as_secs_f64() * 1e3);
+        // Its read finishes before the next write (xtlock's CPU stops growing): one
+        // read a write, the first one the namespace's baseline.
+        if extra.is_some() {
+            settle(
+                &session,
+                Duration::from_millis(400),
+                4_000_000,
+                Duration::from_secs(60),
+            );
         }
     }
+    let cpu = session.cpu_ns().saturating_sub(cpu0);
+    let rss = session.pid().and_then(peak_rss_mib);
+    let out = session.out.clone();
+    let err = session.err.clone();
+    let stopped = session.stop()?;
+    if fs::read_to_string(&err).is_ok_and(|e| e.contains(RATIONED)) {
+        col.rationed += 1;
+    }
+    col.write_ms.push(took.median());
+    if extra.is_none() {
+        return Ok(());
+    }
+    col.cpu_ms.push(cpu as f64 / 1e6 / WRITES as f64);
+    if let Some(r) = rss {
+        col.rss_mib.push(r);
+    }
+    let f = RuleFacts::read(&out);
+    col.skipped += f.skipped;
+    for w in f.why {
+        if !col.why.contains(&w) {
+            col.why.push(w);
+        }
+    }
+    // Every read after the baseline sees its write's change; the baseline's says
+    // nothing (and without reads there is none).
+    let reads = if f.facts > 0 { f.facts + 1 } else { 0 };
+    col.reads.push(reads as f64 / WRITES as f64);
+    if stopped.lost_events > 0 {
+        println!("  ({name}: {} events lost)", stopped.lost_events);
+    }
+    if let Some(sum) = &stopped.summary {
+        let n = |k: &str| sum["services"][k].as_u64().unwrap_or(0);
+        col.modelled.push((n("services"), n("endpoints")));
+    }
+    Ok(())
+}
+
+/// The table, then what reads add (reads off against on) and the Service model: (xtlock's
+/// CPU a read, if any, its added peak memory, the writer's delay).
+fn report(configs: &[Config], cols: &[Column], list_ms: &Dist) -> (Option<f64>, f64, f64) {
     let mut rows = vec![vec![
         "".to_string(),
         "writer ms/write".to_string(),
@@ -166,7 +220,7 @@ pub fn run(env: &Env) -> Result<Value> {
         "reads/write".to_string(),
         "xtlock peak RSS MiB".to_string(),
     ]];
-    for ((name, extra), c) in configs.iter().zip(&cols) {
+    for ((name, extra), c) in configs.iter().zip(cols) {
         let traced = extra.is_some();
         rows.push(vec![
             name.to_string(),
@@ -210,26 +264,5 @@ pub fn run(env: &Env) -> Result<Value> {
         "  the Service model at the end of each run with reads on (service ports, endpoints): {:?}",
         on.modelled
     );
-    Ok(json!({
-        "services": SERVICES,
-        "endpoints_per_service": ENDPOINTS,
-        "rules": rules,
-        "chains": chains,
-        "writes_per_run": WRITES,
-        "nft_list_ms": list_ms.json(),
-        "columns": configs.iter().zip(&cols).map(|((name, _), c)| json!({
-            "tracer": name,
-            "writer_ms_per_write": c.write_ms.json(),
-            "cpu_ms_per_write": c.cpu_ms.json(),
-            "reads_per_write": c.reads.json(),
-            "peak_rss_mib": c.rss_mib.json(),
-            "modelled": c.modelled,
-            "skipped": c.skipped,
-            "skipped_why": c.why,
-            "rationed_runs": c.rationed,
-        })).collect::<Vec<_>>(),
-        "read_parse_diff_cpu_ms": per_read_cpu,
-        "peak_rss_added_mib": rss_added,
-        "writer_delay_ms": writer_delay,
-    }))
+    (per_read_cpu, rss_added, writer_delay)
 }

@@ -6,6 +6,8 @@
 //! ECONNREFUSED count and the rule's packet counter. With `--bpf-stats`, the BPF time each
 //! tracer's programs spent per refused connection (every program it loaded), per program.
 
+use std::path::Path;
+
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
@@ -71,6 +73,40 @@ fn xtlock_count(out: &std::path::Path, inum: u64) -> Option<u64> {
 pub fn run(env: &Env) -> Result<Value> {
     let clients = env.cores.max(1);
     let net = Net::new()?;
+    reject(&net)?;
+    let mut tracers = vec![Tracer::None, Tracer::Bpftrace, Tracer::Xtlock];
+    if env.baseline.is_some() {
+        tracers.push(Tracer::Baseline);
+    }
+    let mut cols: Vec<Col> = tracers.iter().map(|_| Col::default()).collect();
+    let secs = format!("{}", env.secs * 2.0);
+    let args: Vec<Vec<String>> = (0..clients)
+        .map(|_| {
+            ["connect", DST, PORT, "--secs", &secs]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        })
+        .collect();
+    let lock = env.scratch.join("refusals.lock");
+    std::fs::write(&lock, b"")?;
+    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
+    for (rep, ti, t) in rotation(env.reps, &tracers) {
+        storm(env, &net, &args, &lock, rep, t, &mut cols[ti])?;
+    }
+    eprint!("{:40}\r", "");
+    let out_cols = report(env, clients, &tracers, &cols);
+    Ok(json!({
+        "clients": clients,
+        "secs_per_run": env.secs * 2.0,
+        "reps": env.reps,
+        "columns": out_cols,
+        "bpftrace_script": SCRIPT,
+    }))
+}
+
+/// The REJECT rule in the receiving namespace, and its ICMP limits lifted.
+fn reject(net: &Net) -> Result<()> {
     net.iptables(&[
         "-A",
         "INPUT",
@@ -94,66 +130,65 @@ pub fn run(env: &Env) -> Result<Value> {
             println!("  (could not set {kv} in the namespace: {e:#})");
         }
     }
-    let mut tracers = vec![Tracer::None, Tracer::Bpftrace, Tracer::Xtlock];
-    if env.baseline.is_some() {
-        tracers.push(Tracer::Baseline);
+    Ok(())
+}
+
+/// One run of the clients (`args`) under tracer `t`: rate, CPU, BPF programs and the three
+/// counts into `col`.
+fn storm(
+    env: &Env,
+    net: &Net,
+    args: &[Vec<String>],
+    lock: &Path,
+    rep: usize,
+    t: Tracer,
+    col: &mut Col,
+) -> Result<()> {
+    net.iptables(&["-Z", "INPUT"])?;
+    let tag = format!("refusals-{}-{rep}", t.name());
+    let s = Session::of(env, t, &tag, SCRIPT, &[lock], &[])?;
+    let ids = if env.bpf_stats {
+        s.prog_ids()
+    } else {
+        Vec::new()
+    };
+    let p0 = ProgStats::read(&ids);
+    let c0 = s.cpu_ns();
+    let r = run::loads(env, &["ip", "netns", "exec", &net.a], args)?;
+    let c1 = s.cpu_ns();
+    let p1 = ProgStats::read(&ids);
+    let out = s.out.clone();
+    let st = s.stop()?;
+    let rule = net.reject_counter()?;
+    let refused: u64 = r.iter().map(|l| l.cycles).sum();
+    let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
+    if env.bpf_stats && t != Tracer::None {
+        add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), refused);
     }
-    let mut cols: Vec<Col> = tracers.iter().map(|_| Col::default()).collect();
-    let secs = format!("{}", env.secs * 2.0);
-    let args: Vec<Vec<String>> = (0..clients)
-        .map(|_| {
-            ["connect", DST, PORT, "--secs", &secs]
+    col.rate.push(refused as f64 / wall);
+    let cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
+    col.cpu_per.push(cpu as f64 / refused.max(1) as f64);
+    let counted = match t {
+        Tracer::None => None,
+        Tracer::Bpftrace => Some(
+            st.maps
                 .iter()
-                .map(|s| s.to_string())
-                .collect()
-        })
-        .collect();
-    let lock = env.scratch.join("refusals.lock");
-    std::fs::write(&lock, b"")?;
-    let _stats = env.bpf_stats.then(BpfStats::enable).transpose()?;
-    for (rep, ti, t) in rotation(env.reps, &tracers) {
-        net.iptables(&["-Z", "INPUT"])?;
-        let tag = format!("refusals-{}-{rep}", t.name());
-        let s = Session::of(env, t, &tag, SCRIPT, &[&lock], &[])?;
-        let ids = if env.bpf_stats {
-            s.prog_ids()
-        } else {
-            Vec::new()
-        };
-        let p0 = ProgStats::read(&ids);
-        let c0 = s.cpu_ns();
-        let r = run::loads(env, &["ip", "netns", "exec", &net.a], &args)?;
-        let c1 = s.cpu_ns();
-        let p1 = ProgStats::read(&ids);
-        let out = s.out.clone();
-        let st = s.stop()?;
-        let rule = net.reject_counter()?;
-        let refused: u64 = r.iter().map(|l| l.cycles).sum();
-        let wall = r.iter().map(|l| l.wall_ns).max().unwrap_or(1) as f64 / 1e9;
-        let col = &mut cols[ti];
-        if env.bpf_stats && t != Tracer::None {
-            add_bpf_runs(&mut col.bpf_ns_per, &mut col.progs, p1.since(&p0), refused);
-        }
-        col.rate.push(refused as f64 / wall);
-        let cpu: u64 = r.iter().map(|l| l.cpu_ns).sum();
-        col.cpu_per.push(cpu as f64 / refused.max(1) as f64);
-        let counted = match t {
-            Tracer::None => None,
-            Tracer::Bpftrace => Some(
-                st.maps
-                    .iter()
-                    .find(|(k, _)| k == BPFTRACE_KEY)
-                    .map_or(0, |(_, v)| *v),
-            ),
-            _ => xtlock_count(&out, net.b_inum),
-        };
-        if t != Tracer::None {
-            col.tracer_cpu_per
-                .push(c1.saturating_sub(c0) as f64 / refused.max(1) as f64);
-        }
-        col.counts.push((counted, refused, rule));
+                .find(|(k, _)| k == BPFTRACE_KEY)
+                .map_or(0, |(_, v)| *v),
+        ),
+        _ => xtlock_count(&out, net.b_inum),
+    };
+    if t != Tracer::None {
+        col.tracer_cpu_per
+            .push(c1.saturating_sub(c0) as f64 / refused.max(1) as f64);
     }
-    eprint!("{:40}\r", "");
+    col.counts.push((counted, refused, rule));
+    Ok(())
+}
+
+/// The table of refusals a second, CPU and counts (and with bpf_stats the programs'); each
+/// column's JSON.
+fn report(env: &Env, clients: usize, tracers: &[Tracer], cols: &[Col]) -> Vec<Value> {
     println!(
         "\n== 8. Refusal storm: TCP connects into an ICMP REJECT rule, {clients} clients, \
          {} s runs (median ±spread of {})",
@@ -170,7 +205,7 @@ pub fn run(env: &Env) -> Result<Value> {
         "counted = clients' = rule's, every run".into(),
     ]];
     let mut out_cols = Vec::new();
-    for (t, c) in tracers.iter().zip(&cols) {
+    for (t, c) in tracers.iter().zip(cols) {
         let exact = c
             .counts
             .iter()
@@ -221,17 +256,11 @@ pub fn run(env: &Env) -> Result<Value> {
         );
         let per: Vec<_> = tracers
             .iter()
-            .zip(&cols)
+            .zip(cols)
             .skip(1)
             .map(|(t, c)| (t.name(), &c.bpf_ns_per, &c.progs))
             .collect();
         bpf_programs_table("refusal", &per);
     }
-    Ok(json!({
-        "clients": clients,
-        "secs_per_run": env.secs * 2.0,
-        "reps": env.reps,
-        "columns": out_cols,
-        "bpftrace_script": SCRIPT,
-    }))
+    out_cols
 }

@@ -1,5 +1,5 @@
 #!/bin/busybox sh
-# /init of xtlock's test VM (`cargo xtask vm-test`, xtask/src/vm.rs writes /etc/xtlock-vm/).
+# /init of xtlock's test VM (`cargo xtask vm-test`, xtask/src/vm/guest.rs writes /etc/xtlock-vm/).
 # Mounts the host's root read-only over 9p under a throwaway overlay, tmpfs on /tmp and /run
 # like a node, the results folder read-write over 9p, loads the configured modules, runs
 # /etc/xtlock-vm/run.sh as root chrooted into that root, and reports its exit status in
