@@ -13,6 +13,7 @@ use crate::event::shared;
 
 pub mod ct_entry;
 pub mod ipvs_nl;
+pub mod netlink;
 pub mod nft_table;
 pub mod xt_bytes;
 pub(crate) mod xt_ext;

@@ -5,17 +5,18 @@
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    process::{Child, Command},
+    process::Command,
     time::{Duration, Instant},
 };
 
 use anyhow::{bail, ensure, Context as _, Result};
 use serde_json::Value;
 
+use super::round::{contention_round, Round};
 use super::{
-    calico_adds_drop_rule, continuous, fleet::fleet_run, kubelet_gives_up, lock_inode,
-    manifest::PodRun, node_drop_rule, node_fs, prom, promql, record_dir, rule_packets, secs,
-    send_udp, until_lock, CaptureGuard, Node, Restore, Scrape, DROPPED, DROP_PORT, LOCK,
+    calico_adds_drop_rule, continuous, fleet::fleet_run, lock_inode, manifest::PodRun,
+    node_drop_rule, node_fs, prom, promql, record_dir, rule_packets, secs, send_udp, CaptureGuard,
+    Node, Scrape, DROPPED, DROP_PORT, LOCK,
 };
 
 /// The main run: contention, a timeout, drops, metrics against what was done, readiness,
@@ -391,56 +392,4 @@ fn capture_replays(node: &Node, files: &BTreeMap<PathBuf, u64>) -> Result<bool> 
         }
     );
     Ok(ok)
-}
-
-/// When each step of a contention round happened, and /metrics during its hold.
-pub(super) struct Round {
-    pub(super) kp_spawned: Instant,
-    pub(super) first_write: Instant,
-    pub(super) kp_seen: Instant,
-    pub(super) commit_at: Instant,
-    pub(super) kp_exit: Instant,
-    pub(super) cn_spawned: Instant,
-    pub(super) cn_seen: Instant,
-    pub(super) cn_exit: Instant,
-    pub(super) during_hold: String,
-}
-
-/// kube-proxy's restore holds the lock while calico-node's `iptables -w` (started by
-/// `calico`) waits and kubelet's `-w 1` gives up; then the restore commits and calico-node
-/// goes on. Both must succeed.
-pub(super) fn contention_round(
-    node: &Node,
-    pod: &PodRun,
-    ino: u64,
-    calico: impl FnOnce() -> Result<Child>,
-) -> Result<Round> {
-    let restore = Restore::start(node)?;
-    let kp_seen = until_lock(ino, false, "kube-proxy's restore to hold the lock")?;
-    let cn_spawned = Instant::now();
-    let mut calico = calico()?;
-    let cn_seen = until_lock(ino, true, "calico-node to wait for the lock")?;
-    kubelet_gives_up(node)?;
-    std::thread::sleep(Duration::from_millis(300));
-    let (_, during_hold) = node.get(pod, "/metrics")?;
-    let (first_write, kp_spawned) = (restore.first_write, restore.spawned);
-    let (commit_at, kp_status, kp_exit) = restore.commit()?;
-    ensure!(kp_status == 0, "the restore failed ({kp_status})");
-    let cn_status = calico.wait()?.code().unwrap_or(-1);
-    let cn_exit = Instant::now();
-    ensure!(
-        cn_status == 0,
-        "calico-node's iptables -w failed ({cn_status})"
-    );
-    Ok(Round {
-        kp_spawned,
-        first_write,
-        kp_seen,
-        commit_at,
-        kp_exit,
-        cn_spawned,
-        cn_seen,
-        cn_exit,
-        during_hold,
-    })
 }

@@ -4,9 +4,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::{
-    agent_iptables, contention::contention_round, manifest::PodRun, node_fs, prom, secs, Node,
-};
+use super::{agent_iptables, manifest::PodRun, node_fs, prom, round::contention_round, secs, Node};
 
 /// A second round of the contention (the first made the series: a counter's first step is
 /// invisible to rate()), then what Prometheus made of it through the recording rules and the

@@ -67,6 +67,7 @@ mod node_fs;
 mod privileges;
 mod prom;
 mod promql;
+mod round;
 mod scrape;
 
 // The steps' files reach these through `super::`.

@@ -1,19 +1,14 @@
 //! CI's order: the x86-64 matrix ([`MATRIX`]) and the arm64 part ([`ARM64_MATRIX`]) from one
 //! queue, the arm64 guests first; and docs/kernels.md written from their results
 //! (`cargo xtask kernels-doc` too).
-use std::{
-    env,
-    path::{Path, PathBuf},
-    sync::Arc,
-    time::Instant,
-};
+use std::{env, path::Path, sync::Arc, time::Instant};
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, Result};
 
 use super::{
     cargo_build::target_dir,
     kernel,
-    plan::{finish, plan_args, run_args, Plan, Pool},
+    plan::{finish, kernels_doc_path, plan_args, run_args, Plan, Pool, KERNELS_DOC},
     TestRun, VmArgs, ARM64_MATRIX,
 };
 use crate::{arch::Arch, sh};
@@ -169,28 +164,6 @@ pub fn run_arm64_default() -> Result<String> {
         bail!("{}", failures.join("\n"));
     }
     Ok(lines.join("; "))
-}
-
-/// Written from the results of a run of every series.
-const KERNELS_DOC: &str = "docs/kernels.md";
-
-/// Where a run's regenerated docs/kernels.md goes: the tracked file, except under CI, which
-/// leaves the clone's tracked files as they were: there a copy beside the results (to copy
-/// in by hand, `cargo xtask kernels-doc`, when it says something new).
-pub(super) fn kernels_doc_path(root: &Path, results: &Path) -> Result<PathBuf> {
-    let tracked = root.join(KERNELS_DOC);
-    if !in_ci() {
-        return Ok(tracked);
-    }
-    let copy = results.join("kernels.md");
-    std::fs::copy(&tracked, &copy)
-        .with_context(|| format!("copying {} to {}", tracked.display(), copy.display()))?;
-    Ok(copy)
-}
-
-/// `CI=true` (or `1`): a CI run, which leaves tracked files alone.
-fn in_ci() -> bool {
-    env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
 /// `cargo xtask kernels-doc`.

@@ -14,7 +14,6 @@ use anyhow::{bail, Context as _, Result};
 use super::{
     args::{single_kernel, spec, verdict},
     cargo_build::{arch_target, build, target_dir, test_binaries},
-    ci::kernels_doc_path,
     guest::run_spec,
     kernel, qemu, GuestCommand, Report, Spec, VmArgs, DEFAULT_FILTERED, DEFAULT_TESTS,
     DEFAULT_VARIANTS, MATRIX, MATRIX_LEAVES_OUT,
@@ -424,4 +423,26 @@ fn run_spec_labelled(spec: &Spec, label: &str) -> Result<Report> {
         format!("vm {label}| ")
     };
     run_spec(spec, &prefix)
+}
+
+/// Written from the results of a run of every series.
+pub(super) const KERNELS_DOC: &str = "docs/kernels.md";
+
+/// Where a run's regenerated docs/kernels.md goes: the tracked file, except under CI, which
+/// leaves the clone's tracked files as they were: there a copy beside the results (to copy
+/// in by hand, `cargo xtask kernels-doc`, when it says something new).
+pub(super) fn kernels_doc_path(root: &Path, results: &Path) -> Result<PathBuf> {
+    let tracked = root.join(KERNELS_DOC);
+    if !in_ci() {
+        return Ok(tracked);
+    }
+    let copy = results.join("kernels.md");
+    std::fs::copy(&tracked, &copy)
+        .with_context(|| format!("copying {} to {}", tracked.display(), copy.display()))?;
+    Ok(copy)
+}
+
+/// `CI=true` (or `1`): a CI run, which leaves tracked files alone.
+fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }

@@ -436,8 +436,8 @@ impl DropTracker {
         let r = HoldRef {
             lock: h.lock.clone(),
             pid: h.pid,
-            agent: h.agent.clone(),
-            comm: h.comm.clone(),
+            agent: h.who.agent.clone(),
+            comm: h.who.comm.clone(),
             start_ns: h.start_ns,
             hold_ns: Some(h.hold_ns),
         };

@@ -175,7 +175,7 @@ pub struct LostFact {
     pub bound: Option<&'static str>,
 }
 
-// ---- from lock.rs
+// ---- from xtables_lock.rs and nf_tables_lock.rs
 
 /// How a wait ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -268,16 +268,48 @@ impl From<&Attribution> for HolderRef {
     }
 }
 
+/// Who a hold, wait or timeout is about: the process and what it belongs to, one shape made
+/// from its [`Attribution`], its fields flattened into the fact's JSON.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Who {
+    pub comm: SharedStr,
+    pub agent: SharedStr,
+    pub role: &'static str,
+    pub cmdline: SharedStr,
+    pub agent_pid: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_uid: Option<SharedStr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<SharedStr>,
+    /// Namespace, pod and container, when the kubelet named them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<Arc<PodName>>,
+}
+
+impl From<&Attribution> for Who {
+    fn from(a: &Attribution) -> Self {
+        Who {
+            comm: a.comm.clone(),
+            agent: a.agent.clone(),
+            role: a.role,
+            cmdline: a.cmdline.clone(),
+            agent_pid: a.agent_pid,
+            pod_uid: a.pod_uid.clone(),
+            container_id: a.container_id.clone(),
+            pod: a.pod.clone(),
+        }
+    }
+}
+
 /// The lock was held from `start_ns` for `hold_ns`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct HoldFact {
     pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: SharedStr,
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub cmdline: SharedStr,
+    /// Who held it.
+    #[serde(flatten)]
+    pub who: Who,
     pub start_ns: u64,
     pub hold_ns: u64,
     #[serde(serialize_with = "hex")]
@@ -309,17 +341,9 @@ pub struct HoldFact {
     /// began, so `hold_ns` is a lower bound.
     #[serde(skip_serializing_if = "is_false")]
     pub before_start: bool,
-    pub agent_pid: u32,
     /// Pid whose close released it, when that was seen.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub released_by: Option<u32>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<SharedStr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<SharedStr>,
-    /// Namespace, pod and container, when the kubelet named them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
     /// Still held when tracing ended: `hold_ns` is a lower bound.
     pub open: bool,
     /// The end was inferred (release lost or late): `hold_ns` is approximate.
@@ -596,10 +620,9 @@ pub struct WaitFact {
     pub lock: SharedStr,
     pub pid: u32,
     pub tid: u32,
-    pub comm: SharedStr,
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub cmdline: SharedStr,
+    /// Who waited.
+    #[serde(flatten)]
+    pub who: Who,
     pub start_ns: u64,
     pub wait_ns: u64,
     /// Everyone who held the lock during the wait, first to last, one entry per pid (at
@@ -625,14 +648,6 @@ pub struct WaitFact {
     /// Syscall return that ended a timed-out blocking wait.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ret: Option<i64>,
-    pub agent_pid: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<SharedStr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<SharedStr>,
-    /// Namespace, pod and container, when the kubelet named them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
     /// Part of it was inferred (an event was lost).
     pub incomplete: bool,
 }
@@ -684,12 +699,9 @@ pub struct FailedTryFact {
 pub struct TimeoutFact {
     pub lock: SharedStr,
     pub pid: u32,
-    pub comm: SharedStr,
-    pub cmdline: SharedStr,
-    /// The caller (the iptables' nearest non-tool ancestor).
-    pub agent: SharedStr,
-    pub role: &'static str,
-    pub agent_pid: u32,
+    /// Who gave up; its agent is the caller (the iptables' nearest non-tool ancestor).
+    #[serde(flatten)]
+    pub who: Who,
     pub ts_ns: u64,
     pub exit_code: i32,
     /// How long it tried.
@@ -698,13 +710,6 @@ pub struct TimeoutFact {
     pub tries: u32,
     /// Who held the lock while it tried.
     pub holders: Vec<HolderRef>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod_uid: Option<SharedStr>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub container_id: Option<SharedStr>,
-    /// Namespace, pod and container, when the kubelet named them.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub pod: Option<Arc<PodName>>,
 }
 
 fn is_zero(v: &u64) -> bool {

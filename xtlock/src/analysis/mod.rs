@@ -11,8 +11,7 @@ pub mod drops;
 pub mod facts;
 pub mod iptables_run;
 pub mod ipvs;
-pub mod lock;
-pub mod nft_mutex;
+pub mod nf_tables_lock;
 pub mod procs;
 pub mod refusals;
 pub mod rule_drops;
@@ -20,6 +19,7 @@ pub mod rules;
 pub mod services;
 pub mod stats;
 pub mod unserialized;
+pub mod xtables_lock;
 
 use attribution::{is_xtables_comm, is_xtables_tool, Attributor};
 use cadence::Cadence;
@@ -31,17 +31,17 @@ pub use facts::{
     HoldFact, HoldRef, HoldRefusalsFact, HolderRef, HungRestore, IpvsCountFact, IpvsFact, LostFact,
     MixedBackendsFact, Output, PacketInfo, RefusalCountFact, RefusalFact, RefusalGroup,
     RefusalKind, Restored, RuleChangeFact, RuleWriteFact, StaleEndpointFact, StaleEndpointOpenFact,
-    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome, Waiting,
+    StallFact, TableTouch, TimeoutFact, WaitFact, WaitMode, WaitOutcome, Waiting, Who,
 };
 use iptables_run::IptablesRun;
 use ipvs::IpvsTracker;
-pub use lock::WatchedLock;
-use lock::{is_locking_proc, Ctx, LockMachine};
 use procs::{basename, ProcTable};
 pub use refusals::RefusalSummary;
 use refusals::RefusalTracker;
 use stats::Stats;
 pub use stats::Summary;
+pub use xtables_lock::WatchedLock;
+use xtables_lock::{is_locking_proc, Ctx, LockMachine};
 
 use crate::decode::{Event, ExecEvent, ExitEvent};
 
@@ -58,7 +58,10 @@ fn counted<'a>(stats: &'a mut Stats, out: &'a mut impl FnMut(Output)) -> impl Fn
 pub struct Analyzer {
     procs: ProcTable,
     attr: Attributor,
+    /// The xtables file lock (flock).
     locks: LockMachine,
+    /// The nf_tables commit locks and mutexes.
+    nf_tables: nf_tables_lock::NfTablesLock,
     stats: Stats,
     cadence: Cadence,
     rules: rules::RuleTracker,
@@ -80,6 +83,7 @@ impl Analyzer {
             procs: ProcTable::new(),
             attr: Attributor::new(),
             locks: LockMachine::new(locks),
+            nf_tables: Default::default(),
             stats: Stats::new(),
             cadence: Cadence::default(),
             rules: rules::RuleTracker::default(),
@@ -326,7 +330,15 @@ impl Analyzer {
                     procs: &self.procs,
                     attr: &mut self.attr,
                 };
-                self.locks.handle(ev, &mut cx, &mut emit);
+                match ev {
+                    Event::NftCommit(_) | Event::NftMutexWait(_) | Event::NftSend(_) => {
+                        // What the flock machine has due by this time is settled first, as
+                        // for any event.
+                        self.locks.tick(ev.ts_ns(), &mut cx, &mut emit);
+                        self.nf_tables.handle(ev, &mut cx, &mut emit);
+                    }
+                    _ => self.locks.handle(ev, &mut cx, &mut emit),
+                }
                 self.rules
                     .on_event(ev, &self.procs, &mut self.attr, &mut emit);
                 if let Some(t) = match ev {

@@ -157,8 +157,8 @@ impl RefusalTracker {
         self.on_hold_ref(HoldRef {
             lock: h.lock.clone(),
             pid: h.pid,
-            agent: h.agent.clone(),
-            comm: h.comm.clone(),
+            agent: h.who.agent.clone(),
+            comm: h.who.comm.clone(),
             start_ns: h.start_ns,
             hold_ns: Some(h.hold_ns),
         });

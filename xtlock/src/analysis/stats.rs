@@ -7,7 +7,7 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 
 use super::facts::Output;
-use super::lock::WatchedLock;
+use super::xtables_lock::WatchedLock;
 
 /// Histogram range: 1 µs resolution up to 1 hour, 3 significant figures.
 const HIST_LOW_NS: u64 = 1_000;
@@ -328,9 +328,9 @@ impl Stats {
     pub fn record(&mut self, o: &Output) {
         match o {
             Output::Hold(h) => {
-                slot(&mut self.holds, &h.agent).record(h.hold_ns);
+                slot(&mut self.holds, &h.who.agent).record(h.hold_ns);
                 if h.tables.iter().any(|t| t.entries.is_some()) {
-                    let a = slot(&mut self.tables, &h.agent);
+                    let a = slot(&mut self.tables, &h.who.agent);
                     a.holds += 1;
                     a.kernel_ns = a.kernel_ns.saturating_add(h.kernel_ns);
                     a.userspace_ns = a
@@ -351,7 +351,7 @@ impl Stats {
                     }
                 }
                 if let Some(b) = h.nft.as_ref().filter(|b| b.status != "unreadable") {
-                    let a = slot(&mut self.nft, &h.agent);
+                    let a = slot(&mut self.nft, &h.who.agent);
                     let n = b.changes();
                     a.commits += 1;
                     a.held_ns = a.held_ns.saturating_add(h.hold_ns);
@@ -367,13 +367,13 @@ impl Stats {
                 l.max_hold_ns = l.max_hold_ns.max(h.hold_ns);
             }
             Output::Wait(w) => {
-                slot(&mut self.waits, &w.agent).record(w.wait_ns);
+                slot(&mut self.waits, &w.who.agent).record(w.wait_ns);
                 slot(&mut self.per_lock, &w.lock).waits += 1;
                 *self.wait_outcomes.entry(w.outcome.as_str()).or_default() += 1;
                 // Once per distinct holder agent, with the time the wait spent behind
                 // that agent's holds (the holders' stretches add up to the wait).
                 let behind = w.behind_by_agent(UNKNOWN_HOLDER, OTHER_AGENTS);
-                let row = slot(&mut self.contention, &w.agent);
+                let row = slot(&mut self.contention, &w.who.agent);
                 for (holder, ns) in behind {
                     let c = slot(row, holder);
                     c.count += 1;
@@ -382,7 +382,7 @@ impl Stats {
                 }
             }
             Output::FailedTry(f) => *slot(&mut self.failed_tries, &f.agent) += 1,
-            Output::Timeout(t) => *slot(&mut self.timeouts, &t.agent) += 1,
+            Output::Timeout(t) => *slot(&mut self.timeouts, &t.who.agent) += 1,
             Output::Exec(e) => *slot(&mut self.execs, &e.agent) += 1,
             Output::Exit(e) => {
                 if e.code == Some(4) && !e.lock_timeout {

@@ -193,9 +193,9 @@ fn nft_commit_is_a_hold_of_the_second_lock() {
     assert_eq!(
         (
             h[0].pid,
-            h[0].comm.as_str(),
-            h[0].agent.as_str(),
-            h[0].agent_pid
+            h[0].who.comm.as_str(),
+            h[0].who.agent.as_str(),
+            h[0].who.agent_pid
         ),
         (300, "nft", "firewalld", 60)
     );
@@ -246,9 +246,9 @@ fn release_by_close_from_another_pid() {
     let h = h[0];
     assert_eq!((h.pid, h.hold_ns, h.start_ns), (200, 312 * MS, 100));
     assert_eq!(h.released_by, Some(7));
-    assert_eq!((h.agent.as_str(), h.role), ("kube-proxy", "proxy"));
-    assert_eq!(h.comm, "iptables-restor");
-    assert_eq!(h.cmdline, "iptables-restore -w 5 --noflush --counters");
+    assert_eq!((h.who.agent.as_str(), h.who.role), ("kube-proxy", "proxy"));
+    assert_eq!(h.who.comm, "iptables-restor");
+    assert_eq!(h.who.cmdline, "iptables-restore -w 5 --noflush --counters");
     assert!(!h.open && !h.incomplete);
 }
 
@@ -300,7 +300,7 @@ fn several_holds_per_restore_exec() {
     );
     assert_eq!((h[0].kernel_ns, h[0].replaces), (25 * MS, 2));
     assert_eq!((h[1].kernel_ns, h[1].replaces), (0, 0));
-    assert!(h.iter().all(|h| h.agent == "kube-proxy"));
+    assert!(h.iter().all(|h| h.who.agent == "kube-proxy"));
     assert_eq!(r.a.summary().holds["kube-proxy"].count, 3);
 }
 
@@ -496,7 +496,7 @@ fn go_style_poll_is_one_wait_and_counted_tries() {
         (WaitMode::Poll, WaitOutcome::Acquired, 5)
     );
     assert_eq!((w.start_ns, w.wait_ns), (S, S + 100 * MS));
-    assert_eq!((w.agent.as_str(), w.role), ("portmap", "cni"));
+    assert_eq!((w.who.agent.as_str(), w.who.role), ("portmap", "cni"));
     assert_eq!(w.holders.len(), 1);
     assert_eq!(
         (w.holders[0].pid, w.holders[0].agent.as_str()),
@@ -537,9 +537,12 @@ fn recycled_pid_gets_the_new_agent() {
         ]);
     let h = r.holds();
     assert_eq!(h.len(), 2);
-    assert_eq!(h[0].agent, "kube-proxy");
-    assert_eq!((h[1].agent.as_str(), h[1].role), ("calico-node", "cni"));
-    assert_eq!(h[1].cmdline, "iptables-legacy -w -A X");
+    assert_eq!(h[0].who.agent, "kube-proxy");
+    assert_eq!(
+        (h[1].who.agent.as_str(), h[1].who.role),
+        ("calico-node", "cni")
+    );
+    assert_eq!(h[1].who.cmdline, "iptables-legacy -w -A X");
 }
 
 #[test]
@@ -656,12 +659,15 @@ fn wait_behind_two_successive_holders() {
     let w = r.waits();
     assert_eq!(w.len(), 2, "{:?}", r.out);
     let fw = w.iter().find(|w| w.pid == 300).unwrap();
-    assert_eq!((fw.agent.as_str(), fw.role), ("firewalld", "firewall"));
+    assert_eq!(
+        (fw.who.agent.as_str(), fw.who.role),
+        ("firewalld", "firewall")
+    );
     assert_eq!(fw.start_ns, 195, "syscall entry before the deferral");
     assert_eq!(fw.wait_ns, S + 10 - 195);
     assert_eq!(fw.holders.iter().map(|h| h.pid).collect::<Vec<_>>(), [200]);
     let cal = w.iter().find(|w| w.pid == 400).unwrap();
-    assert_eq!(cal.agent, "calico-node");
+    assert_eq!(cal.who.agent, "calico-node");
     assert_eq!(
         (cal.outcome, cal.mode),
         (WaitOutcome::Acquired, WaitMode::Blocking)
@@ -901,7 +907,7 @@ fn wait_split_between_successive_holders() {
 /// the excess reported; holders per wait are capped and counted.
 #[test]
 fn open_holds_and_waits_are_bounded() {
-    use crate::analysis::lock::{MAX_HOLDERS, MAX_OPEN_HOLDS, MAX_OPEN_WAITS};
+    use crate::analysis::xtables_lock::{MAX_HOLDERS, MAX_OPEN_HOLDS, MAX_OPEN_WAITS};
     let mut r = Run::new();
     r.feed(&node());
     let n = 4 * MAX_OPEN_WAITS as u64;
@@ -977,7 +983,7 @@ fn pod_names_reach_the_facts() {
     let names: Vec<Option<String>> = r
         .holds()
         .iter()
-        .map(|h| h.pod.as_ref().map(|p| p.to_string()))
+        .map(|h| h.who.pod.as_ref().map(|p| p.to_string()))
         .collect();
     assert_eq!(
         names,
@@ -1042,15 +1048,15 @@ fn iptables_wait_timeout() {
     let w = w[0];
     assert_eq!((w.outcome, w.ret), (WaitOutcome::TimedOut, Some(-4)));
     assert_eq!((w.start_ns, w.wait_ns), (S - 50, 5 * S + 50));
-    assert_eq!(w.agent, "calico-node");
+    assert_eq!(w.who.agent, "calico-node");
     let t = r.timeouts();
     assert_eq!(t.len(), 1);
     let t = t[0];
     assert_eq!(
-        (t.pid, t.agent.as_str(), t.role),
+        (t.pid, t.who.agent.as_str(), t.who.role),
         (42, "calico-node", "cni")
     );
-    assert_eq!(t.agent_pid, 40, "the agent behind the shell");
+    assert_eq!(t.who.agent_pid, 40, "the agent behind the shell");
     assert_eq!(t.waited_ns, 5 * S + 50);
     assert_eq!(t.holders[0].agent, "kube-proxy");
     let exits: Vec<&ExitFact> = r
@@ -1110,7 +1116,7 @@ fn no_wait_option_fails_once_and_exits_4() {
     assert!(r.waits().is_empty(), "a single try is not a wait");
     let t = r.timeouts();
     assert_eq!(t.len(), 1);
-    assert_eq!((t[0].agent.as_str(), t[0].tries), ("firewalld", 1));
+    assert_eq!((t[0].who.agent.as_str(), t[0].tries), ("firewalld", 1));
     assert_eq!(t[0].holders[0].pid, 200);
 }
 
@@ -1184,7 +1190,7 @@ fn shell_then_restore_is_attributed_to_kube_proxy() {
         ]);
     let h = r.holds();
     assert_eq!(
-        (h[0].agent.as_str(), h[0].role, h[0].agent_pid),
+        (h[0].who.agent.as_str(), h[0].who.role, h[0].who.agent_pid),
         ("kube-proxy", "proxy", 100)
     );
     let execs: Vec<&ExecFact> = r

@@ -5,17 +5,16 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use netlink_packet_core::{NetlinkBuffer, NlaBuffer, NlasIterator};
-
-use super::nft_table::{
-    nlmsg_errno, NFGENMSG, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR, NLM_F_DUMP, NLM_F_REQUEST,
+use super::netlink::{
+    self, attrs, be_u16, be_u32, be_u64, bytes, nested, put_attr, Message, NFGENMSG,
+    NFNL_SUBSYS_CTNETLINK,
 };
+#[cfg(test)]
+use super::netlink::{Control, NLMSG_DONE, NLMSG_HDR};
 use crate::event::CtEntry;
 
-const NFNL_SUBSYS_CTNETLINK: u16 = 1;
 const IPCTNL_MSG_CT_NEW: u16 = 0;
 const IPCTNL_MSG_CT_GET: u16 = 1;
-const NLA_F_NESTED: u16 = 0x8000;
 
 // enum ctattr_type
 const CTA_TUPLE_ORIG: u16 = 1;
@@ -54,7 +53,8 @@ pub const IPS_DST_NAT: u32 = 1 << 5;
 /// `TCP_CONNTRACK_SYN_SENT`: a connection's SYN went out, nothing came back yet.
 pub const TCP_CONNTRACK_SYN_SENT: u8 = 1;
 
-/// One datagram of the answer.
+/// One message of the answer, for the tests.
+#[cfg(test)]
 #[derive(Debug, PartialEq, Eq)]
 pub enum CtMsg {
     Entry(CtEntry),
@@ -62,20 +62,6 @@ pub enum CtMsg {
     /// The kernel refused the dump (`errno`), e.g. `EINVAL` for a filter it does not know.
     Error(i32),
     Other,
-}
-
-pub(super) fn put_attr(b: &mut Vec<u8>, kind: u16, value: &[u8]) {
-    let len = 4 + value.len();
-    b.extend_from_slice(&(len as u16).to_ne_bytes());
-    b.extend_from_slice(&kind.to_ne_bytes());
-    b.extend_from_slice(value);
-    b.resize(b.len().div_ceil(4) * 4, 0);
-}
-
-pub(super) fn nested(kind: u16, inner: &[u8]) -> Vec<u8> {
-    let mut b = Vec::new();
-    put_attr(&mut b, kind | NLA_F_NESTED, inner);
-    b
 }
 
 /// A dump of the conntrack entries of `addr`'s family; with `filter`, only those whose
@@ -120,87 +106,35 @@ pub fn unanswered_request(seq: u32) -> Vec<u8> {
 }
 
 fn request(seq: u32, body: &[u8]) -> Vec<u8> {
-    let len = NLMSG_HDR + body.len();
-    let mut b = Vec::with_capacity(len);
-    b.extend_from_slice(&(len as u32).to_ne_bytes());
-    b.extend_from_slice(&((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET).to_ne_bytes());
-    b.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    b.extend_from_slice(&seq.to_ne_bytes());
-    b.extend_from_slice(&0u32.to_ne_bytes());
-    b.extend_from_slice(body);
-    b
+    netlink::dump((NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET, seq, body)
 }
 
-/// The messages of one datagram of a dump; an entry that does not parse is skipped (`Other`).
-pub fn messages(datagram: &[u8]) -> Result<Vec<CtMsg>, String> {
+/// The entry a message of a dump carries; `None` for any other message, or an entry that
+/// does not parse (skipped).
+pub fn entry(m: &Message<'_>) -> Option<CtEntry> {
+    if m.ty != (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW {
+        return None;
+    }
+    m.payload.get(NFGENMSG..).and_then(parse_entry)
+}
+
+/// The messages of one datagram of a dump, up to its end.
+#[cfg(test)]
+pub fn messages(datagram: &[u8]) -> Result<Vec<CtMsg>, netlink::FrameError> {
     let mut out = Vec::new();
-    for m in framed(datagram) {
-        let (ty, payload) = m?;
-        match ty {
-            NLMSG_DONE => {
+    for m in netlink::framed(datagram) {
+        let m = m?;
+        out.push(match m.control()? {
+            Some(Control::Done) => {
                 out.push(CtMsg::Done);
                 return Ok(out);
             }
-            NLMSG_ERROR => {
-                let errno = nlmsg_errno(payload).ok_or("short error message")?;
-                out.push(if errno == 0 {
-                    CtMsg::Other
-                } else {
-                    CtMsg::Error(-errno)
-                });
-            }
-            ty if ty == (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW => {
-                out.push(
-                    payload
-                        .get(NFGENMSG..)
-                        .and_then(parse_entry)
-                        .map_or(CtMsg::Other, CtMsg::Entry),
-                );
-            }
-            _ => out.push(CtMsg::Other),
-        }
+            Some(Control::Refused(errno)) => CtMsg::Error(errno),
+            Some(Control::Ack) => CtMsg::Other,
+            None => entry(&m).map_or(CtMsg::Other, CtMsg::Entry),
+        });
     }
     Ok(out)
-}
-
-/// The netlink messages of one datagram: each one's type and payload (after its header). A
-/// message that does not frame is an error, and ends the datagram.
-pub(super) fn framed(datagram: &[u8]) -> impl Iterator<Item = Result<(u16, &[u8]), String>> {
-    let mut at = 0usize;
-    std::iter::from_fn(move || {
-        let rest = datagram.get(at..).filter(|r| !r.is_empty())?;
-        let one = NetlinkBuffer::new_checked(rest)
-            .map_err(|e| e.to_string())
-            .and_then(|nl| {
-                let len = nl.length() as usize;
-                let payload = rest.get(NLMSG_HDR..len).ok_or("short netlink message")?;
-                Ok((nl.message_type(), payload, len))
-            });
-        Some(match one {
-            Ok((ty, payload, len)) => {
-                at += len.div_ceil(4).max(1) * 4;
-                Ok((ty, payload))
-            }
-            Err(e) => {
-                at = datagram.len();
-                Err(e)
-            }
-        })
-    })
-}
-
-/// The attributes of `b` by type (flags masked off); parsing stops at a malformed one.
-pub(super) fn attrs(b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
-    NlasIterator::new(b).map_while(|a| {
-        let a: NlaBuffer<&[u8]> = a.ok()?;
-        let (kind, len) = (a.kind() & !NLA_F_NESTED & 0x3fff, usize::from(a.length()));
-        let v = a.into_inner().get(4..len)?;
-        Some((kind, v))
-    })
-}
-
-pub(super) fn be<const N: usize>(v: &[u8]) -> Option<[u8; N]> {
-    v.get(..N)?.try_into().ok()
 }
 
 /// (source, destination, protocol) of a tuple.
@@ -211,10 +145,14 @@ fn tuple(b: &[u8]) -> Option<(SocketAddr, SocketAddr, u8)> {
             CTA_TUPLE_IP => {
                 for (k, v) in attrs(v) {
                     match k {
-                        CTA_IP_V4_SRC => src = be::<4>(v).map(|a| IpAddr::V4(Ipv4Addr::from(a))),
-                        CTA_IP_V4_DST => dst = be::<4>(v).map(|a| IpAddr::V4(Ipv4Addr::from(a))),
-                        CTA_IP_V6_SRC => src = be::<16>(v).map(|a| IpAddr::V6(Ipv6Addr::from(a))),
-                        CTA_IP_V6_DST => dst = be::<16>(v).map(|a| IpAddr::V6(Ipv6Addr::from(a))),
+                        CTA_IP_V4_SRC => src = bytes::<4>(v).map(|a| IpAddr::V4(Ipv4Addr::from(a))),
+                        CTA_IP_V4_DST => dst = bytes::<4>(v).map(|a| IpAddr::V4(Ipv4Addr::from(a))),
+                        CTA_IP_V6_SRC => {
+                            src = bytes::<16>(v).map(|a| IpAddr::V6(Ipv6Addr::from(a)))
+                        }
+                        CTA_IP_V6_DST => {
+                            dst = bytes::<16>(v).map(|a| IpAddr::V6(Ipv6Addr::from(a)))
+                        }
                         _ => {}
                     }
                 }
@@ -223,8 +161,8 @@ fn tuple(b: &[u8]) -> Option<(SocketAddr, SocketAddr, u8)> {
                 for (k, v) in attrs(v) {
                     match k {
                         CTA_PROTO_NUM => proto = v.first().copied().unwrap_or(0),
-                        CTA_PROTO_SRC_PORT => sport = be::<2>(v).map_or(0, u16::from_be_bytes),
-                        CTA_PROTO_DST_PORT => dport = be::<2>(v).map_or(0, u16::from_be_bytes),
+                        CTA_PROTO_SRC_PORT => sport = be_u16(v).unwrap_or(0),
+                        CTA_PROTO_DST_PORT => dport = be_u16(v).unwrap_or(0),
                         _ => {}
                     }
                 }
@@ -247,9 +185,9 @@ pub fn parse_entry(b: &[u8]) -> Option<CtEntry> {
         match k {
             CTA_TUPLE_ORIG => orig = tuple(v),
             CTA_TUPLE_REPLY => reply = tuple(v),
-            CTA_STATUS => e.status = be::<4>(v).map_or(0, u32::from_be_bytes),
-            CTA_TIMEOUT => e.timeout_s = be::<4>(v).map_or(0, u32::from_be_bytes),
-            CTA_ID => e.id = be::<4>(v).map_or(0, u32::from_be_bytes),
+            CTA_STATUS => e.status = be_u32(v).unwrap_or(0),
+            CTA_TIMEOUT => e.timeout_s = be_u32(v).unwrap_or(0),
+            CTA_ID => e.id = be_u32(v).unwrap_or(0),
             CTA_PROTOINFO => {
                 for (k, v) in attrs(v) {
                     if k == CTA_PROTOINFO_TCP {
@@ -264,7 +202,7 @@ pub fn parse_entry(b: &[u8]) -> Option<CtEntry> {
             CTA_COUNTERS_ORIG => {
                 for (k, v) in attrs(v) {
                     if k == CTA_COUNTERS_PACKETS {
-                        e.packets = be::<8>(v).map_or(0, u64::from_be_bytes);
+                        e.packets = be_u64(v).unwrap_or(0);
                     }
                 }
             }

@@ -5,10 +5,9 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use super::ct_entry::{attrs, be, framed, nested, put_attr};
-use super::nft_table::{
-    nlmsg_errno, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR, NLM_F_DUMP, NLM_F_REQUEST,
-};
+use super::netlink::{self, attrs, bytes, nested, put_attr, Message, GENLMSG, NLM_F_REQUEST};
+#[cfg(test)]
+use super::netlink::{Control, NLMSG_DONE, NLMSG_HDR};
 use crate::event::{IpvsDest, IpvsService};
 
 /// `GENL_ID_CTRL` and its commands and attributes.
@@ -16,8 +15,6 @@ const GENL_ID_CTRL: u16 = 0x10;
 const CTRL_CMD_GETFAMILY: u8 = 3;
 const CTRL_ATTR_FAMILY_ID: u16 = 1;
 const CTRL_ATTR_FAMILY_NAME: u16 = 2;
-/// `struct genlmsghdr`: cmd, version, reserved.
-const GENLMSG: usize = 4;
 const IPVS_GENL_VERSION: u8 = 1;
 const IPVS_CMD_GET_SERVICE: u8 = 4;
 const IPVS_CMD_GET_DEST: u8 = 8;
@@ -42,23 +39,19 @@ pub enum IpvsMsg {
     Family(u16),
     Service(IpvsService),
     Dest(IpvsDest),
+    #[cfg(test)]
     Done,
     /// The kernel refused (`errno`): `ENOENT` when no family of that name is registered.
+    #[cfg(test)]
     Error(i32),
     Other,
 }
 
 fn message(ty: u16, flags: u16, seq: u32, cmd: u8, version: u8, attrs: &[u8]) -> Vec<u8> {
-    let len = NLMSG_HDR + GENLMSG + attrs.len();
-    let mut b = Vec::with_capacity(len);
-    b.extend_from_slice(&(len as u32).to_ne_bytes());
-    b.extend_from_slice(&ty.to_ne_bytes());
-    b.extend_from_slice(&flags.to_ne_bytes());
-    b.extend_from_slice(&seq.to_ne_bytes());
-    b.extend_from_slice(&0u32.to_ne_bytes());
-    b.extend_from_slice(&[cmd, version, 0, 0]);
-    b.extend_from_slice(attrs);
-    b
+    let mut body = Vec::with_capacity(GENLMSG + attrs.len());
+    body.extend_from_slice(&[cmd, version, 0, 0]);
+    body.extend_from_slice(attrs);
+    netlink::request(ty, flags, seq, &body)
 }
 
 /// Asks the generic netlink controller for the id of the `IPVS` family.
@@ -72,7 +65,7 @@ pub fn family_request(seq: u32) -> Vec<u8> {
 pub fn services_request(family: u16, seq: u32) -> Vec<u8> {
     message(
         family,
-        NLM_F_REQUEST | NLM_F_DUMP,
+        NLM_F_REQUEST | netlink::NLM_F_DUMP,
         seq,
         IPVS_CMD_GET_SERVICE,
         IPVS_GENL_VERSION,
@@ -99,7 +92,7 @@ pub fn dests_request(family: u16, seq: u32, svc: &IpvsService) -> Vec<u8> {
     }
     message(
         family,
-        NLM_F_REQUEST | NLM_F_DUMP,
+        NLM_F_REQUEST | netlink::NLM_F_DUMP,
         seq,
         IPVS_CMD_GET_DEST,
         IPVS_GENL_VERSION,
@@ -119,18 +112,18 @@ fn addr_bytes(ip: IpAddr) -> [u8; 16] {
 
 fn addr_of(af: u16, v: &[u8]) -> Option<IpAddr> {
     if af == libc::AF_INET6 as u16 {
-        be::<16>(v).map(|a| IpAddr::V6(Ipv6Addr::from(a)))
+        bytes::<16>(v).map(|a| IpAddr::V6(Ipv6Addr::from(a)))
     } else {
-        be::<4>(v).map(|a| IpAddr::V4(Ipv4Addr::from(a)))
+        bytes::<4>(v).map(|a| IpAddr::V4(Ipv4Addr::from(a)))
     }
 }
 
 fn ne_u32(v: &[u8]) -> u32 {
-    be::<4>(v).map_or(0, u32::from_ne_bytes)
+    netlink::ne_u32(v).unwrap_or(0)
 }
 
 fn ne_u16(v: &[u8]) -> u16 {
-    be::<2>(v).map_or(0, u16::from_ne_bytes)
+    netlink::ne_u16(v).unwrap_or(0)
 }
 
 fn service(b: &[u8]) -> Option<IpvsService> {
@@ -140,7 +133,7 @@ fn service(b: &[u8]) -> Option<IpvsService> {
             IPVS_SVC_ATTR_AF => af = ne_u16(v),
             IPVS_SVC_ATTR_PROTOCOL => proto = ne_u16(v),
             IPVS_SVC_ATTR_ADDR => addr = Some(v),
-            IPVS_SVC_ATTR_PORT => port = be::<2>(v).map_or(0, u16::from_be_bytes),
+            IPVS_SVC_ATTR_PORT => port = netlink::be_u16(v).unwrap_or(0),
             IPVS_SVC_ATTR_FWMARK => fwmark = ne_u32(v),
             _ => {}
         }
@@ -164,7 +157,7 @@ fn dest(b: &[u8], svc_af: Option<u16>) -> Option<IpvsDest> {
     for (k, v) in attrs(b) {
         match k {
             IPVS_DEST_ATTR_ADDR => addr = Some(v),
-            IPVS_DEST_ATTR_PORT => port = be::<2>(v).map_or(0, u16::from_be_bytes),
+            IPVS_DEST_ATTR_PORT => port = netlink::be_u16(v).unwrap_or(0),
             IPVS_DEST_ATTR_WEIGHT => weight = ne_u32(v),
             IPVS_DEST_ATTR_ACTIVE_CONNS => active = ne_u32(v),
             IPVS_DEST_ATTR_INACT_CONNS => inactive = ne_u32(v),
@@ -182,58 +175,44 @@ fn dest(b: &[u8], svc_af: Option<u16>) -> Option<IpvsDest> {
     })
 }
 
-/// The messages of one datagram of an answer; a message that does not parse is `Other`.
-/// `svc_af` is the family of the service whose real servers are asked for.
-pub fn messages(datagram: &[u8], svc_af: Option<u16>) -> Result<Vec<IpvsMsg>, String> {
+/// What one message of an answer says (not its end or a refusal: the dump loop's); a message
+/// that does not parse is `Other`. `svc_af` is the family of the service whose real servers
+/// are asked for.
+pub fn answer(m: &Message<'_>, svc_af: Option<u16>) -> IpvsMsg {
+    let body = m.payload.get(GENLMSG..).unwrap_or_default();
+    if m.ty == GENL_ID_CTRL {
+        return attrs(body)
+            .find(|(k, _)| *k == CTRL_ATTR_FAMILY_ID)
+            .map_or(IpvsMsg::Other, |(_, v)| IpvsMsg::Family(ne_u16(v)));
+    }
+    let mut msg = IpvsMsg::Other;
+    for (k, v) in attrs(body) {
+        match k {
+            IPVS_CMD_ATTR_SERVICE => msg = service(v).map_or(IpvsMsg::Other, IpvsMsg::Service),
+            IPVS_CMD_ATTR_DEST => msg = dest(v, svc_af).map_or(IpvsMsg::Other, IpvsMsg::Dest),
+            _ => {}
+        }
+    }
+    msg
+}
+
+/// The messages of one datagram of an answer, up to its end.
+#[cfg(test)]
+pub fn messages(datagram: &[u8], svc_af: Option<u16>) -> Result<Vec<IpvsMsg>, netlink::FrameError> {
     let mut out = Vec::new();
-    for m in framed(datagram) {
-        let (ty, payload) = m?;
-        match ty {
-            NLMSG_DONE => {
+    for m in netlink::framed(datagram) {
+        let m = m?;
+        out.push(match m.control()? {
+            Some(Control::Done) => {
                 out.push(IpvsMsg::Done);
                 return Ok(out);
             }
-            NLMSG_ERROR => {
-                let errno = nlmsg_errno(payload).ok_or("short error message")?;
-                out.push(if errno == 0 {
-                    IpvsMsg::Other
-                } else {
-                    IpvsMsg::Error(-errno)
-                });
-            }
-            GENL_ID_CTRL => {
-                let id = attrs(payload.get(GENLMSG..).unwrap_or_default())
-                    .find(|(k, _)| *k == CTRL_ATTR_FAMILY_ID)
-                    .map(|(_, v)| ne_u16(v));
-                out.push(id.map_or(IpvsMsg::Other, IpvsMsg::Family));
-            }
-            _ => {
-                let body = payload.get(GENLMSG..).unwrap_or_default();
-                let mut msg = IpvsMsg::Other;
-                for (k, v) in attrs(body) {
-                    match k {
-                        IPVS_CMD_ATTR_SERVICE => {
-                            msg = service(v).map_or(IpvsMsg::Other, IpvsMsg::Service)
-                        }
-                        IPVS_CMD_ATTR_DEST => {
-                            msg = dest(v, svc_af).map_or(IpvsMsg::Other, IpvsMsg::Dest)
-                        }
-                        _ => {}
-                    }
-                }
-                out.push(msg);
-            }
-        }
+            Some(Control::Refused(errno)) => IpvsMsg::Error(errno),
+            Some(Control::Ack) => IpvsMsg::Other,
+            None => answer(&m, svc_af),
+        });
     }
     Ok(out)
-}
-
-/// Whether `request` asks for a dump (answered until `DONE`), not one message.
-pub fn is_dump(request: &[u8]) -> bool {
-    request
-        .get(6..8)
-        .and_then(|b| b.try_into().ok())
-        .is_some_and(|b| u16::from_ne_bytes(b) & NLM_F_DUMP == NLM_F_DUMP)
 }
 
 /// The family of a service's address, for [`messages`] of its real servers.

@@ -22,9 +22,12 @@
 //!
 //! Counters are left out by both: they change with every packet.
 
-use netlink_packet_core::{NetlinkBuffer, NlaBuffer, NlasIterator};
-
+use super::netlink::{self, Message, NFNL_SUBSYS_NFTABLES};
 use super::xt_table::{Chain, Counter, Rule};
+#[cfg(test)]
+use netlink::Control;
+#[cfg(test)]
+use netlink::{NFGENMSG, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR};
 
 mod iptables;
 mod render;
@@ -33,36 +36,20 @@ pub(crate) mod tests;
 
 pub use iptables::{iptables_words, is_iptables_table, IPTABLES_TABLES};
 
-/// `NFNL_SUBSYS_NFTABLES`, in the high byte of a message type.
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
 pub const NFT_MSG_GETTABLE: u8 = 1;
 pub const NFT_MSG_GETCHAIN: u8 = 4;
 pub const NFT_MSG_GETRULE: u8 = 7;
 pub const NFT_MSG_NEWTABLE: u8 = 0;
 pub const NFT_MSG_NEWCHAIN: u8 = 3;
 pub const NFT_MSG_NEWRULE: u8 = 6;
-pub(super) const NLMSG_ERROR: u16 = 2;
-pub(super) const NLMSG_DONE: u16 = 3;
-pub(super) const NLM_F_REQUEST: u16 = 1;
-const NLM_F_DUMP_INTR: u16 = 16;
-pub(super) const NLM_F_DUMP: u16 = 0x300;
-/// `struct nlmsghdr` and `struct nfgenmsg`.
-pub(super) const NLMSG_HDR: usize = 16;
-pub(super) const NFGENMSG: usize = 4;
-
-/// The error code of an `NLMSG_ERROR` message's payload (0: an acknowledgement; else
-/// `-errno`); `None` when too short to hold one.
-pub(super) fn nlmsg_errno(payload: &[u8]) -> Option<i32> {
-    payload
-        .get(0..4)
-        .and_then(|b| b.try_into().ok())
-        .map(i32::from_ne_bytes)
-}
+/// `NFTA_RULE_TABLE`, `NFTA_RULE_CHAIN`: a rule dump's filter.
+const NFTA_RULE_TABLE: u16 = 1;
+const NFTA_RULE_CHAIN: u16 = 2;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum NftError {
-    #[error("a netlink message is malformed: {0}")]
-    Message(String),
+    #[error(transparent)]
+    Message(#[from] netlink::FrameError),
     #[error("a {what} attribute is malformed")]
     Attr { what: &'static str },
     #[error("a {0} message lacks its name")]
@@ -71,51 +58,64 @@ pub enum NftError {
     Kernel(std::io::ErrorKind, i32),
 }
 
+fn nft_type(msg: u8) -> u16 {
+    (NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg)
+}
+
 /// The request for one dump of every family's objects of a kind (`NFT_MSG_GET*`).
-pub fn dump_request(msg: u8, seq: u32) -> [u8; NLMSG_HDR + NFGENMSG] {
-    let mut b = [0u8; NLMSG_HDR + NFGENMSG];
-    b[0..4].copy_from_slice(&((NLMSG_HDR + NFGENMSG) as u32).to_ne_bytes());
-    b[4..6].copy_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | u16::from(msg)).to_ne_bytes());
-    b[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    b[8..12].copy_from_slice(&seq.to_ne_bytes());
+pub fn dump_request(msg: u8, seq: u32) -> Vec<u8> {
     // nfgenmsg: NFPROTO_UNSPEC (every family), NFNETLINK_V0, res_id 0.
-    b
+    netlink::dump(nft_type(msg), seq, &[0; netlink::NFGENMSG])
 }
 
 /// The request for one dump of the rules of one chain (`NFTA_RULE_TABLE`,
 /// `NFTA_RULE_CHAIN`, in the chain's family): the kernel walks that chain alone, where a dump
 /// of every rule walks again past all it sent for each answer (quadratic in the ruleset).
 pub fn chain_rules_request(family: u8, table: &str, chain: &str, seq: u32) -> Vec<u8> {
-    let mut b = Vec::with_capacity(NLMSG_HDR + NFGENMSG + 8 + table.len() + chain.len() + 8);
-    b.extend_from_slice(&[0u8; NLMSG_HDR]);
-    b[4..6]
-        .copy_from_slice(&((NFNL_SUBSYS_NFTABLES << 8) | u16::from(NFT_MSG_GETRULE)).to_ne_bytes());
-    b[6..8].copy_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
-    b[8..12].copy_from_slice(&seq.to_ne_bytes());
     // nfgenmsg: the family, NFNETLINK_V0, res_id 0.
-    b.extend_from_slice(&[family, 0, 0, 0]);
-    for (ty, v) in [(1u16, table), (2u16, chain)] {
-        // A NUL-terminated string attribute, padded to 4 bytes.
-        let len = 4 + v.len() + 1;
-        b.extend_from_slice(&(len as u16).to_ne_bytes());
-        b.extend_from_slice(&ty.to_ne_bytes());
-        b.extend_from_slice(v.as_bytes());
-        b.push(0);
-        b.resize(b.len().next_multiple_of(4), 0);
-    }
-    let total = b.len() as u32;
-    b[0..4].copy_from_slice(&total.to_ne_bytes());
-    b
+    let mut body = vec![family, 0, 0, 0];
+    netlink::put_str(&mut body, NFTA_RULE_TABLE, table);
+    netlink::put_str(&mut body, NFTA_RULE_CHAIN, chain);
+    netlink::dump(nft_type(NFT_MSG_GETRULE), seq, &body)
 }
 
-/// One netlink message of a dump's answer.
+/// One nf_tables object of a dump's answer: its message type (`NFT_MSG_NEW*`), family, the
+/// ruleset generation it was dumped at (low 16 bits), whether the dump was interrupted by a
+/// change, and its attributes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Object<'a> {
+    pub msg: u8,
+    pub family: u8,
+    pub generation: u16,
+    pub interrupted: bool,
+    pub attrs: &'a [u8],
+}
+
+/// The object a message carries; `None` for another subsystem's message.
+pub fn object<'a>(m: &Message<'a>) -> Result<Option<Object<'a>>, NftError> {
+    if m.ty >> 8 != NFNL_SUBSYS_NFTABLES {
+        return Ok(None);
+    }
+    let (Some(h), Some(attrs)) = (
+        netlink::bytes::<{ netlink::NFGENMSG }>(m.payload),
+        m.payload.get(netlink::NFGENMSG..),
+    ) else {
+        return Err(netlink::FrameError::Message("short nfgenmsg".into()).into());
+    };
+    Ok(Some(Object {
+        msg: (m.ty & 0xff) as u8,
+        family: h[0],
+        generation: u16::from_be_bytes([h[2], h[3]]),
+        interrupted: m.interrupted(),
+        attrs,
+    }))
+}
+
+/// One message of a dump's answer, for the tests: the end, an object, anything else.
+#[cfg(test)]
 #[derive(Debug, PartialEq, Eq)]
 pub enum Msg<'a> {
-    /// The dump is complete.
     Done,
-    /// An nf_tables object: its message type (`NFT_MSG_NEW*`), family, the ruleset
-    /// generation it was dumped at (low 16 bits), whether the dump was interrupted by a
-    /// change, and its attributes.
     Object {
         msg: u8,
         family: u8,
@@ -123,50 +123,36 @@ pub enum Msg<'a> {
         interrupted: bool,
         attrs: &'a [u8],
     },
-    /// Anything else (another subsystem's message, an ack).
     Other,
 }
 
-/// The messages of one datagram; a kernel error is an [`NftError::Kernel`].
+/// The messages of one datagram, up to its end; a refusal is an [`NftError::Kernel`].
+#[cfg(test)]
 pub fn messages(datagram: &[u8]) -> Result<Vec<Msg<'_>>, NftError> {
     let mut out = Vec::new();
-    let mut at = 0usize;
-    while at < datagram.len() {
-        let rest = &datagram[at..];
-        let nl = NetlinkBuffer::new_checked(rest).map_err(|e| NftError::Message(e.to_string()))?;
-        let len = nl.length() as usize;
-        let payload = &rest[NLMSG_HDR..len];
-        let ty = nl.message_type();
-        match ty {
-            NLMSG_DONE => {
+    for m in netlink::framed(datagram) {
+        let m = m?;
+        match m.control()? {
+            Some(Control::Done) => {
                 out.push(Msg::Done);
                 return Ok(out);
             }
-            NLMSG_ERROR => {
-                let errno = nlmsg_errno(payload)
-                    .ok_or_else(|| NftError::Message("short error message".into()))?;
-                if errno != 0 {
-                    let e = std::io::Error::from_raw_os_error(-errno);
-                    return Err(NftError::Kernel(e.kind(), -errno));
-                }
-                out.push(Msg::Other);
+            Some(Control::Refused(errno)) => {
+                let e = std::io::Error::from_raw_os_error(errno);
+                return Err(NftError::Kernel(e.kind(), errno));
             }
-            _ if ty >> 8 == NFNL_SUBSYS_NFTABLES => {
-                if payload.len() < NFGENMSG {
-                    return Err(NftError::Message("short nfgenmsg".into()));
-                }
-                out.push(Msg::Object {
-                    msg: (ty & 0xff) as u8,
-                    family: payload[0],
-                    generation: u16::from_be_bytes([payload[2], payload[3]]),
-                    interrupted: nl.flags() & NLM_F_DUMP_INTR != 0,
-                    attrs: &payload[NFGENMSG..],
-                });
-            }
-            _ => out.push(Msg::Other),
+            Some(Control::Ack) => out.push(Msg::Other),
+            None => out.push(match object(&m)? {
+                Some(o) => Msg::Object {
+                    msg: o.msg,
+                    family: o.family,
+                    generation: o.generation,
+                    interrupted: o.interrupted,
+                    attrs: o.attrs,
+                },
+                None => Msg::Other,
+            }),
         }
-        // Messages are 4-aligned in a datagram.
-        at += len.div_ceil(4) * 4;
     }
     Ok(out)
 }
@@ -189,19 +175,11 @@ fn attrs<'a>(
     b: &'a [u8],
     what: &'static str,
 ) -> impl Iterator<Item = Result<(u16, &'a [u8]), NftError>> + 'a {
-    NlasIterator::new(b).map(move |a| {
-        let a: NlaBuffer<&[u8]> = a.map_err(|_| NftError::Attr { what })?;
-        let (kind, len) = (a.kind(), usize::from(a.length()));
-        // `new_checked` proved 4 <= len <= the buffer's length; `value()` borrows the
-        // NlaBuffer, the slice of the buffer outlives it.
-        let v = a.into_inner().get(4..len).ok_or(NftError::Attr { what })?;
-        Ok((kind, v))
-    })
+    netlink::attrs_checked(b).map(move |a| a.map_err(|_| NftError::Attr { what }))
 }
 
 fn string(v: &[u8]) -> String {
-    let end = v.iter().position(|&c| c == 0).unwrap_or(v.len());
-    String::from_utf8_lossy(&v[..end]).into_owned()
+    netlink::string(v)
 }
 
 fn be32(v: &[u8], what: &'static str) -> Result<u32, NftError> {

@@ -161,15 +161,15 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
     let mut v = SmallVec::new();
     match o {
         Output::Hold(h) => v.push(Party {
-            agent: &h.agent,
-            pod: h.pod.as_deref(),
-            pids: [h.pid, h.agent_pid],
+            agent: &h.who.agent,
+            pod: h.who.pod.as_deref(),
+            pids: [h.pid, h.who.agent_pid],
         }),
         Output::Wait(w) => {
             v.push(Party {
-                agent: &w.agent,
-                pod: w.pod.as_deref(),
-                pids: [w.pid, w.agent_pid],
+                agent: &w.who.agent,
+                pod: w.who.pod.as_deref(),
+                pids: [w.pid, w.who.agent_pid],
             });
             v.extend(w.holders.iter().map(holder));
         }
@@ -183,9 +183,9 @@ fn parties(o: &Output) -> SmallVec<[Party<'_>; 4]> {
         }
         Output::Timeout(t) => {
             v.push(Party {
-                agent: &t.agent,
-                pod: t.pod.as_deref(),
-                pids: [t.pid, t.agent_pid],
+                agent: &t.who.agent,
+                pod: t.who.pod.as_deref(),
+                pids: [t.pid, t.who.agent_pid],
             });
             v.extend(t.holders.iter().map(holder));
         }

@@ -71,16 +71,16 @@ impl<W: Write> HtmlSink<W> {
         let lock_lane = |lock: &str, agent: &str| format!("{agent} · {lock}");
         Some(match o {
             Output::Hold(h) => (
-                lock_lane(&h.lock, &h.agent),
+                lock_lane(&h.lock, &h.who.agent),
                 h.start_ns,
                 h.start_ns + h.hold_ns,
             ),
             Output::Wait(w) => (
-                lock_lane(&w.lock, &w.agent),
+                lock_lane(&w.lock, &w.who.agent),
                 w.start_ns,
                 w.start_ns + w.wait_ns,
             ),
-            Output::Timeout(t) => (lock_lane(&t.lock, &t.agent), t.ts_ns, t.ts_ns),
+            Output::Timeout(t) => (lock_lane(&t.lock, &t.who.agent), t.ts_ns, t.ts_ns),
             Output::Stall(s) => (format!("syncs · {}", s.agent), s.ts_ns, s.ts_ns),
             Output::RuleChange(c) => (format!("rules · {}", c.agent), c.ts_ns, c.ts_ns),
             Output::MixedBackends(m) => (format!("rules · {}", m.agent), m.ts_ns, m.ts_ns),

@@ -966,9 +966,9 @@ impl Sink for MetricsSink {
             Output::Hold(h) if !h.open => {
                 let l = HoldLabels {
                     lock: self.locks.label(&h.lock),
-                    agent: self.agent(&h.agent),
-                    role: h.role.to_owned(),
-                    pod: PodLabels::of(&mut self.pods, h.pod.as_deref()),
+                    agent: self.agent(&h.who.agent),
+                    role: h.who.role.to_owned(),
+                    pod: PodLabels::of(&mut self.pods, h.who.pod.as_deref()),
                 };
                 self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
                 if h.replaces > 0 || h.reads > 0 {
@@ -1017,8 +1017,8 @@ impl Sink for MetricsSink {
                 // One observation per holder agent the wait was behind, of the time it
                 // spent behind that agent: `_sum` by holder_agent adds up to the wait time.
                 let behind = w.behind_by_agent("(none)", OTHER);
-                let agent = self.agent(&w.agent);
-                let pod = PodLabels::of(&mut self.pods, w.pod.as_deref());
+                let agent = self.agent(&w.who.agent);
+                let pod = PodLabels::of(&mut self.pods, w.who.pod.as_deref());
                 let lock = self.locks.label(&w.lock);
                 for (holder, ns) in behind {
                     let l = WaitLabels {
@@ -1039,7 +1039,7 @@ impl Sink for MetricsSink {
             }
             Output::Timeout(t) => {
                 let l = AgentLabels {
-                    agent: self.agent(&t.agent),
+                    agent: self.agent(&t.who.agent),
                 };
                 self.m.timeouts.get_or_create(&l).inc();
             }

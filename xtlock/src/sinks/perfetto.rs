@@ -165,11 +165,11 @@ impl<W: Write> PerfettoSink<W> {
     }
 
     fn hold(&mut self, h: &HoldFact) -> io::Result<()> {
-        let (pid, tid) = (self.group(&h.agent)?, u64::from(h.pid));
-        self.name_track(pid, tid, || format!("{} ({})", h.comm, h.pid))?;
+        let (pid, tid) = (self.group(&h.who.agent)?, u64::from(h.pid));
+        self.name_track(pid, tid, || format!("{} ({})", h.who.comm, h.pid))?;
         let mut args = json!({
-            "cmdline": h.cmdline, "hold_ns": h.hold_ns, "kernel_ns": h.kernel_ns,
-            "role": h.role, "open": h.open, "incomplete": h.incomplete,
+            "cmdline": h.who.cmdline, "hold_ns": h.hold_ns, "kernel_ns": h.kernel_ns,
+            "role": h.who.role, "open": h.open, "incomplete": h.incomplete,
         });
         // An nf_tables commit: what its batch changed.
         if let Some(b) = &h.nft {
@@ -192,15 +192,15 @@ impl<W: Write> PerfettoSink<W> {
     }
 
     fn wait(&mut self, w: &WaitFact) -> io::Result<()> {
-        let (pid, tid) = (self.group(&w.agent)?, u64::from(w.pid));
+        let (pid, tid) = (self.group(&w.who.agent)?, u64::from(w.pid));
         let wtid = tid | WAIT_TRACK;
-        self.name_track(pid, wtid, || format!("{} ({}) waiting", w.comm, w.pid))?;
+        self.name_track(pid, wtid, || format!("{} ({}) waiting", w.who.comm, w.pid))?;
         let end = w.start_ns + w.wait_ns;
         let name = format!("wait for {}", w.lock);
         let holders: Vec<&str> = w.holders.iter().map(|h| h.agent.as_str()).collect();
         let args = json!({
             "wait_ns": w.wait_ns, "outcome": w.outcome, "mode": w.mode, "tries": w.tries,
-            "holders": holders, "cmdline": w.cmdline,
+            "holders": holders, "cmdline": w.who.cmdline,
         });
         self.slice(pid, wtid, w.start_ns, end, &name, "wait", args.clone())?;
         // Where the time went: one nested slice per holder, from when it first held the
@@ -371,9 +371,9 @@ impl<W: Write> Sink for PerfettoSink<W> {
             Output::Timeout(t) => self.instant(
                 t.ts_ns,
                 t.pid,
-                &t.agent,
+                &t.who.agent,
                 format!("lock timeout on {} (exit {})", t.lock, t.exit_code),
-                json!({ "waited_ns": t.waited_ns, "cmdline": t.cmdline }),
+                json!({ "waited_ns": t.waited_ns, "cmdline": t.who.cmdline }),
             ),
             Output::Drop(d) => self.instant(
                 d.ts_ns,

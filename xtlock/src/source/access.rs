@@ -11,6 +11,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use super::netlink::{NlError, NlSocket};
+use crate::decode::netlink as nl;
+
 /// Why a feature is off: bounded, a metric label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -231,68 +234,48 @@ fn nfnetlink(which: NfProbe, caps: u64) -> Result<(), (Cause, String)> {
         return need_cap(caps, CAP_NET_ADMIN, "CAP_NET_ADMIN");
     }
     let subsys: u16 = match which {
-        NfProbe::Nftables => 10,
-        NfProbe::Conntrack => 1,
+        NfProbe::Nftables => nl::NFNL_SUBSYS_NFTABLES,
+        NfProbe::Conntrack => nl::NFNL_SUBSYS_CTNETLINK,
     };
-    let mut req = [0u8; 16];
-    req[0..4].copy_from_slice(&16u32.to_ne_bytes());
     // NFT_MSG_GETTABLE / IPCTNL_MSG_CT_GET: never read, the header being too short.
-    req[4..6].copy_from_slice(&(subsys << 8).to_ne_bytes());
-    // NLM_F_REQUEST | NLM_F_ACK
-    req[6..8].copy_from_slice(&(0x1u16 | 0x4).to_ne_bytes());
-    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
-    ask(libc::NETLINK_NETFILTER, &req, "CAP_NET_ADMIN")
+    let req = nl::request(subsys << 8, nl::NLM_F_REQUEST | nl::NLM_F_ACK, 1, &[]);
+    ask(
+        netlink_sys::protocols::NETLINK_NETFILTER,
+        &req,
+        "CAP_NET_ADMIN",
+    )
 }
 
 /// An rtnetlink dump of addresses: no capability, only the address family.
 fn rtnetlink() -> Result<(), (Cause, String)> {
-    let mut req = [0u8; 24];
-    req[0..4].copy_from_slice(&24u32.to_ne_bytes());
-    req[4..6].copy_from_slice(&libc::RTM_GETADDR.to_ne_bytes());
-    req[6..8].copy_from_slice(&(0x1u16 | 0x300).to_ne_bytes());
-    req[8..12].copy_from_slice(&1u32.to_ne_bytes());
-    // ifaddrmsg: AF_UNSPEC
-    ask(libc::NETLINK_ROUTE, &req, "AF_NETLINK")
+    // ifaddrmsg: AF_UNSPEC, the rest 0.
+    let req = nl::dump(libc::RTM_GETADDR, 1, &[0; 8]);
+    ask(netlink_sys::protocols::NETLINK_ROUTE, &req, "AF_NETLINK")
 }
 
-/// Sends `req` on a new netlink socket of `proto`; Ok when the first answer is not an error.
-fn ask(proto: libc::c_int, req: &[u8], grant: &str) -> Result<(), (Cause, String)> {
-    // SAFETY: a plain socket call; the fd is owned right after.
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, proto) };
-    if fd < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(denied(
+/// Sends `req` on a new netlink socket of `proto`; Ok when the kernel answers it to its end
+/// without refusing.
+fn ask(proto: isize, req: &[u8], grant: &str) -> Result<(), (Cause, String)> {
+    let mut sock = NlSocket::open(proto, Duration::from_secs(2)).map_err(|e| {
+        denied(
             "cannot open a netlink socket",
             &e,
             "AF_NETLINK: RestrictAddressFamilies=, seccomp",
-        ));
-    }
-    // SAFETY: fd is fresh and owned by nothing else.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    let _ = crate::source::addrs::set_recv_timeout(&sock, Duration::from_secs(2));
-    // SAFETY: req is valid for its length.
-    let sent = unsafe { libc::send(sock.as_raw_fd(), req.as_ptr().cast(), req.len(), 0) };
-    if sent < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(denied("cannot send a netlink request", &e, grant));
-    }
-    let mut buf = vec![0u8; 16384];
-    // SAFETY: buf is valid for its length.
-    let n = unsafe { libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(denied("cannot read the netlink answer", &e, grant));
-    }
-    let n = n as usize;
-    // nlmsghdr: len u32, type u16; NLMSG_ERROR = 2 carries -errno next.
-    if n >= 20 && u16::from_ne_bytes([buf[4], buf[5]]) == 2 {
-        let err = i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]);
-        if err < 0 {
-            let e = std::io::Error::from_raw_os_error(-err);
-            return Err(denied("the kernel refused the request", &e, grant));
+        )
+    })?;
+    match sock.exchange(req, |_| Ok::<(), std::convert::Infallible>(())) {
+        Ok(()) => Ok(()),
+        Err(NlError::Send(e)) => Err(denied("cannot send a netlink request", &e, grant)),
+        Err(NlError::Recv(e)) => Err(denied("cannot read the netlink answer", &e, grant)),
+        Err(NlError::Refused(errno)) => {
+            let e = std::io::Error::from_raw_os_error(errno);
+            Err(denied("the kernel refused the request", &e, grant))
+        }
+        Err(e) => {
+            let e = std::io::Error::other(e.to_string());
+            Err(denied("cannot read the netlink answer", &e, grant))
         }
     }
-    Ok(())
 }
 
 /// setns() into our own network namespace, from a thread of its own: the same checks as

@@ -19,7 +19,7 @@ use std::net::IpAddr;
 use crate::event::{AddrPresence, AddrWhy};
 
 mod netlink;
-pub use netlink::{own_netns, set_recv_timeout, to_msg, AddrWatcher};
+pub use netlink::{own_netns, to_msg, AddrWatcher};
 
 /// Entries per table (links, neighbours, FDB, routes, addresses, addresses said present): a
 /// node has a few hundred pods; beyond this, new entries are dropped and counted.

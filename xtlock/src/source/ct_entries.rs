@@ -27,7 +27,9 @@ use std::net::IpAddr;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::decode::ct_entry::{self, CtMsg, IPS_DST_NAT, IPS_SEEN_REPLY, TCP_CONNTRACK_SYN_SENT};
+use super::netlink::{NlError, NlSocket};
+use super::worker::{Out, Worker as Thread};
+use crate::decode::ct_entry::{self, IPS_DST_NAT, IPS_SEEN_REPLY, TCP_CONNTRACK_SYN_SENT};
 use crate::event::{AddrPresence, AddrWhy, CtEntries, CtEntry, Event};
 
 /// How often the entries of a gone address are read.
@@ -56,10 +58,11 @@ enum Cmd {
     Back(IpAddr),
 }
 
-/// The live handle: commands in, entries out.
+/// The live handle: commands in, entries out. Dropping it closes the commands first, then
+/// stops and joins the worker.
 pub struct CtWatch {
     tx: mpsc::SyncSender<Cmd>,
-    rx: mpsc::Receiver<Event>,
+    thread: Thread<Event>,
 }
 
 impl CtWatch {
@@ -74,30 +77,25 @@ impl CtWatch {
         netns: u32,
         ns: Option<std::sync::Arc<std::fs::File>>,
     ) -> std::io::Result<Self> {
-        let sock = match ns {
-            None => open_socket()?,
-            Some(f) => crate::source::netns::inside(&f, open_socket)?,
-        };
+        use netlink_sys::protocols::NETLINK_NETFILTER;
+        let sock = NlSocket::open_in(NETLINK_NETFILTER, RECV_TIMEOUT, ns.as_ref())?;
         let (tx, cmds) = mpsc::sync_channel(4096);
-        let (events, rx) = mpsc::sync_channel(1024);
-        let mut w = Worker {
-            sock,
-            netns,
-            cmds,
-            events,
-            watched: HashMap::new(),
-            seq: 0,
-            filter: true,
-            scan: true,
-            pending: HashMap::new(),
-            probation: HashMap::new(),
-            excused: HashSet::new(),
-            buf: Vec::with_capacity(1 << 16),
-        };
-        std::thread::Builder::new()
-            .name("xtlock-ct".into())
-            .spawn(move || w.run())?;
-        Ok(CtWatch { tx, rx })
+        let thread = Thread::spawn("xtlock-ct", 1024, move |events: Out<Event>| {
+            Worker {
+                sock: sock.stop_with(events.stop.clone()),
+                netns,
+                cmds,
+                events,
+                watched: HashMap::new(),
+                filter: true,
+                scan: true,
+                pending: HashMap::new(),
+                probation: HashMap::new(),
+                excused: HashSet::new(),
+            }
+            .run()
+        })?;
+        Ok(CtWatch { tx, thread })
     }
 
     /// An address event: gone starts following it, back stops.
@@ -114,7 +112,7 @@ impl CtWatch {
 
     /// The reads made since the last call.
     pub fn poll(&mut self, out: &mut Vec<Event>) {
-        out.extend(self.rx.try_iter());
+        self.thread.poll(out);
     }
 }
 
@@ -135,12 +133,11 @@ enum Follow {
 }
 
 struct Worker {
-    sock: netlink_sys::Socket,
+    sock: NlSocket,
     netns: u32,
     cmds: mpsc::Receiver<Cmd>,
-    events: mpsc::SyncSender<Event>,
+    events: Out<Event>,
     watched: HashMap<IpAddr, Watched>,
-    seq: u32,
     /// The kernel filters by the reply's source (5.9+); off once it refused.
     filter: bool,
     /// The unanswered scan; off once the kernel showed it does not filter by status.
@@ -155,7 +152,6 @@ struct Worker {
     probation: HashMap<IpAddr, HashSet<u32>>,
     /// Unanswered connections to an endpoint seen answering others: not counted again.
     excused: HashSet<u32>,
-    buf: Vec<u8>,
 }
 
 impl Worker {
@@ -268,12 +264,11 @@ impl Worker {
             return;
         }
         let now = super::monotonic_ns();
-        self.seq = self.seq.wrapping_add(1);
-        let request = ct_entry::unanswered_request(self.seq);
+        let request = ct_entry::unanswered_request(self.sock.next_seq());
         let mut unfiltered = false;
         let mut seen = HashSet::new();
         let (pending, excused) = (&mut self.pending, &self.excused);
-        let done = dump(&self.sock, &mut self.buf, &request, |e| {
+        let done = dump(&mut self.sock, &request, |e| {
             if e.status & (IPS_DST_NAT | IPS_SEEN_REPLY) != IPS_DST_NAT {
                 unfiltered = true;
                 return;
@@ -376,10 +371,9 @@ impl Worker {
     /// how many more.
     fn read(&mut self, addr: IpAddr) -> Result<(Vec<CtEntry>, u32), String> {
         loop {
-            self.seq = self.seq.wrapping_add(1);
-            let request = ct_entry::dump_request(self.seq, addr, self.filter);
+            let request = ct_entry::dump_request(self.sock.next_seq(), addr, self.filter);
             let (mut entries, mut more) = (Vec::new(), 0u32);
-            let refused = dump(&self.sock, &mut self.buf, &request, |e| {
+            let refused = dump(&mut self.sock, &request, |e| {
                 if e.reply_src.ip() != addr || e.status & IPS_DST_NAT == 0 {
                     return;
                 }
@@ -412,29 +406,20 @@ impl Worker {
 /// Sends `request` and hands every entry of the answer to `each`; the kernel's refusal as
 /// its errno.
 fn dump(
-    sock: &netlink_sys::Socket,
-    buf: &mut Vec<u8>,
+    sock: &mut NlSocket,
     request: &[u8],
     mut each: impl FnMut(CtEntry),
 ) -> Result<Option<i32>, String> {
-    sock.send(request, 0)
-        .map_err(|e| format!("cannot ask for the conntrack entries: {e}"))?;
-    loop {
-        buf.clear();
-        sock.recv(buf, 0).map_err(|e| {
-            format!(
-                "cannot read the conntrack dump: {e}{}",
-                super::needs(&e, "CAP_NET_ADMIN")
-            )
-        })?;
-        for m in ct_entry::messages(buf)? {
-            match m {
-                CtMsg::Entry(e) => each(e),
-                CtMsg::Done => return Ok(None),
-                CtMsg::Error(errno) => return Ok(Some(errno)),
-                CtMsg::Other => {}
-            }
+    let r = sock.exchange(request, |m| {
+        if let Some(e) = ct_entry::entry(&m) {
+            each(e);
         }
+        Ok::<(), std::convert::Infallible>(())
+    });
+    match r {
+        Ok(()) => Ok(None),
+        Err(NlError::Refused(errno)) => Ok(Some(errno)),
+        Err(e) => Err(format!("the conntrack dump: {e}")),
     }
 }
 
@@ -444,13 +429,4 @@ fn answered_again(known: &HashSet<u32>, entries: &[CtEntry]) -> bool {
     entries
         .iter()
         .any(|e| e.replied() && !known.contains(&e.id))
-}
-
-fn open_socket() -> std::io::Result<netlink_sys::Socket> {
-    use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
-    let mut sock = Socket::new(NETLINK_NETFILTER)?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
-    super::addrs::set_recv_timeout(&sock, RECV_TIMEOUT)?;
-    Ok(sock)
 }

@@ -6,9 +6,10 @@
 //! under 2 % of a CPU. Nothing is read, and no module is loaded, on a node without IPVS.
 
 use std::path::Path;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::netlink::{NlError, NlSocket};
+use super::worker::{Out, Worker as Thread};
 use crate::decode::ipvs_nl::{self, IpvsMsg};
 use crate::event::{Event, IpvsService, IpvsTable};
 
@@ -21,54 +22,46 @@ pub const MAX_SERVICES: usize = 65_536;
 /// How long one answer may be waited for.
 const RECV_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The live handle: tables out.
+/// The live handle: tables out; dropping it stops and joins the worker.
 pub struct IpvsReader {
-    rx: mpsc::Receiver<Event>,
+    thread: Thread<Event>,
 }
 
 impl IpvsReader {
     /// Opens a generic netlink socket here (so a failure is said at once), then reads in a
     /// thread of its own.
     pub fn start(netns: u32) -> std::io::Result<Self> {
-        use netlink_sys::{protocols::NETLINK_GENERIC, Socket, SocketAddr};
-        let mut sock = Socket::new(NETLINK_GENERIC)?;
-        sock.bind_auto()?;
-        sock.connect(&SocketAddr::new(0, 0))?;
-        super::addrs::set_recv_timeout(&sock, RECV_TIMEOUT)?;
-        let (events, rx) = mpsc::sync_channel(64);
-        let mut w = Worker {
-            sock,
-            netns,
-            events,
-            family: None,
-            seq: 0,
-            last: None,
-            warned: false,
-            buf: Vec::with_capacity(1 << 16),
-        };
-        std::thread::Builder::new()
-            .name("xtlock-ipvs".into())
-            .spawn(move || w.run())?;
-        Ok(IpvsReader { rx })
+        use netlink_sys::protocols::NETLINK_GENERIC;
+        let sock = NlSocket::open(NETLINK_GENERIC, RECV_TIMEOUT)?;
+        let thread = Thread::spawn("xtlock-ipvs", 64, move |events: Out<Event>| {
+            Worker {
+                sock: sock.stop_with(events.stop.clone()),
+                netns,
+                events,
+                family: None,
+                last: None,
+                warned: false,
+            }
+            .run()
+        })?;
+        Ok(IpvsReader { thread })
     }
 
     /// The changed tables read since the last call.
     pub fn poll(&mut self, out: &mut Vec<Event>) {
-        out.extend(self.rx.try_iter());
+        self.thread.poll(out);
     }
 }
 
 struct Worker {
-    sock: netlink_sys::Socket,
+    sock: NlSocket,
     netns: u32,
-    events: mpsc::SyncSender<Event>,
+    events: Out<Event>,
     family: Option<u16>,
-    seq: u32,
     /// The last table handed over.
     last: Option<Vec<IpvsService>>,
     /// The last read failed, and said so.
     warned: bool,
-    buf: Vec<u8>,
 }
 
 impl Worker {
@@ -90,22 +83,13 @@ impl Worker {
                         }
                         self.warned = true;
                         self.family = None;
-                        self.drain();
                     }
                 }
             } else if self.last.as_ref().is_some_and(|l| !l.is_empty()) {
                 // Unloaded: no virtual server is left.
                 self.hand_over(Vec::new());
             }
-            std::thread::sleep(PERIOD.max(start.elapsed() * BUDGET));
-        }
-    }
-
-    /// Whatever is left of an answer that failed halfway, so the next one starts clean.
-    fn drain(&mut self) {
-        loop {
-            self.buf.clear();
-            if self.sock.recv(&mut self.buf, libc::MSG_DONTWAIT).is_err() || self.buf.is_empty() {
+            if !self.events.stop.sleep(PERIOD.max(start.elapsed() * BUDGET)) {
                 return;
             }
         }
@@ -137,9 +121,9 @@ impl Worker {
                 f
             }
         };
-        self.seq = self.seq.wrapping_add(1);
         let mut services = Vec::new();
-        self.dump(&ipvs_nl::services_request(family, self.seq), None, |m| {
+        let req = ipvs_nl::services_request(family, self.sock.next_seq());
+        self.dump(&req, None, |m| {
             if let IpvsMsg::Service(s) = m {
                 if services.len() < MAX_SERVICES {
                     services.push(s);
@@ -147,8 +131,7 @@ impl Worker {
             }
         })?;
         for svc in services.iter_mut() {
-            self.seq = self.seq.wrapping_add(1);
-            let req = ipvs_nl::dests_request(family, self.seq, svc);
+            let req = ipvs_nl::dests_request(family, self.sock.next_seq(), svc);
             let af = ipvs_nl::service_af(svc);
             let mut dests = Vec::new();
             self.dump(&req, Some(af), |m| {
@@ -164,9 +147,9 @@ impl Worker {
     }
 
     fn family(&mut self) -> Result<u16, String> {
-        self.seq = self.seq.wrapping_add(1);
         let mut id = None;
-        self.dump(&ipvs_nl::family_request(self.seq), None, |m| {
+        let req = ipvs_nl::family_request(self.sock.next_seq());
+        self.dump(&req, None, |m| {
             if let IpvsMsg::Family(f) = m {
                 id = Some(f);
             }
@@ -182,35 +165,11 @@ impl Worker {
         svc_af: Option<u16>,
         mut each: impl FnMut(IpvsMsg),
     ) -> Result<(), String> {
-        let single = !ipvs_nl::is_dump(request);
         self.sock
-            .send(request, 0)
-            .map_err(|e| format!("cannot ask IPVS: {e}"))?;
-        loop {
-            self.buf.clear();
-            self.sock.recv(&mut self.buf, 0).map_err(|e| {
-                format!(
-                    "cannot read IPVS's answer: {e}{}",
-                    super::needs(&e, "CAP_NET_ADMIN")
-                )
-            })?;
-            for m in ipvs_nl::messages(&self.buf, svc_af)? {
-                match m {
-                    IpvsMsg::Done => return Ok(()),
-                    IpvsMsg::Error(errno) => {
-                        return Err(format!(
-                            "the kernel refused: {}",
-                            std::io::Error::from_raw_os_error(errno)
-                        ))
-                    }
-                    m => {
-                        each(m);
-                        if single {
-                            return Ok(());
-                        }
-                    }
-                }
-            }
-        }
+            .exchange(request, |m| {
+                each(ipvs_nl::answer(&m, svc_af));
+                Ok::<(), std::convert::Infallible>(())
+            })
+            .map_err(|e: NlError<_>| format!("asking IPVS: {e}"))
     }
 }

@@ -15,6 +15,7 @@ pub mod ipvs;
 pub mod ipvs_table;
 pub mod live;
 pub mod lockfinder;
+pub mod netlink;
 pub mod netns;
 pub mod pods;
 pub mod procfs;
@@ -22,6 +23,7 @@ pub mod recorder;
 pub mod refusals;
 pub mod rolling;
 pub mod rules;
+pub mod worker;
 
 /// `CLOCK_MONOTONIC` now, in ns: the clock of `bpf_ktime_get_ns()` and so of every event.
 pub fn monotonic_ns() -> u64 {

@@ -25,7 +25,9 @@ use std::os::fd::AsRawFd;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use crate::decode::nft_table::{self, Msg, NftTable};
+use super::netlink::{NlError, NlSocket};
+use super::worker::{Out, Worker as Thread};
+use crate::decode::nft_table::{self, NftTable};
 use crate::decode::xt_table::{
     self, Counter, Family, TableInfo, IPT_GETINFO_LEN, IPT_GET_ENTRIES_HEAD,
 };
@@ -103,29 +105,31 @@ pub struct RuleReader {
     tx: Option<mpsc::Sender<Request>>,
     /// Namespaces whose filter table was asked for because of refusals.
     asked: HashSet<u32>,
-    rx: mpsc::Receiver<Event>,
-    worker: Option<std::thread::JoinHandle<()>>,
     /// Processes writing through nf_tables: their network namespace (inode, handle).
     nft_writers: HashMap<u32, (u32, Arc<File>)>,
     /// The kernel's number for `NETFILTER_DROP` (`None`: it reports no reasons, any drop
     /// may be netfilter's), once the drop setup came.
     nf_drop: Option<Option<u32>>,
+    /// Last: dropped after `tx`, so the worker sees its requests end, then is stopped and
+    /// joined.
+    thread: Thread<Event>,
 }
+
+/// Tables (in parts) and counters waiting to be taken: the worker waits past this.
+const CHANNEL: usize = 1024;
 
 impl RuleReader {
     pub fn start() -> std::io::Result<Self> {
         let (tx, req_rx) = mpsc::channel::<Request>();
-        let (ev_tx, rx) = mpsc::channel();
-        let worker = std::thread::Builder::new()
-            .name("xtlock-rules".into())
-            .spawn(move || Worker::default().run(&req_rx, &ev_tx))?;
+        let thread = Thread::spawn("xtlock-rules", CHANNEL, move |out: Out<Event>| {
+            Worker::default().run(&req_rx, &out)
+        })?;
         Ok(Self {
             tx: Some(tx),
             asked: HashSet::new(),
-            rx,
-            worker: Some(worker),
             nft_writers: HashMap::new(),
             nf_drop: None,
+            thread,
         })
     }
 
@@ -311,9 +315,7 @@ impl RuleReader {
 
     /// The tables read since the last call.
     pub fn poll(&mut self, out: &mut Vec<Event>) {
-        while let Ok(ev) = self.rx.try_recv() {
-            out.push(ev);
-        }
+        self.thread.poll(out);
     }
 
     /// At the end: waits up to `timeout` for the reads asked for, then returns what came.
@@ -323,15 +325,13 @@ impl RuleReader {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
-                Ok(ev) => out.push(ev),
-                Err(_) => break,
+            match self.thread.recv_timeout(left) {
+                Some(ev) => out.push(ev),
+                None => break,
             }
         }
-        if let Some(w) = self.worker.take() {
-            if w.is_finished() {
-                let _ = w.join();
-            }
+        if !self.thread.ended() {
+            tracing::debug!("rule reads still going at the end: not waited for");
         }
     }
 }
@@ -393,8 +393,6 @@ struct Worker {
     netns: HashMap<u32, Arc<File>>,
     /// Each namespace's nf_tables tables at their last read: (family, table).
     nft_tables: HashMap<u32, Vec<(String, String)>>,
-    /// Netlink sequence numbers.
-    seq: u32,
     /// Each namespace's share of the reader.
     budget: budget::Budget,
     /// Reads held back past their namespace's share: when each may go.
@@ -413,9 +411,9 @@ type CountKey = (String, String, u32);
 const MAX_COUNTED_TABLES: usize = 4096;
 
 impl Worker {
-    fn run(mut self, rx: &mpsc::Receiver<Request>, tx: &mpsc::Sender<Event>) {
+    fn run(mut self, rx: &mpsc::Receiver<Request>, tx: &Out<Event>) {
         let mut open = true;
-        while open || !self.deferred.is_empty() {
+        while (open || !self.deferred.is_empty()) && !tx.stop.stopped() {
             // A request, or a held-back read come due.
             let due = self.deferred.iter().map(|(t, _)| *t).min();
             let first = match (open, due) {
@@ -497,12 +495,12 @@ impl Worker {
                     .charge(r.netns, now, budget::thread_cpu().saturating_sub(cpu));
                 // In parts that fit the capture's records (a large table's first read).
                 for part in parts.into_iter().flat_map(RuleTable::into_parts) {
-                    if tx.send(Event::RuleTable(Box::new(part))).is_err() {
+                    if !tx.send(Event::RuleTable(Box::new(part))) {
                         return;
                     }
                 }
                 for c in counted {
-                    if tx.send(Event::RuleCounters(Box::new(c))).is_err() {
+                    if !tx.send(Event::RuleCounters(Box::new(c))) {
                         return;
                     }
                 }
@@ -552,9 +550,8 @@ impl Worker {
                 }]
             }),
             What::Nft(_) => {
-                self.seq = self.seq.wrapping_add(3);
                 let started = Instant::now();
-                let t = read_nft(self.seq);
+                let t = read_nft();
                 if let Ok(t) = &t {
                     tracing::debug!(
                         netns = r.netns,
@@ -680,8 +677,7 @@ impl Worker {
         // modular kernel for its tables would load it.
         let modular = std::path::Path::new("/proc/modules").exists();
         if !modular || std::path::Path::new("/sys/module/nf_tables").exists() {
-            self.seq = self.seq.wrapping_add(3);
-            match read_nft(self.seq) {
+            match read_nft() {
                 Ok(t) => tables.extend(t),
                 Err(why) => tracing::debug!(netns = r.netns, %why, "nf_tables counters not read"),
             }
@@ -917,31 +913,24 @@ fn getsockopt(
 /// again past all it has sent for each answer, so its time grows with the square of the
 /// ruleset (63 % of xtlock's CPU, all of it in `__nf_tables_dump_rules`, reading 60,000
 /// rules), where a chain's dump walks that chain alone.
-fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
-    use netlink_sys::{protocols::NETLINK_NETFILTER, Socket, SocketAddr};
-    let mut sock = Socket::new(NETLINK_NETFILTER)
+fn read_nft() -> Result<Vec<NftTable>, String> {
+    let mut sock = NlSocket::open(netlink_sys::protocols::NETLINK_NETFILTER, NFT_RECV_TIMEOUT)
         .map_err(|e| format!("cannot open a netfilter netlink socket: {e}"))?;
-    sock.bind_auto()
-        .and_then(|_| sock.connect(&SocketAddr::new(0, 0)))
-        .map_err(|e| format!("cannot bind a netfilter netlink socket: {e}"))?;
-    set_recv_timeout(&sock, NFT_RECV_TIMEOUT);
-    let mut buf: Vec<u8> = Vec::with_capacity(1 << 17);
     for _ in 0..3 {
         let mut d = Dumped::default();
-        let mut seq = seq;
         for msg in [nft_table::NFT_MSG_GETTABLE, nft_table::NFT_MSG_GETCHAIN] {
-            seq = seq.wrapping_add(1);
-            dump(&sock, &nft_table::dump_request(msg, seq), &mut buf, &mut d)?;
+            let req = nft_table::dump_request(msg, sock.next_seq());
+            dump(&mut sock, &req, &mut d)?;
         }
         let mut whole = d.chains.len() <= PER_CHAIN_FROM;
         if !whole {
             // Rule dumps add no chains: the list is lent out while they fill `d`.
             let chains = std::mem::take(&mut d.chains);
             for (family, c) in &chains {
-                seq = seq.wrapping_add(1);
-                let req = nft_table::chain_rules_request(*family, &c.table, &c.name, seq);
+                let req =
+                    nft_table::chain_rules_request(*family, &c.table, &c.name, sock.next_seq());
                 let before = d.rules.len();
-                dump(&sock, &req, &mut buf, &mut d)?;
+                dump(&mut sock, &req, &mut d)?;
                 // A kernel that ignored the filter answered with other chains' rules too:
                 // the whole dump instead.
                 if d.rules[before..]
@@ -960,9 +949,8 @@ fn read_nft(seq: u32) -> Result<Vec<NftTable>, String> {
             d.chains = chains;
         }
         if whole && !d.again {
-            seq = seq.wrapping_add(1);
-            let req = nft_table::dump_request(nft_table::NFT_MSG_GETRULE, seq);
-            dump(&sock, &req, &mut buf, &mut d)?;
+            let req = nft_table::dump_request(nft_table::NFT_MSG_GETRULE, sock.next_seq());
+            dump(&mut sock, &req, &mut d)?;
         }
         if !d.again {
             return Ok(nft_table::assemble(d.tables, d.chains, d.rules));
@@ -989,75 +977,39 @@ struct Dumped {
 }
 
 /// Sends one dump request and takes its answer into `d`.
-fn dump(
-    sock: &netlink_sys::Socket,
-    req: &[u8],
-    buf: &mut Vec<u8>,
-    d: &mut Dumped,
-) -> Result<(), String> {
-    sock.send(req, 0)
-        .map_err(|e| format!("cannot ask for the nf_tables dump: {e}"))?;
-    loop {
-        buf.clear();
-        sock.recv(buf, 0).map_err(|e| {
-            format!(
-                "cannot read the nf_tables dump: {e}{}",
-                super::needs(&e, "CAP_NET_ADMIN")
-            )
-        })?;
-        let msgs = nft_table::messages(buf).map_err(|e| match e {
-            nft_table::NftError::Kernel(_, errno) => {
-                let e = std::io::Error::from_raw_os_error(errno);
-                format!(
-                    "the kernel refused the nf_tables dump: {e}{}",
-                    super::needs(&e, "CAP_NET_ADMIN")
-                )
-            }
-            e => e.to_string(),
-        })?;
-        for m in msgs {
-            let Msg::Object {
-                msg: kind,
-                family,
-                generation: g,
-                interrupted,
-                attrs,
-            } = m
-            else {
-                if m == Msg::Done {
-                    return Ok(());
+fn dump(sock: &mut NlSocket, req: &[u8], d: &mut Dumped) -> Result<(), String> {
+    sock.exchange(req, |m| {
+        let Some(o) = nft_table::object(&m).map_err(|e| e.to_string())? else {
+            return Ok(());
+        };
+        d.again |= o.interrupted || d.generation.is_some_and(|was| was != o.generation);
+        d.generation = Some(o.generation);
+        let e = |e: nft_table::NftError| e.to_string();
+        match o.msg {
+            nft_table::NFT_MSG_NEWTABLE => d
+                .tables
+                .push((o.family, nft_table::parse_table(o.attrs).map_err(e)?)),
+            nft_table::NFT_MSG_NEWCHAIN => d
+                .chains
+                .push((o.family, nft_table::parse_chain(o.attrs).map_err(e)?)),
+            nft_table::NFT_MSG_NEWRULE => {
+                if d.rules.len() >= MAX_NFT_RULES {
+                    return Err(format!(
+                        "too large to diff: more than {MAX_NFT_RULES} rules"
+                    ));
                 }
-                continue;
-            };
-            d.again |= interrupted || d.generation.is_some_and(|was| was != g);
-            d.generation = Some(g);
-            let e = |e: nft_table::NftError| e.to_string();
-            match kind {
-                nft_table::NFT_MSG_NEWTABLE => d
-                    .tables
-                    .push((family, nft_table::parse_table(attrs).map_err(e)?)),
-                nft_table::NFT_MSG_NEWCHAIN => d
-                    .chains
-                    .push((family, nft_table::parse_chain(attrs).map_err(e)?)),
-                nft_table::NFT_MSG_NEWRULE => {
-                    if d.rules.len() >= MAX_NFT_RULES {
-                        return Err(format!(
-                            "too large to diff: more than {MAX_NFT_RULES} rules"
-                        ));
-                    }
-                    let rule =
-                        nft_table::parse_rule(family, attrs, &mut |i| d.sets.name(i)).map_err(e)?;
-                    d.rules.push((family, rule));
-                }
-                _ => {}
+                let rule =
+                    nft_table::parse_rule(o.family, o.attrs, &mut |i| d.sets.name(i)).map_err(e)?;
+                d.rules.push((o.family, rule));
             }
+            _ => {}
         }
-    }
-}
-
-fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) {
-    // Failing leaves the socket blocking, which the kernel's dump always ends anyway.
-    let _ = super::addrs::set_recv_timeout(sock, t);
+        Ok(())
+    })
+    .map_err(|e: NlError<String>| match e {
+        NlError::Reader(e) => e,
+        e => format!("the nf_tables dump: {e}"),
+    })
 }
 
 #[cfg(test)]

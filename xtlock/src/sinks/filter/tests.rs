@@ -1,3 +1,4 @@
+use crate::analysis::Who;
 use std::sync::Arc;
 
 use super::*;
@@ -22,10 +23,16 @@ fn hold(agent: &str, pid: u32, start_ns: u64, hold_ns: u64) -> HoldFact {
         lock: LOCK.into(),
         pid,
         tid: pid,
-        comm: "iptables-restor".into(),
-        agent: agent.into(),
-        role: "proxy",
-        cmdline: "iptables-restore -w 5".into(),
+        who: Who {
+            comm: "iptables-restor".into(),
+            agent: agent.into(),
+            role: "proxy",
+            cmdline: "iptables-restore -w 5".into(),
+            agent_pid: 1,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         start_ns,
         hold_ns,
         owner: 1,
@@ -37,11 +44,7 @@ fn hold(agent: &str, pid: u32, start_ns: u64, hold_ns: u64) -> HoldFact {
         tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
-        agent_pid: 1,
         released_by: None,
-        pod_uid: None,
-        container_id: None,
-        pod: None,
         open: false,
         incomplete: false,
         nft: None,
@@ -51,11 +54,11 @@ fn hold(agent: &str, pid: u32, start_ns: u64, hold_ns: u64) -> HoldFact {
 fn holder_of(h: &HoldFact) -> HolderRef {
     HolderRef {
         pid: h.pid,
-        agent: h.agent.clone(),
-        role: h.role,
-        comm: h.comm.clone(),
-        cmdline: h.cmdline.clone(),
-        pod: h.pod.clone(),
+        agent: h.who.agent.clone(),
+        role: h.who.role,
+        comm: h.who.comm.clone(),
+        cmdline: h.who.cmdline.clone(),
+        pod: h.who.pod.clone(),
         behind_ns: Some(1),
         from_ns: None,
         waiting: None,
@@ -67,10 +70,16 @@ fn wait(agent: &str, pid: u32, start_ns: u64, holders: &[&HoldFact]) -> WaitFact
         lock: LOCK.into(),
         pid,
         tid: pid,
-        comm: "iptables".into(),
-        agent: agent.into(),
-        role: "cni",
-        cmdline: "iptables -w".into(),
+        who: Who {
+            comm: "iptables".into(),
+            agent: agent.into(),
+            role: "cni",
+            cmdline: "iptables -w".into(),
+            agent_pid: 2,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         start_ns,
         wait_ns: 1_000,
         holders: holders.iter().map(|h| holder_of(h)).collect(),
@@ -82,10 +91,6 @@ fn wait(agent: &str, pid: u32, start_ns: u64, holders: &[&HoldFact]) -> WaitFact
         mode: WaitMode::Blocking,
         tries: 0,
         ret: None,
-        agent_pid: 2,
-        pod_uid: None,
-        container_id: None,
-        pod: None,
         incomplete: false,
     }
 }
@@ -140,8 +145,8 @@ fn drop_count(holds: &[&HoldFact]) -> Output {
             .map(|h| HoldRef {
                 lock: h.lock.clone(),
                 pid: h.pid,
-                agent: h.agent.clone(),
-                comm: h.comm.clone(),
+                agent: h.who.agent.clone(),
+                comm: h.who.comm.clone(),
                 start_ns: h.start_ns,
                 hold_ns: Some(h.hold_ns),
             })
@@ -239,7 +244,7 @@ fn agent_filter_keeps_its_facts_and_waits_behind_it() {
 #[test]
 fn pod_filter_follows_the_pod_through_pids() {
     let mut kp = hold("kube-proxy", 10, 1_000, 500);
-    kp.pod = pod("kube-system", "kube-proxy-x7k2p");
+    kp.who.pod = pod("kube-system", "kube-proxy-x7k2p");
     let other = hold("kube-proxy", 30, 3_000, 500);
     let facts = [
         // The exec names the pod; the exit and the drops in its hold name only the pid.

@@ -1,4 +1,5 @@
 use super::*;
+use crate::analysis::Who;
 use crate::analysis::{HoldFact, HolderRef, WaitFact, WaitMode, WaitOutcome};
 use crate::shared::SharedStr;
 
@@ -7,10 +8,16 @@ fn hold(agent: &str, ns: u64) -> Output {
         lock: "/run/xtables.lock".into(),
         pid: 10,
         tid: 10,
-        comm: agent.into(),
-        agent: agent.into(),
-        role: "proxy",
-        cmdline: SharedStr::empty(),
+        who: Who {
+            comm: agent.into(),
+            agent: agent.into(),
+            role: "proxy",
+            cmdline: SharedStr::empty(),
+            agent_pid: 10,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         start_ns: 1,
         hold_ns: ns,
         owner: 0,
@@ -22,11 +29,7 @@ fn hold(agent: &str, ns: u64) -> Output {
         tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
-        agent_pid: 10,
         released_by: None,
-        pod_uid: None,
-        container_id: None,
-        pod: None,
         open: false,
         incomplete: false,
         nft: None,
@@ -42,7 +45,7 @@ fn pod_labels_are_the_workload_and_capped() {
         let Output::Hold(mut h) = hold("kube-proxy", 1_000) else {
             unreachable!()
         };
-        h.pod = Some(Arc::new(crate::kube::PodName {
+        h.who.pod = Some(Arc::new(crate::kube::PodName {
             namespace: "kube-system".into(),
             pod: pod.into(),
             container: "kube-proxy".into(),
@@ -148,10 +151,16 @@ fn holds_and_waits_become_histograms() {
         lock: "/run/xtables.lock".into(),
         pid: 11,
         tid: 11,
-        comm: "iptables".into(),
-        agent: "calico-node".into(),
-        role: "cni",
-        cmdline: SharedStr::empty(),
+        who: Who {
+            comm: "iptables".into(),
+            agent: "calico-node".into(),
+            role: "cni",
+            cmdline: SharedStr::empty(),
+            agent_pid: 11,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         start_ns: 1,
         wait_ns: 1_500_000_000,
         holders: vec![
@@ -186,10 +195,6 @@ fn holds_and_waits_become_histograms() {
         mode: WaitMode::Blocking,
         tries: 0,
         ret: None,
-        agent_pid: 11,
-        pod_uid: None,
-        container_id: None,
-        pod: None,
         incomplete: false,
     }))
     .unwrap();
@@ -250,7 +255,7 @@ fn locks_are_capped() {
     for i in 0..(MAX_LOCKS + 10) {
         let mut h = hold("kube-proxy", 1000);
         if let Output::Hold(f) = &mut h {
-            f.lock = crate::analysis::nft_mutex::nft_commit_lock(4026532000 + i as u32);
+            f.lock = crate::analysis::nf_tables_lock::nft_commit_lock(4026532000 + i as u32);
         }
         s.output(&h).unwrap();
     }

@@ -45,20 +45,20 @@ pub(crate) fn in_pod(pod: &Option<std::sync::Arc<crate::kube::PodName>>) -> Stri
 }
 
 pub(crate) fn hold_text(h: &HoldFact) -> String {
-    let what = if h.cmdline.is_empty() {
-        &h.comm
+    let what = if h.who.cmdline.is_empty() {
+        &h.who.comm
     } else {
-        &h.cmdline
+        &h.who.cmdline
     };
     let mut s = format!(
         "{} held {} {}{} (pid {} {}{})",
-        h.agent,
+        h.who.agent,
         h.lock,
         if h.before_start { "at least " } else { "" },
         human_ns(h.hold_ns),
         h.pid,
         what,
-        in_pod(&h.pod)
+        in_pod(&h.who.pod)
     );
     if h.before_start {
         s.push_str(", held already when tracing began");
@@ -274,13 +274,13 @@ pub(crate) fn wait_text(w: &WaitFact) -> String {
     let behind = behind_text(w);
     let d = human_ns(w.wait_ns);
     let mut s = match w.outcome {
-        WaitOutcome::Acquired => format!("{} waited {d}{behind}", w.agent),
-        WaitOutcome::TimedOut => format!("{} gave up after {d} waiting{behind}", w.agent),
-        WaitOutcome::Abandoned => format!("{} exited after waiting {d}{behind}", w.agent),
-        WaitOutcome::Open => format!("{} still waiting after {d}{behind}", w.agent),
+        WaitOutcome::Acquired => format!("{} waited {d}{behind}", w.who.agent),
+        WaitOutcome::TimedOut => format!("{} gave up after {d} waiting{behind}", w.who.agent),
+        WaitOutcome::Abandoned => format!("{} exited after waiting {d}{behind}", w.who.agent),
+        WaitOutcome::Open => format!("{} still waiting after {d}{behind}", w.who.agent),
     };
     s.push_str(&on_lock(&w.lock));
-    let _ = write!(s, " [pid {} {}{}", w.pid, w.comm, in_pod(&w.pod));
+    let _ = write!(s, " [pid {} {}{}", w.pid, w.who.comm, in_pod(&w.who.pod));
     if w.mode == WaitMode::Poll {
         let _ = write!(s, ", polled: {} failed tries", w.tries);
     }
@@ -312,10 +312,10 @@ pub(crate) fn timeout_text(t: &TimeoutFact) -> String {
     };
     format!(
         "{}: {} (pid {}{}) {how} (exit {}){}, {held}",
-        t.agent,
-        t.comm,
+        t.who.agent,
+        t.who.comm,
         t.pid,
-        in_pod(&t.pod),
+        in_pod(&t.who.pod),
         t.exit_code,
         on_lock(&t.lock)
     )

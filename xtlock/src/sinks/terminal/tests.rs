@@ -1,4 +1,5 @@
 use super::*;
+use crate::analysis::Who;
 use crate::analysis::{
     DropClass, HoldDropsFact, HoldFact, HolderRef, TimeoutFact, WaitFact, WaitMode, WaitOutcome,
 };
@@ -22,10 +23,16 @@ fn hold(ns: u64) -> HoldFact {
         lock: DEFAULT_LOCK.into(),
         pid: 1234,
         tid: 1234,
-        comm: "iptables-restor".into(),
-        agent: "kube-proxy".into(),
-        role: "proxy",
-        cmdline: "iptables-restore -w 5 --noflush".into(),
+        who: Who {
+            comm: "iptables-restor".into(),
+            agent: "kube-proxy".into(),
+            role: "proxy",
+            cmdline: "iptables-restore -w 5 --noflush".into(),
+            agent_pid: 100,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         start_ns: 2_000_000_000,
         hold_ns: ns,
         owner: 1,
@@ -37,11 +44,7 @@ fn hold(ns: u64) -> HoldFact {
         tables: Vec::new(),
         swap_ns: 0,
         before_start: false,
-        agent_pid: 100,
         released_by: Some(1234),
-        pod_uid: None,
-        container_id: None,
-        pod: None,
         open: false,
         incomplete: false,
         nft: None,
@@ -63,10 +66,16 @@ fn wait_on(lock: &str, agent: &str, wait_ns: u64, holders: Vec<HolderRef>) -> Wa
         lock: lock.into(),
         pid: 77,
         tid: 77,
-        comm: "iptables".into(),
-        agent: agent.into(),
-        role: "cni",
-        cmdline: "".into(),
+        who: Who {
+            comm: "iptables".into(),
+            agent: agent.into(),
+            role: "cni",
+            cmdline: "".into(),
+            agent_pid: 40,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         start_ns: 0,
         wait_ns,
         holders,
@@ -78,18 +87,13 @@ fn wait_on(lock: &str, agent: &str, wait_ns: u64, holders: Vec<HolderRef>) -> Wa
         mode: WaitMode::Blocking,
         tries: 0,
         ret: None,
-        agent_pid: 40,
-        pod_uid: None,
-        container_id: None,
-        pod: None,
         incomplete: false,
     }
 }
 
 #[test]
 fn lines() {
-    let wait = WaitFact {
-        cmdline: "iptables -w 5 -A X".into(),
+    let mut wait = WaitFact {
         start_ns: 1_000_000_000,
         ..wait_on(
             DEFAULT_LOCK,
@@ -105,6 +109,7 @@ fn lines() {
             }],
         )
     };
+    wait.who.cmdline = "iptables -w 5 -A X".into();
     let opts = TerminalOptions {
         time: TimeFormat::Relative { origin_ns: Some(0) },
         ..Default::default()
@@ -276,19 +281,21 @@ fn timeout_line() {
     let t = TimeoutFact {
         lock: DEFAULT_LOCK.into(),
         pid: 4242,
-        comm: "iptables".into(),
-        cmdline: "iptables -w 5 -A FOO".into(),
-        agent: "calico-node".into(),
-        role: "cni",
-        agent_pid: 40,
+        who: Who {
+            comm: "iptables".into(),
+            cmdline: "iptables -w 5 -A FOO".into(),
+            agent: "calico-node".into(),
+            role: "cni",
+            agent_pid: 40,
+            pod_uid: None,
+            container_id: None,
+            pod: None,
+        },
         ts_ns: 0,
         exit_code: 4,
         waited_ns: 5_000_000_000,
         tries: 0,
         holders: vec![holder("kube-proxy", "")],
-        pod_uid: None,
-        container_id: None,
-        pod: None,
     };
     let opts = TerminalOptions {
         time: TimeFormat::wall_clock(0, 0),

@@ -3,12 +3,11 @@
 
 use std::net::IpAddr;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::mpsc;
 use std::time::Duration;
 
 use netlink_packet_core::{
-    NetlinkBuffer, NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_DUMP, NLM_F_REQUEST,
 };
 use netlink_packet_route::{
     address::{AddressAttribute, AddressMessage},
@@ -19,10 +18,13 @@ use netlink_packet_route::{
 };
 
 use super::{AddrState, Mac, Msg, CHANNEL, MAX_ENTRIES};
+use crate::decode::netlink::{self as nl, Control, Message};
 use crate::event::{AddrPresence, Event};
+use crate::source::netlink::{NlError, NlSocket};
+use crate::source::worker::{Out, Worker as Thread};
 
-/// How often the worker looks whether it should stop, while no notification comes.
-const RECV_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long a dump's next answer is waited for (a stop is seen at once, whatever this is).
+const RECV_TIMEOUT: Duration = Duration::from_secs(5);
 /// Dumps tried in a row when overruns keep interrupting them.
 const DUMP_TRIES: usize = 5;
 /// The socket's receive buffer: a burst of pod deletions is a few hundred messages.
@@ -167,35 +169,44 @@ pub(super) enum Read {
 /// The messages of one datagram; `undecodable` counts those that could not be parsed.
 pub(super) fn parse_datagram(buf: &[u8], undecodable: &mut u64) -> Vec<Read> {
     let mut out = Vec::new();
-    let mut at = 0;
-    while at < buf.len() {
-        let Ok(nb) = NetlinkBuffer::new_checked(&buf[at..]) else {
+    for m in nl::framed(buf) {
+        let Ok(m) = m else {
             *undecodable += 1;
             break;
         };
-        let len = nb.length() as usize;
-        let (kind, seq) = (nb.message_type(), nb.sequence_number());
-        let bytes = &buf[at..at + len];
-        match NetlinkMessage::<RouteNetlinkMessage>::deserialize(bytes) {
-            Ok(m) => match m.payload {
-                NetlinkPayload::Done(_) => out.push(Read::DumpEnd { seq, error: None }),
-                NetlinkPayload::Error(e) => out.push(Read::DumpEnd {
-                    seq,
-                    error: e.code.map(|c| c.get()),
-                }),
-                NetlinkPayload::InnerMessage(i) => out.extend(to_msg(i).map(Read::Msg)),
-                _ => {}
-            },
-            // A link is needed whatever its other attributes say: its index and name by hand.
-            Err(_) => match link_by_hand(kind, nb.payload()) {
-                Some(m) => out.push(Read::Msg(m)),
-                None => *undecodable += 1,
-            },
+        match m.control() {
+            Ok(Some(Control::Done | Control::Ack)) => out.push(Read::DumpEnd {
+                seq: m.seq,
+                error: None,
+            }),
+            Ok(Some(Control::Refused(errno))) => out.push(Read::DumpEnd {
+                seq: m.seq,
+                error: Some(-errno),
+            }),
+            Ok(None) => out.extend(parse_message(&m, undecodable).map(Read::Msg)),
+            Err(_) => *undecodable += 1,
         }
-        // NLMSG_ALIGN; a zero length would not advance.
-        at += (len.max(1) + 3) & !3;
     }
     out
+}
+
+/// What one message says, `None` for one the state does not need; `undecodable` counts
+/// those that could not be parsed.
+pub(super) fn parse_message(m: &Message<'_>, undecodable: &mut u64) -> Option<Msg> {
+    match NetlinkMessage::<RouteNetlinkMessage>::deserialize(m.bytes) {
+        Ok(msg) => match msg.payload {
+            NetlinkPayload::InnerMessage(i) => to_msg(i),
+            _ => None,
+        },
+        // A link is needed whatever its other attributes say: its index and name by hand.
+        Err(_) => {
+            let by_hand = link_by_hand(m.ty, m.payload);
+            if by_hand.is_none() {
+                *undecodable += 1;
+            }
+            by_hand
+        }
+    }
 }
 
 pub(super) fn link_by_hand(kind: u16, payload: &[u8]) -> Option<Msg> {
@@ -268,10 +279,10 @@ pub fn own_netns() -> u32 {
         .unwrap_or(0)
 }
 
-/// The live handle: a worker thread following rtnetlink, its events polled from here.
+/// The live handle: a worker thread following rtnetlink, its events polled from here;
+/// dropping it stops and joins the worker.
 pub struct AddrWatcher {
-    rx: mpsc::Receiver<AddrPresence>,
-    stop: Arc<AtomicBool>,
+    thread: Thread<AddrPresence>,
 }
 
 impl AddrWatcher {
@@ -284,63 +295,47 @@ impl AddrWatcher {
     /// The same for the namespace `ns` (its inode and a handle), its socket made inside it;
     /// `None`: this process's.
     pub fn start_in(ns: Option<(u32, std::sync::Arc<std::fs::File>)>) -> std::io::Result<Self> {
-        let (sock, netns) = match ns {
-            None => (open_socket()?, own_netns()),
-            Some((ino, f)) => (crate::source::netns::inside(&f, open_socket)?, ino),
-        };
-        let (tx, rx) = mpsc::sync_channel(CHANNEL);
-        let stop = Arc::new(AtomicBool::new(false));
-        let worker = Worker {
-            sock,
-            state: AddrState::new(netns),
-            tx,
-            stop: stop.clone(),
-            seq: 0,
-            channel_full: 0,
-            undecodable: 0,
-            dropped_said: false,
-            buf: Vec::with_capacity(1 << 17),
-        };
-        std::thread::Builder::new()
-            .name("xtlock-addrs".into())
-            .spawn(move || worker.run())?;
-        Ok(Self { rx, stop })
+        let netns = ns.as_ref().map_or_else(own_netns, |(ino, _)| *ino);
+        let sock = open_socket(ns.as_ref().map(|(_, f)| f))?;
+        let thread = Thread::spawn("xtlock-addrs", CHANNEL, move |tx: Out<AddrPresence>| {
+            Worker {
+                sock: sock.stop_with(tx.stop.clone()),
+                state: AddrState::new(netns),
+                tx,
+                channel_full: 0,
+                undecodable: 0,
+                dropped_said: false,
+            }
+            .run()
+        })?;
+        Ok(Self { thread })
     }
 
     /// The events read since the last call.
     pub fn poll(&mut self, out: &mut Vec<Event>) {
-        out.extend(self.rx.try_iter().map(|a| Event::Addr(Box::new(a))));
+        let mut got = Vec::new();
+        self.thread.poll(&mut got);
+        out.extend(got.into_iter().map(|a| Event::Addr(Box::new(a))));
     }
 }
 
-impl Drop for AddrWatcher {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
-
-pub(super) fn open_socket() -> std::io::Result<netlink_sys::Socket> {
-    use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
-    let mut sock = Socket::new(NETLINK_ROUTE)?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
+pub(super) fn open_socket(ns: Option<&std::sync::Arc<std::fs::File>>) -> std::io::Result<NlSocket> {
+    use netlink_sys::protocols::NETLINK_ROUTE;
+    let mut sock = NlSocket::open_in(NETLINK_ROUTE, RECV_TIMEOUT, ns)?;
     // Room for a burst (a node deleting many pods at once); an overrun costs a re-dump.
     // Best effort: the default is only smaller. FORCE: past rmem_max, as root.
-    if setsockopt_int(&sock, libc::SO_RCVBUFFORCE, RCVBUF).is_err() {
-        let _ = setsockopt_int(&sock, libc::SO_RCVBUF, RCVBUF);
+    if setsockopt_int(sock.socket(), libc::SO_RCVBUFFORCE, RCVBUF).is_err() {
+        let _ = setsockopt_int(sock.socket(), libc::SO_RCVBUF, RCVBUF);
     }
     // Subscribed before the dump: a change made during it is not missed.
-    for g in [
+    sock.subscribe(&[
         libc::RTNLGRP_LINK,
         libc::RTNLGRP_NEIGH,
         libc::RTNLGRP_IPV4_ROUTE,
         libc::RTNLGRP_IPV6_ROUTE,
         libc::RTNLGRP_IPV4_IFADDR,
         libc::RTNLGRP_IPV6_IFADDR,
-    ] {
-        sock.add_membership(g)?;
-    }
-    set_recv_timeout(&sock, RECV_TIMEOUT)?;
+    ])?;
     Ok(sock)
 }
 
@@ -366,47 +361,33 @@ pub(super) fn setsockopt_int(
     }
 }
 
-/// `SO_RCVTIMEO`: how long a read of `sock` may wait (shared by every netlink reader).
-pub fn set_recv_timeout(sock: &impl AsRawFd, t: Duration) -> std::io::Result<()> {
-    let tv = libc::timeval {
-        tv_sec: t.as_secs() as libc::time_t,
-        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
-    };
-    // SAFETY: tv is a valid timeval for the call's duration.
-    let r = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
 /// Why the worker stops reading.
 pub(super) enum Stop {
     /// Asked to (the handle dropped).
     Asked,
     Overrun,
-    Failed(std::io::Error),
+    Failed(String),
+}
+
+impl From<NlError<std::convert::Infallible>> for Stop {
+    fn from(e: NlError<std::convert::Infallible>) -> Self {
+        match e {
+            NlError::Stopped => Stop::Asked,
+            NlError::Recv(e) if e.raw_os_error() == Some(libc::ENOBUFS) => Stop::Overrun,
+            // A dump that stalled is read again, as an overrun one is.
+            NlError::TimedOut(_) => Stop::Overrun,
+            e => Stop::Failed(e.to_string()),
+        }
+    }
 }
 
 pub(super) struct Worker {
-    sock: netlink_sys::Socket,
+    sock: NlSocket,
     state: AddrState,
-    tx: mpsc::SyncSender<AddrPresence>,
-    stop: Arc<AtomicBool>,
-    seq: u32,
+    tx: Out<AddrPresence>,
     channel_full: u64,
     undecodable: u64,
     dropped_said: bool,
-    buf: Vec<u8>,
 }
 
 impl Worker {
@@ -438,17 +419,30 @@ impl Worker {
         }
     }
 
-    /// Reads every table anew, then says what changed since the last time.
+    /// Reads every table anew (and the notifications that come in between: they are part of
+    /// the new state too), then says what changed since the last time.
     fn dump(&mut self) -> Result<(), Stop> {
         self.state.begin_dump();
         for req in dump_requests() {
-            self.seq = self.seq.wrapping_add(1);
-            let seq = self.seq;
-            self.sock
-                .send(&request_bytes(req, seq), 0)
-                .map_err(Stop::Failed)?;
-            // Notifications come in between: they are part of the new state too.
-            while !self.read(Some(seq))? {}
+            let seq = self.sock.next_seq();
+            let before = self.undecodable;
+            let (state, undecodable) = (&mut self.state, &mut self.undecodable);
+            let mut out = Vec::new();
+            let r = self.sock.exchange(&request_bytes(req, seq), |m| {
+                if let Some(msg) = parse_message(&m, undecodable) {
+                    state.apply(msg, crate::source::monotonic_ns(), &mut out);
+                }
+                Ok(())
+            });
+            self.said_undecodable(before);
+            self.send(out);
+            match r {
+                Ok(()) => {}
+                Err(NlError::Refused(errno)) => {
+                    tracing::debug!(error = %std::io::Error::from_raw_os_error(errno), "an rtnetlink dump was refused");
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         let mut out = Vec::new();
         self.state.end_dump(crate::source::monotonic_ns(), &mut out);
@@ -456,48 +450,34 @@ impl Worker {
         Ok(())
     }
 
+    /// Applies notifications as they come, until stopped or overrun.
     fn follow(&mut self) -> Stop {
         loop {
-            if let Err(s) = self.read(None) {
-                return s;
+            let datagram = match self.sock.read_one() {
+                Ok(Some(d)) => d,
+                Ok(None) => continue,
+                Err(e) => return e.into(),
+            };
+            let ts_ns = crate::source::monotonic_ns();
+            let before = self.undecodable;
+            let mut out = Vec::new();
+            for r in parse_datagram(datagram, &mut self.undecodable) {
+                if let Read::Msg(m) = r {
+                    self.state.apply(m, ts_ns, &mut out);
+                }
+            }
+            self.said_undecodable(before);
+            self.send(out);
+            if self.tx.stop.stopped() {
+                return Stop::Asked;
             }
         }
     }
 
-    /// Reads one datagram and applies it; true when it ended the dump `dump`.
-    fn read(&mut self, dump: Option<u32>) -> Result<bool, Stop> {
-        if self.stop.load(Ordering::Relaxed) {
-            return Err(Stop::Asked);
-        }
-        self.buf.clear();
-        if let Err(e) = self.sock.recv(&mut self.buf, 0) {
-            return match e.raw_os_error() {
-                Some(libc::ENOBUFS) => Err(Stop::Overrun),
-                Some(libc::EAGAIN | libc::EINTR) => Ok(false),
-                _ => Err(Stop::Failed(e)),
-            };
-        }
-        let ts_ns = crate::source::monotonic_ns();
-        let before = self.undecodable;
-        let mut out = Vec::new();
-        let mut ended = false;
-        for r in parse_datagram(&self.buf, &mut self.undecodable) {
-            match r {
-                Read::Msg(m) => self.state.apply(m, ts_ns, &mut out),
-                Read::DumpEnd { seq, error } if Some(seq) == dump => {
-                    if let Some(e) = error {
-                        tracing::debug!(error = %std::io::Error::from_raw_os_error(-e), "an rtnetlink dump was refused");
-                    }
-                    ended = true;
-                }
-                Read::DumpEnd { .. } => {}
-            }
-        }
+    fn said_undecodable(&self, before: u64) {
         if before == 0 && self.undecodable > 0 {
             tracing::warn!("undecodable rtnetlink message (further ones counted silently)");
         }
-        self.send(out);
-        Ok(ended)
     }
 
     fn send(&mut self, out: Vec<AddrPresence>) {
@@ -514,10 +494,8 @@ impl Worker {
                         );
                     }
                 }
-                Err(mpsc::TrySendError::Disconnected(_)) => {
-                    self.stop.store(true, Ordering::Relaxed);
-                    return;
-                }
+                // The handle is gone: it stops this worker.
+                Err(mpsc::TrySendError::Disconnected(_)) => return,
             }
         }
         if self.state.dropped > 0 && !self.dropped_said {

@@ -1,4 +1,5 @@
-//! The lock state machine: `flock` events in, holds, waits, failed tries and timeouts out.
+//! The xtables lock state machine: `flock` events in, holds, waits, failed tries and timeouts
+//! out. (nf_tables locking is `nf_tables_lock.rs`, fed by the `Analyzer` apart.)
 //!
 //! Pure: no clock (event time only), no I/O. What the kernel tells us (`filelock:
 //! flock_lock_inode`, and how a blocking `flock()` ended: `FlockCall`, sent by the BPF side
@@ -44,12 +45,11 @@ pub use super::attribution::Ctx;
 use super::attribution::{is_locking_comm, Attribution};
 use super::facts::{
     FailedTryFact, HoldFact, HolderRef, LostFact, Output, TableTouch, TimeoutFact, WaitFact,
-    WaitMode, WaitOutcome, MAX_TABLES_PER_HOLD,
+    WaitMode, WaitOutcome, Who, MAX_TABLES_PER_HOLD,
 };
-use super::nft_mutex::{nf_tables_hold, nft_commit_lock};
 use super::procs::{FastMap, ProcTable};
 use crate::decode::{
-    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed, NftCommitEvent,
+    Comm, Event, ExitEvent, FlockCallEvent, ForkEvent, LockEvent, LockOp, LockSeed,
     TableReplaceEvent, XtReplaceEvent,
 };
 pub use crate::lockfiles::WatchedLock;
@@ -788,16 +788,12 @@ pub struct LockMachine {
     next_deadline: u64,
     /// Number of `Lost` reports so far.
     losses: u64,
-    /// The last nf_tables commit lock named, by netns: commits come in runs from one netns.
-    nft_name: Option<(u32, SharedStr)>,
     /// How often each bound was hit; the first hit of each is reported as a fact.
     over_bounds: std::collections::BTreeMap<Bound, u64>,
     /// Each thread's last `xt_replace_table` (enter, return), kept until the table replace
     /// around it ends: the kernel also swaps tables in when it first builds one in a netns
     /// (`xt_register_table`, under a get or a later syscall), which is no part of a replace.
     swaps: FastMap<u32, (u64, u64)>,
-    /// Waits on the nf_tables mutexes (the second lock's waiters).
-    nft_mutex: super::nft_mutex::NftMutexWaits,
 }
 
 impl LockMachine {
@@ -807,10 +803,8 @@ impl LockMachine {
             trouble: FastMap::default(),
             next_deadline: u64::MAX,
             losses: 0,
-            nft_name: None,
             over_bounds: Default::default(),
             swaps: FastMap::default(),
-            nft_mutex: Default::default(),
         }
     }
 
@@ -901,24 +895,6 @@ impl LockMachine {
             Event::TableReplace(t) => self.on_table_replace(t),
             Event::XtReplace(x) => self.on_xt_replace(x),
             Event::LockSeed(l) => self.on_seed(l, cx, out),
-            Event::NftCommit(c) => {
-                self.nft_mutex.commit_hook_seen();
-                let lock = match &self.nft_name {
-                    Some((netns, name)) if *netns == c.netns => name.clone(),
-                    _ => {
-                        let name = nft_commit_lock(c.netns);
-                        self.nft_name = Some((c.netns, name.clone()));
-                        name
-                    }
-                };
-                out(Output::Hold(nft_commit_hold(c, lock, cx)))
-            }
-            Event::NftMutexWait(w) => self.nft_mutex.on_wait(w, cx, out),
-            Event::NftSend(b) => {
-                if let Some(h) = self.nft_mutex.on_send(b, cx) {
-                    out(Output::Hold(h));
-                }
-            }
             Event::Exit(e) => {
                 self.on_exit(e, false, cx, out);
             }
@@ -940,7 +916,18 @@ impl LockMachine {
             | Event::RuleCounters(_)
             | Event::Addr(_)
             | Event::CtEntries(_)
-            | Event::IpvsTable(_) => {}
+            | Event::IpvsTable(_)
+            // nf_tables locking: `nf_tables_lock.rs`.
+            | Event::NftCommit(_)
+            | Event::NftMutexWait(_)
+            | Event::NftSend(_) => {}
+        }
+    }
+
+    /// Event time passes without an event of this machine: what is due is settled first.
+    pub fn tick(&mut self, ts: u64, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
+        if ts >= self.next_deadline {
+            self.sweep(ts, cx, out);
         }
     }
 
@@ -1627,19 +1614,12 @@ impl LockMachine {
                 .map(|l| l.name.clone())
                 .unwrap_or_default(),
             pid: e.tgid,
-            comm: who.comm.clone(),
-            cmdline: who.cmdline.clone(),
-            agent: who.agent.clone(),
-            role: who.role,
-            agent_pid: who.agent_pid,
+            who: Who::from(who.as_ref()),
             ts_ns: ts,
             exit_code: 4,
             waited_ns,
             tries: t.tries,
             holders: t.holders.refs(false),
-            pod_uid: who.pod_uid.clone(),
-            container_id: who.container_id.clone(),
-            pod: who.pod.clone(),
         }));
         true
     }
@@ -1763,10 +1743,7 @@ fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn F
         lock: lock.clone(),
         pid: w.pid,
         tid: w.tid,
-        comm: who.comm.clone(),
-        agent: who.agent.clone(),
-        role: who.role,
-        cmdline: who.cmdline.clone(),
+        who: Who::from(who.as_ref()),
         start_ns: w.start_ns,
         wait_ns: w.end_ns.saturating_sub(w.start_ns),
         holders: w.holders.refs(true),
@@ -1778,10 +1755,6 @@ fn emit_wait(lock: &SharedStr, w: WaitEnd<'_>, cx: &mut Ctx<'_>, out: &mut dyn F
         mode: w.mode,
         tries: w.tries,
         ret: w.ret,
-        agent_pid: who.agent_pid,
-        pod_uid: who.pod_uid.clone(),
-        container_id: who.container_id.clone(),
-        pod: who.pod.clone(),
         incomplete: w.incomplete,
     }));
 }
@@ -1799,10 +1772,7 @@ fn hold_fact(
         lock: lock.clone(),
         pid: h.pid,
         tid: h.tid,
-        comm: who.comm.clone(),
-        agent: who.agent.clone(),
-        role: who.role,
-        cmdline: who.cmdline.clone(),
+        who: Who::from(who.as_ref()),
         start_ns: h.start_ns,
         hold_ns: end_ns.saturating_sub(h.start_ns),
         owner: h.owner,
@@ -1815,20 +1785,10 @@ fn hold_fact(
         nft: None,
         swap_ns: h.swap_ns,
         before_start: h.before_start,
-        agent_pid: who.agent_pid,
         released_by,
-        pod_uid: who.pod_uid.clone(),
-        container_id: who.container_id.clone(),
-        pod: who.pod.clone(),
         open,
         incomplete,
     }
-}
-
-/// One nf_tables commit as a hold of the second lock, attributed like a file-lock hold.
-fn nft_commit_hold(c: &NftCommitEvent, lock: SharedStr, cx: &mut Ctx<'_>) -> HoldFact {
-    let batch = c.batch.as_deref().copied();
-    nf_tables_hold(lock, c.tgid, c.tid, &c.comm, c.enter_ns, c.ts_ns, batch, cx)
 }
 
 /// An iptables-family process by its exec'd file or comm (for exit-4 timeouts).

@@ -1,4 +1,6 @@
-//! Waits on the nf_tables mutexes, as waits on the second lock.
+//! nf_tables locking, analysed apart from the xtables file lock (`xtables_lock.rs`): each
+//! batch's commit as a hold of its netns's commit lock (from the nft_commit hook, else from
+//! the batch's `sendmsg()`), and the waits on the nf_tables mutexes as waits on that lock.
 //!
 //! The kernel reports each wait whole, at its end (`lock:contention_end`), with the mutex's
 //! owner when it began. A wait on a netns's `commit_mutex` is a wait on the lock its
@@ -25,9 +27,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use super::attribution::{Attribution, Ctx};
-use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome, Waiting};
+use super::facts::{HoldFact, HolderRef, Output, WaitFact, WaitMode, WaitOutcome, Waiting, Who};
 use super::procs::FastMap;
-use crate::decode::{Comm, NftBatch, NftMutex, NftMutexWaitEvent, NftSendEvent};
+use crate::decode::{
+    Comm, Event, NftBatch, NftCommitEvent, NftMutex, NftMutexWaitEvent, NftSendEvent,
+};
 use crate::shared::SharedStr;
 
 /// Hand-overs kept per mutex.
@@ -52,7 +56,7 @@ pub fn nft_commit_lock(netns: u32) -> SharedStr {
 /// batch changed where the nft_commit hook counted it. One shape for the commit hook's holds
 /// and the `sendmsg()` ones.
 #[allow(clippy::too_many_arguments)]
-pub fn nf_tables_hold(
+fn nf_tables_hold(
     lock: SharedStr,
     tgid: u32,
     tid: u32,
@@ -68,10 +72,7 @@ pub fn nf_tables_hold(
         lock,
         pid: tgid,
         tid,
-        comm: who.comm.clone(),
-        agent: who.agent.clone(),
-        role: who.role,
-        cmdline: who.cmdline.clone(),
+        who: Who::from(who.as_ref()),
         start_ns,
         hold_ns,
         owner: 0,
@@ -84,11 +85,7 @@ pub fn nf_tables_hold(
         nft,
         swap_ns: 0,
         before_start: false,
-        agent_pid: who.agent_pid,
         released_by: None,
-        pod_uid: who.pod_uid.clone(),
-        container_id: who.container_id.clone(),
-        pod: who.pod.clone(),
         open: false,
         incomplete: false,
     }
@@ -121,9 +118,11 @@ struct MutexState {
     changes: VecDeque<Change>,
 }
 
-/// The waits' state: per mutex, its recent hand-overs.
+/// The nf_tables locks' state: per mutex, its recent hand-overs.
 #[derive(Debug, Default)]
-pub struct NftMutexWaits {
+pub struct NfTablesLock {
+    /// The last commit lock named, by netns: commits come in runs from one netns.
+    commit_name: Option<(u32, SharedStr)>,
     mutexes: FastMap<u64, MutexState>,
     /// Per thread, when its last wait on an nf_tables mutex ended with the mutex taken: a
     /// batch's hold starts there, not at its `sendmsg()`.
@@ -144,17 +143,45 @@ const SPIN_MAX_NS: u64 = 1_000_000;
 /// Threads whose last acquisition is kept (a batch's comes right before its hold).
 const MAX_ACQUIRED: usize = 4096;
 
-impl NftMutexWaits {
-    /// Holds come from the nft_commit hook (its batch function's entry and return).
-    pub fn commit_hook_seen(&mut self) {
+impl NfTablesLock {
+    /// Feeds one event; any but the three nf_tables ones is ignored.
+    pub fn handle(&mut self, ev: &Event, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
+        match ev {
+            Event::NftCommit(c) => {
+                let h = self.on_commit(c, cx);
+                out(Output::Hold(h))
+            }
+            Event::NftMutexWait(w) => self.on_wait(w, cx, out),
+            Event::NftSend(b) => {
+                if let Some(h) = self.on_send(b, cx) {
+                    out(Output::Hold(h));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// One batch as the nft_commit hook timed it (its batch function's entry and return):
+    /// a hold of its netns's commit lock. Holds come from the hook from then on.
+    fn on_commit(&mut self, c: &NftCommitEvent, cx: &mut Ctx<'_>) -> HoldFact {
         self.commit_hook = true;
+        let lock = match &self.commit_name {
+            Some((netns, name)) if *netns == c.netns => name.clone(),
+            _ => {
+                let name = nft_commit_lock(c.netns);
+                self.commit_name = Some((c.netns, name.clone()));
+                name
+            }
+        };
+        let batch = c.batch.as_deref().copied();
+        nf_tables_hold(lock, c.tgid, c.tid, &c.comm, c.enter_ns, c.ts_ns, batch, cx)
     }
 
     /// An nf_tables batch's `sendmsg()`: a hold of its netns's commit lock, from the call's
     /// start or, when it waited for an nf_tables mutex, from the end of its last wait, to
     /// its return, with what the batch changed where it was counted. `None` where the
     /// nft_commit hook times the batches.
-    pub fn on_send(&mut self, e: &NftSendEvent, cx: &mut Ctx<'_>) -> Option<HoldFact> {
+    fn on_send(&mut self, e: &NftSendEvent, cx: &mut Ctx<'_>) -> Option<HoldFact> {
         let acquired = self.acquired.remove(&e.tid);
         if self.commit_hook {
             return None;
@@ -176,12 +203,7 @@ impl NftMutexWaits {
     }
 
     /// One wait: its fact, then its end as a hand-over when it took the mutex.
-    pub fn on_wait(
-        &mut self,
-        e: &NftMutexWaitEvent,
-        cx: &mut Ctx<'_>,
-        out: &mut dyn FnMut(Output),
-    ) {
+    fn on_wait(&mut self, e: &NftMutexWaitEvent, cx: &mut Ctx<'_>, out: &mut dyn FnMut(Output)) {
         if !self.mutexes.contains_key(&e.lock) && self.mutexes.len() >= MAX_MUTEXES {
             // A netns gone long ago is the likeliest to be idle: start over.
             self.mutexes.clear();
@@ -232,10 +254,7 @@ impl NftMutexWaits {
                 lock: name,
                 pid: e.tgid,
                 tid: e.tid,
-                comm: who.comm.clone(),
-                agent: who.agent.clone(),
-                role: who.role,
-                cmdline: who.cmdline.clone(),
+                who: Who::from(who.as_ref()),
                 start_ns: e.start_ns,
                 wait_ns: end - e.start_ns,
                 holders: holders.refs,
@@ -251,10 +270,6 @@ impl NftMutexWaits {
                 mode: WaitMode::Blocking,
                 tries: 0,
                 ret: (e.ret != 0).then_some(i64::from(e.ret)),
-                agent_pid: who.agent_pid,
-                pod_uid: who.pod_uid.clone(),
-                container_id: who.container_id.clone(),
-                pod: who.pod.clone(),
                 incomplete: false,
             }));
         }
