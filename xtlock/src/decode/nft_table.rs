@@ -30,11 +30,13 @@ use netlink::Control;
 use netlink::{NFGENMSG, NLMSG_DONE, NLMSG_ERROR, NLMSG_HDR};
 
 mod iptables;
+pub(crate) mod nfta;
 mod render;
 #[cfg(test)]
 pub(crate) mod tests;
 
 pub use iptables::{iptables_words, is_iptables_table, IPTABLES_TABLES};
+use nfta::*;
 
 pub const NFT_MSG_GETTABLE: u8 = 1;
 pub const NFT_MSG_GETCHAIN: u8 = 4;
@@ -160,12 +162,12 @@ pub fn messages(datagram: &[u8]) -> Result<Vec<Msg<'_>>, NftError> {
 /// `nft`'s name of a family: `ip`, `ip6`, `inet`, `arp`, `bridge`, `netdev`.
 pub fn family_name(f: u8) -> String {
     match f {
-        1 => "inet".into(),
-        2 => "ip".into(),
-        3 => "arp".into(),
-        5 => "netdev".into(),
-        7 => "bridge".into(),
-        10 => "ip6".into(),
+        NFPROTO_INET => "inet".into(),
+        NFPROTO_IPV4 => "ip".into(),
+        NFPROTO_ARP => "arp".into(),
+        NFPROTO_NETDEV => "netdev".into(),
+        NFPROTO_BRIDGE => "bridge".into(),
+        NFPROTO_IPV6 => "ip6".into(),
         n => format!("family{n}"),
     }
 }
@@ -193,7 +195,7 @@ fn be32(v: &[u8], what: &'static str) -> Result<u32, NftError> {
 pub fn parse_table(a: &[u8]) -> Result<String, NftError> {
     for at in attrs(a, "table") {
         let (k, v) = at?;
-        if k == 1 {
+        if k == NFTA_TABLE_NAME {
             return Ok(string(v));
         }
     }
@@ -217,11 +219,11 @@ pub fn parse_chain(a: &[u8]) -> Result<NftChain, NftError> {
     for at in attrs(a, "chain") {
         let (k, v) = at?;
         match k {
-            a::CHAIN_TABLE => table = Some(string(v)),
-            a::CHAIN_NAME => name = Some(string(v)),
-            a::CHAIN_HOOK => base = true,
-            a::CHAIN_POLICY => policy = Some(verdict_name(be32(v, "chain policy")? as i32)),
-            a::CHAIN_COUNTERS => counter = Some(counter_of(v, "chain counters")?),
+            NFTA_CHAIN_TABLE => table = Some(string(v)),
+            NFTA_CHAIN_NAME => name = Some(string(v)),
+            NFTA_CHAIN_HOOK => base = true,
+            NFTA_CHAIN_POLICY => policy = Some(verdict_name(be32(v, "chain policy")? as i32)),
+            NFTA_CHAIN_COUNTERS => counter = Some(counter_of(v, "chain counters")?),
             _ => {}
         }
     }
@@ -260,14 +262,14 @@ pub fn parse_rule(
     for at in attrs(a, "rule") {
         let (k, v) = at?;
         match k {
-            1 => table = Some(string(v)),
-            2 => chain = Some(string(v)),
-            4 => {
+            NFTA_RULE_TABLE => table = Some(string(v)),
+            NFTA_RULE_CHAIN => chain = Some(string(v)),
+            NFTA_RULE_EXPRESSIONS => {
                 for e in attrs(v, "expression list") {
                     exprs.push(Expr::parse(e?.1)?);
                 }
             }
-            7 => comment = udata_comment(v),
+            NFTA_RULE_USERDATA => comment = udata_comment(v),
             _ => {}
         }
     }
@@ -294,13 +296,16 @@ pub fn parse_rule(
     })
 }
 
-/// The comment in a rule's userdata (libnftnl's TLVs: type, length, value;
-/// `NFTNL_UDATA_RULE_COMMENT` is type 0).
+/// libnftnl's type of a rule's comment in its userdata (`enum nftnl_udata_rule_types`): not
+/// the kernel's, which keeps userdata as it is, but what `nft` and iptables-nft both write.
+const NFTNL_UDATA_RULE_COMMENT: u8 = 0;
+
+/// The comment in a rule's userdata (libnftnl's TLVs: type, length, value).
 fn udata_comment(mut u: &[u8]) -> Option<String> {
     while u.len() >= 2 {
         let (t, len) = (u[0], usize::from(u[1]));
         let v = u.get(2..2 + len)?;
-        if t == 0 {
+        if t == NFTNL_UDATA_RULE_COMMENT {
             return Some(string(v));
         }
         u = &u[2 + len..];
@@ -310,14 +315,14 @@ fn udata_comment(mut u: &[u8]) -> Option<String> {
 
 fn verdict_name(v: i32) -> String {
     match v {
-        0 => "DROP".into(),
-        1 => "ACCEPT".into(),
-        2 => "STOLEN".into(),
-        3 => "QUEUE".into(),
-        4 => "REPEAT".into(),
-        -1 => "CONTINUE".into(),
-        -2 => "BREAK".into(),
-        -5 => "RETURN".into(),
+        NF_DROP => "DROP".into(),
+        NF_ACCEPT => "ACCEPT".into(),
+        NF_STOLEN => "STOLEN".into(),
+        NF_QUEUE => "QUEUE".into(),
+        NF_REPEAT => "REPEAT".into(),
+        NFT_CONTINUE => "CONTINUE".into(),
+        NFT_BREAK => "BREAK".into(),
+        NFT_RETURN => "RETURN".into(),
         v => format!("verdict {v}"),
     }
 }
@@ -333,29 +338,12 @@ fn counter_of(v: &[u8], what: &'static str) -> Result<Counter, NftError> {
             .and_then(|b| b.try_into().ok())
             .map(u64::from_be_bytes);
         match k {
-            a::COUNTER_BYTES => c.bytes = n.ok_or(NftError::Attr { what })?,
-            a::COUNTER_PACKETS => c.packets = n.ok_or(NftError::Attr { what })?,
+            NFTA_COUNTER_BYTES => c.bytes = n.ok_or(NftError::Attr { what })?,
+            NFTA_COUNTER_PACKETS => c.packets = n.ok_or(NftError::Attr { what })?,
             _ => {}
         }
     }
     Ok(c)
-}
-
-/// Expression attribute numbers (`NFTA_*`), by expression.
-mod a {
-    pub const CHAIN_TABLE: u16 = 1;
-    pub const CHAIN_NAME: u16 = 3;
-    pub const CHAIN_HOOK: u16 = 4;
-    pub const CHAIN_POLICY: u16 = 5;
-    pub const CHAIN_COUNTERS: u16 = 8;
-    pub const COUNTER_BYTES: u16 = 1;
-    pub const COUNTER_PACKETS: u16 = 2;
-    pub const EXPR_NAME: u16 = 1;
-    pub const EXPR_DATA: u16 = 2;
-    pub const DATA_VALUE: u16 = 1;
-    pub const DATA_VERDICT: u16 = 2;
-    pub const VERDICT_CODE: u16 = 1;
-    pub const VERDICT_CHAIN: u16 = 2;
 }
 
 /// One expression of a rule as dumped (an `NFTA_LIST_ELEM`): its name and its attributes
@@ -373,8 +361,8 @@ impl<'a> Expr<'a> {
         for at in attrs(e, "expression") {
             let (k, v) = at?;
             match k {
-                a::EXPR_NAME => name = Some(string(v)),
-                a::EXPR_DATA => data = v,
+                NFTA_EXPR_NAME => name = Some(string(v)),
+                NFTA_EXPR_DATA => data = v,
                 _ => {}
             }
         }
@@ -406,8 +394,8 @@ fn verdict(v: &[u8]) -> Result<(Option<i32>, Option<String>), NftError> {
     for at in attrs(v, "verdict") {
         let (k, d) = at?;
         match k {
-            a::VERDICT_CODE => code = Some(be32(d, "verdict")? as i32),
-            a::VERDICT_CHAIN => chain = Some(string(d)),
+            NFTA_VERDICT_CODE => code = Some(be32(d, "verdict")? as i32),
+            NFTA_VERDICT_CHAIN => chain = Some(string(d)),
             _ => {}
         }
     }
@@ -419,7 +407,7 @@ fn data_value(v: Option<&[u8]>) -> Result<Vec<u8>, NftError> {
     let Some(v) = v else { return Ok(Vec::new()) };
     for at in attrs(v, "data") {
         let (k, d) = at?;
-        if k == a::DATA_VALUE {
+        if k == NFTA_DATA_VALUE {
             return Ok(d.to_vec());
         }
     }

@@ -20,7 +20,8 @@
 
 use std::collections::HashMap;
 
-use super::{a, verdict, Expr, NftError};
+use super::nfta::*;
+use super::{verdict, Expr, NftError};
 use crate::decode::xt_ext::{match_text, target_text, SetNames};
 use crate::decode::xt_table::{
     Family, IpHead, INV_DSTIP, INV_FRAG, INV_PROTO, INV_SRCIP, INV_VIA_IN, INV_VIA_OUT,
@@ -41,9 +42,6 @@ pub const IPTABLES_TABLES: [(&str, &[&str]); 5] = [
     ("nat", &["PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"]),
 ];
 
-const NFPROTO_IPV4: u8 = 2;
-const NFPROTO_IPV6: u8 = 10;
-
 /// Whether a table of nf_tables `family` named `table` is one iptables-nft (IPv4) or
 /// ip6tables-nft (IPv6) writes.
 pub fn is_iptables_table(family: u8, table: &str) -> bool {
@@ -62,33 +60,12 @@ pub fn iptables_words(rule: &Rule) -> bool {
     })
 }
 
-/// `enum nft_cmp_ops` (a range's `NFT_RANGE_EQ`, `NEQ` are 0 and 1 as well).
-const EQ: u32 = 0;
-const NEQ: u32 = 1;
-const LT: u32 = 2;
-const LTE: u32 = 3;
-const GT: u32 = 4;
-const GTE: u32 = 5;
-
-/// `NFT_META_*` keys iptables-nft writes.
-const META_MARK: u32 = 3;
-const META_IIFNAME: u32 = 6;
-const META_OIFNAME: u32 = 7;
-const META_L4PROTO: u32 = 16;
-const META_NFTRACE: u32 = 12;
-const META_PKTTYPE: u32 = 19;
-
-/// `NFT_PAYLOAD_NETWORK_HEADER`, `NFT_PAYLOAD_TRANSPORT_HEADER`.
-const NETWORK: u32 = 1;
-const TRANSPORT: u32 = 2;
-
 /// `xt_tcp`'s and `xt_udp`'s inversion flags.
 const PORT_INV_SRC: u8 = 0x01;
 const PORT_INV_DST: u8 = 0x02;
 const TCP_INV_FLAGS: u8 = 0x04;
 
-/// `NFT_LIMIT_PKTS`; `XT_LIMIT_SCALE`.
-const LIMIT_PKTS: u32 = 0;
+/// `XT_LIMIT_SCALE`.
 const LIMIT_SCALE: u64 = 10_000;
 
 /// What a register holds, as iptables-nft's parser tracks it (`struct nft_xt_ctx_reg`).
@@ -232,56 +209,72 @@ impl Xt {
             // Counts change with every packet: not part of what a rule is.
             "counter" => Ok(()),
             "payload" => {
-                if e.get(1).is_none() {
+                if e.get(NFTA_PAYLOAD_DREG).is_none() {
                     // A payload write: no iptables option.
                     return Err(Stop::Foreign);
                 }
                 let load = Load::Payload {
-                    base: e.u32(2, "payload")?,
-                    off: e.u32(3, "payload")?,
-                    len: e.u32(4, "payload")?,
+                    base: e.u32(NFTA_PAYLOAD_BASE, "payload")?,
+                    off: e.u32(NFTA_PAYLOAD_OFFSET, "payload")?,
+                    len: e.u32(NFTA_PAYLOAD_LEN, "payload")?,
                 };
-                self.load(e.u32(1, "payload")?, load);
+                self.load(e.u32(NFTA_PAYLOAD_DREG, "payload")?, load);
                 Ok(())
             }
-            "meta" => match e.get(1) {
+            "meta" => match e.get(NFTA_META_DREG) {
                 Some(_) => {
-                    self.load(e.u32(1, "meta")?, Load::Meta(e.u32(2, "meta")?));
+                    let dreg = e.u32(NFTA_META_DREG, "meta")?;
+                    self.load(dreg, Load::Meta(e.u32(NFTA_META_KEY, "meta")?));
                     Ok(())
                 }
-                None => self.meta_set(e.u32(2, "meta")?, e.u32(3, "meta")?),
+                None => self.meta_set(
+                    e.u32(NFTA_META_KEY, "meta")?,
+                    e.u32(NFTA_META_SREG, "meta")?,
+                ),
             },
             "bitwise" => {
-                // Only `& mask ^ 0` (`NFT_BITWISE_BOOL`, op 0), as iptables-nft writes.
-                if e.u32(6, "bitwise")? != 0 || e.value(5)?.iter().any(|&b| b != 0) {
+                // Only `& mask ^ 0`, as iptables-nft writes.
+                if e.u32(NFTA_BITWISE_OP, "bitwise")? != NFT_BITWISE_MASK_XOR
+                    || e.value(NFTA_BITWISE_XOR)?.iter().any(|&b| b != 0)
+                {
                     return Err(Stop::Foreign);
                 }
-                let mut r = self.reg(e.u32(1, "bitwise")?)?;
-                r.mask = Some(e.value(4)?);
-                self.regs.insert(e.u32(2, "bitwise")?, r);
+                let mut r = self.reg(e.u32(NFTA_BITWISE_SREG, "bitwise")?)?;
+                r.mask = Some(e.value(NFTA_BITWISE_MASK)?);
+                self.regs.insert(e.u32(NFTA_BITWISE_DREG, "bitwise")?, r);
                 Ok(())
             }
             "cmp" => {
-                let r = self.reg(e.u32(1, "cmp")?)?;
-                self.cmp(&r, e.u32(2, "cmp")?, &e.value(3)?)
+                let r = self.reg(e.u32(NFTA_CMP_SREG, "cmp")?)?;
+                self.cmp(&r, e.u32(NFTA_CMP_OP, "cmp")?, &e.value(NFTA_CMP_DATA)?)
             }
             "range" => {
-                let r = self.reg(e.u32(1, "range")?)?;
-                self.range(&r, e.u32(2, "range")?, &e.value(3)?, &e.value(4)?)
+                let r = self.reg(e.u32(NFTA_RANGE_SREG, "range")?)?;
+                let op = e.u32(NFTA_RANGE_OP, "range")?;
+                let (from, to) = (e.value(NFTA_RANGE_FROM_DATA)?, e.value(NFTA_RANGE_TO_DATA)?);
+                self.range(&r, op, &from, &to)
             }
             "immediate" => self.immediate(e),
             "match" => {
-                let name = e.get(1).map(super::string).unwrap_or_default();
-                let rev = e.u32(2, "match")? as u8;
+                let name = e
+                    .get(NFTA_MATCH_NAME)
+                    .map(super::string)
+                    .unwrap_or_default();
+                let rev = e.u32(NFTA_MATCH_REV, "match")? as u8;
                 self.compat_ports |= matches!(name.as_str(), "tcp" | "udp");
-                let text = match_text(self.family, &name, rev, e.get(3).unwrap_or_default(), sets);
+                let info = e.get(NFTA_MATCH_INFO).unwrap_or_default();
+                let text = match_text(self.family, &name, rev, info, sets);
                 self.parts.push(Part::Text(text));
                 Ok(())
             }
             "target" => {
-                let name = e.get(1).map(super::string).unwrap_or_default();
-                let rev = e.u32(2, "target")? as u8;
-                let text = target_text(self.family, &name, rev, e.get(3).unwrap_or_default());
+                let name = e
+                    .get(NFTA_TARGET_NAME)
+                    .map(super::string)
+                    .unwrap_or_default();
+                let rev = e.u32(NFTA_TARGET_REV, "target")? as u8;
+                let info = e.get(NFTA_TARGET_INFO).unwrap_or_default();
+                let text = target_text(self.family, &name, rev, info);
                 self.set_target(text)
             }
             "limit" => self.limit(e),
@@ -310,12 +303,12 @@ impl Xt {
         match r.load {
             Load::Meta(key) => self.meta_cmp(key, r, op, v),
             Load::Payload {
-                base: NETWORK,
+                base: NFT_PAYLOAD_NETWORK_HEADER,
                 off,
                 len,
             } => self.network(off, len, r, op, v),
             Load::Payload {
-                base: TRANSPORT,
+                base: NFT_PAYLOAD_TRANSPORT_HEADER,
                 off,
                 ..
             } => self.transport(off, r, op, v),
@@ -326,8 +319,8 @@ impl Xt {
     /// Equal or not; any other operator has no iptables option here.
     fn inverted(op: u32) -> Result<bool, Stop> {
         match op {
-            EQ => Ok(false),
-            NEQ => Ok(true),
+            NFT_CMP_EQ => Ok(false),
+            NFT_CMP_NEQ => Ok(true),
             _ => Err(Stop::Foreign),
         }
     }
@@ -335,11 +328,11 @@ impl Xt {
     fn meta_cmp(&mut self, key: u32, r: &Reg, op: u32, v: &[u8]) -> Step {
         let inv = Self::inverted(op)?;
         match key {
-            META_L4PROTO if r.mask.is_none() => {
+            NFT_META_L4PROTO if r.mask.is_none() => {
                 self.head.proto = u16::from(*v.first().ok_or(Stop::Foreign)?);
                 self.head.inv |= if inv { INV_PROTO } else { 0 };
             }
-            META_IIFNAME | META_OIFNAME if r.mask.is_none() => {
+            NFT_META_IIFNAME | NFT_META_OIFNAME if r.mask.is_none() => {
                 if v.len() > 16 {
                     return Err(Stop::Foreign);
                 }
@@ -350,7 +343,7 @@ impl Xt {
                 } else {
                     (v, inv)
                 };
-                let (name, mask, flag) = if key == META_IIFNAME {
+                let (name, mask, flag) = if key == NFT_META_IIFNAME {
                     (
                         &mut self.head.iniface,
                         &mut self.head.iniface_mask,
@@ -379,7 +372,7 @@ impl Xt {
                 }
                 self.head.inv |= if inv { flag } else { 0 };
             }
-            META_MARK => {
+            NFT_META_MARK => {
                 let mark = ne32(v).ok_or(Stop::Foreign)?;
                 let mask = match &r.mask {
                     Some(m) => ne32(m).ok_or(Stop::Foreign)?,
@@ -392,7 +385,7 @@ impl Xt {
                 b.extend([u8::from(inv), 0, 0, 0]);
                 self.text_match("mark", 1, &b);
             }
-            META_PKTTYPE if r.mask.is_none() => {
+            NFT_META_PKTTYPE if r.mask.is_none() => {
                 // `xt_pkttype_info` { int pkttype, invert }.
                 let ty = i32::from(*v.first().ok_or(Stop::Foreign)?);
                 let mut b = ty.to_ne_bytes().to_vec();
@@ -498,15 +491,15 @@ impl Xt {
         // One port: `port_match_single_to_range`, an operator each bound.
         let one = |range: &mut [u16; 2], inv: &mut u8, flag: u8, port: u16| -> Step {
             match op {
-                NEQ => {
+                NFT_CMP_NEQ => {
                     *inv |= flag;
                     *range = [port, port];
                 }
-                EQ => *range = [port, port],
-                LT => range[1] = port.saturating_sub(1).max(1),
-                LTE => range[1] = port,
-                GT => range[0] = port.saturating_add(1),
-                GTE => range[0] = port,
+                NFT_CMP_EQ => *range = [port, port],
+                NFT_CMP_LT => range[1] = port.saturating_sub(1).max(1),
+                NFT_CMP_LTE => range[1] = port,
+                NFT_CMP_GT => range[0] = port.saturating_add(1),
+                NFT_CMP_GTE => range[0] = port,
                 _ => return Err(Stop::Foreign),
             }
             Ok(())
@@ -540,7 +533,7 @@ impl Xt {
     /// An ICMP type and code match (`nft_parse_icmp`): `ipt_icmp` / `ip6t_icmp` { u8 type,
     /// code[2], invflags }.
     fn icmp(&mut self, off: u32, op: u32, v: &[u8]) -> Step {
-        if op != EQ {
+        if op != NFT_CMP_EQ {
             return Err(Stop::Foreign);
         }
         let (ty, code) = match (off, v) {
@@ -560,14 +553,18 @@ impl Xt {
     /// A port range (`--dport 8000:8100`).
     fn range(&mut self, r: &Reg, op: u32, from: &[u8], to: &[u8]) -> Step {
         let Load::Payload {
-            base: TRANSPORT,
+            base: NFT_PAYLOAD_TRANSPORT_HEADER,
             off,
             ..
         } = r.load
         else {
             return Err(Stop::Foreign);
         };
-        let inv = Self::inverted(op)?;
+        let inv = match op {
+            NFT_RANGE_EQ => false,
+            NFT_RANGE_NEQ => true,
+            _ => return Err(Stop::Foreign),
+        };
         let (from, to) = match (from.len(), to.len()) {
             (2, 2) => (be16(from), be16(to)),
             _ => return Err(Stop::Foreign),
@@ -588,21 +585,23 @@ impl Xt {
     }
 
     fn immediate(&mut self, e: &Expr) -> Step {
-        let d = e.get(2).ok_or(NftError::Attr { what: "immediate" })?;
+        let d = e
+            .get(NFTA_IMMEDIATE_DATA)
+            .ok_or(NftError::Attr { what: "immediate" })?;
         for at in super::attrs(d, "immediate data") {
             let (k, v) = at?;
             match k {
-                a::DATA_VALUE => {
-                    let dreg = e.u32(1, "immediate")?;
+                NFTA_DATA_VALUE => {
+                    let dreg = e.u32(NFTA_IMMEDIATE_DREG, "immediate")?;
                     self.load(dreg, Load::Imm(v.to_vec()));
                 }
-                a::DATA_VERDICT => {
+                NFTA_DATA_VERDICT => {
                     let t = match verdict(v)? {
-                        (Some(1), _) => "-j ACCEPT".to_string(),
-                        (Some(0), _) => "-j DROP".to_string(),
-                        (Some(-5), _) => "-j RETURN".to_string(),
-                        (Some(-3), Some(c)) => format!("-j {c}"),
-                        (Some(-4), Some(c)) => format!("-g {c}"),
+                        (Some(NF_ACCEPT), _) => "-j ACCEPT".to_string(),
+                        (Some(NF_DROP), _) => "-j DROP".to_string(),
+                        (Some(NFT_RETURN), _) => "-j RETURN".to_string(),
+                        (Some(NFT_JUMP), Some(c)) => format!("-j {c}"),
+                        (Some(NFT_GOTO), Some(c)) => format!("-g {c}"),
                         _ => return Err(Stop::Foreign),
                     };
                     self.set_target(t)?;
@@ -620,11 +619,11 @@ impl Xt {
         let Load::Imm(v) = &r.load else {
             return Err(Stop::Foreign);
         };
-        if key == META_NFTRACE && r.mask.is_none() && v.iter().any(|&b| b != 0) {
+        if key == NFT_META_NFTRACE && r.mask.is_none() && v.iter().any(|&b| b != 0) {
             let text = target_text(self.family, "TRACE", 0, &[]);
             return self.set_target(text);
         }
-        if key != META_MARK {
+        if key != NFT_META_MARK {
             return Err(Stop::Foreign);
         }
         let mark = ne32(v).ok_or(Stop::Foreign)?;
@@ -641,18 +640,20 @@ impl Xt {
     /// A packet rate limit: `-m limit` (`xt_rateinfo` { u32 avg, burst }, the average in
     /// 1/10000 s between packets). A byte rate or an inverted one has no `-m limit`.
     fn limit(&mut self, e: &Expr) -> Step {
-        if e.u32(4, "limit")? != LIMIT_PKTS || e.u32(5, "limit")? != 0 {
+        if e.u32(NFTA_LIMIT_TYPE, "limit")? != NFT_LIMIT_PKTS
+            || e.u32(NFTA_LIMIT_FLAGS, "limit")? != 0
+        {
             return Err(Stop::Foreign);
         }
-        let rate = e.get(1).and_then(be64).filter(|&r| r > 0);
-        let unit = e.get(2).and_then(be64);
+        let rate = e.get(NFTA_LIMIT_RATE).and_then(be64).filter(|&r| r > 0);
+        let unit = e.get(NFTA_LIMIT_UNIT).and_then(be64);
         let (Some(rate), Some(unit)) = (rate, unit) else {
             return Err(Stop::Foreign);
         };
         let avg =
             u32::try_from(LIMIT_SCALE.saturating_mul(unit) / rate).map_err(|_| Stop::Foreign)?;
         let mut b = avg.to_ne_bytes().to_vec();
-        b.extend(e.u32(3, "limit")?.to_ne_bytes());
+        b.extend(e.u32(NFTA_LIMIT_BURST, "limit")?.to_ne_bytes());
         self.text_match("limit", 0, &b);
         Ok(())
     }
@@ -660,15 +661,18 @@ impl Xt {
     /// A `log` to a netlink group: `-j NFLOG` (`nft_parse_log`, into an `xt_nflog_info`
     /// with room for the prefix). A log to the kernel's log has no iptables-nft reading.
     fn nflog(&mut self, e: &Expr) -> Step {
-        let Some(group) = e.get(1).and_then(be16) else {
+        let Some(group) = e.get(NFTA_LOG_GROUP).and_then(be16) else {
             return Err(Stop::Foreign);
         };
-        let threshold = e.get(4).and_then(be16).unwrap_or(0);
-        let (len, flags) = match e.get(3) {
+        let threshold = e.get(NFTA_LOG_QTHRESHOLD).and_then(be16).unwrap_or(0);
+        let (len, flags) = match e.get(NFTA_LOG_SNAPLEN) {
             Some(v) => (super::be32(v, "log")?, 1u16),
             None => (0, 0),
         };
-        let prefix = e.get(2).map(super::string).unwrap_or_default();
+        let prefix = e
+            .get(NFTA_LOG_PREFIX)
+            .map(super::string)
+            .unwrap_or_default();
         let mut b = len.to_ne_bytes().to_vec();
         for n in [group, threshold, flags, 0] {
             b.extend(n.to_ne_bytes());

@@ -11,7 +11,8 @@
 use std::fmt::Write as _;
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use super::{a, attrs, be32, string, verdict, verdict_name, Expr, NftError};
+use super::nfta::*;
+use super::{attrs, be32, string, verdict, verdict_name, Expr, NftError};
 use crate::decode::xt_ext::{self, match_text, target_text, SetNames};
 use crate::decode::xt_table::{digest, Family};
 
@@ -84,8 +85,7 @@ impl Render {
             regs: Default::default(),
             l4: None,
             l3: match family {
-                2 => Some(2),
-                10 => Some(10),
+                NFPROTO_IPV4 | NFPROTO_IPV6 => Some(family),
                 _ => None,
             },
             parts: Vec::new(),
@@ -95,7 +95,7 @@ impl Render {
 
     /// The layout an xt match or target of this table has (`ip6` tables hold IPv6's).
     fn xt_family(&self) -> Family {
-        if self.l3 == Some(10) {
+        if self.l3 == Some(NFPROTO_IPV6) {
             Family::Ipv6
         } else {
             Family::Ipv4
@@ -112,24 +112,24 @@ impl Render {
             "counter" | "last" => {}
             "payload" => {
                 let (base, off, len) = (
-                    u32_of(2, "payload")?,
-                    u32_of(3, "payload")?,
-                    u32_of(4, "payload")? as usize,
+                    u32_of(NFTA_PAYLOAD_BASE, "payload")?,
+                    u32_of(NFTA_PAYLOAD_OFFSET, "payload")?,
+                    u32_of(NFTA_PAYLOAD_LEN, "payload")? as usize,
                 );
                 let field = self.payload_field(base, off, len);
-                match get(1) {
+                match get(NFTA_PAYLOAD_DREG) {
                     Some(d) => {
                         self.regs.insert(be32(d, "payload")?, field);
                     }
-                    // A payload write (`NFTA_PAYLOAD_SREG`).
+                    // A payload write.
                     None => {
-                        let src = self.reg_name(u32_of(5, "payload")?);
+                        let src = self.reg_name(u32_of(NFTA_PAYLOAD_SREG, "payload")?);
                         self.parts.push(format!("{} set {src}", field.name));
                     }
                 }
             }
             "meta" => {
-                let key = u32_of(2, "meta")?;
+                let key = u32_of(NFTA_META_KEY, "meta")?;
                 let (kname, fmt) = meta_key(key);
                 let field = Reg {
                     name: format!("meta {kname}"),
@@ -137,30 +137,30 @@ impl Render {
                     len: 4,
                     mask: None,
                 };
-                match get(1) {
+                match get(NFTA_META_DREG) {
                     Some(d) => {
                         self.regs.insert(be32(d, "meta")?, field);
                     }
                     None => {
-                        let src = self.reg_name(u32_of(3, "meta")?);
+                        let src = self.reg_name(u32_of(NFTA_META_SREG, "meta")?);
                         self.parts.push(format!("meta {kname} set {src}"));
                     }
                 }
             }
             "ct" => {
-                let key = u32_of(2, "ct")?;
+                let key = u32_of(NFTA_CT_KEY, "ct")?;
                 let kname = ct_key(key);
-                let dir = match get(3).and_then(|v| v.first()) {
-                    Some(0) => " original",
-                    Some(1) => " reply",
+                let dir = match get(NFTA_CT_DIRECTION).and_then(|v| v.first()) {
+                    Some(&IP_CT_DIR_ORIGINAL) => " original",
+                    Some(&IP_CT_DIR_REPLY) => " reply",
                     _ => "",
                 };
                 let fmt = match key {
-                    0 => Fmt::CtState,
-                    3 => Fmt::Ne,
+                    NFT_CT_STATE => Fmt::CtState,
+                    NFT_CT_MARK => Fmt::Ne,
                     _ => Fmt::Hex,
                 };
-                match get(1) {
+                match get(NFTA_CT_DREG) {
                     Some(d) => {
                         self.regs.insert(
                             be32(d, "ct")?,
@@ -173,36 +173,39 @@ impl Render {
                         );
                     }
                     None => {
-                        let src = self.reg_name(u32_of(4, "ct")?);
+                        let src = self.reg_name(u32_of(NFTA_CT_SREG, "ct")?);
                         self.parts.push(format!("ct {kname} set {src}"));
                     }
                 }
             }
             "bitwise" => {
-                let (sreg, dreg) = (u32_of(1, "bitwise")?, u32_of(2, "bitwise")?);
-                let op = u32_of(6, "bitwise")?;
+                let (sreg, dreg) = (
+                    u32_of(NFTA_BITWISE_SREG, "bitwise")?,
+                    u32_of(NFTA_BITWISE_DREG, "bitwise")?,
+                );
+                let op = u32_of(NFTA_BITWISE_OP, "bitwise")?;
                 let mut r = self
                     .regs
                     .get(&sreg)
                     .cloned()
                     .unwrap_or_else(|| unknown_reg(sreg));
-                if op == 0 {
-                    let mask = e.value(4)?;
-                    let xor = e.value(5)?;
+                if op == NFT_BITWISE_MASK_XOR {
+                    let mask = e.value(NFTA_BITWISE_MASK)?;
+                    let xor = e.value(NFTA_BITWISE_XOR)?;
                     r.mask = Some((mask, xor));
                 } else {
-                    let n = e.value(7)?;
+                    let n = e.value(NFTA_BITWISE_DATA)?;
                     let n = n.first().copied().unwrap_or(0);
-                    let sym = if op == 1 { "<<" } else { ">>" };
+                    let sym = if op == NFT_BITWISE_LSHIFT { "<<" } else { ">>" };
                     r.name = format!("{} {sym} {n}", r.name);
                     r.fmt = Fmt::Hex;
                 }
                 self.regs.insert(dreg, r);
             }
             "cmp" => {
-                let sreg = u32_of(1, "cmp")?;
-                let op = u32_of(2, "cmp")?;
-                let value = e.value(3)?;
+                let sreg = u32_of(NFTA_CMP_SREG, "cmp")?;
+                let op = u32_of(NFTA_CMP_OP, "cmp")?;
+                let value = e.value(NFTA_CMP_DATA)?;
                 let r = self
                     .regs
                     .get(&sreg)
@@ -212,15 +215,15 @@ impl Render {
                 self.parts.push(cmp_text(&r, op, &value));
             }
             "range" => {
-                let sreg = u32_of(1, "range")?;
-                let op = u32_of(2, "range")?;
+                let sreg = u32_of(NFTA_RANGE_SREG, "range")?;
+                let op = u32_of(NFTA_RANGE_OP, "range")?;
                 let r = self
                     .regs
                     .get(&sreg)
                     .cloned()
                     .unwrap_or_else(|| unknown_reg(sreg));
-                let (lo, hi) = (e.value(3)?, e.value(4)?);
-                let not = if op == 1 { "!= " } else { "" };
+                let (lo, hi) = (e.value(NFTA_RANGE_FROM_DATA)?, e.value(NFTA_RANGE_TO_DATA)?);
+                let not = if op == NFT_RANGE_NEQ { "!= " } else { "" };
                 self.parts.push(format!(
                     "{} {not}{}-{}",
                     r.name,
@@ -229,12 +232,12 @@ impl Render {
                 ));
             }
             "lookup" => {
-                let set = get(1).map(string).unwrap_or_default();
-                let r = self.reg_name(u32_of(2, "lookup")?);
-                let inv = u32_of(5, "lookup")? & 1 != 0;
-                match get(3) {
+                let set = get(NFTA_LOOKUP_SET).map(string).unwrap_or_default();
+                let r = self.reg_name(u32_of(NFTA_LOOKUP_SREG, "lookup")?);
+                let inv = u32_of(NFTA_LOOKUP_FLAGS, "lookup")? & NFT_LOOKUP_F_INV != 0;
+                match get(NFTA_LOOKUP_DREG) {
                     // A verdict map: the rule's verdict comes from it.
-                    Some(d) if be32(d, "lookup")? == 0 => {
+                    Some(d) if be32(d, "lookup")? == NFT_REG_VERDICT => {
                         self.target = Some(format!("-j vmap {r} @{set}"));
                     }
                     Some(d) => {
@@ -255,13 +258,13 @@ impl Render {
                 }
             }
             "immediate" => {
-                let dreg = u32_of(1, "immediate")?;
-                let d = get(2).ok_or(NftError::Attr { what: "immediate" })?;
+                let dreg = u32_of(NFTA_IMMEDIATE_DREG, "immediate")?;
+                let d = get(NFTA_IMMEDIATE_DATA).ok_or(NftError::Attr { what: "immediate" })?;
                 for at in attrs(d, "immediate data") {
                     let (k, v) = at?;
                     match k {
-                        a::DATA_VERDICT => self.target = Some(verdict_text(v)?),
-                        a::DATA_VALUE => {
+                        NFTA_DATA_VERDICT => self.target = Some(verdict_text(v)?),
+                        NFTA_DATA_VALUE => {
                             self.regs.insert(
                                 dreg,
                                 Reg {
@@ -277,31 +280,35 @@ impl Render {
                 }
             }
             "match" => {
-                let n = get(1).map(string).unwrap_or_default();
-                let rev = get(2).map_or(Ok(0), |v| be32(v, "match"))? as u8;
+                let n = get(NFTA_MATCH_NAME).map(string).unwrap_or_default();
+                let rev = get(NFTA_MATCH_REV).map_or(Ok(0), |v| be32(v, "match"))? as u8;
                 self.parts.push(match_text(
                     self.xt_family(),
                     &n,
                     rev,
-                    get(3).unwrap_or_default(),
+                    get(NFTA_MATCH_INFO).unwrap_or_default(),
                     sets,
                 ));
             }
             "target" => {
-                let n = get(1).map(string).unwrap_or_default();
-                let rev = get(2).map_or(Ok(0), |v| be32(v, "target"))? as u8;
+                let n = get(NFTA_TARGET_NAME).map(string).unwrap_or_default();
+                let rev = get(NFTA_TARGET_REV).map_or(Ok(0), |v| be32(v, "target"))? as u8;
                 self.target = Some(target_text(
                     self.xt_family(),
                     &n,
                     rev,
-                    get(3).unwrap_or_default(),
+                    get(NFTA_TARGET_INFO).unwrap_or_default(),
                 ));
             }
             "reject" => {
-                let ty = u32_of(1, "reject")?;
-                let code = get(2).and_then(|v| v.first()).copied().unwrap_or(0);
+                let ty = u32_of(NFTA_REJECT_TYPE, "reject")?;
+                let code = get(NFTA_REJECT_ICMP_CODE)
+                    .and_then(|v| v.first())
+                    .copied()
+                    .unwrap_or(0);
                 self.target = Some(match ty {
-                    1 => "-j REJECT --reject-with tcp-reset".into(),
+                    NFT_REJECT_TCP_RST => "-j REJECT --reject-with tcp-reset".into(),
+                    // `enum nft_reject_types` by number.
                     _ => format!(
                         "-j REJECT --reject-with {} {code}",
                         ["icmp", "tcp", "icmpx"].get(ty as usize).unwrap_or(&"?")
@@ -310,7 +317,7 @@ impl Render {
             }
             "masq" => self.target = Some("-j MASQUERADE".into()),
             "nat" => {
-                let ty = if u32_of(1, "nat")? == 0 {
+                let ty = if u32_of(NFTA_NAT_TYPE, "nat")? == NFT_NAT_SNAT {
                     "SNAT"
                 } else {
                     "DNAT"
@@ -322,7 +329,7 @@ impl Render {
                     let name = &self.regs.get(&r)?.name;
                     unhex(name.strip_prefix("0x")?)
                 };
-                let ip = imm(3).and_then(|b| match b.len() {
+                let ip = imm(NFTA_NAT_REG_ADDR_MIN).and_then(|b| match b.len() {
                     4 => <[u8; 4]>::try_from(b.as_slice())
                         .ok()
                         .map(|a| Ipv4Addr::from(a).to_string()),
@@ -331,11 +338,17 @@ impl Render {
                         .map(|a| format!("[{}]", Ipv6Addr::from(a))),
                     _ => None,
                 });
-                let port = imm(5).and_then(|b| <[u8; 2]>::try_from(b.as_slice()).ok());
+                let port = imm(NFTA_NAT_REG_PROTO_MIN)
+                    .and_then(|b| <[u8; 2]>::try_from(b.as_slice()).ok());
                 let mut t = format!("-j {ty}");
                 // A range only when its maximum differs from its minimum (`nft` loads both
                 // registers, with the same value, for a single address and port).
-                let complex = [(4u16, 3u16), (6, 5)].iter().any(|&(max, min)| {
+                let complex = [
+                    (NFTA_NAT_REG_ADDR_MAX, NFTA_NAT_REG_ADDR_MIN),
+                    (NFTA_NAT_REG_PROTO_MAX, NFTA_NAT_REG_PROTO_MIN),
+                ]
+                .iter()
+                .any(|&(max, min)| {
                     get(max).is_some() && (imm(max).is_none() || imm(max) != imm(min))
                 });
                 match ip {
@@ -356,9 +369,12 @@ impl Render {
                         }
                     }
                     _ => {
-                        for (k, what) in
-                            [(3, "addr"), (4, "addr max"), (5, "port"), (6, "port max")]
-                        {
+                        for (k, what) in [
+                            (NFTA_NAT_REG_ADDR_MIN, "addr"),
+                            (NFTA_NAT_REG_ADDR_MAX, "addr max"),
+                            (NFTA_NAT_REG_PROTO_MIN, "port"),
+                            (NFTA_NAT_REG_PROTO_MAX, "port max"),
+                        ] {
                             if let Some(v) = get(k) {
                                 let _ = write!(t, " {what} {}", self.reg_name(be32(v, "nat")?));
                             }
@@ -370,16 +386,17 @@ impl Render {
             "redir" => self.target = Some("-j REDIRECT".into()),
             "queue" => self.target = Some("-j QUEUE".into()),
             "log" => {
-                let prefix = get(2).map(string);
+                let prefix = get(NFTA_LOG_PREFIX).map(string);
                 self.parts.push(match prefix {
                     Some(p) => format!("log prefix \"{p}\""),
                     None => "log".into(),
                 });
             }
             // Its consumption changes with traffic; the quota itself does not.
-            "quota" => self
-                .parts
-                .push(format!("quota {}", get(1).map(hex).unwrap_or_default())),
+            "quota" => self.parts.push(format!(
+                "quota {}",
+                get(NFTA_QUOTA_BYTES).map(hex).unwrap_or_default()
+            )),
             other => self.parts.push(format!("{other} [{}]", digest(e.data))),
         }
         Ok(())
@@ -393,16 +410,17 @@ impl Render {
 
     /// A `meta l4proto` / `ip protocol` / `meta nfproto` match names what follows.
     fn note_protocol(&mut self, r: &Reg, op: u32, value: &[u8]) {
-        if op != 0 || r.mask.is_some() {
+        if op != NFT_CMP_EQ || r.mask.is_some() {
             return;
         }
         match r.fmt {
             Fmt::Proto => self.l4 = value.first().copied(),
             Fmt::Nfproto => self.l3 = value.first().copied(),
             _ if r.name == "meta protocol" && value.len() >= 2 => {
+                // Ethertypes: `ETH_P_IP`, `ETH_P_IPV6`.
                 self.l3 = match u16::from_be_bytes([value[0], value[1]]) {
-                    0x0800 => Some(2),
-                    0x86dd => Some(10),
+                    0x0800 => Some(NFPROTO_IPV4),
+                    0x86dd => Some(NFPROTO_IPV6),
                     _ => None,
                 }
             }
@@ -430,9 +448,9 @@ impl Render {
             _ => None,
         };
         let known = match (base, self.l3) {
-            (1, Some(2)) => ip4(off, len),
-            (1, Some(10)) => ip6(off, len),
-            (2, _) => match (off, len) {
+            (NFT_PAYLOAD_NETWORK_HEADER, Some(NFPROTO_IPV4)) => ip4(off, len),
+            (NFT_PAYLOAD_NETWORK_HEADER, Some(NFPROTO_IPV6)) => ip6(off, len),
+            (NFT_PAYLOAD_TRANSPORT_HEADER, _) => match (off, len) {
                 (0, 2) => Some(("sport", Fmt::Be)),
                 (2, 2) => Some(("dport", Fmt::Be)),
                 _ => None,
@@ -440,7 +458,7 @@ impl Render {
             _ => None,
         };
         match (base, known) {
-            (2, Some((f, fmt))) => {
+            (NFT_PAYLOAD_TRANSPORT_HEADER, Some((f, fmt))) => {
                 let l4 = match self.l4 {
                     Some(6) => "tcp",
                     Some(17) => "udp",
@@ -452,6 +470,7 @@ impl Render {
             }
             (_, Some((f, fmt))) => reg(f.to_string(), fmt),
             _ => {
+                // `enum nft_payload_bases` by number.
                 let b = ["ll", "nh", "th", "ih"].get(base as usize).unwrap_or(&"?");
                 reg(format!("@{b},{},{}", off * 8, len * 8), Fmt::Hex)
             }
@@ -472,8 +491,8 @@ fn unknown_reg(r: u32) -> Reg {
 /// An `NFTA_DATA_VERDICT`: `-j DROP`, `-j CHAIN`, `-g CHAIN`.
 fn verdict_text(v: &[u8]) -> Result<String, NftError> {
     Ok(match verdict(v)? {
-        (Some(-3), Some(c)) => format!("-j {c}"),
-        (Some(-4), Some(c)) => format!("-g {c}"),
+        (Some(NFT_JUMP), Some(c)) => format!("-j {c}"),
+        (Some(NFT_GOTO), Some(c)) => format!("-g {c}"),
         (Some(c), _) => format!("-j {}", verdict_name(c)),
         (None, _) => "-j verdict ?".into(),
     })
@@ -481,30 +500,31 @@ fn verdict_text(v: &[u8]) -> Result<String, NftError> {
 
 fn meta_key(k: u32) -> (&'static str, Fmt) {
     match k {
-        0 => ("length", Fmt::Ne),
-        1 => ("protocol", Fmt::Hex),
-        2 => ("priority", Fmt::Ne),
-        3 => ("mark", Fmt::Ne),
-        4 => ("iif", Fmt::Ne),
-        5 => ("oif", Fmt::Ne),
-        6 => ("iifname", Fmt::Ifname),
-        7 => ("oifname", Fmt::Ifname),
-        8 => ("iiftype", Fmt::Ne),
-        9 => ("oiftype", Fmt::Ne),
-        10 => ("skuid", Fmt::Ne),
-        11 => ("skgid", Fmt::Ne),
-        12 => ("nftrace", Fmt::Ne),
-        15 => ("nfproto", Fmt::Nfproto),
-        16 => ("l4proto", Fmt::Proto),
-        19 => ("pkttype", Fmt::Ne),
-        20 => ("cpu", Fmt::Ne),
-        23 => ("cgroup", Fmt::Ne),
-        24 => ("random", Fmt::Ne),
+        NFT_META_LEN => ("length", Fmt::Ne),
+        NFT_META_PROTOCOL => ("protocol", Fmt::Hex),
+        NFT_META_PRIORITY => ("priority", Fmt::Ne),
+        NFT_META_MARK => ("mark", Fmt::Ne),
+        NFT_META_IIF => ("iif", Fmt::Ne),
+        NFT_META_OIF => ("oif", Fmt::Ne),
+        NFT_META_IIFNAME => ("iifname", Fmt::Ifname),
+        NFT_META_OIFNAME => ("oifname", Fmt::Ifname),
+        NFT_META_IIFTYPE => ("iiftype", Fmt::Ne),
+        NFT_META_OIFTYPE => ("oiftype", Fmt::Ne),
+        NFT_META_SKUID => ("skuid", Fmt::Ne),
+        NFT_META_SKGID => ("skgid", Fmt::Ne),
+        NFT_META_NFTRACE => ("nftrace", Fmt::Ne),
+        NFT_META_NFPROTO => ("nfproto", Fmt::Nfproto),
+        NFT_META_L4PROTO => ("l4proto", Fmt::Proto),
+        NFT_META_PKTTYPE => ("pkttype", Fmt::Ne),
+        NFT_META_CPU => ("cpu", Fmt::Ne),
+        NFT_META_CGROUP => ("cgroup", Fmt::Ne),
+        NFT_META_PRANDOM => ("random", Fmt::Ne),
         _ => ("?", Fmt::Hex),
     }
 }
 
 fn ct_key(k: u32) -> String {
+    // `enum nft_ct_keys` by number.
     let names = [
         "state",
         "direction",
@@ -547,12 +567,13 @@ fn hex(v: &[u8]) -> String {
 /// `reg OP value`, as nft lists it: `ip daddr 10.96.0.10`, `tcp dport != 53`,
 /// `ip saddr 10.0.0.0/8`, `meta mark & 0x8000 == 0x8000`, `ct state invalid,new`.
 fn cmp_text(r: &Reg, op: u32, value: &[u8]) -> String {
+    // `enum nft_cmp_ops` by number.
     let sym = ["==", "!=", "<", "<=", ">", ">="]
         .get(op as usize)
         .unwrap_or(&"?");
     // Equality is implicit, as in nft's listing; other operators are written.
     let op_text = |v: String| {
-        if op == 0 {
+        if op == NFT_CMP_EQ {
             format!("{} {v}", r.name)
         } else {
             format!("{} {sym} {v}", r.name)
@@ -563,7 +584,7 @@ fn cmp_text(r: &Reg, op: u32, value: &[u8]) -> String {
         Fmt::Ipv6 => 16,
         _ => 0,
     };
-    if full > 0 && op <= 1 {
+    if full > 0 && matches!(op, NFT_CMP_EQ | NFT_CMP_NEQ) {
         // A prefix: a shorter load, or a contiguous mask.
         let prefix = match &r.mask {
             None if r.len < full => Some(r.len * 8),
@@ -579,7 +600,9 @@ fn cmp_text(r: &Reg, op: u32, value: &[u8]) -> String {
     match &r.mask {
         None => op_text(value_text(r.fmt, value)),
         // `ct state invalid` is `state & invalid != 0`.
-        Some((m, _)) if r.fmt == Fmt::CtState && op == 1 && value.iter().all(|&b| b == 0) => {
+        Some((m, _))
+            if r.fmt == Fmt::CtState && op == NFT_CMP_NEQ && value.iter().all(|&b| b == 0) =>
+        {
             format!("{} {}", r.name, value_text(Fmt::CtState, m))
         }
         Some((m, x)) => {
@@ -635,8 +658,8 @@ fn value_text(fmt: Fmt, v: &[u8]) -> String {
             n => n.to_string(),
         }),
         Fmt::Nfproto => v.first().map(|&p| match p {
-            2 => "ipv4".into(),
-            10 => "ipv6".into(),
+            NFPROTO_IPV4 => "ipv4".into(),
+            NFPROTO_IPV6 => "ipv6".into(),
             n => n.to_string(),
         }),
         Fmt::Ifname => {
