@@ -12,6 +12,7 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
@@ -19,7 +20,7 @@ use std::{
 use serde_json::Value;
 use xtlock_tests::{
     in_ci, in_vm, report_events, require_bpf, serial, sh, skip_on_this_kernel, write_file, Agent,
-    Scratch, Tracer,
+    Scratch, Trace, Tracer,
 };
 
 const T: Duration = Duration::from_secs(120);
@@ -284,34 +285,104 @@ fn close(got: u64, want: u64) -> bool {
 #[test]
 fn small_transactions_wait_behind_kube_proxys_commit() {
     const TEST: &str = "small_transactions_wait_behind_kube_proxys_commit";
-    if !require_bpf(TEST) || !have("nft", TEST) || !have("iptables-nft-restore", TEST) {
-        return;
-    }
-    if !std::path::Path::new("/sys/kernel/tracing/events/lock/contention_begin").exists() {
-        skip_on_this_kernel(TEST, "lock:contention_begin (Linux >= 5.19)");
-        return;
-    }
-    if !have("bpftrace", TEST) {
+    if !can_run(TEST) {
         return;
     }
     let _g = serial();
-    let s = Scratch::new("nft-mutex");
-    let ns = Netns::new(NETNS);
-    let ino = ns.inode();
-    let big = write_file(&s.dir, "kube-proxy.nft", &kube_proxy_nft(rules()));
-    let small = write_file(
-        &s.dir,
-        "firewalld.rules",
-        "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -p tcp --dport 22 -j ACCEPT\nCOMMIT\n",
-    );
-    let kube_proxy = s.agent("kube-proxy");
-    let calico = s.agent("calico-node");
-    let firewalld = s.agent("firewalld");
-    let cap = s.dir.join("nft.xtlock");
+    let setup = Setup::new();
+    // xtlock before bpftrace: see `start_xtlock`.
+    let tracer = start_xtlock(&setup.cap);
+    let truth = Truth::start(setup.ino);
+    let gc_pid = expire_set_elements(&setup);
+    let small_transactions = run_transactions(&setup);
+    show_recursion_misses();
+    let (waits, sends, kinds) = truth.finish();
+    tracer.interrupt();
+    let trace = tracer.finish();
+    let dump = trace.dump();
 
-    // xtlock first: its programs then run before bpftrace's on the tracepoints, and the two
-    // reads of a mutex's owner are as close as can be (bpftrace's program is the slower).
-    let tracer = Tracer::start(
+    let truth = Seen::new(waits, sends, kinds);
+    let xt = XtWaits::new(&trace, setup.ino);
+    require_a_commit_wait(&xt, &truth, small_transactions);
+    check_waits(&xt, &truth, &dump);
+    check_nfnl_links(&xt, &truth, &trace, &dump);
+    let xt_kworker = check_kernel_worker_waits(&xt, &truth, &trace);
+    let holds = check_holds(&xt, &truth, &trace, gc_pid);
+    check_batches(&holds, &dump);
+    check_behind_kube_proxy(&xt, &dump);
+    check_replay(&setup.cap, &xt, &xt_kworker, &holds);
+}
+
+/// The agents, as xtlock names them.
+const AGENTS: [&str; 3] = ["kube-proxy", "calico-node", "firewalld"];
+/// The comms of the agents' transactions (`iptables-nft-restore`, cut to 15 bytes).
+const TRANSACTION_COMMS: [&str; 2] = ["nft", "iptables-nft-re"];
+/// nfnetlink's nf_tables mutex, as xtlock names it.
+const NFNL_LOCK: &str = "nfnetlink nf_tables mutex";
+
+/// Whether this machine can run the test; under CI a missing tool or capability fails.
+fn can_run(test: &str) -> bool {
+    if !require_bpf(test) || !have("nft", test) || !have("iptables-nft-restore", test) {
+        return false;
+    }
+    if !Path::new("/sys/kernel/tracing/events/lock/contention_begin").exists() {
+        skip_on_this_kernel(test, "lock:contention_begin (Linux >= 5.19)");
+        return false;
+    }
+    have("bpftrace", test)
+}
+
+/// The private netns, the rulesets and the agents' binaries.
+struct Setup {
+    // Fields drop in order: the netns (and its tables) before the scratch directory.
+    _ns: Netns,
+    s: Scratch,
+    ino: u64,
+    /// kube-proxy's `nft -f` file.
+    big: PathBuf,
+    /// firewalld's `iptables-nft-restore` input.
+    small: PathBuf,
+    kube_proxy: PathBuf,
+    calico: PathBuf,
+    firewalld: PathBuf,
+    /// xtlock's capture.
+    cap: PathBuf,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let s = Scratch::new("nft-mutex");
+        let ns = Netns::new(NETNS);
+        let ino = ns.inode();
+        let big = write_file(&s.dir, "kube-proxy.nft", &kube_proxy_nft(rules()));
+        let small = write_file(
+            &s.dir,
+            "firewalld.rules",
+            "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -p tcp --dport 22 -j ACCEPT\nCOMMIT\n",
+        );
+        let kube_proxy = s.agent("kube-proxy");
+        let calico = s.agent("calico-node");
+        let firewalld = s.agent("firewalld");
+        let cap = s.dir.join("nft.xtlock");
+        Setup {
+            _ns: ns,
+            ino,
+            big,
+            small,
+            kube_proxy,
+            calico,
+            firewalld,
+            cap,
+            s,
+        }
+    }
+}
+
+/// `xtlock trace --json --record cap`, started before bpftrace: its programs then run before
+/// bpftrace's on the tracepoints, and the two reads of a mutex's owner are as close as can be
+/// (bpftrace's program is the slower).
+fn start_xtlock(cap: &Path) -> Tracer {
+    Tracer::start(
         &[],
         Duration::from_secs(if in_vm() { 300 } else { 30 }),
         // No reads of the tables after writes: xtlock would enter the netns and take its
@@ -334,15 +405,15 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             },
         ]
         .concat(),
-    );
+    )
+}
 
-    let truth = Truth::start(ino);
-
-    // nf_tables' set garbage collection: elements expiring all through kube-proxy's
-    // transaction (one every ms from 0.3 s to 8 s; every 4 ms, to 31 s, in the TCG guests,
-    // where nft takes seconds to parse kube-proxy's file before it sends it), collected every
-    // 100 ms by a kernel worker that takes the netns's commit mutex to remove them, from the
-    // initial netns.
+/// nf_tables' set garbage collection: elements expiring all through kube-proxy's
+/// transaction (one every ms from 0.3 s to 8 s; every 4 ms, to 31 s, in the TCG guests,
+/// where nft takes seconds to parse kube-proxy's file before it sends it), collected every
+/// 100 ms by a kernel worker that takes the netns's commit mutex to remove them, from the
+/// initial netns. The pid of the `nft` that added them.
+fn expire_set_elements(setup: &Setup) -> u32 {
     let every_ms = if in_vm() { 4 } else { 1 };
     let elements: Vec<String> = (0..7_700)
         .map(|i| {
@@ -355,7 +426,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         })
         .collect();
     let gc = write_file(
-        &s.dir,
+        &setup.s.dir,
         "gc.nft",
         &format!(
             "table ip gc {{\n set s {{ type ipv4_addr; flags timeout; gc-interval 100ms; }}\n}}\n\
@@ -365,18 +436,24 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
     );
     // No agent's: its batch is left out of the truth's holds by its pid (`ip netns exec`
     // execs nft in place).
-    let mut setup = Command::new("ip")
+    let mut add = Command::new("ip")
         .args(["netns", "exec", NETNS, "nft", "-f", gc.to_str().unwrap()])
         .spawn()
         .expect("nft -f gc.nft");
-    let setup_pid = setup.id();
+    let pid = add.id();
     assert!(
-        setup.wait().expect("nft -f gc.nft").success(),
+        add.wait().expect("nft -f gc.nft").success(),
         "nft -f gc.nft"
     );
+    pid
+}
 
+/// kube-proxy's big transaction, and small ones of calico-node (`nft add table`) and
+/// firewalld (`iptables-nft-restore`) until it is done; all must succeed. How many small
+/// ones ran.
+fn run_transactions(setup: &Setup) -> usize {
     let mut kp = Agent::spawn(
-        &kube_proxy,
+        &setup.kube_proxy,
         &[
             "run",
             "ip",
@@ -385,7 +462,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             NETNS,
             "nft",
             "-f",
-            big.to_str().unwrap(),
+            setup.big.to_str().unwrap(),
         ],
         &[],
         None,
@@ -413,12 +490,12 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         assert!(
             Instant::now() < deadline,
             "kube-proxy's transaction hangs; where each nft is:\n{}",
-            kernel_stacks(&["nft", "iptables-nft-re"])
+            kernel_stacks(&TRANSACTION_COMMS)
         );
         let table = format!("calico{i}");
         others.push(if i % 2 == 0 {
             Agent::spawn(
-                &calico,
+                &setup.calico,
                 &[
                     "run", "ip", "netns", "exec", NETNS, "nft", "add", "table", "ip", &table,
                 ],
@@ -427,7 +504,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             )
         } else {
             Agent::spawn(
-                &firewalld,
+                &setup.firewalld,
                 &[
                     "run",
                     "ip",
@@ -436,7 +513,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
                     NETNS,
                     "iptables-nft-restore",
                     "--noflush",
-                    small.to_str().unwrap(),
+                    setup.small.to_str().unwrap(),
                 ],
                 &[],
                 None,
@@ -456,87 +533,171 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             o.seen
         );
     }
-    if in_vm() {
-        // A perf-tracepoint program (bpftrace's) is skipped when another BPF program runs on
-        // its CPU; the kernel counts those misses.
-        if let Ok(o) = Command::new("bpftool").args(["prog", "show"]).output() {
-            let text = String::from_utf8_lossy(&o.stdout).to_string();
-            for l in text.lines().filter(|l| l.contains("recursion_misses")) {
-                eprintln!("bpf program with recursion misses: {l}");
-            }
+    i
+}
+
+/// In the VMs: a perf-tracepoint program (bpftrace's) is skipped when another BPF program
+/// runs on its CPU; the kernel counts those misses.
+fn show_recursion_misses() {
+    if !in_vm() {
+        return;
+    }
+    if let Ok(o) = Command::new("bpftool").args(["prog", "show"]).output() {
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        for l in text.lines().filter(|l| l.contains("recursion_misses")) {
+            eprintln!("bpf program with recursion misses: {l}");
         }
     }
-    let (truth_waits, truth_sends, kinds) = truth.finish();
-    tracer.interrupt();
-    let trace = tracer.finish();
-    let dump = trace.dump();
+}
 
-    let commit_lock = format!("nf_tables commit (netns {ino})");
-    let ours = |w: &&Value| {
-        ["kube-proxy", "calico-node", "firewalld"].contains(&w["agent"].as_str().unwrap_or(""))
-    };
-    let xt_waits = |lock: &str| -> Vec<Value> {
-        trace
-            .of_type("wait")
-            .into_iter()
-            .filter(|w| w["lock"] == lock)
-            .filter(ours)
-            .cloned()
-            .collect()
-    };
-    let xt_commit = xt_waits(&commit_lock);
-    let xt_nfnl = xt_waits("nfnetlink nf_tables mutex");
-    // The agents' transactions, not another tracer's table reads in the netns (an xtlock
-    // of another test run reads tables after writes in every netns).
-    let truth_of = |kind: &str| -> Vec<TruthWait> {
-        truth_waits
+/// One of the agents'.
+fn ours(w: &Value) -> bool {
+    AGENTS.contains(&w["agent"].as_str().unwrap_or(""))
+}
+
+fn is_kworker(w: &Value) -> bool {
+    w["comm"]
+        .as_str()
+        .is_some_and(|c| c.starts_with("kworker/"))
+}
+
+/// xtlock's waits of the agents on the two mutexes.
+struct XtWaits {
+    /// The netns's commit mutex, as xtlock names it.
+    commit_lock: String,
+    commit: Vec<Value>,
+    nfnl: Vec<Value>,
+}
+
+impl XtWaits {
+    fn new(trace: &Trace, ino: u64) -> Self {
+        let commit_lock = format!("nf_tables commit (netns {ino})");
+        let waits = |lock: &str| -> Vec<Value> {
+            trace
+                .of_type("wait")
+                .into_iter()
+                .filter(|w| w["lock"] == lock)
+                .filter(|w| ours(w))
+                .cloned()
+                .collect()
+        };
+        XtWaits {
+            commit: waits(&commit_lock),
+            nfnl: waits(NFNL_LOCK),
+            commit_lock,
+        }
+    }
+}
+
+/// What bpftrace saw: the truth xtlock is held to.
+struct Seen {
+    /// Every contention it saw, spins included.
+    waits: Vec<TruthWait>,
+    sends: Vec<TruthSend>,
+    /// Which lock address is which mutex.
+    kinds: HashMap<u64, &'static str>,
+    /// The agents' transactions' contentions on each mutex, spins included.
+    all_commit: Vec<TruthWait>,
+    all_nfnl: Vec<TruthWait>,
+    /// Of those, the waits: what xtlock reports.
+    commit: Vec<TruthWait>,
+    nfnl: Vec<TruthWait>,
+    /// Every thread's contentions on the commit mutex, kernel workers' included.
+    any_commit: Vec<TruthWait>,
+}
+
+impl Seen {
+    fn new(
+        waits: Vec<TruthWait>,
+        sends: Vec<TruthSend>,
+        kinds: HashMap<u64, &'static str>,
+    ) -> Self {
+        // The agents' transactions, not another tracer's table reads in the netns (an
+        // xtlock of another test run reads tables after writes in every netns).
+        let truth_of = |kind: &str| -> Vec<TruthWait> {
+            waits
+                .iter()
+                .filter(|w| kinds.get(&w.lock) == Some(&kind))
+                .filter(|w| TRANSACTION_COMMS.contains(&w.comm.as_str()))
+                .cloned()
+                .collect()
+        };
+        let (all_commit, all_nfnl) = (truth_of("commit"), truth_of("nfnl"));
+        let any_commit = waits
             .iter()
-            .filter(|w| kinds.get(&w.lock) == Some(&kind))
-            .filter(|w| ["nft", "iptables-nft-re"].contains(&w.comm.as_str()))
+            .filter(|w| kinds.get(&w.lock) == Some(&"commit"))
             .cloned()
-            .collect()
-    };
-    let (all_commit, all_nfnl) = (truth_of("commit"), truth_of("nfnl"));
-    // A contention that began on a free mutex and saw no one else take it is a spin, not a
-    // wait behind anyone: xtlock does not report it, so neither does the truth.
-    // One that lasted 1 ms or more is a wait all the same (behind a task that took the
-    // mutex on its fast path, unseen).
-    let waits_only = |all: &[TruthWait]| -> Vec<TruthWait> {
-        all.iter()
-            .filter(|t| {
-                t.owner_tgid != 0
-                    || t.end - t.start >= 1_000_000
-                    || truth_waits
-                        .iter()
-                        .any(|o| o.lock == t.lock && o.end > t.start && o.end < t.end)
-            })
-            .cloned()
-            .collect()
-    };
-    let (tr_commit, tr_nfnl) = (waits_only(&all_commit), waits_only(&all_nfnl));
+            .collect();
+        let commit = waits_only(&all_commit, &waits);
+        let nfnl = waits_only(&all_nfnl, &waits);
+        Seen {
+            waits,
+            sends,
+            kinds,
+            all_commit,
+            all_nfnl,
+            commit,
+            nfnl,
+            any_commit,
+        }
+    }
+}
+
+/// The waits of `all`, against `every` contention seen. A contention that began on a free
+/// mutex and saw no one else take it is a spin, not a wait behind anyone: xtlock does not
+/// report it, so neither does the truth. One that lasted 1 ms or more is a wait all the same
+/// (behind a task that took the mutex on its fast path, unseen).
+fn waits_only(all: &[TruthWait], every: &[TruthWait]) -> Vec<TruthWait> {
+    all.iter()
+        .filter(|t| {
+            t.owner_tgid != 0
+                || t.end - t.start >= 1_000_000
+                || every
+                    .iter()
+                    .any(|o| o.lock == t.lock && o.end > t.start && o.end < t.end)
+        })
+        .cloned()
+        .collect()
+}
+
+/// The two tools' counts; without a wait on the commit mutex the test proves nothing.
+fn require_a_commit_wait(xt: &XtWaits, truth: &Seen, small_transactions: usize) {
     eprintln!(
         "commit mutex: xtlock {} waits, bpftrace {}; nfnetlink mutex: xtlock {}, bpftrace {}",
-        xt_commit.len(),
-        tr_commit.len(),
-        xt_nfnl.len(),
-        tr_nfnl.len()
+        xt.commit.len(),
+        truth.commit.len(),
+        xt.nfnl.len(),
+        truth.nfnl.len()
     );
     assert!(
-        !tr_commit.is_empty(),
-        "no wait on the commit mutex happened ({i} small transactions): the test proves \
-         nothing; bpftrace saw {} mutex waits, on mutexes it named {kinds:?}",
-        truth_waits.len()
+        !truth.commit.is_empty(),
+        "no wait on the commit mutex happened ({small_transactions} small transactions): the \
+         test proves nothing; bpftrace saw {} mutex waits, on mutexes it named {:?}",
+        truth.waits.len(),
+        truth.kinds
     );
+}
 
-    // The same start within 1 ms: xtlock's program runs first, bpftrace's reads the clock
-    // after it, some µs later on a host; in the TCG guests, where everything costs ~100
-    // times more and vCPUs stall, [`slack`].
-    let same_start = if in_vm() { slack() } else { 1_000_000 };
+/// How far apart the two tools may clock the start of one wait: within 1 ms, xtlock's
+/// program runs first, bpftrace's reads the clock after it, some µs later on a host; in the
+/// TCG guests, where everything costs ~100 times more and vCPUs stall, [`slack`].
+fn same_start() -> u64 {
+    if in_vm() {
+        slack()
+    } else {
+        1_000_000
+    }
+}
+
+/// On each mutex, xtlock's waits are bpftrace's: the count, the longest, and each wait's
+/// waiter, start, length and holder at its start.
+fn check_waits(xtlock: &XtWaits, truth: &Seen, dump: &str) {
+    let same_start = same_start();
     let mut raced: Vec<String> = Vec::new();
     let mut unmatched = 0;
     for (name, xt, tr) in [
-        ("commit mutex", &xt_commit, &tr_commit),
-        ("nfnetlink mutex", &xt_nfnl, &tr_nfnl),
+        ("commit mutex", &xtlock.commit, &truth.commit),
+        ("nfnetlink mutex", &xtlock.nfnl, &truth.nfnl),
     ] {
         let same = |w: &Value, t: &TruthWait| {
             u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < same_start
@@ -627,118 +788,50 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
          reads of its owner: {raced:?}; waits under 1 ms one side saw as a spin: {unmatched}",
         raced.len()
     );
-    let all = tr_commit.len() + tr_nfnl.len();
+    let all = truth.commit.len() + truth.nfnl.len();
     assert!(
         raced.len() + unmatched <= all.div_ceil(20),
         "{} of {all} waits differ in their holder at the start or in being a wait at all: \
          more than 5 %",
         raced.len() + unmatched
     );
-    // An nfnetlink wait's holder that was itself waiting for the commit mutex meanwhile
-    // (bpftrace: a commit wait of that thread overlapping the stretch behind it) carries that
-    // wait: the commit lock, its time over the stretch, and who held the commit mutex.
-    let all_commit_any: Vec<&TruthWait> = truth_waits
-        .iter()
-        .filter(|w| kinds.get(&w.lock) == Some(&"commit"))
-        .collect();
+}
+
+/// What one stretch of an nfnetlink wait, behind one holder, showed.
+enum Stretch {
+    /// The holder held more than once in the wait: its time is a sum, the stretch not known
+    /// from here.
+    Split,
+    /// The holder waited for the commit mutex past the nfnetlink wait.
+    Unnested,
+    /// The holder waited for the commit mutex for nothing, or under 1 ms, meanwhile.
+    Unlinked,
+    /// Linked to the holder's commit wait; whether that mutex changed hands inside.
+    Linked { handed_over: bool },
+}
+
+/// An nfnetlink wait's holder that was itself waiting for the commit mutex meanwhile
+/// (bpftrace: a commit wait of that thread overlapping the stretch behind it) carries that
+/// wait: the commit lock, its time over the stretch, and who held the commit mutex.
+fn check_nfnl_links(xt: &XtWaits, truth: &Seen, trace: &Trace, dump: &str) {
     let (mut linked, mut handed_over) = (0, 0);
     let (mut split, mut unnested) = (0, 0);
-    for w in &xt_nfnl {
+    for w in &xt.nfnl {
         let holders: Vec<&Value> = w["holders"].as_array().into_iter().flatten().collect();
         for (i, h) in holders.iter().enumerate() {
-            let from = u(&h["from_ns"]);
-            let to = from + u(&h["behind_ns"]);
-            // One stretch behind this holder (it held once during the wait), else its time
-            // is a sum and the stretch not known from here.
-            let next = holders
-                .get(i + 1)
-                .map_or(u(&w["start_ns"]) + u(&w["wait_ns"]), |n| u(&n["from_ns"]));
-            if to != next {
-                split += 1;
-                continue;
+            match holder_stretch(w, h, holders.get(i + 1).copied(), xt, truth, trace) {
+                Stretch::Split => split += 1,
+                Stretch::Unnested => unnested += 1,
+                Stretch::Unlinked => {}
+                Stretch::Linked {
+                    handed_over: inside,
+                } => {
+                    if inside {
+                        handed_over += 1;
+                    }
+                    linked += 1;
+                }
             }
-            let own: Vec<&TruthWait> = tr_commit
-                .iter()
-                .filter(|t| u64::from(t.tid) == u(&h["pid"]) && t.start < to && t.end > from)
-                .collect();
-            // A commit wait that outlasts the nfnetlink wait was not one the holder waited
-            // holding nfnetlink's mutex (it could not have let it go while blocked): the
-            // stretch behind it is the split's guess there, and xtlock links only waits
-            // ended by then.
-            if own
-                .iter()
-                .any(|t| t.end > u(&w["start_ns"]) + u(&w["wait_ns"]))
-            {
-                unnested += 1;
-                continue;
-            }
-            let want: u64 = own.iter().map(|t| t.end.min(to) - t.start.max(from)).sum();
-            let got = &h["waiting"];
-            if want == 0 {
-                assert!(
-                    got.is_null() || u(&got["wait_ns"]) < 1_000_000,
-                    "{w}: its holder {h} waited for nothing"
-                );
-                continue;
-            }
-            // Under 1 ms: the stretch's ends are hand-overs the two tracers clock apart.
-            if want < 1_000_000 {
-                continue;
-            }
-            assert_eq!(
-                got["lock"],
-                commit_lock.as_str(),
-                "{h} in {w}: bpftrace's commit waits of the holder {own:?}; xtlock's: {:?}",
-                trace
-                    .of_type("wait")
-                    .into_iter()
-                    .filter(|x| x["tid"] == h["pid"])
-                    .map(|x| (
-                        x["lock"].as_str().unwrap_or(""),
-                        u(&x["start_ns"]),
-                        u(&x["wait_ns"])
-                    ))
-                    .collect::<Vec<_>>()
-            );
-            assert!(
-                close(u(&got["wait_ns"]), want),
-                "{w}: its holder {h} waited {want} ns for the commit mutex meanwhile \
-                 (bpftrace: {own:?})"
-            );
-            // Whom: who held the commit mutex when the stretch began (the owner at the start
-            // of the holder's commit wait, or the last waiter to take it over since), when
-            // it changed hands nowhere inside the stretch (else the split is the analysis'
-            // own, tested above).
-            let (a, b) = (from.max(own[0].start), to.min(own[0].end));
-            let roots: Vec<u64> = got["holders"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|r| u(&r["pid"]))
-                .collect();
-            let took_over = all_commit_any
-                .iter()
-                .filter(|t| t.end > own[0].start && t.end <= a)
-                .max_by_key(|t| t.end);
-            let root = took_over.map_or(own[0].owner_tgid, |t| t.tid);
-            if own.len() > 1 || all_commit_any.iter().any(|t| t.end > a && t.end < b) || root == 0 {
-                handed_over += 1;
-            } else {
-                assert_eq!(
-                    roots,
-                    vec![u64::from(root)],
-                    "{w}: its holder {h}'s commit wait {:?} was behind pid {root} then \
-                     ({took_over:?} took it over before the stretch [{a}, {b}); commit waits \
-                     of any thread around: {:?})",
-                    own[0],
-                    all_commit_any
-                        .iter()
-                        .filter(|t| t.end + 50_000_000 > a && t.start < b)
-                        .map(|t| (t.tid, t.start, t.end, t.owner_tgid, &t.comm))
-                        .collect::<Vec<_>>()
-                );
-            }
-            linked += 1;
         }
     }
     eprintln!(
@@ -751,13 +844,13 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
     // kinds not checked (a commit wait past the nfnetlink wait). The host's run has tens.
     let linkable = !(in_vm() && linked == 0 && split + unnested > 0);
     assert!(
-        linked > 0 || tr_nfnl.is_empty() || !linkable,
+        linked > 0 || truth.nfnl.is_empty() || !linkable,
         "no nfnetlink wait was behind a batch waiting for the commit mutex:\n{dump}"
     );
     assert!(
-        tr_nfnl.is_empty()
+        truth.nfnl.is_empty()
             || !linkable
-            || xt_nfnl.iter().any(|w| w["holders"]
+            || xt.nfnl.iter().any(|w| w["holders"]
                 .as_array()
                 .into_iter()
                 .flatten()
@@ -766,23 +859,124 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
                     .is_some_and(|r| r.iter().any(|r| r["agent"] == "kube-proxy")))),
         "no nfnetlink wait traced back to kube-proxy's commit:\n{dump}"
     );
+}
 
-    // Kernel workers' waits on the netns's commit mutex (set garbage collection), each one
-    // bpftrace saw, with the same length and holder.
-    let any_commit: Vec<TruthWait> = all_commit_any.iter().map(|t| (*t).clone()).collect();
-    let tr_kworker: Vec<TruthWait> = waits_only(&any_commit)
+/// The stretch of nfnetlink wait `w` behind its holder `h` (`next` the one after it),
+/// checked against the holder's commit waits in the truth.
+fn holder_stretch(
+    w: &Value,
+    h: &Value,
+    next: Option<&Value>,
+    xt: &XtWaits,
+    truth: &Seen,
+    trace: &Trace,
+) -> Stretch {
+    let from = u(&h["from_ns"]);
+    let to = from + u(&h["behind_ns"]);
+    // One stretch behind this holder (it held once during the wait), else its time
+    // is a sum and the stretch not known from here.
+    let next = next.map_or(u(&w["start_ns"]) + u(&w["wait_ns"]), |n| u(&n["from_ns"]));
+    if to != next {
+        return Stretch::Split;
+    }
+    let own: Vec<&TruthWait> = truth
+        .commit
+        .iter()
+        .filter(|t| u64::from(t.tid) == u(&h["pid"]) && t.start < to && t.end > from)
+        .collect();
+    // A commit wait that outlasts the nfnetlink wait was not one the holder waited
+    // holding nfnetlink's mutex (it could not have let it go while blocked): the
+    // stretch behind it is the split's guess there, and xtlock links only waits
+    // ended by then.
+    if own
+        .iter()
+        .any(|t| t.end > u(&w["start_ns"]) + u(&w["wait_ns"]))
+    {
+        return Stretch::Unnested;
+    }
+    let want: u64 = own.iter().map(|t| t.end.min(to) - t.start.max(from)).sum();
+    let got = &h["waiting"];
+    if want == 0 {
+        assert!(
+            got.is_null() || u(&got["wait_ns"]) < 1_000_000,
+            "{w}: its holder {h} waited for nothing"
+        );
+        return Stretch::Unlinked;
+    }
+    // Under 1 ms: the stretch's ends are hand-overs the two tracers clock apart.
+    if want < 1_000_000 {
+        return Stretch::Unlinked;
+    }
+    assert_eq!(
+        got["lock"],
+        xt.commit_lock.as_str(),
+        "{h} in {w}: bpftrace's commit waits of the holder {own:?}; xtlock's: {:?}",
+        trace
+            .of_type("wait")
+            .into_iter()
+            .filter(|x| x["tid"] == h["pid"])
+            .map(|x| (
+                x["lock"].as_str().unwrap_or(""),
+                u(&x["start_ns"]),
+                u(&x["wait_ns"])
+            ))
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        close(u(&got["wait_ns"]), want),
+        "{w}: its holder {h} waited {want} ns for the commit mutex meanwhile \
+         (bpftrace: {own:?})"
+    );
+    // Whom: who held the commit mutex when the stretch began (the owner at the start
+    // of the holder's commit wait, or the last waiter to take it over since), when
+    // it changed hands nowhere inside the stretch (else the split is the analysis'
+    // own, tested above).
+    let (a, b) = (from.max(own[0].start), to.min(own[0].end));
+    let roots: Vec<u64> = got["holders"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| u(&r["pid"]))
+        .collect();
+    let took_over = truth
+        .any_commit
+        .iter()
+        .filter(|t| t.end > own[0].start && t.end <= a)
+        .max_by_key(|t| t.end);
+    let root = took_over.map_or(own[0].owner_tgid, |t| t.tid);
+    let handed_over =
+        own.len() > 1 || truth.any_commit.iter().any(|t| t.end > a && t.end < b) || root == 0;
+    if !handed_over {
+        assert_eq!(
+            roots,
+            vec![u64::from(root)],
+            "{w}: its holder {h}'s commit wait {:?} was behind pid {root} then \
+             ({took_over:?} took it over before the stretch [{a}, {b}); commit waits \
+             of any thread around: {:?})",
+            own[0],
+            truth
+                .any_commit
+                .iter()
+                .filter(|t| t.end + 50_000_000 > a && t.start < b)
+                .map(|t| (t.tid, t.start, t.end, t.owner_tgid, &t.comm))
+                .collect::<Vec<_>>()
+        );
+    }
+    Stretch::Linked { handed_over }
+}
+
+/// Kernel workers' waits on the netns's commit mutex (set garbage collection), each one
+/// bpftrace saw, with the same length and holder. xtlock's.
+fn check_kernel_worker_waits<'a>(xt: &XtWaits, truth: &Seen, trace: &'a Trace) -> Vec<&'a Value> {
+    let tr_kworker: Vec<TruthWait> = waits_only(&truth.any_commit, &truth.waits)
         .into_iter()
         .filter(|t| t.comm.starts_with("kworker/"))
         .collect();
     let xt_kworker: Vec<&Value> = trace
         .of_type("wait")
         .into_iter()
-        .filter(|w| w["lock"] == commit_lock.as_str())
-        .filter(|w| {
-            w["comm"]
-                .as_str()
-                .is_some_and(|c| c.starts_with("kworker/"))
-        })
+        .filter(|w| w["lock"] == xt.commit_lock.as_str())
+        .filter(|w| is_kworker(w))
         .collect();
     eprintln!(
         "kernel workers' waits on the commit mutex: xtlock {}, bpftrace {}; longest xtlock \
@@ -816,12 +1010,20 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             .iter()
             .map(|w| (u(&w["tid"]), u(&w["start_ns"]), u(&w["wait_ns"])))
             .collect::<Vec<_>>(),
-        truth_waits
+        truth
+            .waits
             .iter()
             .filter(|t| t.comm.starts_with("kworker/"))
-            .map(|t| (t.tid, t.lock, t.start, t.end - t.start, kinds.get(&t.lock)))
+            .map(|t| (
+                t.tid,
+                t.lock,
+                t.start,
+                t.end - t.start,
+                truth.kinds.get(&t.lock)
+            ))
             .collect::<Vec<_>>()
     );
+    let same_start = same_start();
     for t in &tr_kworker {
         let w = xt_kworker
             .iter()
@@ -842,23 +1044,34 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             eprintln!("kernel worker's wait behind an unknown holder, bpftrace's {t:?}");
         }
     }
+    xt_kworker
+}
 
-    // Holds: each batch's sendmsg(), from the end of its last wait on an nf_tables mutex
-    // (else the call's start) to its return. bpftrace's sendmsg() times and waits give the
-    // same, independently.
+/// xtlock's holds of the commit mutex by the agents, and the longest.
+struct Holds<'a> {
+    all: Vec<&'a Value>,
+    longest: &'a Value,
+}
+
+/// Holds: each batch's sendmsg(), from the end of its last wait on an nf_tables mutex
+/// (else the call's start) to its return. bpftrace's sendmsg() times and waits give the
+/// same, independently. The longest is kube-proxy's.
+fn check_holds<'a>(xt: &XtWaits, truth: &Seen, trace: &'a Trace, gc_pid: u32) -> Holds<'a> {
     let xt_holds: Vec<&Value> = trace
         .of_type("hold")
         .into_iter()
-        .filter(|h| h["lock"] == commit_lock.as_str())
-        .filter(ours)
+        .filter(|h| h["lock"] == xt.commit_lock.as_str())
+        .filter(|h| ours(h))
         .collect();
-    let tr_holds: Vec<(u32, u64, u64)> = truth_sends
+    let tr_holds: Vec<(u32, u64, u64)> = truth
+        .sends
         .iter()
-        .filter(|t| ["nft", "iptables-nft-re"].contains(&t.comm.as_str()) && t.tid != setup_pid)
+        .filter(|t| TRANSACTION_COMMS.contains(&t.comm.as_str()) && t.tid != gc_pid)
         .map(|t| {
-            let start = all_commit
+            let start = truth
+                .all_commit
                 .iter()
-                .chain(&all_nfnl)
+                .chain(&truth.all_nfnl)
                 .filter(|w| w.tid == t.tid && w.end >= t.enter && w.end <= t.exit)
                 .map(|w| w.end)
                 .max()
@@ -890,11 +1103,13 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         assert!(
             close(u(&h["hold_ns"]), *ns) && u(&h["start_ns"]).abs_diff(*start) < slack(),
             "hold by {tid}: xtlock {h}, bpftrace {ns} ns from {start}; bpftrace's waits of \
-             that thread: {:?} (kinds {kinds:?}); xtlock's: {:?}",
-            truth_waits
+             that thread: {:?} (kinds {:?}); xtlock's: {:?}",
+            truth
+                .waits
                 .iter()
                 .filter(|w| w.tid == *tid)
                 .collect::<Vec<_>>(),
+            truth.kinds,
             trace
                 .of_type("wait")
                 .into_iter()
@@ -919,10 +1134,16 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         longest["agent"], "kube-proxy",
         "the longest hold: {longest}"
     );
+    Holds {
+        longest,
+        all: xt_holds,
+    }
+}
 
-    // What the batches did (counted from their sendmsg() where nft_commit does not attach,
-    // as on this test's host): kube-proxy's one table, one chain and its rules, as many as
-    // the kernel holds; calico-node's one table each.
+/// What the batches did (counted from their sendmsg() where nft_commit does not attach,
+/// as on this test's host): kube-proxy's one table, one chain and its rules, as many as
+/// the kernel holds; calico-node's one table each.
+fn check_batches(holds: &Holds, dump: &str) {
     let listed = Command::new("ip")
         .args([
             "netns",
@@ -948,6 +1169,7 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         "the kernel's rules in kube-proxy's chain"
     );
     let added = |h: &Value| (h["nft"]["status"].clone(), h["nft"]["added"].clone());
+    let longest = holds.longest;
     assert_eq!(
         added(longest),
         (
@@ -956,7 +1178,8 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         ),
         "kube-proxy's batch: {longest}"
     );
-    let calicos: Vec<&&Value> = xt_holds
+    let calicos: Vec<&&Value> = holds
+        .all
         .iter()
         .filter(|h| h["agent"] == "calico-node")
         .collect();
@@ -968,28 +1191,26 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             "calico-node's batch: {h}"
         );
     }
+}
 
-    // Behind the big transaction is kube-proxy, named through the nft it ran.
+/// Behind the big transaction is kube-proxy, named through the nft it ran.
+fn check_behind_kube_proxy(xt: &XtWaits, dump: &str) {
     assert!(
-        xt_commit.iter().any(|w| w["holders"]
+        xt.commit.iter().any(|w| w["holders"]
             .as_array()
             .is_some_and(|h| h.iter().any(|h| h["agent"] == "kube-proxy"))),
         "no wait on the commit mutex behind kube-proxy:\n{dump}"
     );
+}
 
-    // The capture replays to the same waits, the kernel workers' and the links included.
-    let kworker = |w: &&Value| {
-        w["comm"]
-            .as_str()
-            .is_some_and(|c| c.starts_with("kworker/"))
-    };
-    let replay: Vec<Value> = report_events(&cap)
+/// The capture replays to the same waits, the kernel workers' and the links included, and
+/// to the same holds, with what each batch did.
+fn check_replay(cap: &Path, xt: &XtWaits, xt_kworker: &[&Value], holds: &Holds) {
+    let commit_lock = xt.commit_lock.as_str();
+    let replay: Vec<Value> = report_events(cap)
         .into_iter()
-        .filter(|e| {
-            e["type"] == "wait"
-                && (e["lock"] == commit_lock.as_str() || e["lock"] == "nfnetlink nf_tables mutex")
-        })
-        .filter(|w| ours(&w) || kworker(&w))
+        .filter(|e| e["type"] == "wait" && (e["lock"] == commit_lock || e["lock"] == NFNL_LOCK))
+        .filter(|w| ours(w) || is_kworker(w))
         .collect();
     let key = |w: &Value| {
         (
@@ -1000,9 +1221,10 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             w["holders"].to_string(),
         )
     };
-    let live: BTreeMap<_, _> = xt_commit
+    let live: BTreeMap<_, _> = xt
+        .commit
         .iter()
-        .chain(&xt_nfnl)
+        .chain(&xt.nfnl)
         .chain(xt_kworker.iter().copied())
         .map(|w| (key(w), ()))
         .collect();
@@ -1011,7 +1233,6 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
         live, again,
         "report of the capture differs from the live trace"
     );
-    // And to the same holds, with what each batch did.
     let hold_key = |h: &Value| {
         (
             u(&h["tid"]),
@@ -1020,12 +1241,12 @@ fn small_transactions_wait_behind_kube_proxys_commit() {
             h["nft"].to_string(),
         )
     };
-    let replayed: Vec<_> = report_events(&cap)
+    let replayed: Vec<_> = report_events(cap)
         .iter()
-        .filter(|e| e["type"] == "hold" && e["lock"] == commit_lock.as_str())
+        .filter(|e| e["type"] == "hold" && e["lock"] == commit_lock)
         .filter(|h| ours(h))
         .map(hold_key)
         .collect();
-    let live: Vec<_> = xt_holds.iter().map(|h| hold_key(h)).collect();
+    let live: Vec<_> = holds.all.iter().map(|h| hold_key(h)).collect();
     assert_eq!(live, replayed, "holds: report of the capture differs");
 }
