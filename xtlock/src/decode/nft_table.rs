@@ -44,9 +44,6 @@ pub const NFT_MSG_GETRULE: u8 = 7;
 pub const NFT_MSG_NEWTABLE: u8 = 0;
 pub const NFT_MSG_NEWCHAIN: u8 = 3;
 pub const NFT_MSG_NEWRULE: u8 = 6;
-/// `NFTA_RULE_TABLE`, `NFTA_RULE_CHAIN`: a rule dump's filter.
-const NFTA_RULE_TABLE: u16 = 1;
-const NFTA_RULE_CHAIN: u16 = 2;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum NftError {

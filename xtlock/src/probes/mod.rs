@@ -211,302 +211,38 @@ impl Probes {
         preflight::check()?;
         let tracefs = tracefs::locate()?;
         let mut disc = discover(&tracefs, opts.no_attach.clone())?;
-        // Bad --drop-reasons is the user's to fix: refuse before loading anything.
-        let drop_slots = match drops {
-            Some(d) => Some(
-                disc.reasons
-                    .slots(&d.reasons, disc.config.kd_has_reason != 0)?,
-            ),
-            None => None,
-        };
-        // The reasons the drop hook filters by a bit of its configuration.
-        for &slot in drop_slots.iter().flatten() {
-            if slot < xtlock_common::DROP_WATCH_BITS {
-                disc.config.drop_watch[(slot / 32) as usize] |= 1 << (slot % 32);
-            }
-        }
-        if let Some(d) = drops {
-            if d.samples_per_sec > 0 {
-                disc.config.drop_sample_interval_ns =
-                    (1_000_000_000 / u64::from(d.samples_per_sec)).max(1);
-                disc.config.drop_sample_burst = d.samples_per_sec;
-            }
-        }
-        // A record wakes us only past a quarter of the ring (the poll tick reads the rest).
-        disc.config.ring_wake_bytes = opts.ring_bytes / 4;
-        // x86 keeps stores in order and loads in order: the kept takes' sequence lock needs
-        // no barrier there (`xtlock-ebpf/src/pending.rs`).
-        disc.config.weak_order = u32::from(
-            opts.memory_barriers || !cfg!(any(target_arch = "x86_64", target_arch = "x86")),
-        );
+        let drop_slots = configure(&mut disc, opts, drops)?;
         let mut ebpf = EbpfLoader::new()
             .override_global("CONFIG", &disc.config, true)
             .map_max_entries("EVENTS", opts.ring_bytes)
             .load(BPF_OBJECT)
             .map_err(|e| preflight::explain_load_error(&e))?;
-
-        {
-            let map = ebpf
-                .map_mut("WATCHED")
-                .ok_or_else(|| ProbeError::Load("map WATCHED missing from the object".into()))?;
-            let mut watched: BpfHashMap<&mut MapData, LockKey, u32> =
-                BpfHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-            for (i, l) in opts.locks.iter().enumerate() {
-                watched
-                    .insert(l.key(), i as u32, 0)
-                    .map_err(|e| ProbeError::Load(format!("watching {}: {e}", l.path.display())))?;
-            }
-        }
-        for (i, l) in opts.locks.iter().enumerate() {
-            mark_watched_ino(&mut ebpf, l, i as u32)?;
-        }
-
-        if let Some(slots) = &drop_slots {
-            let map = ebpf
-                .map_mut("DROP_REASONS")
-                .ok_or_else(|| ProbeError::Load("map DROP_REASONS missing".into()))?;
-            let mut arr: BpfArray<&mut MapData, u8> =
-                BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-            for &s in slots {
-                arr.set(s, 1u8, 0)
-                    .map_err(|e| ProbeError::Load(format!("drop reason filter: {e}")))?;
-            }
-        }
-
-        if drops.is_some() {
-            let map = ebpf
-                .map_mut("REFUSAL_CONFIG")
-                .ok_or_else(|| ProbeError::Load("map REFUSAL_CONFIG missing".into()))?;
-            let mut arr: BpfArray<&mut MapData, xtlock_common::RefusalConfig> =
-                BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
-            arr.set(0, disc.refusal, 0)
-                .map_err(|e| ProbeError::Load(format!("refusal hooks' offsets: {e}")))?;
-        }
-
-        // Before the hook attaches; without it (nf_tables not there yet) the programs do
-        // nothing until `attach_pending` finds it.
-        let nft_mutex_ready = match &disc.nft_mutex {
-            Ok(setup) => {
-                kfunc::set_config(&mut ebpf, "NFT_MUTEX_CONFIG", setup.config)
-                    .map_err(ProbeError::Load)?;
-                true
-            }
-            // The batches are still timed and counted from their sendmsg() (vmlinux's BTF
-            // suffices), until nf_tables' own BTF and symbols give the rest.
-            Err(_) => {
-                if let Some((batches, _)) = &disc.nft_batches {
-                    kfunc::set_config(&mut ebpf, "NFT_MUTEX_CONFIG", *batches)
-                        .map_err(ProbeError::Load)?;
-                }
-                false
-            }
-        };
-        disc.features.push(nft_mutex_feature(
-            &disc.nft_mutex,
-            disc.nft_batches.as_ref().map(|(_, d)| d.as_str()),
-        ));
+        fill_maps(
+            &mut ebpf,
+            opts,
+            drop_slots.as_deref(),
+            drops.map(|_| disc.refusal),
+        )?;
+        let nft_mutex_ready = configure_nft_mutex_at_load(&mut ebpf, &mut disc)?;
 
         // nft_commit before the syscall hooks: where it attaches, it times and counts the
         // batches, and their sendmsg() hooks would only run a program on every sendmsg() of
         // the node (the analysis drops their holds then).
-        let mut nft_commit_first = Some(kfunc::setup_and_attach(
-            &mut ebpf,
-            &nft_commit::HOOK,
-            &disc.kfunc,
-            disc.btf.as_ref(),
-        ));
-        let commit_hooked = matches!(nft_commit_first, Some(Ok(_)));
+        let nft_commit_first =
+            kfunc::setup_and_attach(&mut ebpf, &nft_commit::HOOK, &disc.kfunc, disc.btf.as_ref());
+        let commit_hooked = nft_commit_first.is_ok();
         let mut status: Vec<HookStatus> = Vec::new();
         for hook in HOOKS {
-            if commit_hooked && nft_mutex::SEND_PROGRAMS.contains(&hook.program) {
-                status.push(HookStatus {
-                    program: hook.program,
-                    attach: format!(
-                        "not needed: {} times and counts the batches (tracepoint \
-                         {}:{} otherwise)",
-                        nft_commit::HOOK.name,
-                        hook.category,
-                        hook.tracepoint
-                    ),
-                    required: false,
-                    purpose: hook.purpose,
-                    error: None,
-                    needless: true,
-                });
-                continue;
-            }
-            let mut attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
-            let partner = hook
-                .paired_with
-                .and_then(|p| status.iter().find(|s| s.program == p));
-            let error = match (partner, hook.fallback) {
-                // The partner's function hooks cover both of them.
-                (Some(p), _) if !p.attach.starts_with("tracepoint") => {
-                    attach = p.attach.clone();
-                    p.error.clone()
-                }
-                // The syscall's function first, its tracepoint only when that fails.
-                (_, Some(fb)) => {
-                    match kfunc::attach_after(&mut ebpf, fb, &disc.kfunc, Vec::new()) {
-                        Ok(a) => {
-                            attach = a.describe;
-                            None
-                        }
-                        Err(fn_why) => {
-                            tracing::debug!(hook = hook.program, why = %fn_why, "syscall function not hooked: its tracepoint is tried");
-                            match tracepoint_unless_ruled_out(&mut ebpf, hook, &disc, opts.floor) {
-                                Ok(note) => {
-                                    if let Some(n) = note {
-                                        attach.push_str(&format!(" ({n})"));
-                                    }
-                                    None
-                                }
-                                Err(why) => {
-                                    attach.push_str(&format!(
-                                        ", else {}",
-                                        kfunc::candidates_text(fb)
-                                    ));
-                                    Some(format!("tracepoint: {why}; {fn_why}"))
-                                }
-                            }
-                        }
-                    }
-                }
-                _ => {
-                    let not_asked = counts_packets(hook.program) && drops.is_none();
-                    let floor = opts.floor.and_then(|f| f.program_for(hook));
-                    let raw = hook
-                        .raw_program
-                        .filter(|_| !not_asked)
-                        .map(|raw| floor.unwrap_or(raw))
-                        .map(|raw| attach_raw(&mut ebpf, hook, raw, &disc));
-                    if let (Some(_), Some(Err(why))) = (floor, &raw) {
-                        return Err(ProbeError::BenchFloor(format!(
-                            "--bench-floor* needs hook {} on tp_btf: {why}",
-                            hook.program
-                        )));
-                    }
-                    if let Some(Err(why)) = &raw {
-                        tracing::debug!(
-                            hook = hook.program,
-                            %why,
-                            "tp_btf not used: the perf tracepoint is tried"
-                        );
-                    }
-                    let tp = if matches!(raw, Some(Ok(()))) {
-                        attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
-                        Ok(None)
-                    } else if not_asked
-                        // An unusable format file says why first.
-                        && disc.unusable_why(hook.program).is_none()
-                    {
-                        Err("not asked for (--no-drops)".to_string())
-                    } else {
-                        tracepoint_unless_ruled_out(&mut ebpf, hook, &disc, opts.floor)
-                    };
-                    if let Ok(Some(note)) = &tp {
-                        attach.push_str(&format!(" ({note})"));
-                    }
-                    if let (Ok(_), Some(Err(r))) = (&tp, &raw) {
-                        // Why not tp_btf, as the function hooks say why not fentry.
-                        attach.push_str(&format!(" (fallback; tp_btf: {})", first_line(r)));
-                    }
-                    let err = tp.err().map(|why| match raw {
-                        Some(Err(r)) => format!("{why}; tp_btf: {r}"),
-                        _ => why,
-                    });
-                    // A missing tracepoint's function, hooked instead.
-                    match (err, hooks::backup_of(hook.program)) {
-                        (Some(why), Some(fb)) if !not_asked => {
-                            match kfunc::attach_after(
-                                &mut ebpf,
-                                fb,
-                                &disc.kfunc,
-                                vec![format!("tracepoint: {why}")],
-                            ) {
-                                Ok(a) => {
-                                    attach = a.describe;
-                                    None
-                                }
-                                Err(fn_why) => {
-                                    attach.push_str(&format!(
-                                        ", else {} ({})",
-                                        kfunc::candidates_text(fb),
-                                        fb.name
-                                    ));
-                                    Some(fn_why)
-                                }
-                            }
-                        }
-                        (err, _) => err,
-                    }
-                }
+            let s = if commit_hooked && nft_mutex::SEND_PROGRAMS.contains(&hook.program) {
+                not_needed(hook)
+            } else {
+                attach_hook(&mut ebpf, hook, &status, &disc, opts, drops)?
             };
-            if hook.required {
-                if let Some(why) = &error {
-                    return Err(ProbeError::Required { why: why.clone() });
-                }
-            }
-            status.push(HookStatus {
-                program: hook.program,
-                attach,
-                required: hook.required,
-                purpose: hook.purpose,
-                error,
-                needless: false,
-            });
+            status.push(s);
         }
-        let mut pending = Vec::new();
-        for hook in KFUNC_HOOKS {
-            let tried = match nft_commit_first.take_if(|_| hook.name == nft_commit::HOOK.name) {
-                Some(r) => r,
-                None => kfunc::setup_and_attach(&mut ebpf, hook, &disc.kfunc, disc.btf.as_ref()),
-            };
-            let (attach, error) = match tried {
-                Ok(a) => (module_note(hook, a.describe), None),
-                Err(why) => {
-                    if kfunc::plan(hook, &disc.kfunc).is_err() {
-                        pending.push(*hook);
-                    }
-                    (module_note(hook, kfunc::candidates_text(hook)), Some(why))
-                }
-            };
-            status.push(HookStatus {
-                program: hook.name,
-                attach,
-                required: false,
-                purpose: hook.purpose,
-                error,
-                needless: false,
-            });
-        }
+        let pending = attach_kfunc_hooks(&mut ebpf, &disc, nft_commit_first, &mut status);
         kfunc::forget_btf();
-        // One line for the user (a kernel without kprobes misses a dozen hooks); each reason
-        // at debug level and in `xtlock probes`.
-        let missing: Vec<&HookStatus> = status
-            .iter()
-            .filter(|s| s.missing() && !(counts_packets(s.program) && drops.is_none()))
-            .collect();
-        for s in &missing {
-            tracing::debug!(
-                hook = s.program,
-                why = s.error.as_deref().unwrap_or(""),
-                "hook not attached"
-            );
-        }
-        if !missing.is_empty() {
-            let names: Vec<&str> = missing.iter().map(|s| s.program).collect();
-            tracing::warn!(
-                "{} of {} hooks not attached ({}); xtlock runs without them. `xtlock probes` \
-                 says why for each and what it costs",
-                missing.len(),
-                status.len(),
-                names.join(", ")
-            );
-        }
-        for f in disc.features.iter().filter(|f| !f.available) {
-            tracing::warn!(feature = f.name, why = %f.detail, "feature unavailable");
-        }
+        say_missing(&status, &disc.features, drops.is_some());
         Ok(Self {
             ebpf,
             status,
@@ -1052,6 +788,343 @@ impl HoldDrops {
                 Err(i) => self.by_reason.insert(i, (r, u64::from(n))),
             }
         }
+    }
+}
+
+/// The programs' configuration from the options: the drop reasons watched (their slots, a
+/// bad `--drop-reasons` refused before anything is loaded), the sample rate, the ring's
+/// wake-up and the memory order.
+fn configure(
+    disc: &mut Discovery,
+    opts: &LoadOptions,
+    drops: Option<&DropOptions>,
+) -> Result<Option<Vec<u32>>, ProbeError> {
+    // Bad --drop-reasons is the user's to fix: refuse before loading anything.
+    let drop_slots = match drops {
+        Some(d) => Some(
+            disc.reasons
+                .slots(&d.reasons, disc.config.kd_has_reason != 0)?,
+        ),
+        None => None,
+    };
+    // The reasons the drop hook filters by a bit of its configuration.
+    for &slot in drop_slots.iter().flatten() {
+        if slot < xtlock_common::DROP_WATCH_BITS {
+            disc.config.drop_watch[(slot / 32) as usize] |= 1 << (slot % 32);
+        }
+    }
+    if let Some(d) = drops {
+        if d.samples_per_sec > 0 {
+            disc.config.drop_sample_interval_ns =
+                (1_000_000_000 / u64::from(d.samples_per_sec)).max(1);
+            disc.config.drop_sample_burst = d.samples_per_sec;
+        }
+    }
+    // A record wakes us only past a quarter of the ring (the poll tick reads the rest).
+    disc.config.ring_wake_bytes = opts.ring_bytes / 4;
+    // x86 keeps stores in order and loads in order: the kept takes' sequence lock needs
+    // no barrier there (`xtlock-ebpf/src/pending.rs`).
+    disc.config.weak_order =
+        u32::from(opts.memory_barriers || !cfg!(any(target_arch = "x86_64", target_arch = "x86")));
+    Ok(drop_slots)
+}
+
+/// The maps the programs read from the start: the watched locks, the drop reasons' filter,
+/// the refusal hooks' offsets (`refusal`, when drops are traced).
+fn fill_maps(
+    ebpf: &mut Ebpf,
+    opts: &LoadOptions,
+    drop_slots: Option<&[u32]>,
+    refusal: Option<xtlock_common::RefusalConfig>,
+) -> Result<(), ProbeError> {
+    {
+        let map = ebpf
+            .map_mut("WATCHED")
+            .ok_or_else(|| ProbeError::Load("map WATCHED missing from the object".into()))?;
+        let mut watched: BpfHashMap<&mut MapData, LockKey, u32> =
+            BpfHashMap::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        for (i, l) in opts.locks.iter().enumerate() {
+            watched
+                .insert(l.key(), i as u32, 0)
+                .map_err(|e| ProbeError::Load(format!("watching {}: {e}", l.path.display())))?;
+        }
+    }
+    for (i, l) in opts.locks.iter().enumerate() {
+        mark_watched_ino(ebpf, l, i as u32)?;
+    }
+
+    if let Some(slots) = drop_slots {
+        let map = ebpf
+            .map_mut("DROP_REASONS")
+            .ok_or_else(|| ProbeError::Load("map DROP_REASONS missing".into()))?;
+        let mut arr: BpfArray<&mut MapData, u8> =
+            BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        for &s in slots {
+            arr.set(s, 1u8, 0)
+                .map_err(|e| ProbeError::Load(format!("drop reason filter: {e}")))?;
+        }
+    }
+
+    if let Some(refusal) = refusal {
+        let map = ebpf
+            .map_mut("REFUSAL_CONFIG")
+            .ok_or_else(|| ProbeError::Load("map REFUSAL_CONFIG missing".into()))?;
+        let mut arr: BpfArray<&mut MapData, xtlock_common::RefusalConfig> =
+            BpfArray::try_from(map).map_err(|e| ProbeError::Load(e.to_string()))?;
+        arr.set(0, refusal, 0)
+            .map_err(|e| ProbeError::Load(format!("refusal hooks' offsets: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The nf_tables mutex hook's configuration, before the hook attaches; without it
+/// (nf_tables not there yet) the programs do nothing until `attach_pending` finds it.
+fn configure_nft_mutex_at_load(ebpf: &mut Ebpf, disc: &mut Discovery) -> Result<bool, ProbeError> {
+    let nft_mutex_ready = match &disc.nft_mutex {
+        Ok(setup) => {
+            kfunc::set_config(ebpf, "NFT_MUTEX_CONFIG", setup.config).map_err(ProbeError::Load)?;
+            true
+        }
+        // The batches are still timed and counted from their sendmsg() (vmlinux's BTF
+        // suffices), until nf_tables' own BTF and symbols give the rest.
+        Err(_) => {
+            if let Some((batches, _)) = &disc.nft_batches {
+                kfunc::set_config(ebpf, "NFT_MUTEX_CONFIG", *batches).map_err(ProbeError::Load)?;
+            }
+            false
+        }
+    };
+    disc.features.push(nft_mutex_feature(
+        &disc.nft_mutex,
+        disc.nft_batches.as_ref().map(|(_, d)| d.as_str()),
+    ));
+    Ok(nft_mutex_ready)
+}
+
+/// A batch's `sendmsg()` hook where nft_commit times and counts the batches.
+fn not_needed(hook: &Hook) -> HookStatus {
+    HookStatus {
+        program: hook.program,
+        attach: format!(
+            "not needed: {} times and counts the batches (tracepoint {}:{} otherwise)",
+            nft_commit::HOOK.name,
+            hook.category,
+            hook.tracepoint
+        ),
+        required: false,
+        purpose: hook.purpose,
+        error: None,
+        needless: true,
+    }
+}
+
+/// One tracepoint hook attached by its first candidate that works (`status`: the hooks
+/// attached so far, for a pair's partner); a required one that cannot attach is an error.
+fn attach_hook(
+    ebpf: &mut Ebpf,
+    hook: &Hook,
+    status: &[HookStatus],
+    disc: &Discovery,
+    opts: &LoadOptions,
+    drops: Option<&DropOptions>,
+) -> Result<HookStatus, ProbeError> {
+    let mut attach = format!("tracepoint {}:{}", hook.category, hook.tracepoint);
+    let partner = hook
+        .paired_with
+        .and_then(|p| status.iter().find(|s| s.program == p));
+    let error = match (partner, hook.fallback) {
+        // The partner's function hooks cover both of them.
+        (Some(p), _) if !p.attach.starts_with("tracepoint") => {
+            attach = p.attach.clone();
+            p.error.clone()
+        }
+        // The syscall's function first, its tracepoint only when that fails.
+        (_, Some(fb)) => attach_syscall(ebpf, hook, fb, disc, opts, &mut attach),
+        _ => attach_tracepoint_hook(ebpf, hook, disc, opts, drops, &mut attach)?,
+    };
+    if hook.required {
+        if let Some(why) = &error {
+            return Err(ProbeError::Required { why: why.clone() });
+        }
+    }
+    Ok(HookStatus {
+        program: hook.program,
+        attach,
+        required: hook.required,
+        purpose: hook.purpose,
+        error,
+        needless: false,
+    })
+}
+
+/// A syscall hook: its function first, its tracepoint when that fails; why neither, if so.
+fn attach_syscall(
+    ebpf: &mut Ebpf,
+    hook: &Hook,
+    fb: &'static kfunc::KfuncHook,
+    disc: &Discovery,
+    opts: &LoadOptions,
+    attach: &mut String,
+) -> Option<String> {
+    match kfunc::attach_after(ebpf, fb, &disc.kfunc, Vec::new()) {
+        Ok(a) => {
+            *attach = a.describe;
+            None
+        }
+        Err(fn_why) => {
+            tracing::debug!(hook = hook.program, why = %fn_why, "syscall function not hooked: its tracepoint is tried");
+            match tracepoint_unless_ruled_out(ebpf, hook, disc, opts.floor) {
+                Ok(note) => {
+                    if let Some(n) = note {
+                        attach.push_str(&format!(" ({n})"));
+                    }
+                    None
+                }
+                Err(why) => {
+                    attach.push_str(&format!(", else {}", kfunc::candidates_text(fb)));
+                    Some(format!("tracepoint: {why}; {fn_why}"))
+                }
+            }
+        }
+    }
+}
+
+/// A tracepoint hook: tp_btf, else the perf tracepoint, else (a missing tracepoint) its
+/// kernel function; why none, if so.
+fn attach_tracepoint_hook(
+    ebpf: &mut Ebpf,
+    hook: &Hook,
+    disc: &Discovery,
+    opts: &LoadOptions,
+    drops: Option<&DropOptions>,
+    attach: &mut String,
+) -> Result<Option<String>, ProbeError> {
+    let not_asked = counts_packets(hook.program) && drops.is_none();
+    let floor = opts.floor.and_then(|f| f.program_for(hook));
+    let raw = hook
+        .raw_program
+        .filter(|_| !not_asked)
+        .map(|raw| floor.unwrap_or(raw))
+        .map(|raw| attach_raw(ebpf, hook, raw, disc));
+    if let (Some(_), Some(Err(why))) = (floor, &raw) {
+        return Err(ProbeError::BenchFloor(format!(
+            "--bench-floor* needs hook {} on tp_btf: {why}",
+            hook.program
+        )));
+    }
+    if let Some(Err(why)) = &raw {
+        tracing::debug!(
+            hook = hook.program,
+            %why,
+            "tp_btf not used: the perf tracepoint is tried"
+        );
+    }
+    let tp = if matches!(raw, Some(Ok(()))) {
+        *attach = format!("tp_btf {}:{}", hook.category, hook.tracepoint);
+        Ok(None)
+    } else if not_asked
+        // An unusable format file says why first.
+        && disc.unusable_why(hook.program).is_none()
+    {
+        Err("not asked for (--no-drops)".to_string())
+    } else {
+        tracepoint_unless_ruled_out(ebpf, hook, disc, opts.floor)
+    };
+    if let Ok(Some(note)) = &tp {
+        attach.push_str(&format!(" ({note})"));
+    }
+    if let (Ok(_), Some(Err(r))) = (&tp, &raw) {
+        // Why not tp_btf, as the function hooks say why not fentry.
+        attach.push_str(&format!(" (fallback; tp_btf: {})", first_line(r)));
+    }
+    let err = tp.err().map(|why| match raw {
+        Some(Err(r)) => format!("{why}; tp_btf: {r}"),
+        _ => why,
+    });
+    // A missing tracepoint's function, hooked instead.
+    Ok(match (err, hooks::backup_of(hook.program)) {
+        (Some(why), Some(fb)) if !not_asked => {
+            match kfunc::attach_after(ebpf, fb, &disc.kfunc, vec![format!("tracepoint: {why}")]) {
+                Ok(a) => {
+                    *attach = a.describe;
+                    None
+                }
+                Err(fn_why) => {
+                    attach.push_str(&format!(
+                        ", else {} ({})",
+                        kfunc::candidates_text(fb),
+                        fb.name
+                    ));
+                    Some(fn_why)
+                }
+            }
+        }
+        (err, _) => err,
+    })
+}
+
+/// The kernel-function hooks (nft_commit's result given, tried first); those whose module is
+/// not loaded yet are returned, to be tried when it is.
+fn attach_kfunc_hooks(
+    ebpf: &mut Ebpf,
+    disc: &Discovery,
+    nft_commit_first: Result<kfunc::Attached, String>,
+    status: &mut Vec<HookStatus>,
+) -> Vec<&'static kfunc::KfuncHook> {
+    let mut nft_commit_first = Some(nft_commit_first);
+    let mut pending = Vec::new();
+    for hook in KFUNC_HOOKS {
+        let tried = match nft_commit_first.take_if(|_| hook.name == nft_commit::HOOK.name) {
+            Some(r) => r,
+            None => kfunc::setup_and_attach(ebpf, hook, &disc.kfunc, disc.btf.as_ref()),
+        };
+        let (attach, error) = match tried {
+            Ok(a) => (module_note(hook, a.describe), None),
+            Err(why) => {
+                if kfunc::plan(hook, &disc.kfunc).is_err() {
+                    pending.push(*hook);
+                }
+                (module_note(hook, kfunc::candidates_text(hook)), Some(why))
+            }
+        };
+        status.push(HookStatus {
+            program: hook.name,
+            attach,
+            required: false,
+            purpose: hook.purpose,
+            error,
+            needless: false,
+        });
+    }
+    pending
+}
+
+/// One line for the user (a kernel without kprobes misses a dozen hooks); each reason at
+/// debug level and in `xtlock probes`.
+fn say_missing(status: &[HookStatus], features: &[Feature], drops: bool) {
+    let missing: Vec<&HookStatus> = status
+        .iter()
+        .filter(|s| s.missing() && (drops || !counts_packets(s.program)))
+        .collect();
+    for s in &missing {
+        tracing::debug!(
+            hook = s.program,
+            why = s.error.as_deref().unwrap_or(""),
+            "hook not attached"
+        );
+    }
+    if !missing.is_empty() {
+        let names: Vec<&str> = missing.iter().map(|s| s.program).collect();
+        tracing::warn!(
+            "{} of {} hooks not attached ({}); xtlock runs without them. `xtlock probes` \
+             says why for each and what it costs",
+            missing.len(),
+            status.len(),
+            names.join(", ")
+        );
+    }
+    for f in features.iter().filter(|f| !f.available) {
+        tracing::warn!(feature = f.name, why = %f.detail, "feature unavailable");
     }
 }
 
