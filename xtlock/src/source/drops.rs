@@ -12,7 +12,7 @@ use std::{
     collections::{HashMap, HashSet},
     fs::File,
     io::{Read, Seek, SeekFrom},
-    os::{fd::AsRawFd, unix::fs::MetadataExt},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
 };
 
@@ -194,25 +194,15 @@ fn open_conntrack_files(proc_net: &Path) -> std::io::Result<ConntrackFiles> {
 /// Joins the namespace at `path` in a new thread and opens the conntrack files there.
 /// `Ok(None)`: the namespace has no conntrack (module not loaded).
 fn open_in_netns(path: &Path) -> Result<Option<ConntrackFiles>, String> {
-    let ns = File::open(path).map_err(|e| e.to_string())?;
-    let handle = std::thread::Builder::new()
-        .name("xtlock-netns".into())
-        .spawn(move || -> Result<Option<ConntrackFiles>, String> {
-            // SAFETY: plain syscall on a valid fd; only this short-lived thread changes
-            // namespace, and it ends right after opening the files.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(format!("setns: {}", std::io::Error::last_os_error()));
-            }
-            match open_conntrack_files(Path::new("/proc/thread-self/net")) {
-                Ok(f) => Ok(Some(f)),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                Err(e) => Err(e.to_string()),
-            }
-        })
-        .map_err(|e| e.to_string())?;
-    handle
-        .join()
-        .map_err(|_| "the namespace thread panicked".to_string())?
+    let ns = std::sync::Arc::new(File::open(path).map_err(|e| e.to_string())?);
+    super::netns::inside(&ns, || {
+        match open_conntrack_files(Path::new("/proc/thread-self/net")) {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    })
+    .map_err(|e| e.to_string())
 }
 
 fn netns_inode(path: &Path) -> Result<u32, String> {

@@ -49,7 +49,9 @@ pub fn inside<T: Send + 'static>(
         .spawn(move || {
             // SAFETY: setns on an fd we hold; it moves this short-lived thread only.
             if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(std::io::Error::last_os_error());
+                // Said as setns's: joining needs CAP_SYS_ADMIN, which callers tell apart.
+                let e = std::io::Error::last_os_error();
+                return Err(std::io::Error::new(e.kind(), format!("setns: {e}")));
             }
             make()
         })?

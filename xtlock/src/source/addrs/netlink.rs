@@ -214,14 +214,9 @@ pub(super) fn link_by_hand(kind: u16, payload: &[u8]) -> Option<Msg> {
         return None;
     }
     let index = u32::from_ne_bytes(payload.get(4..8)?.try_into().ok()?);
-    let name = netlink_packet_core::NlasIterator::new(payload.get(IFINFOMSG_LEN..)?)
-        .filter_map(Result::ok)
-        .find(|a| a.kind() == IFLA_IFNAME)
-        .map(|a| {
-            let v = a.value();
-            let v = v.split(|&b| b == 0).next().unwrap_or(v);
-            String::from_utf8_lossy(v).into_owned()
-        })
+    let name = nl::attrs(payload.get(IFINFOMSG_LEN..)?)
+        .find(|(kind, _)| *kind == IFLA_IFNAME)
+        .map(|(_, v)| nl::string(v))
         .unwrap_or_default();
     Some(match kind {
         RTM_NEWLINK => Msg::Link { index, name },
