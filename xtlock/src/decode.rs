@@ -5,7 +5,10 @@
 //! The event types themselves live in `event`; they are re-exported here, where the
 //! sources and the capture format have always found them.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::{
+    mem::offset_of,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+};
 
 use xtlock_common as common;
 
@@ -227,272 +230,337 @@ pub fn decode(b: &[u8]) -> Result<Event, DecodeError> {
         K::Hold => return Err(DecodeError::TwoEvents),
         K::FlockCall => {
             need(kind, b, sizes::FLOCK_CALL)?;
-            let e: common::FlockCallEvent = read(b);
-            Event::FlockCall(FlockCallEvent {
-                ts_ns: hdr.ts_ns,
-                enter_ns: e.enter_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                owner: e.owner,
-                dev: e.dev,
-                ino: e.ino,
-                ret: e.ret,
-                cmd: (e.cmd != u32::MAX).then_some(e.cmd),
-            })
+            flock_call_event(&hdr, &read(b))
         }
         K::Exec => {
             // Records of older versions end before `netns`.
             need(kind, b, common::EXEC_V1_LEN)?;
-            // Field by field from the input: the struct is ~700 bytes, mostly unused slots.
-            use std::mem::offset_of;
-            type E = common::ExecEvent;
-            let field = |off: usize, len: usize| &b[off..off + len];
-            let argc: u32 = read(&b[offset_of!(E, argc)..]);
-            let truncated: u32 = read(&b[offset_of!(E, args_truncated)..]);
-            let args = field(offset_of!(E, args), common::ARGV_SLOTS * common::ARG_LEN);
-            Event::Exec(ExecEvent {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(read(&b[offset_of!(E, comm)..])),
-                filename: shared(field(offset_of!(E, filename), common::FILENAME_LEN)),
-                argv: Argv::from_slots(args, (argc as usize).min(common::ARGV_SLOTS)),
-                argv_truncated: truncated != 0,
-                netns: if b.len() >= sizes::EXEC {
-                    read(&b[offset_of!(E, netns)..])
-                } else {
-                    0
-                },
-            })
+            exec_event(&hdr, b)
         }
         K::Fork => {
             need(kind, b, sizes::FORK)?;
-            let e: common::ForkEvent = read(b);
-            Event::Fork(ForkEvent {
-                ts_ns: hdr.ts_ns,
-                parent_tgid: hdr.tgid,
-                parent_tid: hdr.tid,
-                child_tid: e.child_tid,
-                comm: Comm(e.comm),
-            })
+            fork_event(&hdr, &read(b))
         }
         K::Exit => {
             need(kind, b, sizes::EXIT)?;
-            let e: common::ExitEvent = read(b);
-            Event::Exit(ExitEvent {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(e.comm),
-                exit_code: (e.has_code != 0).then_some(e.exit_code & 0xff),
-            })
+            exit_event(&hdr, &read(b))
         }
         K::TableReplace => {
             // Records of older versions end before the table head.
             need(kind, b, common::TABLE_REPLACE_V1_LEN)?;
-            use std::mem::offset_of;
-            type E = common::TableReplaceEvent;
-            let head_recorded = b.len() >= common::TABLE_REPLACE_V2_LEN;
-            let head = if head_recorded && read::<u32>(&b[offset_of!(E, head_ok)..]) != 0 {
-                Some(Box::new(TableHead {
-                    name: read(&b[offset_of!(E, table)..]),
-                    entries: read(&b[offset_of!(E, num_entries)..]),
-                    bytes: read(&b[offset_of!(E, size)..]),
-                }))
-            } else {
-                None
-            };
-            // Records of versions before it: unknown.
-            let netns = if b.len() >= sizes::TABLE_REPLACE {
-                read(&b[offset_of!(E, netns)..])
-            } else {
-                0
-            };
-            Event::TableReplace(TableReplaceEvent {
-                ts_ns: hdr.ts_ns,
-                enter_ns: read(&b[offset_of!(E, enter_ns)..]),
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                level: read(&b[offset_of!(E, level)..]),
-                optname: read(&b[offset_of!(E, optname)..]),
-                optlen: read(&b[offset_of!(E, optlen)..]),
-                ret: read(&b[offset_of!(E, ret)..]),
-                head,
-                head_recorded,
-                read: head_recorded && read::<u32>(&b[offset_of!(E, dir)..]) == common::SOCKOPT_GET,
-                netns,
-            })
+            table_replace_event(&hdr, b)
         }
         K::NftCommit => {
             // Records of older versions end before the batch counts (and say "not counted").
             need(kind, b, common::NFT_COMMIT_V1_LEN)?;
-            use std::mem::offset_of;
-            type E = common::NftCommitEvent;
-            let batch = if b.len() >= sizes::NFT_COMMIT {
-                let e: E = read(b);
-                nft_batch(e.batch, e.added, e.deleted)
-            } else {
-                None
-            };
-            Event::NftCommit(NftCommitEvent {
-                ts_ns: hdr.ts_ns,
-                enter_ns: read(&b[offset_of!(E, enter_ns)..]),
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                netns: read(&b[offset_of!(E, netns)..]),
-                comm: Comm(read(&b[offset_of!(E, comm)..])),
-                batch,
-            })
+            nft_commit_event(&hdr, b)
         }
         K::NftMutexWait => {
             need(kind, b, sizes::NFT_MUTEX_WAIT)?;
-            let e: common::NftMutexWaitEvent = read(b);
-            Event::NftMutexWait(Box::new(NftMutexWaitEvent {
-                ts_ns: hdr.ts_ns,
-                start_ns: e.start_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(e.comm),
-                netns: e.netns,
-                mutex: if e.mutex == common::NFT_MUTEX_NFNL {
-                    NftMutex::Nfnl
-                } else {
-                    NftMutex::Commit
-                },
-                lock: e.lock,
-                ret: e.ret,
-                holder: (e.holder_tid != 0).then_some((e.holder_tid, e.holder_tgid)),
-                holder_comm: Comm(e.holder_comm),
-            }))
+            nft_mutex_wait_event(&hdr, &read(b))
         }
         K::NftSend => {
             // Records of older versions end before the batch counts (and say "not counted").
             need(kind, b, common::NFT_SEND_V1_LEN)?;
-            use std::mem::offset_of;
-            type E = common::NftSendEvent;
-            let batch = if b.len() >= sizes::NFT_SEND {
-                let e: E = read(b);
-                nft_batch(e.batch, e.added, e.deleted)
-            } else {
-                None
-            };
-            Event::NftSend(Box::new(NftSendEvent {
-                ts_ns: hdr.ts_ns,
-                enter_ns: read(&b[offset_of!(E, enter_ns)..]),
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(read(&b[offset_of!(E, comm)..])),
-                netns: read(&b[offset_of!(E, netns)..]),
-                ret: read(&b[offset_of!(E, ret)..]),
-                batch,
-            }))
+            nft_send_event(&hdr, b)
         }
         K::XtReplace => {
             need(kind, b, sizes::XT_REPLACE)?;
-            let e: common::XtReplaceEvent = read(b);
-            Event::XtReplace(XtReplaceEvent {
-                ts_ns: hdr.ts_ns,
-                enter_ns: e.enter_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-            })
+            xt_replace_event(&hdr, &read(b))
         }
         K::ConntrackFail => {
             need(kind, b, sizes::CONNTRACK_FAIL)?;
-            let e: common::ConntrackFailEvent = read(b);
-            Event::ConntrackFail(ConntrackFail {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(e.comm),
-                what: match e.what {
-                    common::CT_FAIL_TABLE_FULL => CtFailKind::TableFull,
-                    _ => CtFailKind::InsertFailed,
-                },
-                netns: e.netns,
-                l4proto: e.l4proto,
-                saddr: ip_addr(e.family, &e.saddr),
-                daddr: ip_addr(e.family, &e.daddr),
-                sport: e.sport,
-                dport: e.dport,
-            })
+            conntrack_fail_event(&hdr, &read(b))
         }
         K::Refusal => {
             need(kind, b, sizes::REFUSAL)?;
-            let e: common::RefusalEvent = read(b);
-            let addr = |a: &[u8; 16]| ip_addr(e.family, a);
-            Event::Refusal(RefusalSample {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                hold_start_ns: e.hold_start_ns,
-                netns: e.netns,
-                kind: e.kind,
-                detail: e.detail,
-                l4proto: e.l4proto,
-                // Without the packet's header only the destination is known.
-                saddr: (e.l4proto != 0).then(|| addr(&e.saddr)).flatten(),
-                daddr: addr(&e.daddr),
-                sport: e.sport,
-                dport: e.dport,
-            })
+            refusal_event(&hdr, &read(b))
         }
         K::Drop => {
             need(kind, b, sizes::DROP)?;
-            let e: common::DropEvent = read(b);
-            let addr = |a: &[u8; 16]| ip_addr(e.family, a);
-            Event::Drop(DropSample {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                location: e.location,
-                netns: e.netns,
-                ifindex: e.ifindex,
-                reason: e.reason,
-                ethertype: e.ethertype,
-                l4proto: e.l4proto,
-                saddr: addr(&e.saddr),
-                daddr: addr(&e.daddr),
-                sport: e.sport,
-                dport: e.dport,
-            })
+            drop_event(&hdr, &read(b))
         }
         K::Ipvs => {
             need(kind, b, sizes::IPVS)?;
-            let e: common::IpvsEvent = read(b);
-            let op = match e.op {
-                common::IPVS_OP_SCHEDULED => IpvsOp::Scheduled,
-                common::IPVS_OP_STALE => IpvsOp::Stale,
-                common::IPVS_OP_EXPIRED => IpvsOp::Expired,
-                common::IPVS_OP_DEST_ADD => IpvsOp::DestAdded,
-                common::IPVS_OP_DEST_DEL => IpvsOp::DestRemoved,
-                common::IPVS_OP_DEST_EDIT => IpvsOp::DestEdited,
-                common::IPVS_OP_SVC_ADD => IpvsOp::ServiceAdded,
-                common::IPVS_OP_SVC_EDIT => IpvsOp::ServiceEdited,
-                common::IPVS_OP_SVC_DEL => IpvsOp::ServiceRemoved,
-                _ => return Err(DecodeError::UnknownKind { kind: hdr.kind }),
-            };
-            let is_conn = e.conn != 0;
-            Event::Ipvs(Box::new(IpvsEvent {
-                ts_ns: hdr.ts_ns,
-                tgid: hdr.tgid,
-                tid: hdr.tid,
-                comm: Comm(e.comm),
-                op,
-                conn: e.conn,
-                protocol: e.protocol,
-                service: inet_addr(e.af, &e.vaddr, e.vport),
-                client: is_conn.then(|| inet_addr(e.af, &e.caddr, e.cport)),
-                backend: inet_addr(e.af, &e.daddr, e.dport),
-                dest_state: DestState::from_u8(e.dest_state),
-                action: StaleAction::from_u8(e.action),
-                weight: e.weight,
-                ret: e.ret,
-                packets: e.packets,
-                last_packet_ns: e.last_packet_ns,
-                timer_left_ns: e.timer_left_ns,
-            }))
+            ipvs_event(&hdr, &read(b))?
         }
     })
+}
+
+/// A `flock(2)` call on a watched lock file.
+#[inline]
+fn flock_call_event(hdr: &common::EventHeader, e: &common::FlockCallEvent) -> Event {
+    Event::FlockCall(FlockCallEvent {
+        ts_ns: hdr.ts_ns,
+        enter_ns: e.enter_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        owner: e.owner,
+        dev: e.dev,
+        ino: e.ino,
+        ret: e.ret,
+        cmd: (e.cmd != u32::MAX).then_some(e.cmd),
+    })
+}
+
+/// A program started, with its argv.
+#[inline]
+fn exec_event(hdr: &common::EventHeader, b: &[u8]) -> Event {
+    // Field by field from the input: the struct is ~700 bytes, mostly unused slots.
+    type E = common::ExecEvent;
+    let field = |off: usize, len: usize| &b[off..off + len];
+    let argc: u32 = read(&b[offset_of!(E, argc)..]);
+    let truncated: u32 = read(&b[offset_of!(E, args_truncated)..]);
+    let args = field(offset_of!(E, args), common::ARGV_SLOTS * common::ARG_LEN);
+    Event::Exec(ExecEvent {
+        ts_ns: hdr.ts_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        comm: Comm(read(&b[offset_of!(E, comm)..])),
+        filename: shared(field(offset_of!(E, filename), common::FILENAME_LEN)),
+        argv: Argv::from_slots(args, (argc as usize).min(common::ARGV_SLOTS)),
+        argv_truncated: truncated != 0,
+        netns: if b.len() >= common::sizes::EXEC {
+            read(&b[offset_of!(E, netns)..])
+        } else {
+            0
+        },
+    })
+}
+
+/// A thread or process created.
+#[inline]
+fn fork_event(hdr: &common::EventHeader, e: &common::ForkEvent) -> Event {
+    Event::Fork(ForkEvent {
+        ts_ns: hdr.ts_ns,
+        parent_tgid: hdr.tgid,
+        parent_tid: hdr.tid,
+        child_tid: e.child_tid,
+        comm: Comm(e.comm),
+    })
+}
+
+/// A process that exited, with its exit status when it had one.
+#[inline]
+fn exit_event(hdr: &common::EventHeader, e: &common::ExitEvent) -> Event {
+    Event::Exit(ExitEvent {
+        ts_ns: hdr.ts_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        comm: Comm(e.comm),
+        exit_code: (e.has_code != 0).then_some(e.exit_code & 0xff),
+    })
+}
+
+/// An xtables get or set sockopt, with the table head when it was read.
+#[inline]
+fn table_replace_event(hdr: &common::EventHeader, b: &[u8]) -> Event {
+    type E = common::TableReplaceEvent;
+    let head_recorded = b.len() >= common::TABLE_REPLACE_V2_LEN;
+    let head = if head_recorded && read::<u32>(&b[offset_of!(E, head_ok)..]) != 0 {
+        Some(Box::new(TableHead {
+            name: read(&b[offset_of!(E, table)..]),
+            entries: read(&b[offset_of!(E, num_entries)..]),
+            bytes: read(&b[offset_of!(E, size)..]),
+        }))
+    } else {
+        None
+    };
+    // Records of versions before it: unknown.
+    let netns = if b.len() >= common::sizes::TABLE_REPLACE {
+        read(&b[offset_of!(E, netns)..])
+    } else {
+        0
+    };
+    Event::TableReplace(TableReplaceEvent {
+        ts_ns: hdr.ts_ns,
+        enter_ns: read(&b[offset_of!(E, enter_ns)..]),
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        level: read(&b[offset_of!(E, level)..]),
+        optname: read(&b[offset_of!(E, optname)..]),
+        optlen: read(&b[offset_of!(E, optlen)..]),
+        ret: read(&b[offset_of!(E, ret)..]),
+        head,
+        head_recorded,
+        read: head_recorded && read::<u32>(&b[offset_of!(E, dir)..]) == common::SOCKOPT_GET,
+        netns,
+    })
+}
+
+/// An nf_tables batch committed, with its counts when the record has them.
+#[inline]
+fn nft_commit_event(hdr: &common::EventHeader, b: &[u8]) -> Event {
+    type E = common::NftCommitEvent;
+    let batch = if b.len() >= common::sizes::NFT_COMMIT {
+        let e: E = read(b);
+        nft_batch(e.batch, e.added, e.deleted)
+    } else {
+        None
+    };
+    Event::NftCommit(NftCommitEvent {
+        ts_ns: hdr.ts_ns,
+        enter_ns: read(&b[offset_of!(E, enter_ns)..]),
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        netns: read(&b[offset_of!(E, netns)..]),
+        comm: Comm(read(&b[offset_of!(E, comm)..])),
+        batch,
+    })
+}
+
+/// A wait for one of nf_tables' mutexes, with the holder when known.
+#[inline]
+fn nft_mutex_wait_event(hdr: &common::EventHeader, e: &common::NftMutexWaitEvent) -> Event {
+    Event::NftMutexWait(Box::new(NftMutexWaitEvent {
+        ts_ns: hdr.ts_ns,
+        start_ns: e.start_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        comm: Comm(e.comm),
+        netns: e.netns,
+        mutex: if e.mutex == common::NFT_MUTEX_NFNL {
+            NftMutex::Nfnl
+        } else {
+            NftMutex::Commit
+        },
+        lock: e.lock,
+        ret: e.ret,
+        holder: (e.holder_tid != 0).then_some((e.holder_tid, e.holder_tgid)),
+        holder_comm: Comm(e.holder_comm),
+    }))
+}
+
+/// An nf_tables netlink send, with its batch counts when the record has them.
+#[inline]
+fn nft_send_event(hdr: &common::EventHeader, b: &[u8]) -> Event {
+    type E = common::NftSendEvent;
+    let batch = if b.len() >= common::sizes::NFT_SEND {
+        let e: E = read(b);
+        nft_batch(e.batch, e.added, e.deleted)
+    } else {
+        None
+    };
+    Event::NftSend(Box::new(NftSendEvent {
+        ts_ns: hdr.ts_ns,
+        enter_ns: read(&b[offset_of!(E, enter_ns)..]),
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        comm: Comm(read(&b[offset_of!(E, comm)..])),
+        netns: read(&b[offset_of!(E, netns)..]),
+        ret: read(&b[offset_of!(E, ret)..]),
+        batch,
+    }))
+}
+
+/// The kernel part of an xtables table replace.
+#[inline]
+fn xt_replace_event(hdr: &common::EventHeader, e: &common::XtReplaceEvent) -> Event {
+    Event::XtReplace(XtReplaceEvent {
+        ts_ns: hdr.ts_ns,
+        enter_ns: e.enter_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+    })
+}
+
+/// A connection conntrack refused (table full or insert failed).
+#[inline]
+fn conntrack_fail_event(hdr: &common::EventHeader, e: &common::ConntrackFailEvent) -> Event {
+    Event::ConntrackFail(ConntrackFail {
+        ts_ns: hdr.ts_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        comm: Comm(e.comm),
+        what: match e.what {
+            common::CT_FAIL_TABLE_FULL => CtFailKind::TableFull,
+            _ => CtFailKind::InsertFailed,
+        },
+        netns: e.netns,
+        l4proto: e.l4proto,
+        saddr: ip_addr(e.family, &e.saddr),
+        daddr: ip_addr(e.family, &e.daddr),
+        sport: e.sport,
+        dport: e.dport,
+    })
+}
+
+/// A connection the node refused, sampled.
+#[inline]
+fn refusal_event(hdr: &common::EventHeader, e: &common::RefusalEvent) -> Event {
+    let addr = |a: &[u8; 16]| ip_addr(e.family, a);
+    Event::Refusal(RefusalSample {
+        ts_ns: hdr.ts_ns,
+        tgid: hdr.tgid,
+        hold_start_ns: e.hold_start_ns,
+        netns: e.netns,
+        kind: e.kind,
+        detail: e.detail,
+        l4proto: e.l4proto,
+        // Without the packet's header only the destination is known.
+        saddr: (e.l4proto != 0).then(|| addr(&e.saddr)).flatten(),
+        daddr: addr(&e.daddr),
+        sport: e.sport,
+        dport: e.dport,
+    })
+}
+
+/// A packet the kernel dropped, sampled.
+#[inline]
+fn drop_event(hdr: &common::EventHeader, e: &common::DropEvent) -> Event {
+    let addr = |a: &[u8; 16]| ip_addr(e.family, a);
+    Event::Drop(DropSample {
+        ts_ns: hdr.ts_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        location: e.location,
+        netns: e.netns,
+        ifindex: e.ifindex,
+        reason: e.reason,
+        ethertype: e.ethertype,
+        l4proto: e.l4proto,
+        saddr: addr(&e.saddr),
+        daddr: addr(&e.daddr),
+        sport: e.sport,
+        dport: e.dport,
+    })
+}
+
+/// An IPVS connection or table change; an unknown operation is an error.
+#[inline]
+fn ipvs_event(hdr: &common::EventHeader, e: &common::IpvsEvent) -> Result<Event, DecodeError> {
+    let op = match e.op {
+        common::IPVS_OP_SCHEDULED => IpvsOp::Scheduled,
+        common::IPVS_OP_STALE => IpvsOp::Stale,
+        common::IPVS_OP_EXPIRED => IpvsOp::Expired,
+        common::IPVS_OP_DEST_ADD => IpvsOp::DestAdded,
+        common::IPVS_OP_DEST_DEL => IpvsOp::DestRemoved,
+        common::IPVS_OP_DEST_EDIT => IpvsOp::DestEdited,
+        common::IPVS_OP_SVC_ADD => IpvsOp::ServiceAdded,
+        common::IPVS_OP_SVC_EDIT => IpvsOp::ServiceEdited,
+        common::IPVS_OP_SVC_DEL => IpvsOp::ServiceRemoved,
+        _ => return Err(DecodeError::UnknownKind { kind: hdr.kind }),
+    };
+    let is_conn = e.conn != 0;
+    Ok(Event::Ipvs(Box::new(IpvsEvent {
+        ts_ns: hdr.ts_ns,
+        tgid: hdr.tgid,
+        tid: hdr.tid,
+        comm: Comm(e.comm),
+        op,
+        conn: e.conn,
+        protocol: e.protocol,
+        service: inet_addr(e.af, &e.vaddr, e.vport),
+        client: is_conn.then(|| inet_addr(e.af, &e.caddr, e.cport)),
+        backend: inet_addr(e.af, &e.daddr, e.dport),
+        dest_state: DestState::from_u8(e.dest_state),
+        action: StaleAction::from_u8(e.action),
+        weight: e.weight,
+        ret: e.ret,
+        packets: e.packets,
+        last_packet_ns: e.last_packet_ns,
+        timer_left_ns: e.timer_left_ns,
+    })))
 }
 
 /// An address of a kernel event: 4 bytes for IPv4 (`DROP_FAMILY_INET`), 16 for IPv6.

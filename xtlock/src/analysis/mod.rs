@@ -183,53 +183,54 @@ impl Analyzer {
         self.stats.observe(ev.ts_ns());
         self.cadence
             .check(ev.ts_ns(), &self.procs, &mut counted(&mut self.stats, out));
-        let lost_before = self.stats.lost_events();
+        if self.side_event(ev, out) {
+            return;
+        }
+        self.lock_event(ev, out);
+    }
+
+    /// The events of the side subsystems (drops, refusals, rule counters, IPVS, drop reason
+    /// names, kernel symbols, pods): theirs alone, the lock machine never sees them. `false`
+    /// for any other event.
+    fn side_event(&mut self, ev: &Event, out: &mut impl FnMut(Output)) -> bool {
         match ev {
             Event::Drop(s) => {
                 let hold = self.hold_at(s.ts_ns);
                 self.rule_drops.on_sample(s, hold.clone());
                 self.drops
                     .on_sample(s, hold, &mut counted(&mut self.stats, out));
-                return;
             }
             Event::RuleCounters(c) => {
                 self.rule_drops
                     .on_counters(c, &self.rules, &mut counted(&mut self.stats, out));
-                return;
             }
             Event::Refusal(s) => {
                 let open = self.holds_overlapping(s.ts_ns, s.ts_ns);
                 self.refusals
                     .on_sample(s, &open, &mut counted(&mut self.stats, out));
-                return;
             }
             Event::ConntrackFail(c) => {
                 let hold = self.hold_at(c.ts_ns);
                 self.drops
                     .on_conntrack_fail(c, hold, &mut counted(&mut self.stats, out));
-                return;
             }
             Event::DropCounts(c) => {
                 let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
                 self.drops
                     .on_counts(c, holds, &mut counted(&mut self.stats, out));
-                return;
             }
             Event::Conntrack(c) => {
                 let holds = self.holds_overlapping(c.ts_ns.saturating_sub(c.interval_ns), c.ts_ns);
                 self.drops
                     .on_conntrack(c, holds, &mut counted(&mut self.stats, out));
-                return;
             }
             Event::Ipvs(e) => {
                 let mut out = counted(&mut self.stats, out);
                 self.ipvs.on_event(e, &mut |f| out(Output::Ipvs(f)));
-                return;
             }
             Event::IpvsCounts(c) => {
                 let mut out = counted(&mut self.stats, out);
                 self.ipvs.on_counts(c, &mut |f| out(Output::IpvsCount(f)));
-                return;
             }
             Event::RefusalCounts(c) => {
                 // Every count names its hold by the kernel's tag, so any hold open now may be
@@ -243,7 +244,6 @@ impl Analyzer {
                     &|rc| refusals::rule_for(rules, rc),
                     &mut counted(&mut self.stats, out),
                 );
-                return;
             }
             Event::DropSetup {
                 has_reason,
@@ -253,23 +253,27 @@ impl Analyzer {
             } => {
                 self.drops.on_setup(*has_reason, names, *host_netns);
                 self.rule_drops.on_setup(*has_reason, names);
-                return;
             }
             Event::KernelSymbol {
                 addr, name, offset, ..
             } => {
                 self.drops.on_symbol(*addr, name, *offset);
                 self.rule_drops.on_symbol(*addr, name);
-                return;
             }
             Event::Pod(_) => {
                 // Names for processes already attributed, perhaps: attribute them again.
                 self.procs.apply(ev);
                 self.attr.clear();
-                return;
             }
-            _ => {}
+            _ => return false,
         }
+        true
+    }
+
+    /// The events of the locks, processes and rules: the lock machines, execs and exits,
+    /// rule reads and unserialized writers.
+    fn lock_event(&mut self, ev: &Event, out: &mut impl FnMut(Output)) {
+        let lost_before = self.stats.lost_events();
         let stats = &mut self.stats;
         let drops = &mut self.drops;
         let refusals = &mut self.refusals;

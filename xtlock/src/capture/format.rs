@@ -574,14 +574,7 @@ pub fn encode_synthetic(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             host_netns,
             names,
         } => {
-            put_varint(out, *ts_ns);
-            put_varint(out, u64::from(*has_reason));
-            put_varint(out, u64::from(*host_netns));
-            put_varint(out, names.len() as u64);
-            for (code, name) in names {
-                put_varint(out, u64::from(*code));
-                put_bytes(out, name.as_bytes());
-            }
+            encode_drop_setup(*ts_ns, *has_reason, *host_netns, names, out);
             KIND_DROP_SETUP
         }
         Event::KernelSymbol {
@@ -590,211 +583,47 @@ pub fn encode_synthetic(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             name,
             offset,
         } => {
-            put_varint(out, *ts_ns);
-            put_varint(out, *addr);
-            put_varint(out, *offset);
-            put_bytes(out, name.as_bytes());
+            encode_kernel_symbol(*ts_ns, *addr, name, *offset, out);
             KIND_KERNEL_SYMBOL
         }
         Event::DropCounts(c) => {
-            put_varint(out, c.ts_ns);
-            put_varint(out, c.interval_ns);
-            put_varint(out, c.overflow);
-            put_varint(out, c.counts.len() as u64);
-            for d in &c.counts {
-                put_varint(out, d.location);
-                put_varint(out, u64::from(d.reason));
-                put_varint(out, u64::from(d.netns));
-                put_varint(out, d.count);
-            }
-            // Appended in format 1 as it was: older readers stop before it.
-            put_varint(out, c.holds.len() as u64);
-            for h in &c.holds {
-                put_varint(out, h.start_ns);
-                put_varint(out, h.count);
-            }
-            // Then each hold's reasons, in the same order (appended later still: readers of
-            // the per-hold counts alone stop before them).
-            for h in &c.holds {
-                put_varint(out, h.by_reason.len() as u64);
-                for &(reason, n) in &h.by_reason {
-                    put_varint(out, u64::from(reason));
-                    put_varint(out, n);
-                }
-            }
+            encode_drop_counts(c, out);
             KIND_DROP_COUNTS
         }
         Event::Conntrack(c) => {
-            for v in [
-                c.ts_ns,
-                c.interval_ns,
-                u64::from(c.netns),
-                c.count,
-                c.max,
-                c.deltas.drop,
-                c.deltas.early_drop,
-                c.deltas.insert_failed,
-                c.deltas.invalid,
-                c.deltas.search_restart,
-                c.deltas.clash_resolve,
-                c.deltas.chaintoolong,
-            ] {
-                put_varint(out, v);
-            }
+            encode_conntrack(c, out);
             KIND_CONNTRACK
         }
         Event::LockSeed(l) => {
-            for v in [
-                l.ts_ns,
-                u64::from(l.pid),
-                u64::from(l.dev),
-                l.ino,
-                u64::from(l.exclusive),
-            ] {
-                put_varint(out, v);
-            }
+            encode_lock_seed(l, out);
             KIND_LOCK_SEED
         }
         Event::IpvsCounts(c) => {
-            put_varint(out, c.ts_ns);
-            put_varint(out, c.interval_ns);
-            put_varint(out, c.overflow);
-            put_varint(out, c.counts.len() as u64);
-            for d in &c.counts {
-                let (af, vaddr, vport) = inet_parts(&d.service);
-                let (_, daddr, dport) = inet_parts(&d.backend);
-                put_varint(out, u64::from(af));
-                put_varint(out, u64::from(d.protocol));
-                put_varint(out, d.state as u64);
-                put_bytes(out, &vaddr[..addr_len(af)]);
-                put_varint(out, u64::from(vport));
-                put_bytes(out, &daddr[..addr_len(af)]);
-                put_varint(out, u64::from(dport));
-                put_varint(out, d.count);
-            }
+            encode_ipvs_counts(c, out);
             KIND_IPVS_COUNTS
         }
         Event::Pod(p) => {
-            put_varint(out, p.ts_ns);
-            for s in [
-                &p.container_id,
-                &p.pod_uid,
-                &p.namespace,
-                &p.pod,
-                &p.container,
-            ] {
-                put_bytes(out, s.as_bytes());
-            }
+            encode_pod(p, out);
             KIND_POD
         }
         Event::RuleTable(t) => {
-            put_varint(out, t.ts_ns);
-            put_varint(out, u64::from(t.netns));
-            put_varint(out, u64::from(t.after_pid));
-            for s in [&t.family, &t.table, &t.skipped] {
-                put_bytes(out, s.as_bytes());
-            }
-            put_varint(out, t.chains.len() as u64);
-            for c in &t.chains {
-                put_bytes(out, c.name.as_bytes());
-                // The policy with a presence flag: `""` is not "no policy".
-                put_varint(out, u64::from(c.policy.is_some()));
-                put_bytes(out, c.policy.as_deref().unwrap_or("").as_bytes());
-                put_varint(out, c.digest);
-                match &c.rules {
-                    None => put_varint(out, 0),
-                    Some(rules) => {
-                        put_varint(out, rules.len() as u64 + 1);
-                        for r in rules {
-                            put_varint(out, r.0.len() as u64);
-                            for part in &r.0 {
-                                put_bytes(out, part.as_bytes());
-                            }
-                        }
-                    }
-                }
-            }
-            // Appended: older records end before it (read as the whole table).
-            put_varint(out, u64::from(t.more));
+            encode_rule_table(t, out);
             KIND_RULE_TABLE
         }
         Event::RefusalCounts(c) => {
-            put_varint(out, c.ts_ns);
-            put_varint(out, c.interval_ns);
-            put_varint(out, c.overflow);
-            put_varint(out, c.counts.len() as u64);
-            for d in &c.counts {
-                let (family, addr): (u8, Vec<u8>) = match d.addr {
-                    Some(std::net::IpAddr::V4(a)) => (4, a.octets().to_vec()),
-                    Some(std::net::IpAddr::V6(a)) => (6, a.octets().to_vec()),
-                    None => (0, Vec::new()),
-                };
-                put_varint(out, d.hold_start_ns);
-                put_varint(out, u64::from(d.netns));
-                put_varint(out, u64::from(d.kind));
-                put_varint(out, u64::from(d.detail));
-                put_varint(out, u64::from(family));
-                put_bytes(out, &addr);
-                put_varint(out, u64::from(d.port));
-                put_varint(out, d.count);
-            }
-            put_varint(out, c.reset_reasons.len() as u64);
-            for (code, name) in &c.reset_reasons {
-                put_varint(out, u64::from(*code));
-                put_bytes(out, name.as_bytes());
-            }
+            encode_refusal_counts(c, out);
             KIND_REFUSAL_COUNTS
         }
         Event::Addr(a) if matches!(a.why, AddrWhy::Unanswered | AddrWhy::Answering) => {
-            put_varint(out, a.ts_ns);
-            put_varint(out, u64::from(a.netns));
-            put_ip(out, a.addr);
-            put_varint(out, u64::from(a.why == AddrWhy::Answering));
+            encode_endpoint_answers(a, out);
             KIND_ENDPOINT_ANSWERS
         }
         Event::Addr(a) => {
-            put_varint(out, a.ts_ns);
-            put_varint(out, u64::from(a.netns));
-            let (family, addr): (u8, Vec<u8>) = match a.addr {
-                std::net::IpAddr::V4(v) => (4, v.octets().to_vec()),
-                std::net::IpAddr::V6(v) => (6, v.octets().to_vec()),
-            };
-            put_varint(out, u64::from(family));
-            put_bytes(out, &addr);
-            put_varint(out, u64::from(a.why.code()));
-            put_bytes(out, a.link.as_bytes());
-            // Appended (readers skip trailing bytes): bit 0, said live.
-            put_varint(out, u64::from(a.live));
+            encode_addr(a, out);
             KIND_ADDR
         }
         Event::IpvsTable(t) => {
-            put_varint(out, t.ts_ns);
-            put_varint(out, u64::from(t.netns));
-            let services = &t.services[..t.services.len().min(MAX_IPVS_SERVICES as usize)];
-            put_varint(out, services.len() as u64);
-            let mut dests_left = MAX_IPVS_DESTS as usize;
-            for svc in services {
-                put_varint(out, u64::from(svc.proto));
-                match svc.addr {
-                    Some(a) => {
-                        put_varint(out, 1);
-                        put_sock(out, a);
-                    }
-                    None => {
-                        put_varint(out, 0);
-                        put_varint(out, u64::from(svc.fwmark));
-                    }
-                }
-                let dests = &svc.dests[..svc.dests.len().min(dests_left)];
-                dests_left -= dests.len();
-                put_varint(out, dests.len() as u64);
-                for d in dests {
-                    put_sock(out, d.addr);
-                    put_varint(out, u64::from(d.weight));
-                    put_varint(out, u64::from(d.active));
-                    put_varint(out, u64::from(d.inactive));
-                }
-            }
+            encode_ipvs_table(t, out);
             KIND_IPVS_TABLE
         }
         Event::RuleCounters(c) => {
@@ -802,27 +631,269 @@ pub fn encode_synthetic(ev: &Event, out: &mut Vec<u8>) -> Option<u8> {
             KIND_RULE_COUNTERS
         }
         Event::CtEntries(c) => {
-            put_varint(out, c.ts_ns);
-            put_varint(out, u64::from(c.netns));
-            put_ip(out, c.addr);
-            put_varint(out, u64::from(c.more));
-            let n = c.entries.len().min(MAX_CT_ENTRIES as usize);
-            put_varint(out, n as u64);
-            for e in &c.entries[..n] {
-                put_varint(out, u64::from(e.id));
-                put_varint(out, u64::from(e.proto));
-                put_varint(out, u64::from(e.tcp_state));
-                put_varint(out, u64::from(e.status));
-                for a in [e.orig_src, e.orig_dst, e.reply_src] {
-                    put_sock(out, a);
-                }
-                put_varint(out, e.packets);
-                put_varint(out, u64::from(e.timeout_s));
-            }
+            encode_ct_entries(c, out);
             KIND_CT_ENTRIES
         }
         _ => return None,
     })
+}
+
+/// Kind 5: the recording kernel's drop-reason names.
+fn encode_drop_setup(
+    ts_ns: u64,
+    has_reason: bool,
+    host_netns: u32,
+    names: &[(u32, String)],
+    out: &mut Vec<u8>,
+) {
+    put_varint(out, ts_ns);
+    put_varint(out, u64::from(has_reason));
+    put_varint(out, u64::from(host_netns));
+    put_varint(out, names.len() as u64);
+    for (code, name) in names {
+        put_varint(out, u64::from(*code));
+        put_bytes(out, name.as_bytes());
+    }
+}
+
+/// Kind 6: the kernel function a drop location is in.
+fn encode_kernel_symbol(ts_ns: u64, addr: u64, name: &str, offset: u64, out: &mut Vec<u8>) {
+    put_varint(out, ts_ns);
+    put_varint(out, addr);
+    put_varint(out, offset);
+    put_bytes(out, name.as_bytes());
+}
+
+/// Kind 7: exact drop counts of one interval, per hold and reason.
+fn encode_drop_counts(c: &DropCounts, out: &mut Vec<u8>) {
+    put_varint(out, c.ts_ns);
+    put_varint(out, c.interval_ns);
+    put_varint(out, c.overflow);
+    put_varint(out, c.counts.len() as u64);
+    for d in &c.counts {
+        put_varint(out, d.location);
+        put_varint(out, u64::from(d.reason));
+        put_varint(out, u64::from(d.netns));
+        put_varint(out, d.count);
+    }
+    // Appended in format 1 as it was: older readers stop before it.
+    put_varint(out, c.holds.len() as u64);
+    for h in &c.holds {
+        put_varint(out, h.start_ns);
+        put_varint(out, h.count);
+    }
+    // Then each hold's reasons, in the same order (appended later still: readers of
+    // the per-hold counts alone stop before them).
+    for h in &c.holds {
+        put_varint(out, h.by_reason.len() as u64);
+        for &(reason, n) in &h.by_reason {
+            put_varint(out, u64::from(reason));
+            put_varint(out, n);
+        }
+    }
+}
+
+/// Kind 8: conntrack statistics deltas of one namespace.
+fn encode_conntrack(c: &ConntrackStats, out: &mut Vec<u8>) {
+    for v in [
+        c.ts_ns,
+        c.interval_ns,
+        u64::from(c.netns),
+        c.count,
+        c.max,
+        c.deltas.drop,
+        c.deltas.early_drop,
+        c.deltas.insert_failed,
+        c.deltas.invalid,
+        c.deltas.search_restart,
+        c.deltas.clash_resolve,
+        c.deltas.chaintoolong,
+    ] {
+        put_varint(out, v);
+    }
+}
+
+/// Kind 9: a flock held on a watched lock when recording began.
+fn encode_lock_seed(l: &LockSeed, out: &mut Vec<u8>) {
+    for v in [
+        l.ts_ns,
+        u64::from(l.pid),
+        u64::from(l.dev),
+        l.ino,
+        u64::from(l.exclusive),
+    ] {
+        put_varint(out, v);
+    }
+}
+
+/// Kind 10: exact IPVS packet counts of one interval.
+fn encode_ipvs_counts(c: &IpvsCounts, out: &mut Vec<u8>) {
+    put_varint(out, c.ts_ns);
+    put_varint(out, c.interval_ns);
+    put_varint(out, c.overflow);
+    put_varint(out, c.counts.len() as u64);
+    for d in &c.counts {
+        let (af, vaddr, vport) = inet_parts(&d.service);
+        let (_, daddr, dport) = inet_parts(&d.backend);
+        put_varint(out, u64::from(af));
+        put_varint(out, u64::from(d.protocol));
+        put_varint(out, d.state as u64);
+        put_bytes(out, &vaddr[..addr_len(af)]);
+        put_varint(out, u64::from(vport));
+        put_bytes(out, &daddr[..addr_len(af)]);
+        put_varint(out, u64::from(dport));
+        put_varint(out, d.count);
+    }
+}
+
+/// Kind 11: the kubelet's names of a container or pod.
+fn encode_pod(p: &crate::decode::PodInfo, out: &mut Vec<u8>) {
+    put_varint(out, p.ts_ns);
+    for s in [
+        &p.container_id,
+        &p.pod_uid,
+        &p.namespace,
+        &p.pod,
+        &p.container,
+    ] {
+        put_bytes(out, s.as_bytes());
+    }
+}
+
+/// Kind 13: a table read back after a write.
+fn encode_rule_table(t: &crate::event::RuleTable, out: &mut Vec<u8>) {
+    put_varint(out, t.ts_ns);
+    put_varint(out, u64::from(t.netns));
+    put_varint(out, u64::from(t.after_pid));
+    for s in [&t.family, &t.table, &t.skipped] {
+        put_bytes(out, s.as_bytes());
+    }
+    put_varint(out, t.chains.len() as u64);
+    for c in &t.chains {
+        put_bytes(out, c.name.as_bytes());
+        // The policy with a presence flag: `""` is not "no policy".
+        put_varint(out, u64::from(c.policy.is_some()));
+        put_bytes(out, c.policy.as_deref().unwrap_or("").as_bytes());
+        put_varint(out, c.digest);
+        match &c.rules {
+            None => put_varint(out, 0),
+            Some(rules) => {
+                put_varint(out, rules.len() as u64 + 1);
+                for r in rules {
+                    put_varint(out, r.0.len() as u64);
+                    for part in &r.0 {
+                        put_bytes(out, part.as_bytes());
+                    }
+                }
+            }
+        }
+    }
+    // Appended: older records end before it (read as the whole table).
+    put_varint(out, u64::from(t.more));
+}
+
+/// Kind 12: exact refusal counts of one interval, and the kernel's reset reason names.
+fn encode_refusal_counts(c: &RefusalCounts, out: &mut Vec<u8>) {
+    put_varint(out, c.ts_ns);
+    put_varint(out, c.interval_ns);
+    put_varint(out, c.overflow);
+    put_varint(out, c.counts.len() as u64);
+    for d in &c.counts {
+        let (family, addr): (u8, Vec<u8>) = match d.addr {
+            Some(std::net::IpAddr::V4(a)) => (4, a.octets().to_vec()),
+            Some(std::net::IpAddr::V6(a)) => (6, a.octets().to_vec()),
+            None => (0, Vec::new()),
+        };
+        put_varint(out, d.hold_start_ns);
+        put_varint(out, u64::from(d.netns));
+        put_varint(out, u64::from(d.kind));
+        put_varint(out, u64::from(d.detail));
+        put_varint(out, u64::from(family));
+        put_bytes(out, &addr);
+        put_varint(out, u64::from(d.port));
+        put_varint(out, d.count);
+    }
+    put_varint(out, c.reset_reasons.len() as u64);
+    for (code, name) in &c.reset_reasons {
+        put_varint(out, u64::from(*code));
+        put_bytes(out, name.as_bytes());
+    }
+}
+
+/// Kind 16: an endpoint whose connections went unanswered, or that answers again.
+fn encode_endpoint_answers(a: &crate::event::AddrPresence, out: &mut Vec<u8>) {
+    put_varint(out, a.ts_ns);
+    put_varint(out, u64::from(a.netns));
+    put_ip(out, a.addr);
+    put_varint(out, u64::from(a.why == AddrWhy::Answering));
+}
+
+/// Kind 14: an address that appeared on or vanished from the node.
+fn encode_addr(a: &crate::event::AddrPresence, out: &mut Vec<u8>) {
+    put_varint(out, a.ts_ns);
+    put_varint(out, u64::from(a.netns));
+    let (family, addr): (u8, Vec<u8>) = match a.addr {
+        std::net::IpAddr::V4(v) => (4, v.octets().to_vec()),
+        std::net::IpAddr::V6(v) => (6, v.octets().to_vec()),
+    };
+    put_varint(out, u64::from(family));
+    put_bytes(out, &addr);
+    put_varint(out, u64::from(a.why.code()));
+    put_bytes(out, a.link.as_bytes());
+    // Appended (readers skip trailing bytes): bit 0, said live.
+    put_varint(out, u64::from(a.live));
+}
+
+/// Kind 17: a namespace's IPVS virtual and real servers, capped.
+fn encode_ipvs_table(t: &crate::event::IpvsTable, out: &mut Vec<u8>) {
+    put_varint(out, t.ts_ns);
+    put_varint(out, u64::from(t.netns));
+    let services = &t.services[..t.services.len().min(MAX_IPVS_SERVICES as usize)];
+    put_varint(out, services.len() as u64);
+    let mut dests_left = MAX_IPVS_DESTS as usize;
+    for svc in services {
+        put_varint(out, u64::from(svc.proto));
+        match svc.addr {
+            Some(a) => {
+                put_varint(out, 1);
+                put_sock(out, a);
+            }
+            None => {
+                put_varint(out, 0);
+                put_varint(out, u64::from(svc.fwmark));
+            }
+        }
+        let dests = &svc.dests[..svc.dests.len().min(dests_left)];
+        dests_left -= dests.len();
+        put_varint(out, dests.len() as u64);
+        for d in dests {
+            put_sock(out, d.addr);
+            put_varint(out, u64::from(d.weight));
+            put_varint(out, u64::from(d.active));
+            put_varint(out, u64::from(d.inactive));
+        }
+    }
+}
+
+/// Kind 15: the conntrack entries DNATed to an address gone from the node, capped.
+fn encode_ct_entries(c: &crate::event::CtEntries, out: &mut Vec<u8>) {
+    put_varint(out, c.ts_ns);
+    put_varint(out, u64::from(c.netns));
+    put_ip(out, c.addr);
+    put_varint(out, u64::from(c.more));
+    let n = c.entries.len().min(MAX_CT_ENTRIES as usize);
+    put_varint(out, n as u64);
+    for e in &c.entries[..n] {
+        put_varint(out, u64::from(e.id));
+        put_varint(out, u64::from(e.proto));
+        put_varint(out, u64::from(e.tcp_state));
+        put_varint(out, u64::from(e.status));
+        for a in [e.orig_src, e.orig_dst, e.reply_src] {
+            put_sock(out, a);
+        }
+        put_varint(out, e.packets);
+        put_varint(out, u64::from(e.timeout_s));
+    }
 }
 
 /// Kind 18's body: the read's times, table, then each moved rule and the uncounted ones.

@@ -19,7 +19,10 @@ use prometheus_client::{
 };
 
 use super::Sink;
-use crate::analysis::facts::StaleFix;
+use crate::analysis::facts::{
+    ConntrackFact, DropCountFact, EndpointProgrammedFact, ExitFact, HoldFact, HoldRefusalsFact,
+    IpvsCountFact, IpvsFact, RuleDropsFact, StaleEndpointFact, StaleFix, WaitFact,
+};
 use crate::analysis::{Output, Summary};
 
 /// Distinct agents kept as label values; more are `(other)`.
@@ -423,159 +426,221 @@ pub const CONNTRACK_COUNTERS: [(&str, &str); 7] = [
 
 impl Metrics {
     pub fn new(kernel: &str) -> Self {
+        let mut m = Metrics::unregistered();
         let mut r = Registry::with_prefix("xtlock");
-        let hold = hist::<HoldLabels>();
+        // Registration order is the order of /metrics: keep it.
+        m.register_lock_series(&mut r);
+        m.register_iptables_run_series(&mut r);
+        m.register_rule_series(&mut r);
+        m.register_refusal_series(&mut r);
+        m.register_service_series(&mut r);
+        m.register_drop_series(&mut r);
+        m.register_ipvs_series(&mut r);
+        m.register_self_series(&mut r, kernel);
+        m.registry = r;
+        m
+    }
+
+    /// Every series, fresh and not yet registered; `registry` is filled by [`Metrics::new`].
+    fn unregistered() -> Self {
+        Metrics {
+            registry: Registry::default(),
+            hold: hist(),
+            wait: hist(),
+            failed_attempts: Family::default(),
+            timeouts: Family::default(),
+            held: Family::default(),
+            holder_info: Family::default(),
+            execs: Family::default(),
+            restore: hist(),
+            hold_phase: hist(),
+            sync_stalled: Family::default(),
+            syncs: Family::default(),
+            rule_writes: Family::default(),
+            foreign_changes: Family::default(),
+            mixed_backend_netns: Gauge::default(),
+            unserialized: Family::default(),
+            rule_drop_packets: Family::default(),
+            rule_drop_bytes: Family::default(),
+            table_entries: Family::default(),
+            nft_changes: Family::default(),
+            drops: Family::default(),
+            refusals: Family::default(),
+            refusals_during_holds: Family::default(),
+            stale_endpoint: hist(),
+            stale_connections: Family::default(),
+            stale_still_routed: Counter::default(),
+            stale_routed_now: Gauge::default(),
+            stale_flows: Family::default(),
+            endpoint_programming: hist(),
+            ipvs_drained: hist(),
+            conntrack: Default::default(),
+            conntrack_entries: Family::default(),
+            conntrack_max: Family::default(),
+            conntrack_refused: Family::default(),
+            lost: Counter::default(),
+            events: Counter::default(),
+            probe_attached: Family::default(),
+            feature_enabled: Family::default(),
+            recording_up: Gauge::default(),
+            recording_errors: Counter::default(),
+            published: Mutex::new(Vec::new()),
+            ipvs_packets: Family::default(),
+            ipvs_stale_packets: Family::default(),
+            ipvs_connections: Family::default(),
+            ipvs_changes: Family::default(),
+        }
+    }
+
+    /// The lock itself: holds, waits, failed tries, timeouts and who holds it now.
+    fn register_lock_series(&self, r: &mut Registry) {
         r.register_with_unit(
             "lock_hold",
             "How long the xtables lock was held, per holding agent",
             Unit::Seconds,
-            hold.clone(),
+            self.hold.clone(),
         );
-        let wait = hist::<WaitLabels>();
         r.register_with_unit(
             "lock_wait",
             "How long an agent waited for the xtables lock behind each holding agent: one \
              observation per holder agent a wait was behind, of the time spent behind it",
             Unit::Seconds,
-            wait.clone(),
+            self.wait.clone(),
         );
-        let failed_attempts = Family::<LockAgentLabels, Counter>::default();
         r.register(
             "lock_failed_attempts",
             "Failed non-blocking tries to take the xtables lock (iptables -w polling)",
-            failed_attempts.clone(),
+            self.failed_attempts.clone(),
         );
-        let timeouts = Family::<AgentLabels, Counter>::default();
         r.register(
             "lock_timeouts",
             "iptables runs that gave up on the xtables lock (exit status 4 after lock trouble)",
-            timeouts.clone(),
+            self.timeouts.clone(),
         );
-        let held = Family::<LockLabels, Gauge>::default();
         r.register(
             "lock_held",
             "1 while the lock is held, 0 otherwise",
-            held.clone(),
+            self.held.clone(),
         );
-        let holder_info = Family::<HoldLabels, Gauge>::default();
         r.register(
             "lock_holder_info",
             "1 for the agent holding the lock right now (no series while it is free)",
-            holder_info.clone(),
+            self.holder_info.clone(),
         );
-        let execs = Family::<AgentLabels, Counter>::default();
+    }
+
+    /// iptables runs: execs, restore durations and phases, stalled and completed syncs.
+    fn register_iptables_run_series(&self, r: &mut Registry) {
         r.register(
             "iptables_exec",
             "iptables-family programs started, per calling agent",
-            execs.clone(),
+            self.execs.clone(),
         );
-        let restore = hist::<AgentLabels>();
         r.register_with_unit(
             "iptables_restore_duration",
             "Run time of iptables-restore processes (exec to exit), per calling agent",
             Unit::Seconds,
-            restore.clone(),
+            self.restore.clone(),
         );
-        let hold_phase = hist::<PhaseLabels>();
         r.register_with_unit(
             "lock_hold_phase",
             "Of holds that replaced tables, the time in the kernel (the replaces) and in the \
              holder's own userspace (the rest), per holding agent",
             Unit::Seconds,
-            hold_phase.clone(),
+            self.hold_phase.clone(),
         );
-        let sync_stalled = Family::<AgentLabels, Gauge>::default();
         r.register(
             "sync_stalled",
             "1 while an agent's iptables-restore runs have stopped completing (none for over \
              twice its usual period while it runs, or 3 in a row timed out on the lock), 0 once \
              one completes again",
-            sync_stalled.clone(),
+            self.sync_stalled.clone(),
         );
-        let syncs = Family::<AgentLabels, Counter>::default();
         r.register(
             "syncs",
             "iptables-restore runs that completed (exit 0), per agent: its sync cadence",
-            syncs.clone(),
+            self.syncs.clone(),
         );
-        let rule_writes = Family::<BackendLabels, Counter>::default();
+    }
+
+    /// Rule writes: per backend, foreign changes, unserialized writers, DROP rule counters,
+    /// table sizes and nf_tables batch contents.
+    fn register_rule_series(&self, r: &mut Registry) {
         r.register(
             "rule_writes",
             "Rule writes per agent and backend: legacy (xtables table replaces) or nft \
              (nf_tables batch commits)",
-            rule_writes.clone(),
+            self.rule_writes.clone(),
         );
-        let foreign_changes = Family::<ForeignLabels, Counter>::default();
         r.register(
             "foreign_rule_changes",
             "Chains and rules of one agent (the owner: their creator while watched, else by \
              naming convention) deleted, flushed, removed, added to or stripped by another",
-            foreign_changes.clone(),
+            self.foreign_changes.clone(),
         );
-        let mixed_backend_netns = Gauge::default();
         r.register(
             "mixed_backend_netns",
             "Network namespaces whose rules were written through both iptables backends \
              (legacy and nf_tables) since start: each backend's iptables-save hides the other's",
-            mixed_backend_netns.clone(),
+            self.mixed_backend_netns.clone(),
         );
-        let unserialized = Family::<UnserializedLabels, Counter>::default();
         r.register(
             "unserialized_writes",
             "Writers of one network namespace's legacy tables that do not share a lock: pairs \
              found (writers), replaces that undid the other's write made after their read \
              (lost_write), replaces the kernel refused for it (refused_replace)",
-            unserialized.clone(),
+            self.unserialized.clone(),
         );
-        let rule_drop_packets = Family::<RuleDropLabels, Counter>::default();
         r.register(
             "rule_drop_packets",
             "Packets a DROP or REJECT rule (or a built-in chain's DROP policy) dropped, by its \
              own counter, read while netfilter drops packets; the first 64 rules have series \
              of their own, the rest family, table, chain and rule (other)",
-            rule_drop_packets.clone(),
+            self.rule_drop_packets.clone(),
         );
-        let rule_drop_bytes = Family::<RuleDropLabels, Counter>::default();
         r.register(
             "rule_drop_bytes",
             "Bytes of the packets counted by xtlock_rule_drop_packets_total",
-            rule_drop_bytes.clone(),
+            self.rule_drop_bytes.clone(),
         );
-        let table_entries = Family::<TableLabels, Gauge>::default();
         r.register(
             "table_entries",
             "Entries of an xtables table at its last replace, per replacing agent",
-            table_entries.clone(),
+            self.table_entries.clone(),
         );
-        let nft_changes = Family::<NftChangeLabels, Counter>::default();
         r.register(
             "nft_changes",
             "Changes in the nf_tables batches an agent committed: batch messages per object \
              kind, added or deleted",
-            nft_changes.clone(),
+            self.nft_changes.clone(),
         );
-        let conntrack_refused = Family::<RefusedLabels, Counter>::default();
+    }
+
+    /// Connections refused: by conntrack, by the node, and while a lock was held.
+    fn register_refusal_series(&self, r: &mut Registry) {
         r.register(
             "conntrack_refused",
             "Connections conntrack refused, counted in the refusing kernel function \
              (__nf_conntrack_confirm NF_DROP: insert failed; __nf_conntrack_alloc: table full)",
-            conntrack_refused.clone(),
+            self.conntrack_refused.clone(),
         );
-        let refusals = Family::<RefusalLabels, Counter>::default();
         r.register(
             "refusals",
             "Connections the node refused (ICMP destination unreachable or TCP reset sent) and \
              TCP resets its sockets received, counted in the kernel, by kind and detail",
-            refusals.clone(),
+            self.refusals.clone(),
         );
-        let refusals_during_holds = Family::<HoldRefusalLabels, Counter>::default();
         r.register(
             "refusals_during_holds",
             "Refusals (as in xtlock_refusals_total) while an agent held a watched lock, counted \
              in the kernel per hold, by kind and the holding agent",
-            refusals_during_holds.clone(),
+            self.refusals_during_holds.clone(),
         );
-        let stale_endpoint: Hist<StaleLabels> = hist();
+    }
+
+    /// Services: windows routing to gone endpoints, new endpoints' programming, IPVS drains
+    /// and the conntrack flows left on gone endpoints.
+    fn register_service_series(&self, r: &mut Registry) {
         r.register_with_unit(
             "stale_endpoint",
             "How long a Service kept routing to an endpoint after it was gone from the node \
@@ -583,32 +648,28 @@ impl Metrics {
              (anywhere: its DNATed connections got no reply) until a rule write \
              stopped it, by the writing agent (`(none)`: still routed when tracing ended)",
             Unit::Seconds,
-            stale_endpoint.clone(),
+            self.stale_endpoint.clone(),
         );
-        let stale_connections = Family::<StaleConnectionLabels, Counter>::default();
         r.register(
             "stale_endpoint_connections",
             "Connections sent to a gone endpoint while a Service still routed to it: refused \
              (exact kernel counts of ICMP unreachable and resets to that ip:port) or \
              `unanswered` (conntrack entries DNATed to it that never saw a reply)",
-            stale_connections.clone(),
+            self.stale_connections.clone(),
         );
-        let stale_still_routed = Counter::default();
         r.register(
             "stale_endpoint_unfixed",
             "Windows of routing to a gone endpoint that no write had ended when reported \
              (tracing ended, or the address came back)",
-            stale_still_routed.clone(),
+            self.stale_still_routed.clone(),
         );
-        let stale_routed_now = Gauge::default();
         r.register(
             "stale_endpoints_routed",
             "Service ports routing to an endpoint gone from the node now, one per (Service \
              port, endpoint): up as xtlock sees the endpoint gone while routed, down when a \
              rule write stops routing to it",
-            stale_routed_now.clone(),
+            self.stale_routed_now.clone(),
         );
-        let endpoint_programming: Hist<ProgrammedLabels> = hist();
         r.register_with_unit(
             "endpoint_programming",
             "New endpoints: from the moment their address came up on the node (a pod's host \
@@ -616,9 +677,8 @@ impl Metrics {
              first routed a Service to them, by the writing agent and how the address came up. \
              An upper bound of the node's part: it includes the pod's readiness",
             Unit::Seconds,
-            endpoint_programming.clone(),
+            self.endpoint_programming.clone(),
         );
-        let ipvs_drained: Hist<DrainedLabels> = hist();
         r.register_with_unit(
             "ipvs_drained",
             "How long an IPVS real server stayed at weight 0 (kube-proxy's graceful termination: \
@@ -626,102 +686,99 @@ impl Metrics {
              to the one that found it removed (`removed=\"false\"`: still there when tracing \
              ended). One that lingers keeps old connections on a pod that may be gone",
             Unit::Seconds,
-            ipvs_drained.clone(),
+            self.ipvs_drained.clone(),
         );
-        let stale_flows = Family::<StaleFlowLabels, Counter>::default();
         r.register(
             "stale_endpoint_conntrack_flows",
             "Conntrack entries still DNATed to a gone endpoint after the rules stopped routing \
              to it, when its window was reported (flows conntrack keeps steering there, UDP \
              above all), by protocol",
-            stale_flows.clone(),
+            self.stale_flows.clone(),
         );
-        let drops = Family::<DropLabels, Counter>::default();
+    }
+
+    /// Packet drops and the conntrack statistics.
+    fn register_drop_series(&self, r: &mut Registry) {
         r.register(
             "drops",
             "Packets dropped by the kernel, by drop reason, kernel function and xtlock's class",
-            drops.clone(),
+            self.drops.clone(),
         );
-        let conntrack: [Family<NetnsLabels, Counter>; 7] = Default::default();
-        for ((name, help), fam) in CONNTRACK_COUNTERS.iter().zip(&conntrack) {
+        for ((name, help), fam) in CONNTRACK_COUNTERS.iter().zip(&self.conntrack) {
             r.register(format!("conntrack_{name}"), *help, fam.clone());
         }
-        let conntrack_entries = Family::<NetnsLabels, Gauge>::default();
         r.register(
             "conntrack_entries",
             "Entries in the conntrack table",
-            conntrack_entries.clone(),
+            self.conntrack_entries.clone(),
         );
-        let conntrack_max = Family::<NetnsLabels, Gauge>::default();
         r.register(
             "conntrack_max",
             "Size of the conntrack table (nf_conntrack_max)",
-            conntrack_max.clone(),
+            self.conntrack_max.clone(),
         );
-        let ipvs_packets = Family::<IpvsLabels, Counter>::default();
+    }
+
+    /// IPVS traffic and table changes.
+    fn register_ipvs_series(&self, r: &mut Registry) {
         r.register(
             "ipvs_packets",
             "Packets IPVS forwarded to a real server of a virtual service (exact, counted in \
              the kernel)",
-            ipvs_packets.clone(),
+            self.ipvs_packets.clone(),
         );
-        let ipvs_stale_packets = Family::<IpvsStaleLabels, Counter>::default();
         r.register(
             "ipvs_stale_packets",
             "Packets on IPVS connections whose real server was set to weight 0 (forwarded) or \
              removed (dropped or expired)",
-            ipvs_stale_packets.clone(),
+            self.ipvs_stale_packets.clone(),
         );
-        let ipvs_connections = Family::<IpvsLabels, Counter>::default();
         r.register(
             "ipvs_connections",
             "New IPVS connections scheduled to a real server",
-            ipvs_connections.clone(),
+            self.ipvs_connections.clone(),
         );
-        let ipvs_changes = Family::<IpvsChangeLabels, Counter>::default();
         r.register(
             "ipvs_table_changes",
             "IPVS virtual-service and real-server changes, by kind and by the process that made \
              them",
-            ipvs_changes.clone(),
+            self.ipvs_changes.clone(),
         );
-        let lost = Counter::default();
+    }
+
+    /// xtlock itself: events, probes, features, the rolling capture and the build.
+    fn register_self_series(&self, r: &mut Registry, kernel: &str) {
         r.register(
             "events_lost",
             "Events the kernel dropped because the ring buffer was full",
-            lost.clone(),
+            self.lost.clone(),
         );
-        let events = Counter::default();
         r.register(
             "events",
             "Events analysed (kernel events and /proc snapshots)",
-            events.clone(),
+            self.events.clone(),
         );
-        let probe_attached = Family::<ProbeLabels, Gauge>::default();
         r.register(
             "probe_attached",
             "1 when the kernel hook is attached and still linked, 0 otherwise",
-            probe_attached.clone(),
+            self.probe_attached.clone(),
         );
-        let feature_enabled = Family::<FeatureLabels, Gauge>::default();
         r.register(
             "feature_enabled",
             "1 when the feature works with this process's privileges and kernel, 0 when it is \
              off; cause says why (privilege or kernel)",
-            feature_enabled.clone(),
+            self.feature_enabled.clone(),
         );
-        let recording_up = Gauge::default();
         r.register(
             "recording_up",
             "1 while the daemon writes its rolling capture (--record-dir), 0 while it cannot \
              (it retries by itself)",
-            recording_up.clone(),
+            self.recording_up.clone(),
         );
-        let recording_errors = Counter::default();
         r.register(
             "recording_errors",
             "Failures to open or write a capture file of the rolling capture",
-            recording_errors.clone(),
+            self.recording_errors.clone(),
         );
         // A gauge, not an OpenMetrics info: Prometheus' text format has no info type.
         let build = Family::<BuildLabels, Gauge>::default();
@@ -736,53 +793,6 @@ impl Metrics {
             "xtlock's version and the kernel release",
             build,
         );
-        Metrics {
-            registry: r,
-            hold,
-            wait,
-            failed_attempts,
-            timeouts,
-            held,
-            holder_info,
-            execs,
-            restore,
-            hold_phase,
-            sync_stalled,
-            syncs,
-            rule_writes,
-            foreign_changes,
-            mixed_backend_netns,
-            unserialized,
-            rule_drop_packets,
-            rule_drop_bytes,
-            table_entries,
-            nft_changes,
-            drops,
-            refusals,
-            refusals_during_holds,
-            stale_endpoint,
-            stale_connections,
-            stale_still_routed,
-            stale_routed_now,
-            stale_flows,
-            endpoint_programming,
-            ipvs_drained,
-            conntrack,
-            conntrack_entries,
-            conntrack_max,
-            conntrack_refused,
-            lost,
-            events,
-            probe_attached,
-            feature_enabled,
-            recording_up,
-            recording_errors,
-            published: Mutex::new(Vec::new()),
-            ipvs_packets,
-            ipvs_stale_packets,
-            ipvs_connections,
-            ipvs_changes,
-        }
     }
 
     /// The exposition, in Prometheus' text format 0.0.4 (see [`to_prometheus_text`]).
@@ -959,77 +969,275 @@ fn location_function(loc: &str) -> &str {
     loc.split('+').next().unwrap_or(loc)
 }
 
+/// One method per fact that updates more than a series or two; [`MetricsSink::output`] dispatches.
+impl MetricsSink {
+    /// A finished hold: its duration, kernel/userspace phases, nf_tables batch contents and
+    /// the sizes of the tables it replaced.
+    fn observe_hold(&mut self, h: &HoldFact) {
+        let l = HoldLabels {
+            lock: self.locks.label(&h.lock),
+            agent: self.agent(&h.who.agent),
+            role: h.who.role.to_owned(),
+            pod: PodLabels::of(&mut self.pods, h.who.pod.as_deref()),
+        };
+        self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
+        if h.replaces > 0 || h.reads > 0 {
+            let user = h.hold_ns.saturating_sub(h.kernel_ns);
+            for (phase, ns) in [("kernel", h.kernel_ns), ("userspace", user)] {
+                self.m
+                    .hold_phase
+                    .get_or_create(&PhaseLabels {
+                        agent: l.agent.clone(),
+                        phase,
+                    })
+                    .observe(secs(ns));
+            }
+        }
+        if let Some(b) = &h.nft {
+            for (kind, added, deleted) in b.kinds() {
+                for (change, n) in [("added", added), ("deleted", deleted)] {
+                    if n > 0 {
+                        self.m
+                            .nft_changes
+                            .get_or_create(&NftChangeLabels {
+                                agent: l.agent.clone(),
+                                kind,
+                                change,
+                            })
+                            .inc_by(u64::from(n));
+                    }
+                }
+            }
+        }
+        for t in h.tables.iter().filter(|t| t.op == "replace" && t.ret == 0) {
+            if let (Some(entries), false) = (t.entries, t.table.is_empty()) {
+                let table = self.tables.label(&t.table);
+                self.m
+                    .table_entries
+                    .get_or_create(&TableLabels {
+                        agent: l.agent.clone(),
+                        family: t.family,
+                        table,
+                    })
+                    .set(i64::from(entries));
+            }
+        }
+    }
+
+    /// A wait for the lock, split by the holder agents it was behind.
+    fn observe_wait(&mut self, w: &WaitFact) {
+        // One observation per holder agent the wait was behind, of the time it
+        // spent behind that agent: `_sum` by holder_agent adds up to the wait time.
+        let behind = w.behind_by_agent("(none)", OTHER);
+        let agent = self.agent(&w.who.agent);
+        let pod = PodLabels::of(&mut self.pods, w.who.pod.as_deref());
+        let lock = self.locks.label(&w.lock);
+        for (holder, ns) in behind {
+            let l = WaitLabels {
+                lock: lock.clone(),
+                agent: agent.clone(),
+                holder_agent: self.agent(holder),
+                pod: pod.clone(),
+            };
+            self.m.wait.get_or_create(&l).observe(secs(ns));
+        }
+    }
+
+    /// An iptables-restore that ended: its run time, and a completed sync when it succeeded.
+    fn observe_restore_exit(&mut self, e: &ExitFact) {
+        let l = AgentLabels {
+            agent: self.agent(&e.agent),
+        };
+        if let Some(ns) = e.runtime_ns {
+            self.m.restore.get_or_create(&l).observe(secs(ns));
+        }
+        if e.code == Some(0) {
+            self.m.syncs.get_or_create(&l).inc();
+        }
+    }
+
+    /// A DROP or REJECT rule's counters, past the series cap as `(other)`.
+    fn count_rule_drops(&mut self, r: &RuleDropsFact) {
+        let rule: String = if r.rule.is_empty() {
+            "policy".into()
+        } else {
+            r.rule.chars().take(RULE_LABEL_CHARS).collect()
+        };
+        let key = format!(
+            "{}\0{}\0{}\0{}\0{}",
+            r.netns, r.family, r.table, r.chain, rule
+        );
+        let own = self.drop_rules.label(&key) != OTHER;
+        let l = RuleDropLabels {
+            family: if own { r.family.clone() } else { OTHER.into() },
+            table: if own { r.table.clone() } else { OTHER.into() },
+            chain: if own { r.chain.clone() } else { OTHER.into() },
+            rule: if own { rule } else { OTHER.into() },
+            owner: r
+                .owner
+                .as_deref()
+                .map_or_else(|| "unknown".to_owned(), |o| self.agent(o)),
+            netns: self.netns(r.netns).netns,
+        };
+        self.m.rule_drop_bytes.get_or_create(&l).inc_by(r.bytes);
+        self.m.rule_drop_packets.get_or_create(&l).inc_by(r.packets);
+    }
+
+    /// Kernel packet drops, past the series cap as `(other)`.
+    fn count_drops(&mut self, d: &DropCountFact) {
+        let loc = location_function(&d.location);
+        let key = format!("{}\0{}\0{}", d.reason, loc, d.class.as_str());
+        let l = if self.drop_kinds.label(&key) == OTHER {
+            DropLabels {
+                reason: OTHER.into(),
+                location: OTHER.into(),
+                class: OTHER.into(),
+            }
+        } else {
+            DropLabels {
+                reason: d.reason.clone(),
+                location: loc.to_owned(),
+                class: d.class.as_str().to_owned(),
+            }
+        };
+        self.m.drops.get_or_create(&l).inc_by(d.count);
+    }
+
+    /// Refusals during one hold, by kind.
+    fn count_hold_refusals(&mut self, h: &HoldRefusalsFact) {
+        let agent = self.agent(&h.agent);
+        for g in &h.groups {
+            let l = HoldRefusalLabels {
+                kind: g.kind.as_str().to_owned(),
+                agent: agent.clone(),
+            };
+            self.m
+                .refusals_during_holds
+                .get_or_create(&l)
+                .inc_by(g.count);
+        }
+    }
+
+    /// A new endpoint's time from its address coming up to the first write routing to it.
+    fn observe_endpoint_programmed(&mut self, f: &EndpointProgrammedFact) {
+        let agent = self.writer(Some(&f.write));
+        self.m
+            .endpoint_programming
+            .get_or_create(&ProgrammedLabels {
+                agent,
+                up: f.up.to_owned(),
+            })
+            .observe(f.latency_ns as f64 / 1e9);
+    }
+
+    /// A closed window of routing to a gone endpoint: its length, whether still routed, the
+    /// conntrack flows left on it and the connections sent there.
+    fn observe_stale_endpoint(&mut self, f: &StaleEndpointFact) {
+        // Every closed window was said open first.
+        self.m.stale_routed_now.dec();
+        let agent = self.writer(f.fix.as_ref());
+        let l = StaleLabels {
+            agent,
+            gone: f.gone.to_owned(),
+        };
+        self.m
+            .stale_endpoint
+            .get_or_create(&l)
+            .observe(f.stale_ns as f64 / 1e9);
+        if f.still_routed {
+            self.m.stale_still_routed.inc();
+        }
+        if let Some(c) = &f.conntrack {
+            for (proto, n) in [
+                ("udp", c.udp),
+                ("tcp", c.tcp),
+                ("other", c.entries - c.udp - c.tcp),
+            ] {
+                if n > 0 {
+                    self.m
+                        .stale_flows
+                        .get_or_create(&StaleFlowLabels { proto })
+                        .inc_by(n);
+                }
+            }
+        }
+        for (what, n) in &f.outcomes {
+            let outcome = self.refusal_details.label(what);
+            self.m
+                .stale_connections
+                .get_or_create(&StaleConnectionLabels { outcome })
+                .inc_by(*n);
+        }
+    }
+
+    /// Conntrack statistics deltas, and the host table's fill.
+    fn count_conntrack(&mut self, c: &ConntrackFact) {
+        let l = self.netns(c.netns);
+        let d = &c.deltas;
+        let deltas = [
+            d.drop,
+            d.early_drop,
+            d.insert_failed,
+            d.invalid,
+            d.search_restart,
+            d.clash_resolve,
+            d.chaintoolong,
+        ];
+        for (fam, v) in self.m.conntrack.iter().zip(deltas) {
+            if v > 0 {
+                fam.get_or_create(&l).inc_by(v);
+            }
+        }
+        // Table fill only for the host: pods' tables would each need a series.
+        if l.netns == "host" {
+            let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            self.m
+                .conntrack_entries
+                .get_or_create(&l)
+                .set(clamp(c.entries));
+            self.m.conntrack_max.get_or_create(&l).set(clamp(c.max));
+        }
+    }
+
+    /// Packets IPVS forwarded to a real server, and those on stale ones.
+    fn count_ipvs_packets(&mut self, c: &IpvsCountFact) {
+        let l = self.ipvs(c.protocol, &c.service, &c.backend);
+        if c.backend_state != "removed" {
+            self.m.ipvs_packets.get_or_create(&l).inc_by(c.packets);
+        }
+        if c.backend_state != "ok" {
+            let l = IpvsStaleLabels {
+                protocol: l.protocol,
+                service: l.service,
+                backend: l.backend,
+                backend_state: c.backend_state.to_owned(),
+            };
+            self.m
+                .ipvs_stale_packets
+                .get_or_create(&l)
+                .inc_by(c.packets);
+        }
+    }
+
+    /// A change of an IPVS virtual service or real server, by the process that made it.
+    fn count_ipvs_change(&mut self, i: &IpvsFact) {
+        let comm = self.agent(i.comm.as_deref().unwrap_or(""));
+        self.m
+            .ipvs_changes
+            .get_or_create(&IpvsChangeLabels {
+                change: i.event.to_owned(),
+                comm,
+            })
+            .inc();
+    }
+}
+
 impl Sink for MetricsSink {
     fn output(&mut self, o: &Output) -> io::Result<()> {
         match o {
             // An open hold (still held when tracing ended) is not a finished duration.
-            Output::Hold(h) if !h.open => {
-                let l = HoldLabels {
-                    lock: self.locks.label(&h.lock),
-                    agent: self.agent(&h.who.agent),
-                    role: h.who.role.to_owned(),
-                    pod: PodLabels::of(&mut self.pods, h.who.pod.as_deref()),
-                };
-                self.m.hold.get_or_create(&l).observe(secs(h.hold_ns));
-                if h.replaces > 0 || h.reads > 0 {
-                    let user = h.hold_ns.saturating_sub(h.kernel_ns);
-                    for (phase, ns) in [("kernel", h.kernel_ns), ("userspace", user)] {
-                        self.m
-                            .hold_phase
-                            .get_or_create(&PhaseLabels {
-                                agent: l.agent.clone(),
-                                phase,
-                            })
-                            .observe(secs(ns));
-                    }
-                }
-                if let Some(b) = &h.nft {
-                    for (kind, added, deleted) in b.kinds() {
-                        for (change, n) in [("added", added), ("deleted", deleted)] {
-                            if n > 0 {
-                                self.m
-                                    .nft_changes
-                                    .get_or_create(&NftChangeLabels {
-                                        agent: l.agent.clone(),
-                                        kind,
-                                        change,
-                                    })
-                                    .inc_by(u64::from(n));
-                            }
-                        }
-                    }
-                }
-                for t in h.tables.iter().filter(|t| t.op == "replace" && t.ret == 0) {
-                    if let (Some(entries), false) = (t.entries, t.table.is_empty()) {
-                        let table = self.tables.label(&t.table);
-                        self.m
-                            .table_entries
-                            .get_or_create(&TableLabels {
-                                agent: l.agent.clone(),
-                                family: t.family,
-                                table,
-                            })
-                            .set(i64::from(entries));
-                    }
-                }
-            }
-            Output::Wait(w) => {
-                // One observation per holder agent the wait was behind, of the time it
-                // spent behind that agent: `_sum` by holder_agent adds up to the wait time.
-                let behind = w.behind_by_agent("(none)", OTHER);
-                let agent = self.agent(&w.who.agent);
-                let pod = PodLabels::of(&mut self.pods, w.who.pod.as_deref());
-                let lock = self.locks.label(&w.lock);
-                for (holder, ns) in behind {
-                    let l = WaitLabels {
-                        lock: lock.clone(),
-                        agent: agent.clone(),
-                        holder_agent: self.agent(holder),
-                        pod: pod.clone(),
-                    };
-                    self.m.wait.get_or_create(&l).observe(secs(ns));
-                }
-            }
+            Output::Hold(h) if !h.open => self.observe_hold(h),
+            Output::Wait(w) => self.observe_wait(w),
             Output::FailedTry(f) => {
                 let l = LockAgentLabels {
                     lock: self.locks.label(&f.lock),
@@ -1050,15 +1258,7 @@ impl Sink for MetricsSink {
                 self.m.execs.get_or_create(&l).inc();
             }
             Output::Exit(e) if e.run.is_some_and(|r| r.is_restore()) => {
-                let l = AgentLabels {
-                    agent: self.agent(&e.agent),
-                };
-                if let Some(ns) = e.runtime_ns {
-                    self.m.restore.get_or_create(&l).observe(secs(ns));
-                }
-                if e.code == Some(0) {
-                    self.m.syncs.get_or_create(&l).inc();
-                }
+                self.observe_restore_exit(e)
             }
             Output::RuleWrite(w) => {
                 let l = BackendLabels {
@@ -1100,49 +1300,8 @@ impl Sink for MetricsSink {
             Output::Lost(l) if l.bound.is_none() => {
                 self.m.lost.inc_by(l.count);
             }
-            Output::RuleDrops(r) => {
-                let rule: String = if r.rule.is_empty() {
-                    "policy".into()
-                } else {
-                    r.rule.chars().take(RULE_LABEL_CHARS).collect()
-                };
-                let key = format!(
-                    "{}\0{}\0{}\0{}\0{}",
-                    r.netns, r.family, r.table, r.chain, rule
-                );
-                let own = self.drop_rules.label(&key) != OTHER;
-                let l = RuleDropLabels {
-                    family: if own { r.family.clone() } else { OTHER.into() },
-                    table: if own { r.table.clone() } else { OTHER.into() },
-                    chain: if own { r.chain.clone() } else { OTHER.into() },
-                    rule: if own { rule } else { OTHER.into() },
-                    owner: r
-                        .owner
-                        .as_deref()
-                        .map_or_else(|| "unknown".to_owned(), |o| self.agent(o)),
-                    netns: self.netns(r.netns).netns,
-                };
-                self.m.rule_drop_bytes.get_or_create(&l).inc_by(r.bytes);
-                self.m.rule_drop_packets.get_or_create(&l).inc_by(r.packets);
-            }
-            Output::DropCount(d) => {
-                let loc = location_function(&d.location);
-                let key = format!("{}\0{}\0{}", d.reason, loc, d.class.as_str());
-                let l = if self.drop_kinds.label(&key) == OTHER {
-                    DropLabels {
-                        reason: OTHER.into(),
-                        location: OTHER.into(),
-                        class: OTHER.into(),
-                    }
-                } else {
-                    DropLabels {
-                        reason: d.reason.clone(),
-                        location: loc.to_owned(),
-                        class: d.class.as_str().to_owned(),
-                    }
-                };
-                self.m.drops.get_or_create(&l).inc_by(d.count);
-            }
+            Output::RuleDrops(r) => self.count_rule_drops(r),
+            Output::DropCount(d) => self.count_drops(d),
             Output::RefusalCount(r) => {
                 let l = RefusalLabels {
                     kind: r.kind.as_str().to_owned(),
@@ -1151,29 +1310,8 @@ impl Sink for MetricsSink {
                 };
                 self.m.refusals.get_or_create(&l).inc_by(r.count);
             }
-            Output::HoldRefusals(h) => {
-                let agent = self.agent(&h.agent);
-                for g in &h.groups {
-                    let l = HoldRefusalLabels {
-                        kind: g.kind.as_str().to_owned(),
-                        agent: agent.clone(),
-                    };
-                    self.m
-                        .refusals_during_holds
-                        .get_or_create(&l)
-                        .inc_by(g.count);
-                }
-            }
-            Output::EndpointProgrammed(f) => {
-                let agent = self.writer(Some(&f.write));
-                self.m
-                    .endpoint_programming
-                    .get_or_create(&ProgrammedLabels {
-                        agent,
-                        up: f.up.to_owned(),
-                    })
-                    .observe(f.latency_ns as f64 / 1e9);
-            }
+            Output::HoldRefusals(h) => self.count_hold_refusals(h),
+            Output::EndpointProgrammed(f) => self.observe_endpoint_programmed(f),
             Output::StaleEndpointOpen(_) => {
                 self.m.stale_routed_now.inc();
             }
@@ -1185,43 +1323,7 @@ impl Sink for MetricsSink {
                     })
                     .observe(f.drained_ns as f64 / 1e9);
             }
-            Output::StaleEndpoint(f) => {
-                // Every closed window was said open first.
-                self.m.stale_routed_now.dec();
-                let agent = self.writer(f.fix.as_ref());
-                let l = StaleLabels {
-                    agent,
-                    gone: f.gone.to_owned(),
-                };
-                self.m
-                    .stale_endpoint
-                    .get_or_create(&l)
-                    .observe(f.stale_ns as f64 / 1e9);
-                if f.still_routed {
-                    self.m.stale_still_routed.inc();
-                }
-                if let Some(c) = &f.conntrack {
-                    for (proto, n) in [
-                        ("udp", c.udp),
-                        ("tcp", c.tcp),
-                        ("other", c.entries - c.udp - c.tcp),
-                    ] {
-                        if n > 0 {
-                            self.m
-                                .stale_flows
-                                .get_or_create(&StaleFlowLabels { proto })
-                                .inc_by(n);
-                        }
-                    }
-                }
-                for (what, n) in &f.outcomes {
-                    let outcome = self.refusal_details.label(what);
-                    self.m
-                        .stale_connections
-                        .get_or_create(&StaleConnectionLabels { outcome })
-                        .inc_by(*n);
-                }
-            }
+            Output::StaleEndpoint(f) => self.observe_stale_endpoint(f),
             Output::ConntrackRefused(c) => {
                 let l = RefusedLabels {
                     netns: self.netns(c.netns).netns,
@@ -1229,64 +1331,14 @@ impl Sink for MetricsSink {
                 };
                 self.m.conntrack_refused.get_or_create(&l).inc();
             }
-            Output::Conntrack(c) => {
-                let l = self.netns(c.netns);
-                let d = &c.deltas;
-                let deltas = [
-                    d.drop,
-                    d.early_drop,
-                    d.insert_failed,
-                    d.invalid,
-                    d.search_restart,
-                    d.clash_resolve,
-                    d.chaintoolong,
-                ];
-                for (fam, v) in self.m.conntrack.iter().zip(deltas) {
-                    if v > 0 {
-                        fam.get_or_create(&l).inc_by(v);
-                    }
-                }
-                // Table fill only for the host: pods' tables would each need a series.
-                if l.netns == "host" {
-                    let clamp = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-                    self.m
-                        .conntrack_entries
-                        .get_or_create(&l)
-                        .set(clamp(c.entries));
-                    self.m.conntrack_max.get_or_create(&l).set(clamp(c.max));
-                }
-            }
-            Output::IpvsCount(c) => {
-                let l = self.ipvs(c.protocol, &c.service, &c.backend);
-                if c.backend_state != "removed" {
-                    self.m.ipvs_packets.get_or_create(&l).inc_by(c.packets);
-                }
-                if c.backend_state != "ok" {
-                    let l = IpvsStaleLabels {
-                        protocol: l.protocol,
-                        service: l.service,
-                        backend: l.backend,
-                        backend_state: c.backend_state.to_owned(),
-                    };
-                    self.m
-                        .ipvs_stale_packets
-                        .get_or_create(&l)
-                        .inc_by(c.packets);
-                }
-            }
+            Output::Conntrack(c) => self.count_conntrack(c),
+            Output::IpvsCount(c) => self.count_ipvs_packets(c),
             Output::Ipvs(i) if i.event == "scheduled" => {
                 let l = self.ipvs(i.protocol, &i.service, &i.backend);
                 self.m.ipvs_connections.get_or_create(&l).inc();
             }
             Output::Ipvs(i) if i.event.starts_with("dest_") || i.event.starts_with("service_") => {
-                let comm = self.agent(i.comm.as_deref().unwrap_or(""));
-                self.m
-                    .ipvs_changes
-                    .get_or_create(&IpvsChangeLabels {
-                        change: i.event.to_owned(),
-                        comm,
-                    })
-                    .inc();
+                self.count_ipvs_change(i)
             }
             _ => {}
         }

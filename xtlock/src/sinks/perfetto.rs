@@ -346,14 +346,12 @@ fn us(ns: u64) -> f64 {
     ns as f64 / 1000.0
 }
 
-impl<W: Write> Sink for PerfettoSink<W> {
-    fn output(&mut self, o: &Output) -> io::Result<()> {
-        if self.closed {
-            return Ok(());
-        }
+/// The facts of each subsystem, [`Sink::output`] dispatching to them.
+impl<W: Write> PerfettoSink<W> {
+    /// Instants on an agent's track: execs, lock trouble, stalled syncs, rule changes
+    /// and writers in each other's way.
+    fn agent_activity(&mut self, o: &Output) -> io::Result<()> {
         match o {
-            Output::Hold(h) => self.hold(h),
-            Output::Wait(w) => self.wait(w),
             Output::Exec(e) => self.instant(
                 e.ts_ns,
                 e.pid,
@@ -375,6 +373,47 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 format!("lock timeout on {} (exit {})", t.lock, t.exit_code),
                 json!({ "waited_ns": t.waited_ns, "cmdline": t.who.cmdline }),
             ),
+            Output::Stall(st) => self.instant(
+                st.ts_ns,
+                st.agent_pid,
+                &st.agent,
+                if st.stalled {
+                    format!("{} stalled ({})", st.agent, st.reason)
+                } else {
+                    format!("{} syncs again", st.agent)
+                },
+                serde_json::to_value(st).unwrap_or(Value::Null),
+            ),
+            Output::RuleChange(c) if !super::terminal::rule_change_lines(c).is_empty() => self
+                .instant(
+                    c.ts_ns,
+                    c.pid,
+                    &c.agent,
+                    super::terminal::rule_change_lines(c).join("; "),
+                    serde_json::to_value(c).unwrap_or(Value::Null),
+                ),
+            Output::Unserialized(u) => self.instant(
+                u.ts_ns,
+                u.writer.pid,
+                &u.writer.agent,
+                super::terminal::unserialized_text(u),
+                serde_json::to_value(u).unwrap_or(Value::Null),
+            ),
+            Output::MixedBackends(m) => self.instant(
+                m.ts_ns,
+                m.pid,
+                &m.agent,
+                super::terminal::mixed_backends_text(m, 0),
+                serde_json::to_value(m).unwrap_or(Value::Null),
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Drops, conntrack refusals and the node's refusals: instants on the drops track, or
+    /// on the holder's, and counter tracks.
+    fn drops_and_refusals(&mut self, o: &Output) -> io::Result<()> {
+        match o {
             Output::Drop(d) => self.instant(
                 d.ts_ns,
                 0,
@@ -409,13 +448,6 @@ impl<W: Write> Sink for PerfettoSink<W> {
                 ),
                 json!({ "by_class": h.by_class, "by_reason": h.by_reason }),
             ),
-            Output::Ipvs(i) => self.instant(
-                i.ts_ns,
-                i.pid.unwrap_or(0),
-                IPVS_GROUP,
-                super::terminal::ipvs_text(i),
-                serde_json::to_value(i).unwrap_or(Value::Null),
-            ),
             // Counter tracks beside the holds: refusals per kind and destination per interval.
             Output::RefusalCount(r) => self.counter(
                 r.ts_ns,
@@ -434,70 +466,6 @@ impl<W: Write> Sink for PerfettoSink<W> {
                     .trim_start_matches("!! ")
                     .to_string(),
                 json!({ "refused": h.refused, "groups": h.groups }),
-            ),
-            Output::IpvsCount(c) => self.counter(
-                c.ts_ns,
-                format!(
-                    "ipvs {} {} -> {} ({})",
-                    c.protocol, c.service, c.backend, c.backend_state
-                ),
-                c.packets as f64,
-            ),
-            Output::Stall(st) => self.instant(
-                st.ts_ns,
-                st.agent_pid,
-                &st.agent,
-                if st.stalled {
-                    format!("{} stalled ({})", st.agent, st.reason)
-                } else {
-                    format!("{} syncs again", st.agent)
-                },
-                serde_json::to_value(st).unwrap_or(Value::Null),
-            ),
-            Output::RuleChange(c) if !super::terminal::rule_change_lines(c).is_empty() => self
-                .instant(
-                    c.ts_ns,
-                    c.pid,
-                    &c.agent,
-                    super::terminal::rule_change_lines(c).join("; "),
-                    serde_json::to_value(c).unwrap_or(Value::Null),
-                ),
-            Output::StaleEndpoint(f) => self.stale_endpoint(f),
-            // The window's slice comes when it closes; its opening is an instant on the same
-            // track.
-            Output::StaleEndpointOpen(f) => self.stale_endpoint_open(f),
-            // At the write that first routed to it, on its writer's track.
-            Output::EndpointProgrammed(f) => self.instant(
-                f.ts_ns.saturating_add(f.latency_ns),
-                f.write.pid,
-                if f.write.agent.is_empty() {
-                    "(no write seen)"
-                } else {
-                    &f.write.agent
-                },
-                super::terminal::endpoint_programmed_text(f),
-                serde_json::to_value(f).unwrap_or(Value::Null),
-            ),
-            Output::IpvsDrained(f) => self.instant(
-                f.ts_ns,
-                0,
-                "IPVS",
-                super::terminal::ipvs_drained_text(f),
-                serde_json::to_value(f).unwrap_or(Value::Null),
-            ),
-            Output::Unserialized(u) => self.instant(
-                u.ts_ns,
-                u.writer.pid,
-                &u.writer.agent,
-                super::terminal::unserialized_text(u),
-                serde_json::to_value(u).unwrap_or(Value::Null),
-            ),
-            Output::MixedBackends(m) => self.instant(
-                m.ts_ns,
-                m.pid,
-                &m.agent,
-                super::terminal::mixed_backends_text(m, 0),
-                serde_json::to_value(m).unwrap_or(Value::Null),
             ),
             // A counter track per rule, and the line at the read that counted them.
             Output::RuleDrops(r) => {
@@ -527,6 +495,87 @@ impl<W: Write> Sink for PerfettoSink<W> {
                     .to_string(),
                 serde_json::to_value(u).unwrap_or(Value::Null),
             ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Services and IPVS: connections and table changes, packet counters, windows routing
+    /// to gone endpoints, new endpoints, drained real servers.
+    fn services_and_ipvs(&mut self, o: &Output) -> io::Result<()> {
+        match o {
+            Output::Ipvs(i) => self.instant(
+                i.ts_ns,
+                i.pid.unwrap_or(0),
+                IPVS_GROUP,
+                super::terminal::ipvs_text(i),
+                serde_json::to_value(i).unwrap_or(Value::Null),
+            ),
+            Output::IpvsCount(c) => self.counter(
+                c.ts_ns,
+                format!(
+                    "ipvs {} {} -> {} ({})",
+                    c.protocol, c.service, c.backend, c.backend_state
+                ),
+                c.packets as f64,
+            ),
+            Output::StaleEndpoint(f) => self.stale_endpoint(f),
+            // The window's slice comes when it closes; its opening is an instant on the same
+            // track.
+            Output::StaleEndpointOpen(f) => self.stale_endpoint_open(f),
+            // At the write that first routed to it, on its writer's track.
+            Output::EndpointProgrammed(f) => self.instant(
+                f.ts_ns.saturating_add(f.latency_ns),
+                f.write.pid,
+                if f.write.agent.is_empty() {
+                    "(no write seen)"
+                } else {
+                    &f.write.agent
+                },
+                super::terminal::endpoint_programmed_text(f),
+                serde_json::to_value(f).unwrap_or(Value::Null),
+            ),
+            Output::IpvsDrained(f) => self.instant(
+                f.ts_ns,
+                0,
+                "IPVS",
+                super::terminal::ipvs_drained_text(f),
+                serde_json::to_value(f).unwrap_or(Value::Null),
+            ),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<W: Write> Sink for PerfettoSink<W> {
+    fn output(&mut self, o: &Output) -> io::Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        match o {
+            Output::Hold(h) => self.hold(h),
+            Output::Wait(w) => self.wait(w),
+            Output::Exec(_)
+            | Output::FailedTry(_)
+            | Output::Timeout(_)
+            | Output::Stall(_)
+            | Output::RuleChange(_)
+            | Output::Unserialized(_)
+            | Output::MixedBackends(_) => self.agent_activity(o),
+            Output::Drop(_)
+            | Output::ConntrackRefused(_)
+            | Output::DropCount(_)
+            | Output::Conntrack(_)
+            | Output::HoldDrops(_)
+            | Output::RefusalCount(_)
+            | Output::HoldRefusals(_)
+            | Output::RuleDrops(_)
+            | Output::UncountedDrops(_) => self.drops_and_refusals(o),
+            Output::Ipvs(_)
+            | Output::IpvsCount(_)
+            | Output::StaleEndpoint(_)
+            | Output::StaleEndpointOpen(_)
+            | Output::EndpointProgrammed(_)
+            | Output::IpvsDrained(_) => self.services_and_ipvs(o),
             _ => Ok(()),
         }
     }

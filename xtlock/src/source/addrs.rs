@@ -183,65 +183,13 @@ impl AddrState {
                     self.dropped += 1;
                 }
             }
-            Msg::LinkDeleted { index, name } => {
-                // Said gone while the link is still named, then forgotten with all on it.
-                let link = self.links.entry(index).or_insert(Link {
-                    name: name.clone(),
-                    alive: false,
-                });
-                link.alive = false;
-                if !name.is_empty() {
-                    link.name = name;
-                }
-                touched.extend(self.shown.iter().filter(|k| k.2 == index).map(|k| k.0));
-                touched.sort_unstable();
-                touched.dedup();
-                for &a in &touched {
-                    self.sync(a, ts_ns, out);
-                }
-                touched.clear();
-                // Its neighbours, flushed just before: gone with it, when they were flushed
-                // (unless said present elsewhere meanwhile).
-                let flushed = std::mem::take(&mut self.flushed);
-                for (addr, link, at) in flushed {
-                    let recent = ts_ns.saturating_sub(at) < FLUSH_WINDOW_NS;
-                    if link != index {
-                        self.flushed.push((addr, link, at));
-                    } else if recent && !self.said_present(addr) {
-                        out.push(self.presence(at, addr, AddrWhy::LinkDeleted, link));
-                    }
-                }
-                self.links.remove(&index);
-                self.neighs.retain(|k, _| k.1 != index);
-                self.routes.retain(|_, oif| *oif != index);
-                self.locals.retain(|k| k.1 != index);
-                self.fdb.retain(|k, _| k.0 != index);
-            }
+            Msg::LinkDeleted { index, name } => self.link_deleted(index, name, ts_ns, out),
             Msg::Neigh {
                 link,
                 addr,
                 mac,
                 state,
-            } => {
-                if !interesting(addr) {
-                    return;
-                }
-                let full = self.neighs.len() >= MAX_ENTRIES;
-                match self.neighs.get_mut(&(addr, link)) {
-                    Some(n) => {
-                        n.state = state;
-                        // A failed entry may come without its MAC: it keeps the last one.
-                        if mac.is_some() {
-                            n.mac = mac;
-                        }
-                    }
-                    None if full => self.dropped += 1,
-                    None => {
-                        self.neighs.insert((addr, link), Neigh { mac, state });
-                    }
-                }
-                touched.push(addr);
-            }
+            } => self.neigh(link, addr, mac, state, &mut touched),
             Msg::NeighDeleted { link, addr } => {
                 // Garbage collection: the pod may still be there, so only forgotten. Unless
                 // it lived on that link itself (a routed veth, not a bridge port) and the
@@ -258,28 +206,7 @@ impl AddrState {
                     touched.push(addr);
                 }
             }
-            Msg::Fdb { bridge, mac, port } => {
-                if self.fdb.get(&(bridge, mac)) == Some(&port) {
-                    return;
-                }
-                if self.fdb.len() >= MAX_ENTRIES && !self.fdb.contains_key(&(bridge, mac)) {
-                    // MACs of dead ports go first: only their last port is lost.
-                    let links = &self.links;
-                    self.fdb
-                        .retain(|_, p| links.get(p).is_some_and(|l| l.alive));
-                    if self.fdb.len() >= MAX_ENTRIES {
-                        self.dropped += 1;
-                        return;
-                    }
-                }
-                self.fdb.insert((bridge, mac), port);
-                touched.extend(
-                    self.neighs
-                        .iter()
-                        .filter(|(k, n)| k.1 == bridge && n.mac == Some(mac))
-                        .map(|(k, _)| k.0),
-                );
-            }
+            Msg::Fdb { bridge, mac, port } => self.fdb_entry(bridge, mac, port, &mut touched),
             // The last port of a MAC is kept (see `fdb`).
             Msg::FdbDeleted { .. } => {}
             Msg::Route { dst, oif } => {
@@ -322,6 +249,94 @@ impl AddrState {
         for a in touched {
             self.sync(a, ts_ns, out);
         }
+    }
+
+    /// A link gone: said gone while still named, then forgotten with all that was on it.
+    fn link_deleted(&mut self, index: u32, name: String, ts_ns: u64, out: &mut Vec<AddrPresence>) {
+        let mut touched: Vec<IpAddr> = Vec::new();
+        let link = self.links.entry(index).or_insert(Link {
+            name: name.clone(),
+            alive: false,
+        });
+        link.alive = false;
+        if !name.is_empty() {
+            link.name = name;
+        }
+        touched.extend(self.shown.iter().filter(|k| k.2 == index).map(|k| k.0));
+        touched.sort_unstable();
+        touched.dedup();
+        for &a in &touched {
+            self.sync(a, ts_ns, out);
+        }
+        // Its neighbours, flushed just before: gone with it, when they were flushed
+        // (unless said present elsewhere meanwhile).
+        let flushed = std::mem::take(&mut self.flushed);
+        for (addr, link, at) in flushed {
+            let recent = ts_ns.saturating_sub(at) < FLUSH_WINDOW_NS;
+            if link != index {
+                self.flushed.push((addr, link, at));
+            } else if recent && !self.said_present(addr) {
+                out.push(self.presence(at, addr, AddrWhy::LinkDeleted, link));
+            }
+        }
+        self.links.remove(&index);
+        self.neighs.retain(|k, _| k.1 != index);
+        self.routes.retain(|_, oif| *oif != index);
+        self.locals.retain(|k| k.1 != index);
+        self.fdb.retain(|k, _| k.0 != index);
+    }
+
+    /// A neighbour entry added or changed.
+    fn neigh(
+        &mut self,
+        link: u32,
+        addr: IpAddr,
+        mac: Option<Mac>,
+        state: u16,
+        touched: &mut Vec<IpAddr>,
+    ) {
+        if !interesting(addr) {
+            return;
+        }
+        let full = self.neighs.len() >= MAX_ENTRIES;
+        match self.neighs.get_mut(&(addr, link)) {
+            Some(n) => {
+                n.state = state;
+                // A failed entry may come without its MAC: it keeps the last one.
+                if mac.is_some() {
+                    n.mac = mac;
+                }
+            }
+            None if full => self.dropped += 1,
+            None => {
+                self.neighs.insert((addr, link), Neigh { mac, state });
+            }
+        }
+        touched.push(addr);
+    }
+
+    /// A MAC learned on a bridge port: the neighbours with that MAC may have moved.
+    fn fdb_entry(&mut self, bridge: u32, mac: Mac, port: u32, touched: &mut Vec<IpAddr>) {
+        if self.fdb.get(&(bridge, mac)) == Some(&port) {
+            return;
+        }
+        if self.fdb.len() >= MAX_ENTRIES && !self.fdb.contains_key(&(bridge, mac)) {
+            // MACs of dead ports go first: only their last port is lost.
+            let links = &self.links;
+            self.fdb
+                .retain(|_, p| links.get(p).is_some_and(|l| l.alive));
+            if self.fdb.len() >= MAX_ENTRIES {
+                self.dropped += 1;
+                return;
+            }
+        }
+        self.fdb.insert((bridge, mac), port);
+        touched.extend(
+            self.neighs
+                .iter()
+                .filter(|(k, n)| k.1 == bridge && n.mac == Some(mac))
+                .map(|(k, _)| k.0),
+        );
     }
 
     /// Whether some presence of `addr` is said now.

@@ -118,7 +118,37 @@ impl TableModel {
             }
         }
         let before = self.chains.len();
-        let mut touched: Vec<Touched> = Vec::new();
+        let (touched, policies) = self.apply_changed(todo, read, say);
+        // The chains this read did not name are gone.
+        let mut deleted: Vec<(SharedStr, ChainModel)> = Vec::new();
+        if named < before {
+            let mut gone: Vec<SharedStr> = self
+                .chains
+                .iter()
+                .filter(|(_, c)| c.seen != read)
+                .map(|(n, _)| n.clone())
+                .collect();
+            gone.sort_unstable();
+            deleted.extend(gone.iter().filter_map(|n| self.chains.remove_entry(n)));
+        }
+        self.refresh_rejects(&touched, &deleted);
+        self.remember_order(t, same_order);
+        if !say {
+            return Some(TableDiff::default());
+        }
+        Some(self.table_diff(touched, policies, deleted))
+    }
+
+    /// The second pass: the chains of `todo` (with whether the model knew them before this
+    /// read) applied to the model; the chains created or changed, with their rules before,
+    /// and the policy changes when `say`.
+    fn apply_changed<'a>(
+        &mut self,
+        todo: Vec<(&'a ChainState, bool)>,
+        read: u64,
+        say: bool,
+    ) -> (Vec<Touched<'a>>, Vec<(String, String, String)>) {
+        let mut touched: Vec<Touched<'a>> = Vec::new();
         let mut policies: Vec<(String, String, String)> = Vec::new();
         for (c, known) in todo {
             match self.chains.get_mut(&c.name) {
@@ -161,18 +191,12 @@ impl TableModel {
                 }
             }
         }
-        // The chains this read did not name are gone.
-        let mut deleted: Vec<(SharedStr, ChainModel)> = Vec::new();
-        if named < before {
-            let mut gone: Vec<SharedStr> = self
-                .chains
-                .iter()
-                .filter(|(_, c)| c.seen != read)
-                .map(|(n, _)| n.clone())
-                .collect();
-            gone.sort_unstable();
-            deleted.extend(gone.iter().filter_map(|n| self.chains.remove_entry(n)));
-        }
+        (touched, policies)
+    }
+
+    /// The `REJECT` rules found again, only when a chain with one was created, changed or
+    /// deleted.
+    fn refresh_rejects(&mut self, touched: &[Touched<'_>], deleted: &[(SharedStr, ChainModel)]) {
         let has_reject = |rules: &[Rule]| rules.iter().any(is_reject);
         let rejects_moved = touched.iter().any(|(name, old)| {
             old.as_deref().is_some_and(has_reject)
@@ -192,10 +216,15 @@ impl TableModel {
                 .map(|(name, r)| (name.to_string(), r.clone()))
                 .collect();
         }
-        self.remember_order(t, same_order);
-        if !say {
-            return Some(TableDiff::default());
-        }
+    }
+
+    /// What the read changed, from the chains it touched and deleted.
+    fn table_diff(
+        &self,
+        mut touched: Vec<Touched<'_>>,
+        mut policies: Vec<(String, String, String)>,
+        deleted: Vec<(SharedStr, ChainModel)>,
+    ) -> TableDiff {
         // In chain order, as a diff of the whole tables would say it.
         touched.sort_unstable_by(|a, b| a.0.cmp(b.0));
         policies.sort_by(|a, b| a.0.cmp(&b.0));
@@ -226,7 +255,7 @@ impl TableModel {
                 .extend(o.rules.iter().map(|r| (name.to_string(), r.text())));
             d.deleted.push(name.to_string());
         }
-        Some(d)
+        d
     }
 
     /// Keeps the chain list of the read just applied (see `order`).

@@ -105,288 +105,26 @@ impl Render {
     /// One `NFTA_LIST_ELEM` of the rule's expressions.
     /// One expression of the rule, in order.
     fn expr(&mut self, e: &Expr, sets: &mut SetNames<'_>) -> Result<(), NftError> {
-        let get = |k: u16| e.get(k);
-        let u32_of = |k: u16, what| e.u32(k, what);
         match e.name.as_str() {
             // Counts change with every packet: not part of what a rule is.
             "counter" | "last" => {}
-            "payload" => {
-                let (base, off, len) = (
-                    u32_of(NFTA_PAYLOAD_BASE, "payload")?,
-                    u32_of(NFTA_PAYLOAD_OFFSET, "payload")?,
-                    u32_of(NFTA_PAYLOAD_LEN, "payload")? as usize,
-                );
-                let field = self.payload_field(base, off, len);
-                match get(NFTA_PAYLOAD_DREG) {
-                    Some(d) => {
-                        self.regs.insert(be32(d, "payload")?, field);
-                    }
-                    // A payload write.
-                    None => {
-                        let src = self.reg_name(u32_of(NFTA_PAYLOAD_SREG, "payload")?);
-                        self.parts.push(format!("{} set {src}", field.name));
-                    }
-                }
-            }
-            "meta" => {
-                let key = u32_of(NFTA_META_KEY, "meta")?;
-                let (kname, fmt) = meta_key(key);
-                let field = Reg {
-                    name: format!("meta {kname}"),
-                    fmt,
-                    len: 4,
-                    mask: None,
-                };
-                match get(NFTA_META_DREG) {
-                    Some(d) => {
-                        self.regs.insert(be32(d, "meta")?, field);
-                    }
-                    None => {
-                        let src = self.reg_name(u32_of(NFTA_META_SREG, "meta")?);
-                        self.parts.push(format!("meta {kname} set {src}"));
-                    }
-                }
-            }
-            "ct" => {
-                let key = u32_of(NFTA_CT_KEY, "ct")?;
-                let kname = ct_key(key);
-                let dir = match get(NFTA_CT_DIRECTION).and_then(|v| v.first()) {
-                    Some(&IP_CT_DIR_ORIGINAL) => " original",
-                    Some(&IP_CT_DIR_REPLY) => " reply",
-                    _ => "",
-                };
-                let fmt = match key {
-                    NFT_CT_STATE => Fmt::CtState,
-                    NFT_CT_MARK => Fmt::Ne,
-                    _ => Fmt::Hex,
-                };
-                match get(NFTA_CT_DREG) {
-                    Some(d) => {
-                        self.regs.insert(
-                            be32(d, "ct")?,
-                            Reg {
-                                name: format!("ct{dir} {kname}"),
-                                fmt,
-                                len: 4,
-                                mask: None,
-                            },
-                        );
-                    }
-                    None => {
-                        let src = self.reg_name(u32_of(NFTA_CT_SREG, "ct")?);
-                        self.parts.push(format!("ct {kname} set {src}"));
-                    }
-                }
-            }
-            "bitwise" => {
-                let (sreg, dreg) = (
-                    u32_of(NFTA_BITWISE_SREG, "bitwise")?,
-                    u32_of(NFTA_BITWISE_DREG, "bitwise")?,
-                );
-                let op = u32_of(NFTA_BITWISE_OP, "bitwise")?;
-                let mut r = self
-                    .regs
-                    .get(&sreg)
-                    .cloned()
-                    .unwrap_or_else(|| unknown_reg(sreg));
-                if op == NFT_BITWISE_MASK_XOR {
-                    let mask = e.value(NFTA_BITWISE_MASK)?;
-                    let xor = e.value(NFTA_BITWISE_XOR)?;
-                    r.mask = Some((mask, xor));
-                } else {
-                    let n = e.value(NFTA_BITWISE_DATA)?;
-                    let n = n.first().copied().unwrap_or(0);
-                    let sym = if op == NFT_BITWISE_LSHIFT { "<<" } else { ">>" };
-                    r.name = format!("{} {sym} {n}", r.name);
-                    r.fmt = Fmt::Hex;
-                }
-                self.regs.insert(dreg, r);
-            }
-            "cmp" => {
-                let sreg = u32_of(NFTA_CMP_SREG, "cmp")?;
-                let op = u32_of(NFTA_CMP_OP, "cmp")?;
-                let value = e.value(NFTA_CMP_DATA)?;
-                let r = self
-                    .regs
-                    .get(&sreg)
-                    .cloned()
-                    .unwrap_or_else(|| unknown_reg(sreg));
-                self.note_protocol(&r, op, &value);
-                self.parts.push(cmp_text(&r, op, &value));
-            }
-            "range" => {
-                let sreg = u32_of(NFTA_RANGE_SREG, "range")?;
-                let op = u32_of(NFTA_RANGE_OP, "range")?;
-                let r = self
-                    .regs
-                    .get(&sreg)
-                    .cloned()
-                    .unwrap_or_else(|| unknown_reg(sreg));
-                let (lo, hi) = (e.value(NFTA_RANGE_FROM_DATA)?, e.value(NFTA_RANGE_TO_DATA)?);
-                let not = if op == NFT_RANGE_NEQ { "!= " } else { "" };
-                self.parts.push(format!(
-                    "{} {not}{}-{}",
-                    r.name,
-                    value_text(r.fmt, &lo),
-                    value_text(r.fmt, &hi)
-                ));
-            }
-            "lookup" => {
-                let set = get(NFTA_LOOKUP_SET).map(string).unwrap_or_default();
-                let r = self.reg_name(u32_of(NFTA_LOOKUP_SREG, "lookup")?);
-                let inv = u32_of(NFTA_LOOKUP_FLAGS, "lookup")? & NFT_LOOKUP_F_INV != 0;
-                match get(NFTA_LOOKUP_DREG) {
-                    // A verdict map: the rule's verdict comes from it.
-                    Some(d) if be32(d, "lookup")? == NFT_REG_VERDICT => {
-                        self.target = Some(format!("-j vmap {r} @{set}"));
-                    }
-                    Some(d) => {
-                        let dreg = be32(d, "lookup")?;
-                        self.regs.insert(
-                            dreg,
-                            Reg {
-                                name: format!("{r} map @{set}"),
-                                fmt: Fmt::Hex,
-                                len: 4,
-                                mask: None,
-                            },
-                        );
-                    }
-                    None => self
-                        .parts
-                        .push(format!("{r} {}@{set}", if inv { "!= " } else { "" })),
-                }
-            }
-            "immediate" => {
-                let dreg = u32_of(NFTA_IMMEDIATE_DREG, "immediate")?;
-                let d = get(NFTA_IMMEDIATE_DATA).ok_or(NftError::Attr { what: "immediate" })?;
-                for at in attrs(d, "immediate data") {
-                    let (k, v) = at?;
-                    match k {
-                        NFTA_DATA_VERDICT => self.target = Some(verdict_text(v)?),
-                        NFTA_DATA_VALUE => {
-                            self.regs.insert(
-                                dreg,
-                                Reg {
-                                    name: format!("0x{}", hex(v)),
-                                    fmt: Fmt::Hex,
-                                    len: v.len(),
-                                    mask: None,
-                                },
-                            );
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            "match" => {
-                let n = get(NFTA_MATCH_NAME).map(string).unwrap_or_default();
-                let rev = get(NFTA_MATCH_REV).map_or(Ok(0), |v| be32(v, "match"))? as u8;
-                self.parts.push(match_text(
-                    self.xt_family(),
-                    &n,
-                    rev,
-                    get(NFTA_MATCH_INFO).unwrap_or_default(),
-                    sets,
-                ));
-            }
-            "target" => {
-                let n = get(NFTA_TARGET_NAME).map(string).unwrap_or_default();
-                let rev = get(NFTA_TARGET_REV).map_or(Ok(0), |v| be32(v, "target"))? as u8;
-                self.target = Some(target_text(
-                    self.xt_family(),
-                    &n,
-                    rev,
-                    get(NFTA_TARGET_INFO).unwrap_or_default(),
-                ));
-            }
-            "reject" => {
-                let ty = u32_of(NFTA_REJECT_TYPE, "reject")?;
-                let code = get(NFTA_REJECT_ICMP_CODE)
-                    .and_then(|v| v.first())
-                    .copied()
-                    .unwrap_or(0);
-                self.target = Some(match ty {
-                    NFT_REJECT_TCP_RST => "-j REJECT --reject-with tcp-reset".into(),
-                    // `enum nft_reject_types` by number.
-                    _ => format!(
-                        "-j REJECT --reject-with {} {code}",
-                        ["icmp", "tcp", "icmpx"].get(ty as usize).unwrap_or(&"?")
-                    ),
-                });
-            }
+            "payload" => self.payload_expr(e)?,
+            "meta" => self.meta_expr(e)?,
+            "ct" => self.ct_expr(e)?,
+            "bitwise" => self.bitwise_expr(e)?,
+            "cmp" => self.cmp_expr(e)?,
+            "range" => self.range_expr(e)?,
+            "lookup" => self.lookup_expr(e)?,
+            "immediate" => self.immediate_expr(e)?,
+            "match" => self.match_expr(e, sets)?,
+            "target" => self.target_expr(e)?,
+            "reject" => self.reject_expr(e)?,
             "masq" => self.target = Some("-j MASQUERADE".into()),
-            "nat" => {
-                let ty = if u32_of(NFTA_NAT_TYPE, "nat")? == NFT_NAT_SNAT {
-                    "SNAT"
-                } else {
-                    "DNAT"
-                };
-                // As iptables-nft-save writes it (`--to-destination 10.244.1.5:8080`) when
-                // the address and port are constants, as kube-proxy's and iptables-nft's are.
-                let imm = |k: u16| -> Option<Vec<u8>> {
-                    let r = be32(get(k)?, "nat").ok()?;
-                    let name = &self.regs.get(&r)?.name;
-                    unhex(name.strip_prefix("0x")?)
-                };
-                let ip = imm(NFTA_NAT_REG_ADDR_MIN).and_then(|b| match b.len() {
-                    4 => <[u8; 4]>::try_from(b.as_slice())
-                        .ok()
-                        .map(|a| Ipv4Addr::from(a).to_string()),
-                    16 => <[u8; 16]>::try_from(b.as_slice())
-                        .ok()
-                        .map(|a| format!("[{}]", Ipv6Addr::from(a))),
-                    _ => None,
-                });
-                let port = imm(NFTA_NAT_REG_PROTO_MIN)
-                    .and_then(|b| <[u8; 2]>::try_from(b.as_slice()).ok());
-                let mut t = format!("-j {ty}");
-                // A range only when its maximum differs from its minimum (`nft` loads both
-                // registers, with the same value, for a single address and port).
-                let complex = [
-                    (NFTA_NAT_REG_ADDR_MAX, NFTA_NAT_REG_ADDR_MIN),
-                    (NFTA_NAT_REG_PROTO_MAX, NFTA_NAT_REG_PROTO_MIN),
-                ]
-                .iter()
-                .any(|&(max, min)| {
-                    get(max).is_some() && (imm(max).is_none() || imm(max) != imm(min))
-                });
-                match ip {
-                    Some(ip) if !complex => {
-                        let ip = match port {
-                            Some(_) => ip,
-                            // Without a port, iptables-save writes the bare IPv6 address.
-                            None => ip.trim_matches(['[', ']']).to_owned(),
-                        };
-                        let to = if ty == "DNAT" {
-                            "destination"
-                        } else {
-                            "source"
-                        };
-                        let _ = write!(t, " --to-{to} {ip}");
-                        if let Some(p) = port {
-                            let _ = write!(t, ":{}", u16::from_be_bytes(p));
-                        }
-                    }
-                    _ => {
-                        for (k, what) in [
-                            (NFTA_NAT_REG_ADDR_MIN, "addr"),
-                            (NFTA_NAT_REG_ADDR_MAX, "addr max"),
-                            (NFTA_NAT_REG_PROTO_MIN, "port"),
-                            (NFTA_NAT_REG_PROTO_MAX, "port max"),
-                        ] {
-                            if let Some(v) = get(k) {
-                                let _ = write!(t, " {what} {}", self.reg_name(be32(v, "nat")?));
-                            }
-                        }
-                    }
-                }
-                self.target = Some(t);
-            }
+            "nat" => self.nat_expr(e)?,
             "redir" => self.target = Some("-j REDIRECT".into()),
             "queue" => self.target = Some("-j QUEUE".into()),
             "log" => {
-                let prefix = get(NFTA_LOG_PREFIX).map(string);
+                let prefix = e.get(NFTA_LOG_PREFIX).map(string);
                 self.parts.push(match prefix {
                     Some(p) => format!("log prefix \"{p}\""),
                     None => "log".into(),
@@ -395,10 +133,320 @@ impl Render {
             // Its consumption changes with traffic; the quota itself does not.
             "quota" => self.parts.push(format!(
                 "quota {}",
-                get(NFTA_QUOTA_BYTES).map(hex).unwrap_or_default()
+                e.get(NFTA_QUOTA_BYTES).map(hex).unwrap_or_default()
             )),
             other => self.parts.push(format!("{other} [{}]", digest(e.data))),
         }
+        Ok(())
+    }
+
+    /// Loads a packet field into a register, or writes a register into the packet.
+    fn payload_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let (base, off, len) = (
+            e.u32(NFTA_PAYLOAD_BASE, "payload")?,
+            e.u32(NFTA_PAYLOAD_OFFSET, "payload")?,
+            e.u32(NFTA_PAYLOAD_LEN, "payload")? as usize,
+        );
+        let field = self.payload_field(base, off, len);
+        match e.get(NFTA_PAYLOAD_DREG) {
+            Some(d) => {
+                self.regs.insert(be32(d, "payload")?, field);
+            }
+            // A payload write.
+            None => {
+                let src = self.reg_name(e.u32(NFTA_PAYLOAD_SREG, "payload")?);
+                self.parts.push(format!("{} set {src}", field.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads packet metadata into a register, or sets it from one.
+    fn meta_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let key = e.u32(NFTA_META_KEY, "meta")?;
+        let (kname, fmt) = meta_key(key);
+        let field = Reg {
+            name: format!("meta {kname}"),
+            fmt,
+            len: 4,
+            mask: None,
+        };
+        match e.get(NFTA_META_DREG) {
+            Some(d) => {
+                self.regs.insert(be32(d, "meta")?, field);
+            }
+            None => {
+                let src = self.reg_name(e.u32(NFTA_META_SREG, "meta")?);
+                self.parts.push(format!("meta {kname} set {src}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads conntrack state into a register, or sets it from one.
+    fn ct_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let key = e.u32(NFTA_CT_KEY, "ct")?;
+        let kname = ct_key(key);
+        let dir = match e.get(NFTA_CT_DIRECTION).and_then(|v| v.first()) {
+            Some(&IP_CT_DIR_ORIGINAL) => " original",
+            Some(&IP_CT_DIR_REPLY) => " reply",
+            _ => "",
+        };
+        let fmt = match key {
+            NFT_CT_STATE => Fmt::CtState,
+            NFT_CT_MARK => Fmt::Ne,
+            _ => Fmt::Hex,
+        };
+        match e.get(NFTA_CT_DREG) {
+            Some(d) => {
+                self.regs.insert(
+                    be32(d, "ct")?,
+                    Reg {
+                        name: format!("ct{dir} {kname}"),
+                        fmt,
+                        len: 4,
+                        mask: None,
+                    },
+                );
+            }
+            None => {
+                let src = self.reg_name(e.u32(NFTA_CT_SREG, "ct")?);
+                self.parts.push(format!("ct {kname} set {src}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Masks or shifts a register: the result names the field it came from.
+    fn bitwise_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let (sreg, dreg) = (
+            e.u32(NFTA_BITWISE_SREG, "bitwise")?,
+            e.u32(NFTA_BITWISE_DREG, "bitwise")?,
+        );
+        let op = e.u32(NFTA_BITWISE_OP, "bitwise")?;
+        let mut r = self
+            .regs
+            .get(&sreg)
+            .cloned()
+            .unwrap_or_else(|| unknown_reg(sreg));
+        if op == NFT_BITWISE_MASK_XOR {
+            let mask = e.value(NFTA_BITWISE_MASK)?;
+            let xor = e.value(NFTA_BITWISE_XOR)?;
+            r.mask = Some((mask, xor));
+        } else {
+            let n = e.value(NFTA_BITWISE_DATA)?;
+            let n = n.first().copied().unwrap_or(0);
+            let sym = if op == NFT_BITWISE_LSHIFT { "<<" } else { ">>" };
+            r.name = format!("{} {sym} {n}", r.name);
+            r.fmt = Fmt::Hex;
+        }
+        self.regs.insert(dreg, r);
+        Ok(())
+    }
+
+    /// Compares a register with a constant: one match of the rule.
+    fn cmp_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let sreg = e.u32(NFTA_CMP_SREG, "cmp")?;
+        let op = e.u32(NFTA_CMP_OP, "cmp")?;
+        let value = e.value(NFTA_CMP_DATA)?;
+        let r = self
+            .regs
+            .get(&sreg)
+            .cloned()
+            .unwrap_or_else(|| unknown_reg(sreg));
+        self.note_protocol(&r, op, &value);
+        self.parts.push(cmp_text(&r, op, &value));
+        Ok(())
+    }
+
+    /// Matches a register within (or outside) a range.
+    fn range_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let sreg = e.u32(NFTA_RANGE_SREG, "range")?;
+        let op = e.u32(NFTA_RANGE_OP, "range")?;
+        let r = self
+            .regs
+            .get(&sreg)
+            .cloned()
+            .unwrap_or_else(|| unknown_reg(sreg));
+        let (lo, hi) = (e.value(NFTA_RANGE_FROM_DATA)?, e.value(NFTA_RANGE_TO_DATA)?);
+        let not = if op == NFT_RANGE_NEQ { "!= " } else { "" };
+        self.parts.push(format!(
+            "{} {not}{}-{}",
+            r.name,
+            value_text(r.fmt, &lo),
+            value_text(r.fmt, &hi)
+        ));
+        Ok(())
+    }
+
+    /// Looks a register up in a set or map (a verdict map gives the rule its verdict).
+    fn lookup_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let set = e.get(NFTA_LOOKUP_SET).map(string).unwrap_or_default();
+        let r = self.reg_name(e.u32(NFTA_LOOKUP_SREG, "lookup")?);
+        let inv = e.u32(NFTA_LOOKUP_FLAGS, "lookup")? & NFT_LOOKUP_F_INV != 0;
+        match e.get(NFTA_LOOKUP_DREG) {
+            // A verdict map: the rule's verdict comes from it.
+            Some(d) if be32(d, "lookup")? == NFT_REG_VERDICT => {
+                self.target = Some(format!("-j vmap {r} @{set}"));
+            }
+            Some(d) => {
+                let dreg = be32(d, "lookup")?;
+                self.regs.insert(
+                    dreg,
+                    Reg {
+                        name: format!("{r} map @{set}"),
+                        fmt: Fmt::Hex,
+                        len: 4,
+                        mask: None,
+                    },
+                );
+            }
+            None => self
+                .parts
+                .push(format!("{r} {}@{set}", if inv { "!= " } else { "" })),
+        }
+        Ok(())
+    }
+
+    /// Loads a constant or a verdict.
+    fn immediate_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let dreg = e.u32(NFTA_IMMEDIATE_DREG, "immediate")?;
+        let d = e
+            .get(NFTA_IMMEDIATE_DATA)
+            .ok_or(NftError::Attr { what: "immediate" })?;
+        for at in attrs(d, "immediate data") {
+            let (k, v) = at?;
+            match k {
+                NFTA_DATA_VERDICT => self.target = Some(verdict_text(v)?),
+                NFTA_DATA_VALUE => {
+                    self.regs.insert(
+                        dreg,
+                        Reg {
+                            name: format!("0x{}", hex(v)),
+                            fmt: Fmt::Hex,
+                            len: v.len(),
+                            mask: None,
+                        },
+                    );
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// An xtables match (iptables-nft's compat expression), in iptables' words.
+    fn match_expr(&mut self, e: &Expr, sets: &mut SetNames<'_>) -> Result<(), NftError> {
+        let n = e.get(NFTA_MATCH_NAME).map(string).unwrap_or_default();
+        let rev = e.get(NFTA_MATCH_REV).map_or(Ok(0), |v| be32(v, "match"))? as u8;
+        self.parts.push(match_text(
+            self.xt_family(),
+            &n,
+            rev,
+            e.get(NFTA_MATCH_INFO).unwrap_or_default(),
+            sets,
+        ));
+        Ok(())
+    }
+
+    /// An xtables target (iptables-nft's compat expression), in iptables' words.
+    fn target_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let n = e.get(NFTA_TARGET_NAME).map(string).unwrap_or_default();
+        let rev = e
+            .get(NFTA_TARGET_REV)
+            .map_or(Ok(0), |v| be32(v, "target"))? as u8;
+        self.target = Some(target_text(
+            self.xt_family(),
+            &n,
+            rev,
+            e.get(NFTA_TARGET_INFO).unwrap_or_default(),
+        ));
+        Ok(())
+    }
+
+    /// A REJECT verdict, with what it answers.
+    fn reject_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let ty = e.u32(NFTA_REJECT_TYPE, "reject")?;
+        let code = e
+            .get(NFTA_REJECT_ICMP_CODE)
+            .and_then(|v| v.first())
+            .copied()
+            .unwrap_or(0);
+        self.target = Some(match ty {
+            NFT_REJECT_TCP_RST => "-j REJECT --reject-with tcp-reset".into(),
+            // `enum nft_reject_types` by number.
+            _ => format!(
+                "-j REJECT --reject-with {} {code}",
+                ["icmp", "tcp", "icmpx"].get(ty as usize).unwrap_or(&"?")
+            ),
+        });
+        Ok(())
+    }
+
+    /// An SNAT or DNAT verdict, with its address and port as iptables-nft-save writes them.
+    fn nat_expr(&mut self, e: &Expr) -> Result<(), NftError> {
+        let ty = if e.u32(NFTA_NAT_TYPE, "nat")? == NFT_NAT_SNAT {
+            "SNAT"
+        } else {
+            "DNAT"
+        };
+        // As iptables-nft-save writes it (`--to-destination 10.244.1.5:8080`) when
+        // the address and port are constants, as kube-proxy's and iptables-nft's are.
+        let imm = |k: u16| -> Option<Vec<u8>> {
+            let r = be32(e.get(k)?, "nat").ok()?;
+            let name = &self.regs.get(&r)?.name;
+            unhex(name.strip_prefix("0x")?)
+        };
+        let ip = imm(NFTA_NAT_REG_ADDR_MIN).and_then(|b| match b.len() {
+            4 => <[u8; 4]>::try_from(b.as_slice())
+                .ok()
+                .map(|a| Ipv4Addr::from(a).to_string()),
+            16 => <[u8; 16]>::try_from(b.as_slice())
+                .ok()
+                .map(|a| format!("[{}]", Ipv6Addr::from(a))),
+            _ => None,
+        });
+        let port = imm(NFTA_NAT_REG_PROTO_MIN).and_then(|b| <[u8; 2]>::try_from(b.as_slice()).ok());
+        let mut t = format!("-j {ty}");
+        // A range only when its maximum differs from its minimum (`nft` loads both
+        // registers, with the same value, for a single address and port).
+        let complex = [
+            (NFTA_NAT_REG_ADDR_MAX, NFTA_NAT_REG_ADDR_MIN),
+            (NFTA_NAT_REG_PROTO_MAX, NFTA_NAT_REG_PROTO_MIN),
+        ]
+        .iter()
+        .any(|&(max, min)| e.get(max).is_some() && (imm(max).is_none() || imm(max) != imm(min)));
+        match ip {
+            Some(ip) if !complex => {
+                let ip = match port {
+                    Some(_) => ip,
+                    // Without a port, iptables-save writes the bare IPv6 address.
+                    None => ip.trim_matches(['[', ']']).to_owned(),
+                };
+                let to = if ty == "DNAT" {
+                    "destination"
+                } else {
+                    "source"
+                };
+                let _ = write!(t, " --to-{to} {ip}");
+                if let Some(p) = port {
+                    let _ = write!(t, ":{}", u16::from_be_bytes(p));
+                }
+            }
+            _ => {
+                for (k, what) in [
+                    (NFTA_NAT_REG_ADDR_MIN, "addr"),
+                    (NFTA_NAT_REG_ADDR_MAX, "addr max"),
+                    (NFTA_NAT_REG_PROTO_MIN, "port"),
+                    (NFTA_NAT_REG_PROTO_MAX, "port max"),
+                ] {
+                    if let Some(v) = e.get(k) {
+                        let _ = write!(t, " {what} {}", self.reg_name(be32(v, "nat")?));
+                    }
+                }
+            }
+        }
+        self.target = Some(t);
         Ok(())
     }
 

@@ -10,7 +10,33 @@ use crate::analysis::Summary;
 use crate::capture::thousands;
 use crate::sinks::FilterNote;
 
+/// The summary, section by section: the calls' order is the output's.
 pub(crate) fn write_summary(
+    w: &mut SafeLines<impl Write>,
+    s: &Summary,
+    final_: bool,
+    filter: Option<&FilterNote>,
+) -> io::Result<()> {
+    write_header(w, s, final_, filter)?;
+    write_duration_tables(w, s)?;
+    write_contention(w, s)?;
+    write_agent_counts(w, s)?;
+    write_table_replaces(w, s)?;
+    write_nft_commits(w, s)?;
+    write_rule_writes(w, s)?;
+    write_rule_conflicts(w, s)?;
+    write_activity_notes(w, s)?;
+    write_drops(w, s)?;
+    write_rule_drops(w, s)?;
+    write_refusals(w, s)?;
+    write_services(w, s)?;
+    write_syncs(w, s)?;
+    write_ipvs(w, s)?;
+    write_bounds(w, s)
+}
+
+/// The title line, the filter note, and one line per lock.
+fn write_header(
     w: &mut SafeLines<impl Write>,
     s: &Summary,
     final_: bool,
@@ -46,6 +72,11 @@ pub(crate) fn write_summary(
             l.waits
         )?;
     }
+    Ok(())
+}
+
+/// Hold and wait durations per agent: count, p50, p99, max, total.
+fn write_duration_tables(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     for (title, table) in [("holds by agent", &s.holds), ("waits by agent", &s.waits)] {
         if table.is_empty() {
             continue;
@@ -81,6 +112,11 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    Ok(())
+}
+
+/// Who waited behind whom.
+fn write_contention(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if !s.contention.is_empty() {
         w.blank()?;
         say!(w, "who waited behind whom:")?;
@@ -114,6 +150,11 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    Ok(())
+}
+
+/// Per-agent counts on one line each: failed tries, timeouts, exit 4s, execs.
+fn write_agent_counts(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     for (title, m) in [
         ("failed tries", &s.failed_tries),
         ("lock timeouts (exit 4)", &s.timeouts),
@@ -126,6 +167,11 @@ pub(crate) fn write_summary(
         let list: Vec<String> = m.iter().map(|(a, n)| format!("{a} {n}")).collect();
         say!(w, "{title}: {}", list.join(", "))?;
     }
+    Ok(())
+}
+
+/// Table replaces per agent: the largest table and where the hold time went.
+fn write_table_replaces(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if !s.tables.is_empty() {
         // Why holds took long: big tables, or the kernel, or the holder's own work.
         w.blank()?;
@@ -165,6 +211,11 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    Ok(())
+}
+
+/// nf_tables commits per agent: how many changes, the largest batch.
+fn write_nft_commits(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if !s.nft.is_empty() {
         // The second lock: how big each agent's batches were.
         w.blank()?;
@@ -182,6 +233,11 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    Ok(())
+}
+
+/// Rule writes per agent and backend.
+fn write_rule_writes(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if !s.rule_writes.is_empty() {
         // Which backend each agent's rules go through.
         w.blank()?;
@@ -211,6 +267,12 @@ pub(crate) fn write_summary(
             )?;
         }
     }
+    Ok(())
+}
+
+/// Writers getting in each other's way: rules changed by another agent, namespaces
+/// written through both backends, writers without a shared lock.
+fn write_rule_conflicts(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if !s.foreign_changes.is_empty() {
         w.blank()?;
         say!(
@@ -235,6 +297,11 @@ pub(crate) fn write_summary(
             u.refused_replaces
         )?;
     }
+    Ok(())
+}
+
+/// No lock activity at all, and events lost.
+fn write_activity_notes(w: &mut SafeLines<impl Write>, s: &Summary) -> io::Result<()> {
     if s.holds.is_empty() && s.waits.is_empty() {
         say!(w, "no lock activity seen")?;
     }
@@ -245,13 +312,7 @@ pub(crate) fn write_summary(
             s.lost_events
         )?;
     }
-    write_drops(w, s)?;
-    write_rule_drops(w, s)?;
-    write_refusals(w, s)?;
-    write_services(w, s)?;
-    write_syncs(w, s)?;
-    write_ipvs(w, s)?;
-    write_bounds(w, s)
+    Ok(())
 }
 
 /// "Services: 12 service ports routed to 30 endpoints; !! 1 window of routing to a gone
