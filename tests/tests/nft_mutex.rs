@@ -1001,10 +1001,28 @@ fn check_kernel_worker_waits<'a>(xt: &XtWaits, truth: &Seen, trace: &'a Trace) -
         "no kernel worker waited for the commit mutex: the garbage collection part proves \
          nothing"
     );
-    assert_eq!(
-        xt_kworker.len(),
-        tr_kworker.len(),
-        "kernel workers' waits: xtlock {:?}, bpftrace {tr_kworker:?}; every kernel worker's \
+    let same_start = same_start();
+    let same = |w: &Value, t: &TruthWait| {
+        u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < same_start
+    };
+    let missed: Vec<&TruthWait> = tr_kworker
+        .iter()
+        .filter(|t| !xt_kworker.iter().any(|w| same(w, t)))
+        .collect();
+    let extra: Vec<&&Value> = xt_kworker
+        .iter()
+        .filter(|w| !tr_kworker.iter().any(|t| same(w, t)))
+        .collect();
+    // As for the agents' waits (`check_waits`): a wait that began on a mutex changing hands
+    // between the two programs' reads of its owner is a spin on a free mutex to one of them,
+    // so the counts may differ by such short waits (1 of a handful here), never by a long one.
+    let long = |ns: u64| ns >= if in_vm() { slack() } else { 1_000_000 };
+    assert!(
+        xt_kworker.len().abs_diff(tr_kworker.len()) <= (tr_kworker.len() / 20).max(1)
+            && missed.iter().all(|t| !long(t.end - t.start))
+            && extra.iter().all(|w| !long(u(&w["wait_ns"]))),
+        "kernel workers' waits: xtlock {:?}, bpftrace {tr_kworker:?}; bpftrace's not in \
+         xtlock's: {missed:?}; xtlock's not in bpftrace's: {extra:?}; every kernel worker's \
          mutex wait bpftrace saw: {:?}",
         xt_kworker
             .iter()
@@ -1023,19 +1041,24 @@ fn check_kernel_worker_waits<'a>(xt: &XtWaits, truth: &Seen, trace: &'a Trace) -
             ))
             .collect::<Vec<_>>()
     );
-    let same_start = same_start();
-    for t in &tr_kworker {
+    for t in tr_kworker
+        .iter()
+        .filter(|t| !missed.iter().any(|m| m.tid == t.tid && m.start == t.start))
+    {
         let w = xt_kworker
             .iter()
-            .find(|w| {
-                u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < same_start
-            })
+            .filter(|w| same(w, t))
+            .min_by_key(|w| u(&w["start_ns"]).abs_diff(t.start))
             .unwrap_or_else(|| panic!("bpftrace's kernel worker wait {t:?} not in xtlock's"));
         assert!(close(u(&w["wait_ns"]), t.end - t.start), "{w} vs {t:?}");
-        // No holder in xtlock's: its read of the owner found the mutex free, bpftrace's (µs
-        // later on a host, ms under TCG) found its next owner, who took it on its fast path
-        // (a wait behind an unknown holder). The same race as the waits' above.
-        let holder = w["holders"][0]["pid"].as_u64().unwrap_or(0);
+        // The holder when the wait began, as bpftrace read it: the first holder only if it
+        // held from the wait's start (a later one took the mutex during the wait). None in
+        // xtlock's: its read of the owner found the mutex free, bpftrace's (µs later on a
+        // host, ms under TCG) found its next owner, who took it on its fast path. The same
+        // race as the waits' above; two different holders would be a wrong one.
+        let first = w["holders"].as_array().and_then(|h| h.first());
+        let held_at_start = first.filter(|h| u(&h["from_ns"]) == u(&w["start_ns"]));
+        let holder = held_at_start.map_or(0, |h| u(&h["pid"]));
         assert!(
             holder == u64::from(t.owner_tgid) || t.owner_tgid == 0 || holder == 0,
             "{w}: bpftrace's owner at the start {t:?}"
