@@ -689,39 +689,46 @@ fn same_start() -> u64 {
     }
 }
 
+/// xtlock's wait `w` is bpftrace's `t`: the same thread's, begun at the same time.
+fn same_wait(w: &Value, t: &TruthWait) -> bool {
+    u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < same_start()
+}
+
+/// A wait too long to be one that a tracer took for a spin: a wait that began on a mutex
+/// changing hands between the two programs' reads of its owner is under 1 ms (in the TCG
+/// guests the two clocks of one wait differ by up to [`slack`]).
+fn long_wait(ns: u64) -> bool {
+    ns >= if in_vm() { slack() } else { 1_000_000 }
+}
+
 /// On each mutex, xtlock's waits are bpftrace's: the count, the longest, and each wait's
 /// waiter, start, length and holder at its start.
 fn check_waits(xtlock: &XtWaits, truth: &Seen, dump: &str) {
-    let same_start = same_start();
     let mut raced: Vec<String> = Vec::new();
     let mut unmatched = 0;
     for (name, xt, tr) in [
         ("commit mutex", &xtlock.commit, &truth.commit),
         ("nfnetlink mutex", &xtlock.nfnl, &truth.nfnl),
     ] {
-        let same = |w: &Value, t: &TruthWait| {
-            u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < same_start
-        };
         let missed: Vec<&TruthWait> = tr
             .iter()
-            .filter(|t| !xt.iter().any(|w| same(w, t)))
+            .filter(|t| !xt.iter().any(|w| same_wait(w, t)))
             .collect();
         let extra: Vec<&Value> = xt
             .iter()
-            .filter(|w| !tr.iter().any(|t| same(w, t)))
+            .filter(|w| !tr.iter().any(|t| same_wait(w, t)))
             .collect();
         // The count within 5 % (2 waits on a small count); a difference only in waits
         // under 1 ms, which can begin on a mutex changing hands between the two programs'
         // reads of its owner (below), so that one of them sees a spin on a free mutex. All
         // such races together stay under 5 % of the waits (below).
         // In the TCG guests the two clocks of one wait differ by up to [`slack`]: a wait of a
-        // few ms on one side can be a spin under 1 ms on the other.
-        let long = |ns: u64| ns >= if in_vm() { slack() } else { 1_000_000 };
+        // few ms on one side can be a spin under 1 ms on the other (`long_wait`).
         unmatched += missed.len() + extra.len();
         assert!(
             xt.len().abs_diff(tr.len()) <= (tr.len() / 20).max(2)
-                && missed.iter().all(|t| !long(t.end - t.start))
-                && extra.iter().all(|w| !long(u(&w["wait_ns"]))),
+                && missed.iter().all(|t| !long_wait(t.end - t.start))
+                && extra.iter().all(|w| !long_wait(u(&w["wait_ns"]))),
             "{name}: xtlock saw {} waits, bpftrace {}; bpftrace's not in xtlock's: {missed:?}; \
              xtlock's not in bpftrace's: {extra:?}",
             xt.len(),
@@ -747,7 +754,7 @@ fn check_waits(xtlock: &XtWaits, truth: &Seen, dump: &str) {
             // microseconds apart; one thread's waits may follow each other as closely).
             let w = xt
                 .iter()
-                .filter(|w| same(w, t))
+                .filter(|w| same_wait(w, t))
                 .min_by_key(|w| u(&w["start_ns"]).abs_diff(t.start))
                 .unwrap_or_else(|| {
                     panic!("{name}: bpftrace's wait {t:?} is not in xtlock's:\n{dump}")
@@ -1001,26 +1008,21 @@ fn check_kernel_worker_waits<'a>(xt: &XtWaits, truth: &Seen, trace: &'a Trace) -
         "no kernel worker waited for the commit mutex: the garbage collection part proves \
          nothing"
     );
-    let same_start = same_start();
-    let same = |w: &Value, t: &TruthWait| {
-        u(&w["tid"]) == u64::from(t.tid) && u(&w["start_ns"]).abs_diff(t.start) < same_start
-    };
     let missed: Vec<&TruthWait> = tr_kworker
         .iter()
-        .filter(|t| !xt_kworker.iter().any(|w| same(w, t)))
+        .filter(|t| !xt_kworker.iter().any(|w| same_wait(w, t)))
         .collect();
     let extra: Vec<&&Value> = xt_kworker
         .iter()
-        .filter(|w| !tr_kworker.iter().any(|t| same(w, t)))
+        .filter(|w| !tr_kworker.iter().any(|t| same_wait(w, t)))
         .collect();
     // As for the agents' waits (`check_waits`): a wait that began on a mutex changing hands
     // between the two programs' reads of its owner is a spin on a free mutex to one of them,
     // so the counts may differ by such short waits (1 of a handful here), never by a long one.
-    let long = |ns: u64| ns >= if in_vm() { slack() } else { 1_000_000 };
     assert!(
         xt_kworker.len().abs_diff(tr_kworker.len()) <= (tr_kworker.len() / 20).max(1)
-            && missed.iter().all(|t| !long(t.end - t.start))
-            && extra.iter().all(|w| !long(u(&w["wait_ns"]))),
+            && missed.iter().all(|t| !long_wait(t.end - t.start))
+            && extra.iter().all(|w| !long_wait(u(&w["wait_ns"]))),
         "kernel workers' waits: xtlock {:?}, bpftrace {tr_kworker:?}; bpftrace's not in \
          xtlock's: {missed:?}; xtlock's not in bpftrace's: {extra:?}; every kernel worker's \
          mutex wait bpftrace saw: {:?}",
@@ -1047,7 +1049,7 @@ fn check_kernel_worker_waits<'a>(xt: &XtWaits, truth: &Seen, trace: &'a Trace) -
     {
         let w = xt_kworker
             .iter()
-            .filter(|w| same(w, t))
+            .filter(|w| same_wait(w, t))
             .min_by_key(|w| u(&w["start_ns"]).abs_diff(t.start))
             .unwrap_or_else(|| panic!("bpftrace's kernel worker wait {t:?} not in xtlock's"));
         assert!(close(u(&w["wait_ns"]), t.end - t.start), "{w} vs {t:?}");

@@ -22,7 +22,7 @@
 //!
 //! Counters are left out by both: they change with every packet.
 
-use super::netlink::{self, Message, NFNL_SUBSYS_NFTABLES};
+use super::netlink::{self, string, Message, NFNL_SUBSYS_NFTABLES};
 use super::xt_table::{Chain, Counter, Rule};
 #[cfg(test)]
 use netlink::Control;
@@ -115,13 +115,7 @@ pub fn object<'a>(m: &Message<'a>) -> Result<Option<Object<'a>>, NftError> {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Msg<'a> {
     Done,
-    Object {
-        msg: u8,
-        family: u8,
-        generation: u16,
-        interrupted: bool,
-        attrs: &'a [u8],
-    },
+    Object(Object<'a>),
     Other,
 }
 
@@ -141,16 +135,7 @@ pub fn messages(datagram: &[u8]) -> Result<Vec<Msg<'_>>, NftError> {
                 return Err(NftError::Kernel(e.kind(), errno));
             }
             Some(Control::Ack) => out.push(Msg::Other),
-            None => out.push(match object(&m)? {
-                Some(o) => Msg::Object {
-                    msg: o.msg,
-                    family: o.family,
-                    generation: o.generation,
-                    interrupted: o.interrupted,
-                    attrs: o.attrs,
-                },
-                None => Msg::Other,
-            }),
+            None => out.push(object(&m)?.map_or(Msg::Other, Msg::Object)),
         }
     }
     Ok(out)
@@ -177,15 +162,8 @@ fn attrs<'a>(
     netlink::attrs_checked(b).map(move |a| a.map_err(|_| NftError::Attr { what }))
 }
 
-fn string(v: &[u8]) -> String {
-    netlink::string(v)
-}
-
 fn be32(v: &[u8], what: &'static str) -> Result<u32, NftError> {
-    v.get(0..4)
-        .and_then(|b| b.try_into().ok())
-        .map(u32::from_be_bytes)
-        .ok_or(NftError::Attr { what })
+    netlink::be_u32(v).ok_or(NftError::Attr { what })
 }
 
 /// A table message's name.
@@ -330,10 +308,7 @@ fn counter_of(v: &[u8], what: &'static str) -> Result<Counter, NftError> {
     let mut c = Counter::default();
     for at in attrs(v, what) {
         let (k, d) = at?;
-        let n = d
-            .get(0..8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_be_bytes);
+        let n = netlink::be_u64(d);
         match k {
             NFTA_COUNTER_BYTES => c.bytes = n.ok_or(NftError::Attr { what })?,
             NFTA_COUNTER_PACKETS => c.packets = n.ok_or(NftError::Attr { what })?,

@@ -95,9 +95,12 @@ impl NlSocket {
         Ok(())
     }
 
-    /// The socket, for its options.
-    pub fn socket(&self) -> &netlink_sys::Socket {
-        &self.sock
+    /// A receive buffer of `bytes`, best effort (the default is only smaller): past
+    /// `rmem_max` with `SO_RCVBUFFORCE` where allowed (root), else up to it.
+    pub fn set_rcvbuf(&self, bytes: libc::c_int) {
+        if setsockopt(&self.sock, libc::SO_RCVBUFFORCE, &bytes).is_err() {
+            let _ = setsockopt(&self.sock, libc::SO_RCVBUF, &bytes);
+        }
     }
 
     /// A sequence number for the next request.
@@ -201,19 +204,24 @@ impl NlSocket {
 
 /// `SO_RCVTIMEO`: how long a read of `sock` may wait.
 fn set_recv_timeout(sock: &netlink_sys::Socket, t: Duration) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
     let tv = libc::timeval {
         tv_sec: t.as_secs() as libc::time_t,
         tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
     };
-    // SAFETY: tv is a valid timeval for the call's duration.
+    setsockopt(sock, libc::SO_RCVTIMEO, &tv)
+}
+
+/// Sets the `SOL_SOCKET` option `opt` of `sock` to `v` (the C type the option takes).
+fn setsockopt<T>(sock: &netlink_sys::Socket, opt: libc::c_int, v: &T) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: v is a valid T, its size given, for the call's duration.
     let r = unsafe {
         libc::setsockopt(
             sock.as_raw_fd(),
             libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&tv as *const libc::timeval).cast(),
-            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            opt,
+            (v as *const T).cast(),
+            std::mem::size_of::<T>() as libc::socklen_t,
         )
     };
     if r == 0 {

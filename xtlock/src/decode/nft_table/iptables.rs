@@ -22,6 +22,7 @@ use std::collections::HashMap;
 
 use super::nfta::*;
 use super::{verdict, Expr, NftError};
+use crate::decode::netlink::{be_u16, be_u64, ne_u32};
 use crate::decode::xt_ext::{match_text, target_text, SetNames};
 use crate::decode::xt_table::{
     Family, IpHead, INV_DSTIP, INV_FRAG, INV_PROTO, INV_SRCIP, INV_VIA_IN, INV_VIA_OUT,
@@ -189,18 +190,6 @@ pub(super) fn rule(
         }
     }
     Ok(Some(x.finish(comment)))
-}
-
-fn be16(v: &[u8]) -> Option<u16> {
-    Some(u16::from_be_bytes(v.get(0..2)?.try_into().ok()?))
-}
-
-fn be64(v: &[u8]) -> Option<u64> {
-    Some(u64::from_be_bytes(v.get(0..8)?.try_into().ok()?))
-}
-
-fn ne32(v: &[u8]) -> Option<u32> {
-    Some(u32::from_ne_bytes(v.get(0..4)?.try_into().ok()?))
 }
 
 impl Xt {
@@ -373,9 +362,9 @@ impl Xt {
                 self.head.inv |= if inv { flag } else { 0 };
             }
             NFT_META_MARK => {
-                let mark = ne32(v).ok_or(Stop::Foreign)?;
+                let mark = ne_u32(v).ok_or(Stop::Foreign)?;
                 let mask = match &r.mask {
-                    Some(m) => ne32(m).ok_or(Stop::Foreign)?,
+                    Some(m) => ne_u32(m).ok_or(Stop::Foreign)?,
                     None => u32::MAX,
                 };
                 // `xt_mark_mtinfo1` { u32 mark, mask; u8 invert }.
@@ -507,12 +496,12 @@ impl Xt {
         match (off, v.len()) {
             (0, 2) | (0, 4) | (2, 2) if r.mask.is_none() => {
                 let p = self.ports()?;
-                let first = be16(v).ok_or(Stop::Foreign)?;
+                let first = be_u16(v).ok_or(Stop::Foreign)?;
                 if off == 2 {
                     one(&mut p.dpts, &mut p.inv, PORT_INV_DST, first)?;
                 } else {
                     one(&mut p.spts, &mut p.inv, PORT_INV_SRC, first)?;
-                    if let Some(d) = v.get(2..).and_then(be16) {
+                    if let Some(d) = v.get(2..).and_then(be_u16) {
                         one(&mut p.dpts, &mut p.inv, PORT_INV_DST, d)?;
                     }
                 }
@@ -566,7 +555,7 @@ impl Xt {
             _ => return Err(Stop::Foreign),
         };
         let (from, to) = match (from.len(), to.len()) {
-            (2, 2) => (be16(from), be16(to)),
+            (2, 2) => (be_u16(from), be_u16(to)),
             _ => return Err(Stop::Foreign),
         };
         let span = [from.ok_or(Stop::Foreign)?, to.ok_or(Stop::Foreign)?];
@@ -626,9 +615,9 @@ impl Xt {
         if key != NFT_META_MARK {
             return Err(Stop::Foreign);
         }
-        let mark = ne32(v).ok_or(Stop::Foreign)?;
+        let mark = ne_u32(v).ok_or(Stop::Foreign)?;
         let mask = match &r.mask {
-            Some(m) => ne32(m).ok_or(Stop::Foreign)?,
+            Some(m) => ne_u32(m).ok_or(Stop::Foreign)?,
             None => u32::MAX,
         };
         let mut b = mark.to_ne_bytes().to_vec();
@@ -645,8 +634,8 @@ impl Xt {
         {
             return Err(Stop::Foreign);
         }
-        let rate = e.get(NFTA_LIMIT_RATE).and_then(be64).filter(|&r| r > 0);
-        let unit = e.get(NFTA_LIMIT_UNIT).and_then(be64);
+        let rate = e.get(NFTA_LIMIT_RATE).and_then(be_u64).filter(|&r| r > 0);
+        let unit = e.get(NFTA_LIMIT_UNIT).and_then(be_u64);
         let (Some(rate), Some(unit)) = (rate, unit) else {
             return Err(Stop::Foreign);
         };
@@ -661,10 +650,10 @@ impl Xt {
     /// A `log` to a netlink group: `-j NFLOG` (`nft_parse_log`, into an `xt_nflog_info`
     /// with room for the prefix). A log to the kernel's log has no iptables-nft reading.
     fn nflog(&mut self, e: &Expr) -> Step {
-        let Some(group) = e.get(NFTA_LOG_GROUP).and_then(be16) else {
+        let Some(group) = e.get(NFTA_LOG_GROUP).and_then(be_u16) else {
             return Err(Stop::Foreign);
         };
-        let threshold = e.get(NFTA_LOG_QTHRESHOLD).and_then(be16).unwrap_or(0);
+        let threshold = e.get(NFTA_LOG_QTHRESHOLD).and_then(be_u16).unwrap_or(0);
         let (len, flags) = match e.get(NFTA_LOG_SNAPLEN) {
             Some(v) => (super::be32(v, "log")?, 1u16),
             None => (0, 0),

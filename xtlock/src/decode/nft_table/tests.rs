@@ -544,13 +544,13 @@ fn chains_tables_and_a_dump() {
     assert_eq!(m.len(), 2);
     assert_eq!(
         m[0],
-        Msg::Object {
+        Msg::Object(Object {
             msg: NFT_MSG_NEWRULE,
             family: NFPROTO_IPV4,
             generation: 9,
             interrupted: false,
             attrs: &attrs
-        }
+        })
     );
     assert_eq!(m[1], Msg::Done);
     let rule = parse_rule(NFPROTO_IPV4, &attrs, &mut |_| None).unwrap();

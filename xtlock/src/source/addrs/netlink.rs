@@ -2,7 +2,6 @@
 //! worker thread that follows the notifications.
 
 use std::net::IpAddr;
-use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -18,7 +17,7 @@ use netlink_packet_route::{
 };
 
 use super::{AddrState, Mac, Msg, CHANNEL, MAX_ENTRIES};
-use crate::decode::netlink::{self as nl, Control, Message};
+use crate::decode::netlink::{self as nl, Message};
 use crate::event::{AddrPresence, Event};
 use crate::source::netlink::{NlError, NlSocket};
 use crate::source::worker::{Out, Worker as Thread};
@@ -155,19 +154,10 @@ pub(super) const RTM_DELLINK: u16 = libc::RTM_DELLINK;
 pub(super) const IFINFOMSG_LEN: usize = 16;
 pub(super) const IFLA_IFNAME: u16 = 3;
 
-/// What one message read says.
-#[derive(Debug, PartialEq, Eq)]
-pub(super) enum Read {
-    Msg(Msg),
-    /// The dump with this sequence number is over (`error`: the kernel refused it).
-    DumpEnd {
-        seq: u32,
-        error: Option<i32>,
-    },
-}
-
-/// The messages of one datagram; `undecodable` counts those that could not be parsed.
-pub(super) fn parse_datagram(buf: &[u8], undecodable: &mut u64) -> Vec<Read> {
+/// The messages of one datagram of notifications (a dump's end or refusal, which the
+/// dump's own exchange reads, carries nothing to apply); `undecodable` counts those that
+/// could not be parsed.
+pub(super) fn parse_datagram(buf: &[u8], undecodable: &mut u64) -> Vec<Msg> {
     let mut out = Vec::new();
     for m in nl::framed(buf) {
         let Ok(m) = m else {
@@ -175,15 +165,8 @@ pub(super) fn parse_datagram(buf: &[u8], undecodable: &mut u64) -> Vec<Read> {
             break;
         };
         match m.control() {
-            Ok(Some(Control::Done | Control::Ack)) => out.push(Read::DumpEnd {
-                seq: m.seq,
-                error: None,
-            }),
-            Ok(Some(Control::Refused(errno))) => out.push(Read::DumpEnd {
-                seq: m.seq,
-                error: Some(-errno),
-            }),
-            Ok(None) => out.extend(parse_message(&m, undecodable).map(Read::Msg)),
+            Ok(Some(_)) => {}
+            Ok(None) => out.extend(parse_message(&m, undecodable)),
             Err(_) => *undecodable += 1,
         }
     }
@@ -318,10 +301,7 @@ pub(super) fn open_socket(ns: Option<&std::sync::Arc<std::fs::File>>) -> std::io
     use netlink_sys::protocols::NETLINK_ROUTE;
     let mut sock = NlSocket::open_in(NETLINK_ROUTE, RECV_TIMEOUT, ns)?;
     // Room for a burst (a node deleting many pods at once); an overrun costs a re-dump.
-    // Best effort: the default is only smaller. FORCE: past rmem_max, as root.
-    if setsockopt_int(sock.socket(), libc::SO_RCVBUFFORCE, RCVBUF).is_err() {
-        let _ = setsockopt_int(sock.socket(), libc::SO_RCVBUF, RCVBUF);
-    }
+    sock.set_rcvbuf(RCVBUF);
     // Subscribed before the dump: a change made during it is not missed.
     sock.subscribe(&[
         libc::RTNLGRP_LINK,
@@ -332,28 +312,6 @@ pub(super) fn open_socket(ns: Option<&std::sync::Arc<std::fs::File>>) -> std::io
         libc::RTNLGRP_IPV6_IFADDR,
     ])?;
     Ok(sock)
-}
-
-pub(super) fn setsockopt_int(
-    sock: &impl AsRawFd,
-    opt: libc::c_int,
-    v: libc::c_int,
-) -> std::io::Result<()> {
-    // SAFETY: v is a valid int for the call's duration.
-    let r = unsafe {
-        libc::setsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            opt,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
 }
 
 /// Why the worker stops reading.
@@ -456,10 +414,8 @@ impl Worker {
             let ts_ns = crate::source::monotonic_ns();
             let before = self.undecodable;
             let mut out = Vec::new();
-            for r in parse_datagram(datagram, &mut self.undecodable) {
-                if let Read::Msg(m) = r {
-                    self.state.apply(m, ts_ns, &mut out);
-                }
+            for m in parse_datagram(datagram, &mut self.undecodable) {
+                self.state.apply(m, ts_ns, &mut out);
             }
             self.said_undecodable(before);
             self.send(out);

@@ -527,38 +527,44 @@ fn parses_rtnetlink() {
     assert_eq!(
         got,
         [
-            Read::Msg(link(5, "veth1a2b")),
-            Read::Msg(Msg::LinkDeleted {
+            link(5, "veth1a2b"),
+            Msg::LinkDeleted {
                 index: 5,
                 name: "veth1a2b".into()
-            }),
-            Read::Msg(Msg::Fdb {
+            },
+            Msg::Fdb {
                 bridge: BR,
                 mac: MAC1,
                 port: 5
-            }),
-            Read::Msg(neigh(BR, "10.244.1.5", Some(MAC1), REACHABLE)),
-            Read::Msg(Msg::NeighDeleted {
+            },
+            neigh(BR, "10.244.1.5", Some(MAC1), REACHABLE),
+            Msg::NeighDeleted {
                 link: BR,
                 addr: ip("10.244.1.5")
-            }),
-            Read::Msg(Msg::Route {
+            },
+            Msg::Route {
                 dst: ip("10.244.2.7"),
                 oif: 9
-            }),
-            Read::Msg(Msg::RouteDeleted {
+            },
+            Msg::RouteDeleted {
                 dst: ip("10.244.2.7"),
                 oif: 9
-            }),
-            Read::Msg(Msg::Addr {
+            },
+            Msg::Addr {
                 link: 3,
                 addr: ip("fd00::4")
-            }),
-            Read::DumpEnd {
-                seq: 7,
-                error: None
             },
         ]
+    );
+    // The dump's end, for the exchange that asked for it: the last message, its sequence
+    // number kept.
+    let last = crate::decode::netlink::framed(&buf)
+        .last()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (last.control(), last.seq),
+        (Ok(Some(crate::decode::netlink::Control::Done)), 7)
     );
     // Damage: counted, never a panic.
     let mut bad = 0;
